@@ -1,0 +1,61 @@
+// cpu_kernels.h — the torch-free entry points of the CPU backend.
+//
+// Every function computes a half-open range of rows [row_begin, row_end) so that the torch glue can hand
+// disjoint row ranges to threads (at::parallel_for). Threads only ever split *rows* (or output tiles);
+// the reduction inside a row follows csrc/common/contract.h, so thread count cannot change bits.
+//
+// The kernels are compiled once per ISA level (generic x86-64, AVX2+FMA, AVX-512) into namespaces of
+// the same shape; `cpu_kernels()` returns the table for the best level the running CPU supports.
+// Every level computes identical bits (same expression trees, no contraction), only faster.
+#pragma once
+
+#include <stdint.h>
+
+namespace aligned::cpu {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct KernelTable {
+  const char* isa;
+  // rows of x [rows, H]; weight [H] in dtype wdt (== dt or F32)
+  void (*rms_norm)(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
+                   int64_t row_begin, int64_t row_end);
+  void (*fused_add_rms_norm)(DType dt, DType wdt, const void* x, const void* res, const void* w, void* out,
+                             void* res_out, int64_t H, float eps, int64_t row_begin, int64_t row_end);
+  void (*rms_norm_backward_dx)(DType dt, DType wdt, const void* g, const void* x, const void* w, void* dx,
+                               int64_t H, float eps, int64_t row_begin, int64_t row_end);
+  // dw[col] for col in [col_begin, col_end): chain over all rows in order; writes fp32 partial-free result
+  void (*rms_norm_backward_dw)(DType dt, const void* g, const void* x, float* dw, int64_t rows, int64_t H,
+                               float eps, const float* inv_per_row, int64_t col_begin, int64_t col_end);
+  void (*rms_inv_rows)(DType dt, const void* x, float* inv, int64_t H, float eps, int64_t row_begin,
+                       int64_t row_end);
+  // x [rows, 2d] -> out [rows, d]
+  void (*silu_and_mul)(DType dt, const void* x, void* out, int64_t d, int64_t row_begin, int64_t row_end);
+  void (*silu_and_mul_backward)(DType dt, const void* g, const void* x, void* dx, int64_t d, int64_t row_begin,
+                                int64_t row_end);
+  // x [T, heads, head_dim] rows = tokens; cache [max_pos, rot] fp32
+  void (*rotary)(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
+                 int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t row_begin, int64_t row_end);
+  // logits [T, V]; tau per row (temps[t]) or the scalar when temps == nullptr
+  void (*logsumexp)(DType dt, const void* z, float* lse, int64_t V, float tau, const float* temps,
+                    int64_t row_begin, int64_t row_end);
+  void (*log_softmax)(DType dt, const void* z, const float* lse, float* out, int64_t V, float tau,
+                      const float* temps, int64_t row_begin, int64_t row_end);
+  void (*token_logprobs_backward)(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
+                                  void* dz, int64_t V, float tau, const float* temps, int64_t row_begin,
+                                  int64_t row_end);
+  // C[m, n] = round(sum_k A[m, k] * B[n, k] (+ bias[n])), element strides given, fp32 fma chains in k order.
+  // Computes the output tile rows [m0, m1) x cols [n0, n1).
+  void (*gemm)(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn,
+               int64_t b_sk, const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0,
+               int64_t m1, int64_t n0, int64_t n1);
+  // db[n] = chain over m of (. + g[m, n]) for n in [n0, n1)
+  void (*column_sum)(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,
+                     int64_t n1);
+  float (*exp_f32)(float);  // the contract's scalar exp/log (numerics.h), for tests
+  float (*log_f32)(float);
+};
+
+const KernelTable& cpu_kernels();
+
+}  // namespace aligned::cpu

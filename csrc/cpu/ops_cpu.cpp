@@ -1,0 +1,406 @@
+// ops_cpu.cpp — torch glue for the dense ops on the CPU: argument checks, output allocation, and the split
+// of rows (or output tiles) across torch's intra-op threads. The arithmetic is in cpu_kernels.cpp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_kernels.h"
+
+namespace aligned::cpu {
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    default:
+      TORCH_CHECK(false, "aligned::", op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name, " must be on the CPU, got ", t.device());
+}
+
+// Rows per task: enough work per task that threading pays, never affects results.
+int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work_per_row, 1)); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm";
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
+  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm: x must have at least one dimension");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm: weight must have shape [", H,
+              "], got ", weight.sizes());
+  TORCH_CHECK(wdt == dt || wdt == DType::F32, "aligned::rms_norm: weight dtype must equal x dtype or be float32");
+  TORCH_CHECK(eps >= 0, "aligned::rms_norm: eps must be >= 0");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(H), [&](int64_t b, int64_t e) {
+    k.rms_norm(dt, wdt, xc.data_ptr(), wc.data_ptr(), out.data_ptr(), H, (float)eps, b, e);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  const char* op = "fused_add_rms_norm";
+  check_cpu(x, op, "x");
+  check_cpu(residual, op, "residual");
+  check_cpu(weight, op, "weight");
+  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes(),
+              "aligned::fused_add_rms_norm: residual must match x in shape and dtype, got ", residual.sizes(), " ",
+              residual.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "aligned::fused_add_rms_norm: x must have at least one dimension");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::fused_add_rms_norm: weight must have shape [", H,
+              "], got ", weight.sizes());
+  TORCH_CHECK(wdt == dt || wdt == DType::F32,
+              "aligned::fused_add_rms_norm: weight dtype must equal x dtype or be float32");
+  auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  auto out = at::empty_like(xc), res_out = at::empty_like(xc);
+  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(H), [&](int64_t b, int64_t e) {
+    k.fused_add_rms_norm(dt, wdt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), out.data_ptr(), res_out.data_ptr(), H,
+                         (float)eps, b, e);
+  });
+  return {out, res_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                     const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm_backward";
+  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
+              "aligned::rms_norm_backward: grad_out must match x in shape and dtype");
+  const int64_t H = x.size(-1);
+  auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
+  auto dx = at::empty_like(xc);
+  auto inv = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto dw = at::empty({H}, x.options().dtype(at::kFloat));
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(2 * H), [&](int64_t b, int64_t e) {
+    k.rms_inv_rows(dt, xc.data_ptr(), inv.data_ptr<float>(), H, (float)eps, b, e);
+    k.rms_norm_backward_dx(dt, wdt, gc.data_ptr(), xc.data_ptr(), wc.data_ptr(), dx.data_ptr(), H, (float)eps, b, e);
+  });
+  // dw: columns split across threads, each column sums the rows in order.
+  at::parallel_for(0, H, 16, [&](int64_t b, int64_t e) {
+    k.rms_norm_backward_dw(dt, gc.data_ptr(), xc.data_ptr(), dw.data_ptr<float>(), rows, H, (float)eps,
+                           inv.data_ptr<float>(), b, e);
+  });
+  return {dx, dw.to(weight.scalar_type())};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const char* op = "silu_and_mul";
+  check_cpu(x, op, "x");
+  DType dt = dtype_of(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "aligned::silu_and_mul: last dimension of x must be even (2*d), got ",
+              x.sizes());
+  const int64_t d = x.size(-1) / 2;
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = d;
+  auto out = at::empty(sizes, xc.options());
+  const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) {
+    k.silu_and_mul(dt, xc.data_ptr(), out.data_ptr(), d, b, e);
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
+  DType dt = dtype_of(x, "silu_and_mul_backward", "x");
+  const int64_t d = x.size(-1) / 2;
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.numel() * 2 == x.numel(),
+              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension");
+  auto gc = grad.contiguous(), xc = x.contiguous();
+  auto dx = at::empty_like(xc);
+  const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(16 * d), [&](int64_t b, int64_t e) {
+    k.silu_and_mul_backward(dt, gc.data_ptr(), xc.data_ptr(), dx.data_ptr(), d, b, e);
+  });
+  return dx;
+}
+
+at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cache, int64_t rot,
+                       bool is_neox, bool inverse, const char* op) {
+  check_cpu(x, op, "x");
+  check_cpu(positions, op, "positions");
+  check_cpu(cache, op, "cos_sin_cache");
+  DType dt = dtype_of(x, op, "x");
+  TORCH_CHECK(x.dim() == 3, "aligned::", op, ": x must be [tokens, heads, head_dim], got ", x.sizes());
+  const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, "aligned::", op, ": positions must be [", T, "], got ",
+              positions.sizes());
+  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, "aligned::", op,
+              ": positions must be int64 or int32");
+  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= head_dim, "aligned::", op,
+              ": rotary_dim must be even and in (0, head_dim], got ", rot, " with head_dim ", head_dim);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 2 && cache.size(1) == rot, "aligned::", op,
+              ": cos_sin_cache must be float32 [max_position, rotary_dim=", rot, "], got ", cache.scalar_type(), " ",
+              cache.sizes());
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t max_pos = cache.size(0);
+  if (T > 0) {
+    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < max_pos, "aligned::", op, ": positions must lie in [0, ", max_pos, "), got [", lo,
+                ", ", hi, "]");
+  }
+  auto xc = x.contiguous(), cc = cache.contiguous();
+  auto out = at::empty_like(xc);
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, T, grain(heads * head_dim * 4), [&](int64_t b, int64_t e) {
+    k.rotary(dt, pos.data_ptr<int64_t>(), xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), heads, head_dim, rot,
+             is_neox, inverse, b, e);
+  });
+  return out;
+}
+
+at::Tensor rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cache, int64_t rot,
+                            bool is_neox) {
+  return rotary_impl(positions, x, cache, rot, is_neox, false, "rotary_embedding");
+}
+at::Tensor rotary_embedding_backward(const at::Tensor& positions, const at::Tensor& grad, const at::Tensor& cache,
+                                     int64_t rot, bool is_neox) {
+  return rotary_impl(positions, grad, cache, rot, is_neox, true, "rotary_embedding_backward");
+}
+
+// Shared validation for the log-prob family: logits [T, V], temperature scalar or per-row tensor.
+struct LogitsArgs {
+  at::Tensor z;
+  at::Tensor temps;  // undefined or fp32 [T]
+  DType dt;
+  int64_t T, V;
+  float tau;
+  const float* temps_ptr() const { return temps.defined() ? temps.data_ptr<float>() : nullptr; }
+};
+
+LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures,
+                        const char* op) {
+  check_cpu(logits, op, "logits");
+  LogitsArgs a;
+  a.dt = dtype_of(logits, op, "logits");
+  TORCH_CHECK(logits.dim() == 2, "aligned::", op, ": logits must be [tokens, vocab], got ", logits.sizes());
+  a.T = logits.size(0);
+  a.V = logits.size(1);
+  TORCH_CHECK(a.V > 0 || a.T == 0, "aligned::", op, ": vocab size must be > 0");
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "aligned::", op,
+              ": temperature must be finite and > 0, got ", temperature,
+              " (greedy decoding: pass 1.0 to score the raw distribution)");
+  a.tau = (float)temperature;
+  if (temperatures.has_value() && temperatures->defined()) {
+    const auto& t = *temperatures;
+    check_cpu(t, op, "temperatures");
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == a.T, "aligned::", op, ": temperatures must be [", a.T, "], got ",
+                t.sizes());
+    a.temps = t.to(at::kFloat).contiguous();
+    if (a.T > 0) {
+      TORCH_CHECK(a.temps.gt(0).all().item<bool>() && a.temps.isfinite().all().item<bool>(), "aligned::", op,
+                  ": every temperature must be finite and > 0");
+    }
+  }
+  a.z = logits.contiguous();
+  return a;
+}
+
+at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op) {
+  check_cpu(ids, op, "token_ids");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
+              ": token_ids must be int64 or int32, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == a.T, "aligned::", op, ": token_ids must be [", a.T, "], got ",
+              ids.sizes());
+  auto idc = ids.to(at::kLong).contiguous();
+  if (a.T > 0) {
+    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < a.V, "aligned::", op, ": token_ids must lie in [0, ", a.V, "), got [", lo, ", ", hi,
+                "]");
+  }
+  return idc;
+}
+
+at::Tensor lse_of(const LogitsArgs& a) {
+  auto lse = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
+    k.logsumexp(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
+  });
+  return lse;
+}
+
+at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
+  return lse_of(check_logits(logits, temperature, temperatures, "logsumexp"));
+}
+
+at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
+  auto a = check_logits(logits, temperature, temperatures, "log_softmax");
+  auto lse = lse_of(a);
+  auto out = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, a.T, grain(a.V), [&](int64_t b, int64_t e) {
+    k.log_softmax(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
+  });
+  return out;
+}
+
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature,
+                          const std::optional<at::Tensor>& temperatures) {
+  auto a = check_logits(logits, temperature, temperatures, "token_logprobs");
+  auto idc = check_ids(ids, a, "token_logprobs");
+  auto lse = lse_of(a);
+  auto out = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  // logp_id = z_id / tau - lse: the same expression log_softmax evaluates, for one column.
+  const auto& k = cpu_kernels();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  at::parallel_for(0, a.T, 1024, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float lp;
+      k.log_softmax(a.dt, (const char*)a.z.data_ptr() + (t * a.V + id[t]) * a.z.element_size(),
+                    lse.data_ptr<float>() + t, &lp, 1, a.tau, a.temps.defined() ? a.temps_ptr() + t : nullptr, 0, 1);
+      out.data_ptr<float>()[t] = lp;
+    }
+  });
+  return out;
+}
+
+at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
+                                   double temperature, const std::optional<at::Tensor>& temperatures) {
+  auto a = check_logits(logits, temperature, temperatures, "token_logprobs_backward");
+  auto idc = check_ids(ids, a, "token_logprobs_backward");
+  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == a.T, "aligned::token_logprobs_backward: grad must be [", a.T, "]");
+  auto g = grad.to(at::kFloat).contiguous();
+  auto lse = lse_of(a);
+  auto dz = at::empty({a.T, a.V}, a.z.options());
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
+    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                              dz.data_ptr(), a.V, a.tau, a.temps_ptr(), b, e);
+  });
+  return dz;
+}
+
+// ---- linear --------------------------------------------------------------------------------------------
+// Output tiles: kTileM rows x kTileN columns. Tiles only choose which fma chains a thread runs.
+constexpr int64_t kTileM = 256, kTileN = 64;
+
+void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType bdt, const at::Tensor& B, int64_t b_sn,
+              int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K) {
+  const int64_t tm = (M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, tm * tn, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t mi = t / tn, ni = t % tn;
+      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias ? bias->data_ptr() : nullptr, cdt,
+             C.data_ptr(), N, K, mi * kTileM, std::min(M, (mi + 1) * kTileM), ni * kTileN,
+             std::min(N, (ni + 1) * kTileN));
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear";
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  DType dt = dtype_of(x, op, "x");
+  dtype_of(weight, op, "weight");
+  TORCH_CHECK(x.dim() >= 1, "aligned::linear: x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, "aligned::linear: weight must be [out_features, in_features], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::linear: weight dtype ", weight.scalar_type(),
+              " must equal x dtype ", x.scalar_type());
+  const int64_t K = x.size(-1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "aligned::linear: x has ", K, " input features but weight is ", weight.sizes());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+                "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
+    b = bias->contiguous();
+  }
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0)
+    run_gemm(dt, xc, K, 1, dt, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, dt, out, M, N, K);
+  return out.view(sizes);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                               const at::Tensor& weight, bool needs_x, bool needs_w,
+                                                               bool needs_b) {
+  DType dt = dtype_of(x, "linear_backward", "x");
+  const int64_t K = x.size(-1), N = weight.size(0);
+  TORCH_CHECK(grad.size(-1) == N && grad.scalar_type() == x.scalar_type(),
+              "aligned::linear_backward: grad_out must be [..., ", N, "] with x's dtype");
+  auto g = grad.reshape({-1, N}).contiguous();
+  auto xc = x.reshape({-1, K}).contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = g.size(0);
+  at::Tensor dx, dw, db;
+  if (needs_x) {
+    // dx[m, k] = chain over n of g[m, n] * w[n, k]
+    dx = at::empty({M, K}, x.options());
+    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, dt, wc, 1, K, nullptr, dt, dx, M, K, N);
+    dx = dx.view(x.sizes());
+  }
+  if (needs_w) {
+    // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
+    dw = at::empty({N, K}, weight.options());
+    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, dt, xc, 1, K, nullptr, dt, dw, N, K, M);
+  }
+  if (needs_b) {
+    db = at::empty({N}, x.options());
+    const auto& k = cpu_kernels();
+    at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) { k.column_sum(dt, g.data_ptr(), M, N, dt, db.data_ptr(), b, e); });
+  }
+  return {dx, dw, db};
+}
+
+at::Tensor elementwise_f32(const at::Tensor& x, float (*fn)(float), const char* op) {
+  check_cpu(x, op, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "aligned::", op, ": x must be float32");
+  auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, xc.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = fn(src[i]);
+  });
+  return out;
+}
+at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().exp_f32, "_exp_f32"); }
+at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().log_f32, "_log_f32"); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aligned, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_backward", &linear_backward);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("silu_and_mul_backward", &silu_and_mul_backward);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rotary_embedding_backward", &rotary_embedding_backward);
+  m.impl("logsumexp", &logsumexp);
+  m.impl("log_softmax", &log_softmax);
+  m.impl("token_logprobs", &token_logprobs);
+  m.impl("token_logprobs_backward", &token_logprobs_backward);
+  m.impl("_exp_f32", &exp_f32);
+  m.impl("_log_f32", &log_f32);
+}
+
+}  // namespace aligned::cpu

@@ -1,0 +1,40 @@
+// torch_bindings.cpp — every dense op schema, declared once, and the Python module entry point.
+// Backends register implementations with TORCH_LIBRARY_IMPL (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cpp);
+// fake (meta) implementations and autograd live in python/aligned_ops/_dense.py. Attention schemas are a
+// TORCH_LIBRARY_FRAGMENT in csrc/cpu/attention_cpu.cpp's sibling, csrc/attention_bindings.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(aligned, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool needs_x_grad, bool needs_w_grad, "
+      "bool needs_b_grad) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("silu_and_mul_backward(Tensor grad_out, Tensor x) -> Tensor");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin_cache, int rotary_dim, bool is_neox) -> "
+      "Tensor");
+  m.def(
+      "rotary_embedding_backward(Tensor positions, Tensor grad_out, Tensor cos_sin_cache, int rotary_dim, "
+      "bool is_neox) -> Tensor");
+  m.def("logsumexp(Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> Tensor");
+  m.def("log_softmax(Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> Tensor");
+  m.def(
+      "token_logprobs(Tensor logits, Tensor token_ids, float temperature=1.0, Tensor? temperatures=None) -> "
+      "Tensor");
+  m.def(
+      "token_logprobs_backward(Tensor grad, Tensor logits, Tensor token_ids, float temperature=1.0, "
+      "Tensor? temperatures=None) -> Tensor");
+  // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
+  // against each other (fp32 in, fp32 out).
+  m.def("_exp_f32(Tensor x) -> Tensor");
+  m.def("_log_f32(Tensor x) -> Tensor");
+}
+
+// A bare module: the ops register themselves with the dispatcher when the library is loaded.
+static struct PyModuleDef aligned_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+extern "C" PyObject* PyInit__C(void) { return PyModule_Create(&aligned_module); }

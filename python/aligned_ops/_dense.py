@@ -1,0 +1,283 @@
+"""Fake (meta) implementations, autograd formulas and Python wrappers of the dense ops.
+
+The kernels live in C++ (``csrc/``); their reduction orders are written down in ``csrc/common/contract.h``.
+Every backward is itself an ``aligned`` op with a fixed reduction order, so gradients are deterministic
+(same bits run to run, independent of thread count) and contain no atomics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ops = torch.ops.aligned
+_lib = "aligned::"
+
+
+def _reg_fake(name):
+    return torch.library.register_fake(_lib + name)
+
+
+# ---- fake implementations (shape/dtype propagation for torch.compile and meta tensors) -----------------
+
+
+@_reg_fake("linear")
+def _(x, weight, bias=None):
+    torch._check(x.dim() >= 1, lambda: "aligned::linear: x must have at least one dimension")
+    torch._check(weight.dim() == 2, lambda: "aligned::linear: weight must be 2-D")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "aligned::linear: in_features mismatch")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_reg_fake("linear_backward")
+def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x_grad else None
+    dw = weight.new_empty(weight.shape) if needs_w_grad else None
+    db = x.new_empty((weight.shape[0],)) if needs_b_grad else None
+    return dx, dw, db
+
+
+@_reg_fake("rms_norm")
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("rms_norm_backward")
+def _(grad_out, x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(weight.shape)
+
+
+@_reg_fake("fused_add_rms_norm")
+def _(x, residual, weight, eps):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+    )
+
+
+@_reg_fake("silu_and_mul")
+def _(x):
+    torch._check(x.shape[-1] % 2 == 0, lambda: "aligned::silu_and_mul: last dimension must be even")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@_reg_fake("silu_and_mul_backward")
+def _(grad_out, x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("rotary_embedding")
+def _(positions, x, cos_sin_cache, rotary_dim, is_neox):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("rotary_embedding_backward")
+def _(positions, grad_out, cos_sin_cache, rotary_dim, is_neox):
+    return torch.empty_like(grad_out, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("logsumexp")
+def _(logits, temperature=1.0, temperatures=None):
+    return logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
+
+@_reg_fake("log_softmax")
+def _(logits, temperature=1.0, temperatures=None):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@_reg_fake("token_logprobs")
+def _(logits, token_ids, temperature=1.0, temperatures=None):
+    return logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
+
+@_reg_fake("token_logprobs_backward")
+def _(grad, logits, token_ids, temperature=1.0, temperatures=None):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("_exp_f32")
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("_log_f32")
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# ---- autograd ------------------------------------------------------------------------------------------
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = ops.linear_backward(
+        grad.contiguous(),
+        x,
+        weight,
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        ctx.has_bias and ctx.needs_input_grad[2],
+    )
+    return dx, dw, db
+
+
+torch.library.register_autograd(_lib + "linear", _linear_backward, setup_context=_linear_setup)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
+    return dx, dw, None
+
+
+torch.library.register_autograd(_lib + "rms_norm", _rms_backward, setup_context=_rms_setup)
+
+
+def _fused_setup(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    _, residual_out = output
+    ctx.save_for_backward(residual_out, weight)
+    ctx.eps = eps
+
+
+def _fused_backward(ctx, grad_out, grad_residual_out):
+    # out = rms_norm(r), residual_out = r, r = round(x + residual): dx = dresidual = dr.
+    r, weight = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(r)
+    dr, dw = ops.rms_norm_backward(grad_out.contiguous(), r, weight, ctx.eps)
+    if grad_residual_out is not None:
+        dr = dr + grad_residual_out
+    return dr, dr, dw, None
+
+
+torch.library.register_autograd(_lib + "fused_add_rms_norm", _fused_backward, setup_context=_fused_setup)
+
+
+def _silu_setup(ctx, inputs, output):
+    (x,) = inputs
+    ctx.save_for_backward(x)
+
+
+def _silu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return ops.silu_and_mul_backward(grad.contiguous(), x)
+
+
+torch.library.register_autograd(_lib + "silu_and_mul", _silu_backward, setup_context=_silu_setup)
+
+
+def _rotary_setup(ctx, inputs, output):
+    positions, x, cache, rotary_dim, is_neox = inputs
+    ctx.save_for_backward(positions, cache)
+    ctx.rotary_dim = rotary_dim
+    ctx.is_neox = is_neox
+
+
+def _rotary_backward(ctx, grad):
+    positions, cache = ctx.saved_tensors
+    dx = ops.rotary_embedding_backward(positions, grad.contiguous(), cache, ctx.rotary_dim, ctx.is_neox)
+    return None, dx, None, None, None
+
+
+torch.library.register_autograd(_lib + "rotary_embedding", _rotary_backward, setup_context=_rotary_setup)
+
+
+def _tlp_setup(ctx, inputs, output):
+    logits, token_ids, temperature, temperatures = inputs
+    ctx.save_for_backward(logits, token_ids, temperatures)
+    ctx.temperature = temperature
+
+
+def _tlp_backward(ctx, grad):
+    logits, token_ids, temperatures = ctx.saved_tensors
+    dz = ops.token_logprobs_backward(grad.contiguous(), logits, token_ids, ctx.temperature, temperatures)
+    return dz, None, None, None
+
+
+torch.library.register_autograd(_lib + "token_logprobs", _tlp_backward, setup_context=_tlp_setup)
+
+
+# ---- Python wrappers (documented entry points) -----------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with one fp32 fma chain per output element, k in order (batch-invariant)."""
+    return ops.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension; the row statistic uses the fixed 32-lane tree of ``reduce.h``."""
+    return ops.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """Returns ``(rms_norm(r), r)`` with ``r = round(x + residual)`` (the rounded residual is normalised)."""
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU as vLLM defines it: ``silu(x[..., :d]) * x[..., d:]``."""
+    return ops.silu_and_mul(x)
+
+
+def rotary_embedding(positions, x, cos_sin_cache, rotary_dim: int | None = None, is_neox: bool = True):
+    """Rotary embedding of ``x [tokens, heads, head_dim]`` at ``positions`` (neox or gpt-j pairing)."""
+    if rotary_dim is None:
+        rotary_dim = cos_sin_cache.shape[-1]
+    return ops.rotary_embedding(positions, x, cos_sin_cache, rotary_dim, is_neox)
+
+
+def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
+    """The fp32 ``[max_position, rotary_dim]`` cache (cos half, sin half) both sides must share.
+
+    Built in float64 and rounded once to float32, so it does not depend on the device or on torch's fp32
+    ``cos``/``sin`` implementation: the trainer and the rollout engine get the same table.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    t = torch.arange(max_position, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+
+
+def _temperature_args(temperature):
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 0:
+            return float(temperature), None
+        return 1.0, temperature
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return temperature, None
+
+
+def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """fp32 ``log_softmax(logits / temperature)`` over the full vocabulary (float or per-row tensor)."""
+    t, ts = _temperature_args(temperature)
+    return ops.log_softmax(logits, t, ts)
+
+
+def logsumexp(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """fp32 ``logsumexp(logits / temperature)`` per row."""
+    t, ts = _temperature_args(temperature)
+    return ops.logsumexp(logits, t, ts)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """fp32 ``z[id]/tau - logsumexp(z/tau)`` per row; equals ``log_softmax(z)[id]`` bit for bit."""
+    t, ts = _temperature_args(temperature)
+    return ops.token_logprobs(logits, token_ids, t, ts)
