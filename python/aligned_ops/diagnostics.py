@@ -1,0 +1,194 @@
+"""Trainer-vs-rollout log-prob mismatch diagnostics.
+
+Per valid token, with ℓt the trainer log-prob and ℓr the rollout (vLLM) log-prob of the sampled token:
+
+    log ρ = ℓt − ℓr,   ρ = π_trainer / π_rollout
+
+Tokens are sampled from the rollout policy μ, so the KL estimators below estimate KL(μ ‖ π_trainer)
+(Schulman's k1/k2/k3 with r = ρ). Everything is computed in float64.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_NEUTRAL_WHEN_EMPTY = {
+    "frac_bitwise_equal": 1.0,
+    "abs_diff_max": 0.0,
+    "abs_diff_mean": 0.0,
+    "kl_k1": 0.0,
+    "kl_k2": 0.0,
+    "kl_k3": 0.0,
+    "chi2_token": 0.0,
+    "chi2_seq": 0.0,
+    "renyi2": 0.0,
+    "renyi3": 0.0,
+    "ess": 1.0,
+    "ratio_mean": 1.0,
+    "ratio_min": 1.0,
+    "ratio_max": 1.0,
+    "frac_ratio_outside_band": 0.0,
+    "seq_log_ppl_abs_diff_mean": 0.0,
+}
+
+
+def mismatch_metrics(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    band: tuple[float, float] = (0.5, 5.0),
+) -> dict[str, float]:
+    """Mismatch between trainer and rollout log-probs; a plain dict of python floats.
+
+    Inputs are [B, T] (sequences, padded; ``mask`` bool or 0/1, default all valid) or [T] (one sequence).
+    Means are over the n valid tokens unless stated; n_b is sequence b's valid token count.
+
+    num_tokens                 n
+    num_seqs                   sequences with ≥ 1 valid token
+    frac_bitwise_equal         fraction of valid tokens with ℓt == ℓr elementwise in the inputs' common dtype
+                               (a bf16 value is widened exactly); NaN never equals anything, +0 == −0
+    abs_diff_max, _mean        max / mean |ℓt − ℓr|
+    kl_k1                      mean(−log ρ)
+    kl_k2                      mean(½ (log ρ)²)
+    kl_k3                      mean((ρ − 1) − log ρ)   (≥ 0 per token; "D3" in the REINFORCE Zero report)
+    chi2_token                 mean(ρ²) − 1
+    chi2_seq                   mean over sequences of (Π_t ρ_t)² − 1
+    renyi2                     log mean(ρ²)            Rényi-2 divergence D_2(π_trainer ‖ μ), token level
+    renyi3                     ½ log mean(ρ³)          Rényi-3 divergence, token level
+    ess                        (Σρ)² / (n · Σρ²)       normalised effective sample size, 1 = no mismatch
+    ratio_mean, _min, _max     of ρ
+    frac_ratio_outside_band    fraction of tokens with ρ < band[0] or ρ > band[1]
+    seq_log_ppl_abs_diff_mean  mean over sequences of |Σ_t (ℓt − ℓr) / n_b| (log-perplexity difference)
+
+    With no valid token every value is the no-mismatch value (fractions of equality 1, divergences 0,
+    ratios and ESS 1) so that loggers never see NaN; real NaN/inf in valid log-probs do propagate.
+    These are sample estimates: k1, χ² and Rényi values can come out negative on a finite batch.
+    """
+    if trainer_logprobs.shape != rollout_logprobs.shape:
+        raise ValueError(
+            f"trainer_logprobs shape {tuple(trainer_logprobs.shape)} != rollout_logprobs shape "
+            f"{tuple(rollout_logprobs.shape)}"
+        )
+    if trainer_logprobs.dim() not in (1, 2):
+        raise ValueError(f"log-probs must be [T] or [B, T], got shape {tuple(trainer_logprobs.shape)}")
+    if mask is None:
+        valid = torch.ones(trainer_logprobs.shape, dtype=torch.bool, device=trainer_logprobs.device)
+    elif mask.shape != trainer_logprobs.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != log-prob shape {tuple(trainer_logprobs.shape)}")
+    else:
+        valid = mask if mask.dtype == torch.bool else mask != 0
+    if trainer_logprobs.dim() == 1:
+        trainer_logprobs, rollout_logprobs, valid = trainer_logprobs[None], rollout_logprobs[None], valid[None]
+    trainer_logprobs, rollout_logprobs = trainer_logprobs.detach(), rollout_logprobs.detach()
+
+    tokens_per_seq = valid.sum(dim=-1)
+    n = int(tokens_per_seq.sum())
+    num_seqs = int((tokens_per_seq > 0).sum())
+    metrics = {"num_tokens": float(n), "num_seqs": float(num_seqs)}
+    if n == 0:
+        return {**metrics, **_NEUTRAL_WHEN_EMPTY}
+
+    equal = (trainer_logprobs == rollout_logprobs) & valid
+    # Zeroing padding before the subtraction keeps inf/NaN padding out of the sums.
+    log_ratio_bt = torch.where(valid, trainer_logprobs.double() - rollout_logprobs.double(), 0.0)
+    log_ratio = log_ratio_bt[valid]
+    ratio = torch.exp(log_ratio)
+    # expm1 keeps k3 and χ² accurate (and k3 ≥ 0) when ρ is within rounding of 1.
+    k3 = torch.expm1(log_ratio) - log_ratio
+    seq_log_ratio = log_ratio_bt.sum(dim=-1)[tokens_per_seq > 0]
+    seq_mean_log_ratio = seq_log_ratio / tokens_per_seq[tokens_per_seq > 0]
+    lo, hi = band
+    return {
+        **metrics,
+        "frac_bitwise_equal": float(equal.sum()) / n,
+        "abs_diff_max": float(log_ratio.abs().max()),
+        "abs_diff_mean": float(log_ratio.abs().mean()),
+        "kl_k1": float((-log_ratio).mean()),
+        "kl_k2": float((0.5 * log_ratio * log_ratio).mean()),
+        "kl_k3": float(k3.mean()),
+        "chi2_token": float(torch.expm1(2 * log_ratio).mean()),
+        "chi2_seq": float(torch.expm1(2 * seq_log_ratio).mean()),
+        "renyi2": float(torch.log(torch.exp(2 * log_ratio).mean())),
+        "renyi3": float(0.5 * torch.log(torch.exp(3 * log_ratio).mean())),
+        "ess": float(ratio.sum() ** 2 / (n * (ratio * ratio).sum())),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
+        "frac_ratio_outside_band": float(((ratio < lo) | (ratio > hi)).sum()) / n,
+        "seq_log_ppl_abs_diff_mean": float(seq_mean_log_ratio.abs().mean()),
+    }
+
+
+def peak_to_median(values: list[float]) -> float:
+    """max(values) / median(values), median as ``statistics.median`` (mean of the middle two if even).
+
+    Median 0 (only possible with non-negative values such as k3 when at least half the steps match
+    exactly): returns inf if the peak is > 0, else 1.0 (all steps 0: no spike). No values: 1.0.
+    """
+    if not values:
+        return 1.0
+    peak, median = max(values), statistics.median(values)
+    if median == 0:
+        return float("inf") if peak > 0 else 1.0
+    return peak / median
+
+
+class MismatchTracker:
+    """Accumulates ``mismatch_metrics`` per training step and summarises D3 over the run.
+
+    D3 is read as the per-step k3 estimator mean (``kl_k3``) between trainer and rollout log-probs; the
+    headline number is its peak-to-median ratio over steps (see ``peak_to_median``). Steps with no valid
+    token are returned by ``update`` but not recorded, so they cannot drag the median to 0.
+    """
+
+    def __init__(self, band: tuple[float, float] = (0.5, 5.0)) -> None:
+        self.band = band
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def update(
+        self, step: int, trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Optional[Tensor] = None
+    ) -> dict[str, float]:
+        """Compute this step's metrics, record them (if any token is valid) and return them."""
+        metrics = mismatch_metrics(trainer_logprobs, rollout_logprobs, mask, band=self.band)
+        if metrics["num_tokens"] > 0:
+            self.history.append((step, metrics))
+        return metrics
+
+    @property
+    def d3_history(self) -> list[tuple[int, float]]:
+        """(step, kl_k3) for every recorded step, in update order."""
+        return [(step, m["kl_k3"]) for step, m in self.history]
+
+    def d3_peak_to_median(self) -> float:
+        return peak_to_median([d3 for _, d3 in self.d3_history])
+
+    def summary(self) -> dict[str, float]:
+        """num_steps; d3_peak, d3_peak_step, d3_median, d3_peak_to_median, d3_last; worst-case and mean
+        frac_bitwise_equal, abs_diff_max over steps, chi2_token max, ess min. Empty tracker: the
+        no-mismatch values (D3 0, peak-to-median 1.0, equality 1, ESS 1), same keys.
+        """
+        d3 = [v for _, v in self.d3_history]
+        if not d3:
+            return {"num_steps": 0.0, "d3_peak": 0.0, "d3_peak_step": 0.0, "d3_median": 0.0,
+                    "d3_peak_to_median": 1.0, "d3_last": 0.0, "frac_bitwise_equal_min": 1.0,
+                    "frac_bitwise_equal_mean": 1.0, "abs_diff_max": 0.0, "chi2_token_max": 0.0, "ess_min": 1.0}
+        peak_index = max(range(len(d3)), key=d3.__getitem__)
+        steps = [m for _, m in self.history]
+        return {
+            "num_steps": float(len(d3)),
+            "d3_peak": d3[peak_index],
+            "d3_peak_step": float(self.history[peak_index][0]),
+            "d3_median": statistics.median(d3),
+            "d3_peak_to_median": peak_to_median(d3),
+            "d3_last": d3[-1],
+            "frac_bitwise_equal_min": min(m["frac_bitwise_equal"] for m in steps),
+            "frac_bitwise_equal_mean": statistics.fmean(m["frac_bitwise_equal"] for m in steps),
+            "abs_diff_max": max(m["abs_diff_max"] for m in steps),
+            "chi2_token_max": max(m["chi2_token"] for m in steps),
+            "ess_min": min(m["ess"] for m in steps),
+        }
