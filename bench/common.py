@@ -1,0 +1,61 @@
+"""Shared microbenchmark helpers: time an aligned op and torch's native op on the same inputs, in the same
+run, and print one table row each (times in microseconds, ratio = torch time / aligned time, so > 1 means
+aligned_ops is faster). torch.utils.benchmark.Timer synchronises CUDA, so the same code serves the GPU."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.utils.benchmark as tbench
+
+
+def time_us(fn, min_run_time: float = 0.3) -> float:
+    """Median wall time of fn() in microseconds (blocked_autorange: repeats until min_run_time is spent)."""
+    fn()  # warm-up (allocations, lazy init)
+    m = tbench.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
+    return m.median * 1e6
+
+
+class Table:
+    """Collects rows (op, shape, aligned us, torch us, ratio) and prints them as a Markdown table."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.rows: list[tuple[str, str, str, float, float]] = []
+
+    def add(self, op: str, shape: str, dtype: torch.dtype, aligned_fn, torch_fn, min_run_time: float = 0.3):
+        a = time_us(aligned_fn, min_run_time)
+        t = time_us(torch_fn, min_run_time)
+        row = (op, shape, str(dtype).replace("torch.", ""), a, t)
+        self.rows.append(row)
+        print(f"  {op:<22} {shape:<28} {row[2]:<9} aligned {a:10.1f} us  torch {t:10.1f} us  ratio {t / a:5.2f}",
+              file=sys.stderr, flush=True)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| op | shape | dtype | aligned (us) | torch (us) | speed ratio (torch/aligned) |",
+                 "|---|---|---|---:|---:|---:|"]
+        for op, shape, dt, a, t in self.rows:
+            lines.append(f"| {op} | {shape} | {dt} | {a:.1f} | {t:.1f} | {t / a:.2f} |")
+        return "\n".join(lines) + "\n"
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing (smoke run)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="also write the Markdown table to this file")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def emit(table: Table, args: argparse.Namespace) -> None:
+    md = table.markdown()
+    print(md)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(md + "\n")
