@@ -8,6 +8,19 @@ from __future__ import annotations
 
 import torch
 
+try:
+    from ._build_info import TORCH_VERSION as BUILT_WITH_TORCH
+except ImportError as e:  # pragma: no cover - source checkout without a build
+    raise ImportError(
+        "aligned_ops is not built: run `pip install --no-build-isolation .` (or the cmake dev build, see "
+        "DESIGN.md) against the installed torch"
+    ) from e
+if BUILT_WITH_TORCH != torch.__version__:
+    raise ImportError(
+        f"aligned_ops was built against torch {BUILT_WITH_TORCH} but torch {torch.__version__} is installed; "
+        "torch's C++ ABI changes between versions: rebuild with `pip install --no-build-isolation .`"
+    )
+
 from . import _C  # noqa: F401  (registers the ops)
 from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
 from ._dense import (
@@ -29,7 +42,6 @@ except ImportError:  # pragma: no cover - only while attention is not built
     pass
 
 __version__ = "0.1.0"
-BUILT_WITH_TORCH = torch.__version__
 
 __all__ = [
     "linear",
