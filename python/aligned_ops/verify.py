@@ -1,0 +1,158 @@
+"""``aligned-ops verify``: does the trainer reproduce the rollout engine's log-probs?
+
+For each kernel set (standard = stock vLLM + stock Hugging Face; aligned = vLLM with the aligned_ops plugin +
+the patched HF model) a child process:
+  1. generates completions with real vLLM for a batch of prompts of very different lengths, with chunked
+     prefill on (prompts longer than one scheduler step), and keeps vLLM's log-prob of every sampled token;
+  2. scores the same prompt+completion tokens with the trainer (teacher forcing, one padded batch);
+  3. reports the mismatch (aligned_ops.diagnostics.mismatch_metrics).
+The parent prints both side by side. With aligned kernels every token is bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .cli import KERNEL_SETS, print_table, run_child, temp_dir
+
+# Prompt lengths: short and long mixed in one batch, the longest well past one chunked-prefill step.
+PROMPT_LENGTHS = (300, 7, 120, 33, 260, 1, 64, 190, 15, 280, 90, 45)
+MAX_NUM_BATCHED_TOKENS = 64
+
+
+def make_prompts(vocab_size: int, n: int, seed: int, eos_id: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        length = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        ids = torch.randint(0, vocab_size, (length,), generator=g)
+        ids[ids == eos_id] = (eos_id + 1) % vocab_size
+        prompts.append(ids.tolist())
+    return prompts
+
+
+def stock_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
+    """What a trainer without aligned_ops computes: fp32 log_softmax of the model's logits, gathered."""
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    out = torch.zeros(input_ids.shape, dtype=torch.float32)
+    out[:, 1:] = lp
+    return out * completion_mask
+
+
+def pad_batch(sequences: list[list[int]], completion_starts: list[int], pad_id: int):
+    """Right-padded ``input_ids``, ``attention_mask`` and ``completion_mask`` tensors."""
+    import torch
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(sequences), width), dtype=torch.long)
+    comp = torch.zeros((len(sequences), width), dtype=torch.float32)
+    for b, (s, c) in enumerate(zip(sequences, completion_starts)):
+        ids[b, : len(s)] = torch.tensor(s)
+        attn[b, : len(s)] = 1
+        comp[b, c : len(s)] = 1
+    return ids, attn, comp
+
+
+def trainer_model(model_dir: str, dtype: str, aligned: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    if aligned:
+        from .integrations import hf
+
+        hf.patch_model(model)
+    return model
+
+
+def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id, temperature=1.0):
+    import torch
+
+    ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
+    with torch.no_grad():
+        if aligned:
+            from .integrations import hf
+
+            lp = hf.completion_logprobs(model, ids, comp, attention_mask=attn, temperature=temperature)
+        else:
+            lp = stock_completion_logprobs(model, ids, attn, comp, temperature)
+    return lp, comp
+
+
+def child(args) -> dict:
+    import torch
+
+    from .diagnostics import mismatch_metrics
+    from .integrations import rollout
+
+    aligned = args.kernels == "aligned"
+    t0 = time.time()
+    llm = rollout.make_llm(args.model, dtype=args.dtype, aligned=aligned, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                           seed=args.seed)
+    t_engine = time.time() - t0
+    tok = llm.get_tokenizer()
+    prompts = make_prompts(len(tok) if len(tok) else 512, args.num_prompts, args.seed, tok.eos_token_id)
+    t0 = time.time()
+    completions = rollout.generate_with_logprobs(llm, prompts, temperature=args.temperature, max_tokens=args.max_tokens)
+    t_gen = time.time() - t0
+    sequences = [p + c.token_ids for p, c in zip(prompts, completions)]
+    starts = [len(p) for p in prompts]
+    model = trainer_model(args.model, args.dtype, aligned)
+    t0 = time.time()
+    lp_trainer, comp = trainer_logprobs(model, aligned, sequences, starts, tok.eos_token_id, args.temperature)
+    t_train = time.time() - t0
+    lp_rollout = torch.zeros_like(lp_trainer)
+    for b, (s, c) in enumerate(zip(starts, completions)):
+        lp_rollout[b, s : s + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    m = mismatch_metrics(lp_trainer, lp_rollout, comp)
+    m.update(engine_start_s=t_engine, generate_s=t_gen, trainer_s=t_train, prompts=len(prompts),
+             prompt_lengths=[len(p) for p in prompts])
+    return m
+
+
+def main(args) -> int:
+    if args.kernels:  # child
+        result = child(args)
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+        return 0
+    work = temp_dir("aligned_verify_")
+    model = args.model
+    if model is None:
+        import torch
+
+        from .integrations.tiny_model import build_tiny_qwen2
+
+        model = build_tiny_qwen2(os.path.join(work, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed)
+        print(f"built a tiny random-weight Qwen2 ({args.dtype}) in {model}", flush=True)
+    argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),
+            "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--seed", str(args.seed)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    results = {k: run_child(k, argv, os.path.join(work, f"verify_{k}.json")) for k in KERNEL_SETS}
+    rows = [
+        ("tokens compared", [results[k]["num_tokens"] for k in KERNEL_SETS]),
+        ("bitwise equal (%)", [100.0 * results[k]["frac_bitwise_equal"] for k in KERNEL_SETS]),
+        ("max |Δlogp|", [results[k]["abs_diff_max"] for k in KERNEL_SETS]),
+        ("mean |Δlogp|", [results[k]["abs_diff_mean"] for k in KERNEL_SETS]),
+        ("k3 (KL est.)", [results[k]["kl_k3"] for k in KERNEL_SETS]),
+        ("peak ratio π/μ", [results[k]["ratio_max"] for k in KERNEL_SETS]),
+        ("min ratio π/μ", [results[k]["ratio_min"] for k in KERNEL_SETS]),
+    ]
+    print_table(
+        f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "
+        f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step)",
+        list(KERNEL_SETS), rows)
+    ok = results["aligned"]["frac_bitwise_equal"] == 1.0
+    print("\naligned kernels: every sampled token's log-prob is bitwise equal" if ok else
+          "\nALIGNED KERNELS MISMATCH: this is a bug, please report it")
+    return 0 if ok else 1
