@@ -156,7 +156,7 @@ def rl_run(args) -> dict:
         batch = task.sample(gen, args.prompts)
         prompts = [p for p, _ in batch for _ in range(args.samples)]
         answers = [a for _, a in batch for _ in range(args.samples)]
-        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=3)
+        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=3, ignore_eos=False)
         rewards = torch.tensor([task.reward(c.token_ids, a) for c, a in zip(completions, answers)])
         sequences = [p + list(c.token_ids) for p, c in zip(prompts, completions)]
         starts = [len(p) for p in prompts]
