@@ -1,0 +1,125 @@
+// attention.h — the reduction order of attention (forward and backward) and the paged KV-cache layout,
+// written down once. Every attention path (packed varlen training batch, one-shot prefill, chunked
+// prefill, decode over a paged cache; CPU, CUDA, HIP) computes each (query row, head) with exactly this
+// arithmetic, so a token's output cannot depend on which path, batch, chunking or thread count produced it.
+//
+// ---- positions -------------------------------------------------------------------------------------
+// A query row has an absolute position p in its sequence and sees the keys 0 .. n_keys-1 of that sequence:
+//   causal:     n_keys = clamp(p + 1, 0, n_ctx)     (bottom-right aligned: row i of q_len new rows of a
+//               sequence of n_ctx keys sits at p = n_ctx - q_len + i, as flash-attn does)
+//   non-causal: n_keys = n_ctx
+// A row with n_keys = 0 (only possible when q_len > n_ctx) gets out = 0 and lse = -inf (gradients 0).
+//
+// ---- forward, per (row, head) ---------------------------------------------------------------------
+// 1. Score of key j:  s_j = dot(q, k_j) * scale, dot = sequential fma chain over d = 0..D-1 from +0
+//    (q and k widened exactly to fp32):  acc = fma(q[d], k_j[d], acc).          [attn_score]
+// 2. Keys are consumed in tiles of kAttnTile = 32 keys aligned to absolute position 0 (tile t holds keys
+//    [32t, 32t+32) ∩ [0, n_keys)), and tiles are grouped into KV splits of kAttnSplit = 512 keys, also
+//    aligned to 0 (split s = tiles 16s .. 16s+15). A row has ceil(n_keys / 512) splits, never an empty one.
+// 3. Each split runs an online softmax over its tiles in ascending order, state (m, l, acc[D]) starting at
+//    (-inf, 0, 0). Per tile with nv valid keys:                                  [attn_tile_update]
+//      mt    = max over j < nv of s_j (sequential, j ascending, starting at -inf)
+//      m_new = max(m, mt); mu = (m_new == -inf ? 0 : m_new)
+//      alpha = exp_f32(m - mu); p_j = exp_f32(s_j - mu) (p_j = 0 for j >= nv)
+//      l     = fma(l, alpha, fold_lanes(p_0..p_31))        (reduce.h halving tree over the 32 lanes)
+//      pv[d] = fma chain over j < nv ascending of (p_j, v_j[d]) from +0
+//      acc[d]= fma(acc[d], alpha, pv[d]);  m = m_new
+// 4. The splits are merged in split order 0, 1, 2, ... with one formula, whatever their number:
+//      M = max over s of m_s (ascending); Mu = (M == -inf ? 0 : M); w_s = exp_f32(m_s - Mu)
+//      L = fma chain over s ascending of (l_s, w_s) from +0; O[d] = fma chain of (acc_s[d], w_s) from +0
+//      out[d] = O[d] / L (0 if L == 0);  lse = M + log_f32(L)   (natural log of the scaled scores)
+//    (With one split w_0 = exp_f32(0) = 1 exactly, so the formula is the same for 1 or 16 splits.)
+// Splits exist so that long contexts are parallel (across splits) with a result that does not depend on
+// how the work was parallelised: the split boundaries are absolute, the merge order is fixed.
+//
+// ---- backward, per (row, head) --------------------------------------------------------------------
+// delta = fma chain over d of (dO[d], O[d]) from +0 (O = the rounded forward output).
+// For key j < n_keys: s_j as in the forward (same bits), p_j = exp_f32(s_j - lse),
+//   dp_j = fma chain over d of (dO[d], v_j[d]); ds_j = p_j * (dp_j - delta).
+// dq[d] = scale * (fma chain over keys j ascending of (ds_j, k_j[d]))
+// dk_j[d] = scale * (fma chain over (query row ascending, then q head of the GQA group ascending) of (ds, q[d]))
+// dv_j[d] = fma chain over the same (row, head) order of (p_j, dO[d])
+// Only rows of the key's own sequence contribute, so gradients do not depend on the batch either.
+//
+// ---- paged KV cache layout (aligned::reshape_and_cache / aligned::paged_attention) ------------------
+// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same dtype as q
+// (= vLLM's flash-attn layout: kv_cache[0] / kv_cache[1] of [2, num_blocks, block_size, H_kv, D]).
+// Token at absolute position j of sequence b lives in block block_table[b, j / block_size], offset
+// j % block_size. reshape_and_cache writes token t to slot = block * block_size + offset (slot_mapping[t];
+// -1 = padding, skipped). Any block_size >= 1; the tiles above are independent of block_size.
+#pragma once
+
+#include "numerics.h"
+#include "reduce.h"
+
+namespace aligned {
+
+constexpr int kAttnTile = 32;     // keys per tile (aligned to absolute position 0)
+constexpr int kAttnSplit = 512;   // keys per KV split (aligned to absolute position 0)
+constexpr int kAttnTilesPerSplit = kAttnSplit / kAttnTile;
+
+ALIGNED_HD float neg_inf_f32() { return -float_of(0x7f800000u); }
+
+// Number of keys a row sees (see "positions").
+ALIGNED_HD int64_t attn_row_keys(int64_t p, int64_t n_ctx, bool causal) {
+  if (!causal) return n_ctx;
+  int64_t n = p + 1;
+  if (n < 0) n = 0;
+  if (n > n_ctx) n = n_ctx;
+  return n;
+}
+ALIGNED_HD int64_t attn_num_splits(int64_t n_keys) { return (n_keys + kAttnSplit - 1) / kAttnSplit; }
+
+// Step 1: unscaled dot, one sequential fma chain over d.
+template <typename TQ, typename TK>
+ALIGNED_HD float attn_dot(const TQ* q, const TK* k, int64_t D) {
+  float acc = 0.0f;
+  for (int64_t d = 0; d < D; ++d) acc = fma_f32(to_f32(q[d]), to_f32(k[d]), acc);
+  return acc;
+}
+
+// Step 3, one tile: s[0..nv) are the scaled scores, v(j) returns a pointer to value row j (fp32 or T).
+// State: *m, *l, acc[D]. pv is scratch of D floats.
+template <typename VRow>
+ALIGNED_HD void attn_tile_update(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc,
+                                 float* pv) {
+  float mt = neg_inf_f32();
+  for (int j = 0; j < nv; ++j) mt = max_f32(mt, s[j]);
+  const float m_new = max_f32(*m, mt);
+  const float mu = m_new == neg_inf_f32() ? 0.0f : m_new;
+  const float alpha = exp_f32(*m - mu);
+  float p[kAttnTile];
+  for (int j = 0; j < kAttnTile; ++j) p[j] = j < nv ? exp_f32(s[j] - mu) : 0.0f;
+  for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
+  for (int j = 0; j < nv; ++j) {
+    const auto* vj = v(j);
+    for (int64_t d = 0; d < D; ++d) pv[d] = fma_f32(p[j], to_f32(vj[d]), pv[d]);
+  }
+  const float ts = fold_lanes(p);
+  *l = fma_f32(*l, alpha, ts);
+  for (int64_t d = 0; d < D; ++d) acc[d] = fma_f32(acc[d], alpha, pv[d]);
+  *m = m_new;
+}
+
+// Step 4: merge n_splits partials (m_s, l_s, acc_s) laid out as part[s * stride + {0: m, 1: l, 2..: acc}].
+// w is scratch for n_splits weights (each w_s is computed once and reused for every d: same bits).
+template <typename TO>
+ALIGNED_HD void attn_merge(const float* part, int64_t stride, int64_t n_splits, int64_t D, float* w, TO* out,
+                           float* lse) {
+  float M = neg_inf_f32();
+  for (int64_t s = 0; s < n_splits; ++s) M = max_f32(M, part[s * stride]);
+  const float Mu = M == neg_inf_f32() ? 0.0f : M;
+  float L = 0.0f;
+  for (int64_t s = 0; s < n_splits; ++s) {
+    w[s] = exp_f32(part[s * stride] - Mu);
+    L = fma_f32(part[s * stride + 1], w[s], L);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    float O = 0.0f;
+    for (int64_t s = 0; s < n_splits; ++s) O = fma_f32(part[s * stride + 2 + d], w[s], O);
+    out[d] = from_f32<TO>(L == 0.0f ? 0.0f : div_f32(O, L));
+  }
+  *lse = M + log_f32(L);
+}
+
+}  // namespace aligned

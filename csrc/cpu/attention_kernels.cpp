@@ -1,0 +1,362 @@
+// attention_kernels.cpp — CPU attention (forward over packed or paged K/V, backward, KV-cache write),
+// compiled once per ISA level like cpu_kernels.cpp (-DALIGNED_ISA=generic / avx2 / avx512).
+//
+// Design: the per-(row, head) arithmetic is csrc/common/attention.h, nothing else. What this file adds is
+// data movement and vectorisation that cannot change any element's expression tree:
+//   * a K tile (32 keys) is unpacked once per row block into fp32 K^T [D][32] (exact widening), and the
+//     V tile into fp32 [32][D]; all rows of the block and all G query heads of the KV head reuse them;
+//   * scores of up to 4 (row, head) pairs are computed together: for d ascending, acc[i][j] =
+//     fma(q_i[d], K^T[d][j], acc[i][j]) — one independent sequential fma chain per (pair, key), vectorised
+//     across the 32 keys (two AVX-512 registers per pair, 8 chains in flight);
+//   * the online-softmax update, the per-tile PV chain and the split merge are the header's functions;
+//   * paged and packed K/V differ only in the key-row address (KeyRows below).
+// A tile lane beyond a row's valid keys is computed (from zero padding or another row's key) but never
+// read: max, exp, sum and PV only use lanes j < nv (the header's rules), so it cannot leak into a result.
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "../common/attention.h"
+#include "attention_kernels.h"
+
+#ifndef ALIGNED_ISA
+#error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
+#endif
+
+namespace aligned::cpu::ALIGNED_ISA {
+
+using aligned::bf16_t;
+using aligned::f16_t;
+constexpr int kT = kAttnTile;
+
+template <typename Fn>
+static void with_type(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::F32: fn((float*)nullptr); break;
+    case DType::BF16: fn((bf16_t*)nullptr); break;
+    case DType::F16: fn((f16_t*)nullptr); break;
+  }
+}
+
+// Address of key/value row j (absolute position in the sequence) for KV head g.
+template <typename T>
+struct KeyRows {
+  const T* k;
+  const T* v;
+  int64_t Hkv, D, block_size, k_begin;
+  const int32_t* blocks;
+  int64_t offset(int64_t j, int64_t g) const {
+    if (blocks == nullptr) return ((k_begin + j) * Hkv + g) * D;
+    const int64_t blk = blocks[j / block_size];
+    return ((blk * block_size + j % block_size) * Hkv + g) * D;
+  }
+};
+
+template <typename T>
+static KeyRows<T> key_rows(const AttnArgs& a, const AttnSeq& s) {
+  return KeyRows<T>{(const T*)a.k, (const T*)a.v, a.Hkv, a.D, a.block_size, s.k_begin, s.blocks};
+}
+
+// Unpack keys [j0, j0 + n) (n <= 32) of head g: kt = K^T [D][32] (lanes >= n zeroed), and optionally
+// vt = V^T [D][32], vr = V rows [32][D], kr = K rows [32][D].
+template <typename T>
+static void unpack_tile(const KeyRows<T>& kr_src, int64_t g, int64_t j0, int n, float* kt, float* vt, float* vr,
+                        float* kr) {
+  const int64_t D = kr_src.D;
+  for (int j = 0; j < kT; ++j) {
+    if (j < n) {
+      const int64_t off = kr_src.offset(j0 + j, g);
+      const T* kp = kr_src.k + off;
+      const T* vp = kr_src.v + off;
+      for (int64_t d = 0; d < D; ++d) {
+        const float kv = to_f32(kp[d]);
+        const float vv = to_f32(vp[d]);
+        kt[d * kT + j] = kv;
+        if (vt) vt[d * kT + j] = vv;
+        if (vr) vr[j * D + d] = vv;
+        if (kr) kr[j * D + d] = kv;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kT + j] = 0.0f;
+        if (vt) vt[d * kT + j] = 0.0f;
+        if (vr) vr[j * D + d] = 0.0f;
+        if (kr) kr[j * D + d] = 0.0f;
+      }
+    }
+  }
+}
+
+// out[i][j] = fma chain over d ascending of (x_i[d], mt[d][j]) from +0, for R vectors x_i (attention.h:
+// attn_dot for every lane j). R independent pairs share each load of mt.
+template <int R>
+static void dots_R(const float* const* x, const float* mt, int64_t D, float (*out)[kT]) {
+  float acc[R][kT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kT; ++j) acc[i][j] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float* row = mt + d * kT;
+    for (int i = 0; i < R; ++i) {
+      const float xd = x[i][d];
+      for (int j = 0; j < kT; ++j) acc[i][j] = fma_f32(xd, row[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kT; ++j) out[i][j] = acc[i][j];
+}
+
+static void dots(int n, const float* const* x, const float* mt, int64_t D, float (*out)[kT]) {
+  switch (n) {
+    case 4: dots_R<4>(x, mt, D, out); break;
+    case 3: dots_R<3>(x, mt, D, out); break;
+    case 2: dots_R<2>(x, mt, D, out); break;
+    case 1: dots_R<1>(x, mt, D, out); break;
+    default: break;
+  }
+}
+
+template <typename T>
+static void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src[i]);
+}
+
+// Rows of a block: their key counts.
+static void block_row_keys(const AttnArgs& a, const AttnSeq& s, const AttnBlock& b, int64_t* nk) {
+  for (int64_t r = 0; r < b.nr; ++r)
+    nk[r] = attn_row_keys(s.n_ctx - s.q_len + b.r0 + r, s.n_ctx, a.causal);
+}
+
+template <typename T>
+static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64_t s1, float* part) {
+  const AttnSeq& s = a.seqs[b.seq];
+  const int64_t D = a.D, G = a.Hq / a.Hkv, nr = b.nr, P = nr * G;
+  const KeyRows<T> src = key_rows<T>(a, s);
+  std::vector<int64_t> nk(nr);
+  block_row_keys(a, s, b, nk.data());
+  int64_t nk_max = 0;
+  for (int64_t r = 0; r < nr; ++r) nk_max = std::max(nk_max, nk[r]);
+  std::vector<float> qf(P * D), kt(D * kT), vr(kT * D), pv(D);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t h = 0; h < G; ++h)
+      widen((const T*)a.q + ((s.q_begin + b.r0 + r) * a.Hq + b.g * G + h) * D, qf.data() + (r * G + h) * D, D);
+  const int64_t stride = D + 2;
+  std::vector<int64_t> active;
+  active.reserve(P);
+  for (int64_t sp = s0; sp < s1; ++sp) {
+    const int64_t key0 = sp * kAttnSplit;
+    if (key0 >= nk_max) break;
+    for (int64_t pr = 0; pr < P; ++pr) {
+      if (nk[pr / G] <= key0) continue;
+      float* st = part + (pr * b.n_splits + sp) * stride;
+      st[0] = neg_inf_f32();
+      st[1] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) st[2 + d] = 0.0f;
+    }
+    const int64_t t_end = std::min<int64_t>((sp + 1) * kAttnTilesPerSplit, (nk_max + kT - 1) / kT);
+    for (int64_t t = sp * kAttnTilesPerSplit; t < t_end; ++t) {
+      const int64_t j0 = t * kT;
+      const int n = (int)std::min<int64_t>(kT, nk_max - j0);
+      unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
+      active.clear();
+      for (int64_t pr = 0; pr < P; ++pr)
+        if (nk[pr / G] > j0) active.push_back(pr);
+      for (size_t i0 = 0; i0 < active.size(); i0 += 4) {
+        const int cnt = (int)std::min<size_t>(4, active.size() - i0);
+        const float* xs[4];
+        float sc[4][kT];
+        for (int i = 0; i < cnt; ++i) xs[i] = qf.data() + active[i0 + i] * D;
+        dots(cnt, xs, kt.data(), D, sc);
+        for (int i = 0; i < cnt; ++i) {
+          const int64_t pr = active[i0 + i];
+          const int nv = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
+          for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
+          float* st = part + (pr * b.n_splits + sp) * stride;
+          const float* vbase = vr.data();
+          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
+        }
+      }
+    }
+  }
+}
+
+static void fwd_block(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64_t s1, float* part) {
+  with_type(a.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    fwd_block_t<T>(a, b, s0, s1, part);
+  });
+}
+
+static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part, void* out, float* lse) {
+  const AttnSeq& s = a.seqs[b.seq];
+  const int64_t D = a.D, G = a.Hq / a.Hkv;
+  std::vector<int64_t> nk(b.nr);
+  block_row_keys(a, s, b, nk.data());
+  std::vector<float> w(std::max<int64_t>(b.n_splits, 1));
+  with_type(a.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = 0; r < b.nr; ++r) {
+      const int64_t ns = attn_num_splits(nk[r]);
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t row = (s.q_begin + b.r0 + r) * a.Hq + b.g * G + h;
+        attn_merge(part + (r * G + h) * b.n_splits * (D + 2), D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
+      }
+    }
+  });
+}
+
+static void bwd_delta(DType dt, const void* dout, const void* out, float* delta, int64_t D, int64_t i0, int64_t i1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t i = i0; i < i1; ++i) delta[i] = attn_dot((const T*)dout + i * D, (const T*)out + i * D, D);
+  });
+}
+
+template <typename T>
+static void bwd_dq_block_t(const AttnArgs& a, const AttnBlock& b, const void* dout, const float* lse,
+                           const float* delta, void* dq) {
+  const AttnSeq& s = a.seqs[b.seq];
+  const int64_t D = a.D, G = a.Hq / a.Hkv, nr = b.nr, P = nr * G;
+  const KeyRows<T> src = key_rows<T>(a, s);
+  std::vector<int64_t> nk(nr), rowidx(P);
+  block_row_keys(a, s, b, nk.data());
+  int64_t nk_max = 0;
+  for (int64_t r = 0; r < nr; ++r) nk_max = std::max(nk_max, nk[r]);
+  std::vector<float> qf(P * D), dof(P * D), acc(P * D, 0.0f), kt(D * kT), vt(D * kT), krow(kT * D);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t pr = r * G + h;
+      rowidx[pr] = (s.q_begin + b.r0 + r) * a.Hq + b.g * G + h;
+      widen((const T*)a.q + rowidx[pr] * D, qf.data() + pr * D, D);
+      widen((const T*)dout + rowidx[pr] * D, dof.data() + pr * D, D);
+    }
+  std::vector<int64_t> active;
+  for (int64_t t = 0; t * kT < nk_max; ++t) {
+    const int64_t j0 = t * kT;
+    const int n = (int)std::min<int64_t>(kT, nk_max - j0);
+    unpack_tile(src, b.g, j0, n, kt.data(), vt.data(), nullptr, krow.data());
+    active.clear();
+    for (int64_t pr = 0; pr < P; ++pr)
+      if (nk[pr / G] > j0) active.push_back(pr);
+    for (size_t i0 = 0; i0 < active.size(); i0 += 4) {
+      const int cnt = (int)std::min<size_t>(4, active.size() - i0);
+      const float* xs[4];
+      const float* ds_in[4];
+      float sc[4][kT], dp[4][kT];
+      for (int i = 0; i < cnt; ++i) {
+        xs[i] = qf.data() + active[i0 + i] * D;
+        ds_in[i] = dof.data() + active[i0 + i] * D;
+      }
+      dots(cnt, xs, kt.data(), D, sc);
+      dots(cnt, ds_in, vt.data(), D, dp);
+      for (int i = 0; i < cnt; ++i) {
+        const int64_t pr = active[i0 + i];
+        const int nv = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
+        const float l = lse[rowidx[pr]], dl = delta[rowidx[pr]];
+        float* ac = acc.data() + pr * D;
+        for (int j = 0; j < nv; ++j) {
+          const float p = exp_f32(sc[i][j] * a.scale - l);
+          const float ds = p * (dp[i][j] - dl);
+          const float* kj = krow.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) ac[d] = fma_f32(ds, kj[d], ac[d]);
+        }
+      }
+    }
+  }
+  for (int64_t pr = 0; pr < P; ++pr)
+    for (int64_t d = 0; d < D; ++d) ((T*)dq)[rowidx[pr] * D + d] = from_f32<T>(acc[pr * D + d] * a.scale);
+}
+
+static void bwd_dq_block(const AttnArgs& a, const AttnBlock& b, const void* dout, const float* lse, const float* delta,
+                         void* dq) {
+  with_type(a.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    bwd_dq_block_t<T>(a, b, dout, lse, delta, dq);
+  });
+}
+
+template <typename T>
+static void bwd_dkdv_tile_t(const AttnArgs& a, int64_t seq, int64_t g, int64_t t, const void* dout, const float* lse,
+                            const float* delta, void* dk, void* dv) {
+  const AttnSeq& s = a.seqs[seq];
+  const int64_t D = a.D, G = a.Hq / a.Hkv;
+  const KeyRows<T> src = key_rows<T>(a, s);
+  const int64_t j0 = t * kT;
+  const int n = (int)std::min<int64_t>(kT, s.n_ctx - j0);
+  std::vector<float> kt(D * kT), vt(D * kT), dka(kT * D, 0.0f), dva(kT * D, 0.0f);
+  unpack_tile(src, g, j0, n, kt.data(), vt.data(), nullptr, nullptr);
+  // (row, head) pairs that see key j0, in the contract's order: row ascending, then head ascending.
+  int64_t r_first = 0;
+  if (a.causal) r_first = std::max<int64_t>(0, j0 - (s.n_ctx - s.q_len));
+  const int64_t P = (s.q_len - std::min(r_first, s.q_len)) * G;
+  std::vector<float> qf(4 * D), dof(4 * D);
+  for (int64_t i0 = 0; i0 < P; i0 += 4) {
+    const int cnt = (int)std::min<int64_t>(4, P - i0);
+    const float* xs[4];
+    const float* ys[4];
+    int64_t rowidx[4];
+    int nv[4];
+    for (int i = 0; i < cnt; ++i) {
+      const int64_t r = r_first + (i0 + i) / G, h = (i0 + i) % G;
+      rowidx[i] = (s.q_begin + r) * a.Hq + g * G + h;
+      nv[i] = (int)std::min<int64_t>(n, attn_row_keys(s.n_ctx - s.q_len + r, s.n_ctx, a.causal) - j0);
+      widen((const T*)a.q + rowidx[i] * D, qf.data() + i * D, D);
+      widen((const T*)dout + rowidx[i] * D, dof.data() + i * D, D);
+      xs[i] = qf.data() + i * D;
+      ys[i] = dof.data() + i * D;
+    }
+    float sc[4][kT], dp[4][kT];
+    dots(cnt, xs, kt.data(), D, sc);
+    dots(cnt, ys, vt.data(), D, dp);
+    for (int i = 0; i < cnt; ++i) {
+      const float l = lse[rowidx[i]], dl = delta[rowidx[i]];
+      for (int j = 0; j < nv[i]; ++j) {
+        const float p = exp_f32(sc[i][j] * a.scale - l);
+        const float ds = p * (dp[i][j] - dl);
+        float* dkj = dka.data() + j * D;
+        float* dvj = dva.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          dkj[d] = fma_f32(ds, xs[i][d], dkj[d]);
+          dvj[d] = fma_f32(p, ys[i][d], dvj[d]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    const int64_t off = ((s.k_begin + j0 + j) * a.Hkv + g) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      ((T*)dk)[off + d] = from_f32<T>(dka[j * D + d] * a.scale);
+      ((T*)dv)[off + d] = from_f32<T>(dva[j * D + d]);
+    }
+  }
+}
+
+static void bwd_dkdv_tile(const AttnArgs& a, int64_t seq, int64_t g, int64_t t, const void* dout, const float* lse,
+                          const float* delta, void* dk, void* dv) {
+  with_type(a.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    bwd_dkdv_tile_t<T>(a, seq, g, t, dout, lse, delta, dk, dv);
+  });
+}
+
+static void cache_write(DType dt, const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots,
+                        int64_t row_elems, int64_t t0, int64_t t1) {
+  const int64_t es = dt == DType::F32 ? 4 : 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    memcpy((char*)k_cache + slot * row_elems * es, (const char*)k + t * row_elems * es, (size_t)(row_elems * es));
+    memcpy((char*)v_cache + slot * row_elems * es, (const char*)v + t * row_elems * es, (size_t)(row_elems * es));
+  }
+}
+
+extern const AttentionTable kAttentionTable;
+const AttentionTable kAttentionTable = {
+#define ALIGNED_ATTN_STR2(x) #x
+#define ALIGNED_ATTN_STR(x) ALIGNED_ATTN_STR2(x)
+    ALIGNED_ATTN_STR(ALIGNED_ISA), fwd_block, merge_block, bwd_delta, bwd_dq_block, bwd_dkdv_tile, cache_write,
+};
+
+}  // namespace aligned::cpu::ALIGNED_ISA

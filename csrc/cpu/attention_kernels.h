@@ -1,0 +1,66 @@
+// attention_kernels.h — torch-free entry points of the CPU attention kernels (varlen, paged, backward,
+// KV-cache write). The arithmetic per (query row, head) is the one written down in
+// csrc/common/attention.h; these functions only decide which rows/heads/splits one call computes, so the
+// torch glue can spread work items over threads without changing any bit.
+//
+// Work units:
+//   * a row block = rows [r0, r0 + nr) of one sequence (relative to the sequence's first new row) for one
+//     KV head g and all G = Hq / Hkv query heads that share it (K/V tiles are unpacked once per block);
+//   * the forward writes per-split partials (m, l, acc[D]) of a block to `part`, laid out
+//     [(r * G + h) * n_splits + s] * (D + 2), then attn_merge_block merges them (csrc/common/attention.h).
+#pragma once
+
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+namespace aligned::cpu {
+
+struct AttnSeq {
+  int64_t q_begin;        // first query row of the sequence in q (packed)
+  int64_t q_len;          // number of query rows (new tokens)
+  int64_t n_ctx;          // number of keys of the sequence (context incl. the new tokens)
+  int64_t k_begin;        // packed K/V: first key row of the sequence
+  const int32_t* blocks;  // paged K/V: the sequence's block_table row (nullptr when packed)
+};
+
+struct AttnArgs {
+  DType dt;
+  int64_t Hq, Hkv, D;
+  float scale;
+  bool causal;
+  const void* q;        // [Tq, Hq, D]
+  const void* k;        // packed [Tk, Hkv, D] or paged cache [num_blocks, block_size, Hkv, D]
+  const void* v;
+  int64_t block_size;   // 0: packed K/V
+  const AttnSeq* seqs;
+};
+
+struct AttnBlock {
+  int64_t seq, g, r0, nr;
+  int64_t n_splits;     // max splits over the block's rows (the partial layout's stride)
+  int64_t part_offset;  // offset (floats) of this block's partials in a shared buffer
+};
+
+struct AttentionTable {
+  const char* isa;
+  // partials of splits [s0, s1) of a block
+  void (*fwd_block)(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64_t s1, float* part);
+  // merge a block's partials into out [Tq, Hq, D] (dtype a.dt) and lse [Tq, Hq]
+  void (*merge_block)(const AttnArgs& a, const AttnBlock& b, const float* part, void* out, float* lse);
+  // delta[i] = fma chain over d of dO * O, for flat (row, head) indices [i0, i1)
+  void (*bwd_delta)(DType dt, const void* dout, const void* out, float* delta, int64_t D, int64_t i0, int64_t i1);
+  // dq rows of a block (packed K/V only)
+  void (*bwd_dq_block)(const AttnArgs& a, const AttnBlock& b, const void* dout, const float* lse,
+                       const float* delta, void* dq);
+  // dk, dv of key tile t (keys [32t, 32t+32)) of sequence seq, KV head g
+  void (*bwd_dkdv_tile)(const AttnArgs& a, int64_t seq, int64_t g, int64_t t, const void* dout, const float* lse,
+                        const float* delta, void* dk, void* dv);
+  // cache[slot] = k[t] for tokens [t0, t1) with slot >= 0 (rows of Hkv * D elements)
+  void (*cache_write)(DType dt, const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots,
+                      int64_t row_elems, int64_t t0, int64_t t1);
+};
+
+const AttentionTable& attention_kernels();  // same ISA level as cpu_kernels()
+
+}  // namespace aligned::cpu

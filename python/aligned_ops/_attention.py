@@ -1,0 +1,91 @@
+"""Attention and KV-cache ops: fake (meta) implementations, autograd, and Python wrappers.
+
+The kernels and schemas live in C++ (``csrc/cpu/ops_attention_cpu.cpp``, ``csrc/cpu/attention_kernels.cpp``);
+the reduction order that makes every path bitwise identical (tiles of 32 keys and KV splits of 512 keys,
+both aligned to absolute position 0, merged in split order) and the paged cache layout
+``[num_blocks, block_size, num_kv_heads, head_dim]`` are written down in ``csrc/common/attention.h``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ops = torch.ops.aligned
+_lib = "aligned::"
+
+
+@torch.library.register_fake(_lib + "attention_varlen")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+    torch._check(q.dim() == 3, lambda: "aligned::attention_varlen: q must be [tokens, heads, head_dim]")
+    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "aligned::attention_varlen: k, v must be 3-D")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: "aligned::attention_varlen: num_heads % num_kv_heads != 0")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake(_lib + "attention_varlen_backward")
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+@torch.library.register_fake(_lib + "reshape_and_cache")
+def _(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake(_lib + "paged_attention")
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    torch._check(q.dim() == 3, lambda: "aligned::paged_attention: q must be [tokens, heads, head_dim]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.scale = scale
+    ctx.causal = causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = ops.attention_varlen_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, setup_context=_varlen_setup)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True):
+    """Packed variable-length attention. q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [B+1].
+
+    Returns (out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] fp32). Causal masks are bottom-right aligned when
+    seqlen_q < seqlen_k. ``scale`` defaults to 1/sqrt(D). Differentiable in q, k, v (not through lse)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Writes k/v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at slot_mapping (int64;
+    slot = block * block_size + offset; -1 skips the token). In place; returns None."""
+    ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None):
+    """Causal attention of the new tokens of several sequences over a paged KV cache (which must already hold
+    them). q [Tq, Hq, D]; block_table int32 [B, max_blocks]; seq_lens int32 [B] (context incl. new tokens);
+    query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))

@@ -1,0 +1,68 @@
+"""Integrations: the same model, through the same ``torch.ops.aligned`` ops, in vLLM and in the trainer.
+
+- :mod:`aligned_ops.integrations.hf` — ``patch_model(model)`` turns a Hugging Face Qwen2/Qwen3/Llama causal LM
+  into one whose forward and backward run through ``torch.ops.aligned.*``; ``completion_logprobs`` gives the
+  teacher-forced per-token log-probs the RL loss needs.
+- :mod:`aligned_ops.integrations.vllm_plugin` — the ``vllm.general_plugins`` entry point, active when
+  ``ALIGNED_OPS_VLLM=1``; routes vLLM's layers, attention backend and returned log-probs through the same ops.
+- :mod:`aligned_ops.integrations.rollout` — ``make_llm`` / ``generate_with_logprobs`` / ``refit`` helpers.
+- :mod:`aligned_ops.integrations.tiny_model` — an offline tiny Qwen2 checkpoint and tokenizer for tests.
+
+Both sides share one definition of the model's arithmetic (``model_spec``): which op runs, in which order,
+on which dtype. See ``docs/integrations.md``.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def attention_ops():
+    """``(attention_varlen, paged_attention, reshape_and_cache)`` from ``aligned_ops``, or a clear error."""
+    import aligned_ops
+
+    try:
+        return aligned_ops.attention_varlen, aligned_ops.paged_attention, aligned_ops.reshape_and_cache
+    except AttributeError as e:  # pragma: no cover - only on a build without the attention ops
+        raise RuntimeError(
+            "aligned_ops was built without the attention ops (aligned::attention_varlen / paged_attention / "
+            "reshape_and_cache); rebuild the extension from a checkout that includes csrc attention"
+        ) from e
+
+
+def rope_theta_of(config) -> float:
+    """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        raise ValueError("config has no rope_theta")
+    return float(theta)
+
+
+def check_hf_config(config, where: str) -> None:
+    """Raise ``ValueError`` for a config whose arithmetic we cannot reproduce bit for bit on both sides."""
+    archs = list(getattr(config, "architectures", None) or [])
+    name = archs[0] if archs else type(config).__name__
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"aligned_ops ({where}): unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = getattr(config, "rope_scaling", None)
+    if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"):
+        raise ValueError(
+            f"aligned_ops ({where}): rope_type {rope_type!r} is not supported (only plain RoPE, rope_type 'default')"
+        )
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported")
+    qc = getattr(config, "quantization_config", None)
+    if qc:
+        raise ValueError(f"aligned_ops ({where}): quantized checkpoints are not supported ({qc})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"aligned_ops ({where}): activation {config.hidden_act!r} is not supported (only silu)")
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")

@@ -1,0 +1,283 @@
+"""Trainer side: run a Hugging Face Qwen2/Qwen3/Llama causal LM through ``torch.ops.aligned.*``.
+
+``patch_model(model)`` replaces the forward of the model and of each decoder layer (instance attributes, the
+module tree and parameters are untouched, so ``state_dict``, optimisers and checkpoints keep working) with
+the exact op sequence the vLLM plugin runs:
+
+    embedding gather
+    per layer:  rms_norm (layer 0) / fused_add_rms_norm (later layers; normalises the *rounded* sum)
+                q/k/v linear (+bias) -> [q_norm/k_norm for Qwen3] -> rotary (shared fp32 cos/sin table)
+                attention_varlen over packed sequences -> o_proj linear
+                fused_add_rms_norm -> gate/up linear -> silu_and_mul -> down linear
+    final fused_add_rms_norm -> LM head linear (tied or not) -> token_logprobs (fp32, temperature)
+
+Every op is row-invariant, so a sequence's log-probs do not depend on what else is in the batch, on padding,
+on packing or on the micro-batch size. Padded batches (``attention_mask``, left or right padding) are
+packed internally; packed batches pass ``cu_seqlens``.
+
+FSDP: the patched forwards are instance attributes of the *same* modules and are reached through
+``Module.__call__`` (the model, then each decoder layer), so FSDP2's ``fully_shard`` pre-forward hooks
+(wrap each decoder layer, then the root) gather the parameters before our code reads them, and the LM head
+/ final norm are read inside the root's forward. Call the model (``model(..., completion_mask=...)``) or
+:func:`completion_logprobs` (which calls the model) rather than internal helpers.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+import aligned_ops
+
+from . import attention_ops, check_hf_config, rope_theta_of
+
+__all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
+
+
+@dataclass
+class AlignedCausalLMOutput:
+    """What the patched model returns.
+
+    ``logits`` — ``[B, S, V]`` (padded input) or ``[T, V]`` (packed input), model dtype, zeros at padding; only
+    computed when ``return_logits`` (the default unless ``completion_mask`` is given).
+    ``logprobs`` — fp32 log-probs of the completion tokens, same shape as ``input_ids``, 0 where
+    ``completion_mask`` is 0; only when ``completion_mask`` is given.
+    """
+
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+
+# ---- packing -----------------------------------------------------------------------------------------
+
+
+def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
+    """Flatten the batch to the real tokens: ``(flat_index [T], positions [T], cu_seqlens [B+1] int32)``.
+
+    ``flat_index`` indexes ``input_ids.reshape(-1)``. Positions restart at 0 for every sequence (left padding
+    is skipped), which is what vLLM does for a prompt.
+    """
+    dev = input_ids.device
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass either attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        total = input_ids.numel()
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at the number of tokens ({total})")
+        lens = (cu[1:] - cu[:-1]).to(torch.int64)
+        if bool((lens < 0).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        starts = torch.repeat_interleave(cu[:-1].to(torch.int64), lens)
+        flat = torch.arange(total, device=dev)
+        positions = flat - starts
+        return flat, positions, cu
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq] (or packed with cu_seqlens), got {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError("attention_mask must have the shape of input_ids")
+    mask = attention_mask.bool()
+    # A mask with holes inside a row would silently change positions; only left/right padding is allowed.
+    csum = mask.to(torch.int64).cumsum(1)
+    lens = csum[:, -1]
+    first = torch.where(mask.any(1), mask.to(torch.int8).argmax(1), torch.zeros_like(lens))
+    idx = torch.arange(S, device=dev)[None, :]
+    contiguous = (idx >= first[:, None]) & (idx < (first + lens)[:, None])
+    if not torch.equal(contiguous, mask):
+        raise ValueError("attention_mask must mark one contiguous run of tokens per row (left or right padding)")
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    positions = (csum - 1).reshape(-1)[flat]
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    cu[1:] = lens.cumsum(0).to(torch.int32)
+    if position_ids is not None:
+        positions = position_ids.reshape(-1)[flat].to(torch.int64)
+    return flat, positions, cu
+
+
+# ---- per-model constants -------------------------------------------------------------------------------
+
+
+def _cos_sin_cache(model, device):
+    cache = getattr(model, "_aligned_cos_sin_cache", None)
+    if cache is None or cache.device != device:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Same function and arguments as the vLLM plugin: rotary_dim = head_dim, max_position_embeddings rows.
+        cache = aligned_ops.rotary_cos_sin_cache(head_dim, cfg.max_position_embeddings, rope_theta_of(cfg)).to(device)
+        object.__setattr__(model, "_aligned_cos_sin_cache", cache)
+    return cache
+
+
+def _lin(module, x):
+    return aligned_ops.linear(x, module.weight, module.bias)
+
+
+# ---- patched forwards ----------------------------------------------------------------------------------
+
+
+def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache):
+    """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM."""
+    attention_varlen, _, _ = attention_ops()
+    eps = self.input_layernorm.variance_epsilon
+    if residual is None:
+        residual = hidden
+        x = aligned_ops.rms_norm(hidden, self.input_layernorm.weight, eps)
+    else:
+        x, residual = aligned_ops.fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
+    attn = self.self_attn
+    T = x.shape[0]
+    D = attn.head_dim
+    q = _lin(attn.q_proj, x).view(T, -1, D)
+    k = _lin(attn.k_proj, x).view(T, -1, D)
+    v = _lin(attn.v_proj, x).view(T, -1, D)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
+        q = aligned_ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        k = aligned_ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+    q = aligned_ops.rotary_embedding(positions, q, cos_sin_cache, D, True)
+    k = aligned_ops.rotary_embedding(positions, k, cos_sin_cache, D, True)
+    o, _ = attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, float(attn.scaling), True)
+    h = _lin(attn.o_proj, o.reshape(T, -1))
+    x, residual = aligned_ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                                 self.post_attention_layernorm.variance_epsilon)
+    mlp = self.mlp
+    gate_up = torch.cat([_lin(mlp.gate_proj, x), _lin(mlp.up_proj, x)], dim=-1)
+    return _lin(mlp.down_proj, aligned_ops.silu_and_mul(gate_up)), residual
+
+
+def _model_forward(
+    self,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | None = None,
+    temperature=1.0,
+    return_logits: bool | None = None,
+    **unused,
+) -> AlignedCausalLMOutput:
+    """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
+    for key in ("past_key_values", "inputs_embeds"):
+        if unused.get(key) is not None:
+            raise ValueError(f"aligned_ops patched model: {key} is not supported (full teacher-forced forward only)")
+    if unused.get("use_cache"):
+        raise ValueError("aligned_ops patched model: use_cache=True is not supported")
+    if return_logits is None:
+        return_logits = completion_mask is None
+    flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
+    ids = input_ids.reshape(-1)[flat]
+    inner = self.model
+    hidden = inner.embed_tokens(ids)
+    cache = _cos_sin_cache(self, hidden.device)
+    residual = None
+    for layer in inner.layers:
+        hidden, residual = layer(hidden, residual, positions, cu, cache)
+    hidden, _ = aligned_ops.fused_add_rms_norm(hidden, residual, inner.norm.weight, inner.norm.variance_epsilon)
+    head = self.lm_head
+
+    out = AlignedCausalLMOutput()
+    if return_logits:
+        logits = _lin(head, hidden)
+        full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
+        full = full.index_copy(0, flat, logits)
+        out.logits = full.view(*input_ids.shape, logits.shape[-1])
+    if completion_mask is not None:
+        if completion_mask.shape != input_ids.shape:
+            raise ValueError("completion_mask must have the shape of input_ids")
+        cm = completion_mask.reshape(-1)[flat].bool()
+        # Token j is predicted by the hidden state of token j-1 of the same sequence.
+        first_of_seq = torch.zeros_like(cm)
+        first_of_seq[cu[:-1].to(torch.int64).clamp(max=max(cm.numel() - 1, 0))] = True
+        if bool((cm & first_of_seq).any()):
+            raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
+        targets = cm.nonzero().squeeze(1)
+        logits = _lin(head, hidden.index_select(0, targets - 1))
+        temps = _per_token_temperature(temperature, input_ids, cu, flat, targets)
+        lp = aligned_ops.token_logprobs(logits, ids.index_select(0, targets), temps)
+        full = lp.new_zeros(input_ids.numel())
+        full = full.index_copy(0, flat.index_select(0, targets), lp)
+        out.logprobs = full.view(input_ids.shape)
+    return out
+
+
+def _per_token_temperature(temperature, input_ids, cu, flat, targets):
+    """A float, or a per-sequence tensor ``[B]`` expanded to the selected tokens (fp32)."""
+    if not isinstance(temperature, torch.Tensor) or temperature.dim() == 0:
+        t = float(temperature)
+        return 1.0 if t < 1e-5 else t  # greedy is scored at tau = 1, like the vLLM plugin
+    temperature = temperature.to(device=input_ids.device, dtype=torch.float32)
+    nseq = cu.numel() - 1
+    if temperature.numel() != nseq:
+        raise ValueError(f"temperature tensor must have one entry per sequence ({nseq}), got {temperature.numel()}")
+    temperature = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    per_token = torch.repeat_interleave(temperature, lens)
+    return per_token.index_select(0, targets).contiguous()
+
+
+# ---- public API ----------------------------------------------------------------------------------------
+
+
+def patch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Route ``model`` (a HF ``Qwen2/Qwen3/LlamaForCausalLM``) through ``torch.ops.aligned``; returns it.
+
+    In place and idempotent. Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding
+    window, quantization or dtype. ``unpatch_model`` restores the original forwards.
+    """
+    if getattr(model, "_aligned_patched", False):
+        return model
+    check_hf_config(model.config, "patch_model")
+    dtypes = {p.dtype for p in model.parameters()}
+    bad = dtypes - {torch.float32, torch.bfloat16, torch.float16}
+    if bad:
+        raise ValueError(f"aligned_ops (patch_model): unsupported parameter dtype(s) {sorted(map(str, bad))}")
+    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
+        raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
+    for layer in model.model.layers:
+        layer.forward = types.MethodType(_layer_forward, layer)
+    model.forward = types.MethodType(_model_forward, model)
+    model._aligned_patched = True
+    return model
+
+
+def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch_model` (the HF forwards come back)."""
+    if not getattr(model, "_aligned_patched", False):
+        return model
+    for layer in model.model.layers:
+        layer.__dict__.pop("forward", None)
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("_aligned_cos_sin_cache", None)
+    model._aligned_patched = False
+    return model
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    temperature=1.0,
+) -> torch.Tensor:
+    """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
+
+    ``input_ids`` is ``[B, S]`` with ``attention_mask`` (left or right padding), or packed ``[T]``/``[1, T]``
+    with ``cu_seqlens [B+1]``. ``completion_mask[b, t] = 1`` asks for ``log p(input_ids[b, t] | prefix)``
+    (under ``softmax(logits / temperature)`` over the full vocabulary; temperature is a float or one value
+    per sequence; 0 means greedy and is scored at 1.0, like the vLLM plugin). Differentiable.
+    """
+    if not getattr(model, "_aligned_patched", False):
+        raise ValueError("completion_logprobs: call aligned_ops.integrations.hf.patch_model(model) first")
+    return model(
+        input_ids,
+        attention_mask=attention_mask,
+        cu_seqlens=cu_seqlens,
+        completion_mask=completion_mask,
+        temperature=temperature,
+        return_logits=False,
+    ).logprobs

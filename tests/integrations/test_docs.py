@@ -1,0 +1,23 @@
+"""The copy-pasteable snippets of docs/integrations.md run as written (in order, one namespace)."""
+
+import os
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "integrations.md")
+
+
+def test_doc_snippets_run(tmp_path):
+    with open(DOC) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) == 3, "expected the vLLM, refit and trainer snippets"
+    ns = {"MODEL_DIR": build_tiny_qwen2(tmp_path / "doc_model", torch.bfloat16, seed=5)}
+    for code in blocks:
+        exec(compile(code, DOC, "exec"), ns)  # noqa: S102
+    assert torch.equal(ns["trainer_lp"], torch.tensor(ns["again"].logprobs))

@@ -1,0 +1,160 @@
+"""The vLLM plugin: inert unless opted in, refuses (clear error at start-up) what it cannot keep aligned."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from aligned_ops.integrations import vllm_plugin  # noqa: E402
+from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("refuse") / "m", torch.float32, num_hidden_layers=1)
+
+
+def _edited_copy(src, dst, **config_changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config_changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+def _engine_config(model_dir, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_plugin.install()
+    args = dict(model=model_dir, tokenizer=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+                enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_supported_config_is_accepted(tiny_dir):
+    cfg = _engine_config(tiny_dir)
+    vllm_plugin.validate_vllm_config(cfg)  # no exception
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(enable_prefix_caching=True), "prefix caching is not covered"),
+        (dict(enforce_eager=False), "compiled mode is not covered; pass enforce_eager=True"),
+        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode 'processed_logprobs' is not supported"),
+    ],
+)
+def test_engine_start_refuses(tiny_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _engine_config(tiny_dir, **kw)
+
+
+def test_llm_constructor_refuses_prefix_caching(tiny_dir):
+    """Through the public ``vllm.LLM`` entry point, before any model is built."""
+    from vllm import LLM
+
+    vllm_plugin.install()
+    with pytest.raises(ValueError, match="aligned_ops vLLM plugin refuses this configuration: prefix caching"):
+        LLM(model=tiny_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=True, max_model_len=128,
+            kv_cache_memory_bytes=32 << 20)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "unsupported architecture 'MistralForCausalLM'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
+                               "original_max_position_embeddings": 1024}), "rope_type 'yarn' is not supported"),
+        (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), "sliding-window attention"),
+    ],
+)
+def test_unsupported_model_refused(tiny_dir, tmp_path, changes, match):
+    d = _edited_copy(tiny_dir, tmp_path / "edited", **changes)
+    with pytest.raises(ValueError, match=match):
+        _engine_config(d)
+
+
+def test_quantization_and_spec_decode_and_tp_refused(tiny_dir):
+    base = _engine_config(tiny_dir)
+    cases = []
+    c = copy.copy(base)
+    c.model_config = copy.copy(base.model_config)
+    c.model_config.quantization = "fp8"
+    cases.append((c, "quantization \\(fp8\\) is not supported"))
+    c = copy.copy(base)
+    c.speculative_config = object()
+    cases.append((c, "speculative decoding is not covered"))
+    c = copy.copy(base)
+    c.parallel_config = copy.copy(base.parallel_config)
+    c.parallel_config.tensor_parallel_size = 2
+    cases.append((c, "tensor/pipeline parallelism"))
+    c = copy.copy(base)
+    c.cache_config = copy.copy(base.cache_config)
+    c.cache_config.cache_dtype = "fp8"
+    cases.append((c, "kv_cache_dtype fp8 is not supported"))
+    for cfg, match in cases:
+        with pytest.raises(ValueError, match=match):
+            vllm_plugin.validate_vllm_config(cfg)
+
+
+def test_unsupported_dtype_refused(tiny_dir):
+    base = _engine_config(tiny_dir)
+    c = copy.copy(base)
+    c.model_config = copy.copy(base.model_config)
+    c.model_config.dtype = torch.float64
+    with pytest.raises(ValueError, match="dtype float64 is not supported"):
+        vllm_plugin.validate_vllm_config(c)
+
+
+def test_unsupported_vllm_version(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.9")
+    with pytest.raises(RuntimeError, match="supports vLLM 0.32.0; found 0.31.9"):
+        vllm_plugin.check_vllm_version()
+
+
+def test_entry_point_declared_and_inert_without_opt_in():
+    """The entry point is declared (installed metadata if present, else pyproject) and does nothing unless opted in."""
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "aligned_ops"]
+    if eps:
+        assert eps[0].value == "aligned_ops.integrations.vllm_plugin:register"
+    else:
+        with open(os.path.join(REPO, "pyproject.toml")) as f:
+            text = f.read()
+        assert 'aligned_ops = "aligned_ops.integrations.vllm_plugin:register"' in text
+    code = (
+        "import os; from aligned_ops.integrations import vllm_plugin as p\n"
+        "os.environ.pop('ALIGNED_OPS_VLLM', None); p.register(); a = p.is_installed()\n"
+        "os.environ['ALIGNED_OPS_VLLM'] = '1'; p.register(); b = p.is_installed()\n"
+        "from vllm.model_executor.layers.layernorm import RMSNorm\n"
+        "print(a, b, RMSNorm.forward is p._rms_norm_forward)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False True True"
+
+
+def test_rollout_dtype_must_be_explicit():
+    from aligned_ops.integrations.rollout import make_llm
+
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        make_llm("/nonexistent", dtype="auto")
