@@ -398,8 +398,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
                 "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
     b = bias->contiguous();
   }
-  auto xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
+  // M from the leading dims (reshape({-1, 0}) is ambiguous when K == 0).
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  auto xc = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = at::empty({M, N}, x.options());
@@ -422,13 +423,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
               weight.sizes(), " ", weight.scalar_type());
   const int64_t K = x.size(-1), N = weight.size(0);
   TORCH_CHECK(grad.dim() >= 1 && grad.size(-1) == N && grad.scalar_type() == x.scalar_type() &&
-                  grad.numel() / std::max<int64_t>(N, 1) == x.numel() / std::max<int64_t>(K, 1),
+                  grad.sizes().slice(0, grad.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
               "aligned::linear_backward: grad_out must be [..., ", N, "] with x's dtype");
   c10::DeviceGuard guard(x.device());
-  auto g = grad.reshape({-1, N}).contiguous();
-  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  auto g = grad.reshape({M, N}).contiguous();
+  auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
-  const int64_t M = xc.size(0);
   at::Tensor dx, dw, db;
   if (needs_x) {
     // dx[m, k] = chain over n of g[m, n] * w[n, k]
