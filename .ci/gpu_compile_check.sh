@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# gpu_compile_check.sh — CI check of the GPU backends on a machine without a GPU.
+#
+# Configures a separate build dir with -DALIGNED_GPU_COMPILE_CHECK=ON and builds the gpu_compile_check
+# target (cmake/gpu_compile_check.cmake): every csrc/cuda/*.cu with nvcc 13 for sm_90a and sm_100a, every
+# csrc/hip/*.hip with clang++-22 for gfx942 and gfx950, the emitted PTX / AMDGPU asm / device IR checked by
+# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction), and ops_cuda.cpp
+# syntax-checked against the installed torch's headers. Then a negative control proves the checker can
+# fail: a kernel that calls __expf must be rejected.
+#
+# Usage: .ci/gpu_compile_check.sh [build-dir]   (default build/gpu-check). A few minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD="${1:-build/gpu-check}"
+PY="${PYTHON:-$(command -v python3)}"
+start=$(date +%s)
+mkdir -p "$BUILD"
+
+cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DALIGNED_GPU_COMPILE_CHECK=ON >"$BUILD/configure.log" 2>&1 \
+  || { cat "$BUILD/configure.log"; exit 1; }
+grep -E "GPU compile check" "$BUILD/configure.log" || true
+cmake --build "$BUILD" --target gpu_compile_check
+
+# Negative control: the PTX/asm checker must reject a vendor exp and a flushing build.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cat >"$tmp/bad.cu" <<'CU'
+__global__ void vendor_exp(float* x) { x[threadIdx.x] = __expf(x[threadIdx.x]); }
+CU
+NVCC="${NVCC:-/usr/local/bin/nvcc}"
+control_ok=1
+if [ -x "$NVCC" ]; then
+  "$NVCC" -arch=sm_90a -ptx "$tmp/bad.cu" -o "$tmp/bad.ptx"
+  if "$PY" cmake/gpu_isa_check.py ptx "$tmp/bad.ptx" "$tmp/bad.ok" 2>/dev/null; then
+    echo "NEGATIVE CONTROL FAILED: the PTX checker accepted __expf"; control_ok=0
+  fi
+fi
+if command -v clang++-22 >/dev/null; then
+  cat >"$tmp/bad.hip" <<'HIP'
+#include <hip/hip_runtime.h>
+__global__ void vendor_exp(float* x) { x[threadIdx.x] = __expf(x[threadIdx.x]); }
+HIP
+  clang++-22 -x hip -std=c++20 --offload-arch=gfx942 -nogpulib --rocm-path=/usr -D__AMDGCN_WAVEFRONT_SIZE=64 -O3 \
+    --offload-device-only -S "$tmp/bad.hip" -o "$tmp/bad.s" 2>/dev/null
+  if "$PY" cmake/gpu_isa_check.py s "$tmp/bad.s" "$tmp/bad.ok" 2>/dev/null; then
+    echo "NEGATIVE CONTROL FAILED: the AMDGPU asm checker accepted __expf"; control_ok=0
+  fi
+fi
+[ "$control_ok" = 1 ] || exit 1
+
+echo
+echo "== GPU compile check summary ($(( $(date +%s) - start )) s) =="
+m="$BUILD/gpu_check/manifest.txt"
+cuda_files=$(grep -c '^cuda ' "$m" || true)
+hip_files=$(grep -c '^hip ' "$m" || true)
+echo "CUDA: $(grep '^cuda ' "$m" | awk '{print $3}' | sort -u | wc -l) file(s) x archs {$(grep '^cuda ' "$m" | awk '{print $2}' | sort -u | paste -sd, -)} = $cuda_files compiled + PTX checked"
+echo "HIP:  $(grep '^hip ' "$m" | awk '{print $3}' | sort -u | wc -l) file(s) x archs {$(grep '^hip ' "$m" | awk '{print $2}' | sort -u | paste -sd, -)} = $hip_files compiled + asm/IR checked"
+grep '^glue ' "$m" | sed 's/^/GLUE: /' || true
+if grep '^SKIPPED' "$m"; then
+  echo "WARNING: some GPU targets were SKIPPED (see above)"
+fi
+echo "negative controls: checker rejects __expf (PTX$(command -v clang++-22 >/dev/null && echo ', AMDGPU asm'))"

@@ -1,0 +1,149 @@
+# gpu_compile_check.cmake — compile every GPU kernel file for every target arch, on a machine without a GPU
+# (CI), and check the emitted code against the numerics contract. Included by CMakeLists.txt when
+# -DALIGNED_GPU_COMPILE_CHECK=ON; driven by .ci/gpu_compile_check.sh. Nothing here is linked or run.
+#
+#   csrc/cuda/*.cu   x {sm_90a, sm_100a}: nvcc -c (object) and nvcc -ptx, with the exact-numerics flags;
+#                    the PTX is checked by cmake/gpu_isa_check.py (no .ftz, no ex2/lg2.approx, every f32
+#                    add/sub/mul rounded .rn so ptxas cannot contract it).
+#   csrc/hip/*.hip   x {gfx942, gfx950}: clang++-22 -x hip -c (one object for both archs, -fgpu-rdc), plus
+#                    device-only asm and LLVM IR per arch; checked for v_exp_f32/v_log_f32, denormal flushing,
+#                    llvm.fmuladd and fast-math flags.
+#   csrc/cuda/ops_cuda.cpp: -fsyntax-only against the installed torch's headers (the CPU wheel ships
+#                    c10/cuda headers; -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE stands in for CUDA torch's config).
+#
+# Target: gpu_compile_check (not part of `all`). A manifest of what was compiled is written to
+# ${CMAKE_BINARY_DIR}/gpu_check/manifest.txt for the summary.
+
+set(ALIGNED_NVCC "/usr/local/bin/nvcc" CACHE FILEPATH "nvcc used by the GPU compile check")
+if(NOT EXISTS "${ALIGNED_NVCC}")
+  find_program(ALIGNED_NVCC_FOUND nvcc)
+  if(ALIGNED_NVCC_FOUND)
+    set(ALIGNED_NVCC "${ALIGNED_NVCC_FOUND}")
+  endif()
+endif()
+find_program(ALIGNED_HIP_CLANG NAMES clang++-22 clang++-19)
+set(ALIGNED_CUDA_CHECK_ARCHS sm_90a sm_100a CACHE STRING "CUDA archs of the compile check")
+set(ALIGNED_HIP_CHECK_ARCHS gfx942 gfx950 CACHE STRING "AMD archs of the compile check")
+
+set(_gc_dir "${CMAKE_BINARY_DIR}/gpu_check")
+file(MAKE_DIRECTORY "${_gc_dir}")
+set(_gc_outputs)
+set(_gc_manifest)
+set(_isa_check "${CMAKE_CURRENT_SOURCE_DIR}/cmake/gpu_isa_check.py")
+file(GLOB _gc_gpu_headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/*" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/*.h")
+
+# ---- CUDA --------------------------------------------------------------------------------------------
+file(GLOB _gc_cu CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*.cu")
+if(EXISTS "${ALIGNED_NVCC}")
+  set(_nvcc_flags -std=c++17 -O3 --fmad=false -ftz=false -prec-div=true -prec-sqrt=true -Xcompiler -ffp-contract=off)
+  foreach(src IN LISTS _gc_cu)
+    get_filename_component(_name "${src}" NAME_WE)
+    foreach(arch IN LISTS ALIGNED_CUDA_CHECK_ARCHS)
+      set(_obj "${_gc_dir}/cuda_${_name}.${arch}.o")
+      set(_ptx "${_gc_dir}/cuda_${_name}.${arch}.ptx")
+      set(_ok "${_gc_dir}/cuda_${_name}.${arch}.ptx.ok")
+      add_custom_command(OUTPUT "${_obj}"
+        COMMAND "${ALIGNED_NVCC}" ${_nvcc_flags} -arch=${arch} -c "${src}" -o "${_obj}"
+        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "nvcc ${arch}: ${_name}.cu" VERBATIM)
+      add_custom_command(OUTPUT "${_ptx}"
+        COMMAND "${ALIGNED_NVCC}" ${_nvcc_flags} -arch=${arch} -ptx "${src}" -o "${_ptx}"
+        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "nvcc -ptx ${arch}: ${_name}.cu" VERBATIM)
+      add_custom_command(OUTPUT "${_ok}"
+        COMMAND "${Python_EXECUTABLE}" "${_isa_check}" ptx "${_ptx}" "${_ok}"
+        DEPENDS "${_ptx}" "${_isa_check}" COMMENT "numerics check (PTX) ${arch}: ${_name}.cu" VERBATIM)
+      list(APPEND _gc_outputs "${_obj}" "${_ok}")
+      list(APPEND _gc_manifest "cuda ${arch} csrc/cuda/${_name}.cu")
+    endforeach()
+  endforeach()
+else()
+  message(WARNING "GPU compile check: nvcc not found (${ALIGNED_NVCC}); CUDA kernels are NOT compile-checked")
+  list(APPEND _gc_manifest "SKIPPED cuda (no nvcc)")
+endif()
+
+# ---- HIP ---------------------------------------------------------------------------------------------
+file(GLOB _gc_hip CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/hip/*.hip")
+if(ALIGNED_HIP_CLANG)
+  set(_hip_archs ${ALIGNED_HIP_CHECK_ARCHS})
+  if(ALIGNED_HIP_CLANG MATCHES "clang\\+\\+-19$")
+    # clang-19 stops at gfx942 (shared/notes/build.md): check what it can and say so loudly.
+    list(REMOVE_ITEM _hip_archs gfx950)
+    message(WARNING "GPU compile check: clang-22 not found, using ${ALIGNED_HIP_CLANG}; gfx950 is SKIPPED")
+    list(APPEND _gc_manifest "SKIPPED hip gfx950 (clang-19 has no gfx950)")
+  endif()
+  # Debian's HIP headers (libamdhip64-dev) still read __AMDGCN_WAVEFRONT_SIZE, which clang-22 no longer
+  # predefines; gfx942 and gfx950 are wave64. A ROCm toolchain with matching headers does not need this.
+  set(_hip_flags -x hip -std=c++20 -O3 -nogpulib --rocm-path=/usr -ffp-contract=off -D__AMDGCN_WAVEFRONT_SIZE=64)
+  set(_offload)
+  foreach(arch IN LISTS _hip_archs)
+    list(APPEND _offload --offload-arch=${arch})
+  endforeach()
+  foreach(src IN LISTS _gc_hip)
+    get_filename_component(_name "${src}" NAME_WE)
+    # -fgpu-rdc: relocatable device code, so -c needs no device libraries (-nogpulib) at link time.
+    set(_obj "${_gc_dir}/hip_${_name}.o")
+    add_custom_command(OUTPUT "${_obj}"
+      COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} ${_offload} -fgpu-rdc -c "${src}" -o "${_obj}"
+      DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang ${_hip_archs}: ${_name}.hip" VERBATIM)
+    list(APPEND _gc_outputs "${_obj}")
+    foreach(arch IN LISTS _hip_archs)
+      set(_asm "${_gc_dir}/hip_${_name}.${arch}.s")
+      set(_ll "${_gc_dir}/hip_${_name}.${arch}.ll")
+      add_custom_command(OUTPUT "${_asm}"
+        COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} --offload-arch=${arch} --offload-device-only -S "${src}" -o "${_asm}"
+        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang -S ${arch}: ${_name}.hip" VERBATIM)
+      add_custom_command(OUTPUT "${_ll}"
+        COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} --offload-arch=${arch} --offload-device-only -emit-llvm -S "${src}"
+                -o "${_ll}"
+        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang -emit-llvm ${arch}: ${_name}.hip" VERBATIM)
+      foreach(kind s ll)
+        if(kind STREQUAL "s")
+          set(_in "${_asm}")
+        else()
+          set(_in "${_ll}")
+        endif()
+        add_custom_command(OUTPUT "${_in}.ok"
+          COMMAND "${Python_EXECUTABLE}" "${_isa_check}" ${kind} "${_in}" "${_in}.ok"
+          DEPENDS "${_in}" "${_isa_check}" COMMENT "numerics check (${kind}) ${arch}: ${_name}.hip" VERBATIM)
+        list(APPEND _gc_outputs "${_in}.ok")
+      endforeach()
+      list(APPEND _gc_manifest "hip ${arch} csrc/hip/${_name}.hip")
+    endforeach()
+  endforeach()
+else()
+  message(WARNING "GPU compile check: clang++-22 / clang++-19 not found; HIP kernels are NOT compile-checked")
+  list(APPEND _gc_manifest "SKIPPED hip (no clang++-22)")
+endif()
+
+# ---- torch glue: syntax only, against the installed torch's headers ------------------------------------
+set(_glue "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/ops_cuda.cpp")
+set(_cuda_inc "")
+if(EXISTS "${ALIGNED_NVCC}")
+  get_filename_component(_nvcc_real "${ALIGNED_NVCC}" REALPATH)
+  # /usr/local/bin/nvcc is a wrapper script here; the toolkit's headers live in /usr/local/cuda/include.
+  foreach(_cand "/usr/local/cuda/include" "${_nvcc_real}/../../include")
+    if(EXISTS "${_cand}/cuda_runtime_api.h" AND NOT _cuda_inc)
+      set(_cuda_inc "${_cand}")
+    endif()
+  endforeach()
+endif()
+if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
+  set(_inc_flags)
+  foreach(d IN LISTS TORCH_INCLUDE_DIRS Python_INCLUDE_DIRS)
+    list(APPEND _inc_flags "-I${d}")
+  endforeach()
+  set(_ok "${_gc_dir}/ops_cuda.syntax.ok")
+  add_custom_command(OUTPUT "${_ok}"
+    COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
+            "-I${_cuda_inc}" "${_glue}"
+    COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
+    DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h"
+    COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
+  list(APPEND _gc_outputs "${_ok}")
+  list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_cuda.cpp")
+elseif(EXISTS "${_glue}")
+  list(APPEND _gc_manifest "SKIPPED glue syntax (needs a CPU torch and the CUDA headers)")
+endif()
+
+string(REPLACE ";" "\n" _gc_manifest_text "${_gc_manifest}")
+file(WRITE "${_gc_dir}/manifest.txt" "${_gc_manifest_text}\n")
+add_custom_target(gpu_compile_check DEPENDS ${_gc_outputs})

@@ -1,0 +1,92 @@
+// compat.cuh — the few differences between CUDA (nvcc) and HIP (hip-clang) that the dense kernels touch.
+//
+// The kernels in this folder are written once and compiled by both vendors' compilers. Everything
+// vendor-specific is here: the runtime header, the stream type, the error query, and the 32-lane
+// shuffle. The numerics contract (csrc/common/reduce.h) fixes a 32-lane reduction; a CUDA warp is 32
+// lanes, an AMD CDNA wave is 64, so on AMD every wave holds two independent 32-lane groups and the
+// shuffles run with width 32 (each group only ever reads its own half). Kernels therefore never use
+// warpSize: they use kGroupLanes and the group index threadIdx.x / 32.
+#pragma once
+
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define ALIGNED_GPU_HIP 1
+#else
+#include <cuda_runtime.h>
+#define ALIGNED_GPU_CUDA 1
+#endif
+
+#include <stdint.h>
+
+#include "../common/numerics.h"
+#include "../common/reduce.h"
+
+namespace aligned::gpu {
+
+#if defined(ALIGNED_GPU_HIP)
+using gpu_stream_t = hipStream_t;
+using gpu_error_t = hipError_t;
+inline gpu_error_t gpu_last_error() { return hipGetLastError(); }
+inline bool gpu_ok(gpu_error_t e) { return e == hipSuccess; }
+inline const char* gpu_error_string(gpu_error_t e) { return hipGetErrorString(e); }
+#else
+using gpu_stream_t = cudaStream_t;
+using gpu_error_t = cudaError_t;
+inline gpu_error_t gpu_last_error() { return cudaGetLastError(); }
+inline bool gpu_ok(gpu_error_t e) { return e == cudaSuccess; }
+inline const char* gpu_error_string(gpu_error_t e) { return cudaGetErrorString(e); }
+#endif
+
+// Lanes of one reduction group (reduce.h: kReduceLanes). A CUDA warp, or half an AMD wave64.
+constexpr int kGroupLanes = 32;
+static_assert(kGroupLanes == kReduceLanes, "a reduction group must be exactly the contract's 32 lanes");
+
+// v from lane (lane ^ mask) of the same 32-lane group. Every lane of the group must call it.
+__device__ __forceinline__ float shfl_xor32(float v, int mask) {
+#if defined(ALIGNED_GPU_HIP)
+  return __shfl_xor(v, mask, kGroupLanes);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, kGroupLanes);
+#endif
+}
+__device__ __forceinline__ int shfl_xor32(int v, int mask) {
+#if defined(ALIGNED_GPU_HIP)
+  return __shfl_xor(v, mask, kGroupLanes);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, kGroupLanes);
+#endif
+}
+
+// The halving tree of reduce.h as a butterfly: after the xor steps 16, 8, 4, 2, 1 lane 0 holds
+// fold_lanes(lanes) exactly (step `w` adds lane i and lane i+w for i < w, as the tree does). Because fp32
+// addition is commutative (a + b == b + a bitwise), lanes i and i^w hold the same bits after step w, so
+// after the last step every lane of the group holds the result; no broadcast is needed.
+__device__ __forceinline__ float group_sum_tree(float lane_partial) {
+  float v = lane_partial;
+#pragma unroll
+  for (int w = kGroupLanes / 2; w >= 1; w /= 2) v = v + shfl_xor32(v, w);
+  return v;
+}
+
+// Maximum over the group. max is exact and order-free for non-NaN inputs (the only case where its result
+// is used: rows holding NaN/+inf are flagged separately). The one order-dependent case, +0 vs -0 as the
+// maximum, cannot change any output: s - (+0) == s - (-0) for s != 0, and lse = m + log(sum) is the same
+// for m = +0 and m = -0 (see logsumexp_row in contract.h).
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int w = kGroupLanes / 2; w >= 1; w /= 2) v = max_f32(v, shfl_xor32(v, w));
+  return v;
+}
+__device__ __forceinline__ int group_or(int v) {
+#pragma unroll
+  for (int w = kGroupLanes / 2; w >= 1; w /= 2) v = v | shfl_xor32(v, w);
+  return v;
+}
+
+// Grid-stride helpers: 64-bit indices everywhere (rows * H can exceed 2^31).
+__device__ __forceinline__ int64_t global_thread_index() {
+  return (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t global_thread_count() { return (int64_t)gridDim.x * blockDim.x; }
+
+}  // namespace aligned::gpu

@@ -1,0 +1,261 @@
+// dense_kernels.cuh — CUDA/HIP kernels of the non-matrix dense ops, one source for both vendors.
+//
+// Design (FlashInfer-style): templated __global__ kernels over the storage types, instantiated by the
+// launchers in dense_launch.cuh; no torch here. Every kernel evaluates exactly the per-row / per-element
+// expression trees of csrc/common/contract.h with the helpers of numerics.h, so its bits equal the CPU
+// backend's:
+//   * Row reductions (rms statistics, log-sum-exp, the backward dot products) run on one 32-lane group
+//     per row. Lane j accumulates elements j, j+32, j+64, ... in increasing order from +0 — the lane
+//     assignment of reduce.h — and group_sum_tree() folds the 32 partials with the halving tree.
+//     A CUDA warp is one group; an AMD wave64 holds two groups (two rows), see compat.cuh.
+//   * Rows are independent: a group's result depends only on its row, never on which group/block ran
+//     it, on the grid size or on the number of rows, so batch size cannot change any bit.
+//   * Column chains (rms_norm dw, linear db) run one thread per column over the rows in order: no split
+//     of the row axis, no atomics.
+//   * Elementwise ops (silu_and_mul, rotary, exp/log) are one thread per element (or pair).
+// Numerics flags (part of the contract): nvcc --fmad=false -ftz=false -prec-div=true -prec-sqrt=true,
+// hip-clang -ffp-contract=off; exp/log are exp_f32/log_f32, never __expf / v_exp_f32.
+#pragma once
+
+#include "compat.cuh"  // first: the vendor runtime header defines __host__/__device__/__forceinline__
+#include "../common/contract.h"
+
+namespace aligned::gpu {
+
+// Threads per block of the row kernels: 8 groups of 32 lanes (CUDA: 8 warps; AMD: 4 waves).
+constexpr int kRowBlockThreads = 256;
+constexpr int kGroupsPerBlock = kRowBlockThreads / kGroupLanes;
+// Threads per block of the elementwise and column kernels.
+constexpr int kElemBlockThreads = 256;
+// Grid cap for grid-stride loops (results never depend on it: every row/element is computed alike).
+constexpr int64_t kMaxBlocks = 1 << 20;
+
+struct GroupCoord {
+  int lane;          // 0..31 within the group
+  int64_t group;     // global group index
+  int64_t n_groups;  // groups in the grid
+};
+__device__ __forceinline__ GroupCoord group_coord() {
+  GroupCoord c;
+  c.lane = (int)(threadIdx.x % kGroupLanes);
+  c.group = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kGroupLanes;
+  c.n_groups = (int64_t)gridDim.x * kGroupsPerBlock;
+  return c;
+}
+
+// ---- rms_norm -------------------------------------------------------------------------------------------
+// contract.h rms_inv: lanes[j] += x_k * x_k for k = j, j+32, ...; ss = fold; inv = 1/sqrt(ss/H + eps).
+template <typename T>
+__device__ __forceinline__ float group_rms_inv(const T* x, int64_t H, float eps, int lane) {
+  float acc = 0.0f;
+  for (int64_t k = lane; k < H; k += kGroupLanes) {
+    const float v = to_f32(x[k]);
+    acc = acc + v * v;
+  }
+  const float ss = group_sum_tree(acc);
+  return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
+}
+
+// One group per row (grid-stride over rows). Every lane of a group runs the same iterations, so the
+// shuffles in group_rms_inv never diverge.
+template <typename T, typename TW>
+__global__ void rms_norm_kernel(const T* __restrict__ x, const TW* __restrict__ w, T* __restrict__ out, int64_t rows,
+                                int64_t H, float eps) {
+  const GroupCoord c = group_coord();
+  for (int64_t r = c.group; r < rows; r += c.n_groups) {
+    const T* xr = x + r * H;
+    T* orow = out + r * H;
+    const float inv = group_rms_inv(xr, H, eps, c.lane);
+    for (int64_t k = c.lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(xr[k]) * inv) * to_f32(w[k]));
+  }
+}
+
+// fused_add_rms_norm: res_out = round_T(x + res), then rms_norm of the rounded residual (contract.h).
+// Each lane writes the residual elements it later reads back, so no synchronisation is needed.
+template <typename T, typename TW>
+__global__ void fused_add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res, const TW* __restrict__ w,
+                                          T* __restrict__ out, T* __restrict__ res_out, int64_t rows, int64_t H,
+                                          float eps) {
+  const GroupCoord c = group_coord();
+  for (int64_t r = c.group; r < rows; r += c.n_groups) {
+    const T* xr = x + r * H;
+    const T* rr = res + r * H;
+    T* ro = res_out + r * H;
+    T* orow = out + r * H;
+    for (int64_t k = c.lane; k < H; k += kGroupLanes) ro[k] = from_f32<T>(to_f32(xr[k]) + to_f32(rr[k]));
+    const float inv = group_rms_inv<T>(ro, H, eps, c.lane);
+    for (int64_t k = c.lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(ro[k]) * inv) * to_f32(w[k]));
+  }
+}
+
+// rms_norm backward, dx part (contract.h rms_norm_backward_row) and inv[row] for the dw pass.
+template <typename T, typename TW>
+__global__ void rms_norm_backward_dx_kernel(const T* __restrict__ g, const T* __restrict__ x, const TW* __restrict__ w,
+                                            T* __restrict__ dx, float* __restrict__ inv_out, int64_t rows, int64_t H,
+                                            float eps) {
+  const GroupCoord c = group_coord();
+  for (int64_t r = c.group; r < rows; r += c.n_groups) {
+    const T* gr = g + r * H;
+    const T* xr = x + r * H;
+    T* dxr = dx + r * H;
+    const float inv = group_rms_inv(xr, H, eps, c.lane);
+    float acc = 0.0f;
+    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
+      const float gw = to_f32(gr[k]) * to_f32(w[k]);
+      acc = acc + gw * to_f32(xr[k]);
+    }
+    const float dot = group_sum_tree(acc);
+    const float cc = (div_f32(dot, (float)H) * inv) * inv;
+    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
+      const float gw = to_f32(gr[k]) * to_f32(w[k]);
+      dxr[k] = from_f32<T>((gw - to_f32(xr[k]) * cc) * inv);
+    }
+    if (c.lane == 0) inv_out[r] = inv;
+  }
+}
+
+// dw[k] = chain over rows r = 0..rows-1 of (. + g[r,k] * (x[r,k] * inv[r])): one thread per column.
+template <typename T>
+__global__ void rms_norm_backward_dw_kernel(const T* __restrict__ g, const T* __restrict__ x,
+                                            const float* __restrict__ inv, float* __restrict__ dw, int64_t rows,
+                                            int64_t H) {
+  for (int64_t k = global_thread_index(); k < H; k += global_thread_count()) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) acc = acc + to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]);
+    dw[k] = acc;
+  }
+}
+
+// ---- silu_and_mul ---------------------------------------------------------------------------------------
+template <typename T>
+__global__ void silu_and_mul_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t rows, int64_t d) {
+  const int64_t n = rows * d;
+  for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) {
+    const int64_t r = i / d, col = i - r * d;
+    const T* a = x + r * 2 * d;
+    out[i] = from_f32<T>(silu_mul(to_f32(a[col]), to_f32(a[d + col])));
+  }
+}
+
+template <typename T>
+__global__ void silu_and_mul_backward_kernel(const T* __restrict__ g, const T* __restrict__ x, T* __restrict__ dx,
+                                             int64_t rows, int64_t d) {
+  const int64_t n = rows * d;
+  for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) {
+    const int64_t r = i / d, col = i - r * d;
+    const T* a = x + r * 2 * d;
+    T* da = dx + r * 2 * d;
+    float fa, fb;
+    silu_mul_backward(to_f32(g[i]), to_f32(a[col]), to_f32(a[d + col]), &fa, &fb);
+    da[col] = from_f32<T>(fa);
+    da[d + col] = from_f32<T>(fb);
+  }
+}
+
+// ---- rotary_embedding -----------------------------------------------------------------------------------
+// Work item (t, h, w): w < rot/2 rotates pair w (contract.h rotate_pair); w >= rot/2 copies dimension
+// rot + (w - rot/2), which passes through unchanged.
+template <typename T>
+__global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __restrict__ x, T* __restrict__ out,
+                              const float* __restrict__ cache, int64_t T_, int64_t heads, int64_t head_dim,
+                              int64_t rot, bool is_neox, bool inverse) {
+  const int64_t half = rot / 2;
+  const int64_t W = half + (head_dim - rot);
+  const int64_t n = T_ * heads * W;
+  for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) {
+    const int64_t th = i / W, wi = i - th * W;
+    const int64_t t = th / heads;
+    const T* xr = x + th * head_dim;
+    T* o = out + th * head_dim;
+    if (wi < half) {
+      const float* cs = cache + positions[t] * rot;
+      const int64_t i1 = is_neox ? wi : 2 * wi;
+      const int64_t i2 = is_neox ? wi + half : 2 * wi + 1;
+      float o1, o2;
+      rotate_pair(to_f32(xr[i1]), to_f32(xr[i2]), cs[wi], cs[half + wi], inverse, &o1, &o2);
+      o[i1] = from_f32<T>(o1);
+      o[i2] = from_f32<T>(o2);
+    } else {
+      const int64_t k = rot + (wi - half);
+      o[k] = xr[k];
+    }
+  }
+}
+
+// ---- log_softmax / token_logprobs ------------------------------------------------------------------------
+// contract.h logsumexp_row on one group: the max pass is order-free (group_max); the sum pass is lane j
+// over v = j, j+32, ... in order, then the halving tree. NaN or +inf in the row -> NaN; all -inf -> -inf.
+// Every lane returns the same value (uniform branches: `bad` and `m` are group-reduced).
+template <typename T>
+__device__ __forceinline__ float group_logsumexp(const T* z, int64_t V, float tau, int lane) {
+  const float kInf = float_of(0x7f800000u);
+  float m = -kInf;
+  int bad = 0;
+  for (int64_t v = lane; v < V; v += kGroupLanes) {
+    const float s = div_f32(to_f32(z[v]), tau);
+    bad |= (is_nan_f32(s) || s == kInf) ? 1 : 0;
+    m = max_f32(m, s);
+  }
+  bad = group_or(bad);
+  m = group_max(m);
+  if (bad) return float_of(0x7fc00000u);
+  if (m == -kInf) return m;
+  float acc = 0.0f;
+  for (int64_t v = lane; v < V; v += kGroupLanes) acc = acc + exp_f32(div_f32(to_f32(z[v]), tau) - m);
+  return m + log_f32(group_sum_tree(acc));
+}
+
+enum class LogitsMode : int { kLogsumexp = 0, kLogSoftmax = 1, kTokenLogprobs = 2, kTokenLogprobsBackward = 3 };
+
+// One group per row. kLogsumexp writes lse[t]; kLogSoftmax writes out[t, v] = z_v / tau - lse;
+// kTokenLogprobs writes out[t] = z_id / tau - lse; kTokenLogprobsBackward writes
+// dz[t, v] = round_T(((v == id) - exp(z_v / tau - lse)) * g / tau). The same lse feeds all of them, so
+// token_logprobs equals log_softmax[id] bit for bit, as on the CPU.
+template <typename T, LogitsMode kMode>
+__global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V, float tau,
+                                  const float* __restrict__ temps, const int64_t* __restrict__ ids,
+                                  const float* __restrict__ g, float* __restrict__ lse_out, float* __restrict__ out,
+                                  T* __restrict__ dz) {
+  const GroupCoord c = group_coord();
+  for (int64_t t = c.group; t < T_; t += c.n_groups) {
+    const T* zr = z + t * V;
+    const float tt = temps ? temps[t] : tau;
+    const float lse = group_logsumexp(zr, V, tt, c.lane);
+    if constexpr (kMode == LogitsMode::kLogsumexp) {
+      if (c.lane == 0) lse_out[t] = lse;
+    } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
+      float* o = out + t * V;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes) o[v] = div_f32(to_f32(zr[v]), tt) - lse;
+    } else if constexpr (kMode == LogitsMode::kTokenLogprobs) {
+      if (c.lane == 0) out[t] = div_f32(to_f32(zr[ids[t]]), tt) - lse;
+    } else {
+      const int64_t id = ids[t];
+      const float gr = g[t];
+      T* o = dz + t * V;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes) {
+        const float p = exp_f32(div_f32(to_f32(zr[v]), tt) - lse);
+        const float onehot = v == id ? 1.0f : 0.0f;
+        o[v] = from_f32<T>(div_f32((onehot - p) * gr, tt));
+      }
+    }
+  }
+}
+
+// ---- column chains ----------------------------------------------------------------------------------------
+// out[n] = round_TO(chain over m = 0..rows-1 of (. + g[m, n])) — linear's bias gradient (contract.h).
+template <typename T, typename TO>
+__global__ void column_sum_kernel(const T* __restrict__ g, TO* __restrict__ out, int64_t rows, int64_t cols) {
+  for (int64_t n = global_thread_index(); n < cols; n += global_thread_count()) {
+    float acc = 0.0f;
+    for (int64_t m = 0; m < rows; ++m) acc = acc + to_f32(g[m * cols + n]);
+    out[n] = from_f32<TO>(acc);
+  }
+}
+
+// ---- the contract's scalar exp/log, elementwise (tests compare backends with these) -----------------------
+template <bool kLog>
+__global__ void exp_log_kernel(const float* __restrict__ x, float* __restrict__ out, int64_t n) {
+  for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) out[i] = kLog ? log_f32(x[i]) : exp_f32(x[i]);
+}
+
+}  // namespace aligned::gpu

@@ -1,0 +1,182 @@
+// dense_launch.cuh — the launchers declared in dense_api.h, defined once for both vendors.
+//
+// Included by exactly one translation unit per vendor: csrc/cuda/dense.cu (nvcc) and csrc/hip/dense.hip
+// (hip-clang). Each launcher maps the runtime dtypes to a kernel instantiation, picks a grid (which never
+// changes any result: rows, columns and output tiles are independent), enqueues on the caller's stream and
+// reports the launch error, if any. Zero-size problems enqueue nothing.
+#pragma once
+
+#include "dense_api.h"
+#include "dense_kernels.cuh"
+#include "gemm_fp32.cuh"
+
+namespace aligned::gpu {
+namespace {
+
+// Calls fn with a typed null pointer for the storage type named by dt (as the CPU backend does).
+template <typename Fn>
+void with_type(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::F32: fn((float*)nullptr); break;
+    case DType::BF16: fn((bf16_t*)nullptr); break;
+    case DType::F16: fn((f16_t*)nullptr); break;
+  }
+}
+template <typename T>
+using Elem = typename std::remove_pointer<T>::type;
+
+const char* last_error() {
+  gpu_error_t e = gpu_last_error();
+  return gpu_ok(e) ? nullptr : gpu_error_string(e);
+}
+
+unsigned row_blocks(int64_t rows) {
+  int64_t b = (rows + kGroupsPerBlock - 1) / kGroupsPerBlock;
+  return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
+}
+unsigned elem_blocks(int64_t n) {
+  int64_t b = (n + kElemBlockThreads - 1) / kElemBlockThreads;
+  return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
+}
+gpu_stream_t as_stream(void* s) { return (gpu_stream_t)s; }
+
+}  // namespace
+
+const char* launch_rms_norm(const RmsNormParams& p, void* stream) {
+  if (p.rows == 0 || p.H == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    auto go = [&](auto* wp) {
+      using TW = Elem<decltype(wp)>;
+      rms_norm_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+          (const T*)p.x, (const TW*)p.w, (T*)p.out, p.rows, p.H, p.eps);
+    };
+    if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
+  });
+  return last_error();
+}
+
+const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream) {
+  if (p.rows == 0 || p.H == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    auto go = [&](auto* wp) {
+      using TW = Elem<decltype(wp)>;
+      fused_add_rms_norm_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+          (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
+    };
+    if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
+  });
+  return last_error();
+}
+
+const char* launch_rms_norm_backward(const RmsNormBackwardParams& p, void* stream) {
+  if (p.H == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    auto go = [&](auto* wp) {
+      using TW = Elem<decltype(wp)>;
+      if (p.rows > 0)
+        rms_norm_backward_dx_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+            (const T*)p.g, (const T*)p.x, (const TW*)p.w, (T*)p.dx, p.inv, p.rows, p.H, p.eps);
+    };
+    if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
+    // dw reads inv[] written above: same stream, so ordered. rows == 0 gives dw = +0 (empty chains).
+    rms_norm_backward_dw_kernel<T><<<elem_blocks(p.H), kElemBlockThreads, 0, as_stream(stream)>>>(
+        (const T*)p.g, (const T*)p.x, p.inv, p.dw, p.rows, p.H);
+  });
+  return last_error();
+}
+
+const char* launch_silu_and_mul(const SiluMulParams& p, void* stream) {
+  if (p.rows == 0 || p.d == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    silu_and_mul_kernel<T><<<elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream)>>>(
+        (const T*)p.x, (T*)p.out, p.rows, p.d);
+  });
+  return last_error();
+}
+
+const char* launch_silu_and_mul_backward(const SiluMulParams& p, void* stream) {
+  if (p.rows == 0 || p.d == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    silu_and_mul_backward_kernel<T><<<elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream)>>>(
+        (const T*)p.g, (const T*)p.x, (T*)p.out, p.rows, p.d);
+  });
+  return last_error();
+}
+
+const char* launch_rotary(const RotaryParams& p, void* stream) {
+  const int64_t W = p.rot / 2 + (p.head_dim - p.rot);
+  const int64_t n = p.T * p.heads * W;
+  if (n == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    rotary_kernel<T><<<elem_blocks(n), kElemBlockThreads, 0, as_stream(stream)>>>(
+        p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse);
+  });
+  return last_error();
+}
+
+namespace {
+template <LogitsMode kMode>
+const char* launch_logits(const LogitsParams& p, void* stream) {
+  if (p.T == 0) return nullptr;
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    logits_row_kernel<T, kMode><<<row_blocks(p.T), kRowBlockThreads, 0, as_stream(stream)>>>(
+        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz);
+  });
+  return last_error();
+}
+}  // namespace
+
+const char* launch_logsumexp(const LogitsParams& p, void* s) { return launch_logits<LogitsMode::kLogsumexp>(p, s); }
+const char* launch_log_softmax(const LogitsParams& p, void* s) { return launch_logits<LogitsMode::kLogSoftmax>(p, s); }
+const char* launch_token_logprobs(const LogitsParams& p, void* s) {
+  return launch_logits<LogitsMode::kTokenLogprobs>(p, s);
+}
+const char* launch_token_logprobs_backward(const LogitsParams& p, void* s) {
+  return launch_logits<LogitsMode::kTokenLogprobsBackward>(p, s);
+}
+
+const char* launch_gemm(const GemmParams& p, void* stream) {
+  if (p.M == 0 || p.N == 0) return nullptr;
+  // One storage type per call (what linear / linear_backward use): 3 instantiations, not 27.
+  if (p.adt != p.cdt || p.bdt != p.cdt) return "aligned gemm: A, B and C must share one dtype";
+  const int64_t gx = (p.N + kTileN - 1) / kTileN, gy = (p.M + kTileM - 1) / kTileM;
+  if (gx > 0x7fffffff || gy > 65535) return "aligned gemm: problem too large for one grid (M > 65535 * kTileM)";
+  with_type(p.cdt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    gemm_fp32_kernel<T, T, T><<<dim3((unsigned)gx, (unsigned)gy), kGemmThreads, 0, as_stream(stream)>>>(
+        (const T*)p.A, p.a_sm, p.a_sk, (const T*)p.B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N,
+        p.K);
+  });
+  return last_error();
+}
+
+const char* launch_column_sum(const ColumnSumParams& p, void* stream) {
+  if (p.cols == 0) return nullptr;
+  if (p.out_dt != p.dt) return "aligned column_sum: output dtype must equal input dtype";
+  with_type(p.dt, [&](auto* tp) {
+    using T = Elem<decltype(tp)>;
+    column_sum_kernel<T, T><<<elem_blocks(p.cols), kElemBlockThreads, 0, as_stream(stream)>>>((const T*)p.g, (T*)p.out,
+                                                                                             p.rows, p.cols);
+  });
+  return last_error();
+}
+
+const char* launch_exp_f32(const ElementwiseParams& p, void* stream) {
+  if (p.n == 0) return nullptr;
+  exp_log_kernel<false><<<elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream)>>>(p.x, p.out, p.n);
+  return last_error();
+}
+const char* launch_log_f32(const ElementwiseParams& p, void* stream) {
+  if (p.n == 0) return nullptr;
+  exp_log_kernel<true><<<elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream)>>>(p.x, p.out, p.n);
+  return last_error();
+}
+
+}  // namespace aligned::gpu
