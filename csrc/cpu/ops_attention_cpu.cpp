@@ -232,9 +232,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   return {dq, dk, dv};
 }
 
-void check_cache(const at::Tensor& c, const at::Tensor& q_like, const char* op, const char* name) {
+void check_cache(const at::Tensor& c, const at::Tensor& ref, const char* ref_name, const char* op, const char* name) {
   check_cpu(c, op, name);
-  check_same_dtype(q_like, c, op, q_like.dim() == 3 ? "q" : "k", name);
+  check_same_dtype(ref, c, op, ref_name, name);
   TORCH_CHECK(c.dim() == 4, "aligned::", op, ": ", name,
               " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ", c.sizes());
   TORCH_CHECK(c.is_contiguous(), "aligned::", op, ": ", name, " must be contiguous");
@@ -250,8 +250,8 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   check_same_dtype(k, v, op, "k", "v");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aligned::", op,
               ": k and v must both be [tokens, num_kv_heads, head_dim], got ", k.sizes(), " and ", v.sizes());
-  check_cache(k_cache, k, op, "k_cache");
-  check_cache(v_cache, k, op, "v_cache");
+  check_cache(k_cache, k, "k", op, "k_cache");
+  check_cache(v_cache, k, "k", op, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "aligned::", op, ": k_cache and v_cache must have the same shape");
   TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "aligned::", op,
               ": cache heads/head_dim [", k_cache.size(2), ", ", k_cache.size(3), "] must match k [", k.size(1), ", ",
@@ -282,8 +282,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   check_cpu(q, op, "q");
   DType dt = attn_dtype(q, op, "q");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
-  check_cache(k_cache, q, op, "k_cache");
-  check_cache(v_cache, q, op, "v_cache");
+  check_cache(k_cache, q, "q", op, "k_cache");
+  check_cache(v_cache, q, "q", op, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "aligned::", op, ": k_cache and v_cache must have the same shape, got ",
               k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t Hq = q.size(1), D = q.size(2), num_blocks = k_cache.size(0), bs = k_cache.size(1),

@@ -14,8 +14,18 @@ ops = torch.ops.aligned
 _lib = "aligned::"
 
 
+def _check_same_device(op, **tensors):
+    devs = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devs.values()))
+    torch._check(
+        all(d == first for d in devs.values()),
+        lambda: f"aligned::{op}: all tensors must be on the same device, got {devs}",
+    )
+
+
 @torch.library.register_fake(_lib + "attention_varlen")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+    _check_same_device("attention_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch._check(q.dim() == 3, lambda: "aligned::attention_varlen: q must be [tokens, heads, head_dim]")
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "aligned::attention_varlen: k, v must be 3-D")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "aligned::attention_varlen: num_heads % num_kv_heads != 0")
@@ -26,6 +36,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
 
 @torch.library.register_fake(_lib + "attention_varlen_backward")
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    _check_same_device("attention_varlen_backward", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -35,11 +46,16 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
 
 @torch.library.register_fake(_lib + "reshape_and_cache")
 def _(k, v, k_cache, v_cache, slot_mapping):
+    _check_same_device("reshape_and_cache", k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     return None
 
 
 @torch.library.register_fake(_lib + "paged_attention")
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    _check_same_device(
+        "paged_attention", q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     torch._check(q.dim() == 3, lambda: "aligned::paged_attention: q must be [tokens, heads, head_dim]")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
