@@ -1,7 +1,7 @@
 // torch_bindings.cpp — every dense op schema, declared once, and the Python module entry point.
 // Backends register implementations with TORCH_LIBRARY_IMPL (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cpp);
 // fake (meta) implementations and autograd live in python/aligned_ops/_dense.py. Attention schemas are a
-// TORCH_LIBRARY_FRAGMENT in csrc/cpu/attention_cpu.cpp's sibling, csrc/attention_bindings.cpp.
+// TORCH_LIBRARY_FRAGMENT in csrc/cpu/ops_attention_cpu.cpp.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -138,24 +138,16 @@ def _top_k_minus_one() -> bool:
     return False
 
 
-def _engine_model(llm):
-    """The ``nn.Module`` of a single-process engine."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
 def refit(llm, state_dict) -> None:
     """Load new weights (a HF-named state dict, e.g. the trainer's ``model.state_dict()``) into ``llm``.
 
-    Runs the model's own ``load_weights`` (which fuses q/k/v and gate/up) on every worker via
-    ``LLM.apply_model``; the plugin keeps ``layer.weight`` as a plain tensor, so no post-load processing
-    is needed and the next ``generate`` uses the new weights. Prefix caching is off, so no stale KV blocks.
+    Goes through vLLM's own in-place reload (``Worker.reload_weights`` via ``collective_rpc``): the model's
+    ``load_weights`` fuses q/k/v and gate/up, then vLLM re-runs each layer's post-load processing. That
+    matters for the *stock* CPU engine, whose linear layers re-pack the weight for oneDNN/sgl and drop
+    ``layer.weight`` (a plain ``load_weights`` fails there); with the plugin ``layer.weight`` stays a plain
+    tensor and the re-processing is a no-op. Prefix caching is off, so no stale KV blocks survive.
     Tensors are moved to CPU and cast to the engine's dtype.
     """
-    items = [(k, v.detach().to("cpu")) for k, v in state_dict.items()]
-
-    def _load(model):
-        dtype = next(model.parameters()).dtype
-        loaded = model.load_weights((k, v.to(dtype)) for k, v in items)
-        return len(loaded) if loaded is not None else None
-
-    llm.apply_model(_load)
+    dtype = llm.llm_engine.model_config.dtype
+    items = [(k, v.detach().to("cpu", dtype)) for k, v in state_dict.items()]
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=items))
