@@ -1,6 +1,6 @@
 """``aligned-ops demo``: a small asynchronous RL run on the CPU, standard vs aligned kernels.
 
-Task: a tiny random-weight Qwen2 learns single-digit addition ("3+5=" -> "8<eos>"). It is first taught
+Task: a tiny random-weight Qwen2 learns addition ("37+5=" -> "42<eos>"). It is first taught
 briefly by supervised steps (shared by both runs), then trained with REINFORCE Zero (untruncated token-level
 importance sampling, ``aligned_ops.rl.reinforce_zero_loss``) from real vLLM rollouts generated with weights
 that lag the trainer by ``--lag`` steps (the engine is refit every step, as an async RL system does).
@@ -30,9 +30,12 @@ DIGITS = "0123456789"
 
 
 class AdditionTask:
-    """Prompts "a+b=" (single digits), answers the digits of a+b followed by eos, as token ids."""
+    """Prompts "a+b=" (a < 100, b < 10), answers the digits of a+b followed by eos, as token ids."""
 
-    def __init__(self, tokenizer):
+    MAX_ANSWER_TOKENS = 4  # up to three digits and eos
+
+    def __init__(self, tokenizer, a_range: int = 100, b_range: int = 10):
+        self.a_range, self.b_range = a_range, b_range
         self.eos = tokenizer.eos_token_id
         ids = {c: tokenizer.convert_tokens_to_ids(c) for c in DIGITS + "+="}
         if any(v is None or v == tokenizer.unk_token_id for v in ids.values()):
@@ -42,9 +45,10 @@ class AdditionTask:
     def sample(self, gen, n: int) -> list[tuple[list[int], list[int]]]:
         import torch
 
-        ab = torch.randint(0, 10, (n, 2), generator=gen).tolist()
-        return [([self.ids[str(a)], self.ids["+"], self.ids[str(b)], self.ids["="]],
-                 [self.ids[c] for c in str(a + b)] + [self.eos]) for a, b in ab]
+        a = torch.randint(0, self.a_range, (n,), generator=gen).tolist()
+        b = torch.randint(0, self.b_range, (n,), generator=gen).tolist()
+        return [([self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos])
+                for x, y in zip(a, b)]
 
     @staticmethod
     def reward(completion: list[int], answer: list[int]) -> float:
@@ -156,7 +160,7 @@ def rl_run(args) -> dict:
         batch = task.sample(gen, args.prompts)
         prompts = [p for p, _ in batch for _ in range(args.samples)]
         answers = [a for _, a in batch for _ in range(args.samples)]
-        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=3, ignore_eos=False)
+        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=task.MAX_ANSWER_TOKENS, ignore_eos=False)
         rewards = torch.tensor([task.reward(c.token_ids, a) for c, a in zip(completions, answers)])
         sequences = [p + list(c.token_ids) for p, c in zip(prompts, completions)]
         starts = [len(p) for p in prompts]
@@ -176,7 +180,7 @@ def rl_run(args) -> dict:
         history = history[-(args.lag + 2):] if len(history) > args.lag + 2 else history
         rec = dict(step=step, reward=float(rewards.mean()), d3=d3, kernel_abs_diff_max=kernel["abs_diff_max"],
                    kernel_frac_bitwise_equal=kernel["frac_bitwise_equal"], ratio_max=kernel["ratio_max"],
-                   grad_norm=grad_norm, loss=float(loss))
+                   grad_norm=grad_norm, loss=loss.item())
         steps.append(rec)
         bar.set_postfix(reward=f"{rec['reward']:.2f}", D3=f"{d3:.2e}", kernelΔ=f"{rec['kernel_abs_diff_max']:.1e}")
     return dict(kernels=args.kernels, steps=steps, summary=tracker.summary())
@@ -218,7 +222,7 @@ def main(args) -> int:
                             hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                             num_hidden_layers=args.layers)
     print(f"supervised warm-up: {args.sft_steps} steps ...", flush=True)
-    warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.lr, args.seed)
+    warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed)
     argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),
             "--prompts", str(args.prompts), "--samples", str(args.samples), "--lr", str(args.lr),
             "--seed", str(args.seed)]
