@@ -291,19 +291,29 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
-// Output tiles: kTileM rows x kTileN columns. Tiles only choose which fma chains a thread runs.
-constexpr int64_t kTileM = 256, kTileN = 64;
+// Threads take contiguous runs of 32-column output panels over all rows (each thread packs its own part of
+// B once per row block); when there are too few panels to keep every thread busy, the rows are split as
+// well. Tiles only choose which fma chains a thread runs (contract.h: linear), never how one is summed.
+constexpr int64_t kPanelN = 32;
 
 void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType bdt, const at::Tensor& B, int64_t b_sn,
               int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K) {
-  const int64_t tm = (M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
+  const int64_t panels = (N + kPanelN - 1) / kPanelN;
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  int64_t mchunk = M;
+  if (panels < 2 * nt && M > 16) mchunk = std::max<int64_t>(16, ((M + 2 * nt - 1) / (2 * nt) + 7) / 8 * 8);
+  const int64_t mt = (M + mchunk - 1) / mchunk;
   const auto& k = cpu_kernels();
-  at::parallel_for(0, tm * tn, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t mi = t / tn, ni = t % tn;
-      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias ? bias->data_ptr() : nullptr, cdt,
-             C.data_ptr(), N, K, mi * kTileM, std::min(M, (mi + 1) * kTileM), ni * kTileN,
-             std::min(N, (ni + 1) * kTileN));
+  const void* bias_ptr = bias ? bias->data_ptr() : nullptr;
+  // Enough work per task that threading pays: ~2^18 fma per task at least.
+  const int64_t per_panel = std::max<int64_t>(1, std::min(M, mchunk) * kPanelN * std::max<int64_t>(K, 1));
+  const int64_t grain_tasks = std::max<int64_t>(1, (1 << 18) / per_panel);
+  at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e;) {
+      const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
+      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias_ptr, cdt, C.data_ptr(), N, K,
+             mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
+      t += p1 - p0;
     }
   });
 }
