@@ -337,8 +337,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
                 "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
     b = bias->contiguous();
   }
-  auto xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K may be 0
+  auto xc = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = at::empty({M, N}, x.options());
@@ -350,14 +350,30 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad, const at::Tensor& x,
                                                                const at::Tensor& weight, bool needs_x, bool needs_w,
                                                                bool needs_b) {
-  DType dt = dtype_of(x, "linear_backward", "x");
+  const char* op = "linear_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  DType dt = dtype_of(x, op, "x");
+  dtype_of(weight, op, "weight");
+  dtype_of(grad, op, "grad_out");
+  TORCH_CHECK(x.dim() >= 1, "aligned::linear_backward: x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, "aligned::linear_backward: weight must be [out_features, in_features], got ",
+              weight.sizes());
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(grad.size(-1) == N && grad.scalar_type() == x.scalar_type(),
-              "aligned::linear_backward: grad_out must be [..., ", N, "] with x's dtype");
-  auto g = grad.reshape({-1, N}).contiguous();
-  auto xc = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(weight.size(1) == K, "aligned::linear_backward: x has ", K, " input features but weight is ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && grad.scalar_type() == x.scalar_type(),
+              "aligned::linear_backward: grad_out, x and weight must share one dtype, got ", grad.scalar_type(), ", ",
+              x.scalar_type(), ", ", weight.scalar_type());
+  auto want = x.sizes().vec();
+  want.back() = N;
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ", at::IntArrayRef(want),
+              ", got ", grad.sizes());
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K or N may be 0
+  auto g = grad.reshape({M, N}).contiguous();
+  auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
-  const int64_t M = g.size(0);
   at::Tensor dx, dw, db;
   if (needs_x) {
     // dx[m, k] = chain over n of g[m, n] * w[n, k]
