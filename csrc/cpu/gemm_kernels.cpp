@@ -34,6 +34,9 @@
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
+#ifndef ALIGNED_DIRECT_MAX
+#define ALIGNED_DIRECT_MAX 16
+#endif
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -309,7 +312,8 @@ static void direct16(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64
   for (int r = 0; r < MR; ++r) _mm512_store_ps(tile + r * kNR, acc[r]);
 }
 
-constexpr int kDirectRows = 4;  // rows up to which the direct (no-pack) path wins
+constexpr int kDirectRows = 8;  // rows per pass of the direct (no-pack) path
+constexpr int64_t kDirectMaxRows = ALIGNED_DIRECT_MAX;
 
 template <typename TA, typename TB>
 using Direct = void (*)(const TA*, int64_t, int64_t, const TB*, int64_t, int64_t, int64_t, int64_t, float*);
@@ -362,12 +366,15 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
   if (rows <= 0 || n1 <= n0) return;
   const auto seq = std::make_integer_sequence<int, kMR>{};
 #if defined(__AVX512F__)
-  if (rows <= kDirectRows && b_sk == 1) {
-    auto fn = pick_direct<TA, TB>((int)rows, std::make_integer_sequence<int, kDirectRows>{});
+  if (rows <= kDirectMaxRows && b_sk == 1) {
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
-      fn(a + m0 * a_sm, a_sm, a_sk, b, b_sn, nb, nw, K, tile);
-      store_tile(tile, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
+      for (int64_t m = m0; m < m1; m += kDirectRows) {
+        const int r = (int)std::min<int64_t>(kDirectRows, m1 - m);
+        pick_direct<TA, TB>(r, std::make_integer_sequence<int, kDirectRows>{})(a + m * a_sm, a_sm, a_sk, b, b_sn, nb,
+                                                                              nw, K, tile);
+        store_tile(tile, r, bias, c + m * c_sm, c_sm, nb, nw);
+      }
     }
     return;
   }
