@@ -367,6 +367,14 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
   const auto seq = std::make_integer_sequence<int, kMR>{};
 #if defined(__AVX512F__)
   if (rows <= kDirectMaxRows && b_sk == 1) {
+    if constexpr (!std::is_same_v<TA, float>) {
+      // Widen the few activation rows to fp32 once (exact), so every broadcast is a plain fp32 load.
+      float* af = thread_panel_buffer(rows * std::max<int64_t>(K, 1));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) af[r * K + k] = to_f32(a[(m0 + r) * a_sm + k * a_sk]);
+      gemm_typed<float, TB, TC>(af, K, 1, b, b_sn, b_sk, bias, c + m0 * c_sm, c_sm, K, 0, rows, n0, n1);
+      return;
+    }
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
       for (int64_t m = m0; m < m1; m += kDirectRows) {
