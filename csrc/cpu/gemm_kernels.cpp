@@ -19,9 +19,13 @@
 //    the bias once and rounds to the output type.
 //  * Large M: per block of kMC rows, each panel is packed over the full K (fits L2 for K <= ~6k, streams
 //    from L3 beyond) and reused by all kMR-row groups of the block; the A block stays in L3.
-//  * Small M (decode, <= kMR rows): the weight read dominates, so the panel is packed kKC k-steps at a time
-//    into an L1-resident buffer right before the fma steps consume it; the accumulators stay in registers
-//    across chunks (same chain, just fed in pieces). Memory traffic is one read of the weight.
+//  * Small M (decode, <= 16 rows) with a row-major weight on AVX-512: no packing buffer. 16 weight rows x 16 k
+//    (bf16: x 32 k, as dword pairs) are transposed in registers and each transposed vector feeds the fma
+//    chains of up to 8 rows directly; bf16/f16 activation rows are widened to fp32 once. Memory traffic is
+//    one read of the weight (two for 9..16 rows).
+//  * Other small-M cases (column-major B in the backward, AVX2/generic levels): the panel is packed kKC
+//    k-steps at a time into an L1-resident buffer right before the fma steps consume it; the accumulators
+//    stay in registers across chunks (same chain, just fed in pieces).
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,9 +38,6 @@
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
-#ifndef ALIGNED_DIRECT_MAX
-#define ALIGNED_DIRECT_MAX 16
-#endif
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -313,7 +314,7 @@ static void direct16(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64
 }
 
 constexpr int kDirectRows = 8;  // rows per pass of the direct (no-pack) path
-constexpr int64_t kDirectMaxRows = ALIGNED_DIRECT_MAX;
+constexpr int64_t kDirectMaxRows = 16;  // beyond this, packing the panel once and reusing it wins
 
 template <typename TA, typename TB>
 using Direct = void (*)(const TA*, int64_t, int64_t, const TB*, int64_t, int64_t, int64_t, int64_t, float*);
