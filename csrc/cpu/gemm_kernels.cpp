@@ -262,53 +262,67 @@ static void micro_streamed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b,
 // transposed in registers, and each transposed vector (one k, 16 columns) feeds the MR fma chains directly.
 // bf16 rows are loaded as 16 dword pairs (k, k+1) and transposed once per 32 k: the pair splits into the
 // even k (shift left 16) and odd k (mask the high half), both exact widenings.
-template <int MR, typename TA, typename TB>
-static void direct16(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64_t b_sn, int64_t n0, int64_t nw,
-                     int64_t K, float* tile) {
-  __m512 acc[MR];
+// One block of the direct path: 16 weight rows (row pointers clamped to valid rows, rows past nw masked to
+// zero) x kBlock k-steps starting at kk (kFull: all kBlock steps exist, so every index below is a constant
+// and the transposed vectors stay in registers; otherwise `cnt` steps, for the tail of K).
+template <int MR, bool kFull, typename TA, typename TB>
+static ALIGNED_INLINE void direct_block(__m512 (&acc)[MR], const TA* a, int64_t a_sm, int64_t a_sk,
+                                        const TB* const (&rp)[16], const uint32_t (&rv)[16], int64_t kk, int cnt_rt) {
+  constexpr bool kPairs = std::is_same_v<TB, bf16_t>;
+  constexpr int kBlock = kPairs ? 32 : 16;
+  const int cnt = kFull ? kBlock : cnt_rt;
+  const uint32_t kmask = kFull ? 0xffffffffu : ((1u << cnt) - 1u);
+  __m512 rows[16];
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const TB* base = b + n0 * b_sn;
-  if constexpr (std::is_same_v<TB, bf16_t>) {
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (kPairs)
+      rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16((__mmask32)(rv[i] & kmask), rp[i] + kk));
+    else
+      rows[i] = load16_f32(rp[i] + kk, (__mmask16)(rv[i] & kmask));
+  }
+  transpose16(rows);
+  if constexpr (kPairs) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t kk = 0; kk < K; kk += 32) {
-      const int cnt = (int)std::min<int64_t>(32, K - kk);
-      const __mmask32 mk = (__mmask32)(cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u));
-      __m512 rows[16];
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        rows[i] = i < nw ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mk, base + i * b_sn + kk)) : _mm512_setzero_ps();
-      transpose16(rows);
-      const int pairs = (cnt + 1) / 2;
-      for (int c = 0; c < pairs; ++c) {
-        const __m512i pr = _mm512_castps_si512(rows[c]);
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pr, hi_mask));
-        const TA* ak = a + (kk + 2 * c) * a_sk;
+    for (int c = 0; c < (cnt + 1) / 2; ++c) {
+      const __m512i pr = _mm512_castps_si512(rows[c]);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pr, hi_mask));
+      const TA* ak = a + (kk + 2 * c) * a_sk;
 #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm])), even, acc[r]);
-        if (2 * c + 1 < cnt) {
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm])), even, acc[r]);
+      if (kFull || 2 * c + 1 < cnt) {
 #pragma GCC unroll 16
-          for (int r = 0; r < MR; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm + a_sk])), odd, acc[r]);
-        }
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm + a_sk])), odd, acc[r]);
       }
     }
   } else {
-    for (int64_t kk = 0; kk < K; kk += 16) {
-      const int cnt = (int)std::min<int64_t>(16, K - kk);
-      const __mmask16 mk = (__mmask16)((1u << cnt) - 1u);
-      __m512 rows[16];
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) rows[i] = i < nw ? load16_f32(base + i * b_sn + kk, mk) : _mm512_setzero_ps();
-      transpose16(rows);
-      for (int c = 0; c < cnt; ++c) {
-        const TA* ak = a + (kk + c) * a_sk;
+    for (int c = 0; c < cnt; ++c) {
+      const TA* ak = a + (kk + c) * a_sk;
 #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm])), rows[c], acc[r]);
-      }
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_f32(ak[r * a_sm])), rows[c], acc[r]);
     }
   }
+}
+
+template <int MR, typename TA, typename TB>
+static void direct16(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64_t b_sn, int64_t n0, int64_t nw,
+                     int64_t K, float* tile) {
+  constexpr int kBlock = std::is_same_v<TB, bf16_t> ? 32 : 16;
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const TB* rp[16];
+  uint32_t rv[16];
+  for (int i = 0; i < 16; ++i) {
+    rp[i] = b + (n0 + std::min<int64_t>(i, nw - 1)) * b_sn;
+    rv[i] = i < nw ? 0xffffffffu : 0u;
+  }
+  int64_t kk = 0;
+  for (; kk + kBlock <= K; kk += kBlock) direct_block<MR, true, TA, TB>(acc, a, a_sm, a_sk, rp, rv, kk, kBlock);
+  if (kk < K) direct_block<MR, false, TA, TB>(acc, a, a_sm, a_sk, rp, rv, kk, (int)(K - kk));
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_store_ps(tile + r * kNR, acc[r]);
 }
