@@ -368,8 +368,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
               x.scalar_type(), ", ", weight.scalar_type());
   auto want = x.sizes().vec();
   want.back() = N;
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ", at::IntArrayRef(want),
-              ", got ", grad.sizes());
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ",
+              at::IntArrayRef(want), ", got ", grad.sizes());
   const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K or N may be 0
   auto g = grad.reshape({M, N}).contiguous();
   auto xc = x.reshape({M, K}).contiguous();

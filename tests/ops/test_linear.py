@@ -187,10 +187,12 @@ def test_zero_size(dtype):
     assert linear(torch.empty(3, 0, 5, dtype=dtype), w).shape == (3, 0, 7)
     out = linear(torch.empty(4, 0, dtype=dtype), torch.empty(7, 0, dtype=dtype), b)  # K = 0: bias only
     assert torch.equal(out, b.expand(4, 7))
-    assert torch.equal(linear(torch.empty(4, 0, dtype=dtype), torch.empty(7, 0, dtype=dtype)), torch.zeros(4, 7, dtype=dtype))
+    no_bias = linear(torch.empty(4, 0, dtype=dtype), torch.empty(7, 0, dtype=dtype))
+    assert torch.equal(no_bias, torch.zeros(4, 7, dtype=dtype))
     assert linear(rand(4, 5, dtype=dtype), torch.empty(0, 5, dtype=dtype)).shape == (4, 0)
     dx, dw, db = linear_backward(torch.empty(0, 7, dtype=dtype), torch.empty(0, 5, dtype=dtype), w, True, True, True)
-    assert dx.shape == (0, 5) and torch.equal(dw, torch.zeros(7, 5, dtype=dtype)) and torch.equal(db, torch.zeros(7, dtype=dtype))
+    assert dx.shape == (0, 5)
+    assert torch.equal(dw, torch.zeros(7, 5, dtype=dtype)) and torch.equal(db, torch.zeros(7, dtype=dtype))
 
 
 def test_special_values_propagate():
@@ -272,11 +274,9 @@ def test_row_invariance_backward_dx(M, dtype):
     N = 100
     w = rand(N, K_INV, dtype=dtype, seed=30)
     g = rand(M, N, dtype=dtype, seed=31 + M)
-    x = torch.zeros(M, K_INV, dtype=dtype)
 
-    def dx_of(gr):
-        return linear_backward(gr, x[: gr.shape[0]] if gr.shape[0] <= M else torch.zeros(gr.shape[0], K_INV, dtype=dtype),
-                               w, True, False, False)[0]
+    def dx_of(gr):  # dx does not read x's values, only its shape
+        return linear_backward(gr, torch.zeros(gr.shape[0], K_INV, dtype=dtype), w, True, False, False)[0]
 
     assert _rows_invariant(dx_of, g, sorted({0, M // 2, M - 1})) == []
 
