@@ -191,48 +191,10 @@ static void token_logprobs_backward(DType dt, const float* g, const void* z, con
   });
 }
 
-// GEMM: for each block of kNB output columns, B is packed once as fp32 [K][kNB] (exact widening), then
-// every output row runs its kNB fma chains over k in order, vectorised across the columns. The packing and
-// the blocking only decide which chains run together; each chain is the contract's (contract.h: linear).
-constexpr int64_t kNB = 64;
-
-static void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn,
-                 int64_t b_sk, const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0, int64_t m1,
-                 int64_t n0, int64_t n1) {
-  std::unique_ptr<float[]> packed(new float[(size_t)std::max<int64_t>(K, 1) * kNB]);
-  float* bp = packed.get();
-  with_type(adt, [&](auto* ap) {
-    using TA = std::remove_pointer_t<decltype(ap)>;
-    with_type(bdt, [&](auto* bpp) {
-      using TB = std::remove_pointer_t<decltype(bpp)>;
-      with_type(cdt, [&](auto* cp) {
-        using TC = std::remove_pointer_t<decltype(cp)>;
-        const TA* a = (const TA*)A;
-        const TB* b = (const TB*)B;
-        TC* c = (TC*)C;
-        const TC* bias_t = (const TC*)bias;
-        for (int64_t nb = n0; nb < n1; nb += kNB) {
-          const int64_t nw = std::min(kNB, n1 - nb);
-          for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < kNB; ++j) bp[k * kNB + j] = j < nw ? to_f32(b[(nb + j) * b_sn + k * b_sk]) : 0.0f;
-          for (int64_t m = m0; m < m1; ++m) {
-            float acc[kNB];
-            for (int64_t j = 0; j < kNB; ++j) acc[j] = 0.0f;
-            const TA* arow = a + m * a_sm;
-            for (int64_t k = 0; k < K; ++k) {
-              const float av = to_f32(arow[k * a_sk]);
-              const float* bk = bp + k * kNB;
-              for (int64_t j = 0; j < kNB; ++j) acc[j] = fma_f32(av, bk[j], acc[j]);
-            }
-            TC* crow = c + m * c_sm + nb;
-            for (int64_t j = 0; j < nw; ++j)
-              crow[j] = from_f32<TC>(bias_t ? acc[j] + to_f32(bias_t[nb + j]) : acc[j]);
-          }
-        }
-      });
-    });
-  });
-}
+// GEMM (linear and its backward): gemm_kernels.cpp, compiled per ISA level like this file.
+void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
+          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0, int64_t m1, int64_t n0,
+          int64_t n1);
 
 static void column_sum(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,
                        int64_t n1) {

@@ -291,19 +291,29 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
-// Output tiles: kTileM rows x kTileN columns. Tiles only choose which fma chains a thread runs.
-constexpr int64_t kTileM = 256, kTileN = 64;
+// Threads take contiguous runs of 32-column output panels over all rows (each thread packs its own part of
+// B once per row block); when there are too few panels to keep every thread busy, the rows are split as
+// well. Tiles only choose which fma chains a thread runs (contract.h: linear), never how one is summed.
+constexpr int64_t kPanelN = 32;
 
 void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType bdt, const at::Tensor& B, int64_t b_sn,
               int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K) {
-  const int64_t tm = (M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
+  const int64_t panels = (N + kPanelN - 1) / kPanelN;
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  int64_t mchunk = M;
+  if (panels < 2 * nt && M > 16) mchunk = std::max<int64_t>(16, ((M + 2 * nt - 1) / (2 * nt) + 7) / 8 * 8);
+  const int64_t mt = (M + mchunk - 1) / mchunk;
   const auto& k = cpu_kernels();
-  at::parallel_for(0, tm * tn, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t mi = t / tn, ni = t % tn;
-      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias ? bias->data_ptr() : nullptr, cdt,
-             C.data_ptr(), N, K, mi * kTileM, std::min(M, (mi + 1) * kTileM), ni * kTileN,
-             std::min(N, (ni + 1) * kTileN));
+  const void* bias_ptr = bias ? bias->data_ptr() : nullptr;
+  // Enough work per task that threading pays: ~2^18 fma per task at least.
+  const int64_t per_panel = std::max<int64_t>(1, std::min(M, mchunk) * kPanelN * std::max<int64_t>(K, 1));
+  const int64_t grain_tasks = std::max<int64_t>(1, (1 << 18) / per_panel);
+  at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e;) {
+      const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
+      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias_ptr, cdt, C.data_ptr(), N, K,
+             mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
+      t += p1 - p0;
     }
   });
 }
@@ -327,8 +337,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
                 "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
     b = bias->contiguous();
   }
-  auto xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K may be 0
+  auto xc = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = at::empty({M, N}, x.options());
@@ -340,14 +350,30 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad, const at::Tensor& x,
                                                                const at::Tensor& weight, bool needs_x, bool needs_w,
                                                                bool needs_b) {
-  DType dt = dtype_of(x, "linear_backward", "x");
+  const char* op = "linear_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  DType dt = dtype_of(x, op, "x");
+  dtype_of(weight, op, "weight");
+  dtype_of(grad, op, "grad_out");
+  TORCH_CHECK(x.dim() >= 1, "aligned::linear_backward: x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, "aligned::linear_backward: weight must be [out_features, in_features], got ",
+              weight.sizes());
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(grad.size(-1) == N && grad.scalar_type() == x.scalar_type(),
-              "aligned::linear_backward: grad_out must be [..., ", N, "] with x's dtype");
-  auto g = grad.reshape({-1, N}).contiguous();
-  auto xc = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(weight.size(1) == K, "aligned::linear_backward: x has ", K, " input features but weight is ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && grad.scalar_type() == x.scalar_type(),
+              "aligned::linear_backward: grad_out, x and weight must share one dtype, got ", grad.scalar_type(), ", ",
+              x.scalar_type(), ", ", weight.scalar_type());
+  auto want = x.sizes().vec();
+  want.back() = N;
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ",
+              at::IntArrayRef(want), ", got ", grad.sizes());
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K or N may be 0
+  auto g = grad.reshape({M, N}).contiguous();
+  auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
-  const int64_t M = g.size(0);
   at::Tensor dx, dw, db;
   if (needs_x) {
     // dx[m, k] = chain over n of g[m, n] * w[n, k]
