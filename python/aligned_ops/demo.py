@@ -245,7 +245,7 @@ def main(args) -> int:
         ("D3 peak", [results[k]["summary"]["d3_peak"] for k in KERNEL_SETS]),
         ("D3 peak-to-median", [results[k]["summary"]["d3_peak_to_median"] for k in KERNEL_SETS]),
         ("kernel-only D3 (max over steps)", [max(r["kernel_d3"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
-        ("kernel max |Δlogp| (any step)", [max(r["kernel_abs_diff_max"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
+        ("kernel max abs Δlogp (any step)", [max(r["kernel_abs_diff_max"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
         ("kernel bitwise equal (min %)", [100 * min(r["kernel_frac_bitwise_equal"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
     ]
     print_table(f"async RL demo: {args.steps} steps, lag {args.lag}, {args.prompts}x{args.samples} rollouts/step, "
