@@ -78,10 +78,19 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
                                                      const at::Tensor& weight, double eps) {
   const char* op = "rms_norm_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
   DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
-              "aligned::rms_norm_backward: grad_out must match x in shape and dtype");
+              "aligned::rms_norm_backward: grad_out must match x in shape and dtype, got ", grad.sizes(), " ",
+              grad.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm_backward: x must have at least one dimension");
   const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm_backward: weight must have shape [", H,
+              "], got ", weight.sizes());
+  TORCH_CHECK(wdt == dt || wdt == DType::F32,
+              "aligned::rms_norm_backward: weight dtype must equal x dtype or be float32");
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
   const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   auto dx = at::empty_like(xc);
@@ -120,10 +129,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
-  DType dt = dtype_of(x, "silu_and_mul_backward", "x");
+  const char* op = "silu_and_mul_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  DType dt = dtype_of(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "aligned::silu_and_mul_backward: last dimension of x must be even (2*d), got ", x.sizes());
   const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.numel() * 2 == x.numel(),
-              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension");
+  auto expected = x.sizes().vec();
+  expected.back() = d;
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.sizes() == at::IntArrayRef(expected),
+              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension, got ",
+              grad.sizes(), " ", grad.scalar_type(), " for x ", x.sizes(), " ", x.scalar_type());
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
   const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
