@@ -402,6 +402,12 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels(
 
 }  // namespace
 
+// Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
+// ALIGNED_CPU_ISA really forced a level before comparing the levels' bits. CPU-only diagnostic.
+std::string cpu_isa() { return cpu_kernels().isa; }
+
+TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
+
 TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_backward", &linear_backward);
