@@ -125,38 +125,125 @@ static void silu_and_mul_backward(DType dt, const void* g, const void* x, void* 
   });
 }
 
+// Rotary: one instantiation per (pairing, direction), so the inner loop has no per-element index choice and
+// vectorises (neox: two contiguous half-rows; gpt-j: even/odd lanes, de-interleaved by the compiler).
+template <typename T, bool kNeox, bool kInverse>
+static void rotary_rows(const int64_t* positions, const T* x, T* out, const float* cache, int64_t heads,
+                        int64_t head_dim, int64_t rot, int64_t r0, int64_t r1) {
+  const int64_t half = rot / 2;
+  for (int64_t t = r0; t < r1; ++t) {
+    const float* cs = cache + positions[t] * rot;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* __restrict__ xr = x + (t * heads + h) * head_dim;
+      T* __restrict__ o = out + (t * heads + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t i1 = kNeox ? i : 2 * i;
+        const int64_t i2 = kNeox ? i + half : 2 * i + 1;
+        float o1, o2;
+        rotate_pair(to_f32(xr[i1]), to_f32(xr[i2]), cs[i], cs[half + i], kInverse, &o1, &o2);
+        o[i1] = from_f32<T>(o1);
+        o[i2] = from_f32<T>(o2);
+      }
+      if (head_dim > rot) memcpy(o + rot, xr + rot, (size_t)(head_dim - rot) * sizeof(T));
+    }
+  }
+}
+
 static void rotary(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
                    int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    const int64_t half = rot / 2;
-    for (int64_t t = r0; t < r1; ++t) {
-      const float* cs = cache + positions[t] * rot;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = (const T*)x + (t * heads + h) * head_dim;
-        T* o = (T*)out + (t * heads + h) * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t i1 = is_neox ? i : 2 * i;
-          const int64_t i2 = is_neox ? i + half : 2 * i + 1;
-          float o1, o2;
-          rotate_pair(to_f32(xr[i1]), to_f32(xr[i2]), cs[i], cs[half + i], inverse, &o1, &o2);
-          o[i1] = from_f32<T>(o1);
-          o[i2] = from_f32<T>(o2);
-        }
-        for (int64_t i = rot; i < head_dim; ++i) o[i] = xr[i];
-      }
-    }
+    const T* xt = (const T*)x;
+    T* ot = (T*)out;
+    if (is_neox && !inverse) rotary_rows<T, true, false>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (is_neox && inverse) rotary_rows<T, true, true>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (!is_neox && !inverse) rotary_rows<T, false, false>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (!is_neox && inverse) rotary_rows<T, false, true>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
   });
+}
+
+// ---- log-prob family -----------------------------------------------------------------------------------
+// logsumexp_row of contract.h, evaluated in two vectorisable passes over the row:
+//   pass 1: s_v = z_v / tau, written to `s` (fp32, the row's scratch or the log_softmax output row), with
+//           32 lane maxima and 32 lane "NaN or +inf seen" flags;
+//   pass 2: the contract's 32 lane sums of exp(s_v - m), reading s back instead of dividing again.
+// The lane maxima folded in any order give the same m as the contract's sequential max (max is exact); the
+// only possible difference is the sign of a zero maximum, which changes no output: s - (+0) and s - (-0)
+// are equal except for s = ±0, whose exp is 1 either way, and m + log(sum) with log(sum) >= +0 is +0 for
+// both. Division by tau == 1 is skipped: it is exact, so the bits are the same.
+template <typename T, bool kUnit>
+static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V, float tau, float* mx, int32_t* bad) {
+  const float inf = float_of(0x7f800000u);
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes) {
+    for (int j = 0; j < kReduceLanes; ++j) {
+      const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
+      s[v0 + j] = sv;
+      mx[j] = sv > mx[j] ? sv : mx[j];
+      bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+    }
+  }
+  for (int j = 0; v0 + j < V; ++j) {
+    const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
+    s[v0 + j] = sv;
+    mx[j] = sv > mx[j] ? sv : mx[j];
+    bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+  }
+}
+
+template <typename T>
+static float row_lse(const T* z, float* s, int64_t V, float tau) {
+  const float inf = float_of(0x7f800000u);
+  float mx[kReduceLanes];
+  int32_t bad[kReduceLanes];
+  for (int j = 0; j < kReduceLanes; ++j) {
+    mx[j] = -inf;
+    bad[j] = 0;
+  }
+  if (tau == 1.0f)
+    scale_row<T, true>(z, s, V, tau, mx, bad);
+  else
+    scale_row<T, false>(z, s, V, tau, mx, bad);
+  float m = -inf;
+  int32_t any_bad = 0;
+  for (int j = 0; j < kReduceLanes; ++j) {
+    m = max_f32(m, mx[j]);
+    any_bad |= bad[j];
+  }
+  if (any_bad) return float_of(0x7fc00000u);
+  if (m == -inf) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
+  float lanes[kReduceLanes];
+  for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+    for (int j = 0; j < kReduceLanes; ++j) lanes[j] = lanes[j] + exp_f32(s[v0 + j] - m);
+  for (int j = 0; v0 + j < V; ++j) lanes[j] = lanes[j] + exp_f32(s[v0 + j] - m);
+  return m + log_f32(fold_lanes(lanes));
+}
+
+// Per-thread fp32 scratch row for s (kept between calls: a fresh vocab-sized allocation per call would
+// page-fault on every decode step).
+static float* scratch_row(int64_t V) {
+  static thread_local std::unique_ptr<float[]> buf;
+  static thread_local int64_t cap = 0;
+  if (V > cap) {
+    buf.reset(new float[(size_t)V]);
+    cap = V;
+  }
+  return buf.get();
 }
 
 static void logsumexp(DType dt, const void* z, float* lse, int64_t V, float tau, const float* temps, int64_t r0,
                       int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    for (int64_t r = r0; r < r1; ++r) lse[r] = logsumexp_row((const T*)z + r * V, V, temps ? temps[r] : tau);
+    float* s = scratch_row(V);
+    for (int64_t r = r0; r < r1; ++r) lse[r] = row_lse((const T*)z + r * V, s, V, temps ? temps[r] : tau);
   });
 }
 
+// log_softmax: logp_v = s_v - lse. With lse == nullptr the row's lse is computed here, with s written
+// straight into the output row (one read of the logits, no second division); otherwise lse[r] is used.
 static void log_softmax(DType dt, const void* z, const float* lse, float* out, int64_t V, float tau,
                         const float* temps, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
@@ -164,29 +251,40 @@ static void log_softmax(DType dt, const void* z, const float* lse, float* out, i
     for (int64_t r = r0; r < r1; ++r) {
       const T* zr = (const T*)z + r * V;
       const float t = temps ? temps[r] : tau;
-      const float l = lse[r];
-      float* o = out + r * V;
-      for (int64_t v = 0; v < V; ++v) o[v] = div_f32(to_f32(zr[v]), t) - l;
+      float* __restrict__ o = out + r * V;
+      if (lse == nullptr) {
+        const float l = row_lse(zr, o, V, t);
+        for (int64_t v = 0; v < V; ++v) o[v] = o[v] - l;
+      } else {
+        const float l = lse[r];
+        for (int64_t v = 0; v < V; ++v) o[v] = div_f32(to_f32(zr[v]), t) - l;
+      }
     }
   });
 }
 
+// dz_v = round_T(((v == id) - exp(s_v - lse)) * g / tau). With lse == nullptr the lse is computed here
+// (s kept in the scratch row, so the logits are read once and divided once).
 static void token_logprobs_backward(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
                                     void* dz, int64_t V, float tau, const float* temps, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
+    float* __restrict__ s = scratch_row(V);
     for (int64_t r = r0; r < r1; ++r) {
       const T* zr = (const T*)z + r * V;
-      T* o = (T*)dz + r * V;
+      T* __restrict__ o = (T*)dz + r * V;
       const float t = temps ? temps[r] : tau;
-      const float l = lse[r];
+      float l;
+      if (lse == nullptr) {
+        l = row_lse(zr, s, V, t);
+      } else {
+        l = lse[r];
+        for (int64_t v = 0; v < V; ++v) s[v] = div_f32(to_f32(zr[v]), t);
+      }
       const float gr = g[r];
       const int64_t id = ids[r];
-      for (int64_t v = 0; v < V; ++v) {
-        float p = exp_f32(div_f32(to_f32(zr[v]), t) - l);
-        float onehot = v == id ? 1.0f : 0.0f;
-        o[v] = from_f32<T>(div_f32((onehot - p) * gr, t));
-      }
+      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(div_f32((0.0f - exp_f32(s[v] - l)) * gr, t));
+      o[id] = from_f32<T>(div_f32((1.0f - exp_f32(s[id] - l)) * gr, t));
     }
   });
 }

@@ -262,11 +262,11 @@ at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::op
 
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "log_softmax");
-  auto lse = lse_of(a);
   auto out = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.T, grain(a.V), [&](int64_t b, int64_t e) {
-    k.log_softmax(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
+  // lse == nullptr: the kernel computes each row's lse itself, writing z / tau into the output row first.
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
+    k.log_softmax(a.dt, a.z.data_ptr(), nullptr, out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
   });
   return out;
 }
@@ -297,11 +297,11 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   auto idc = check_ids(ids, a, "token_logprobs_backward");
   TORCH_CHECK(grad.dim() == 1 && grad.size(0) == a.T, "aligned::token_logprobs_backward: grad must be [", a.T, "]");
   auto g = grad.to(at::kFloat).contiguous();
-  auto lse = lse_of(a);
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
+  // lse == nullptr: the kernel computes each row's lse in the same pass over the logits.
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(), lse.data_ptr<float>(),
+    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(), nullptr,
                               dz.data_ptr(), a.V, a.tau, a.temps_ptr(), b, e);
   });
   return dz;
