@@ -11,6 +11,7 @@
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
+#include "dense_split_kernels.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -288,6 +289,67 @@ static void token_logprobs_backward(DType dt, const float* g, const void* z, con
     }
   });
 }
+
+// ---- intra-row splits (dense_split_kernels.h) ------------------------------------------------------------
+static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* __restrict__ a = (const T*)x + row * 2 * d;
+    const T* __restrict__ b = a + d;
+    T* __restrict__ o = (T*)out + row * d;
+    for (int64_t i = c0; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+  });
+}
+
+static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int64_t v1, float tau, float* max,
+                      int32_t* bad) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const float inf = float_of(0x7f800000u);
+    float mx[kReduceLanes];
+    int32_t bd[kReduceLanes];
+    for (int j = 0; j < kReduceLanes; ++j) {
+      mx[j] = -inf;
+      bd[j] = 0;
+    }
+    if (tau == 1.0f)
+      scale_row<T, true>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
+    else
+      scale_row<T, false>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
+    float m = -inf;
+    int32_t any = 0;
+    for (int j = 0; j < kReduceLanes; ++j) {
+      m = max_f32(m, mx[j]);
+      any |= bd[j];
+    }
+    *max = m;
+    *bad = any;
+  });
+}
+
+template <int kW>
+static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int j0, float* __restrict__ lanes) {
+  float acc[kW];
+  for (int j = 0; j < kW; ++j) acc[j] = 0.0f;
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+    for (int j = 0; j < kW; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
+}
+
+static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, float* lanes) {
+  if (j1 - j0 == 16) return lane_exp_sums_w<16>(s, V, m, j0, lanes);
+  if (j1 - j0 == 8) return lane_exp_sums_w<8>(s, V, m, j0, lanes);
+  for (int j = j0; j < j1; ++j) {
+    float acc = 0.0f;
+    for (int64_t v = j; v < V; v += kReduceLanes) acc = acc + exp_f32(s[v] - m);
+    lanes[j] = acc;
+  }
+}
+
+extern const DenseSplitKernels kDenseSplit;
+const DenseSplitKernels kDenseSplit = {silu_and_mul_cols, scale_max, lane_exp_sums};
 
 // GEMM: for each block of kNB output columns, B is packed once as fp32 [K][kNB] (exact widening), then
 // every output row runs its kNB fma chains over k in order, vectorised across the columns. The packing and

@@ -4,10 +4,41 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <string.h>
+
+#include <limits>
+#include <vector>
+
+#include "../common/reduce.h"
 #include "cpu_kernels.h"
+#include "dense_split_kernels.h"
 
 namespace aligned::cpu {
+
+namespace generic { extern const DenseSplitKernels kDenseSplit; }
+#if defined(__x86_64__)
+namespace avx2 { extern const DenseSplitKernels kDenseSplit; }
+namespace avx512 { extern const DenseSplitKernels kDenseSplit; }
+#endif
+
+// Same ISA level as the main table (cpu_dispatch.cpp picks it once per process).
+const DenseSplitKernels& dense_split_kernels() {
+  static const DenseSplitKernels& table = [&]() -> const DenseSplitKernels& {
+#if defined(__x86_64__)
+    if (strcmp(cpu_kernels().isa, "avx512") == 0) return avx512::kDenseSplit;
+    if (strcmp(cpu_kernels().isa, "avx2") == 0) return avx2::kDenseSplit;
+#endif
+    return generic::kDenseSplit;
+  }();
+  return table;
+}
+
 namespace {
+
+// Fewer rows than threads: the threads share each row (dense_split_kernels.h says why no bit changes).
+bool split_rows(int64_t rows, int64_t row_len, int64_t min_len) {
+  return rows < at::get_num_threads() && row_len >= min_len && !at::in_parallel_region();
+}
 
 DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
   switch (t.scalar_type()) {
@@ -122,6 +153,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty(sizes, xc.options());
   const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
   const auto& k = cpu_kernels();
+  constexpr int64_t kCols = 2048;  // elementwise: any column cut gives the same bits
+  if (rows > 0 && split_rows(rows, d, 2 * kCols)) {
+    const int64_t chunks = (d + kCols - 1) / kCols;
+    const auto& sk = dense_split_kernels();
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t r = t / chunks, c0 = (t % chunks) * kCols;
+        sk.silu_and_mul_cols(dt, xc.data_ptr(), out.data_ptr(), d, r, c0, std::min(d, c0 + kCols));
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) {
     k.silu_and_mul(dt, xc.data_ptr(), out.data_ptr(), d, b, e);
   });
@@ -247,8 +290,49 @@ at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op)
   return idc;
 }
 
+// Rows shorter than this never share threads (the fork/join would cost more than it saves).
+constexpr int64_t kSplitMinVocab = 8192;
+
+// lse of row r with all threads on the one row: s = z / tau into s_row (v ranges in parallel, maxima
+// combined exactly), then the 32 lane sums of reduce.h in lane groups, folded here by the same tree.
+float lse_row_split(const LogitsArgs& a, int64_t r, float* s_row) {
+  const auto& sk = dense_split_kernels();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float tau = a.temps.defined() ? a.temps_ptr()[r] : a.tau;
+  const void* zr = (const char*)a.z.data_ptr() + r * a.V * a.z.element_size();
+  const int64_t parts = at::get_num_threads();
+  const int64_t part = ((a.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+  std::vector<float> mx(parts, -inf);
+  std::vector<int32_t> bad(parts, 0);
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t v0 = p * part, v1 = std::min(a.V, v0 + part);
+      if (v0 < v1) sk.scale_max(a.dt, zr, s_row, v0, v1, tau, &mx[p], &bad[p]);
+    }
+  });
+  float m = -inf;
+  int32_t any_bad = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    m = max_f32(m, mx[p]);
+    any_bad |= bad[p];
+  }
+  if (any_bad) return std::numeric_limits<float>::quiet_NaN();
+  if (m == -inf) return m;
+  float lanes[kReduceLanes];
+  const int groups = parts >= 4 ? 4 : 2, width = kReduceLanes / groups;
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, a.V, m, (int)g * width, (int)(g + 1) * width, lanes);
+  });
+  return m + log_f32(fold_lanes(lanes));
+}
+
 at::Tensor lse_of(const LogitsArgs& a) {
   auto lse = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  if (split_rows(a.T, a.V, kSplitMinVocab)) {
+    auto s = at::empty({a.V}, lse.options());
+    for (int64_t r = 0; r < a.T; ++r) lse.data_ptr<float>()[r] = lse_row_split(a, r, s.data_ptr<float>());
+    return lse;
+  }
   const auto& k = cpu_kernels();
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
     k.logsumexp(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
@@ -263,6 +347,17 @@ at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::op
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "log_softmax");
   auto out = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  if (split_rows(a.T, a.V, kSplitMinVocab)) {
+    float* o = out.data_ptr<float>();
+    for (int64_t r = 0; r < a.T; ++r) {
+      float* orow = o + r * a.V;
+      const float l = lse_row_split(a, r, orow);  // leaves s = z / tau in the output row
+      at::parallel_for(0, a.V, 8192, [&](int64_t b, int64_t e) {
+        for (int64_t v = b; v < e; ++v) orow[v] = orow[v] - l;
+      });
+    }
+    return out;
+  }
   const auto& k = cpu_kernels();
   // lse == nullptr: the kernel computes each row's lse itself, writing z / tau into the output row first.
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
@@ -299,10 +394,14 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   auto g = grad.to(at::kFloat).contiguous();
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
-  // lse == nullptr: the kernel computes each row's lse in the same pass over the logits.
+  // Few rows: lse with the threads sharing each row, then the elementwise part per row.
+  // Otherwise lse == nullptr: the kernel computes each row's lse in the same pass over the logits.
+  at::Tensor lse;
+  if (split_rows(a.T, a.V, kSplitMinVocab)) lse = lse_of(a);
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(), nullptr,
-                              dz.data_ptr(), a.V, a.tau, a.temps_ptr(), b, e);
+    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(),
+                              lse.defined() ? lse.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau,
+                              a.temps_ptr(), b, e);
   });
   return dz;
 }

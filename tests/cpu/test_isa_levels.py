@@ -59,6 +59,13 @@ SCRIPT = textwrap.dedent(
                 out["lsm" + k] = ops.log_softmax(z, t, ts)
                 out["tlp" + k] = ops.token_logprobs(z, ids, t, ts)
                 out["tlpbwd" + k] = ops.token_logprobs_backward(gr, z, ids, t, ts)
+        # one row, two threads: the intra-row split kernels (dense_split_kernels.h)
+        z1 = (torch.randn(1, 40003, generator=g) * 5).to(dt)
+        ids1 = torch.randint(0, 40003, (1,), generator=g)
+        out[f"split_lse{n}"] = ops.logsumexp(z1, 0.7, None)
+        out[f"split_lsm{n}"] = ops.log_softmax(z1, 1.0, None)
+        out[f"split_tlp{n}"] = ops.token_logprobs(z1, ids1, 1.0, torch.tensor([1.3]))
+        out[f"split_silu{n}"] = ops.silu_and_mul((torch.randn(1, 2 * 8960, generator=g) * 6).to(dt))
     torch.save(out, sys.argv[1])
     """
 )

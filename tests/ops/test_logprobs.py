@@ -232,3 +232,28 @@ def test_bad_inputs():
     with pytest.raises(RuntimeError, match="must be on the same device"):
         ops.token_logprobs(z, ids.to("meta"), 1.0, None)
     assert math.isfinite(ops.token_logprobs(z, ids, 1e-3, None).sum().item())  # tiny but valid temperature
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_rows_shared_by_threads_give_the_batch_bits(dtype):
+    # With fewer rows than threads the threads share a row (v ranges for the max, lane groups for the sum);
+    # the result must equal the same row computed inside a batch (one thread per row) and with 1 thread.
+    V = 32003  # not a multiple of 32: the last chunk is partial
+    z, ids = make(8, V, dtype, 11)
+    z[2, 100:200] = -INF
+    z[5] = -INF
+    z[6, 7] = float("nan")
+    temps = torch.rand(8) + 0.5
+    g = torch.randn(8)
+    torch.set_num_threads(2)
+    batch = [ops.logsumexp(z, 1.0, temps), ops.log_softmax(z, 0.7, None), ops.token_logprobs(z, ids, 1.0, temps),
+             ops.token_logprobs_backward(g, z, ids, 0.8, None)]
+    for r in range(8):
+        s = slice(r, r + 1)
+        one = [ops.logsumexp(z[s], 1.0, temps[s]), ops.log_softmax(z[s], 0.7, None),
+               ops.token_logprobs(z[s], ids[s], 1.0, temps[s]), ops.token_logprobs_backward(g[s], z[s], ids[s], 0.8, None)]
+        for a, b in zip(batch, one):
+            assert torch.equal(a[s].view(torch.int32 if a.dtype == torch.float32 else torch.int16),
+                               b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)), r
+    assert thread_mismatches(lambda: ops.log_softmax(z[:1], 0.7, None)) == 0
+    assert thread_mismatches(lambda: ops.token_logprobs(z[3:4], ids[3:4], 1.0, None)) == 0

@@ -139,3 +139,13 @@ def test_bad_inputs():
         ops.silu_and_mul_backward(torch.randn(3, 4), torch.randn(3, 9))
     with pytest.raises(RuntimeError, match="must be on the same device"):
         ops.silu_and_mul_backward(torch.randn(3, 4), torch.randn(3, 8, device="meta"))
+
+
+def test_single_row_split_across_threads_gives_the_batch_bits():
+    # One row and two threads: the row is cut into column ranges; bits equal the row inside a batch.
+    x = make((5, 2 * 8960), torch.bfloat16, 12)
+    torch.set_num_threads(2)
+    batch = ops.silu_and_mul(x)
+    for r in range(5):
+        assert torch.equal(ops.silu_and_mul(x[r:r + 1]), batch[r:r + 1])
+    assert thread_mismatches(ops.silu_and_mul, x[:1]) == 0
