@@ -7,6 +7,10 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <memory>
 
 #include "../common/contract.h"
@@ -31,6 +35,65 @@ static void with_type(DType dt, Fn&& fn) {
     case DType::F16: fn((f16_t*)nullptr); break;
   }
 }
+
+// ---- AVX-512 forms of the contract's scalar helpers ------------------------------------------------------
+// gcc vectorises exp_f32 on its own, but with masked/blended code for its range checks that runs at about
+// half the speed of this straight-line form. Each function below is the same sequence of IEEE operations as
+// its numerics.h original, lane by lane (explicit _mm512_fmadd_ps where the original calls fma_f32, nothing
+// contracted otherwise), so the bits are identical; tests/cpu/test_isa_levels.py compares the levels.
+#if defined(__AVX512F__)
+#define ALIGNED_HAVE_AVX512_PATHS 1
+static inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.8f), lo = _mm512_set1_ps(-104.0f);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);  // == the two clamps for every non-NaN x
+  __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+  __m512 nn = _mm512_sub_ps(_mm512_setzero_ps(), n);  // -n, exact
+  __m512 r = _mm512_fmadd_ps(nn, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(nn, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  __m512i ni = _mm512_cvtps_epi32(n);  // n is an integer: exact
+  __m512i n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1);  // C's ni / 2
+  __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(er, s1), s2);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(__builtin_inff()));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+  return y;
+}
+
+// Widening loads (exact) and the rounding store of numerics.h's from_f32, for 16 elements (masked tails).
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16(const bf16_t* p, __mmask16 m) {
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+static inline __m512 load16(const f16_t* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));  // exact, subnormals kept (F16C/AVX-512 widen exactly)
+}
+static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(b));
+}
+template <typename T>
+static constexpr bool kHasStore16 = !std::is_same_v<T, f16_t>;  // f16 rounding stays scalar (from_f32)
+#endif
 
 static void rms_norm(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
                      int64_t r0, int64_t r1) {
@@ -94,14 +157,30 @@ static void rms_norm_backward_dw(DType dt, const void* g, const void* x, float* 
   });
 }
 
+// out[i] = round_T(silu(a[i]) * b[i]) for i in [c0, c1) (contract.h: silu_mul)
+template <typename T>
+static void silu_mul_range(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o, int64_t c0, int64_t c1) {
+  int64_t i = c0;
+#if defined(ALIGNED_HAVE_AVX512_PATHS)
+  if constexpr (kHasStore16<T>) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i < c1; i += 16) {
+      const __mmask16 m = c1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - i)) - 1u);
+      const __m512 av = load16(a + i, m), bv = load16(b + i, m);
+      const __m512 e = exp16(_mm512_xor_ps(av, _mm512_set1_ps(-0.0f)));  // exp(-a): sign flip, as -a
+      store16(o + i, _mm512_mul_ps(_mm512_div_ps(av, _mm512_add_ps(one, e)), bv), m);
+    }
+  }
+#endif
+  for (; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+}
+
 static void silu_and_mul(DType dt, const void* x, void* out, int64_t d, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
       const T* a = (const T*)x + r * 2 * d;
-      const T* b = a + d;
-      T* o = (T*)out + r * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+      silu_mul_range(a, a + d, (T*)out + r * d, 0, d);
     }
   });
 }
@@ -192,6 +271,41 @@ static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V,
   }
 }
 
+// The reduce.h lane chains for lanes [j0, j0 + kW) of exp(s[v] - m): lane j0+i adds v = j0+i, j0+i+32, ...
+// in order (kW = 32: the whole row; 16 or 8: one lane group of an intra-row split).
+template <int kW>
+static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int j0, float* __restrict__ lanes) {
+#if defined(ALIGNED_HAVE_AVX512_PATHS)
+  if constexpr (kW % 16 == 0) {
+    constexpr int kVecs = kW / 16;
+    __m512 acc[kVecs];
+    for (int q = 0; q < kVecs; ++q) acc[q] = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    int64_t v0 = 0;
+    for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+      for (int q = 0; q < kVecs; ++q)
+        acc[q] = _mm512_add_ps(acc[q], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + v0 + j0 + 16 * q), mv)));
+    for (int q = 0; q < kVecs; ++q) {  // last, partial chunk: missing elements add nothing (masked)
+      const int64_t first = v0 + j0 + 16 * q;
+      const int64_t n = V - first;
+      if (n <= 0) continue;
+      const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + first), mv));
+      acc[q] = _mm512_mask_add_ps(acc[q], k, acc[q], e);
+    }
+    for (int q = 0; q < kVecs; ++q) _mm512_storeu_ps(lanes + j0 + 16 * q, acc[q]);
+    return;
+  }
+#endif
+  float acc[kW];
+  for (int j = 0; j < kW; ++j) acc[j] = 0.0f;
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+    for (int j = 0; j < kW; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
+}
+
 template <typename T>
 static float row_lse(const T* z, float* s, int64_t V, float tau) {
   const float inf = float_of(0x7f800000u);
@@ -214,11 +328,7 @@ static float row_lse(const T* z, float* s, int64_t V, float tau) {
   if (any_bad) return float_of(0x7fc00000u);
   if (m == -inf) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
   float lanes[kReduceLanes];
-  for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
-  int64_t v0 = 0;
-  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
-    for (int j = 0; j < kReduceLanes; ++j) lanes[j] = lanes[j] + exp_f32(s[v0 + j] - m);
-  for (int j = 0; v0 + j < V; ++j) lanes[j] = lanes[j] + exp_f32(s[v0 + j] - m);
+  lane_exp_sums_w<kReduceLanes>(s, V, m, 0, lanes);
   return m + log_f32(fold_lanes(lanes));
 }
 
@@ -294,10 +404,8 @@ static void token_logprobs_backward(DType dt, const float* g, const void* z, con
 static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    const T* __restrict__ a = (const T*)x + row * 2 * d;
-    const T* __restrict__ b = a + d;
-    T* __restrict__ o = (T*)out + row * d;
-    for (int64_t i = c0; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+    const T* a = (const T*)x + row * 2 * d;
+    silu_mul_range(a, a + d, (T*)out + row * d, c0, c1);
   });
 }
 
@@ -325,17 +433,6 @@ static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int
     *max = m;
     *bad = any;
   });
-}
-
-template <int kW>
-static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int j0, float* __restrict__ lanes) {
-  float acc[kW];
-  for (int j = 0; j < kW; ++j) acc[j] = 0.0f;
-  int64_t v0 = 0;
-  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
-    for (int j = 0; j < kW; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
-  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
-  for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
 static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, float* lanes) {
