@@ -43,15 +43,21 @@ static void with_type(DType dt, Fn&& fn) {
 // contracted otherwise), so the bits are identical; tests/cpu/test_isa_levels.py compares the levels.
 #if defined(__AVX512F__)
 #define ALIGNED_HAVE_AVX512_PATHS 1
+// kNaN = false: for callers where a NaN x cannot reach an output through exp (the lse chains never see
+// NaN; in silu a NaN a makes a / (1 + e) return a's NaN whatever e is), the NaN fix-up is skipped.
+// The range fix-ups of exp_f32 (x > 88.8 -> inf, x < -104 -> 0) need no code here: for the clamped
+// arguments the same operations already give exp(88.8) = inf (1.08 * 2^64 * 2^64 overflows) and
+// exp(-104) = 0 (0.486 * 2^-149 rounds to 0), bit for bit what the fix-ups write.
+template <bool kNaN = true>
 static inline __m512 exp16(__m512 x) {
   const __m512 hi = _mm512_set1_ps(88.8f), lo = _mm512_set1_ps(-104.0f);
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);  // == the two clamps for every non-NaN x
   __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f));
   __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
-  __m512 nn = _mm512_sub_ps(_mm512_setzero_ps(), n);  // -n, exact
-  __m512 r = _mm512_fmadd_ps(nn, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fmadd_ps(nn, _mm512_set1_ps(-2.12194440e-4f), r);
+  // fma(-n, c, r) == fnmadd(n, c, r): -(n * c) + r with one rounding, and negation is exact
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
@@ -67,9 +73,7 @@ static inline __m512 exp16(__m512 x) {
   __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
   __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
   __m512 y = _mm512_mul_ps(_mm512_mul_ps(er, s1), s2);
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(__builtin_inff()));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+  if constexpr (kNaN) y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
   return y;
 }
 
@@ -167,7 +171,7 @@ static void silu_mul_range(const T* __restrict__ a, const T* __restrict__ b, T* 
     for (; i < c1; i += 16) {
       const __mmask16 m = c1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - i)) - 1u);
       const __m512 av = load16(a + i, m), bv = load16(b + i, m);
-      const __m512 e = exp16(_mm512_xor_ps(av, _mm512_set1_ps(-0.0f)));  // exp(-a): sign flip, as -a
+      const __m512 e = exp16<false>(_mm512_xor_ps(av, _mm512_set1_ps(-0.0f)));  // exp(-a): sign flip, as -a
       store16(o + i, _mm512_mul_ps(_mm512_div_ps(av, _mm512_add_ps(one, e)), bv), m);
     }
   }
@@ -284,13 +288,13 @@ static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int
     int64_t v0 = 0;
     for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
       for (int q = 0; q < kVecs; ++q)
-        acc[q] = _mm512_add_ps(acc[q], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + v0 + j0 + 16 * q), mv)));
+        acc[q] = _mm512_add_ps(acc[q], exp16<false>(_mm512_sub_ps(_mm512_loadu_ps(s + v0 + j0 + 16 * q), mv)));
     for (int q = 0; q < kVecs; ++q) {  // last, partial chunk: missing elements add nothing (masked)
       const int64_t first = v0 + j0 + 16 * q;
       const int64_t n = V - first;
       if (n <= 0) continue;
       const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + first), mv));
+      const __m512 e = exp16<false>(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + first), mv));
       acc[q] = _mm512_mask_add_ps(acc[q], k, acc[q], e);
     }
     for (int q = 0; q < kVecs; ++q) _mm512_storeu_ps(lanes + j0 + 16 * q, acc[q]);
