@@ -1,8 +1,16 @@
 // cpu_kernels.cpp — CPU backend kernels, compiled once per ISA level (see CMakeLists.txt: this file is
-// built with -DALIGNED_ISA=generic / avx2 / avx512 and the matching -m flags). The bodies only call the
-// per-row definitions of csrc/common/contract.h, so every ISA level computes the same bits; the wider
-// levels are faster because the compiler vectorises the lane loops (32 independent lanes) and the
-// across-n fma chains of the GEMM.
+// built with -DALIGNED_ISA=generic / avx2 / avx512 and the matching -m flags). Every body evaluates the
+// per-element expression trees and the reduce.h lane order of csrc/common/contract.h, so every ISA level
+// computes the same bits (tests/cpu/test_isa_levels.py runs each level in its own process and compares):
+//   * most loops are the contract's own per-row functions, shaped so the compiler vectorises the 32
+//     independent lanes (contraction is off, so it cannot fuse or reorder anything);
+//   * where gcc's vectorised code is slow (exp inside the log-prob lane chains and silu_and_mul), the AVX-512
+//     level has an intrinsic form of the same IEEE operation sequence (exp16: equal to exp_f32 on all 2^32
+//     inputs);
+//   * log-prob rows take two passes: s = z / tau once (into the output row or a per-thread scratch row) with
+//     lane maxima, then the lane chains of exp(s - m) — the contract's lse without a second division;
+//   * dense_split_kernels.h: pieces that let threads share one row (decode batches) without splitting a
+//     reduction chain.
 #include <stdlib.h>
 #include <string.h>
 
