@@ -209,7 +209,8 @@ def test_torch_compile_fullgraph_bitwise():
 
     def f(x, r, w):
         out, res = ops.fused_add_rms_norm(x, r, w, EPS)
-        return ops.rms_norm(out, w, EPS), res
+        dx, dw = ops.rms_norm_backward(r, x, w, EPS)
+        return ops.rms_norm(out, w, EPS), res, dx, dw
 
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
@@ -246,3 +247,21 @@ def test_bad_inputs():
         ops.rms_norm_backward(x, x, torch.ones(3), EPS)
     with pytest.raises(RuntimeError, match="must be on the same device"):
         ops.rms_norm(x, w.to("meta"), EPS)
+
+
+def test_compiled_forward_and_backward_match_eager_bitwise():
+    x, w = make((9, 200), torch.bfloat16, 12)
+    g = torch.randn(9, 200).to(torch.bfloat16)
+
+    def f(x, w):
+        return aligned_ops.rms_norm(aligned_ops.silu_and_mul(x), w[:100], EPS)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    le = [t.clone().requires_grad_(True) for t in (x, w)]
+    lc = [t.clone().requires_grad_(True) for t in (x, w)]
+    ye, yc = f(*le), cf(*lc)
+    assert torch.equal(ye, yc)
+    ye.backward(g[:, :100])
+    yc.backward(g[:, :100])
+    assert torch.equal(le[0].grad, lc[0].grad) and torch.equal(le[1].grad, lc[1].grad)

@@ -145,7 +145,8 @@ def test_opcheck_and_compile(caches):
     pos, q = make(6, 4, 64, torch.bfloat16, 8)
 
     def f(p, q):
-        return ops.rotary_embedding(p, q, caches[64], 64, True), ops.rotary_embedding(p, q, caches[32], 32, False)
+        return (ops.rotary_embedding(p, q, caches[64], 64, True), ops.rotary_embedding(p, q, caches[32], 32, False),
+                ops.rotary_embedding_backward(p, q, caches[64], 64, False))
 
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
