@@ -1,16 +1,29 @@
 // cpu_kernels.cpp — CPU backend kernels, compiled once per ISA level (see CMakeLists.txt: this file is
-// built with -DALIGNED_ISA=generic / avx2 / avx512 and the matching -m flags). The bodies only call the
-// per-row definitions of csrc/common/contract.h, so every ISA level computes the same bits; the wider
-// levels are faster because the compiler vectorises the lane loops (32 independent lanes) and the
-// across-n fma chains of the GEMM.
+// built with -DALIGNED_ISA=generic / avx2 / avx512 and the matching -m flags). Every body evaluates the
+// per-element expression trees and the reduce.h lane order of csrc/common/contract.h, so every ISA level
+// computes the same bits (tests/cpu/test_isa_levels.py runs each level in its own process and compares):
+//   * most loops are the contract's own per-row functions, shaped so the compiler vectorises the 32
+//     independent lanes (contraction is off, so it cannot fuse or reorder anything);
+//   * where gcc's vectorised code is slow (exp inside the log-prob lane chains and silu_and_mul), the AVX-512
+//     level has an intrinsic form of the same IEEE operation sequence (exp16: equal to exp_f32 on all 2^32
+//     inputs);
+//   * log-prob rows take two passes: s = z / tau once (into the output row or a per-thread scratch row) with
+//     lane maxima, then the lane chains of exp(s - m) — the contract's lse without a second division;
+//   * dense_split_kernels.h: pieces that let threads share one row (decode batches) without splitting a
+//     reduction chain.
 #include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <memory>
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
+#include "dense_split_kernels.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -30,6 +43,69 @@ static void with_type(DType dt, Fn&& fn) {
     case DType::F16: fn((f16_t*)nullptr); break;
   }
 }
+
+// ---- AVX-512 forms of the contract's scalar helpers ------------------------------------------------------
+// gcc vectorises exp_f32 on its own, but with masked/blended code for its range checks that runs at about
+// half the speed of this straight-line form. Each function below is the same sequence of IEEE operations as
+// its numerics.h original, lane by lane (explicit _mm512_fmadd_ps where the original calls fma_f32, nothing
+// contracted otherwise), so the bits are identical; tests/cpu/test_isa_levels.py compares the levels.
+#if defined(__AVX512F__)
+#define ALIGNED_HAVE_AVX512_PATHS 1
+// kNaN = false: for callers where a NaN x cannot reach an output through exp (the lse chains never see
+// NaN; in silu a NaN a makes a / (1 + e) return a's NaN whatever e is), the NaN fix-up is skipped.
+// The range fix-ups of exp_f32 (x > 88.8 -> inf, x < -104 -> 0) need no code here: for the clamped
+// arguments the same operations already give exp(88.8) = inf (1.08 * 2^64 * 2^64 overflows) and
+// exp(-104) = 0 (0.486 * 2^-149 rounds to 0), bit for bit what the fix-ups write.
+template <bool kNaN = true>
+static inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.8f), lo = _mm512_set1_ps(-104.0f);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);  // == the two clamps for every non-NaN x
+  __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+  // fma(-n, c, r) == fnmadd(n, c, r): -(n * c) + r with one rounding, and negation is exact
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  __m512i ni = _mm512_cvtps_epi32(n);  // n is an integer: exact
+  __m512i n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1);  // C's ni / 2
+  __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(er, s1), s2);
+  if constexpr (kNaN) y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+  return y;
+}
+
+// Widening loads (exact) and the rounding store of numerics.h's from_f32, for 16 elements (masked tails).
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16(const bf16_t* p, __mmask16 m) {
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+static inline __m512 load16(const f16_t* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));  // exact, subnormals kept (F16C/AVX-512 widen exactly)
+}
+static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(b));
+}
+template <typename T>
+static constexpr bool kHasStore16 = !std::is_same_v<T, f16_t>;  // f16 rounding stays scalar (from_f32)
+#endif
 
 static void rms_norm(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
                      int64_t r0, int64_t r1) {
@@ -93,14 +169,30 @@ static void rms_norm_backward_dw(DType dt, const void* g, const void* x, float* 
   });
 }
 
+// out[i] = round_T(silu(a[i]) * b[i]) for i in [c0, c1) (contract.h: silu_mul)
+template <typename T>
+static void silu_mul_range(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o, int64_t c0, int64_t c1) {
+  int64_t i = c0;
+#if defined(ALIGNED_HAVE_AVX512_PATHS)
+  if constexpr (kHasStore16<T>) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i < c1; i += 16) {
+      const __mmask16 m = c1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - i)) - 1u);
+      const __m512 av = load16(a + i, m), bv = load16(b + i, m);
+      const __m512 e = exp16<false>(_mm512_xor_ps(av, _mm512_set1_ps(-0.0f)));  // exp(-a): sign flip, as -a
+      store16(o + i, _mm512_mul_ps(_mm512_div_ps(av, _mm512_add_ps(one, e)), bv), m);
+    }
+  }
+#endif
+  for (; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+}
+
 static void silu_and_mul(DType dt, const void* x, void* out, int64_t d, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
       const T* a = (const T*)x + r * 2 * d;
-      const T* b = a + d;
-      T* o = (T*)out + r * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
+      silu_mul_range(a, a + d, (T*)out + r * d, 0, d);
     }
   });
 }
@@ -125,38 +217,156 @@ static void silu_and_mul_backward(DType dt, const void* g, const void* x, void* 
   });
 }
 
+// Rotary: one instantiation per (pairing, direction), so the inner loop has no per-element index choice and
+// vectorises (neox: two contiguous half-rows; gpt-j: even/odd lanes, de-interleaved by the compiler).
+template <typename T, bool kNeox, bool kInverse>
+static void rotary_rows(const int64_t* positions, const T* x, T* out, const float* cache, int64_t heads,
+                        int64_t head_dim, int64_t rot, int64_t r0, int64_t r1) {
+  const int64_t half = rot / 2;
+  for (int64_t t = r0; t < r1; ++t) {
+    const float* cs = cache + positions[t] * rot;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* __restrict__ xr = x + (t * heads + h) * head_dim;
+      T* __restrict__ o = out + (t * heads + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t i1 = kNeox ? i : 2 * i;
+        const int64_t i2 = kNeox ? i + half : 2 * i + 1;
+        float o1, o2;
+        rotate_pair(to_f32(xr[i1]), to_f32(xr[i2]), cs[i], cs[half + i], kInverse, &o1, &o2);
+        o[i1] = from_f32<T>(o1);
+        o[i2] = from_f32<T>(o2);
+      }
+      if (head_dim > rot) memcpy(o + rot, xr + rot, (size_t)(head_dim - rot) * sizeof(T));
+    }
+  }
+}
+
 static void rotary(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
                    int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    const int64_t half = rot / 2;
-    for (int64_t t = r0; t < r1; ++t) {
-      const float* cs = cache + positions[t] * rot;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = (const T*)x + (t * heads + h) * head_dim;
-        T* o = (T*)out + (t * heads + h) * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t i1 = is_neox ? i : 2 * i;
-          const int64_t i2 = is_neox ? i + half : 2 * i + 1;
-          float o1, o2;
-          rotate_pair(to_f32(xr[i1]), to_f32(xr[i2]), cs[i], cs[half + i], inverse, &o1, &o2);
-          o[i1] = from_f32<T>(o1);
-          o[i2] = from_f32<T>(o2);
-        }
-        for (int64_t i = rot; i < head_dim; ++i) o[i] = xr[i];
-      }
-    }
+    const T* xt = (const T*)x;
+    T* ot = (T*)out;
+    if (is_neox && !inverse) rotary_rows<T, true, false>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (is_neox && inverse) rotary_rows<T, true, true>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (!is_neox && !inverse) rotary_rows<T, false, false>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
+    if (!is_neox && inverse) rotary_rows<T, false, true>(positions, xt, ot, cache, heads, head_dim, rot, r0, r1);
   });
+}
+
+// ---- log-prob family -----------------------------------------------------------------------------------
+// logsumexp_row of contract.h, evaluated in two vectorisable passes over the row:
+//   pass 1: s_v = z_v / tau, written to `s` (fp32, the row's scratch or the log_softmax output row), with
+//           32 lane maxima and 32 lane "NaN or +inf seen" flags;
+//   pass 2: the contract's 32 lane sums of exp(s_v - m), reading s back instead of dividing again.
+// The lane maxima folded in any order give the same m as the contract's sequential max (max is exact); the
+// only possible difference is the sign of a zero maximum, which changes no output: s - (+0) and s - (-0)
+// are equal except for s = ±0, whose exp is 1 either way, and m + log(sum) with log(sum) >= +0 is +0 for
+// both. Division by tau == 1 is skipped: it is exact, so the bits are the same.
+template <typename T, bool kUnit>
+static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V, float tau, float* mx, int32_t* bad) {
+  const float inf = float_of(0x7f800000u);
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes) {
+    for (int j = 0; j < kReduceLanes; ++j) {
+      const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
+      s[v0 + j] = sv;
+      mx[j] = sv > mx[j] ? sv : mx[j];
+      bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+    }
+  }
+  for (int j = 0; v0 + j < V; ++j) {
+    const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
+    s[v0 + j] = sv;
+    mx[j] = sv > mx[j] ? sv : mx[j];
+    bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+  }
+}
+
+// The reduce.h lane chains for lanes [j0, j0 + kW) of exp(s[v] - m): lane j0+i adds v = j0+i, j0+i+32, ...
+// in order (kW = 32: the whole row; 16 or 8: one lane group of an intra-row split).
+template <int kW>
+static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int j0, float* __restrict__ lanes) {
+#if defined(ALIGNED_HAVE_AVX512_PATHS)
+  if constexpr (kW % 16 == 0) {
+    constexpr int kVecs = kW / 16;
+    __m512 acc[kVecs];
+    for (int q = 0; q < kVecs; ++q) acc[q] = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    int64_t v0 = 0;
+    for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+      for (int q = 0; q < kVecs; ++q)
+        acc[q] = _mm512_add_ps(acc[q], exp16<false>(_mm512_sub_ps(_mm512_loadu_ps(s + v0 + j0 + 16 * q), mv)));
+    for (int q = 0; q < kVecs; ++q) {  // last, partial chunk: missing elements add nothing (masked)
+      const int64_t first = v0 + j0 + 16 * q;
+      const int64_t n = V - first;
+      if (n <= 0) continue;
+      const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+      const __m512 e = exp16<false>(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + first), mv));
+      acc[q] = _mm512_mask_add_ps(acc[q], k, acc[q], e);
+    }
+    for (int q = 0; q < kVecs; ++q) _mm512_storeu_ps(lanes + j0 + 16 * q, acc[q]);
+    return;
+  }
+#endif
+  float acc[kW];
+  for (int j = 0; j < kW; ++j) acc[j] = 0.0f;
+  int64_t v0 = 0;
+  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+    for (int j = 0; j < kW; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+  for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
+}
+
+template <typename T>
+static float row_lse(const T* z, float* s, int64_t V, float tau) {
+  const float inf = float_of(0x7f800000u);
+  float mx[kReduceLanes];
+  int32_t bad[kReduceLanes];
+  for (int j = 0; j < kReduceLanes; ++j) {
+    mx[j] = -inf;
+    bad[j] = 0;
+  }
+  if (tau == 1.0f)
+    scale_row<T, true>(z, s, V, tau, mx, bad);
+  else
+    scale_row<T, false>(z, s, V, tau, mx, bad);
+  float m = -inf;
+  int32_t any_bad = 0;
+  for (int j = 0; j < kReduceLanes; ++j) {
+    m = max_f32(m, mx[j]);
+    any_bad |= bad[j];
+  }
+  if (any_bad) return float_of(0x7fc00000u);
+  if (m == -inf) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
+  float lanes[kReduceLanes];
+  lane_exp_sums_w<kReduceLanes>(s, V, m, 0, lanes);
+  return m + log_f32(fold_lanes(lanes));
+}
+
+// Per-thread fp32 scratch row for s (kept between calls: a fresh vocab-sized allocation per call would
+// page-fault on every decode step).
+static float* scratch_row(int64_t V) {
+  static thread_local std::unique_ptr<float[]> buf;
+  static thread_local int64_t cap = 0;
+  if (V > cap) {
+    buf.reset(new float[(size_t)V]);
+    cap = V;
+  }
+  return buf.get();
 }
 
 static void logsumexp(DType dt, const void* z, float* lse, int64_t V, float tau, const float* temps, int64_t r0,
                       int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    for (int64_t r = r0; r < r1; ++r) lse[r] = logsumexp_row((const T*)z + r * V, V, temps ? temps[r] : tau);
+    float* s = scratch_row(V);
+    for (int64_t r = r0; r < r1; ++r) lse[r] = row_lse((const T*)z + r * V, s, V, temps ? temps[r] : tau);
   });
 }
 
+// log_softmax: logp_v = s_v - lse. With lse == nullptr the row's lse is computed here, with s written
+// straight into the output row (one read of the logits, no second division); otherwise lse[r] is used.
 static void log_softmax(DType dt, const void* z, const float* lse, float* out, int64_t V, float tau,
                         const float* temps, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
@@ -164,32 +374,91 @@ static void log_softmax(DType dt, const void* z, const float* lse, float* out, i
     for (int64_t r = r0; r < r1; ++r) {
       const T* zr = (const T*)z + r * V;
       const float t = temps ? temps[r] : tau;
-      const float l = lse[r];
-      float* o = out + r * V;
-      for (int64_t v = 0; v < V; ++v) o[v] = div_f32(to_f32(zr[v]), t) - l;
-    }
-  });
-}
-
-static void token_logprobs_backward(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
-                                    void* dz, int64_t V, float tau, const float* temps, int64_t r0, int64_t r1) {
-  with_type(dt, [&](auto* tp) {
-    using T = std::remove_pointer_t<decltype(tp)>;
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* zr = (const T*)z + r * V;
-      T* o = (T*)dz + r * V;
-      const float t = temps ? temps[r] : tau;
-      const float l = lse[r];
-      const float gr = g[r];
-      const int64_t id = ids[r];
-      for (int64_t v = 0; v < V; ++v) {
-        float p = exp_f32(div_f32(to_f32(zr[v]), t) - l);
-        float onehot = v == id ? 1.0f : 0.0f;
-        o[v] = from_f32<T>(div_f32((onehot - p) * gr, t));
+      float* __restrict__ o = out + r * V;
+      if (lse == nullptr) {
+        const float l = row_lse(zr, o, V, t);
+        for (int64_t v = 0; v < V; ++v) o[v] = o[v] - l;
+      } else {
+        const float l = lse[r];
+        for (int64_t v = 0; v < V; ++v) o[v] = div_f32(to_f32(zr[v]), t) - l;
       }
     }
   });
 }
+
+// dz_v = round_T(((v == id) - exp(s_v - lse)) * g / tau). With lse == nullptr the lse is computed here
+// (s kept in the scratch row, so the logits are read once and divided once).
+static void token_logprobs_backward(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
+                                    void* dz, int64_t V, float tau, const float* temps, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    float* __restrict__ s = scratch_row(V);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* zr = (const T*)z + r * V;
+      T* __restrict__ o = (T*)dz + r * V;
+      const float t = temps ? temps[r] : tau;
+      float l;
+      if (lse == nullptr) {
+        l = row_lse(zr, s, V, t);
+      } else {
+        l = lse[r];
+        for (int64_t v = 0; v < V; ++v) s[v] = div_f32(to_f32(zr[v]), t);
+      }
+      const float gr = g[r];
+      const int64_t id = ids[r];
+      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(div_f32((0.0f - exp_f32(s[v] - l)) * gr, t));
+      o[id] = from_f32<T>(div_f32((1.0f - exp_f32(s[id] - l)) * gr, t));
+    }
+  });
+}
+
+// ---- intra-row splits (dense_split_kernels.h) ------------------------------------------------------------
+static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* a = (const T*)x + row * 2 * d;
+    silu_mul_range(a, a + d, (T*)out + row * d, c0, c1);
+  });
+}
+
+static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int64_t v1, float tau, float* max,
+                      int32_t* bad) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const float inf = float_of(0x7f800000u);
+    float mx[kReduceLanes];
+    int32_t bd[kReduceLanes];
+    for (int j = 0; j < kReduceLanes; ++j) {
+      mx[j] = -inf;
+      bd[j] = 0;
+    }
+    if (tau == 1.0f)
+      scale_row<T, true>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
+    else
+      scale_row<T, false>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
+    float m = -inf;
+    int32_t any = 0;
+    for (int j = 0; j < kReduceLanes; ++j) {
+      m = max_f32(m, mx[j]);
+      any |= bd[j];
+    }
+    *max = m;
+    *bad = any;
+  });
+}
+
+static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, float* lanes) {
+  if (j1 - j0 == 16) return lane_exp_sums_w<16>(s, V, m, j0, lanes);
+  if (j1 - j0 == 8) return lane_exp_sums_w<8>(s, V, m, j0, lanes);
+  for (int j = j0; j < j1; ++j) {
+    float acc = 0.0f;
+    for (int64_t v = j; v < V; v += kReduceLanes) acc = acc + exp_f32(s[v] - m);
+    lanes[j] = acc;
+  }
+}
+
+extern const DenseSplitKernels kDenseSplit;
+const DenseSplitKernels kDenseSplit = {silu_and_mul_cols, scale_max, lane_exp_sums};
 
 // GEMM (linear and its backward): gemm_kernels.cpp, compiled per ISA level like this file.
 void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,

@@ -4,10 +4,41 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <string.h>
+
+#include <limits>
+#include <vector>
+
+#include "../common/reduce.h"
 #include "cpu_kernels.h"
+#include "dense_split_kernels.h"
 
 namespace aligned::cpu {
+
+namespace generic { extern const DenseSplitKernels kDenseSplit; }
+#if defined(__x86_64__)
+namespace avx2 { extern const DenseSplitKernels kDenseSplit; }
+namespace avx512 { extern const DenseSplitKernels kDenseSplit; }
+#endif
+
+// Same ISA level as the main table (cpu_dispatch.cpp picks it once per process).
+const DenseSplitKernels& dense_split_kernels() {
+  static const DenseSplitKernels& table = [&]() -> const DenseSplitKernels& {
+#if defined(__x86_64__)
+    if (strcmp(cpu_kernels().isa, "avx512") == 0) return avx512::kDenseSplit;
+    if (strcmp(cpu_kernels().isa, "avx2") == 0) return avx2::kDenseSplit;
+#endif
+    return generic::kDenseSplit;
+  }();
+  return table;
+}
+
 namespace {
+
+// Fewer rows than threads: the threads share each row (dense_split_kernels.h says why no bit changes).
+bool split_rows(int64_t rows, int64_t row_len, int64_t min_len) {
+  return rows < at::get_num_threads() && row_len >= min_len && !at::in_parallel_region();
+}
 
 DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
   switch (t.scalar_type()) {
@@ -78,10 +109,19 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
                                                      const at::Tensor& weight, double eps) {
   const char* op = "rms_norm_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
   DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
-              "aligned::rms_norm_backward: grad_out must match x in shape and dtype");
+              "aligned::rms_norm_backward: grad_out must match x in shape and dtype, got ", grad.sizes(), " ",
+              grad.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm_backward: x must have at least one dimension");
   const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm_backward: weight must have shape [", H,
+              "], got ", weight.sizes());
+  TORCH_CHECK(wdt == dt || wdt == DType::F32,
+              "aligned::rms_norm_backward: weight dtype must equal x dtype or be float32");
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
   const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   auto dx = at::empty_like(xc);
@@ -113,6 +153,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty(sizes, xc.options());
   const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
   const auto& k = cpu_kernels();
+  constexpr int64_t kCols = 2048;  // elementwise: any column cut gives the same bits
+  if (rows > 0 && split_rows(rows, d, 2 * kCols)) {
+    const int64_t chunks = (d + kCols - 1) / kCols;
+    const auto& sk = dense_split_kernels();
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t r = t / chunks, c0 = (t % chunks) * kCols;
+        sk.silu_and_mul_cols(dt, xc.data_ptr(), out.data_ptr(), d, r, c0, std::min(d, c0 + kCols));
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) {
     k.silu_and_mul(dt, xc.data_ptr(), out.data_ptr(), d, b, e);
   });
@@ -120,10 +172,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
-  DType dt = dtype_of(x, "silu_and_mul_backward", "x");
+  const char* op = "silu_and_mul_backward";
+  check_cpu(grad, op, "grad_out");
+  check_cpu(x, op, "x");
+  DType dt = dtype_of(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "aligned::silu_and_mul_backward: last dimension of x must be even (2*d), got ", x.sizes());
   const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.numel() * 2 == x.numel(),
-              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension");
+  auto expected = x.sizes().vec();
+  expected.back() = d;
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.sizes() == at::IntArrayRef(expected),
+              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension, got ",
+              grad.sizes(), " ", grad.scalar_type(), " for x ", x.sizes(), " ", x.scalar_type());
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
   const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
@@ -230,8 +290,49 @@ at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op)
   return idc;
 }
 
+// Rows shorter than this never share threads (the fork/join would cost more than it saves).
+constexpr int64_t kSplitMinVocab = 8192;
+
+// lse of row r with all threads on the one row: s = z / tau into s_row (v ranges in parallel, maxima
+// combined exactly), then the 32 lane sums of reduce.h in lane groups, folded here by the same tree.
+float lse_row_split(const LogitsArgs& a, int64_t r, float* s_row) {
+  const auto& sk = dense_split_kernels();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float tau = a.temps.defined() ? a.temps_ptr()[r] : a.tau;
+  const void* zr = (const char*)a.z.data_ptr() + r * a.V * a.z.element_size();
+  const int64_t parts = at::get_num_threads();
+  const int64_t part = ((a.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+  std::vector<float> mx(parts, -inf);
+  std::vector<int32_t> bad(parts, 0);
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t v0 = p * part, v1 = std::min(a.V, v0 + part);
+      if (v0 < v1) sk.scale_max(a.dt, zr, s_row, v0, v1, tau, &mx[p], &bad[p]);
+    }
+  });
+  float m = -inf;
+  int32_t any_bad = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    m = max_f32(m, mx[p]);
+    any_bad |= bad[p];
+  }
+  if (any_bad) return std::numeric_limits<float>::quiet_NaN();
+  if (m == -inf) return m;
+  float lanes[kReduceLanes];
+  const int groups = parts >= 4 ? 4 : 2, width = kReduceLanes / groups;
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, a.V, m, (int)g * width, (int)(g + 1) * width, lanes);
+  });
+  return m + log_f32(fold_lanes(lanes));
+}
+
 at::Tensor lse_of(const LogitsArgs& a) {
   auto lse = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  if (split_rows(a.T, a.V, kSplitMinVocab)) {
+    auto s = at::empty({a.V}, lse.options());
+    for (int64_t r = 0; r < a.T; ++r) lse.data_ptr<float>()[r] = lse_row_split(a, r, s.data_ptr<float>());
+    return lse;
+  }
   const auto& k = cpu_kernels();
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
     k.logsumexp(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
@@ -245,11 +346,22 @@ at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::op
 
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "log_softmax");
-  auto lse = lse_of(a);
   auto out = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  if (split_rows(a.T, a.V, kSplitMinVocab)) {
+    float* o = out.data_ptr<float>();
+    for (int64_t r = 0; r < a.T; ++r) {
+      float* orow = o + r * a.V;
+      const float l = lse_row_split(a, r, orow);  // leaves s = z / tau in the output row
+      at::parallel_for(0, a.V, 8192, [&](int64_t b, int64_t e) {
+        for (int64_t v = b; v < e; ++v) orow[v] = orow[v] - l;
+      });
+    }
+    return out;
+  }
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.T, grain(a.V), [&](int64_t b, int64_t e) {
-    k.log_softmax(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
+  // lse == nullptr: the kernel computes each row's lse itself, writing z / tau into the output row first.
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
+    k.log_softmax(a.dt, a.z.data_ptr(), nullptr, out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
   });
   return out;
 }
@@ -280,12 +392,16 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   auto idc = check_ids(ids, a, "token_logprobs_backward");
   TORCH_CHECK(grad.dim() == 1 && grad.size(0) == a.T, "aligned::token_logprobs_backward: grad must be [", a.T, "]");
   auto g = grad.to(at::kFloat).contiguous();
-  auto lse = lse_of(a);
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
+  // Few rows: lse with the threads sharing each row, then the elementwise part per row.
+  // Otherwise lse == nullptr: the kernel computes each row's lse in the same pass over the logits.
+  at::Tensor lse;
+  if (split_rows(a.T, a.V, kSplitMinVocab)) lse = lse_of(a);
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(), lse.data_ptr<float>(),
-                              dz.data_ptr(), a.V, a.tau, a.temps_ptr(), b, e);
+    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(),
+                              lse.defined() ? lse.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau,
+                              a.temps_ptr(), b, e);
   });
   return dz;
 }
@@ -410,6 +526,12 @@ at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels(
 at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().log_f32, "_log_f32"); }
 
 }  // namespace
+
+// Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
+// ALIGNED_CPU_ISA really forced a level before comparing the levels' bits. CPU-only diagnostic.
+std::string cpu_isa() { return cpu_kernels().isa; }
+
+TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
 
 TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   m.impl("linear", &linear);

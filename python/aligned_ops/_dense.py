@@ -38,18 +38,38 @@ def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
     return dx, dw, db
 
 
+def _same_device(op, *tensors):
+    """Mixed devices (e.g. a meta weight with a CPU x) would otherwise reach this fake impl and return garbage."""
+    devs = {t.device for t in tensors if t is not None}
+    torch._check(len(devs) <= 1, lambda: f"aligned::{op}: all tensors must be on the same device, got {devs}")
+
+
+def _check_norm(op, x, weight):
+    _same_device(op, x, weight)
+    torch._check(x.dim() >= 1, lambda: f"aligned::{op}: x must have at least one dimension")
+    torch._check(
+        weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+        lambda: f"aligned::{op}: weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}",
+    )
+
+
 @_reg_fake("rms_norm")
 def _(x, weight, eps):
+    _check_norm("rms_norm", x, weight)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @_reg_fake("rms_norm_backward")
 def _(grad_out, x, weight, eps):
+    _same_device("rms_norm_backward", grad_out, x, weight)
+    _check_norm("rms_norm_backward", x, weight)
     return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(weight.shape)
 
 
 @_reg_fake("fused_add_rms_norm")
 def _(x, residual, weight, eps):
+    _same_device("fused_add_rms_norm", x, residual, weight)
+    _check_norm("fused_add_rms_norm", x, weight)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -58,42 +78,49 @@ def _(x, residual, weight, eps):
 
 @_reg_fake("silu_and_mul")
 def _(x):
-    torch._check(x.shape[-1] % 2 == 0, lambda: "aligned::silu_and_mul: last dimension must be even")
+    torch._check(x.dim() >= 1 and x.shape[-1] % 2 == 0, lambda: "aligned::silu_and_mul: last dimension must be even")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 @_reg_fake("silu_and_mul_backward")
 def _(grad_out, x):
+    _same_device("silu_and_mul_backward", grad_out, x)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @_reg_fake("rotary_embedding")
 def _(positions, x, cos_sin_cache, rotary_dim, is_neox):
+    _same_device("rotary_embedding", positions, x, cos_sin_cache)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @_reg_fake("rotary_embedding_backward")
 def _(positions, grad_out, cos_sin_cache, rotary_dim, is_neox):
+    _same_device("rotary_embedding_backward", positions, grad_out, cos_sin_cache)
     return torch.empty_like(grad_out, memory_format=torch.contiguous_format)
 
 
 @_reg_fake("logsumexp")
 def _(logits, temperature=1.0, temperatures=None):
+    _same_device("logsumexp", logits, temperatures)
     return logits.new_empty((logits.shape[0],), dtype=torch.float32)
 
 
 @_reg_fake("log_softmax")
 def _(logits, temperature=1.0, temperatures=None):
+    _same_device("log_softmax", logits, temperatures)
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 @_reg_fake("token_logprobs")
 def _(logits, token_ids, temperature=1.0, temperatures=None):
+    _same_device("token_logprobs", logits, token_ids, temperatures)
     return logits.new_empty((logits.shape[0],), dtype=torch.float32)
 
 
 @_reg_fake("token_logprobs_backward")
 def _(grad, logits, token_ids, temperature=1.0, temperatures=None):
+    _same_device("token_logprobs_backward", grad, logits, token_ids, temperatures)
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 

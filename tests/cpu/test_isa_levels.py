@@ -1,0 +1,129 @@
+"""Every CPU ISA level (generic x86-64, AVX2+FMA, AVX-512) computes identical bits for every dense op.
+
+The level is picked once per process (ALIGNED_CPU_ISA), so each level runs in its own subprocess and writes
+its outputs to a file; the files are compared with torch.equal. Shapes include odd lengths so that vector
+tails, masked loads and the scalar remainder paths all run."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, aligned_ops
+    ops = torch.ops.aligned
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    out = {"isa": ops._cpu_isa()}
+    bits = torch.randint(-2**31, 2**31, (100003,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    unif = torch.empty(100003).uniform_(-110, 95, generator=g)
+    out["exp_bits"], out["exp_unif"] = ops._exp_f32(bits), ops._exp_f32(unif)
+    out["log_bits"], out["log_unif"] = ops._log_f32(bits), ops._log_f32(unif.abs())
+    cache = aligned_ops.rotary_cos_sin_cache(64, 512)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        n = str(dt)
+        for H in (1, 37, 1536, 1000):
+            x = (torch.randn(67, H, generator=g) * 3).to(dt)
+            r = torch.randn(67, H, generator=g).to(dt)
+            w = (torch.rand(H, generator=g) + 0.5).to(dt)
+            gr = torch.randn(67, H, generator=g).to(dt)
+            out[f"rms{n}{H}"] = ops.rms_norm(x, w, 1e-6)
+            out[f"rmsw32{n}{H}"] = ops.rms_norm(x, w.float(), 1e-5)
+            out[f"fused{n}{H}"] = ops.fused_add_rms_norm(x, r, w, 1e-6)
+            out[f"rmsbwd{n}{H}"] = ops.rms_norm_backward(gr, x, w, 1e-6)
+            out[f"rmsbwdw32{n}{H}"] = ops.rms_norm_backward(gr, x, w.float(), 1e-6)
+        for d in (1, 45, 896):
+            x = (torch.randn(33, 2 * d, generator=g) * 6).to(dt)
+            gr = torch.randn(33, d, generator=g).to(dt)
+            out[f"silu{n}{d}"] = ops.silu_and_mul(x)
+            out[f"silubwd{n}{d}"] = ops.silu_and_mul_backward(gr, x)
+        pos = torch.randint(0, 512, (29,), generator=g)
+        for hd, rot in ((64, 64), (80, 64), (128, 64)):
+            q = torch.randn(29, 5, hd, generator=g).to(dt)
+            for neox in (True, False):
+                out[f"rope{n}{hd}{neox}"] = ops.rotary_embedding(pos, q, cache, rot, neox)
+                out[f"ropebwd{n}{hd}{neox}"] = ops.rotary_embedding_backward(pos, q, cache, rot, neox)
+        for V in (1, 31, 1000, 32003):
+            z = (torch.randn(9, V, generator=g) * 5).to(dt)
+            z[3, V // 2] = -float("inf")
+            ids = torch.randint(0, V, (9,), generator=g)
+            temps = torch.rand(9, generator=g) + 0.4
+            gr = torch.randn(9, generator=g)
+            for t, ts in ((1.0, None), (0.7, None), (1.0, temps)):
+                k = f"{n}{V}{t}{ts is None}"
+                out["lse" + k] = ops.logsumexp(z, t, ts)
+                out["lsm" + k] = ops.log_softmax(z, t, ts)
+                out["tlp" + k] = ops.token_logprobs(z, ids, t, ts)
+                out["tlpbwd" + k] = ops.token_logprobs_backward(gr, z, ids, t, ts)
+        # one row, two threads: the intra-row split kernels (dense_split_kernels.h)
+        z1 = (torch.randn(1, 40003, generator=g) * 5).to(dt)
+        ids1 = torch.randint(0, 40003, (1,), generator=g)
+        out[f"split_lse{n}"] = ops.logsumexp(z1, 0.7, None)
+        out[f"split_lsm{n}"] = ops.log_softmax(z1, 1.0, None)
+        out[f"split_tlp{n}"] = ops.token_logprobs(z1, ids1, 1.0, torch.tensor([1.3]))
+        out[f"split_silu{n}"] = ops.silu_and_mul((torch.randn(1, 2 * 8960, generator=g) * 6).to(dt))
+    torch.save(out, sys.argv[1])
+    """
+)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal on the raw bits: NaN == NaN (same payload), +0 != -0."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        view = {4: torch.int32, 2: torch.int16}[a.element_size()]
+        return torch.equal(a.view(view), b.view(view))
+    return torch.equal(a, b)
+
+
+def _supported_levels():
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    levels = ["generic"]
+    if " avx2 " in flags and " fma " in flags:
+        levels.append("avx2")
+    if all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+        levels.append("avx512")
+    return levels
+
+
+def test_every_isa_level_gives_identical_bits(tmp_path):
+    levels = _supported_levels()
+    if len(levels) < 2:
+        pytest.skip("only the generic kernel level runs on this CPU")
+    script = tmp_path / "run_ops.py"
+    script.write_text(SCRIPT)
+    results = {}
+    for isa in levels:
+        path = tmp_path / f"{isa}.pt"
+        env = dict(os.environ, ALIGNED_CPU_ISA=isa)
+        proc = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[isa] = torch.load(path)
+        assert results[isa].pop("isa") == isa  # the forced level really ran
+    base = results["generic"]
+    for isa in levels[1:]:
+        assert results[isa].keys() == base.keys()
+        diff = []
+        for k, v in base.items():
+            vs = v if isinstance(v, tuple) else (v,)
+            ws = results[isa][k] if isinstance(v, tuple) else (results[isa][k],)
+            if not all(bits_equal(a, b) for a, b in zip(vs, ws)):
+                diff.append(k)
+        assert not diff, f"{isa} differs from generic in {diff}"
+
+
+def test_checker_detects_a_different_result(tmp_path):
+    # Negative control for the comparison above: the same file compare reports a one-bit change.
+    a = {"x": torch.tensor([1.0, 2.0])}
+    b = {"x": torch.tensor([1.0, torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item()])}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    assert not bits_equal(torch.load(tmp_path / "a.pt")["x"], torch.load(tmp_path / "b.pt")["x"])
+    assert not bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert bits_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))

@@ -1,0 +1,277 @@
+"""logsumexp, log_softmax, token_logprobs (+ backward): invariance, accuracy, temperature, NaN policy."""
+
+import math
+
+import pytest
+import torch
+
+import aligned_ops
+from dense_invariance import batch_mismatches, batch_variant_sum, run_mismatches, thread_mismatches
+
+ops = torch.ops.aligned
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INF = float("inf")
+
+
+def log_softmax_ref(z, tau=1.0):
+    tau = tau.double()[:, None] if isinstance(tau, torch.Tensor) else tau
+    return torch.log_softmax(z.double() / tau, -1)
+
+
+def make(T, V, dtype, seed=0, scale=4.0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(T, V, generator=g) * scale).to(dtype)
+    return z, torch.randint(0, V, (T,), generator=g)
+
+
+# ---- accuracy ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,V", [(1, 1), (3, 7), (5, 423), (4, 32000)])
+@pytest.mark.parametrize("tau", [1.0, 0.6])
+def test_accuracy(dtype, T, V, tau):
+    z, ids = make(T, V, dtype, V)
+    ref = log_softmax_ref(z, tau)
+    logp = aligned_ops.log_softmax(z, tau)
+    assert logp.dtype == torch.float32 and logp.shape == (T, V)
+    torch.testing.assert_close(logp.double(), ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(aligned_ops.logsumexp(z, tau).double(), torch.logsumexp(z.double() / tau, -1),
+                               rtol=1e-6, atol=1e-5)
+    tlp = aligned_ops.token_logprobs(z, ids, tau)
+    assert tlp.dtype == torch.float32 and tlp.shape == (T,)
+    assert torch.equal(tlp, logp.gather(1, ids[:, None])[:, 0])  # bit for bit
+
+
+def test_qwen_sized_vocab_few_rows():
+    z, ids = make(2, 151936, torch.bfloat16, 1, scale=3.0)
+    logp = ops.log_softmax(z, 0.8, None)
+    torch.testing.assert_close(logp.double(), log_softmax_ref(z, 0.8), rtol=1e-5, atol=5e-5)
+    assert torch.equal(ops.token_logprobs(z, ids, 0.8, None), logp.gather(1, ids[:, None])[:, 0])
+
+
+def test_per_row_temperatures():
+    z, ids = make(6, 1000, torch.bfloat16, 2)
+    temps = torch.tensor([0.5, 1.0, 0.7, 1.3, 0.7, 2.0])
+    tlp = aligned_ops.token_logprobs(z, ids, temps)
+    logp = aligned_ops.log_softmax(z, temps)
+    torch.testing.assert_close(logp.double(), log_softmax_ref(z, temps), rtol=1e-5, atol=2e-5)
+    assert torch.equal(tlp, logp.gather(1, ids[:, None])[:, 0])
+    for i, t in enumerate(temps.tolist()):  # tensor temperature == scalar temperature, bit for bit
+        assert torch.equal(tlp[i], ops.token_logprobs(z[i:i + 1], ids[i:i + 1], t, None)[0])
+        assert torch.equal(logp[i], ops.log_softmax(z[i:i + 1], t, None)[0])
+    full = torch.full((6,), 0.7)
+    assert torch.equal(ops.log_softmax(z, 1.0, full), ops.log_softmax(z, 0.7, None))
+    assert torch.equal(ops.logsumexp(z, 1.0, full), ops.logsumexp(z, 0.7, None))
+    # float64 / bf16 temperature tensors are converted to fp32 first, like the scalar
+    assert torch.equal(ops.token_logprobs(z, ids, 1.0, full.double()), ops.token_logprobs(z, ids, 0.7, None))
+    # a 0-d tensor in the wrapper means a scalar
+    assert torch.equal(aligned_ops.token_logprobs(z, ids, torch.tensor(0.7)), ops.token_logprobs(z, ids, 0.7, None))
+
+
+def test_nan_policy():
+    z, ids = make(6, 300, torch.float32, 3)
+    z[1, 17] = float("nan")
+    z[2, 200] = INF
+    z[3] = -INF
+    z[4, :150] = -INF  # masked logits are fine: they get logp = -inf
+    ids[4] = 3
+    logp = ops.log_softmax(z, 1.0, None)
+    lse = ops.logsumexp(z, 1.0, None)
+    assert torch.isnan(logp[1]).all() and torch.isnan(lse[1])  # a NaN logit poisons its row
+    assert torch.isnan(logp[2]).all() and torch.isnan(lse[2])  # so does +inf
+    assert lse[3].item() == -INF and torch.isnan(logp[3]).all()  # all -inf: lse = -inf, logp = NaN
+    assert (logp[4, :150] == -INF).all() and torch.isfinite(logp[4, 150:]).all()
+    assert torch.isfinite(logp[[0, 5]]).all()
+    assert torch.equal(logp[[0, 4, 5]], ops.log_softmax(z[[0, 4, 5]], 1.0, None))  # other rows untouched
+    tlp = ops.token_logprobs(z, ids, 1.0, None)
+    assert torch.isnan(tlp[1:4]).all() and tlp[4].item() == -INF and torch.isfinite(tlp[[0, 5]]).all()
+    dz = ops.token_logprobs_backward(torch.ones(6), z, ids, 1.0, None)
+    assert torch.isnan(dz[1]).all() and torch.isfinite(dz[[0, 5]]).all()
+    # exp(-inf) = 0: masked logits get no gradient except the (masked) chosen token, d/dz_id = 1 - p_id = 1
+    assert torch.equal(dz[4, :150], torch.nn.functional.one_hot(torch.tensor(3), 150).float())
+
+
+def test_non_contiguous_and_zero_size():
+    z, ids = make(40, 500, torch.bfloat16, 4)
+    zt = z.t().contiguous().t()
+    zs = make(40, 1000, torch.bfloat16, 4)[0][:, ::2]
+    ids_nc = torch.stack([ids, ids], 1)[:, 0]
+    assert not zt.is_contiguous() and not zs.is_contiguous() and not ids_nc.is_contiguous()
+    assert torch.equal(ops.log_softmax(zt, 0.9, None), ops.log_softmax(z, 0.9, None))
+    assert torch.equal(ops.token_logprobs(zs, ids_nc, 1.0, None), ops.token_logprobs(zs.contiguous(), ids, 1.0, None))
+    e = torch.empty(0, 100)
+    ei = torch.empty(0, dtype=torch.long)
+    assert ops.log_softmax(e, 1.0, None).shape == (0, 100)
+    assert ops.logsumexp(e, 1.0, None).shape == (0,)
+    assert ops.token_logprobs(e, ei, 1.0, torch.empty(0)).shape == (0,)
+    assert ops.token_logprobs_backward(torch.empty(0), e, ei, 1.0, None).shape == (0, 100)
+
+
+# ---- invariance ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant(dtype):
+    z, ids = make(600, 1000, dtype, 5)
+    temps = torch.rand(600) + 0.5
+    assert batch_mismatches(lambda z: ops.log_softmax(z, 0.7, None), (z,)) == 0
+    assert batch_mismatches(lambda z, i, t: ops.token_logprobs(z, i, 1.0, t), (z, ids, temps)) == 0
+    g = torch.randn(600)
+    assert batch_mismatches(lambda g, z, i, t: ops.token_logprobs_backward(g, z, i, 1.0, t), (g, z, ids, temps)) == 0
+
+
+def test_negative_control_batch_variant_lse_is_detected():
+    z, ids = make(600, 1000, torch.float32, 6)
+
+    def variant_token_logprobs(z, ids):
+        m = z.max(-1).values
+        lse = m + torch.log(batch_variant_sum(torch.exp(z - m[:, None])))
+        return z.gather(1, ids[:, None])[:, 0] - lse
+
+    assert batch_mismatches(variant_token_logprobs, (z, ids)) > 0
+
+
+def test_threads_and_runs():
+    z, ids = make(64, 32000, torch.bfloat16, 7)
+    temps = torch.rand(64) + 0.5
+    g = torch.randn(64)
+    assert thread_mismatches(lambda: ops.log_softmax(z, 0.7, None)) == 0
+    assert thread_mismatches(lambda: ops.token_logprobs(z, ids, 1.0, temps)) == 0
+    assert thread_mismatches(lambda: ops.token_logprobs_backward(g, z, ids, 1.0, temps)) == 0
+    assert run_mismatches(lambda: ops.token_logprobs(z, ids, 0.7, None)) == 0
+
+
+# ---- autograd --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, "tensor"])
+def test_gradients(dtype, temperature):
+    z, ids = make(5, 777, dtype, 8)
+    tau = torch.tensor([0.5, 0.9, 1.0, 1.7, 0.7]) if temperature == "tensor" else temperature
+    z.requires_grad_(True)
+    g = torch.randn(5)
+    (dz,) = torch.autograd.grad(aligned_ops.token_logprobs(z, ids, tau), z, g)
+    z64 = z.detach().double().requires_grad_(True)
+    (dz64,) = torch.autograd.grad(log_softmax_ref(z64, tau).gather(1, ids[:, None])[:, 0], z64, g.double())
+    assert dz.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-4)
+    torch.testing.assert_close(dz.double(), dz64, **tol)
+
+
+# ---- opcheck / compile ----------------------------------------------------------------------------------------------
+
+
+def test_opcheck():
+    z, ids = make(4, 50, torch.float32, 9)
+    temps = torch.rand(4) + 0.5
+    for t, ts in [(0.8, None), (1.0, temps)]:
+        torch.library.opcheck(ops.logsumexp.default, (z, t, ts))
+        torch.library.opcheck(ops.log_softmax.default, (z, t, ts))
+        torch.library.opcheck(ops.token_logprobs.default, (z.clone().requires_grad_(True), ids, t, ts))
+        torch.library.opcheck(ops.token_logprobs_backward.default, (torch.randn(4), z, ids, t, ts))
+    torch.library.opcheck(ops._exp_f32.default, (torch.randn(33),))
+    torch.library.opcheck(ops._log_f32.default, (torch.rand(33),))
+
+
+def test_torch_compile_fullgraph_bitwise():
+    z, ids = make(7, 300, torch.bfloat16, 10)
+    temps = torch.rand(7) + 0.5
+
+    def f(z, ids, temps):
+        return (ops.token_logprobs(z, ids, 1.0, temps), ops.log_softmax(z, 0.7, None), ops.logsumexp(z, 1.0, temps),
+                ops.token_logprobs_backward(torch.ones(7), z, ids, 0.9, None))
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    for a, b in zip(cf(z, ids, temps), f(z, ids, temps)):
+        assert torch.equal(a, b)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    z, ids = make(4, 10, torch.float32)
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16 or float16"):
+        ops.token_logprobs(z.double(), ids, 1.0, None)
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16 or float16"):
+        ops.log_softmax(z.to(torch.int32), 1.0, None)
+    with pytest.raises(RuntimeError, match=r"logits must be \[tokens, vocab\]"):
+        ops.log_softmax(z[None], 1.0, None)
+    with pytest.raises(RuntimeError, match=r"logits must be \[tokens, vocab\]"):
+        ops.logsumexp(z[0], 1.0, None)
+    with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, 10\)"):
+        ops.token_logprobs(z, torch.tensor([0, 1, 10, 2]), 1.0, None)
+    with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, 10\)"):
+        ops.token_logprobs_backward(torch.ones(4), z, torch.tensor([0, -1, 2, 2]), 1.0, None)
+    with pytest.raises(RuntimeError, match="token_ids must be int64 or int32"):
+        ops.token_logprobs(z, ids.float(), 1.0, None)
+    with pytest.raises(RuntimeError, match=r"token_ids must be \[4\]"):
+        ops.token_logprobs(z, ids[:3], 1.0, None)
+    for bad in (0.0, -1.0, INF, float("nan")):
+        with pytest.raises(RuntimeError, match="temperature must be finite and > 0"):
+            ops.token_logprobs(z, ids, bad, None)
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            aligned_ops.log_softmax(z, bad)
+    for bad in (torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, -2.0, 1.0, 1.0]),
+                torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([INF, 1.0, 1.0, 1.0])):
+        with pytest.raises(RuntimeError, match="every temperature must be finite and > 0"):
+            ops.token_logprobs(z, ids, 1.0, bad)
+        with pytest.raises(RuntimeError, match="every temperature must be finite and > 0"):
+            aligned_ops.logsumexp(z, bad)
+    with pytest.raises(RuntimeError, match=r"temperatures must be \[4\]"):
+        ops.log_softmax(z, 1.0, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"temperatures must be \[4\]"):
+        ops.log_softmax(z, 1.0, torch.ones(4, 1))
+    with pytest.raises(RuntimeError, match=r"grad must be \[4\]"):
+        ops.token_logprobs_backward(torch.ones(5), z, ids, 1.0, None)
+    with pytest.raises(RuntimeError, match="vocab size must be > 0"):
+        ops.log_softmax(torch.empty(3, 0), 1.0, None)
+    with pytest.raises(RuntimeError, match="must be on the same device"):
+        ops.token_logprobs(z, ids.to("meta"), 1.0, None)
+    assert math.isfinite(ops.token_logprobs(z, ids, 1e-3, None).sum().item())  # tiny but valid temperature
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_rows_shared_by_threads_give_the_batch_bits(dtype):
+    # With fewer rows than threads the threads share a row (v ranges for the max, lane groups for the sum);
+    # the result must equal the same row computed inside a batch (one thread per row) and with 1 thread.
+    V = 32003  # not a multiple of 32: the last chunk is partial
+    z, ids = make(8, V, dtype, 11)
+    z[2, 100:200] = -INF
+    z[5] = -INF
+    z[6, 7] = float("nan")
+    temps = torch.rand(8) + 0.5
+    g = torch.randn(8)
+    torch.set_num_threads(2)
+    batch = [ops.logsumexp(z, 1.0, temps), ops.log_softmax(z, 0.7, None), ops.token_logprobs(z, ids, 1.0, temps),
+             ops.token_logprobs_backward(g, z, ids, 0.8, None)]
+    for r in range(8):
+        s = slice(r, r + 1)
+        one = [ops.logsumexp(z[s], 1.0, temps[s]), ops.log_softmax(z[s], 0.7, None),
+               ops.token_logprobs(z[s], ids[s], 1.0, temps[s]), ops.token_logprobs_backward(g[s], z[s], ids[s], 0.8, None)]
+        for a, b in zip(batch, one):
+            assert torch.equal(a[s].view(torch.int32 if a.dtype == torch.float32 else torch.int16),
+                               b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)), r
+    assert thread_mismatches(lambda: ops.log_softmax(z[:1], 0.7, None)) == 0
+    assert thread_mismatches(lambda: ops.token_logprobs(z[3:4], ids[3:4], 1.0, None)) == 0
+
+
+def test_compiled_forward_and_backward_match_eager_bitwise():
+    z, ids = make(6, 400, torch.bfloat16, 12)
+    temps = torch.rand(6) + 0.5
+    g = torch.randn(6)
+
+    def f(z):
+        return aligned_ops.token_logprobs(z, ids, temps)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    ze, zc = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    ye, yc = f(ze), cf(zc)
+    assert torch.equal(ye, yc)
+    ye.backward(g)
+    yc.backward(g)
+    assert torch.equal(ze.grad, zc.grad)
