@@ -8,11 +8,19 @@ import torch
 import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
 
 
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the process once an in-process
+# engine starts (vllm/v1/worker/cpu_worker.py). Tests that compare 1 vs 2 threads must keep the real one.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+
 @pytest.fixture(autouse=True)
 def _restore_threads():
-    """Tests that change torch's thread count never leak it into other tests."""
+    """Tests that change torch's thread count never leak it into other tests, and always get the real
+    torch.set_num_threads (see above)."""
+    torch.set_num_threads = _TORCH_SET_NUM_THREADS
     n = torch.get_num_threads()
     yield
+    torch.set_num_threads = _TORCH_SET_NUM_THREADS
     torch.set_num_threads(n)
 
 

@@ -40,7 +40,7 @@ def test_verify_standard_mismatches_aligned_is_bitwise():
 
 def test_demo_runs_and_records_every_step(tmp_path):
     code, out = run_cli("demo", "--steps", "3", "--sft-steps", "3", "--prompts", "4", "--samples", "2",
-                        "--hidden", "64", "--layers", "1", "--out", str(tmp_path))
+                        "--hidden", "128", "--layers", "1", "--out", str(tmp_path))
     assert code == 0, out[-4000:]
     assert (tmp_path / "demo.png").stat().st_size > 0
     for kernels in ("standard", "aligned"):
