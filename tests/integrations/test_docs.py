@@ -1,4 +1,5 @@
-"""The copy-pasteable snippets of docs/integrations.md run as written (in order, one namespace)."""
+"""The copy-pasteable snippets of the README (use with vLLM / refit / use in your trainer) run as written, in
+order, in one namespace."""
 
 import os
 import re
@@ -10,7 +11,7 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "integrations.md")
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 
 def test_doc_snippets_run(tmp_path):
