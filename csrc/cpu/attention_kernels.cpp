@@ -32,15 +32,6 @@ using aligned::bf16_t;
 using aligned::f16_t;
 constexpr int kT = kAttnTile;
 
-template <typename Fn>
-static void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
-
 // Address of key/value row j (absolute position in the sequence) for KV head g.
 template <typename T>
 struct KeyRows {

@@ -34,16 +34,6 @@ namespace aligned::cpu::ALIGNED_ISA {
 using aligned::bf16_t;
 using aligned::f16_t;
 
-// Calls fn with a typed null pointer for the storage type named by dt.
-template <typename Fn>
-static void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
-
 // ---- AVX-512 forms of the contract's scalar helpers ------------------------------------------------------
 // gcc vectorises exp_f32 on its own, but with masked/blended code for its range checks that runs at about
 // half the speed of this straight-line form. Each function below is the same sequence of IEEE operations as

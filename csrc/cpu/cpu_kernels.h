@@ -11,9 +11,22 @@
 
 #include <stdint.h>
 
+#include "../common/numerics.h"
+
 namespace aligned::cpu {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// Calls fn with a typed null pointer for the storage type named by dt (float, bf16_t, f16_t): the one place
+// kernels turn the run-time dtype into a template argument.
+template <typename Fn>
+inline void with_type(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::F32: fn((float*)nullptr); break;
+    case DType::BF16: fn((aligned::bf16_t*)nullptr); break;
+    case DType::F16: fn((aligned::f16_t*)nullptr); break;
+  }
+}
 
 struct KernelTable {
   const char* isa;

@@ -97,15 +97,6 @@ constexpr int kNV = kNR / Vec::L;    // vectors per microkernel row
 constexpr int64_t kKC = 128;         // k-steps per L1 chunk on the small-M path (128 x 32 x 4 B = 16 KiB)
 constexpr int64_t kMC = 256;         // rows per block on the large-M path (A block stays in L3)
 
-template <typename Fn>
-static void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
-
 // ---- packing: bp[k][j] = fp32(B[n0 + j, k0 + k]) for k < kc, j < 32 (zero for j >= nw) -----------------
 #if defined(__AVX512F__)
 // Loads up to 16 consecutive elements as exact fp32 (masked: nothing past `cnt` is touched).

@@ -16,6 +16,7 @@
 
 #include "../common/attention.h"
 #include "attention_kernels.h"
+#include "glue_checks.h"
 
 namespace aligned::cpu {
 namespace generic { extern const AttentionTable kAttentionTable; }
@@ -41,20 +42,6 @@ const AttentionTable& attention_kernels() {
 namespace {
 
 constexpr int64_t kRowBlock = 16;
-
-DType attn_dtype(const at::Tensor& t, const char* op, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::F32;
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    default:
-      TORCH_CHECK(false, "aligned::", op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name, " must be a CPU tensor, got device ", t.device());
-}
 
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, const char* na, const char* nb) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "aligned::", op, ": ", nb, " must have the dtype of ", na, " (",
@@ -146,7 +133,7 @@ VarlenInputs prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::
   check_cpu(q, op, "q");
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");
-  DType dt = attn_dtype(q, op, "q");
+  DType dt = dtype_of(q, op, "q");
   check_same_dtype(q, k, op, "q", "k");
   check_same_dtype(q, v, op, "q", "v");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
@@ -246,7 +233,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");
   check_cpu(slot_mapping, op, "slot_mapping");
-  DType dt = attn_dtype(k, op, "k");
+  DType dt = dtype_of(k, op, "k");
   check_same_dtype(k, v, op, "k", "v");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aligned::", op,
               ": k and v must both be [tokens, num_kv_heads, head_dim], got ", k.sizes(), " and ", v.sizes());
@@ -280,7 +267,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            double scale) {
   const char* op = "paged_attention";
   check_cpu(q, op, "q");
-  DType dt = attn_dtype(q, op, "q");
+  DType dt = dtype_of(q, op, "q");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
   check_cache(k_cache, q, "q", op, "k_cache");
   check_cache(v_cache, q, "q", op, "v_cache");

@@ -11,6 +11,7 @@
 
 #include "../common/reduce.h"
 #include "cpu_kernels.h"
+#include "glue_checks.h"
 #include "dense_split_kernels.h"
 
 namespace aligned::cpu {
@@ -38,20 +39,6 @@ namespace {
 // Fewer rows than threads: the threads share each row (dense_split_kernels.h says why no bit changes).
 bool split_rows(int64_t rows, int64_t row_len, int64_t min_len) {
   return rows < at::get_num_threads() && row_len >= min_len && !at::in_parallel_region();
-}
-
-DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::F32;
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    default:
-      TORCH_CHECK(false, "aligned::", op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name, " must be on the CPU, got ", t.device());
 }
 
 // Rows per task: enough work per task that threading pays, never affects results.
