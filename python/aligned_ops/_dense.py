@@ -24,6 +24,7 @@ def _reg_fake(name):
 
 @_reg_fake("linear")
 def _(x, weight, bias=None):
+    _same_device("linear", x, weight, bias)
     torch._check(x.dim() >= 1, lambda: "aligned::linear: x must have at least one dimension")
     torch._check(weight.dim() == 2, lambda: "aligned::linear: weight must be 2-D")
     torch._check(x.shape[-1] == weight.shape[1], lambda: "aligned::linear: in_features mismatch")
@@ -32,6 +33,7 @@ def _(x, weight, bias=None):
 
 @_reg_fake("linear_backward")
 def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
+    _same_device("linear_backward", grad_out, x, weight)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x_grad else None
     dw = weight.new_empty(weight.shape) if needs_w_grad else None
     db = x.new_empty((weight.shape[0],)) if needs_b_grad else None
