@@ -35,11 +35,8 @@ from ._dense import (
     token_logprobs,
 )
 
-try:  # attention lives in its own module (issue: attention and KV cache)
-    from . import _attention  # noqa: F401
-    from ._attention import attention_varlen, paged_attention, reshape_and_cache  # noqa: F401
-except ImportError:  # pragma: no cover - only while attention is not built
-    pass
+from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
+from ._attention import attention_varlen, paged_attention, reshape_and_cache
 
 __version__ = "0.1.0"
 
@@ -53,4 +50,7 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "token_logprobs",
+    "attention_varlen",
+    "paged_attention",
+    "reshape_and_cache",
 ]

@@ -18,19 +18,6 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCaus
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def attention_ops():
-    """``(attention_varlen, paged_attention, reshape_and_cache)`` from ``aligned_ops``, or a clear error."""
-    import aligned_ops
-
-    try:
-        return aligned_ops.attention_varlen, aligned_ops.paged_attention, aligned_ops.reshape_and_cache
-    except AttributeError as e:  # pragma: no cover - only on a build without the attention ops
-        raise RuntimeError(
-            "aligned_ops was built without the attention ops (aligned::attention_varlen / paged_attention / "
-            "reshape_and_cache); rebuild the extension from a checkout that includes csrc attention"
-        ) from e
-
-
 def rope_theta_of(config) -> float:
     """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``)."""
     params = getattr(config, "rope_parameters", None) or {}

@@ -31,7 +31,7 @@ import torch
 
 import aligned_ops
 
-from . import attention_ops, check_hf_config, rope_theta_of
+from . import check_hf_config, rope_theta_of
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
@@ -122,7 +122,7 @@ def _lin(module, x):
 
 def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache):
     """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM."""
-    attention_varlen, _, _ = attention_ops()
+    attention_varlen = aligned_ops.attention_varlen
     eps = self.input_layernorm.variance_epsilon
     if residual is None:
         residual = hidden

@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import attention_ops
+import aligned_ops
 
 
 class AlignedAttentionBackend(AttentionBackend):
@@ -157,7 +157,7 @@ class AlignedAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
-        _, self._paged_attention, self._reshape_and_cache = attention_ops()
+        self._paged_attention, self._reshape_and_cache = aligned_ops.paged_attention, aligned_ops.reshape_and_cache
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_cache, v_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
