@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.command == "verify":
-        from . import verify
-
-        return verify.main(args)
-    from . import demo
-
-    return demo.main(args)
+        from . import verify as job
+    else:
+        from . import demo as job
+    if args.kernels:  # a child started by run_child: one kernel set, result as JSON
+        with open(args.result, "w") as f:
+            json.dump(job.child(args), f)
+        return 0
+    return job.main(args)
 
 
 def temp_dir(prefix: str) -> str:

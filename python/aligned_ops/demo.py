@@ -17,7 +17,6 @@ Seeded: the same flags give the same numbers.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -133,7 +132,8 @@ def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: 
 # ---- one RL run (child process, one kernel set) ---------------------------------------------------------
 
 
-def rl_run(args) -> dict:
+def child(args) -> dict:
+    """One RL run with one kernel set (``args.kernels``); returns the per-step records and the D3 summary."""
     import torch
     from tqdm import tqdm
 
@@ -211,11 +211,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    if args.kernels:  # child
-        result = rl_run(args)
-        with open(args.result, "w") as f:
-            json.dump(result, f)
-        return 0
+    """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
     import torch
 
     from .integrations.tiny_model import build_tiny_qwen2

@@ -11,7 +11,6 @@ The parent prints both side by side. With aligned kernels every token is bitwise
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -89,6 +88,7 @@ def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id,
 
 
 def child(args) -> dict:
+    """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
 
     from .diagnostics import mismatch_metrics
@@ -120,11 +120,7 @@ def child(args) -> dict:
 
 
 def main(args) -> int:
-    if args.kernels:  # child
-        result = child(args)
-        with open(args.result, "w") as f:
-            json.dump(result, f)
-        return 0
+    """Parent: build the model if none is given, run both kernel sets, print the table."""
     work = temp_dir("aligned_verify_")
     model = args.model
     if model is None:

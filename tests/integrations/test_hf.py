@@ -1,6 +1,6 @@
 """Trainer side: the patched HF model is batch/padding/packing invariant, bitwise; gradients; torch.compile."""
 
-import copy  # noqa: F401
+import copy
 
 import pytest
 import torch
@@ -31,8 +31,6 @@ def _lp_single(model, s, start):
 
 def reference_logprobs_f64(model, s, start, temperature):
     """Plain float64 forward of the unpatched HF model (accuracy reference)."""
-    import copy
-
     m64 = unpatch_model(copy.deepcopy(model)).to(torch.float64)
     with torch.no_grad():
         logits = m64(s[None]).logits[0]

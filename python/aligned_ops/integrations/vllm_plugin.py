@@ -37,7 +37,7 @@ import torch
 
 import aligned_ops
 
-from . import SUPPORTED_DTYPES, check_hf_config, rope_theta_of
+from . import SUPPORTED_DTYPES, check_hf_config
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
