@@ -66,8 +66,8 @@ ALIGNED_HD bool is_nan_f32(float x) { return x != x; }
 
 // ---- exp ---------------------------------------------------------------------------------------
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 (Cody–Waite, two-constant ln2), exp(r) by a
-// degree-6 polynomial on |r| <= ln2/2 evaluated by Horner with fma. Max error ~1 ulp over the whole
-// range; subnormal results are produced by scaling in two steps (no flush); exp(-inf) = 0,
+// degree-6 polynomial on |r| <= ln2/2 evaluated by Horner with fma. Max error 1.008 ulp over the whole range
+// (measured in tests/common); subnormal results are produced by scaling in two steps (no flush); exp(-inf) = 0,
 // exp(+inf) = inf, exp(NaN) = NaN, overflow -> inf.
 ALIGNED_HD float exp_f32(float x) {
   const float kLog2e = 1.44269504088896341f;
