@@ -136,7 +136,7 @@ if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
     COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
             "-I${_cuda_inc}" "${_glue}"
     COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
-    DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h"
+    DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_checks.h"
     COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
   list(APPEND _gc_outputs "${_ok}")
   list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_cuda.cpp")

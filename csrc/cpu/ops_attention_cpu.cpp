@@ -133,7 +133,7 @@ VarlenInputs prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::
   check_cpu(q, op, "q");
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");
-  DType dt = dtype_of(q, op, "q");
+  DType dt = dtype_of<DType>(q, op, "q");
   check_same_dtype(q, k, op, "q", "k");
   check_same_dtype(q, v, op, "q", "v");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
@@ -233,7 +233,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");
   check_cpu(slot_mapping, op, "slot_mapping");
-  DType dt = dtype_of(k, op, "k");
+  DType dt = dtype_of<DType>(k, op, "k");
   check_same_dtype(k, v, op, "k", "v");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aligned::", op,
               ": k and v must both be [tokens, num_kv_heads, head_dim], got ", k.sizes(), " and ", v.sizes());
@@ -267,7 +267,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            double scale) {
   const char* op = "paged_attention";
   check_cpu(q, op, "q");
-  DType dt = dtype_of(q, op, "q");
+  DType dt = dtype_of<DType>(q, op, "q");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
   check_cache(k_cache, q, "q", op, "k_cache");
   check_cache(v_cache, q, "q", op, "v_cache");

@@ -48,20 +48,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const char* op = "rms_norm";
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32, "aligned::rms_norm: weight dtype must equal x dtype or be float32");
-  TORCH_CHECK(eps >= 0, "aligned::rms_norm: eps must be >= 0");
+  const auto a = check_rms_norm<DType>(x, weight, eps);
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = at::empty_like(xc);
-  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   const auto& k = cpu_kernels();
-  at::parallel_for(0, rows, grain(H), [&](int64_t b, int64_t e) {
-    k.rms_norm(dt, wdt, xc.data_ptr(), wc.data_ptr(), out.data_ptr(), H, (float)eps, b, e);
+  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) {
+    k.rms_norm(a.dt, a.wdt, xc.data_ptr(), wc.data_ptr(), out.data_ptr(), a.H, (float)eps, b, e);
   });
   return out;
 }
@@ -72,23 +65,13 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   check_cpu(x, op, "x");
   check_cpu(residual, op, "residual");
   check_cpu(weight, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes(),
-              "aligned::fused_add_rms_norm: residual must match x in shape and dtype, got ", residual.sizes(), " ",
-              residual.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "aligned::fused_add_rms_norm: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::fused_add_rms_norm: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32,
-              "aligned::fused_add_rms_norm: weight dtype must equal x dtype or be float32");
+  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight);
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
-  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   const auto& k = cpu_kernels();
-  at::parallel_for(0, rows, grain(H), [&](int64_t b, int64_t e) {
-    k.fused_add_rms_norm(dt, wdt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), out.data_ptr(), res_out.data_ptr(), H,
-                         (float)eps, b, e);
+  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) {
+    k.fused_add_rms_norm(a.dt, a.wdt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), out.data_ptr(), res_out.data_ptr(),
+                         a.H, (float)eps, b, e);
   });
   return {out, res_out};
 }
@@ -99,18 +82,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   check_cpu(grad, op, "grad_out");
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
-              "aligned::rms_norm_backward: grad_out must match x in shape and dtype, got ", grad.sizes(), " ",
-              grad.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm_backward: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm_backward: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32,
-              "aligned::rms_norm_backward: weight dtype must equal x dtype or be float32");
+  const auto a = check_rms_norm_backward<DType>(grad, x, weight);
+  const DType dt = a.dt, wdt = a.wdt;
+  const int64_t H = a.H, rows = a.rows;
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   auto dx = at::empty_like(xc);
   auto inv = at::empty({rows}, x.options().dtype(at::kFloat));
   auto dw = at::empty({H}, x.options().dtype(at::kFloat));
@@ -130,15 +105,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
 at::Tensor silu_and_mul(const at::Tensor& x) {
   const char* op = "silu_and_mul";
   check_cpu(x, op, "x");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "aligned::silu_and_mul: last dimension of x must be even (2*d), got ",
-              x.sizes());
-  const int64_t d = x.size(-1) / 2;
+  const auto a = check_silu_and_mul<DType>(x);
+  const DType dt = a.dt;
+  const int64_t d = a.d, rows = a.rows;
   auto xc = x.contiguous();
   auto sizes = xc.sizes().vec();
   sizes.back() = d;
   auto out = at::empty(sizes, xc.options());
-  const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
   const auto& k = cpu_kernels();
   constexpr int64_t kCols = 2048;  // elementwise: any column cut gives the same bits
   if (rows > 0 && split_rows(rows, d, 2 * kCols)) {
@@ -162,21 +135,12 @@ at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
   const char* op = "silu_and_mul_backward";
   check_cpu(grad, op, "grad_out");
   check_cpu(x, op, "x");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
-              "aligned::silu_and_mul_backward: last dimension of x must be even (2*d), got ", x.sizes());
-  const int64_t d = x.size(-1) / 2;
-  auto expected = x.sizes().vec();
-  expected.back() = d;
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.sizes() == at::IntArrayRef(expected),
-              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension, got ",
-              grad.sizes(), " ", grad.scalar_type(), " for x ", x.sizes(), " ", x.scalar_type());
+  const auto a = check_silu_and_mul_backward<DType>(grad, x);
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
-  const int64_t rows = d == 0 ? 0 : xc.numel() / (2 * d);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, rows, grain(16 * d), [&](int64_t b, int64_t e) {
-    k.silu_and_mul_backward(dt, gc.data_ptr(), xc.data_ptr(), dx.data_ptr(), d, b, e);
+  at::parallel_for(0, a.rows, grain(16 * a.d), [&](int64_t b, int64_t e) {
+    k.silu_and_mul_backward(a.dt, gc.data_ptr(), xc.data_ptr(), dx.data_ptr(), a.d, b, e);
   });
   return dx;
 }
@@ -186,31 +150,13 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   check_cpu(x, op, "x");
   check_cpu(positions, op, "positions");
   check_cpu(cache, op, "cos_sin_cache");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() == 3, "aligned::", op, ": x must be [tokens, heads, head_dim], got ", x.sizes());
-  const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, "aligned::", op, ": positions must be [", T, "], got ",
-              positions.sizes());
-  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, "aligned::", op,
-              ": positions must be int64 or int32");
-  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= head_dim, "aligned::", op,
-              ": rotary_dim must be even and in (0, head_dim], got ", rot, " with head_dim ", head_dim);
-  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 2 && cache.size(1) == rot, "aligned::", op,
-              ": cos_sin_cache must be float32 [max_position, rotary_dim=", rot, "], got ", cache.scalar_type(), " ",
-              cache.sizes());
-  auto pos = positions.to(at::kLong).contiguous();
-  const int64_t max_pos = cache.size(0);
-  if (T > 0) {
-    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < max_pos, "aligned::", op, ": positions must lie in [0, ", max_pos, "), got [", lo,
-                ", ", hi, "]");
-  }
+  const auto a = check_rotary<DType>(positions, x, cache, rot, op);
   auto xc = x.contiguous(), cc = cache.contiguous();
   auto out = at::empty_like(xc);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, T, grain(heads * head_dim * 4), [&](int64_t b, int64_t e) {
-    k.rotary(dt, pos.data_ptr<int64_t>(), xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), heads, head_dim, rot,
-             is_neox, inverse, b, e);
+  at::parallel_for(0, a.T, grain(a.heads * a.head_dim * 4), [&](int64_t b, int64_t e) {
+    k.rotary(a.dt, a.positions.data_ptr<int64_t>(), xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), a.heads,
+             a.head_dim, rot, is_neox, inverse, b, e);
   });
   return out;
 }
@@ -224,57 +170,19 @@ at::Tensor rotary_embedding_backward(const at::Tensor& positions, const at::Tens
   return rotary_impl(positions, grad, cache, rot, is_neox, true, "rotary_embedding_backward");
 }
 
-// Shared validation for the log-prob family: logits [T, V], temperature scalar or per-row tensor.
-struct LogitsArgs {
-  at::Tensor z;
-  at::Tensor temps;  // undefined or fp32 [T]
-  DType dt;
-  int64_t T, V;
-  float tau;
-  const float* temps_ptr() const { return temps.defined() ? temps.data_ptr<float>() : nullptr; }
-};
+// The log-prob family's arguments (op_checks.h), after the device checks of this glue.
+using LogitsArgs = aligned::LogitsArgs<DType>;
 
 LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures,
                         const char* op) {
   check_cpu(logits, op, "logits");
-  LogitsArgs a;
-  a.dt = dtype_of(logits, op, "logits");
-  TORCH_CHECK(logits.dim() == 2, "aligned::", op, ": logits must be [tokens, vocab], got ", logits.sizes());
-  a.T = logits.size(0);
-  a.V = logits.size(1);
-  TORCH_CHECK(a.V > 0 || a.T == 0, "aligned::", op, ": vocab size must be > 0");
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "aligned::", op,
-              ": temperature must be finite and > 0, got ", temperature,
-              " (greedy decoding: pass 1.0 to score the raw distribution)");
-  a.tau = (float)temperature;
-  if (temperatures.has_value() && temperatures->defined()) {
-    const auto& t = *temperatures;
-    check_cpu(t, op, "temperatures");
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == a.T, "aligned::", op, ": temperatures must be [", a.T, "], got ",
-                t.sizes());
-    a.temps = t.to(at::kFloat).contiguous();
-    if (a.T > 0) {
-      TORCH_CHECK(a.temps.gt(0).all().item<bool>() && a.temps.isfinite().all().item<bool>(), "aligned::", op,
-                  ": every temperature must be finite and > 0");
-    }
-  }
-  a.z = logits.contiguous();
-  return a;
+  if (temperatures.has_value() && temperatures->defined()) check_cpu(*temperatures, op, "temperatures");
+  return aligned::check_logits<DType>(logits, temperature, temperatures, op);
 }
 
 at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op) {
   check_cpu(ids, op, "token_ids");
-  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
-              ": token_ids must be int64 or int32, got ", ids.scalar_type());
-  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == a.T, "aligned::", op, ": token_ids must be [", a.T, "], got ",
-              ids.sizes());
-  auto idc = ids.to(at::kLong).contiguous();
-  if (a.T > 0) {
-    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < a.V, "aligned::", op, ": token_ids must lie in [0, ", a.V, "), got [", lo, ", ", hi,
-                "]");
-  }
-  return idc;
+  return check_token_ids(ids, a.T, a.V, op);
 }
 
 // Rows shorter than this never share threads (the fork/join would cost more than it saves).
@@ -377,7 +285,7 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
                                    double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "token_logprobs_backward");
   auto idc = check_ids(ids, a, "token_logprobs_backward");
-  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == a.T, "aligned::token_logprobs_backward: grad must be [", a.T, "]");
+  check_token_logprobs_grad(grad, a.T);
   auto g = grad.to(at::kFloat).contiguous();
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
@@ -425,22 +333,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const char* op = "linear";
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
-  DType dt = dtype_of(x, op, "x");
-  dtype_of(weight, op, "weight");
-  TORCH_CHECK(x.dim() >= 1, "aligned::linear: x must have at least one dimension");
-  TORCH_CHECK(weight.dim() == 2, "aligned::linear: weight must be [out_features, in_features], got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::linear: weight dtype ", weight.scalar_type(),
-              " must equal x dtype ", x.scalar_type());
-  const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "aligned::linear: x has ", K, " input features but weight is ", weight.sizes());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    check_cpu(*bias, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
-                "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
-    b = bias->contiguous();
-  }
-  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K may be 0
+  if (bias.has_value() && bias->defined()) check_cpu(*bias, op, "bias");
+  const auto a = check_linear<DType>(x, weight, bias);
+  const DType dt = a.dt;
+  const int64_t M = a.M, K = a.K, N = a.N;
+  const at::Tensor& b = a.bias;
   auto xc = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -457,23 +354,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   check_cpu(grad, op, "grad_out");
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
-  DType dt = dtype_of(x, op, "x");
-  dtype_of(weight, op, "weight");
-  dtype_of(grad, op, "grad_out");
-  TORCH_CHECK(x.dim() >= 1, "aligned::linear_backward: x must have at least one dimension");
-  TORCH_CHECK(weight.dim() == 2, "aligned::linear_backward: weight must be [out_features, in_features], got ",
-              weight.sizes());
-  const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "aligned::linear_backward: x has ", K, " input features but weight is ",
-              weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && grad.scalar_type() == x.scalar_type(),
-              "aligned::linear_backward: grad_out, x and weight must share one dtype, got ", grad.scalar_type(), ", ",
-              x.scalar_type(), ", ", weight.scalar_type());
-  auto want = x.sizes().vec();
-  want.back() = N;
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ",
-              at::IntArrayRef(want), ", got ", grad.sizes());
-  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // K or N may be 0
+  const auto a = check_linear_backward<DType>(grad, x, weight);
+  const DType dt = a.dt;
+  const int64_t M = a.M, K = a.K, N = a.N;  // K or N may be 0
   auto g = grad.reshape({M, N}).contiguous();
   auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
@@ -499,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
 
 at::Tensor elementwise_f32(const at::Tensor& x, float (*fn)(float), const char* op) {
   check_cpu(x, op, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "aligned::", op, ": x must be float32");
+  check_elementwise_f32(x, op);
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
   const float* src = xc.data_ptr<float>();

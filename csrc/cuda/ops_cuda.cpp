@@ -6,8 +6,9 @@
 // reports HIP devices as device type "cuda", so only the stream accessor differs (ALIGNED_ROCM, set by
 // CMakeLists.txt for a ROCm torch). Only c10-level headers are used (no ATen/cuda/CUDAContext.h), so this
 // file also syntax-checks against the CPU torch wheel with -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE (see
-// cmake/gpu_compile_check.cmake). Checks mirror csrc/cpu/ops_cpu.cpp (same messages), plus: every tensor
-// must be a CUDA tensor on the same device as the first input.
+// cmake/gpu_compile_check.cmake). The argument checks are csrc/op_checks.h, shared with the CPU glue (same
+// rules, same messages); this file adds only the device check: every tensor must be a CUDA tensor on the
+// same device as the first input.
 //
 // Range checks of positions / token ids read the min/max back to the host (one synchronisation), exactly
 // like the CPU glue: out-of-range indices must be an error, never an out-of-bounds read.
@@ -26,6 +27,7 @@
 #include <tuple>
 
 #include "../gpu/dense_api.h"
+#include "../op_checks.h"
 
 namespace aligned::cuda {
 namespace {
@@ -44,16 +46,6 @@ void check_launch(const char* err, const char* op) {
   TORCH_CHECK(err == nullptr, "aligned::", op, ": kernel launch failed: ", err ? err : "");
 }
 
-DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::F32;
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    default:
-      TORCH_CHECK(false, "aligned::", op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
 // t must live on the same CUDA device as ref (ref itself must be a CUDA tensor).
 void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cuda(), "aligned::", op, ": ", name, " must be a CUDA tensor, got ", t.device());
@@ -65,25 +57,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const char* op = "rms_norm";
   check_cuda(x, x, op, "x");
   check_cuda(weight, x, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32, "aligned::rms_norm: weight dtype must equal x dtype or be float32");
-  TORCH_CHECK(eps >= 0, "aligned::rms_norm: eps must be >= 0");
+  const auto a = check_rms_norm<DType>(x, weight, eps);
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = at::empty_like(xc);
   gpu::RmsNormParams p{};
-  p.dt = dt;
-  p.wdt = wdt;
+  p.dt = a.dt;
+  p.wdt = a.wdt;
   p.x = xc.data_ptr();
   p.w = wc.data_ptr();
   p.out = out.data_ptr();
-  p.H = H;
-  p.rows = H == 0 ? 0 : xc.numel() / H;
+  p.H = a.H;
+  p.rows = a.rows;
   p.eps = (float)eps;
   check_launch(gpu::launch_rms_norm(p, current_stream(x)), op);
   return out;
@@ -95,29 +81,20 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   check_cuda(x, x, op, "x");
   check_cuda(residual, x, op, "residual");
   check_cuda(weight, x, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && residual.sizes() == x.sizes(),
-              "aligned::fused_add_rms_norm: residual must match x in shape and dtype, got ", residual.sizes(), " ",
-              residual.scalar_type(), " vs ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "aligned::fused_add_rms_norm: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::fused_add_rms_norm: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32,
-              "aligned::fused_add_rms_norm: weight dtype must equal x dtype or be float32");
+  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight);
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
   gpu::RmsNormParams p{};
-  p.dt = dt;
-  p.wdt = wdt;
+  p.dt = a.dt;
+  p.wdt = a.wdt;
   p.x = xc.data_ptr();
   p.residual = rc.data_ptr();
   p.w = wc.data_ptr();
   p.out = out.data_ptr();
   p.residual_out = res_out.data_ptr();
-  p.H = H;
-  p.rows = H == 0 ? 0 : xc.numel() / H;
+  p.H = a.H;
+  p.rows = a.rows;
   p.eps = (float)eps;
   check_launch(gpu::launch_fused_add_rms_norm(p, current_stream(x)), op);
   return {out, res_out};
@@ -129,32 +106,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   check_cuda(x, x, op, "x");
   check_cuda(grad, x, op, "grad_out");
   check_cuda(weight, x, op, "weight");
-  DType dt = dtype_of(x, op, "x"), wdt = dtype_of(weight, op, "weight");
-  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
-              "aligned::rms_norm_backward: grad_out must match x in shape and dtype");
-  TORCH_CHECK(x.dim() >= 1, "aligned::rms_norm_backward: x must have at least one dimension");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::rms_norm_backward: weight must have shape [", H,
-              "], got ", weight.sizes());
-  TORCH_CHECK(wdt == dt || wdt == DType::F32,
-              "aligned::rms_norm_backward: weight dtype must equal x dtype or be float32");
+  const auto a = check_rms_norm_backward<DType>(grad, x, weight);
   c10::DeviceGuard guard(x.device());
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t rows = H == 0 ? 0 : xc.numel() / H;
   auto dx = at::empty_like(xc);
-  auto inv = at::empty({rows}, x.options().dtype(at::kFloat));
-  auto dw = at::empty({H}, x.options().dtype(at::kFloat));
+  auto inv = at::empty({a.rows}, x.options().dtype(at::kFloat));
+  auto dw = at::empty({a.H}, x.options().dtype(at::kFloat));
   gpu::RmsNormBackwardParams p{};
-  p.dt = dt;
-  p.wdt = wdt;
+  p.dt = a.dt;
+  p.wdt = a.wdt;
   p.g = gc.data_ptr();
   p.x = xc.data_ptr();
   p.w = wc.data_ptr();
   p.dx = dx.data_ptr();
   p.inv = inv.data_ptr<float>();
   p.dw = dw.data_ptr<float>();
-  p.rows = rows;
-  p.H = H;
+  p.rows = a.rows;
+  p.H = a.H;
   p.eps = (float)eps;
   check_launch(gpu::launch_rms_norm_backward(p, current_stream(x)), op);
   return {dx, dw.to(weight.scalar_type())};
@@ -163,21 +131,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
 at::Tensor silu_and_mul(const at::Tensor& x) {
   const char* op = "silu_and_mul";
   check_cuda(x, x, op, "x");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "aligned::silu_and_mul: last dimension of x must be even (2*d), got ",
-              x.sizes());
+  const auto a = check_silu_and_mul<DType>(x);
   c10::DeviceGuard guard(x.device());
-  const int64_t d = x.size(-1) / 2;
   auto xc = x.contiguous();
   auto sizes = xc.sizes().vec();
-  sizes.back() = d;
+  sizes.back() = a.d;
   auto out = at::empty(sizes, xc.options());
   gpu::SiluMulParams p{};
-  p.dt = dt;
+  p.dt = a.dt;
   p.x = xc.data_ptr();
   p.out = out.data_ptr();
-  p.d = d;
-  p.rows = d == 0 ? 0 : xc.numel() / (2 * d);
+  p.d = a.d;
+  p.rows = a.rows;
   check_launch(gpu::launch_silu_and_mul(p, current_stream(x)), op);
   return out;
 }
@@ -186,22 +151,17 @@ at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
   const char* op = "silu_and_mul_backward";
   check_cuda(x, x, op, "x");
   check_cuda(grad, x, op, "grad_out");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
-              "aligned::silu_and_mul_backward: last dimension of x must be even (2*d), got ", x.sizes());
-  const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.numel() * 2 == x.numel(),
-              "aligned::silu_and_mul_backward: grad_out must be x's dtype with half its last dimension");
+  const auto a = check_silu_and_mul_backward<DType>(grad, x);
   c10::DeviceGuard guard(x.device());
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
   gpu::SiluMulParams p{};
-  p.dt = dt;
+  p.dt = a.dt;
   p.g = gc.data_ptr();
   p.x = xc.data_ptr();
   p.out = dx.data_ptr();
-  p.d = d;
-  p.rows = d == 0 ? 0 : xc.numel() / (2 * d);
+  p.d = a.d;
+  p.rows = a.rows;
   check_launch(gpu::launch_silu_and_mul_backward(p, current_stream(x)), op);
   return dx;
 }
@@ -211,37 +171,19 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   check_cuda(x, x, op, "x");
   check_cuda(positions, x, op, "positions");
   check_cuda(cache, x, op, "cos_sin_cache");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() == 3, "aligned::", op, ": x must be [tokens, heads, head_dim], got ", x.sizes());
-  const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, "aligned::", op, ": positions must be [", T, "], got ",
-              positions.sizes());
-  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, "aligned::", op,
-              ": positions must be int64 or int32");
-  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= head_dim, "aligned::", op,
-              ": rotary_dim must be even and in (0, head_dim], got ", rot, " with head_dim ", head_dim);
-  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 2 && cache.size(1) == rot, "aligned::", op,
-              ": cos_sin_cache must be float32 [max_position, rotary_dim=", rot, "], got ", cache.scalar_type(), " ",
-              cache.sizes());
-  c10::DeviceGuard guard(x.device());
-  auto pos = positions.to(at::kLong).contiguous();
-  const int64_t max_pos = cache.size(0);
-  if (T > 0) {
-    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < max_pos, "aligned::", op, ": positions must lie in [0, ", max_pos, "), got [", lo,
-                ", ", hi, "]");
-  }
+  c10::DeviceGuard guard(x.device());  // the positions range check below runs on x's device
+  const auto a = check_rotary<DType>(positions, x, cache, rot, op);
   auto xc = x.contiguous(), cc = cache.contiguous();
   auto out = at::empty_like(xc);
   gpu::RotaryParams p{};
-  p.dt = dt;
-  p.positions = pos.data_ptr<int64_t>();
+  p.dt = a.dt;
+  p.positions = a.positions.data_ptr<int64_t>();
   p.x = xc.data_ptr();
   p.out = out.data_ptr();
   p.cache = cc.data_ptr<float>();
-  p.T = T;
-  p.heads = heads;
-  p.head_dim = head_dim;
+  p.T = a.T;
+  p.heads = a.heads;
+  p.head_dim = a.head_dim;
   p.rot = rot;
   p.is_neox = is_neox;
   p.inverse = inverse;
@@ -258,7 +200,8 @@ at::Tensor rotary_embedding_backward(const at::Tensor& positions, const at::Tens
   return rotary_impl(positions, grad, cache, rot, is_neox, true, "rotary_embedding_backward");
 }
 
-// Shared validation for the log-prob family (mirrors ops_cpu.cpp check_logits / check_ids).
+// The log-prob family's arguments (op_checks.h) after this glue's device checks, with the launch params
+// filled in from them.
 struct LogitsArgs {
   at::Tensor z, temps, ids;
   gpu::LogitsParams p{};
@@ -267,45 +210,23 @@ struct LogitsArgs {
 LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures,
                         const char* op) {
   check_cuda(logits, logits, op, "logits");
+  if (temperatures.has_value() && temperatures->defined()) check_cuda(*temperatures, logits, op, "temperatures");
+  auto checked = aligned::check_logits<DType>(logits, temperature, temperatures, op);
   LogitsArgs a;
-  a.p.dt = dtype_of(logits, op, "logits");
-  TORCH_CHECK(logits.dim() == 2, "aligned::", op, ": logits must be [tokens, vocab], got ", logits.sizes());
-  a.p.T = logits.size(0);
-  a.p.V = logits.size(1);
-  TORCH_CHECK(a.p.V > 0 || a.p.T == 0, "aligned::", op, ": vocab size must be > 0");
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "aligned::", op,
-              ": temperature must be finite and > 0, got ", temperature,
-              " (greedy decoding: pass 1.0 to score the raw distribution)");
-  a.p.tau = (float)temperature;
-  if (temperatures.has_value() && temperatures->defined()) {
-    const auto& t = *temperatures;
-    check_cuda(t, logits, op, "temperatures");
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == a.p.T, "aligned::", op, ": temperatures must be [", a.p.T, "], got ",
-                t.sizes());
-    a.temps = t.to(at::kFloat).contiguous();
-    if (a.p.T > 0) {
-      TORCH_CHECK(a.temps.gt(0).all().item<bool>() && a.temps.isfinite().all().item<bool>(), "aligned::", op,
-                  ": every temperature must be finite and > 0");
-    }
-    a.p.temps = a.temps.data_ptr<float>();
-  }
-  a.z = logits.contiguous();
+  a.z = checked.z;
+  a.temps = checked.temps;
+  a.p.dt = checked.dt;
+  a.p.T = checked.T;
+  a.p.V = checked.V;
+  a.p.tau = checked.tau;
+  a.p.temps = checked.temps_ptr();
   a.p.z = a.z.data_ptr();
   return a;
 }
 
 void check_ids(const at::Tensor& ids, LogitsArgs& a, const char* op) {
   check_cuda(ids, a.z, op, "token_ids");
-  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
-              ": token_ids must be int64 or int32, got ", ids.scalar_type());
-  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == a.p.T, "aligned::", op, ": token_ids must be [", a.p.T, "], got ",
-              ids.sizes());
-  a.ids = ids.to(at::kLong).contiguous();
-  if (a.p.T > 0) {
-    const int64_t lo = a.ids.min().item<int64_t>(), hi = a.ids.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < a.p.V, "aligned::", op, ": token_ids must lie in [0, ", a.p.V, "), got [", lo, ", ",
-                hi, "]");
-  }
+  a.ids = check_token_ids(ids, a.p.T, a.p.V, op);
   a.p.ids = a.ids.data_ptr<int64_t>();
 }
 
@@ -347,8 +268,7 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   auto a = check_logits(logits, temperature, temperatures, op);
   check_ids(ids, a, op);
   check_cuda(grad, logits, op, "grad");
-  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == a.p.T, "aligned::token_logprobs_backward: grad must be [", a.p.T,
-              "]");
+  check_token_logprobs_grad(grad, a.p.T);
   c10::DeviceGuard guard(logits.device());
   auto g = grad.to(at::kFloat).contiguous();
   auto dz = at::empty({a.p.T, a.p.V}, a.z.options());
@@ -382,24 +302,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const char* op = "linear";
   check_cuda(x, x, op, "x");
   check_cuda(weight, x, op, "weight");
-  DType dt = dtype_of(x, op, "x");
-  dtype_of(weight, op, "weight");
-  TORCH_CHECK(x.dim() >= 1, "aligned::linear: x must have at least one dimension");
-  TORCH_CHECK(weight.dim() == 2, "aligned::linear: weight must be [out_features, in_features], got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::linear: weight dtype ", weight.scalar_type(),
-              " must equal x dtype ", x.scalar_type());
-  const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "aligned::linear: x has ", K, " input features but weight is ", weight.sizes());
+  if (bias.has_value() && bias->defined()) check_cuda(*bias, x, op, "bias");
   c10::DeviceGuard guard(x.device());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    check_cuda(*bias, x, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
-                "aligned::linear: bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ", bias->scalar_type());
-    b = bias->contiguous();
-  }
-  // M from the leading dims (reshape({-1, 0}) is ambiguous when K == 0).
-  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  const auto a = check_linear<DType>(x, weight, bias);
+  const DType dt = a.dt;
+  const int64_t M = a.M, K = a.K, N = a.N;  // M from the leading dims: reshape({-1, 0}) is ambiguous when K == 0
+  const at::Tensor& b = a.bias;
   auto xc = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -416,17 +324,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   check_cuda(x, x, op, "x");
   check_cuda(grad, x, op, "grad_out");
   check_cuda(weight, x, op, "weight");
-  DType dt = dtype_of(x, op, "x");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x.size(-1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "aligned::linear_backward: weight must be [out_features, ", x.size(-1), "] with x's dtype, got ",
-              weight.sizes(), " ", weight.scalar_type());
-  const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(grad.dim() >= 1 && grad.size(-1) == N && grad.scalar_type() == x.scalar_type() &&
-                  grad.sizes().slice(0, grad.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
-              "aligned::linear_backward: grad_out must be [..., ", N, "] with x's dtype");
+  const auto a = check_linear_backward<DType>(grad, x, weight);
+  const DType dt = a.dt;
+  const int64_t M = a.M, K = a.K, N = a.N;
   c10::DeviceGuard guard(x.device());
-  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   auto g = grad.reshape({M, N}).contiguous();
   auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
@@ -457,7 +358,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
 
 at::Tensor elementwise_f32(const at::Tensor& x, bool is_log, const char* op) {
   check_cuda(x, x, op, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "aligned::", op, ": x must be float32");
+  check_elementwise_f32(x, op);
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);

@@ -1,0 +1,279 @@
+// op_checks.h — argument validation of the dense ops, written once for every backend's torch glue
+// (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cpp), so a bad input is rejected by the same rule with the same
+// words on every device: "aligned::<op>: <argument> must ...".
+//
+// Device-independent (ATen only). Each glue checks every tensor's device itself first (check_cpu /
+// check_cuda), then calls check_<op> here, which returns what the glue needs to allocate and launch
+// (dtypes as the backend's DType enum, dims, and the few tensors it had to convert). The range checks of
+// positions, token ids and temperatures read tensor data (one min/max each), which is why the device
+// checks must come first.
+//
+// DTypeEnum is the backend's kernel dtype enum (aligned::cpu::DType, aligned::gpu::DType): any enum with
+// the enumerators F32, BF16 and F16.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+
+namespace aligned {
+
+template <class DTypeEnum>
+DTypeEnum dtype_of(const at::Tensor& t, const char* op, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DTypeEnum::F32;
+    case at::kBFloat16: return DTypeEnum::BF16;
+    case at::kHalf: return DTypeEnum::F16;
+    default:
+      TORCH_CHECK(false, "aligned::", op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// ---- rms_norm, fused_add_rms_norm, rms_norm_backward ---------------------------------------------------
+template <class DTypeEnum>
+struct NormArgs {
+  DTypeEnum dt, wdt;  // x dtype; weight dtype (== dt or F32)
+  int64_t H, rows;    // x viewed as [rows, H]
+};
+
+namespace detail {
+
+template <class DTypeEnum>
+NormArgs<DTypeEnum> check_norm_weight(const at::Tensor& x, const at::Tensor& weight, DTypeEnum dt, DTypeEnum wdt,
+                                      const char* op) {
+  TORCH_CHECK(x.dim() >= 1, "aligned::", op, ": x must have at least one dimension");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "aligned::", op, ": weight must have shape [", H, "], got ",
+              weight.sizes());
+  TORCH_CHECK(wdt == dt || wdt == DTypeEnum::F32, "aligned::", op, ": weight dtype must equal x dtype or be float32");
+  return {dt, wdt, H, H == 0 ? 0 : x.numel() / H};
+}
+
+inline void check_matches_x(const at::Tensor& t, const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes(), "aligned::", op, ": ", name,
+              " must match x in shape and dtype, got ", t.sizes(), " ", t.scalar_type(), " vs ", x.sizes(), " ",
+              x.scalar_type());
+}
+
+}  // namespace detail
+
+template <class DTypeEnum>
+NormArgs<DTypeEnum> check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm";
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
+  auto a = detail::check_norm_weight(x, weight, dt, wdt, op);
+  TORCH_CHECK(eps >= 0, "aligned::rms_norm: eps must be >= 0");
+  return a;
+}
+
+template <class DTypeEnum>
+NormArgs<DTypeEnum> check_fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                             const at::Tensor& weight) {
+  const char* op = "fused_add_rms_norm";
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
+  detail::check_matches_x(residual, x, op, "residual");
+  return detail::check_norm_weight(x, weight, dt, wdt, op);
+}
+
+template <class DTypeEnum>
+NormArgs<DTypeEnum> check_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "rms_norm_backward";
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
+  detail::check_matches_x(grad, x, op, "grad_out");
+  return detail::check_norm_weight(x, weight, dt, wdt, op);
+}
+
+// ---- silu_and_mul, silu_and_mul_backward ---------------------------------------------------------------
+template <class DTypeEnum>
+struct SiluMulArgs {
+  DTypeEnum dt;
+  int64_t d, rows;  // x viewed as [rows, 2*d], the output as [rows, d]
+};
+
+template <class DTypeEnum>
+SiluMulArgs<DTypeEnum> check_silu_and_mul(const at::Tensor& x, const char* op = "silu_and_mul") {
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "aligned::", op, ": last dimension of x must be even (2*d), got ",
+              x.sizes());
+  const int64_t d = x.size(-1) / 2;
+  return {dt, d, d == 0 ? 0 : x.numel() / (2 * d)};
+}
+
+template <class DTypeEnum>
+SiluMulArgs<DTypeEnum> check_silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
+  const char* op = "silu_and_mul_backward";
+  auto a = check_silu_and_mul<DTypeEnum>(x, op);
+  auto expected = x.sizes().vec();
+  expected.back() = a.d;
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.sizes() == at::IntArrayRef(expected), "aligned::", op,
+              ": grad_out must be x's dtype with half its last dimension, got ", grad.sizes(), " ", grad.scalar_type(),
+              " for x ", x.sizes(), " ", x.scalar_type());
+  return a;
+}
+
+// ---- rotary_embedding, rotary_embedding_backward -------------------------------------------------------
+template <class DTypeEnum>
+struct RotaryArgs {
+  DTypeEnum dt;
+  int64_t T, heads, head_dim;
+  at::Tensor positions;  // int64, contiguous, every entry in [0, max_position)
+};
+
+// Reads positions (min/max): device checks first.
+template <class DTypeEnum>
+RotaryArgs<DTypeEnum> check_rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cache,
+                                   int64_t rot, const char* op) {
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
+  TORCH_CHECK(x.dim() == 3, "aligned::", op, ": x must be [tokens, heads, head_dim], got ", x.sizes());
+  const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, "aligned::", op, ": positions must be [", T, "], got ",
+              positions.sizes());
+  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, "aligned::", op,
+              ": positions must be int64 or int32");
+  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= head_dim, "aligned::", op,
+              ": rotary_dim must be even and in (0, head_dim], got ", rot, " with head_dim ", head_dim);
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 2 && cache.size(1) == rot, "aligned::", op,
+              ": cos_sin_cache must be float32 [max_position, rotary_dim=", rot, "], got ", cache.scalar_type(), " ",
+              cache.sizes());
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t max_pos = cache.size(0);
+  if (T > 0) {
+    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < max_pos, "aligned::", op, ": positions must lie in [0, ", max_pos, "), got [", lo,
+                ", ", hi, "]");
+  }
+  return {dt, T, heads, head_dim, pos};
+}
+
+// ---- logsumexp, log_softmax, token_logprobs(+_backward): logits [T, V], temperature scalar or per row ----
+template <class DTypeEnum>
+struct LogitsArgs {
+  at::Tensor z;      // logits, contiguous
+  at::Tensor temps;  // undefined, or fp32 [T] contiguous, every entry finite and > 0
+  DTypeEnum dt;
+  int64_t T, V;
+  float tau;
+  const float* temps_ptr() const { return temps.defined() ? temps.data_ptr<float>() : nullptr; }
+};
+
+// Reads temperatures (all finite and > 0): device checks first.
+template <class DTypeEnum>
+LogitsArgs<DTypeEnum> check_logits(const at::Tensor& logits, double temperature,
+                                   const std::optional<at::Tensor>& temperatures, const char* op) {
+  LogitsArgs<DTypeEnum> a;
+  a.dt = dtype_of<DTypeEnum>(logits, op, "logits");
+  TORCH_CHECK(logits.dim() == 2, "aligned::", op, ": logits must be [tokens, vocab], got ", logits.sizes());
+  a.T = logits.size(0);
+  a.V = logits.size(1);
+  TORCH_CHECK(a.V > 0 || a.T == 0, "aligned::", op, ": vocab size must be > 0");
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "aligned::", op,
+              ": temperature must be finite and > 0, got ", temperature,
+              " (greedy decoding: pass 1.0 to score the raw distribution)");
+  a.tau = (float)temperature;
+  if (temperatures.has_value() && temperatures->defined()) {
+    const auto& t = *temperatures;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == a.T, "aligned::", op, ": temperatures must be [", a.T, "], got ",
+                t.sizes());
+    at::Tensor temps = t.to(at::kFloat).contiguous();
+    if (a.T > 0) {
+      TORCH_CHECK(temps.gt(0).all().item<bool>() && temps.isfinite().all().item<bool>(), "aligned::", op,
+                  ": every temperature must be finite and > 0");
+    }
+    a.temps = temps;
+  }
+  a.z = logits.contiguous();
+  return a;
+}
+
+// token_ids [T], int64 or int32, every id in [0, V). Returns them as int64, contiguous. Reads the ids
+// (min/max): device checks first.
+inline at::Tensor check_token_ids(const at::Tensor& ids, int64_t T, int64_t V, const char* op) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
+              ": token_ids must be int64 or int32, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == T, "aligned::", op, ": token_ids must be [", T, "], got ",
+              ids.sizes());
+  auto idc = ids.to(at::kLong).contiguous();
+  if (T > 0) {
+    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < V, "aligned::", op, ": token_ids must lie in [0, ", V, "), got [", lo, ", ", hi, "]");
+  }
+  return idc;
+}
+
+// token_logprobs_backward's incoming gradient: one value per token.
+inline void check_token_logprobs_grad(const at::Tensor& grad, int64_t T) {
+  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == T, "aligned::token_logprobs_backward: grad must be [", T, "]");
+}
+
+// ---- linear, linear_backward: x [..., K] (M rows), weight [N, K], one dtype ------------------------------
+template <class DTypeEnum>
+struct LinearArgs {
+  DTypeEnum dt;         // x, weight (and bias, grad_out) dtype
+  int64_t M, K, N;
+  at::Tensor bias;      // linear only: undefined, or [N] contiguous
+};
+
+namespace detail {
+
+template <class DTypeEnum>
+LinearArgs<DTypeEnum> check_linear_weight(const at::Tensor& x, const at::Tensor& weight, DTypeEnum dt,
+                                          const char* op) {
+  TORCH_CHECK(x.dim() >= 1, "aligned::", op, ": x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, "aligned::", op, ": weight must be [out_features, in_features], got ",
+              weight.sizes());
+  LinearArgs<DTypeEnum> a;
+  a.dt = dt;
+  a.K = x.size(-1);
+  a.N = weight.size(0);
+  a.M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);  // from the leading dims: K may be 0
+  return a;
+}
+
+}  // namespace detail
+
+template <class DTypeEnum>
+LinearArgs<DTypeEnum> check_linear(const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  const char* op = "linear";
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
+  dtype_of<DTypeEnum>(weight, op, "weight");
+  auto a = detail::check_linear_weight(x, weight, dt, op);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::linear: weight dtype ", weight.scalar_type(),
+              " must equal x dtype ", x.scalar_type());
+  TORCH_CHECK(weight.size(1) == a.K, "aligned::linear: x has ", a.K, " input features but weight is ",
+              weight.sizes());
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == a.N && bias->scalar_type() == x.scalar_type(),
+                "aligned::linear: bias must be [", a.N, "] with x's dtype, got ", bias->sizes(), " ",
+                bias->scalar_type());
+    a.bias = bias->contiguous();
+  }
+  return a;
+}
+
+template <class DTypeEnum>
+LinearArgs<DTypeEnum> check_linear_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "linear_backward";
+  const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
+  dtype_of<DTypeEnum>(weight, op, "weight");
+  dtype_of<DTypeEnum>(grad, op, "grad_out");
+  auto a = detail::check_linear_weight(x, weight, dt, op);
+  TORCH_CHECK(weight.size(1) == a.K, "aligned::linear_backward: x has ", a.K, " input features but weight is ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && grad.scalar_type() == x.scalar_type(),
+              "aligned::linear_backward: grad_out, x and weight must share one dtype, got ", grad.scalar_type(), ", ",
+              x.scalar_type(), ", ", weight.scalar_type());
+  auto want = x.sizes().vec();
+  want.back() = a.N;
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef(want), "aligned::linear_backward: grad_out must have shape ",
+              at::IntArrayRef(want), ", got ", grad.sizes());
+  return a;
+}
+
+// ---- _exp_f32, _log_f32 (numerics test hooks) ----------------------------------------------------------
+inline void check_elementwise_f32(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "aligned::", op, ": x must be float32");
+}
+
+}  // namespace aligned
