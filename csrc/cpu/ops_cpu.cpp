@@ -283,6 +283,7 @@ at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, doubl
 
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
                                    double temperature, const std::optional<at::Tensor>& temperatures) {
+  check_cpu(grad, "token_logprobs_backward", "grad");
   auto a = check_logits(logits, temperature, temperatures, "token_logprobs_backward");
   auto idc = check_ids(ids, a, "token_logprobs_backward");
   check_token_logprobs_grad(grad, a.T);
