@@ -65,31 +65,23 @@ __global__ void __launch_bounds__(kGemmThreads)
       Bs[kk][ni] = (n < N && kk < kmax) ? to_f32(B[n * b_sn + k * b_sk]) : 0.0f;
     }
     __syncthreads();
+    // One link of every chain this thread owns: acc[i][j] = fma(A[m_i, k0 + kk], B[n_j, k0 + kk], acc[i][j]).
+    auto chain_link = [&](int kk) {
+      float a[kThreadM], b[kThreadN];
+#pragma unroll
+      for (int i = 0; i < kThreadM; ++i) a[i] = As[kk][ty + i * kRowsStride];
+#pragma unroll
+      for (int j = 0; j < kThreadN; ++j) b[j] = Bs[kk][tx + j * kColsStride];
+#pragma unroll
+      for (int i = 0; i < kThreadM; ++i)
+#pragma unroll
+        for (int j = 0; j < kThreadN; ++j) acc[i][j] = fma_f32(a[i], b[j], acc[i][j]);
+    };
     if (kmax == kTileK) {
 #pragma unroll
-      for (int kk = 0; kk < kTileK; ++kk) {
-        float a[kThreadM], b[kThreadN];
-#pragma unroll
-        for (int i = 0; i < kThreadM; ++i) a[i] = As[kk][ty + i * kRowsStride];
-#pragma unroll
-        for (int j = 0; j < kThreadN; ++j) b[j] = Bs[kk][tx + j * kColsStride];
-#pragma unroll
-        for (int i = 0; i < kThreadM; ++i)
-#pragma unroll
-          for (int j = 0; j < kThreadN; ++j) acc[i][j] = fma_f32(a[i], b[j], acc[i][j]);
-      }
+      for (int kk = 0; kk < kTileK; ++kk) chain_link(kk);
     } else {  // K tail: exactly kmax more links of every chain
-      for (int kk = 0; kk < kmax; ++kk) {
-        float a[kThreadM], b[kThreadN];
-#pragma unroll
-        for (int i = 0; i < kThreadM; ++i) a[i] = As[kk][ty + i * kRowsStride];
-#pragma unroll
-        for (int j = 0; j < kThreadN; ++j) b[j] = Bs[kk][tx + j * kColsStride];
-#pragma unroll
-        for (int i = 0; i < kThreadM; ++i)
-#pragma unroll
-          for (int j = 0; j < kThreadN; ++j) acc[i][j] = fma_f32(a[i], b[j], acc[i][j]);
-      }
+      for (int kk = 0; kk < kmax; ++kk) chain_link(kk);
     }
     __syncthreads();
   }
