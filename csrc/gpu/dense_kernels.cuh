@@ -56,18 +56,20 @@ __device__ __forceinline__ float group_rms_inv(const T* x, int64_t H, float eps,
   return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
 }
 
+// One row of rms_norm by one 32-lane group: out_k = round_T((x_k * inv) * w_k) (contract.h rms_norm_row).
+template <typename T, typename TW>
+__device__ __forceinline__ void group_rms_norm_row(const T* xr, const TW* w, T* orow, int64_t H, float eps, int lane) {
+  const float inv = group_rms_inv<T>(xr, H, eps, lane);
+  for (int64_t k = lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(xr[k]) * inv) * to_f32(w[k]));
+}
+
 // One group per row (grid-stride over rows). Every lane of a group runs the same iterations, so the
 // shuffles in group_rms_inv never diverge.
 template <typename T, typename TW>
 __global__ void rms_norm_kernel(const T* __restrict__ x, const TW* __restrict__ w, T* __restrict__ out, int64_t rows,
                                 int64_t H, float eps) {
   const GroupCoord c = group_coord();
-  for (int64_t r = c.group; r < rows; r += c.n_groups) {
-    const T* xr = x + r * H;
-    T* orow = out + r * H;
-    const float inv = group_rms_inv(xr, H, eps, c.lane);
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(xr[k]) * inv) * to_f32(w[k]));
-  }
+  for (int64_t r = c.group; r < rows; r += c.n_groups) group_rms_norm_row(x + r * H, w, out + r * H, H, eps, c.lane);
 }
 
 // fused_add_rms_norm: res_out = round_T(x + res), then rms_norm of the rounded residual (contract.h).
@@ -83,8 +85,7 @@ __global__ void fused_add_rms_norm_kernel(const T* __restrict__ x, const T* __re
     T* ro = res_out + r * H;
     T* orow = out + r * H;
     for (int64_t k = c.lane; k < H; k += kGroupLanes) ro[k] = from_f32<T>(to_f32(xr[k]) + to_f32(rr[k]));
-    const float inv = group_rms_inv<T>(ro, H, eps, c.lane);
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(ro[k]) * inv) * to_f32(w[k]));
+    group_rms_norm_row<T, TW>(ro, w, orow, H, eps, c.lane);
   }
 }
 
