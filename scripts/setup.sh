@@ -30,7 +30,7 @@ pip_install matplotlib tqdm
 
 echo "== build aligned_ops against torch $("$PY" -c 'import torch; print(torch.__version__)')"
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
-"$PY" -c "import aligned_ops, torch; print('aligned_ops', aligned_ops.__version__, 'ops:', len([o for o in dir(torch.ops.aligned) if not o.startswith('_')]))"
+"$PY" -c "import aligned_ops; print('aligned_ops', aligned_ops.__version__, 'built against torch', aligned_ops.BUILT_WITH_TORCH)"
 # pyenv: expose the new `aligned-ops` console script through its shims.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 command -v aligned-ops >/dev/null 2>&1 || echo "note: aligned-ops is not on PATH; use: $PY -m aligned_ops.cli"
