@@ -308,27 +308,38 @@ static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int
   for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
+// s_v = z_v / tau for v < n (written to s) and the row maximum of s (order-free); *bad is set when any s_v is
+// NaN or +inf. The one scale-and-max pass of the log-prob ops, for a whole row or a shared row's v range.
 template <typename T>
-static float row_lse(const T* z, float* s, int64_t V, float tau) {
+static void scale_and_max(const T* z, float* s, int64_t n, float tau, float* max, int32_t* bad) {
   const float inf = float_of(0x7f800000u);
   float mx[kReduceLanes];
-  int32_t bad[kReduceLanes];
+  int32_t bd[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) {
     mx[j] = -inf;
-    bad[j] = 0;
+    bd[j] = 0;
   }
   if (tau == 1.0f)
-    scale_row<T, true>(z, s, V, tau, mx, bad);
+    scale_row<T, true>(z, s, n, tau, mx, bd);
   else
-    scale_row<T, false>(z, s, V, tau, mx, bad);
+    scale_row<T, false>(z, s, n, tau, mx, bd);
   float m = -inf;
-  int32_t any_bad = 0;
+  int32_t any = 0;
   for (int j = 0; j < kReduceLanes; ++j) {
     m = max_f32(m, mx[j]);
-    any_bad |= bad[j];
+    any |= bd[j];
   }
+  *max = m;
+  *bad = any;
+}
+
+template <typename T>
+static float row_lse(const T* z, float* s, int64_t V, float tau) {
+  float m;
+  int32_t any_bad;
+  scale_and_max(z, s, V, tau, &m, &any_bad);
   if (any_bad) return float_of(0x7fc00000u);
-  if (m == -inf) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
+  if (m == -float_of(0x7f800000u)) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
   float lanes[kReduceLanes];
   lane_exp_sums_w<kReduceLanes>(s, V, m, 0, lanes);
   return m + log_f32(fold_lanes(lanes));
@@ -415,25 +426,7 @@ static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int
                       int32_t* bad) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    const float inf = float_of(0x7f800000u);
-    float mx[kReduceLanes];
-    int32_t bd[kReduceLanes];
-    for (int j = 0; j < kReduceLanes; ++j) {
-      mx[j] = -inf;
-      bd[j] = 0;
-    }
-    if (tau == 1.0f)
-      scale_row<T, true>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
-    else
-      scale_row<T, false>((const T*)z_row + v0, s_row + v0, v1 - v0, tau, mx, bd);
-    float m = -inf;
-    int32_t any = 0;
-    for (int j = 0; j < kReduceLanes; ++j) {
-      m = max_f32(m, mx[j]);
-      any |= bd[j];
-    }
-    *max = m;
-    *bad = any;
+    scale_and_max((const T*)z_row + v0, s_row + v0, v1 - v0, tau, max, bad);
   });
 }
 
