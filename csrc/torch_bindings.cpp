@@ -1,7 +1,6 @@
-// torch_bindings.cpp — every dense op schema, declared once, and the Python module entry point.
-// Backends register implementations with TORCH_LIBRARY_IMPL (csrc/cpu/ops_cpu.cpp, csrc/cuda/ops_cuda.cpp);
-// fake (meta) implementations and autograd live in python/aligned_ops/_dense.py. Attention schemas are a
-// TORCH_LIBRARY_FRAGMENT in csrc/cpu/ops_attention_cpu.cpp.
+// torch_bindings.cpp — every op schema, declared once, by family, and the Python module entry point.
+// Backends register implementations with TORCH_LIBRARY_IMPL (csrc/cpu/ops_*.cpp, csrc/cuda/ops_cuda.cpp);
+// fake (meta) implementations and autograd live in python/aligned_ops/ (_dense.py, _attention.py).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -29,6 +28,17 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "token_logprobs_backward(Tensor grad, Tensor logits, Tensor token_ids, float temperature=1.0, "
       "Tensor? temperatures=None) -> Tensor");
+  // ---- attention (csrc/common/attention.h; planner csrc/common/attention_plan.h) ----
+  m.def(
+      "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
+      "bool causal=True) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale) -> Tensor");
   // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");

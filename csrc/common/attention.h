@@ -70,6 +70,19 @@ ALIGNED_HD int64_t attn_row_keys(int64_t p, int64_t n_ctx, bool causal) {
 }
 ALIGNED_HD int64_t attn_num_splits(int64_t n_keys) { return (n_keys + kAttnSplit - 1) / kAttnSplit; }
 
+// The paged-KV accessor (host and device): element offset of key/value row j (absolute position in its
+// sequence) of KV head g, in packed K/V [Tk, Hkv, D] (blocks == nullptr: row k_begin + j) or in the paged
+// cache [num_blocks, block_size, Hkv, D] through the sequence's block-table row. Every backend addresses
+// K/V through this one function, so packed and paged paths read the same values for the same position.
+struct KvRows {
+  int64_t Hkv, D, block_size, k_begin;
+  const int32_t* blocks;
+  ALIGNED_HD int64_t offset(int64_t j, int64_t g) const {
+    if (blocks == nullptr) return ((k_begin + j) * Hkv + g) * D;
+    return (((int64_t)blocks[j / block_size] * block_size + j % block_size) * Hkv + g) * D;
+  }
+};
+
 // Step 1: unscaled dot, one sequential fma chain over d.
 template <typename TQ, typename TK>
 ALIGNED_HD float attn_dot(const TQ* q, const TK* k, int64_t D) {

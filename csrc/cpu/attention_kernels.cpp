@@ -9,7 +9,7 @@
 //     fma(q_i[d], K^T[d][j], acc[i][j]) — one independent sequential fma chain per (pair, key), vectorised
 //     across the 32 keys (two AVX-512 registers per pair, 8 chains in flight);
 //   * the online-softmax update, the per-tile PV chain and the split merge are the header's functions;
-//   * paged and packed K/V differ only in the key-row address (KeyRows below).
+//   * paged and packed K/V differ only in the key-row address (attention.h: KvRows).
 // A tile lane beyond a row's valid keys is computed (from zero padding or another row's key) but never
 // read: max, exp, sum and PV only use lanes j < nv (the header's rules), so it cannot leak into a result.
 #include <stdlib.h>
@@ -32,23 +32,19 @@ using aligned::bf16_t;
 using aligned::f16_t;
 constexpr int kT = kAttnTile;
 
-// Address of key/value row j (absolute position in the sequence) for KV head g.
+// Key/value rows of one sequence: base pointers plus the shared paged-KV accessor (attention.h: KvRows).
 template <typename T>
 struct KeyRows {
   const T* k;
   const T* v;
-  int64_t Hkv, D, block_size, k_begin;
-  const int32_t* blocks;
-  int64_t offset(int64_t j, int64_t g) const {
-    if (blocks == nullptr) return ((k_begin + j) * Hkv + g) * D;
-    const int64_t blk = blocks[j / block_size];
-    return ((blk * block_size + j % block_size) * Hkv + g) * D;
-  }
+  KvRows at;
+  int64_t D;
+  int64_t offset(int64_t j, int64_t g) const { return at.offset(j, g); }
 };
 
 template <typename T>
 static KeyRows<T> key_rows(const AttnArgs& a, const AttnSeq& s) {
-  return KeyRows<T>{(const T*)a.k, (const T*)a.v, a.Hkv, a.D, a.block_size, s.k_begin, s.blocks};
+  return KeyRows<T>{(const T*)a.k, (const T*)a.v, KvRows{a.Hkv, a.D, a.block_size, s.k_begin, s.blocks}, a.D};
 }
 
 // Unpack keys [j0, j0 + n) (n <= 32) of head g: kt = K^T [D][32] (lanes >= n zeroed), and optionally
@@ -320,7 +316,7 @@ static void bwd_dkdv_tile_t(const AttnArgs& a, int64_t seq, int64_t g, int64_t t
     }
   }
   for (int j = 0; j < n; ++j) {
-    const int64_t off = ((s.k_begin + j0 + j) * a.Hkv + g) * D;
+    const int64_t off = src.offset(j0 + j, g);
     for (int64_t d = 0; d < D; ++d) {
       ((T*)dk)[off + d] = from_f32<T>(dka[j * D + d] * a.scale);
       ((T*)dv)[off + d] = from_f32<T>(dva[j * D + d]);

@@ -3,26 +3,19 @@
 // csrc/common/attention.h; these functions only decide which rows/heads/splits one call computes, so the
 // torch glue can spread work items over threads without changing any bit.
 //
-// Work units:
-//   * a row block = rows [r0, r0 + nr) of one sequence (relative to the sequence's first new row) for one
-//     KV head g and all G = Hq / Hkv query heads that share it (K/V tiles are unpacked once per block);
-//   * the forward writes per-split partials (m, l, acc[D]) of a block to `part`, laid out
-//     [(r * G + h) * n_splits + s] * (D + 2), then attn_merge_block merges them (csrc/common/attention.h).
+// Work units (row blocks, (block, split) items, key tiles) come from the host planner,
+// csrc/common/attention_plan.h, which also validated the metadata they point into.
 #pragma once
 
 #include <stdint.h>
 
+#include "../common/attention_plan.h"
 #include "cpu_kernels.h"
 
 namespace aligned::cpu {
 
-struct AttnSeq {
-  int64_t q_begin;        // first query row of the sequence in q (packed)
-  int64_t q_len;          // number of query rows (new tokens)
-  int64_t n_ctx;          // number of keys of the sequence (context incl. the new tokens)
-  int64_t k_begin;        // packed K/V: first key row of the sequence
-  const int32_t* blocks;  // paged K/V: the sequence's block_table row (nullptr when packed)
-};
+using aligned::AttnBlock;
+using aligned::AttnSeq;
 
 struct AttnArgs {
   DType dt;
@@ -34,12 +27,6 @@ struct AttnArgs {
   const void* v;
   int64_t block_size;   // 0: packed K/V
   const AttnSeq* seqs;
-};
-
-struct AttnBlock {
-  int64_t seq, g, r0, nr;
-  int64_t n_splits;     // max splits over the block's rows (the partial layout's stride)
-  int64_t part_offset;  // offset (floats) of this block's partials in a shared buffer
 };
 
 struct AttentionTable {

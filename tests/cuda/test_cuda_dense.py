@@ -1,6 +1,6 @@
 """CUDA (and ROCm) backend of the dense ops: bitwise equal to the CPU backend, batch-invariant on the GPU.
 
-Skipped without a GPU (CI has none); run on a lent GPU machine by bench/gpu_check.sh. The CPU backend is the
+Skipped without a GPU (CI has none); run on a lent GPU machine by .ci/gpu_check.sh. The CPU backend is the
 reference for bits: every GPU kernel evaluates the same fp32 expression trees (csrc/common/contract.h), so
 CPU and GPU results must be equal bit for bit — NaN only compared as "both NaN" (payloads are the hardware's).
 """

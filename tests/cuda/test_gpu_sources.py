@@ -58,6 +58,6 @@ def test_exact_numerics_flags_everywhere():
     for flags in (cmake, check):
         for f in ("--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-ffp-contract=off"):
             assert f in flags, f
-    for text in (cmake, check, (ROOT / "bench/gpu_check.sh").read_text()):
+    for text in (cmake, check, (ROOT / ".ci/gpu_check.sh").read_text()):
         code = re.sub(r"#[^\n]*", "", text)  # comments may say what never to add
         assert "use_fast_math" not in code and "-ffast-math" not in code

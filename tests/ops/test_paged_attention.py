@@ -311,3 +311,32 @@ def test_bad_inputs_paged():
                               torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match=r"slot_mapping must be \[2\]"):
         ops.reshape_and_cache(k, k, cache.k_cache, cache.v_cache, torch.tensor([0]))
+
+
+def test_bad_scalars_and_aliased_caches_are_refused():
+    """scale must survive the cast to fp32 (1e39 -> inf, 1e-50 -> 0 would silently give NaN / uniform
+    attention); head_dim 0 is refused by name; two overlapping views of one buffer as k_cache / v_cache (every
+    K write would clobber V) are detected before any write."""
+    hq, hkv, d = 4, 2, 16
+    cache = PagedCache([40], hkv, d, torch.float32, 16, seed=15, spare_blocks=0)
+    q = torch.randn(2, hq, d)
+    args = (cache.k_cache, cache.v_cache, cache.block_table[:1].clone(), torch.tensor([40], dtype=torch.int32), cu([2]))
+    for scale, msg in ((1e39, "not representable in float32"), (1e-50, "underflows to 0"),
+                       (float("inf"), "scale must be finite"), (float("nan"), "scale must be finite")):
+        with pytest.raises(RuntimeError, match=f"aligned::paged_attention: scale = .*{msg}|aligned::paged_attention: {msg}"):
+            ops.paged_attention(q, *args, scale)
+        with pytest.raises(RuntimeError, match=f"aligned::attention_varlen: scale = .*{msg}|aligned::attention_varlen: {msg}"):
+            ops.attention_varlen(q, q[:, :hkv], q[:, :hkv], cu([2]), cu([2]), scale, True)
+    ops.paged_attention(q, *args, 0.0)  # an exact 0 is a valid (uniform) scale
+    with pytest.raises(RuntimeError, match="aligned::attention_varlen: head_dim must be >= 1"):
+        e = torch.empty(2, hq, 0)
+        ops.attention_varlen(e, e[:, :hkv], e[:, :hkv], cu([2]), cu([2]), 1.0, True)
+    buf = torch.zeros(2 * cache.k_cache.numel())
+    kc = buf[: cache.k_cache.numel()].view(cache.k_cache.shape)
+    vc_overlap = buf[16 : 16 + cache.k_cache.numel()].view(cache.k_cache.shape)
+    vc_disjoint = buf[cache.k_cache.numel():].view(cache.k_cache.shape)
+    k = torch.randn(2, hkv, d)
+    with pytest.raises(RuntimeError, match="aligned::reshape_and_cache: k_cache and v_cache must not overlap"):
+        ops.reshape_and_cache(k, k, kc, vc_overlap, torch.tensor([0, 1]))
+    ops.reshape_and_cache(k, k, kc, vc_disjoint, torch.tensor([0, 1]))  # adjacent views of one buffer are fine
+    assert torch.equal(kc.view(-1, hkv, d)[:2], k) and torch.equal(vc_disjoint.view(-1, hkv, d)[:2], k)

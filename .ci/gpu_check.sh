@@ -8,7 +8,7 @@
 #   4. runs bench/bench_dense.py and bench/bench_linear.py with --device cuda, where they exist;
 #   5. writes $OUT/summary.md (one Markdown table: step, status, seconds) and the logs.
 # Every step has a timeout; the whole script is sized to finish in about 8 minutes. Usage, from the
-# repository root:  OUT=/some/dir bash bench/gpu_check.sh   (the device tool sets OUT).
+# repository root:  OUT=/some/dir bash .ci/gpu_check.sh   (the device tool sets OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"

@@ -1,0 +1,169 @@
+// attention_checks.h — argument validation of the attention family (attention_varlen and its backward,
+// reshape_and_cache, paged_attention), written once for every backend's torch glue.
+//
+// Split the same way as the family's work: these checks look only at tensor *metadata* (dtype, rank,
+// shapes, strides, scalars) and never read tensor data, so they cost nothing on a GPU and never sync.
+// Checks that need data values (offsets monotone, block ids and slots in range) are the planner's
+// (csrc/common/attention_plan.h), which runs on the host copies of that metadata the engine already
+// keeps. Each glue checks devices first (check_cpu / check_cuda), then calls these.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+
+#include "common/attention_plan.h"
+#include "op_checks.h"
+
+namespace aligned {
+
+namespace attn_detail {
+
+inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, const char* na, const char* nb) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "aligned::", op, ": ", nb, " must have the dtype of ", na, " (",
+              a.scalar_type(), "), got ", b.scalar_type());
+}
+
+// scale multiplies fp32 scores: it must be a finite fp32 number (a double that rounds to inf or to a
+// different zero-ness would silently turn every score into inf/NaN or 0).
+inline void check_scale(double scale, const char* op) {
+  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": scale must be finite, got ", scale);
+  const float f = (float)scale;
+  TORCH_CHECK(std::isfinite(f), "aligned::", op, ": scale = ", scale, " is not representable in float32");
+  TORCH_CHECK(scale == 0.0 || f != 0.0f, "aligned::", op, ": scale = ", scale,
+              " underflows to 0 in float32 (every score would be 0)");
+}
+
+inline void check_heads(int64_t Hq, int64_t Hkv, int64_t D, const char* op) {
+  TORCH_CHECK(D >= 1, "aligned::", op, ": head_dim must be >= 1, got ", D);
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "aligned::", op, ": num_heads of q (", Hq,
+              ") must be a multiple of num_kv_heads (", Hkv, ")");
+}
+
+inline void check_offsets_meta(const at::Tensor& cu, const char* op, const char* name) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "aligned::", op, ": ", name, " must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, "aligned::", op, ": ", name, " must be 1-D [batch + 1], got shape ",
+              cu.sizes());
+}
+
+inline void check_cache(const at::Tensor& c, const at::Tensor& ref, const char* ref_name, const char* op,
+                        const char* name) {
+  check_same_dtype(ref, c, op, ref_name, name);
+  TORCH_CHECK(c.dim() == 4, "aligned::", op, ": ", name,
+              " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ", c.sizes());
+  TORCH_CHECK(c.is_contiguous(), "aligned::", op, ": ", name, " must be contiguous");
+}
+
+// Two views of one buffer as k_cache and v_cache would make every K write clobber V (or the reverse).
+inline void check_caches_disjoint(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* op) {
+  const auto* kb = (const char*)k_cache.data_ptr();
+  const auto* vb = (const char*)v_cache.data_ptr();
+  const auto kn = (size_t)k_cache.numel() * k_cache.element_size();
+  const auto vn = (size_t)v_cache.numel() * v_cache.element_size();
+  TORCH_CHECK(kb + kn <= vb || vb + vn <= kb, "aligned::", op,
+              ": k_cache and v_cache must not overlap in memory (two views of one buffer?)");
+}
+
+}  // namespace attn_detail
+
+template <class DTypeEnum>
+struct AttnCheck {
+  DTypeEnum dt;
+  AttnShape shape;
+};
+
+template <class DTypeEnum>
+AttnCheck<DTypeEnum> check_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
+                                            const char* op) {
+  using namespace attn_detail;
+  DTypeEnum dt = dtype_of<DTypeEnum>(q, op, "q");
+  check_same_dtype(q, k, op, "q", "k");
+  check_same_dtype(q, v, op, "q", "v");
+  TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "aligned::", op, ": k and v must be [tokens, kv_heads, head_dim], got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "aligned::", op, ": k and v must have the same shape, got ", k.sizes(), " and ",
+              v.sizes());
+  const int64_t Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(k.size(2) == D, "aligned::", op, ": head_dim of k (", k.size(2), ") must equal head_dim of q (", D, ")");
+  check_heads(Hq, Hkv, D, op);
+  check_scale(scale, op);
+  check_offsets_meta(cu_q, op, "cu_seqlens_q");
+  check_offsets_meta(cu_k, op, "cu_seqlens_k");
+  TORCH_CHECK(cu_q.size(0) == cu_k.size(0), "aligned::", op,
+              ": cu_seqlens_q and cu_seqlens_k must have the same length, got ", cu_q.size(0), " and ", cu_k.size(0));
+  return {dt, AttnShape{Hq, Hkv, D, causal}};
+}
+
+inline void check_attention_varlen_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,
+                                            const at::Tensor& lse, const char* op) {
+  TORCH_CHECK(grad_out.sizes() == q.sizes() && grad_out.scalar_type() == q.scalar_type(), "aligned::", op,
+              ": grad_out must match q in shape and dtype, got ", grad_out.sizes(), " ", grad_out.scalar_type());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "aligned::", op,
+              ": out must match q in shape and dtype, got ", out.sizes(), " ", out.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "aligned::", op, ": lse must be float32 [", q.size(0), ", ", q.size(1), "], got ", lse.scalar_type(), " ",
+              lse.sizes());
+}
+
+template <class DTypeEnum>
+DTypeEnum check_reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  using namespace attn_detail;
+  const char* op = "reshape_and_cache";
+  DTypeEnum dt = dtype_of<DTypeEnum>(k, op, "k");
+  check_same_dtype(k, v, op, "k", "v");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aligned::", op,
+              ": k and v must both be [tokens, num_kv_heads, head_dim], got ", k.sizes(), " and ", v.sizes());
+  check_cache(k_cache, k, "k", op, "k_cache");
+  check_cache(v_cache, k, "k", op, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "aligned::", op, ": k_cache and v_cache must have the same shape");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "aligned::", op,
+              ": cache heads/head_dim [", k_cache.size(2), ", ", k_cache.size(3), "] must match k [", k.size(1), ", ",
+              k.size(2), "]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "aligned::", op, ": slot_mapping must be int64, got ",
+              slot_mapping.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "aligned::", op,
+              ": slot_mapping must be [", k.size(0), "], got ", slot_mapping.sizes());
+  TORCH_CHECK(!k_cache.is_same(v_cache), "aligned::", op, ": k_cache and v_cache must be different tensors");
+  check_caches_disjoint(k_cache, v_cache, op);
+  return dt;
+}
+
+template <class DTypeEnum>
+AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                           const at::Tensor& qsl, double scale) {
+  using namespace attn_detail;
+  const char* op = "paged_attention";
+  DTypeEnum dt = dtype_of<DTypeEnum>(q, op, "q");
+  TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
+  check_cache(k_cache, q, "q", op, "k_cache");
+  check_cache(v_cache, q, "q", op, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "aligned::", op, ": k_cache and v_cache must have the same shape, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "aligned::", op, ": head_dim of the cache (", k_cache.size(3),
+              ") must equal head_dim of q (", D, ")");
+  check_heads(Hq, Hkv, D, op);
+  TORCH_CHECK(k_cache.size(1) >= 1, "aligned::", op, ": block_size must be >= 1");
+  check_scale(scale, op);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "aligned::", op,
+              ": block_table must be int32 [batch, max_blocks], got ", block_table.scalar_type(), " ",
+              block_table.sizes());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1, "aligned::", op,
+              ": seq_lens must be int32 [batch], got ", seq_lens.scalar_type(), " ", seq_lens.sizes());
+  check_offsets_meta(qsl, op, "query_start_loc");
+  const int64_t B = qsl.size(0) - 1;
+  TORCH_CHECK(seq_lens.size(0) == B && block_table.size(0) == B, "aligned::", op,
+              ": seq_lens and block_table must have batch = len(query_start_loc) - 1 = ", B, " rows, got ",
+              seq_lens.size(0), " and ", block_table.size(0));
+  return {dt, AttnShape{Hq, Hkv, D, true}};
+}
+
+// A planner's verdict as a torch error (the planner itself is torch-free).
+inline void check_plan(const std::string& err) { TORCH_CHECK(err.empty(), err); }
+
+}  // namespace aligned
