@@ -2,8 +2,8 @@
 # gpu_check.sh — the one prepared script for a lent GPU machine (NVIDIA H200, CUDA torch preinstalled).
 #
 #   1. records the machine (nvidia-smi, torch, nvcc);
-#   2. builds the extension against the machine's torch with the CMake dev build (no pip, no downloads:
-#      the .so lands in python/aligned_ops/, used through PYTHONPATH=python);
+#   2. builds the CUDA vendor wheel against the machine's torch (pip wheel --no-build-isolation; the CMake
+#      dev build when scikit-build-core is absent) and installs it into a private folder the tests use;
 #   3. runs tests/cuda (CPU == CUDA bit for bit, GPU batch invariance, opcheck, torch.compile, errors);
 #   4. runs bench/bench_dense.py and bench/bench_linear.py with --device cuda, where they exist;
 #   5. writes $OUT/summary.md (one Markdown table: step, status, seconds) and the logs.
@@ -48,20 +48,32 @@ step() {
 } >"$OUT/env.txt"
 cat "$OUT/env.txt"
 
-# 2. build (CMake dev build: configure ~20 s, glue TUs + nvcc in parallel)
-BUILD_DIR=build/gpu-device
-if step "build (cmake, CUDA torch)" 330 "$OUT/build.log" \
-  bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DPython_EXECUTABLE=\"\$(command -v $PY)\" -DCMAKE_BUILD_TYPE=Release && cmake --build $BUILD_DIR -j $JOBS"; then
-  built=1
+# 2. build: the CUDA vendor wheel (docs/wheels.md), installed into a private folder the tests import from.
+# Needs scikit-build-core (carry its wheel: docs/wheels.md); without it, the CMake dev build (.so into python/).
+SITE=/tmp/aligned_site
+if "$PY" -c "import scikit_build_core" >/dev/null 2>&1; then
+  if step "build CUDA wheel (pip wheel --no-build-isolation)" 360 "$OUT/build.log" \
+    bash -c "rm -rf dist $SITE && CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $PY -m pip wheel -q --no-build-isolation --no-deps -w dist . && $PY -m pip install -q --no-deps --target $SITE dist/aligned_ops-*.whl && ls dist"; then
+    built=1; TEST_PATH=$SITE
+    ls dist >>"$SUMMARY.tail"
+  else
+    built=0; tail -40 "$OUT/build.log"
+  fi
 else
-  built=0
-  tail -40 "$OUT/build.log"
+  BUILD_DIR=build/gpu-device
+  echo "| CUDA wheel | skipped: scikit-build-core absent, CMake dev build instead | 0 |" >>"$SUMMARY"
+  if step "build (cmake, CUDA torch)" 330 "$OUT/build.log" \
+    bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DPython_EXECUTABLE=\"\$(command -v $PY)\" -DCMAKE_BUILD_TYPE=Release && cmake --build $BUILD_DIR -j $JOBS"; then
+    built=1; TEST_PATH=python
+  else
+    built=0; tail -40 "$OUT/build.log"
+  fi
 fi
 
 # 3. the GPU tests
 if [ "$built" = 1 ]; then
   step "pytest tests/cuda" 240 "$OUT/pytest_cuda.log" \
-    env PYTHONPATH=python "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider --durations=8
+    env PYTHONPATH=$TEST_PATH "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider --durations=8
   tail -25 "$OUT/pytest_cuda.log"
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -1 | sed 's/^/pytest: /' >>"$SUMMARY.tail" || true
 
@@ -69,7 +81,7 @@ if [ "$built" = 1 ]; then
   for b in bench/bench_dense.py bench/bench_linear.py; do
     if [ -f "$b" ]; then
       step "$(basename "$b") --device cuda" 90 "$OUT/bench.log" \
-        env PYTHONPATH=python "$PY" "$b" --device cuda --quick --out "$OUT/bench.md"
+        env PYTHONPATH=$TEST_PATH "$PY" "$b" --device cuda --quick --out "$OUT/bench.md"
     else
       echo "| $(basename "$b") | not present | 0 |" >>"$SUMMARY"
     fi

