@@ -29,6 +29,11 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "token_logprobs_backward(Tensor grad, Tensor logits, Tensor token_ids, float temperature=1.0, "
       "Tensor? temperatures=None) -> Tensor");
+  m.def(
+      "logsumexp_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> Tensor");
+  m.def(
+      "log_softmax_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> "
+      "Tensor");
   // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
