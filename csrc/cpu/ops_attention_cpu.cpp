@@ -12,6 +12,7 @@
 #include <string.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <vector>
 
 #include "../common/attention.h"
@@ -142,10 +143,13 @@ VarlenInputs prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.sizes() == v.sizes(), "aligned::", op, ": k and v must have the same shape, got ", k.sizes(), " and ",
               v.sizes());
   const int64_t Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(D >= 1, "aligned::", op, ": head_dim must be >= 1, got ", D);
   TORCH_CHECK(k.size(2) == D, "aligned::", op, ": head_dim of k (", k.size(2), ") must equal head_dim of q (", D, ")");
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "aligned::", op, ": num_heads of q (", Hq,
               ") must be a multiple of num_kv_heads (", Hkv, ")");
-  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": scale must be finite");
+  // the kernels use scale in fp32: 1e39 would become inf (every score NaN)
+  TORCH_CHECK(std::isfinite((float)scale), "aligned::", op, ": scale must be finite in float32 (|scale| <= ",
+              std::numeric_limits<float>::max(), "), got ", scale);
   auto oq = check_offsets(cu_q, q.size(0), op, "cu_seqlens_q");
   auto ok = check_offsets(cu_k, k.size(0), op, "cu_seqlens_k");
   TORCH_CHECK(oq.size() == ok.size(), "aligned::", op, ": cu_seqlens_q and cu_seqlens_k must have the same length, got ",
@@ -247,7 +251,13 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
               slot_mapping.scalar_type());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "aligned::", op,
               ": slot_mapping must be [", k.size(0), "], got ", slot_mapping.sizes());
-  TORCH_CHECK(!k_cache.is_same(v_cache), "aligned::", op, ": k_cache and v_cache must be different tensors");
+  {  // two views of one buffer would make the k and v writes of a slot clobber each other
+    const char* kb = (const char*)k_cache.data_ptr();
+    const char* vb = (const char*)v_cache.data_ptr();
+    const int64_t bytes = k_cache.numel() * (int64_t)k_cache.element_size();
+    TORCH_CHECK(bytes == 0 || kb + bytes <= vb || vb + bytes <= kb, "aligned::", op,
+                ": k_cache and v_cache must not overlap in memory (got two views of one buffer)");
+  }
   auto sm = slot_mapping.contiguous();
   const int64_t* slots = sm.data_ptr<int64_t>();
   const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
@@ -275,12 +285,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t Hq = q.size(1), D = q.size(2), num_blocks = k_cache.size(0), bs = k_cache.size(1),
                 Hkv = k_cache.size(2);
+  TORCH_CHECK(D >= 1, "aligned::", op, ": head_dim must be >= 1, got ", D);
   TORCH_CHECK(k_cache.size(3) == D, "aligned::", op, ": head_dim of the cache (", k_cache.size(3),
               ") must equal head_dim of q (", D, ")");
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "aligned::", op, ": num_heads of q (", Hq,
               ") must be a multiple of num_kv_heads (", Hkv, ")");
   TORCH_CHECK(bs >= 1, "aligned::", op, ": block_size must be >= 1");
-  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": scale must be finite");
+  // the kernels use scale in fp32: 1e39 would become inf (every score NaN)
+  TORCH_CHECK(std::isfinite((float)scale), "aligned::", op, ": scale must be finite in float32 (|scale| <= ",
+              std::numeric_limits<float>::max(), "), got ", scale);
   check_cpu(block_table, op, "block_table");
   check_cpu(seq_lens, op, "seq_lens");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "aligned::", op,
