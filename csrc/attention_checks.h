@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "common/attention_plan.h"
@@ -25,12 +26,12 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
               a.scalar_type(), "), got ", b.scalar_type());
 }
 
-// scale multiplies fp32 scores: it must be a finite fp32 number (a double that rounds to inf or to a
-// different zero-ness would silently turn every score into inf/NaN or 0).
+// scale multiplies fp32 scores: it must be a finite fp32 number (a double that rounds to inf, or that
+// underflows to 0, would silently turn every score into inf/NaN or 0).
 inline void check_scale(double scale, const char* op) {
-  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": scale must be finite, got ", scale);
   const float f = (float)scale;
-  TORCH_CHECK(std::isfinite(f), "aligned::", op, ": scale = ", scale, " is not representable in float32");
+  TORCH_CHECK(std::isfinite(f), "aligned::", op, ": scale must be finite in float32 (|scale| <= ",
+              std::numeric_limits<float>::max(), "), got ", scale);
   TORCH_CHECK(scale == 0.0 || f != 0.0f, "aligned::", op, ": scale = ", scale,
               " underflows to 0 in float32 (every score would be 0)");
 }

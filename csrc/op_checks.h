@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 namespace aligned {
@@ -56,6 +57,13 @@ inline void check_matches_x(const at::Tensor& t, const at::Tensor& x, const char
               x.scalar_type());
 }
 
+// eps is added in fp32 (contract.h rms_inv): it must be >= 0 (a negative or NaN eps turns rows into NaN) and
+// finite once rounded to fp32 (1e39 would become inf and every output 0).
+inline void check_eps(double eps, const char* op) {
+  TORCH_CHECK(eps >= 0 && std::isfinite((float)eps), "aligned::", op,
+              ": eps must be >= 0 and finite in float32, got ", eps);
+}
+
 }  // namespace detail
 
 template <class DTypeEnum>
@@ -63,25 +71,30 @@ NormArgs<DTypeEnum> check_rms_norm(const at::Tensor& x, const at::Tensor& weight
   const char* op = "rms_norm";
   const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
   auto a = detail::check_norm_weight(x, weight, dt, wdt, op);
-  TORCH_CHECK(eps >= 0, "aligned::rms_norm: eps must be >= 0");
+  detail::check_eps(eps, op);
   return a;
 }
 
 template <class DTypeEnum>
 NormArgs<DTypeEnum> check_fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                             const at::Tensor& weight) {
+                                             const at::Tensor& weight, double eps) {
   const char* op = "fused_add_rms_norm";
   const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
   detail::check_matches_x(residual, x, op, "residual");
-  return detail::check_norm_weight(x, weight, dt, wdt, op);
+  auto a = detail::check_norm_weight(x, weight, dt, wdt, op);
+  detail::check_eps(eps, op);
+  return a;
 }
 
 template <class DTypeEnum>
-NormArgs<DTypeEnum> check_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight) {
+NormArgs<DTypeEnum> check_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                            double eps) {
   const char* op = "rms_norm_backward";
   const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x"), wdt = dtype_of<DTypeEnum>(weight, op, "weight");
   detail::check_matches_x(grad, x, op, "grad_out");
-  return detail::check_norm_weight(x, weight, dt, wdt, op);
+  auto a = detail::check_norm_weight(x, weight, dt, wdt, op);
+  detail::check_eps(eps, op);
+  return a;
 }
 
 // ---- silu_and_mul, silu_and_mul_backward ---------------------------------------------------------------
@@ -170,15 +183,23 @@ LogitsArgs<DTypeEnum> check_logits(const at::Tensor& logits, double temperature,
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "aligned::", op,
               ": temperature must be finite and > 0, got ", temperature,
               " (greedy decoding: pass 1.0 to score the raw distribution)");
+  // The kernels divide by the fp32 rounding of temperature: 1e-50 would become 0 (every row NaN), 1e39 inf
+  // (every row uniform). Refuse what fp32 cannot hold as a normal number.
   a.tau = (float)temperature;
+  TORCH_CHECK(std::isnormal(a.tau), "aligned::", op, ": temperature ", temperature,
+              " is not representable in float32 (the op divides by it in fp32): it must lie in [",
+              std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(), "]");
   if (temperatures.has_value() && temperatures->defined()) {
     const auto& t = *temperatures;
     TORCH_CHECK(t.dim() == 1 && t.size(0) == a.T, "aligned::", op, ": temperatures must be [", a.T, "], got ",
                 t.sizes());
     at::Tensor temps = t.to(at::kFloat).contiguous();
     if (a.T > 0) {
-      TORCH_CHECK(temps.gt(0).all().item<bool>() && temps.isfinite().all().item<bool>(), "aligned::", op,
-                  ": every temperature must be finite and > 0");
+      TORCH_CHECK(temps.ge(std::numeric_limits<float>::min()).all().item<bool>() &&
+                      temps.isfinite().all().item<bool>(),
+                  "aligned::", op,
+                  ": every temperature must be finite and > 0, and a normal float32 value (>= ",
+                  std::numeric_limits<float>::min(), ") after conversion to float32");
     }
     a.temps = temps;
   }
@@ -201,9 +222,18 @@ inline at::Tensor check_token_ids(const at::Tensor& ids, int64_t T, int64_t V, c
   return idc;
 }
 
-// token_logprobs_backward's incoming gradient: one value per token.
-inline void check_token_logprobs_grad(const at::Tensor& grad, int64_t T) {
-  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == T, "aligned::token_logprobs_backward: grad must be [", T, "]");
+// The incoming gradient of a log-prob backward op: [T] (token_logprobs, logsumexp: one value per row) or
+// [T, V] (log_softmax), any float dtype; returned as fp32, contiguous.
+inline at::Tensor check_logits_grad(const at::Tensor& grad, int64_t T, int64_t V, bool per_logit, const char* op) {
+  if (per_logit) {
+    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == V, "aligned::", op, ": grad must be [", T,
+                ", ", V, "], got ", grad.sizes());
+  } else {
+    TORCH_CHECK(grad.dim() == 1 && grad.size(0) == T, "aligned::", op, ": grad must be [", T, "], got ",
+                grad.sizes());
+  }
+  TORCH_CHECK(grad.is_floating_point(), "aligned::", op, ": grad must be a float tensor, got ", grad.scalar_type());
+  return grad.to(at::kFloat).contiguous();
 }
 
 // ---- linear, linear_backward: x [..., K] (M rows), weight [N, K], one dtype ------------------------------

@@ -28,6 +28,11 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "token_logprobs_backward(Tensor grad, Tensor logits, Tensor token_ids, float temperature=1.0, "
       "Tensor? temperatures=None) -> Tensor");
+  m.def(
+      "logsumexp_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> Tensor");
+  m.def(
+      "log_softmax_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> "
+      "Tensor");
   // ---- attention (csrc/common/attention.h; planner csrc/common/attention_plan.h) ----
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "

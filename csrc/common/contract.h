@@ -11,7 +11,8 @@
 // once to its output type (round to nearest even).
 //
 // NaN policy (all ops): NaN inputs propagate to the outputs that depend on them; nothing is clamped,
-// nothing is silently dropped. A row of log_softmax that holds a NaN or +inf yields NaN for the row.
+// nothing is silently dropped. A row of log_softmax that holds a NaN or +inf yields NaN for the row
+// (logsumexp of a row with +inf and no NaN is +inf); the log-prob section below lists every special row.
 #pragma once
 
 #include "numerics.h"
@@ -120,31 +121,92 @@ ALIGNED_HD void rotate_pair(float x1, float x2, float c, float s, bool inverse, 
   }
 }
 
-// ---- log_softmax / token_logprobs ------------------------------------------------------------------------
-// s_v = z_v / tau (IEEE division; tau > 0), m = max_v s_v (exact, order-free),
-// sum = lane_sum over v of exp(s_v - m), lse = m + log(sum), logp_v = s_v - lse.
-// token_logprobs(z, id) is logp_id of the same expression, so it equals log_softmax(z)[id] bit for bit.
-// Backward: dz_v = round_T(((v == id ? 1 : 0) - exp(s_v - lse)) * g / tau)   [(. * g) then / tau]
-// NaN or +inf anywhere in the row -> lse = NaN (so every output of the row is NaN).
+// ---- log_softmax / logsumexp / token_logprobs (+ their backward) ----------------------------------------
+// s_v = z_v / tau (IEEE division; tau > 0 and a normal fp32 value, checked by the glue),
+// m = max_v s_v (exact, order-free), sum = lane_sum over v of exp(s_v - m), L = log(sum).
+// The row is kept as the pair (m, L) — never as one lse = m + L — so that the shift stays exact:
+//   logp_v  = (s_v - m) - L                  (log_softmax; token_logprobs is logp_id of the same expression,
+//                                             so it equals log_softmax(z)[id] bit for bit)
+//   lse     = m + L                          (logsumexp)
+//   p_v     = exp(logp_v)
+// Why the pair: s_v - m is exact whenever s_v is within a factor 2 of m (Sterbenz) and L is in [0, log V],
+// so logp of the likely tokens keeps full fp32 relative accuracy however large the logits are. The former
+// s_v - (m + L) rounded m + L to the ulp of m first: errors of 3.7e-6 at max logit 1e2, 4.6e-4 at 1e4 and
+// 3e-2 at 1e6; and a fully masked row (every logit -3e38 or the bf16 minimum) gave logp = 0 for every token
+// (probabilities summing to V). With the pair that row gives (s - s) - log V = -log V exactly as it should.
+// Backward (g = upstream gradient; each product rounded, then the division by tau):
+//   token_logprobs: dz_v = round_T(((v == id ? 1 : 0) - p_v) * g / tau)        [(. * g) then / tau]
+//   logsumexp:      dz_v = round_T((p_v * g) / tau)
+//   log_softmax:    G = lane_sum over v of g_v (reduce.h order), dz_v = round_T((g_v - p_v * G) / tau)
+// Special rows (decided by the max pass alone; NaN policy, see also the README):
+//   a NaN s_v anywhere      -> (NaN, NaN): every logp, the lse and every gradient of the row are NaN;
+//   a +inf s_v (no NaN)     -> (+inf, NaN): logsumexp = +inf (as torch.logsumexp), logp and gradients NaN;
+//   every s_v = -inf        -> (-inf, 0): logsumexp = -inf, logp = (-inf - -inf) - 0 = NaN (as torch);
+//   some -inf, some finite  -> the -inf entries get logp = -inf and p = 0 (masked logits), others are exact.
+// Note tau < 1 can turn a finite masked logit (-3e38) into s = -inf: such a row is an all -inf row.
+// Accuracy limit of the exp-sum: each of the 32 lanes is a sequential fp32 chain of V/32 terms, so the
+// relative error of sum (and the absolute error of L, in nats) grows like (V/32) * 2^-24 in the worst case,
+// ~sqrt(V/32) * 2^-24 typically: ~1e-7 at V = 152k, but V = 2^24 (2^19 terms per lane) was off by 3e-4 nats.
+struct LsePair {
+  float m;  // shift: the row maximum of s (NaN / +inf / -inf for the special rows above)
+  float L;  // log of the shifted exp-sum, in [0, log V] for an ordinary row
+};
+
+constexpr int32_t kRowHasNaN = 1;     // flags gathered by the max pass
+constexpr int32_t kRowHasPosInf = 2;
+
+ALIGNED_HD int32_t logit_flags(float s) {
+  return (is_nan_f32(s) ? kRowHasNaN : 0) | (s == float_of(0x7f800000u) ? kRowHasPosInf : 0);
+}
+
+// The special rows: true when (m, flags) already decide the row (the exp-sum pass is skipped).
+ALIGNED_HD bool lse_special_row(float m, int32_t flags, LsePair* out) {
+  const float inf = float_of(0x7f800000u), nan = float_of(0x7fc00000u);
+  if (flags & kRowHasNaN) {
+    *out = LsePair{nan, nan};
+    return true;
+  }
+  if (flags & kRowHasPosInf) {
+    *out = LsePair{inf, nan};
+    return true;
+  }
+  if (m == -inf) {
+    *out = LsePair{-inf, 0.0f};
+    return true;
+  }
+  return false;
+}
+
+ALIGNED_HD float lse_value(LsePair p) { return p.m == float_of(0x7f800000u) ? p.m : p.m + p.L; }
+ALIGNED_HD float logp_value(float s, LsePair p) { return (s - p.m) - p.L; }
+ALIGNED_HD float prob_value(float s, LsePair p) { return exp_f32(logp_value(s, p)); }
+
+// The reference row: max pass, then the reduce.h lane sums of exp(s_v - m). Backends compute the same
+// values with their own loops (cpu_kernels.cpp, dense_kernels.cuh); tests compare them.
 template <typename T>
-ALIGNED_HD float logsumexp_row(const T* z, int64_t V, float tau) {
+ALIGNED_HD LsePair lse_pair_row(const T* z, int64_t V, float tau) {
   float m = -float_of(0x7f800000u);
-  bool bad = false;
+  int32_t flags = 0;
   for (int64_t v = 0; v < V; ++v) {
     float s = div_f32(to_f32(z[v]), tau);
-    bad = bad || is_nan_f32(s) || s == float_of(0x7f800000u);
+    flags |= logit_flags(s);
     m = max_f32(m, s);
   }
-  if (bad) return float_of(0x7fc00000u);
-  if (m == -float_of(0x7f800000u)) return m;  // every logit -inf: lse = -inf, logp = NaN (documented)
+  LsePair p;
+  if (lse_special_row(m, flags, &p)) return p;
   float lanes[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
-  int64_t v0 = 0;
-  for (; v0 + kReduceLanes <= V; v0 += kReduceLanes) {
-    for (int j = 0; j < kReduceLanes; ++j) lanes[j] = lanes[j] + exp_f32(div_f32(to_f32(z[v0 + j]), tau) - m);
-  }
-  for (int j = 0; v0 + j < V; ++j) lanes[j] = lanes[j] + exp_f32(div_f32(to_f32(z[v0 + j]), tau) - m);
-  return m + log_f32(fold_lanes(lanes));
+  for (int64_t v = 0; v < V; ++v)
+    lanes[v % kReduceLanes] = lanes[v % kReduceLanes] + exp_f32(div_f32(to_f32(z[v]), tau) - m);
+  return LsePair{m, log_f32(fold_lanes(lanes))};
+}
+
+ALIGNED_HD float token_logprobs_grad(float s, LsePair p, bool is_id, float g, float tau) {
+  return div_f32(((is_id ? 1.0f : 0.0f) - prob_value(s, p)) * g, tau);
+}
+ALIGNED_HD float logsumexp_grad(float s, LsePair p, float g, float tau) { return div_f32(prob_value(s, p) * g, tau); }
+ALIGNED_HD float log_softmax_grad(float s, LsePair p, float g_v, float g_sum, float tau) {
+  return div_f32(g_v - prob_value(s, p) * g_sum, tau);
 }
 
 }  // namespace aligned

@@ -8,7 +8,7 @@
 //     level has an intrinsic form of the same IEEE operation sequence (exp16: equal to exp_f32 on all 2^32
 //     inputs);
 //   * log-prob rows take two passes: s = z / tau once (into the output row or a per-thread scratch row) with
-//     lane maxima, then the lane chains of exp(s - m) — the contract's lse without a second division;
+//     lane maxima, then the lane chains of exp(s - m) — the contract's (m, L) pair without a second division;
 //   * dense_split_kernels.h: pieces that let threads share one row (decode batches) without splitting a
 //     reduction chain.
 #include <stdlib.h>
@@ -245,31 +245,30 @@ static void rotary(DType dt, const int64_t* positions, const void* x, void* out,
 }
 
 // ---- log-prob family -----------------------------------------------------------------------------------
-// logsumexp_row of contract.h, evaluated in two vectorisable passes over the row:
+// lse_pair_row of contract.h, evaluated in two vectorisable passes over the row:
 //   pass 1: s_v = z_v / tau, written to `s` (fp32, the row's scratch or the log_softmax output row), with
-//           32 lane maxima and 32 lane "NaN or +inf seen" flags;
+//           32 lane maxima and 32 lane flags (logit_flags: NaN seen, +inf seen);
 //   pass 2: the contract's 32 lane sums of exp(s_v - m), reading s back instead of dividing again.
 // The lane maxima folded in any order give the same m as the contract's sequential max (max is exact); the
-// only possible difference is the sign of a zero maximum, which changes no output: s - (+0) and s - (-0)
-// are equal except for s = ±0, whose exp is 1 either way, and m + log(sum) with log(sum) >= +0 is +0 for
-// both. Division by tau == 1 is skipped: it is exact, so the bits are the same.
+// only possible difference is the sign of a zero maximum, which changes no output: if the row holds both
+// +0 and -0 then sum >= 2 and L > 0, so (s - m) - L and m + L are the same for either sign; if it holds one
+// zero, every order picks that zero. Division by tau == 1 is skipped: it is exact, so the bits are the same.
 template <typename T, bool kUnit>
-static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V, float tau, float* mx, int32_t* bad) {
-  const float inf = float_of(0x7f800000u);
+static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V, float tau, float* mx, int32_t* flags) {
   int64_t v0 = 0;
   for (; v0 + kReduceLanes <= V; v0 += kReduceLanes) {
     for (int j = 0; j < kReduceLanes; ++j) {
       const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
       s[v0 + j] = sv;
       mx[j] = sv > mx[j] ? sv : mx[j];
-      bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+      flags[j] |= logit_flags(sv);
     }
   }
   for (int j = 0; v0 + j < V; ++j) {
     const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
     s[v0 + j] = sv;
     mx[j] = sv > mx[j] ? sv : mx[j];
-    bad[j] |= (int32_t)(sv != sv) | (int32_t)(sv == inf);
+    flags[j] |= logit_flags(sv);
   }
 }
 
@@ -308,41 +307,42 @@ static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int
   for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
-// s_v = z_v / tau for v < n (written to s) and the row maximum of s (order-free); *bad is set when any s_v is
-// NaN or +inf. The one scale-and-max pass of the log-prob ops, for a whole row or a shared row's v range.
+// s_v = z_v / tau for v < n (written to s), the row maximum of s (order-free) and the OR of logit_flags
+// over the row. The one scale-and-max pass of the log-prob ops, for a whole row or a shared row's v range.
 template <typename T>
-static void scale_and_max(const T* z, float* s, int64_t n, float tau, float* max, int32_t* bad) {
+static void scale_and_max(const T* z, float* s, int64_t n, float tau, float* max, int32_t* flags) {
   const float inf = float_of(0x7f800000u);
   float mx[kReduceLanes];
-  int32_t bd[kReduceLanes];
+  int32_t fl[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) {
     mx[j] = -inf;
-    bd[j] = 0;
+    fl[j] = 0;
   }
   if (tau == 1.0f)
-    scale_row<T, true>(z, s, n, tau, mx, bd);
+    scale_row<T, true>(z, s, n, tau, mx, fl);
   else
-    scale_row<T, false>(z, s, n, tau, mx, bd);
+    scale_row<T, false>(z, s, n, tau, mx, fl);
   float m = -inf;
   int32_t any = 0;
   for (int j = 0; j < kReduceLanes; ++j) {
     m = max_f32(m, mx[j]);
-    any |= bd[j];
+    any |= fl[j];
   }
   *max = m;
-  *bad = any;
+  *flags = any;
 }
 
+// The row's (m, L) pair; leaves s = z / tau in `s`.
 template <typename T>
-static float row_lse(const T* z, float* s, int64_t V, float tau) {
+static LsePair row_lse_pair(const T* z, float* s, int64_t V, float tau) {
   float m;
-  int32_t any_bad;
-  scale_and_max(z, s, V, tau, &m, &any_bad);
-  if (any_bad) return float_of(0x7fc00000u);
-  if (m == -float_of(0x7f800000u)) return m;  // every logit -inf: lse = -inf, logp = NaN (contract.h)
+  int32_t flags;
+  scale_and_max(z, s, V, tau, &m, &flags);
+  LsePair p;
+  if (lse_special_row(m, flags, &p)) return p;
   float lanes[kReduceLanes];
   lane_exp_sums_w<kReduceLanes>(s, V, m, 0, lanes);
-  return m + log_f32(fold_lanes(lanes));
+  return LsePair{m, log_f32(fold_lanes(lanes))};
 }
 
 // Per-thread fp32 scratch row for s (kept between calls: a fresh vocab-sized allocation per call would
@@ -357,18 +357,22 @@ static float* scratch_row(int64_t V) {
   return buf.get();
 }
 
-static void logsumexp(DType dt, const void* z, float* lse, int64_t V, float tau, const float* temps, int64_t r0,
-                      int64_t r1) {
+static void logsumexp_pairs(DType dt, const void* z, float* pairs, int64_t V, float tau, const float* temps,
+                            int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     float* s = scratch_row(V);
-    for (int64_t r = r0; r < r1; ++r) lse[r] = row_lse((const T*)z + r * V, s, V, temps ? temps[r] : tau);
+    for (int64_t r = r0; r < r1; ++r) {
+      const LsePair p = row_lse_pair((const T*)z + r * V, s, V, temps ? temps[r] : tau);
+      pairs[2 * r] = p.m;
+      pairs[2 * r + 1] = p.L;
+    }
   });
 }
 
-// log_softmax: logp_v = s_v - lse. With lse == nullptr the row's lse is computed here, with s written
-// straight into the output row (one read of the logits, no second division); otherwise lse[r] is used.
-static void log_softmax(DType dt, const void* z, const float* lse, float* out, int64_t V, float tau,
+// log_softmax: logp_v = (s_v - m) - L. With pairs == nullptr the row's pair is computed here, with s written
+// straight into the output row (one read of the logits, no second division); otherwise pairs[2r..2r+1].
+static void log_softmax(DType dt, const void* z, const float* pairs, float* out, int64_t V, float tau,
                         const float* temps, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
@@ -376,39 +380,77 @@ static void log_softmax(DType dt, const void* z, const float* lse, float* out, i
       const T* zr = (const T*)z + r * V;
       const float t = temps ? temps[r] : tau;
       float* __restrict__ o = out + r * V;
-      if (lse == nullptr) {
-        const float l = row_lse(zr, o, V, t);
-        for (int64_t v = 0; v < V; ++v) o[v] = o[v] - l;
+      if (pairs == nullptr) {
+        const LsePair p = row_lse_pair(zr, o, V, t);
+        for (int64_t v = 0; v < V; ++v) o[v] = logp_value(o[v], p);
       } else {
-        const float l = lse[r];
-        for (int64_t v = 0; v < V; ++v) o[v] = div_f32(to_f32(zr[v]), t) - l;
+        const LsePair p{pairs[2 * r], pairs[2 * r + 1]};
+        for (int64_t v = 0; v < V; ++v) o[v] = logp_value(div_f32(to_f32(zr[v]), t), p);
       }
     }
   });
 }
 
-// dz_v = round_T(((v == id) - exp(s_v - lse)) * g / tau). With lse == nullptr the lse is computed here
-// (s kept in the scratch row, so the logits are read once and divided once).
-static void token_logprobs_backward(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
-                                    void* dz, int64_t V, float tau, const float* temps, int64_t r0, int64_t r1) {
-  with_type(dt, [&](auto* tp) {
-    using T = std::remove_pointer_t<decltype(tp)>;
-    float* __restrict__ s = scratch_row(V);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* zr = (const T*)z + r * V;
-      T* __restrict__ o = (T*)dz + r * V;
-      const float t = temps ? temps[r] : tau;
-      float l;
-      if (lse == nullptr) {
-        l = row_lse(zr, s, V, t);
-      } else {
-        l = lse[r];
-        for (int64_t v = 0; v < V; ++v) s[v] = div_f32(to_f32(zr[v]), t);
-      }
+// The backward ops of the family (contract.h), one pass per row after the row's pair:
+//   kTokenLogprobs: dz_v = round_T(((v == id) - p_v) * g / tau)         g [rows]
+//   kLogsumexp:     dz_v = round_T((p_v * g) / tau)                     g [rows]
+//   kLogSoftmax:    dz_v = round_T((g_v - p_v * G) / tau), G = lane_sum g_v   g [rows, V]
+// With pairs == nullptr the pair is computed here (s kept in the scratch row, so the logits are read once
+// and divided once).
+template <typename T, LogitsGrad kMode>
+static void logits_backward_rows(const float* g, const T* z, const int64_t* ids, const float* pairs, T* dz, int64_t V,
+                                 float tau, const float* temps, int64_t r0, int64_t r1) {
+  float* __restrict__ s = scratch_row(V);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* zr = z + r * V;
+    T* __restrict__ o = dz + r * V;
+    const float t = temps ? temps[r] : tau;
+    LsePair p;
+    if (pairs == nullptr) {
+      p = row_lse_pair(zr, s, V, t);
+    } else {
+      p = LsePair{pairs[2 * r], pairs[2 * r + 1]};
+      for (int64_t v = 0; v < V; ++v) s[v] = div_f32(to_f32(zr[v]), t);
+    }
+    if constexpr (kMode == LogitsGrad::kTokenLogprobs) {
       const float gr = g[r];
       const int64_t id = ids[r];
-      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(div_f32((0.0f - exp_f32(s[v] - l)) * gr, t));
-      o[id] = from_f32<T>(div_f32((1.0f - exp_f32(s[id] - l)) * gr, t));
+      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(token_logprobs_grad(s[v], p, false, gr, t));
+      o[id] = from_f32<T>(token_logprobs_grad(s[id], p, true, gr, t));
+    } else if constexpr (kMode == LogitsGrad::kLogsumexp) {
+      const float gr = g[r];
+      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(logsumexp_grad(s[v], p, gr, t));
+    } else {
+      const float* __restrict__ gr = g + r * V;
+      float lanes[kReduceLanes];
+      for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
+      int64_t v0 = 0;
+      for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
+        for (int j = 0; j < kReduceLanes; ++j) lanes[j] = lanes[j] + gr[v0 + j];
+      for (int j = 0; v0 + j < V; ++j) lanes[j] = lanes[j] + gr[v0 + j];
+      const float gsum = fold_lanes(lanes);
+      for (int64_t v = 0; v < V; ++v) o[v] = from_f32<T>(log_softmax_grad(s[v], p, gr[v], gsum, t));
+    }
+  }
+}
+
+static void logits_backward(LogitsGrad mode, DType dt, const float* g, const void* z, const int64_t* ids,
+                            const float* pairs, void* dz, int64_t V, float tau, const float* temps, int64_t r0,
+                            int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* zt = (const T*)z;
+    T* dzt = (T*)dz;
+    switch (mode) {
+      case LogitsGrad::kTokenLogprobs:
+        logits_backward_rows<T, LogitsGrad::kTokenLogprobs>(g, zt, ids, pairs, dzt, V, tau, temps, r0, r1);
+        break;
+      case LogitsGrad::kLogsumexp:
+        logits_backward_rows<T, LogitsGrad::kLogsumexp>(g, zt, ids, pairs, dzt, V, tau, temps, r0, r1);
+        break;
+      case LogitsGrad::kLogSoftmax:
+        logits_backward_rows<T, LogitsGrad::kLogSoftmax>(g, zt, ids, pairs, dzt, V, tau, temps, r0, r1);
+        break;
     }
   });
 }
@@ -423,10 +465,10 @@ static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int
 }
 
 static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int64_t v1, float tau, float* max,
-                      int32_t* bad) {
+                      int32_t* flags) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    scale_and_max((const T*)z_row + v0, s_row + v0, v1 - v0, tau, max, bad);
+    scale_and_max((const T*)z_row + v0, s_row + v0, v1 - v0, tau, max, flags);
   });
 }
 
@@ -480,9 +522,9 @@ const KernelTable kTable = {
     silu_and_mul,
     silu_and_mul_backward,
     rotary,
-    logsumexp,
+    logsumexp_pairs,
     log_softmax,
-    token_logprobs_backward,
+    logits_backward,
     gemm,
     column_sum,
     exp_scalar,

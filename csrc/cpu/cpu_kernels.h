@@ -28,6 +28,9 @@ inline void with_type(DType dt, Fn&& fn) {
   }
 }
 
+// Which backward of the log-prob family a logits_backward call computes (contract.h).
+enum class LogitsGrad : int { kTokenLogprobs = 0, kLogsumexp = 1, kLogSoftmax = 2 };
+
 struct KernelTable {
   const char* isa;
   // rows of x [rows, H]; weight [H] in dtype wdt (== dt or F32)
@@ -49,14 +52,18 @@ struct KernelTable {
   // x [T, heads, head_dim] rows = tokens; cache [max_pos, rot] fp32
   void (*rotary)(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
                  int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t row_begin, int64_t row_end);
-  // logits [T, V]; tau per row (temps[t]) or the scalar when temps == nullptr
-  void (*logsumexp)(DType dt, const void* z, float* lse, int64_t V, float tau, const float* temps,
-                    int64_t row_begin, int64_t row_end);
-  void (*log_softmax)(DType dt, const void* z, const float* lse, float* out, int64_t V, float tau,
+  // logits [T, V]; tau per row (temps[t]) or the scalar when temps == nullptr. A row's statistics are the
+  // contract's pair (m, L) (contract.h LsePair), stored as pairs[2t], pairs[2t + 1].
+  void (*logsumexp_pairs)(DType dt, const void* z, float* pairs, int64_t V, float tau, const float* temps,
+                          int64_t row_begin, int64_t row_end);
+  // pairs == nullptr: each row's pair is computed in the same pass
+  void (*log_softmax)(DType dt, const void* z, const float* pairs, float* out, int64_t V, float tau,
                       const float* temps, int64_t row_begin, int64_t row_end);
-  void (*token_logprobs_backward)(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
-                                  void* dz, int64_t V, float tau, const float* temps, int64_t row_begin,
-                                  int64_t row_end);
+  // dz [T, V] in the logits dtype; g is [T] (token_logprobs, logsumexp) or [T, V] (log_softmax), fp32;
+  // ids only for token_logprobs; pairs == nullptr: computed here
+  void (*logits_backward)(LogitsGrad mode, DType dt, const float* g, const void* z, const int64_t* ids,
+                          const float* pairs, void* dz, int64_t V, float tau, const float* temps,
+                          int64_t row_begin, int64_t row_end);
   // C[m, n] = round(sum_k A[m, k] * B[n, k] (+ bias[n])), element strides given, fp32 fma chains in k order.
   // Computes the output tile rows [m0, m1) x cols [n0, n1).
   void (*gemm)(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn,

@@ -18,9 +18,10 @@ namespace aligned::cpu {
 struct DenseSplitKernels {
   // out[row, c] = silu(x[row, c]) * x[row, d + c] for c in [c0, c1)
   void (*silu_and_mul_cols)(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1);
-  // s[v] = z[v] / tau for v in [v0, v1) of one row (fp32 scratch), *max = max of those s, *bad = NaN or +inf seen
+  // s[v] = z[v] / tau for v in [v0, v1) of one row (fp32 scratch), *max = max of those s, *flags = OR of
+  // contract.h logit_flags (NaN seen, +inf seen)
   void (*scale_max)(DType dt, const void* z_row, float* s_row, int64_t v0, int64_t v1, float tau, float* max,
-                    int32_t* bad);
+                    int32_t* flags);
   // lanes[j] for j in [j0, j1): the reduce.h lane chain of exp(s[v] - m) over v = j, j+32, ... < V
   void (*lane_exp_sums)(const float* s_row, int64_t V, float m, int j0, int j1, float* lanes);
 };

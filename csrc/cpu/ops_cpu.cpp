@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#include "../common/reduce.h"
+#include "../common/contract.h"
 #include "cpu_kernels.h"
 #include "glue_checks.h"
 #include "dense_split_kernels.h"
@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   check_cpu(x, op, "x");
   check_cpu(residual, op, "residual");
   check_cpu(weight, op, "weight");
-  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight);
+  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight, eps);
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
   const auto& k = cpu_kernels();
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   check_cpu(grad, op, "grad_out");
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
-  const auto a = check_rms_norm_backward<DType>(grad, x, weight);
+  const auto a = check_rms_norm_backward<DType>(grad, x, weight, eps);
   const DType dt = a.dt, wdt = a.wdt;
   const int64_t H = a.H, rows = a.rows;
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
@@ -188,9 +188,10 @@ at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op)
 // Rows shorter than this never share threads (the fork/join would cost more than it saves).
 constexpr int64_t kSplitMinVocab = 8192;
 
-// lse of row r with all threads on the one row: s = z / tau into s_row (v ranges in parallel, maxima
-// combined exactly), then the 32 lane sums of reduce.h in lane groups, folded here by the same tree.
-float lse_row_split(const LogitsArgs& a, int64_t r, float* s_row) {
+// The (m, L) pair of row r with all threads on the one row: s = z / tau into s_row (v ranges in parallel,
+// maxima and flags combined exactly), then the 32 lane sums of reduce.h in lane groups, folded here by the
+// same tree.
+LsePair lse_pair_split(const LogitsArgs& a, int64_t r, float* s_row) {
   const auto& sk = dense_split_kernels();
   const float inf = std::numeric_limits<float>::infinity();
   const float tau = a.temps.defined() ? a.temps_ptr()[r] : a.tau;
@@ -198,45 +199,57 @@ float lse_row_split(const LogitsArgs& a, int64_t r, float* s_row) {
   const int64_t parts = at::get_num_threads();
   const int64_t part = ((a.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
   std::vector<float> mx(parts, -inf);
-  std::vector<int32_t> bad(parts, 0);
+  std::vector<int32_t> flags(parts, 0);
   at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const int64_t v0 = p * part, v1 = std::min(a.V, v0 + part);
-      if (v0 < v1) sk.scale_max(a.dt, zr, s_row, v0, v1, tau, &mx[p], &bad[p]);
+      if (v0 < v1) sk.scale_max(a.dt, zr, s_row, v0, v1, tau, &mx[p], &flags[p]);
     }
   });
   float m = -inf;
-  int32_t any_bad = 0;
+  int32_t any = 0;
   for (int64_t p = 0; p < parts; ++p) {
     m = max_f32(m, mx[p]);
-    any_bad |= bad[p];
+    any |= flags[p];
   }
-  if (any_bad) return std::numeric_limits<float>::quiet_NaN();
-  if (m == -inf) return m;
+  LsePair pair;
+  if (lse_special_row(m, any, &pair)) return pair;
   float lanes[kReduceLanes];
   const int groups = parts >= 4 ? 4 : 2, width = kReduceLanes / groups;
   at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, a.V, m, (int)g * width, (int)(g + 1) * width, lanes);
   });
-  return m + log_f32(fold_lanes(lanes));
+  return LsePair{m, log_f32(fold_lanes(lanes))};
 }
 
-at::Tensor lse_of(const LogitsArgs& a) {
-  auto lse = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+// Every row's (m, L) pair, fp32 [T, 2].
+at::Tensor lse_pairs_of(const LogitsArgs& a) {
+  auto pairs = at::empty({a.T, 2}, a.z.options().dtype(at::kFloat));
+  float* pp = pairs.data_ptr<float>();
   if (split_rows(a.T, a.V, kSplitMinVocab)) {
-    auto s = at::empty({a.V}, lse.options());
-    for (int64_t r = 0; r < a.T; ++r) lse.data_ptr<float>()[r] = lse_row_split(a, r, s.data_ptr<float>());
-    return lse;
+    auto s = at::empty({a.V}, pairs.options());
+    for (int64_t r = 0; r < a.T; ++r) {
+      const LsePair p = lse_pair_split(a, r, s.data_ptr<float>());
+      pp[2 * r] = p.m;
+      pp[2 * r + 1] = p.L;
+    }
+    return pairs;
   }
   const auto& k = cpu_kernels();
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.logsumexp(a.dt, a.z.data_ptr(), lse.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
+    k.logsumexp_pairs(a.dt, a.z.data_ptr(), pp, a.V, a.tau, a.temps_ptr(), b, e);
   });
-  return lse;
+  return pairs;
 }
 
 at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
-  return lse_of(check_logits(logits, temperature, temperatures, "logsumexp"));
+  auto a = check_logits(logits, temperature, temperatures, "logsumexp");
+  auto pairs = lse_pairs_of(a);
+  auto lse = at::empty({a.T}, pairs.options());
+  const float* pp = pairs.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  for (int64_t r = 0; r < a.T; ++r) l[r] = lse_value(LsePair{pp[2 * r], pp[2 * r + 1]});
+  return lse;
 }
 
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
@@ -246,15 +259,15 @@ at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::
     float* o = out.data_ptr<float>();
     for (int64_t r = 0; r < a.T; ++r) {
       float* orow = o + r * a.V;
-      const float l = lse_row_split(a, r, orow);  // leaves s = z / tau in the output row
+      const LsePair p = lse_pair_split(a, r, orow);  // leaves s = z / tau in the output row
       at::parallel_for(0, a.V, 8192, [&](int64_t b, int64_t e) {
-        for (int64_t v = b; v < e; ++v) orow[v] = orow[v] - l;
+        for (int64_t v = b; v < e; ++v) orow[v] = logp_value(orow[v], p);
       });
     }
     return out;
   }
   const auto& k = cpu_kernels();
-  // lse == nullptr: the kernel computes each row's lse itself, writing z / tau into the output row first.
+  // pairs == nullptr: the kernel computes each row's pair itself, writing z / tau into the output row first.
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
     k.log_softmax(a.dt, a.z.data_ptr(), nullptr, out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
   });
@@ -265,41 +278,64 @@ at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, doubl
                           const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "token_logprobs");
   auto idc = check_ids(ids, a, "token_logprobs");
-  auto lse = lse_of(a);
+  auto pairs = lse_pairs_of(a);
   auto out = at::empty({a.T}, a.z.options().dtype(at::kFloat));
-  // logp_id = z_id / tau - lse: the same expression log_softmax evaluates, for one column.
+  // logp_id = (z_id / tau - m) - L: the same expression log_softmax evaluates, for one column.
   const auto& k = cpu_kernels();
   const int64_t* id = idc.data_ptr<int64_t>();
   at::parallel_for(0, a.T, 1024, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float lp;
       k.log_softmax(a.dt, (const char*)a.z.data_ptr() + (t * a.V + id[t]) * a.z.element_size(),
-                    lse.data_ptr<float>() + t, &lp, 1, a.tau, a.temps.defined() ? a.temps_ptr() + t : nullptr, 0, 1);
+                    pairs.data_ptr<float>() + 2 * t, &lp, 1, a.tau, a.temps.defined() ? a.temps_ptr() + t : nullptr,
+                    0, 1);
       out.data_ptr<float>()[t] = lp;
     }
   });
   return out;
 }
 
-at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
-                                   double temperature, const std::optional<at::Tensor>& temperatures) {
-  check_cpu(grad, "token_logprobs_backward", "grad");
-  auto a = check_logits(logits, temperature, temperatures, "token_logprobs_backward");
-  auto idc = check_ids(ids, a, "token_logprobs_backward");
-  check_token_logprobs_grad(grad, a.T);
-  auto g = grad.to(at::kFloat).contiguous();
+// The three backward ops share one path: few rows -> the pairs with the threads sharing each row, then the
+// elementwise part per row; otherwise pairs == nullptr: the kernel computes each row's pair in the same pass.
+at::Tensor logits_backward(LogitsGrad mode, const at::Tensor& g, const LogitsArgs& a, const int64_t* ids) {
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
-  // Few rows: lse with the threads sharing each row, then the elementwise part per row.
-  // Otherwise lse == nullptr: the kernel computes each row's lse in the same pass over the logits.
-  at::Tensor lse;
-  if (split_rows(a.T, a.V, kSplitMinVocab)) lse = lse_of(a);
+  at::Tensor pairs;
+  if (split_rows(a.T, a.V, kSplitMinVocab)) pairs = lse_pairs_of(a);
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.token_logprobs_backward(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(),
-                              lse.defined() ? lse.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau,
-                              a.temps_ptr(), b, e);
+    k.logits_backward(mode, a.dt, g.data_ptr<float>(), a.z.data_ptr(), ids,
+                      pairs.defined() ? pairs.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau, a.temps_ptr(),
+                      b, e);
   });
   return dz;
+}
+
+at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
+                                   double temperature, const std::optional<at::Tensor>& temperatures) {
+  const char* op = "token_logprobs_backward";
+  check_cpu(grad, op, "grad");
+  auto a = check_logits(logits, temperature, temperatures, op);
+  auto idc = check_ids(ids, a, op);
+  auto g = check_logits_grad(grad, a.T, a.V, false, op);
+  return logits_backward(LogitsGrad::kTokenLogprobs, g, a, idc.data_ptr<int64_t>());
+}
+
+at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
+                              const std::optional<at::Tensor>& temperatures) {
+  const char* op = "logsumexp_backward";
+  check_cpu(grad, op, "grad");
+  auto a = check_logits(logits, temperature, temperatures, op);
+  auto g = check_logits_grad(grad, a.T, a.V, false, op);
+  return logits_backward(LogitsGrad::kLogsumexp, g, a, nullptr);
+}
+
+at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
+                                const std::optional<at::Tensor>& temperatures) {
+  const char* op = "log_softmax_backward";
+  check_cpu(grad, op, "grad");
+  auto a = check_logits(logits, temperature, temperatures, op);
+  auto g = check_logits_grad(grad, a.T, a.V, true, op);
+  return logits_backward(LogitsGrad::kLogSoftmax, g, a, nullptr);
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
@@ -418,6 +454,8 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   m.impl("log_softmax", &log_softmax);
   m.impl("token_logprobs", &token_logprobs);
   m.impl("token_logprobs_backward", &token_logprobs_backward);
+  m.impl("logsumexp_backward", &logsumexp_backward);
+  m.impl("log_softmax_backward", &log_softmax_backward);
   m.impl("_exp_f32", &exp_f32);
   m.impl("_log_f32", &log_f32);
 }

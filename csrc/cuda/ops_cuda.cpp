@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   check_cuda(x, x, op, "x");
   check_cuda(residual, x, op, "residual");
   check_cuda(weight, x, op, "weight");
-  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight);
+  const auto a = check_fused_add_rms_norm<DType>(x, residual, weight, eps);
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   check_cuda(x, x, op, "x");
   check_cuda(grad, x, op, "grad_out");
   check_cuda(weight, x, op, "weight");
-  const auto a = check_rms_norm_backward<DType>(grad, x, weight);
+  const auto a = check_rms_norm_backward<DType>(grad, x, weight, eps);
   c10::DeviceGuard guard(x.device());
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
   auto dx = at::empty_like(xc);
@@ -262,20 +262,39 @@ at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, doubl
   return out;
 }
 
+// The backward ops of the family: grad [T] (token_logprobs, logsumexp) or [T, V] (log_softmax).
+at::Tensor logits_backward(const at::Tensor& grad, LogitsArgs& a, const at::Tensor& logits, bool per_logit,
+                           const char* (*launch)(const gpu::LogitsParams&, void*), const char* op) {
+  check_cuda(grad, logits, op, "grad");
+  c10::DeviceGuard guard(logits.device());
+  auto g = check_logits_grad(grad, a.p.T, a.p.V, per_logit, op);
+  auto dz = at::empty({a.p.T, a.p.V}, a.z.options());
+  a.p.g = g.data_ptr<float>();
+  a.p.dz = dz.data_ptr();
+  check_launch(launch(a.p, current_stream(logits)), op);
+  return dz;
+}
+
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
                                    double temperature, const std::optional<at::Tensor>& temperatures) {
   const char* op = "token_logprobs_backward";
   auto a = check_logits(logits, temperature, temperatures, op);
   check_ids(ids, a, op);
-  check_cuda(grad, logits, op, "grad");
-  check_token_logprobs_grad(grad, a.p.T);
-  c10::DeviceGuard guard(logits.device());
-  auto g = grad.to(at::kFloat).contiguous();
-  auto dz = at::empty({a.p.T, a.p.V}, a.z.options());
-  a.p.g = g.data_ptr<float>();
-  a.p.dz = dz.data_ptr();
-  check_launch(gpu::launch_token_logprobs_backward(a.p, current_stream(logits)), op);
-  return dz;
+  return logits_backward(grad, a, logits, false, gpu::launch_token_logprobs_backward, op);
+}
+
+at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
+                              const std::optional<at::Tensor>& temperatures) {
+  const char* op = "logsumexp_backward";
+  auto a = check_logits(logits, temperature, temperatures, op);
+  return logits_backward(grad, a, logits, false, gpu::launch_logsumexp_backward, op);
+}
+
+at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
+                                const std::optional<at::Tensor>& temperatures) {
+  const char* op = "log_softmax_backward";
+  auto a = check_logits(logits, temperature, temperatures, op);
+  return logits_backward(grad, a, logits, true, gpu::launch_log_softmax_backward, op);
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
@@ -385,6 +404,8 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("log_softmax", &log_softmax);
   m.impl("token_logprobs", &token_logprobs);
   m.impl("token_logprobs_backward", &token_logprobs_backward);
+  m.impl("logsumexp_backward", &logsumexp_backward);
+  m.impl("log_softmax_backward", &log_softmax_backward);
   m.impl("_exp_f32", &exp_f32);
   m.impl("_log_f32", &log_f32);
 }

@@ -64,7 +64,7 @@ struct LogitsParams {
   float tau;
   const float* temps;     // [T] or nullptr
   const int64_t* ids;     // [T] (token_logprobs / backward), validated in [0, V)
-  const float* g;         // [T] (backward)
+  const float* g;         // backward: [T] (token_logprobs, logsumexp) or [T, V] (log_softmax), fp32
   float* lse;             // [T] out (logsumexp), or nullptr
   float* out_f32;         // log_softmax [T, V] / token_logprobs [T], or nullptr
   void* dz;               // backward [T, V] in dt, or nullptr
@@ -107,6 +107,8 @@ const char* launch_logsumexp(const LogitsParams& p, void* stream);
 const char* launch_log_softmax(const LogitsParams& p, void* stream);
 const char* launch_token_logprobs(const LogitsParams& p, void* stream);
 const char* launch_token_logprobs_backward(const LogitsParams& p, void* stream);
+const char* launch_logsumexp_backward(const LogitsParams& p, void* stream);
+const char* launch_log_softmax_backward(const LogitsParams& p, void* stream);
 const char* launch_gemm(const GemmParams& p, void* stream);
 const char* launch_column_sum(const ColumnSumParams& p, void* stream);
 const char* launch_exp_f32(const ElementwiseParams& p, void* stream);

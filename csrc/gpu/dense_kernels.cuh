@@ -4,7 +4,7 @@
 // launchers in dense_launch.cuh; no torch here. Every kernel evaluates exactly the per-row / per-element
 // expression trees of csrc/common/contract.h with the helpers of numerics.h, so its bits equal the CPU
 // backend's:
-//   * Row reductions (rms statistics, log-sum-exp, the backward dot products) run on one 32-lane group
+//   * Row reductions (rms statistics, the log-sum-exp pair, the backward sums) run on one 32-lane group
 //     per row. Lane j accumulates elements j, j+32, j+64, ... in increasing order from +0 — the lane
 //     assignment of reduce.h — and group_sum_tree() folds the 32 partials with the halving tree.
 //     A CUDA warp is one group; an AMD wave64 holds two groups (two rows), see compat.cuh.
@@ -183,35 +183,45 @@ __global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __
   }
 }
 
-// ---- log_softmax / token_logprobs ------------------------------------------------------------------------
-// contract.h logsumexp_row on one group: the max pass is order-free (group_max); the sum pass is lane j
-// over v = j, j+32, ... in order, then the halving tree. NaN or +inf in the row -> NaN; all -inf -> -inf.
-// Every lane returns the same value (uniform branches: `bad` and `m` are group-reduced).
+// ---- log_softmax / logsumexp / token_logprobs (+ backward) ------------------------------------------------
+// contract.h lse_pair_row on one group: the max pass is order-free (group_max) and gathers logit_flags
+// (group_or); the sum pass is lane j over v = j, j+32, ... in order, then the halving tree. The special rows
+// (NaN, +inf, all -inf) are decided by lse_special_row, as on the CPU. Every lane returns the same pair
+// (uniform branches: `flags` and `m` are group-reduced).
 template <typename T>
-__device__ __forceinline__ float group_logsumexp(const T* z, int64_t V, float tau, int lane) {
-  const float kInf = float_of(0x7f800000u);
-  float m = -kInf;
-  int bad = 0;
+__device__ __forceinline__ LsePair group_lse_pair(const T* z, int64_t V, float tau, int lane) {
+  float m = -float_of(0x7f800000u);
+  int flags = 0;
   for (int64_t v = lane; v < V; v += kGroupLanes) {
     const float s = div_f32(to_f32(z[v]), tau);
-    bad |= (is_nan_f32(s) || s == kInf) ? 1 : 0;
+    flags |= logit_flags(s);
     m = max_f32(m, s);
   }
-  bad = group_or(bad);
+  flags = group_or(flags);
   m = group_max(m);
-  if (bad) return float_of(0x7fc00000u);
-  if (m == -kInf) return m;
+  LsePair p;
+  if (lse_special_row(m, flags, &p)) return p;
   float acc = 0.0f;
   for (int64_t v = lane; v < V; v += kGroupLanes) acc = acc + exp_f32(div_f32(to_f32(z[v]), tau) - m);
-  return m + log_f32(group_sum_tree(acc));
+  return LsePair{m, log_f32(group_sum_tree(acc))};
 }
 
-enum class LogitsMode : int { kLogsumexp = 0, kLogSoftmax = 1, kTokenLogprobs = 2, kTokenLogprobsBackward = 3 };
+enum class LogitsMode : int {
+  kLogsumexp = 0,
+  kLogSoftmax = 1,
+  kTokenLogprobs = 2,
+  kTokenLogprobsBackward = 3,
+  kLogsumexpBackward = 4,
+  kLogSoftmaxBackward = 5,
+};
 
-// One group per row. kLogsumexp writes lse[t]; kLogSoftmax writes out[t, v] = z_v / tau - lse;
-// kTokenLogprobs writes out[t] = z_id / tau - lse; kTokenLogprobsBackward writes
-// dz[t, v] = round_T(((v == id) - exp(z_v / tau - lse)) * g / tau). The same lse feeds all of them, so
-// token_logprobs equals log_softmax[id] bit for bit, as on the CPU.
+// One group per row; every mode first computes the row's (m, L) pair, then (contract.h):
+//   kLogsumexp             lse[t] = m + L (lse_value)
+//   kLogSoftmax            out[t, v] = (z_v / tau - m) - L
+//   kTokenLogprobs         out[t] = (z_id / tau - m) - L            (== log_softmax[t, id] bit for bit)
+//   kTokenLogprobsBackward dz[t, v] = round_T(((v == id) - p_v) * g[t] / tau)
+//   kLogsumexpBackward     dz[t, v] = round_T((p_v * g[t]) / tau)
+//   kLogSoftmaxBackward    G = group lane sum of g[t, v]; dz[t, v] = round_T((g[t, v] - p_v * G) / tau)
 template <typename T, LogitsMode kMode>
 __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V, float tau,
                                   const float* __restrict__ temps, const int64_t* __restrict__ ids,
@@ -221,23 +231,33 @@ __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V
   for (int64_t t = c.group; t < T_; t += c.n_groups) {
     const T* zr = z + t * V;
     const float tt = temps ? temps[t] : tau;
-    const float lse = group_logsumexp(zr, V, tt, c.lane);
+    const LsePair p = group_lse_pair(zr, V, tt, c.lane);
     if constexpr (kMode == LogitsMode::kLogsumexp) {
-      if (c.lane == 0) lse_out[t] = lse;
+      if (c.lane == 0) lse_out[t] = lse_value(p);
     } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
       float* o = out + t * V;
-      for (int64_t v = c.lane; v < V; v += kGroupLanes) o[v] = div_f32(to_f32(zr[v]), tt) - lse;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes) o[v] = logp_value(div_f32(to_f32(zr[v]), tt), p);
     } else if constexpr (kMode == LogitsMode::kTokenLogprobs) {
-      if (c.lane == 0) out[t] = div_f32(to_f32(zr[ids[t]]), tt) - lse;
-    } else {
+      if (c.lane == 0) out[t] = logp_value(div_f32(to_f32(zr[ids[t]]), tt), p);
+    } else if constexpr (kMode == LogitsMode::kTokenLogprobsBackward) {
       const int64_t id = ids[t];
       const float gr = g[t];
       T* o = dz + t * V;
-      for (int64_t v = c.lane; v < V; v += kGroupLanes) {
-        const float p = exp_f32(div_f32(to_f32(zr[v]), tt) - lse);
-        const float onehot = v == id ? 1.0f : 0.0f;
-        o[v] = from_f32<T>(div_f32((onehot - p) * gr, tt));
-      }
+      for (int64_t v = c.lane; v < V; v += kGroupLanes)
+        o[v] = from_f32<T>(token_logprobs_grad(div_f32(to_f32(zr[v]), tt), p, v == id, gr, tt));
+    } else if constexpr (kMode == LogitsMode::kLogsumexpBackward) {
+      const float gr = g[t];
+      T* o = dz + t * V;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes)
+        o[v] = from_f32<T>(logsumexp_grad(div_f32(to_f32(zr[v]), tt), p, gr, tt));
+    } else {
+      const float* gr = g + t * V;
+      float acc = 0.0f;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes) acc = acc + gr[v];
+      const float gsum = group_sum_tree(acc);
+      T* o = dz + t * V;
+      for (int64_t v = c.lane; v < V; v += kGroupLanes)
+        o[v] = from_f32<T>(log_softmax_grad(div_f32(to_f32(zr[v]), tt), p, gr[v], gsum, tt));
     }
   }
 }

@@ -141,6 +141,12 @@ const char* launch_token_logprobs(const LogitsParams& p, void* s) {
 const char* launch_token_logprobs_backward(const LogitsParams& p, void* s) {
   return launch_logits<LogitsMode::kTokenLogprobsBackward>(p, s);
 }
+const char* launch_logsumexp_backward(const LogitsParams& p, void* s) {
+  return launch_logits<LogitsMode::kLogsumexpBackward>(p, s);
+}
+const char* launch_log_softmax_backward(const LogitsParams& p, void* s) {
+  return launch_logits<LogitsMode::kLogSoftmaxBackward>(p, s);
+}
 
 const char* launch_gemm(const GemmParams& p, void* stream) {
   if (p.M == 0 || p.N == 0) return nullptr;

@@ -21,6 +21,13 @@ if BUILT_WITH_TORCH != torch.__version__:
         "torch's C++ ABI changes between versions: rebuild with `pip install --no-build-isolation .`"
     )
 
+import os as _os
+
+_isa = _os.environ.get("ALIGNED_CPU_ISA")
+if _isa and _isa not in ("generic", "avx2", "avx512"):
+    # The C++ dispatcher refuses it too (on the first op call); failing here names the cause at import.
+    raise ImportError(f"ALIGNED_CPU_ISA={_isa!r} is not a kernel level: use generic, avx2 or avx512, or unset it")
+
 from . import _C  # noqa: F401  (registers the ops)
 from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
 from ._dense import (

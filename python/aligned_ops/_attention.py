@@ -81,6 +81,19 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, setup_context=_varlen_setup)
 
+from ._dense import register_no_backward  # noqa: E402
+
+register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
+register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
+
+
+def _default_scale(op, q):
+    """1/sqrt(head_dim), with a clear error for head_dim 0 (and anything that is not [tokens, heads, head_dim])."""
+    if q.dim() != 3 or q.shape[-1] < 1:
+        raise ValueError(f"aligned_ops.{op}: q must be [tokens, heads, head_dim] with head_dim >= 1, got shape "
+                         f"{tuple(q.shape)}")
+    return q.shape[-1] ** -0.5
+
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True):
     """Packed variable-length attention. q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [B+1].
@@ -88,7 +101,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
     Returns (out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] fp32). Causal masks are bottom-right aligned when
     seqlen_q < seqlen_k. ``scale`` defaults to 1/sqrt(D). Differentiable in q, k, v (not through lse)."""
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = _default_scale("attention_varlen", q)
     return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal)
 
 
@@ -103,5 +116,5 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     them). q [Tq, Hq, D]; block_table int32 [B, max_blocks]; seq_lens int32 [B] (context incl. new tokens);
     query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens."""
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = _default_scale("paged_attention", q)
     return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))

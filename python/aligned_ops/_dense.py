@@ -126,6 +126,18 @@ def _(grad, logits, token_ids, temperature=1.0, temperatures=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+@_reg_fake("logsumexp_backward")
+def _(grad, logits, temperature=1.0, temperatures=None):
+    _same_device("logsumexp_backward", grad, logits, temperatures)
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("log_softmax_backward")
+def _(grad, logits, temperature=1.0, temperatures=None):
+    _same_device("log_softmax_backward", grad, logits, temperatures)
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
 @_reg_fake("_exp_f32")
 def _(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -241,6 +253,46 @@ def _tlp_backward(ctx, grad):
 torch.library.register_autograd(_lib + "token_logprobs", _tlp_backward, setup_context=_tlp_setup)
 
 
+# logsumexp and log_softmax: the backward recomputes the row's (m, L) pair from the saved logits (like
+# token_logprobs_backward), so the [T, V] fp32 log_softmax output need not be kept alive for autograd.
+# The temperature is a constant (no gradient flows to it).
+def _logits_setup(ctx, inputs, output):
+    logits, temperature, temperatures = inputs
+    ctx.save_for_backward(logits, temperatures)
+    ctx.temperature = temperature
+
+
+def _lse_backward(ctx, grad):
+    logits, temperatures = ctx.saved_tensors
+    return ops.logsumexp_backward(grad.contiguous(), logits, ctx.temperature, temperatures), None, None
+
+
+def _log_softmax_backward(ctx, grad):
+    logits, temperatures = ctx.saved_tensors
+    return ops.log_softmax_backward(grad.contiguous(), logits, ctx.temperature, temperatures), None, None
+
+
+torch.library.register_autograd(_lib + "logsumexp", _lse_backward, setup_context=_logits_setup)
+torch.library.register_autograd(_lib + "log_softmax", _log_softmax_backward, setup_context=_logits_setup)
+
+
+def register_no_backward(name: str, why: str) -> None:
+    """Make ``backward()`` through op ``name`` raise instead of torch's default for an op without an autograd
+    formula (a UserWarning and an all-zero gradient, which silently drops a loss term)."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"aligned::{name} has no backward ({why}); differentiate the op it belongs to instead")
+
+    torch.library.register_autograd(_lib + name, backward)
+
+
+for _name in ("linear_backward", "rms_norm_backward", "silu_and_mul_backward", "rotary_embedding_backward",
+              "token_logprobs_backward", "logsumexp_backward", "log_softmax_backward"):
+    register_no_backward(_name, "it is a backward op; double backward is not implemented")
+for _name in ("_exp_f32", "_log_f32"):
+    register_no_backward(_name, "a test hook of the contract's scalar math")
+
+
 # ---- Python wrappers (documented entry points) -----------------------------------------------------------
 
 
@@ -291,7 +343,15 @@ def _temperature_args(temperature):
     temperature = float(temperature)
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    as_f32 = torch.tensor(temperature, dtype=torch.float32).item()
+    if not (_FP32_MIN_NORMAL <= as_f32 < math.inf):
+        raise ValueError(
+            f"temperature {temperature} is not representable in float32 (the ops divide by it in fp32): it must "
+            f"lie in [{_FP32_MIN_NORMAL}, {torch.finfo(torch.float32).max}]")
     return temperature, None
+
+
+_FP32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
 
 def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:

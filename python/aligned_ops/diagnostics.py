@@ -65,6 +65,7 @@ def mismatch_metrics(
     frac_ratio_outside_band    fraction of tokens with ρ < band[0] or ρ > band[1]
     seq_log_ppl_abs_diff_mean  mean over sequences of |Σ_t (ℓt − ℓr) / n_b| (log-perplexity difference)
 
+    A float ``mask`` entry that is NaN marks an invalid token (NaN != 0 must not make it count).
     With no valid token every value is the no-mismatch value (fractions of equality 1, divergences 0,
     ratios and ESS 1) so that loggers never see NaN; real NaN/inf in valid log-probs do propagate.
     These are sample estimates: k1, χ² and Rényi values can come out negative on a finite batch.
@@ -82,6 +83,8 @@ def mismatch_metrics(
         raise ValueError(f"mask shape {tuple(mask.shape)} != log-prob shape {tuple(trainer_logprobs.shape)}")
     else:
         valid = mask if mask.dtype == torch.bool else mask != 0
+        if mask.is_floating_point():
+            valid = valid & ~torch.isnan(mask)  # NaN != 0, but a NaN mask entry is not a valid token
     if trainer_logprobs.dim() == 1:
         trainer_logprobs, rollout_logprobs, valid = trainer_logprobs[None], rollout_logprobs[None], valid[None]
     trainer_logprobs, rollout_logprobs = trainer_logprobs.detach(), rollout_logprobs.detach()
@@ -124,14 +127,34 @@ def mismatch_metrics(
     }
 
 
+def _is_nan(v: float) -> bool:
+    return v != v
+
+
+def nan_max(values) -> float:
+    """max() that returns NaN when any value is NaN (Python's max keeps or drops a NaN depending on where it
+    falls in the list; this does not depend on order)."""
+    values = list(values)
+    return float("nan") if any(map(_is_nan, values)) else max(values)
+
+
+def nan_min(values) -> float:
+    """min() with the same NaN rule as :func:`nan_max`."""
+    values = list(values)
+    return float("nan") if any(map(_is_nan, values)) else min(values)
+
+
 def peak_to_median(values: list[float]) -> float:
     """max(values) / median(values), median as ``statistics.median`` (mean of the middle two if even).
 
     Median 0 (only possible with non-negative values such as k3 when at least half the steps match
     exactly): returns inf if the peak is > 0, else 1.0 (all steps 0: no spike). No values: 1.0.
+    Any NaN value: NaN (a NaN step is a broken step; the answer must not depend on where it fell).
     """
     if not values:
         return 1.0
+    if any(map(_is_nan, values)):
+        return float("nan")
     peak, median = max(values), statistics.median(values)
     if median == 0:
         return float("inf") if peak > 0 else 1.0
@@ -144,6 +167,10 @@ class MismatchTracker:
     D3 is read as the per-step k3 estimator mean (``kl_k3``) between trainer and rollout log-probs; the
     headline number is its peak-to-median ratio over steps (see ``peak_to_median``). Steps with no valid
     token are returned by ``update`` but not recorded, so they cannot drag the median to 0.
+
+    NaN steps (a NaN log-prob on a valid token) are recorded: they make d3_peak and d3_peak_to_median NaN and
+    d3_peak_step the first NaN step, whatever their position; d3_median is the median of the other steps;
+    d3_nan_steps counts them. The other max/min summaries follow the same rule (NaN if any step is NaN).
     """
 
     def __init__(self, band: tuple[float, float] = (0.5, 5.0)) -> None:
@@ -175,20 +202,26 @@ class MismatchTracker:
         d3 = [v for _, v in self.d3_history]
         if not d3:
             return {"num_steps": 0.0, "d3_peak": 0.0, "d3_peak_step": 0.0, "d3_median": 0.0,
-                    "d3_peak_to_median": 1.0, "d3_last": 0.0, "frac_bitwise_equal_min": 1.0,
+                    "d3_peak_to_median": 1.0, "d3_last": 0.0, "d3_nan_steps": 0.0, "frac_bitwise_equal_min": 1.0,
                     "frac_bitwise_equal_mean": 1.0, "abs_diff_max": 0.0, "chi2_token_max": 0.0, "ess_min": 1.0}
-        peak_index = max(range(len(d3)), key=d3.__getitem__)
+        nan_idx = [i for i, v in enumerate(d3) if _is_nan(v)]
+        finite = [v for v in d3 if not _is_nan(v)]
+        if nan_idx:
+            peak_index = nan_idx[0]
+        else:
+            peak_index = max(range(len(d3)), key=d3.__getitem__)  # first of equal peaks
         steps = [m for _, m in self.history]
         return {
             "num_steps": float(len(d3)),
             "d3_peak": d3[peak_index],
             "d3_peak_step": float(self.history[peak_index][0]),
-            "d3_median": statistics.median(d3),
+            "d3_median": statistics.median(finite) if finite else float("nan"),
             "d3_peak_to_median": peak_to_median(d3),
             "d3_last": d3[-1],
-            "frac_bitwise_equal_min": min(m["frac_bitwise_equal"] for m in steps),
+            "d3_nan_steps": float(len(nan_idx)),
+            "frac_bitwise_equal_min": nan_min(m["frac_bitwise_equal"] for m in steps),
             "frac_bitwise_equal_mean": statistics.fmean(m["frac_bitwise_equal"] for m in steps),
-            "abs_diff_max": max(m["abs_diff_max"] for m in steps),
-            "chi2_token_max": max(m["chi2_token"] for m in steps),
-            "ess_min": min(m["ess"] for m in steps),
+            "abs_diff_max": nan_max(m["abs_diff_max"] for m in steps),
+            "chi2_token_max": nan_max(m["chi2_token"] for m in steps),
+            "ess_min": nan_min(m["ess"] for m in steps),
         }

@@ -29,10 +29,34 @@ SEQ_RATIO_MODES = ("product", "geometric")
 
 Count = Union[int, float, Tensor]
 
+# Overflow guard of every importance weight: w = exp(min(log ρ, LOG_RATIO_GUARD)). exp(88.7) already
+# overflows fp32, and A·inf·ℓθ is NaN when A = 0 (a GRPO group with equal rewards) or ±inf otherwise. The
+# guard is verl's (its log-ratio clamp at 20, ρ ≤ e^20 ≈ 4.9e8); below it the IS stays untruncated, and a
+# token whose ratio reaches it comes from a broken rollout, not from policy drift (it is counted in the
+# ``frac_guarded`` metric).
+LOG_RATIO_GUARD = 20.0
+
 
 def _valid_mask(mask: Tensor) -> Tensor:
-    """Boolean view of a bool or 0/1 mask (any nonzero entry counts as valid)."""
-    return mask if mask.dtype == torch.bool else mask != 0
+    """Boolean view of a bool or 0/1 mask (any nonzero entry counts as valid; NaN never does)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.is_complex():
+        return (mask != 0) & ~torch.isnan(mask)
+    return mask != 0
+
+
+def _check_count(name: str, count: Optional[Count]) -> None:
+    if count is None:
+        return
+    value = float(count)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{name} must be a finite count > 0, got {value} (pass None to count this batch)")
+
+
+def _coef(adv: Tensor, weight: Tensor) -> Tensor:
+    """A · w where A ≠ 0, exactly 0 elsewhere (never 0 · inf); detached, so it is also the gradient's factor."""
+    return torch.where(adv != 0, adv * weight, 0.0)
 
 
 def _masked_fp32(x: Tensor, valid: Tensor) -> Tensor:
@@ -54,17 +78,20 @@ def _aggregate(
     seq-mean-token-sum:   Σ_b (Σ_t L_bt) / S,       S = global_num_seqs or #sequences with ≥ 1 valid token
     seq-mean-token-mean:  Σ_b (Σ_t L_bt / n_b) / S, n_b = Σ_t m_bt
 
-    Denominators are clamped to ≥ 1 so an empty batch yields loss 0 with a defined (zero) gradient.
+    Denominators are clamped to ≥ 1 so an empty batch yields loss 0 with a defined (zero) gradient. A global
+    count given by the caller must be > 0 (checked by ``policy_loss``): it is used as it is, never clamped.
     """
     tokens_per_seq = valid.sum(dim=-1)
     if agg == "token-mean":
         denom = tokens_per_seq.sum() if global_num_tokens is None else global_num_tokens
-        return per_token.sum() / torch.as_tensor(denom, dtype=torch.float32, device=per_token.device).clamp(min=1)
+        denom = torch.as_tensor(denom, dtype=torch.float32, device=per_token.device)
+        return per_token.sum() / (denom.clamp(min=1) if global_num_tokens is None else denom)
     seq_loss = per_token.sum(dim=-1)
     if agg == "seq-mean-token-mean":
         seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
     denom = (tokens_per_seq > 0).sum() if global_num_seqs is None else global_num_seqs
-    return seq_loss.sum() / torch.as_tensor(denom, dtype=torch.float32, device=per_token.device).clamp(min=1)
+    denom = torch.as_tensor(denom, dtype=torch.float32, device=per_token.device)
+    return seq_loss.sum() / (denom.clamp(min=1) if global_num_seqs is None else denom)
 
 
 def policy_loss(
@@ -103,6 +130,11 @@ def policy_loss(
                     clip_c unless clip_c is None; ε = eps_clip; requires ``proximal_logprobs``.
 
     Masked tokens/sequences (mis, icepop, seq_mis) stay in the aggregation denominator with weight 0.
+
+    Finite for finite inputs: every weight is exp(min(log ρ, LOG_RATIO_GUARD = 20)) (verl's overflow guard,
+    ρ ≤ 4.9e8; untruncated below it), and A · w is formed only where A ≠ 0 (exactly 0 elsewhere), so a token
+    with A = 0 contributes 0 to the loss and the gradient even when its ratio overflows; ppo_clip's r_t is
+    guarded the same way (no gradient beyond the guard). clip_c must be > 0, eps_clip ≥ 0, global counts > 0.
     Aggregation ``agg`` (verl names): see ``_aggregate``. For data parallelism pass the all-reduced
     ``global_num_tokens`` (token-mean) or ``global_num_seqs`` (seq-mean-*); each rank's loss is then its
     share of the global mean, so gradients must be *summed* over ranks (multiply by world size if your
@@ -112,7 +144,8 @@ def policy_loss(
     loss, surrogate (agg(−A·w), same gradient as loss for the IS modes; equals loss for ppo_clip),
     num_tokens, num_seqs, ratio_mean/min/max (ρ_t), weight_mean (w applied, per token),
     frac_truncated (tokens whose weight was cut at C; sequence modes count the sequence's tokens),
-    frac_masked (tokens zeroed by the band), clip_frac (ppo_clip: tokens where the clipped branch is taken).
+    frac_masked (tokens zeroed by the band), clip_frac (ppo_clip: tokens where the clipped branch is taken),
+    frac_guarded (tokens whose weight or ratio hit the overflow guard). A NaN in a float ``mask`` is invalid.
     """
     if mode not in LOSS_MODES:
         raise ValueError(f"mode must be one of {LOSS_MODES}, got {mode!r}")
@@ -134,6 +167,12 @@ def policy_loss(
         raise ValueError("mode='ppo_clip' needs proximal_logprobs")
     if mode in ("tis", "seq_tis") and clip_c is None:
         raise ValueError(f"mode={mode!r} needs clip_c")
+    if clip_c is not None and not float(clip_c) > 0:  # also NaN; a negative C would flip the gradient's sign
+        raise ValueError(f"clip_c must be > 0 (or None), got {clip_c}")
+    if not float(eps_clip) >= 0:
+        raise ValueError(f"eps_clip must be >= 0, got {eps_clip}")
+    _check_count("global_num_tokens", global_num_tokens)
+    _check_count("global_num_seqs", global_num_seqs)
     if mode in ("mis", "icepop", "seq_mis") and not mask_lo <= mask_hi:
         raise ValueError(f"need mask_lo <= mask_hi, got {mask_lo}, {mask_hi}")
 
@@ -142,30 +181,37 @@ def policy_loss(
     lp_mu = _masked_fp32(rollout_logprobs, valid).detach()
     adv = _masked_fp32(advantages, valid).detach()
     log_ratio = (lp.detach() - lp_mu)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio)  # metrics only: the true ratio (may be inf)
     truncated = torch.zeros_like(valid)
     masked_out = torch.zeros_like(valid)
     clipped = torch.zeros_like(valid)
 
     if mode == "ppo_clip":
         lp_prox = _masked_fp32(proximal_logprobs, valid).detach()
-        r = torch.exp(lp - lp_prox)
-        weight = torch.exp(lp_prox - lp_mu)
+        log_r = lp - lp_prox
+        log_w = lp_prox - lp_mu
+        guarded = (log_r.detach() > LOG_RATIO_GUARD) | (log_w > LOG_RATIO_GUARD)
+        r = torch.exp(log_r.clamp(max=LOG_RATIO_GUARD))
+        weight = torch.exp(log_w.clamp(max=LOG_RATIO_GUARD))
         if clip_c is not None:
             truncated = weight > clip_c
             weight = weight.clamp(max=clip_c)
+        nonzero = adv != 0
         unclipped = r * adv
         clipped_obj = r.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
-        clipped = clipped_obj < unclipped
-        per_token = -weight * torch.minimum(unclipped, clipped_obj)
+        clipped = (clipped_obj < unclipped) & nonzero
+        # A = 0: both branches are exactly 0 (r is finite), and the weight multiplies a 0 (weight is finite too)
+        per_token = torch.where(nonzero, -weight * torch.minimum(unclipped, clipped_obj), 0.0)
     else:
         if mode in ("seq_tis", "seq_mis"):
             seq_log_ratio = log_ratio.sum(dim=-1)  # already zero outside the mask
             if seq_ratio == "geometric":
                 seq_log_ratio = seq_log_ratio / valid.sum(dim=-1).clamp(min=1)
-            base = torch.exp(seq_log_ratio)[:, None].expand(shape)
+            log_base = seq_log_ratio[:, None].expand(shape)
         else:
-            base = ratio
+            log_base = log_ratio
+        guarded = log_base > LOG_RATIO_GUARD
+        base = torch.exp(log_base.clamp(max=LOG_RATIO_GUARD))
         weight = base
         if mode in ("tis", "seq_tis"):
             truncated = base > clip_c
@@ -174,7 +220,7 @@ def policy_loss(
             keep = (base >= mask_lo) & (base <= mask_hi)
             masked_out = ~keep
             weight = torch.where(keep, base, 0.0)
-        per_token = -adv * weight * lp
+        per_token = -_coef(adv, weight) * lp
 
     per_token = torch.where(valid, per_token, 0.0)
     loss = _aggregate(per_token, valid, agg, global_num_tokens, global_num_seqs)
@@ -184,7 +230,8 @@ def policy_loss(
         surrogate = (
             loss
             if mode == "ppo_clip"
-            else _aggregate(torch.where(valid, -adv * weight, 0.0), valid, agg, global_num_tokens, global_num_seqs)
+            else _aggregate(torch.where(valid, -_coef(adv, weight), 0.0), valid, agg, global_num_tokens,
+                            global_num_seqs)
         )
         ratios = ratio[valid]
         denom = max(num_tokens, 1)
@@ -200,6 +247,7 @@ def policy_loss(
             "frac_truncated": float((truncated & valid).sum()) / denom,
             "frac_masked": float((masked_out & valid).sum()) / denom,
             "clip_frac": float((clipped & valid).sum()) / denom,
+            "frac_guarded": float((guarded & valid).sum()) / denom,
         }
     return loss, metrics
 

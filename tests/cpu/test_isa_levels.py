@@ -50,21 +50,29 @@ SCRIPT = textwrap.dedent(
         for V in (1, 31, 1000, 32003):
             z = (torch.randn(9, V, generator=g) * 5).to(dt)
             z[3, V // 2] = -float("inf")
+            z[5] = torch.finfo(dt).min  # fully masked row: -log V
+            z[6] = z[6] + 1000.0  # large logits: the shift-exact (m, L) row
+            z[7, V // 3] = float("inf")  # +inf: lse +inf, logp NaN
             ids = torch.randint(0, V, (9,), generator=g)
             temps = torch.rand(9, generator=g) + 0.4
             gr = torch.randn(9, generator=g)
+            grf = torch.randn(9, V, generator=g)
             for t, ts in ((1.0, None), (0.7, None), (1.0, temps)):
                 k = f"{n}{V}{t}{ts is None}"
                 out["lse" + k] = ops.logsumexp(z, t, ts)
                 out["lsm" + k] = ops.log_softmax(z, t, ts)
                 out["tlp" + k] = ops.token_logprobs(z, ids, t, ts)
                 out["tlpbwd" + k] = ops.token_logprobs_backward(gr, z, ids, t, ts)
+                out["lsebwd" + k] = ops.logsumexp_backward(gr, z, t, ts)
+                out["lsmbwd" + k] = ops.log_softmax_backward(grf, z, t, ts)
         # one row, two threads: the intra-row split kernels (dense_split_kernels.h)
         z1 = (torch.randn(1, 40003, generator=g) * 5).to(dt)
         ids1 = torch.randint(0, 40003, (1,), generator=g)
         out[f"split_lse{n}"] = ops.logsumexp(z1, 0.7, None)
         out[f"split_lsm{n}"] = ops.log_softmax(z1, 1.0, None)
         out[f"split_tlp{n}"] = ops.token_logprobs(z1, ids1, 1.0, torch.tensor([1.3]))
+        out[f"split_lsebwd{n}"] = ops.logsumexp_backward(torch.tensor([0.7]), z1, 0.9, None)
+        out[f"split_lsmbwd{n}"] = ops.log_softmax_backward(torch.randn(1, 40003, generator=g), z1, 1.0, None)
         out[f"split_silu{n}"] = ops.silu_and_mul((torch.randn(1, 2 * 8960, generator=g) * 6).to(dt))
     torch.save(out, sys.argv[1])
     """

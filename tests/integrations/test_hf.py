@@ -7,6 +7,7 @@ import torch
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
 from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -60,7 +61,7 @@ def test_padding_packing_batch_invariance(model):
             lp = completion_logprobs(model, ids, cm, attention_mask=am, temperature=0.9)
         for i, (s, st) in enumerate(zip(seqs, starts)):
             off = ids.shape[1] - len(s) if left else 0
-            assert torch.equal(lp[i, off + st : off + len(s)], single[i])
+            assert_bitwise_equal(lp[i, off + st : off + len(s)], single[i])
     order = [4, 0, 6, 2]
     packed = torch.cat([seqs[i] for i in order])
     cu = torch.tensor([0] + [len(seqs[i]) for i in order]).cumsum(0).to(torch.int32)
@@ -70,7 +71,7 @@ def test_padding_packing_batch_invariance(model):
     with torch.no_grad():
         lp = completion_logprobs(model, packed, cm, cu_seqlens=cu, temperature=0.9)
     for j, i in enumerate(order):
-        assert torch.equal(lp[int(cu[j]) + starts[i] : int(cu[j + 1])], single[i])
+        assert_bitwise_equal(lp[int(cu[j]) + starts[i] : int(cu[j + 1])], single[i])
 
 
 def test_negative_control_stock_hf_is_padding_variant(model):
@@ -90,7 +91,7 @@ def test_negative_control_stock_hf_is_padding_variant(model):
                 batch = m(ids, attention_mask=am).logits
                 for i, s in enumerate(seqs):
                     alone = m(s[None]).logits[0]
-                    if not torch.equal(alone, batch[i, : len(s)]):
+                    if not bitwise_equal(alone, batch[i, : len(s)]):
                         found = True
             if found:
                 break
@@ -124,7 +125,7 @@ def test_gradients_flow_and_are_deterministic(model):
     assert set(grads[0]) == names  # every parameter (incl. tied embedding / norms / biases) gets a gradient
     for n in names:
         assert torch.isfinite(grads[0][n].float()).all()
-        assert torch.equal(grads[0][n], grads[1][n]), n
+        assert_bitwise_equal(grads[0][n], grads[1][n], n)
     assert any(g.abs().sum() > 0 for g in grads[0].values())
     model.zero_grad(set_to_none=True)
 
@@ -140,7 +141,7 @@ def test_torch_compile_matches_eager(model):
     with torch.no_grad():
         eager = model(ids, attention_mask=am).logits
         compiled = torch.compile(model, backend="inductor")(ids, attention_mask=am).logits
-    assert torch.equal(eager, compiled)
+    assert_bitwise_equal(eager, compiled)
 
 
 def test_bad_inputs(model):
@@ -169,3 +170,116 @@ def test_unsupported_models_refused():
         patch_model(m)
     with pytest.raises(ValueError, match="call aligned_ops.integrations.hf.patch_model"):
         completion_logprobs(Qwen2ForCausalLM(cfg), torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3))
+
+
+# ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------
+
+
+def _padded(seqs, starts, width, scored=None):
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        if s is None:
+            continue  # an all-padding row
+        ids[i, : len(s)] = s
+        am[i, : len(s)] = 1
+        cm[i, st : len(s)] = 1
+    return ids, am, cm
+
+
+def test_all_padding_rows_and_empty_sequences_score_zero_and_keep_bits(model):
+    # Was: "completion_mask marks the first token of a sequence" for an all-padding row after a scored row
+    # (and for an empty packed sequence), and a reshape error for an all-padding batch.
+    seqs = _seqs([9, 14], 21)
+    single = [_lp_single(model, s, 4) for s in seqs]
+    ids, am, cm = _padded([seqs[0], None, seqs[1], None], [4, 0, 4, 0], 16)
+    with torch.no_grad():
+        lp = completion_logprobs(model, ids, cm, attention_mask=am, temperature=0.9)
+    assert_bitwise_equal(lp[0, 4:9], single[0])
+    assert_bitwise_equal(lp[2, 4:14], single[1])
+    assert_bitwise_equal(lp[[1, 3]], torch.zeros(2, 16))
+    # packed: empty sequences in the middle and at the end
+    packed = torch.cat(seqs)
+    cu = torch.tensor([0, 9, 9, 23, 23], dtype=torch.int32)
+    pcm = torch.zeros_like(packed)
+    pcm[4:9] = 1
+    pcm[13:23] = 1
+    with torch.no_grad():
+        lp = completion_logprobs(model, packed, pcm, cu_seqlens=cu, temperature=0.9)
+    assert_bitwise_equal(lp[4:9], single[0])
+    assert_bitwise_equal(lp[13:23], single[1])
+    # an all-padding batch: zeros of the input's shape, and still a graph to call backward() on
+    ids, am, cm = _padded([None, None], [0, 0], 5)
+    lp = completion_logprobs(model, ids, cm, attention_mask=am)
+    assert_bitwise_equal(lp, torch.zeros(2, 5))
+    lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_completion_mask_on_padding_is_refused(model):
+    # Was: silently returned 0 for the padding token the mask asked for.
+    seqs = _seqs([6, 4], 22)
+    ids, am, cm = _padded(seqs, [2, 2], 6)
+    cm[1, 5] = 1  # row 1 has 4 tokens: position 5 is padding
+    with pytest.raises(ValueError, match="completion_mask marks padding tokens"):
+        completion_logprobs(model, ids, cm, attention_mask=am)
+
+
+@pytest.mark.parametrize("bad", [-0.5, -1e-7, float("nan"), float("inf"), torch.tensor([1.0, -2.0])])
+def test_bad_temperature_is_refused(model, bad):
+    # Was: a negative temperature was scored at 1 (treated as greedy).
+    ids, am, cm = _padded(_seqs([6, 4], 23), [2, 2], 6)
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+        completion_logprobs(model, ids, cm, attention_mask=am, temperature=bad)
+
+
+def test_greedy_temperature_is_scored_at_one(model):
+    ids, am, cm = _padded(_seqs([6, 4], 24), [2, 2], 6)
+    with torch.no_grad():
+        a = completion_logprobs(model, ids, cm, attention_mask=am, temperature=0.0)
+        b = completion_logprobs(model, ids, cm, attention_mask=am, temperature=1.0)
+    assert_bitwise_equal(a, b)
+
+
+def test_position_ids_are_used_with_cu_seqlens(model):
+    # Was: ignored when cu_seqlens was given.
+    seqs = _seqs([8, 6], 25)
+    packed = torch.cat(seqs)
+    cu = torch.tensor([0, 8, 14], dtype=torch.int32)
+    cm = torch.ones_like(packed)
+    cm[0] = cm[8] = 0
+    default = torch.cat([torch.arange(8), torch.arange(6)])
+    with torch.no_grad():
+        base = completion_logprobs(model, packed, cm, cu_seqlens=cu)
+        same = model(packed, cu_seqlens=cu, position_ids=default, completion_mask=cm).logprobs
+        shifted = model(packed, cu_seqlens=cu, position_ids=default + 5, completion_mask=cm).logprobs
+    assert_bitwise_equal(same, base)
+    assert not bitwise_equal(shifted, base)
+    with pytest.raises(ValueError, match="position_ids must have one entry per token"):
+        model(packed, cu_seqlens=cu, position_ids=default[:5], completion_mask=cm)
+
+
+def test_labels_are_refused(model):
+    ids = torch.randint(0, 500, (1, 5))
+    with pytest.raises(ValueError, match="labels= is not supported"):
+        model(ids, labels=ids)
+
+
+def test_patch_model_recognises_the_class_when_config_names_none():
+    # Was: "unsupported architecture 'Qwen2Config'" for a Qwen2 built in memory (config.architectures None).
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg)
+    assert m.config.architectures is None
+    patch_model(m)
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        lp = completion_logprobs(m, ids, torch.tensor([[0, 1, 1, 1, 1, 1, 1]]))
+    assert torch.isfinite(lp).all() and (lp[0, 1:] < 0).all()
+    g = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert g.config.architectures is None
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        patch_model(g)

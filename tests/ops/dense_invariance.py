@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from aligned_ops.testing import bitwise_equal
+
 BATCH_SIZES = (1, 2, 3, 7, 64, 513)
 
 
@@ -20,7 +22,7 @@ def batch_mismatches(fn, pool, sizes=BATCH_SIZES, seed=0, rows_checked=10) -> in
 
     For each batch size B, a batch is drawn from the pool (other rows' content and the row's position both
     change between batch sizes) and several rows — first, second, middle, last and random ones — are compared
-    with ``torch.equal`` against the same pool row computed alone (B = 1). Returns the number of mismatches."""
+    through integer views (``bitwise_equal``: +0 != -0, NaN == the same NaN) against the same pool row computed alone (B = 1). Returns the number of mismatches."""
     n = pool[0].shape[0]
     g = torch.Generator().manual_seed(seed)
     alone: dict[int, tuple] = {}
@@ -38,7 +40,7 @@ def batch_mismatches(fn, pool, sizes=BATCH_SIZES, seed=0, rows_checked=10) -> in
         positions.update(torch.randint(0, B, (rows_checked - len(positions),), generator=g).tolist())
         for j in sorted(positions):
             ref = single(int(idx[j]))
-            bad += sum(not torch.equal(o[j], r[0]) for o, r in zip(outs, ref))
+            bad += sum(not bitwise_equal(o[j], r[0]) for o, r in zip(outs, ref))
     return bad
 
 
@@ -52,12 +54,12 @@ def thread_mismatches(fn, *inputs) -> int:
         two = _as_tuple(fn(*inputs))
     finally:
         torch.set_num_threads(old)
-    return sum(not torch.equal(a, b) for a, b in zip(one, two))
+    return sum(not bitwise_equal(a, b) for a, b in zip(one, two))
 
 
 def run_mismatches(fn, *inputs, runs=3) -> int:
     first = _as_tuple(fn(*inputs))
-    return sum(sum(not torch.equal(a, b) for a, b in zip(first, _as_tuple(fn(*inputs)))) for _ in range(runs - 1))
+    return sum(sum(not bitwise_equal(a, b) for a, b in zip(first, _as_tuple(fn(*inputs)))) for _ in range(runs - 1))
 
 
 # ---- deliberately variant reductions (negative controls) ------------------------------------------------

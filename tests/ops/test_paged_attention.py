@@ -321,8 +321,8 @@ def test_bad_scalars_and_aliased_caches_are_refused():
     cache = PagedCache([40], hkv, d, torch.float32, 16, seed=15, spare_blocks=0)
     q = torch.randn(2, hq, d)
     args = (cache.k_cache, cache.v_cache, cache.block_table[:1].clone(), torch.tensor([40], dtype=torch.int32), cu([2]))
-    for scale, msg in ((1e39, "not representable in float32"), (1e-50, "underflows to 0"),
-                       (float("inf"), "scale must be finite"), (float("nan"), "scale must be finite")):
+    for scale, msg in ((1e39, "scale must be finite in float32"), (1e-50, "underflows to 0"),
+                       (float("inf"), "scale must be finite in float32"), (float("nan"), "scale must be finite")):
         with pytest.raises(RuntimeError, match=f"aligned::paged_attention: scale = .*{msg}|aligned::paged_attention: {msg}"):
             ops.paged_attention(q, *args, scale)
         with pytest.raises(RuntimeError, match=f"aligned::attention_varlen: scale = .*{msg}|aligned::attention_varlen: {msg}"):

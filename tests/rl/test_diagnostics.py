@@ -121,3 +121,49 @@ def test_tracker_aligned_run_and_empty_tracker():
     assert s["d3_peak_to_median"] == 1.0 and s["d3_peak"] == 0.0 and s["frac_bitwise_equal_min"] == 1.0
     assert MismatchTracker().summary().keys() == s.keys()
     assert MismatchTracker().d3_peak_to_median() == 1.0
+
+
+# ---- issue 8: NaN steps and NaN masks -------------------------------------------------------------------------
+
+
+def _tracker_with(values):
+    from aligned_ops.diagnostics import MismatchTracker
+
+    t = MismatchTracker()
+    for step, v in enumerate(values):
+        # one token with log ratio r: k3 = expm1(r) - r; NaN log-prob -> NaN k3
+        lt = torch.tensor([[v]], dtype=torch.float64)
+        t.update(step, lt, torch.zeros(1, 1, dtype=torch.float64))
+    return t
+
+
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_tracker_nan_step_does_not_depend_on_its_position(position):
+    # Was: Python's max() keeps or drops a NaN depending on where it falls, so d3_peak / peak-to-median
+    # changed with the NaN step's position.
+    values = [0.1, 0.3, 0.2]
+    values.insert(position, float("nan"))
+    s = _tracker_with(values).summary()
+    assert math.isnan(s["d3_peak"]) and math.isnan(s["d3_peak_to_median"])
+    assert s["d3_peak_step"] == float(position) and s["d3_nan_steps"] == 1.0
+    finite = [math.expm1(v) - v for v in (0.1, 0.3, 0.2)]
+    assert s["d3_median"] == pytest.approx(sorted(finite)[1])
+    assert math.isnan(s["abs_diff_max"])
+
+
+def test_peak_to_median_with_nan_is_nan_in_any_order():
+    from aligned_ops.diagnostics import peak_to_median
+
+    for values in ([1.0, float("nan"), 3.0], [float("nan"), 1.0, 3.0], [1.0, 3.0, float("nan")]):
+        assert math.isnan(peak_to_median(values))
+
+
+def test_nan_in_a_float_mask_is_not_valid():
+    from aligned_ops.diagnostics import mismatch_metrics
+
+    t = torch.tensor([[-1.0, -2.0, -3.0]])
+    r = torch.tensor([[-1.0, -2.5, -3.0]])
+    m_nan = mismatch_metrics(t, r, torch.tensor([[1.0, float("nan"), 1.0]]))
+    m_zero = mismatch_metrics(t, r, torch.tensor([[1.0, 0.0, 1.0]]))
+    assert m_nan["num_tokens"] == 2.0
+    assert m_nan == m_zero

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from aligned_ops.rl import AGGREGATIONS, LOSS_MODES, policy_loss, reinforce_zero_loss
+from aligned_ops.rl import AGGREGATIONS, LOG_RATIO_GUARD, LOSS_MODES, policy_loss, reinforce_zero_loss
+from aligned_ops.testing import assert_bitwise_equal
 
 LN2 = math.log(2.0)
 
@@ -165,7 +166,7 @@ def test_empty_mask_gives_zero_loss_and_zero_grad(mode, agg):
                                  mode=mode, agg=agg, proximal_logprobs=mu)
     (g,) = torch.autograd.grad(value, lp)
     assert value.item() == 0.0
-    assert torch.equal(g, torch.zeros(2, 2))
+    assert_bitwise_equal(g, torch.zeros(2, 2))  # +0 everywhere, not -0 or NaN
     assert metrics["num_tokens"] == 0.0
     assert not any(math.isnan(v) for v in metrics.values())
 
@@ -185,7 +186,7 @@ def test_bf16_inputs_computed_in_fp32(mode, agg):
     # widening bf16 → fp32 is exact, so fp32 inputs with the same values give the same loss bit for bit
     kwargs["proximal_logprobs"] = kwargs["proximal_logprobs"].float()
     value32, _ = policy_loss(lp.detach().float(), mu.float(), adv.float(), mask, **kwargs)
-    assert torch.equal(value, value32)
+    assert_bitwise_equal(value, value32)
 
 
 @pytest.mark.parametrize("mode", LOSS_MODES)
@@ -218,7 +219,7 @@ def test_advantages_per_sequence_or_per_token_agree():
     lp, mu, adv, mask = small_batch()
     a, _ = reinforce_zero_loss(lp, mu, adv, mask)
     b, _ = reinforce_zero_loss(lp, mu, adv[:, None].expand(2, 2), mask)
-    assert torch.equal(a, b)
+    assert_bitwise_equal(a, b)
 
 
 def test_input_validation():
@@ -245,3 +246,93 @@ def test_input_validation():
         policy_loss(lp, mu, adv, mask, mode="tis", clip_c=None)
     with pytest.raises(ValueError, match="mask_lo"):
         policy_loss(lp, mu, adv, mask, mode="mis", mask_lo=2.0, mask_hi=1.0)
+
+
+# ---- issue 8: finite for finite inputs, refused arguments, NaN masks ------------------------------------------
+
+ALL_KW = dict(mask_lo=0.5, mask_hi=5.0, clip_c=2.0)
+
+
+def overflow_batch():
+    """Token (0, 0) has log ratio 94.9 > 88.7 (exp overflows fp32) and advantage exactly 0 (a GRPO group with
+    equal rewards); the other tokens are ordinary."""
+    lp = torch.tensor([[-0.1, -1.0, -0.5], [-2.0, -0.3, -1.0]], requires_grad=True)
+    mu = torch.tensor([[-95.0, -1.2, -0.4], [-2.1, -0.3, -0.9]])
+    adv = torch.tensor([[0.0, 0.0, 0.0], [1.0, -0.5, 2.0]])
+    return lp, mu, adv, torch.ones(2, 3, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_zero_advantage_with_overflowing_ratio_is_finite(mode, agg):
+    # Was: exp(94.9) = inf, inf * 0 = NaN, and the whole step's loss and gradient were NaN.
+    lp, mu, adv, mask = overflow_batch()
+    kw = dict(ALL_KW, clip_c=None) if mode == "ppo_clip" else ALL_KW
+    value, metrics = policy_loss(lp, mu, adv, mask, mode=mode, agg=agg, proximal_logprobs=mu, **kw)
+    (g,) = torch.autograd.grad(value, lp)
+    assert math.isfinite(value.item()) and torch.isfinite(g).all(), (value, g)
+    assert (g[0] == 0).all()  # A = 0: no gradient, exactly
+    # the A = 0 row contributes exactly nothing: same loss as the batch with that row masked out
+    masked = mask.clone()
+    masked[0] = False
+    ref, _ = policy_loss(lp.detach(), mu, adv, masked, mode=mode, agg=agg, proximal_logprobs=mu, **kw,
+                         global_num_tokens=6 if agg == "token-mean" else None,
+                         global_num_seqs=2 if agg != "token-mean" else None)
+    assert value.item() == pytest.approx(ref.item(), rel=1e-6, abs=1e-12)
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["surrogate"])
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_huge_ratio_with_nonzero_advantage_is_guarded_not_infinite(mode):
+    lp = torch.tensor([[-0.1, -1.0]], requires_grad=True)
+    mu = torch.tensor([[-300.0, -1.0]])  # log ratio 299.9: exp is inf in fp32 and fp64 alike
+    adv = torch.tensor([[1.0, -1.0]])
+    kw = dict(ALL_KW, clip_c=None, mask_hi=1e12) if mode == "ppo_clip" else dict(ALL_KW, mask_hi=1e12)
+    value, metrics = policy_loss(lp, mu, adv, torch.ones(1, 2), mode=mode, proximal_logprobs=lp.detach() - 300.0,
+                                 **kw)
+    (g,) = torch.autograd.grad(value, lp)
+    assert math.isfinite(value.item()) and torch.isfinite(g).all()
+    if mode in ("reinforce_zero", "mis", "icepop"):
+        assert metrics["frac_guarded"] == 0.5
+        assert g[0, 0].item() == pytest.approx(-math.exp(LOG_RATIO_GUARD) / 2, rel=1e-6)
+
+
+def test_guard_leaves_ordinary_ratios_untruncated():
+    lp = torch.tensor([[-0.5]], requires_grad=True)
+    mu = lp.detach() - 19.0  # ratio e^19, below the guard
+    value, metrics = reinforce_zero_loss(lp, mu, torch.tensor([2.0]), torch.ones(1, 1))
+    (g,) = torch.autograd.grad(value, lp)
+    assert g.item() == pytest.approx(-2.0 * math.exp(19.0), rel=1e-6) and metrics["frac_guarded"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["tis", "seq_tis", "ppo_clip"])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan")])
+def test_non_positive_clip_c_is_refused(mode, bad):
+    # Was: a negative C silently flipped the sign of every truncated token's gradient.
+    lp, mu, adv, mask = small_batch()
+    with pytest.raises(ValueError, match="clip_c must be > 0"):
+        policy_loss(lp, mu, adv, mask, mode=mode, clip_c=bad, proximal_logprobs=mu)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("bad", [0, -3, torch.tensor(0), float("nan")])
+def test_non_positive_global_counts_are_refused(agg, bad):
+    # Was: clamped to 1 without a word (a zero all-reduced count means a bug upstream).
+    lp, mu, adv, mask = small_batch()
+    with pytest.raises(ValueError, match="global_num_tokens must be a finite count > 0"):
+        policy_loss(lp, mu, adv, mask, agg=agg, global_num_tokens=bad)
+    with pytest.raises(ValueError, match="global_num_seqs must be a finite count > 0"):
+        policy_loss(lp, mu, adv, mask, agg=agg, global_num_seqs=bad)
+    with pytest.raises(ValueError, match="eps_clip must be >= 0"):
+        policy_loss(lp, mu, adv, mask, mode="ppo_clip", proximal_logprobs=mu, eps_clip=-0.1)
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_nan_in_a_float_mask_is_not_a_valid_token(mode):
+    lp, mu, adv, _ = small_batch()
+    nan_mask = torch.tensor([[1.0, float("nan")], [1.0, 0.0]])
+    zero_mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    a, ma = policy_loss(lp, mu, adv, nan_mask, mode=mode, proximal_logprobs=mu)
+    b, mb = policy_loss(lp, mu, adv, zero_mask, mode=mode, proximal_logprobs=mu)
+    assert ma["num_tokens"] == mb["num_tokens"] == 2.0
+    assert_bitwise_equal(a, b)

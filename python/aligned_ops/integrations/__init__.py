@@ -29,9 +29,15 @@ def rope_theta_of(config) -> float:
     return float(theta)
 
 
-def check_hf_config(config, where: str) -> None:
-    """Raise ``ValueError`` for a config whose arithmetic we cannot reproduce bit for bit on both sides."""
+def check_hf_config(config, where: str, architecture: str | None = None) -> None:
+    """Raise ``ValueError`` for a config whose arithmetic we cannot reproduce bit for bit on both sides.
+
+    ``architecture`` (the model class name, when a model object is at hand) is used when the config does not
+    name one: a model built in memory (``Qwen2ForCausalLM(config)``) has ``config.architectures = None``.
+    """
     archs = list(getattr(config, "architectures", None) or [])
+    if architecture is not None:
+        archs = [architecture]
     name = archs[0] if archs else type(config).__name__
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

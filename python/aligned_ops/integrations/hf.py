@@ -31,7 +31,7 @@ import torch
 
 import aligned_ops
 
-from . import check_hf_config, rope_theta_of
+from . import SUPPORTED_ARCHITECTURES, check_hf_config, rope_theta_of
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
@@ -73,6 +73,10 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
         starts = torch.repeat_interleave(cu[:-1].to(torch.int64), lens)
         flat = torch.arange(total, device=dev)
         positions = flat - starts
+        if position_ids is not None:  # packed batches (HF "padding-free") often carry their own positions
+            if position_ids.numel() != total:
+                raise ValueError(f"position_ids must have one entry per token ({total}), got {position_ids.numel()}")
+            positions = position_ids.reshape(-1).to(device=dev, dtype=torch.int64)
         return flat, positions, cu
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq] (or packed with cu_seqlens), got {tuple(input_ids.shape)}")
@@ -132,16 +136,17 @@ def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache)
     attn = self.self_attn
     T = x.shape[0]
     D = attn.head_dim
-    q = _lin(attn.q_proj, x).view(T, -1, D)
-    k = _lin(attn.k_proj, x).view(T, -1, D)
-    v = _lin(attn.v_proj, x).view(T, -1, D)
+    # Head counts from the weights, not view(T, -1, D): a batch with no real token has T = 0.
+    q = _lin(attn.q_proj, x).view(T, attn.q_proj.weight.shape[0] // D, D)
+    k = _lin(attn.k_proj, x).view(T, attn.k_proj.weight.shape[0] // D, D)
+    v = _lin(attn.v_proj, x).view(T, attn.v_proj.weight.shape[0] // D, D)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = aligned_ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
         k = aligned_ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
     q = aligned_ops.rotary_embedding(positions, q, cos_sin_cache, D, True)
     k = aligned_ops.rotary_embedding(positions, k, cos_sin_cache, D, True)
     o, _ = attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, float(attn.scaling), True)
-    h = _lin(attn.o_proj, o.reshape(T, -1))
+    h = _lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
     x, residual = aligned_ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
                                                  self.post_attention_layernorm.variance_epsilon)
     mlp = self.mlp
@@ -164,6 +169,9 @@ def _model_forward(
     for key in ("past_key_values", "inputs_embeds"):
         if unused.get(key) is not None:
             raise ValueError(f"aligned_ops patched model: {key} is not supported (full teacher-forced forward only)")
+    if unused.get("labels") is not None:
+        raise ValueError("aligned_ops patched model: labels= is not supported (no loss is computed); pass "
+                         "completion_mask= and compute the loss from the returned logprobs")
     if unused.get("use_cache"):
         raise ValueError("aligned_ops patched model: use_cache=True is not supported")
     if return_logits is None:
@@ -188,10 +196,15 @@ def _model_forward(
     if completion_mask is not None:
         if completion_mask.shape != input_ids.shape:
             raise ValueError("completion_mask must have the shape of input_ids")
-        cm = completion_mask.reshape(-1)[flat].bool()
-        # Token j is predicted by the hidden state of token j-1 of the same sequence.
+        cm_all = completion_mask.reshape(-1).bool()
+        cm = cm_all[flat]
+        if int(cm.sum()) != int(cm_all.sum()):
+            raise ValueError("completion_mask marks padding tokens (attention_mask 0): they have no log-prob")
+        # Token j is predicted by the hidden state of token j-1 of the same sequence. Only non-empty sequences
+        # have a first token (an all-padding row or an empty packed sequence starts where the next one does).
+        lens = (cu[1:] - cu[:-1]).to(torch.int64)
         first_of_seq = torch.zeros_like(cm)
-        first_of_seq[cu[:-1].to(torch.int64).clamp(max=max(cm.numel() - 1, 0))] = True
+        first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
         if bool((cm & first_of_seq).any()):
             raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
         targets = cm.nonzero().squeeze(1)
@@ -205,14 +218,22 @@ def _model_forward(
 
 
 def _per_token_temperature(temperature, input_ids, cu, flat, targets):
-    """A float, or a per-sequence tensor ``[B]`` expanded to the selected tokens (fp32)."""
+    """A float, or a per-sequence tensor ``[B]`` expanded to the selected tokens (fp32).
+
+    0 <= temperature < 1e-5 is greedy and scored at tau = 1, like the vLLM plugin (vLLM's sampling eps);
+    a negative, NaN or infinite temperature is refused."""
     if not isinstance(temperature, torch.Tensor) or temperature.dim() == 0:
         t = float(temperature)
-        return 1.0 if t < 1e-5 else t  # greedy is scored at tau = 1, like the vLLM plugin
+        if not (0.0 <= t < float("inf")):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
+        return 1.0 if t < 1e-5 else t
     temperature = temperature.to(device=input_ids.device, dtype=torch.float32)
     nseq = cu.numel() - 1
     if temperature.numel() != nseq:
         raise ValueError(f"temperature tensor must have one entry per sequence ({nseq}), got {temperature.numel()}")
+    if nseq and not bool(((temperature >= 0) & torch.isfinite(temperature)).all()):
+        raise ValueError("every temperature must be finite and >= 0 (0 = greedy), got "
+                         f"{temperature.tolist()}")
     temperature = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
     per_token = torch.repeat_interleave(temperature, lens)
@@ -230,7 +251,12 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     """
     if getattr(model, "_aligned_patched", False):
         return model
-    check_hf_config(model.config, "patch_model")
+    # The model's own class (or a base class) names the architecture; config.architectures is None for a
+    # model built in memory, and only consulted when the class is not one we know.
+    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in SUPPORTED_ARCHITECTURES]
+    named = list(getattr(model.config, "architectures", None) or [])
+    check_hf_config(model.config, "patch_model",
+                    architecture=known[0] if known else (named[0] if named else type(model).__name__))
     dtypes = {p.dtype for p in model.parameters()}
     bad = dtypes - {torch.float32, torch.bfloat16, torch.float16}
     if bad:
