@@ -1,6 +1,6 @@
 """Worker for the FSDP2 tests: one rank of a 2-process gloo world (CPU), launched by aligned_ops.testing.
 
-  check MODEL_DIR DTYPE OUT.json   log-probs of FSDP2 (each rank its own micro-batch) vs one process, bitwise;
+  check OUT.json DIR:DTYPE ...     log-probs of FSDP2 (each rank its own micro-batch) vs one process, bitwise;
                                    backward twice (bitwise run to run); gradients vs one process (close)
   score MODEL_DIR DTYPE IN.pt OUT.pt
                                    teacher-force rollouts: IN.pt = list of jobs {"state_dict": path|None,
@@ -48,13 +48,23 @@ def per_seq(lp, seqs):
     return [lp[i, len(p):len(p) + len(c)].detach().clone() for i, (p, c) in enumerate(seqs)]
 
 
+def stock_logprobs(model, seqs, tau):
+    """Unpatched HF forward of a padded batch, then fp32 log-softmax at tau: what a plain trainer computes."""
+    ids, am, cm = batch(seqs)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am).logits.float() / tau
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(len(seqs), 1), lp], 1)
+    return per_seq(lp, seqs)
+
+
 def gather_objects(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def check(model_dir, dtype, out_path):
+def check(model_dir, dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7)
     seqs = [(torch.randint(0, 500, (n,), generator=g).tolist(), torch.randint(0, 500, (m,), generator=g).tolist())
@@ -90,13 +100,21 @@ def check(model_dir, dtype, out_path):
     lp_repeat = all(torch.equal(bits(x), bits(y)) for x, y in zip(runs[0][0], runs[1][0]))
     grad_repeat = runs[0][1].keys() == runs[1][1].keys() and all(
         torch.equal(bits(runs[0][1][n]), bits(runs[1][1][n])) for n in runs[0][1])
+    # Negative control: the stock HF forward (not patched), FSDP2-sharded, on the same micro-batches.
+    stock = load(model_dir, dtype)
+    stock_ref = stock_logprobs(stock, seqs, tau)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in stock.model.layers:
+        fully_shard(layer)
+    fully_shard(stock)
+    stock_mine = stock_logprobs(stock, my_seqs, tau)
+    stock_differ = sum(int((bits(x) != bits(stock_ref[i])).sum()) for x, i in zip(stock_mine, mine))
     names = sorted(set(ref_grads) & set(runs[0][1]))
     rel = max(((runs[0][1][n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-30)).item() for n in names)
-    res = gather_objects(dict(rank=rank, seqs=mine, lp_equal=lp_equal, lp_repeat=lp_repeat, grad_repeat=grad_repeat,
+    res = gather_objects(dict(rank=rank, seqs=mine, lp_equal=lp_equal, stock_differ=stock_differ, lp_repeat=lp_repeat, grad_repeat=grad_repeat,
                               grad_rel_err=rel, n_grads=len(names), n_params=len(list(ref_model.parameters()))))
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(res, f)
+    return res
 
 
 def score(model_dir, dtype, in_path, out_path):
@@ -124,7 +142,14 @@ def main():
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "check":
-        check(*sys.argv[2:5])
+        out = sys.argv[2]
+        results = {}
+        for spec in sys.argv[3:]:
+            d, dtype = spec.rsplit(":", 1)
+            results[dtype] = check(d, dtype)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
     elif mode == "score":
         score(*sys.argv[2:6])
     else:

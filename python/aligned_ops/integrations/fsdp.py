@@ -17,7 +17,7 @@ are *not* bitwise equal to a single-process backward (the dw chain over tokens i
 Loss semantics: pass ``global_num_tokens`` (the all-reduced token count) to ``aligned_ops.rl.policy_loss``
 so each rank's loss is its share of the global token mean and the *sum* over ranks is the global loss. FSDP2
 *averages* gradients by default (divides by the world size): :func:`shard_aligned` sets the divide factor to 1
-(``sum_gradients=True``) so the gradient is that of the global loss; with the default averaging, multiply the
+and forces a plain SUM reduction (``sum_gradients=True``) so the gradient is that of the global loss; with the default averaging, multiply the
 loss by the world size instead.
 """
 
@@ -49,4 +49,5 @@ def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = Tr
         for m in model.modules():  # each fully_shard'ed module reduces its own parameter group
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM); factor 1: no scaling
     return model
