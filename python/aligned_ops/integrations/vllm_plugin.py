@@ -138,6 +138,21 @@ TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential": NEGATIVE CONTROL ONLY
 _tp_combine = "tree"
 
 
+def _set_tp_combine_in_worker(worker, mode):
+    global _tp_combine
+    if mode not in TP_COMBINES:
+        raise ValueError(f"tp combine must be one of {TP_COMBINES}, got {mode!r}")
+    _tp_combine = mode
+    return mode
+
+
+def set_tp_combine(llm, mode: str) -> None:
+    """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree" or "sequential") in every
+    worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show the
+    log-probs then differ from the trainer's)."""
+    llm.collective_rpc(_set_tp_combine_in_worker, args=(mode,))
+
+
 def _tp_group():
     from vllm.distributed import get_tp_group
 
