@@ -25,9 +25,16 @@ class Table:
         self.title = title
         self.rows: list[tuple[str, str, str, float, float]] = []
 
-    def add(self, op: str, shape: str, dtype: torch.dtype, aligned_fn, torch_fn, min_run_time: float = 0.3):
-        a = time_us(aligned_fn, min_run_time)
-        t = time_us(torch_fn, min_run_time)
+    def add(self, op: str, shape: str, dtype: torch.dtype, aligned_fn, torch_fn, min_run_time: float = 0.3,
+            repeat: int = 1):
+        """repeat > 1: time both sides `repeat` times, interleaved, and keep the median of each."""
+        import statistics
+
+        ts, As = [], []
+        for _ in range(repeat):
+            As.append(time_us(aligned_fn, min_run_time))
+            ts.append(time_us(torch_fn, min_run_time))
+        a, t = statistics.median(As), statistics.median(ts)
         row = (op, shape, str(dtype).replace("torch.", ""), a, t)
         self.rows.append(row)
         print(f"  {op:<22} {shape:<28} {row[2]:<9} aligned {a:10.1f} us  torch {t:10.1f} us  ratio {t / a:5.2f}",

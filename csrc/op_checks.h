@@ -234,22 +234,29 @@ LinearArgs<DTypeEnum> check_linear_weight(const at::Tensor& x, const at::Tensor&
 
 template <class DTypeEnum>
 LinearArgs<DTypeEnum> check_linear(const at::Tensor& x, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias) {
-  const char* op = "linear";
+                                   const std::optional<at::Tensor>& bias, const char* op = "linear") {
   const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
   dtype_of<DTypeEnum>(weight, op, "weight");
   auto a = detail::check_linear_weight(x, weight, dt, op);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::linear: weight dtype ", weight.scalar_type(),
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "aligned::", op, ": weight dtype ", weight.scalar_type(),
               " must equal x dtype ", x.scalar_type());
-  TORCH_CHECK(weight.size(1) == a.K, "aligned::linear: x has ", a.K, " input features but weight is ",
+  TORCH_CHECK(weight.size(1) == a.K, "aligned::", op, ": x has ", a.K, " input features but weight is ",
               weight.sizes());
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == a.N && bias->scalar_type() == x.scalar_type(),
-                "aligned::linear: bias must be [", a.N, "] with x's dtype, got ", bias->sizes(), " ",
+                "aligned::", op, ": bias must be [", a.N, "] with x's dtype, got ", bias->sizes(), " ",
                 bias->scalar_type());
     a.bias = bias->contiguous();
   }
   return a;
+}
+
+// linear_partial: x, weight as for linear (no bias); lanes ∈ {1, 2, 4, 8} (contract.h, `fma` profile).
+template <class DTypeEnum>
+LinearArgs<DTypeEnum> check_linear_partial(const at::Tensor& x, const at::Tensor& weight, int64_t lanes) {
+  TORCH_CHECK(lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8,
+              "aligned::linear_partial: lanes must be 1, 2, 4 or 8 (whole lanes of the 8-lane tree), got ", lanes);
+  return check_linear<DTypeEnum>(x, weight, std::nullopt, "linear_partial");
 }
 
 template <class DTypeEnum>

@@ -6,7 +6,17 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(aligned, m) {
+  // linear: the `fma` profile (csrc/common/contract.h): K cut into 8 lanes by the floor rule, one fp32 fma
+  // chain per lane, the fixed tree ((0+1)+(2+3))+((4+5)+(6+7)), + bias once, rounded once to x's dtype.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // linear_partial: x [..., K_local], weight [N, K_local] (same dtype), lanes ∈ {1, 2, 4, 8} -> fp32 [..., N]:
+  // the sub-tree of the 8-lane tree over `lanes` whole lanes, where the LOCAL K is cut into `lanes` lanes by the
+  // same floor rule (lane j = [floor(j*K_local/lanes), floor((j+1)*K_local/lanes))). No bias, no rounding.
+  // A rank r of a t-way row-parallel layer (t ∈ {1,2,4,8}) passes lanes = 8/t and its K slice
+  // [floor(r*K/t), floor((r+1)*K/t)) (aligned_ops.linear_tp_slices; exact for every t when K % 8 == 0); the
+  // t rank partials folded adjacent pairs first (aligned_ops.tree_combine), + bias, rounded, equal linear
+  // bit for bit. lanes = 8 on the full K is linear before its bias and rounding. No backward (raises).
+  m.def("linear_partial(Tensor x, Tensor weight, int lanes) -> Tensor");
   m.def(
       "linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool needs_x_grad, bool needs_w_grad, "
       "bool needs_b_grad) -> (Tensor, Tensor, Tensor)");

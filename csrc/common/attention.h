@@ -70,12 +70,10 @@ ALIGNED_HD int64_t attn_row_keys(int64_t p, int64_t n_ctx, bool causal) {
 }
 ALIGNED_HD int64_t attn_num_splits(int64_t n_keys) { return (n_keys + kAttnSplit - 1) / kAttnSplit; }
 
-// Step 1: unscaled dot, one sequential fma chain over d.
+// Step 1: unscaled dot, one sequential fma chain over d: the same chain as a lane of linear (reduce.h).
 template <typename TQ, typename TK>
 ALIGNED_HD float attn_dot(const TQ* q, const TK* k, int64_t D) {
-  float acc = 0.0f;
-  for (int64_t d = 0; d < D; ++d) acc = fma_f32(to_f32(q[d]), to_f32(k[d]), acc);
-  return acc;
+  return dot_chain(q, k, D);
 }
 
 // Step 3, one tile: s[0..nv) are the scaled scores, v(j) returns a pointer to value row j (fp32 or T).

@@ -19,21 +19,87 @@
 
 namespace aligned {
 
-// ---- linear ----------------------------------------------------------------------------------------
-// out[m, n] = round_T(acc + bias[n]) where acc starts at +0 and runs k = 0, 1, ..., K-1 in order:
-//   acc = fma(x[m, k], w[n, k], acc)
-// One sequential fma chain per output element: no BLOCK_K split, no split-K, no tree. The chain does
-// not depend on M, on the M/N tiling or on threads. (CPU: vectorised across n, 16 or 8 outputs per
-// register; CUDA/HIP fp32 path: one chain per thread.) The bias add is one fp32 addition.
-// Backward uses the same chain shape:
-//   dx[m, k] = chain over n = 0..N-1 of fma(g[m, n], w[n, k], .)
-//   dw[n, k] = chain over m = 0..M-1 of fma(g[m, n], x[m, k], .)   (tokens in their order in the batch)
-//   db[n]    = chain over m = 0..M-1 of (. + g[m, n])
+// ---- linear: numerics profiles ------------------------------------------------------------------------
+// Matrix work is written per *profile*: a named order (and arithmetic) that every backend implementing the
+// profile computes bit for bit. Each profile states what its bits are invariant to and what they are not.
+//
+//  * `fma` (LinearProfile::kFma, this section, what aligned::linear and aligned::linear_partial compute):
+//    portable fp32 CUDA-core / vector-fma arithmetic. Formula, for out[m, n] with K input features:
+//      lane l = 0..7 covers k in [lo(l), lo(l + 1)), lo(l) = floor(l * K / 8)    (linear_lane_begin)
+//      s_l    = dot_chain over that lane: acc = +0, acc = fma(x[m, k], w[n, k], acc), k ascending (reduce.h)
+//      acc    = ((s_0 + s_1) + (s_2 + s_3)) + ((s_4 + s_5) + (s_6 + s_7))          (linear_lane_tree)
+//      out    = round_T(acc + bias[n])   (one fp32 add; without bias: round_T(acc), no "+ 0" added)
+//    Inputs are widened to fp32 exactly; no flush-to-zero (subnormal inputs, partials and outputs are kept);
+//    NaN/inf propagate as IEEE fma/add do. An empty lane (K < 8) is +0.
+//    INVARIANT: batch size M, the row's position, other rows, M/N tiling, thread count, prompt chunking,
+//    prefill vs decode, run, backend (CPU generic ≡ AVX2 ≡ AVX-512 ≡ CUDA ≡ HIP), and the tensor-parallel
+//    degree t ∈ {1, 2, 4, 8} of a row-parallel layer whose rank r holds the whole lanes
+//    [r·8/t, (r+1)·8/t) — K slice [lo(r·8/t), lo((r+1)·8/t)) = [floor(r·K/t), floor((r+1)·K/t)) — computes
+//    linear_partial over them (the sub-tree of those lanes) and a tree all-reduce finishes the tree by the
+//    same pairing (rank partials combined (0+1), (2+3), ... level by level: linear_lane_fold).
+//    When K % 8 == 0 every such slice is K/t long and its local 8/t-lane cut (the floor rule applied to the
+//    local K) is exactly the global lanes. When K % 8 != 0 that holds only for some (K, t); the Python
+//    helper aligned_ops.linear_tp_slices(K, t) computes the slices and refuses the others.
+//    NOT INVARIANT: the lane count (a 1-lane chain or another tree is another result), TP degrees other
+//    than 1, 2, 4, 8 or splits that cut a lane, column-parallel splits of the backward's dx (see below).
+//    Backward (linear_backward, unchanged by the lanes): every element is ONE dot_chain (a 1-lane linear):
+//      dx[m, k] = dot_chain over n = 0..N-1 of (g[m, n], w[n, k])
+//      dw[n, k] = dot_chain over m = 0..M-1 of (g[m, n], x[m, k])   (tokens in their order in the batch)
+//      db[n]    = chain over m = 0..M-1 of (. + g[m, n])
+//    dx is batch-invariant (per row); dw/db depend on the batch's token order by design (a fixed chain, run
+//    to run and thread count invariant). None of them is TP-invariant: row-parallel dx needs no reduction
+//    across ranks, but a column-parallel dx (N split) would need lanes over N — not part of this profile.
+//  * `exact` (LinearProfile::kExact, slot only): an integer-MMA linear whose bits are the same on every
+//    backend by exact integer arithmetic (aligned::linear_exact, its own issue/helper). Its order and
+//    invariants are stated next to its helper, not here.
+//  * per-vendor matrix-unit profile (LinearProfile::kMatrixUnit, slot only): tensor cores / MFMA / AMX with a
+//    vendor-specific fixed K order; invariant to batch, chunking and TP on ONE vendor+generation, not across
+//    backends. Not built.
+//
+// bf16 dot-product instruction (vdpbf16ps), measured and NOT taken into the `fma` profile
+// (bench/experiments/dpbf16_order.c, bench/RESULTS.md): it equals exactly, on 19.2M random and adversarial
+// lanes, the chain "acc = ftz(fma(a1, b1, acc)); acc = ftz(fma(a0, b0, acc))" over each pair, odd element
+// first, with every bf16 input and the incoming accumulator DAZ'd and every fma result flushed after
+// rounding (sign kept). Taking it would pair-swap the lane order and flush subnormals for bf16 only; on this
+// machine class its register-only product rate is only ~1.5x the fma rate (not 2x), and every other
+// backend (generic, AVX2, CUDA, HIP) would have to emulate the flush after each fma. See DESIGN.md.
+enum class LinearProfile : int { kFma = 0, kExact = 1, kMatrixUnit = 2 };
+
+constexpr int kLinearLanes = 8;  // lanes of the `fma` profile; TP degrees 1, 2, 4, 8 hold whole lanes
+
+// First k of lane l when K is cut into `lanes` lanes (floor rule); lane l covers [begin(l), begin(l + 1)).
+ALIGNED_HD int64_t linear_lane_begin(int64_t l, int64_t K, int64_t lanes) { return (l * K) / lanes; }
+
+// Fold of n ∈ {1, 2, 4, 8} adjacent lane (or rank) partials: the sub-tree of the 8-lane tree over them,
+// adjacent pairs first, level by level. n = 8 is ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
+ALIGNED_HD float linear_lane_fold(const float* s, int n) {
+  if (n == 1) return s[0];
+  if (n == 2) return s[0] + s[1];
+  if (n == 4) return (s[0] + s[1]) + (s[2] + s[3]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// aligned::linear_partial for one output: the sub-tree over `lanes` lanes of the (local) K, fp32, no bias.
+template <typename TX, typename TW>
+ALIGNED_HD float linear_partial_dot(const TX* x_row, const TW* w_row, int64_t K, int lanes) {
+  float s[kLinearLanes];
+  for (int l = 0; l < lanes; ++l) {
+    const int64_t k0 = linear_lane_begin(l, K, lanes), k1 = linear_lane_begin(l + 1, K, lanes);
+    s[l] = dot_chain(x_row + k0, w_row + k0, k1 - k0);
+  }
+  return linear_lane_fold(s, lanes);
+}
+
+// aligned::linear for one output before the bias: the full 8-lane tree.
 template <typename TX, typename TW>
 ALIGNED_HD float linear_dot(const TX* x_row, const TW* w_row, int64_t K) {
-  float acc = 0.0f;
-  for (int64_t k = 0; k < K; ++k) acc = fma_f32(to_f32(x_row[k]), to_f32(w_row[k]), acc);
-  return acc;
+  return linear_partial_dot(x_row, w_row, K, kLinearLanes);
+}
+
+// The epilogue of aligned::linear: one fp32 add of the bias (if any), one rounding to the output type.
+template <typename TC>
+ALIGNED_HD TC linear_epilogue(float acc, const TC* bias, int64_t n) {
+  return from_f32<TC>(bias ? acc + to_f32(bias[n]) : acc);
 }
 
 // ---- rms_norm ----------------------------------------------------------------------------------------

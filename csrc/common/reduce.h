@@ -1,5 +1,10 @@
-// reduce.h — the one row reduction every backend uses for sums along a row (norm statistics,
-// softmax denominators, the backward dot products of norms and log-softmax).
+// reduce.h — the two reduction shapes of the contract:
+//  * dot_chain: one sequential fp32 fma chain (a lane of linear, an attention score, every backward chain);
+//  * lane_sum: the 32-lane row reduction for sums along a row (norm statistics, softmax denominators, the
+//    backward dot products of norms and log-softmax), below.
+//
+// dot_chain(a, b, n): acc = +0, then acc = fma(a[i], b[i], acc) for i = 0, 1, ..., n-1 in order (a and b
+// widened to fp32 exactly). n = 0 gives +0.
 //
 // Order it fixes, for a row of length n:
 //   lane j (j = 0..31) accumulates the elements k = j, j+32, j+64, ... in increasing k, starting from +0;
@@ -16,6 +21,13 @@
 #include "numerics.h"
 
 namespace aligned {
+
+template <typename TA, typename TB>
+ALIGNED_HD float dot_chain(const TA* a, const TB* b, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc = fma_f32(to_f32(a[i]), to_f32(b[i]), acc);
+  return acc;
+}
 
 constexpr int kReduceLanes = 32;
 

@@ -445,7 +445,7 @@ const DenseSplitKernels kDenseSplit = {silu_and_mul_cols, scale_max, lane_exp_su
 
 // GEMM (linear and its backward): gemm_kernels.cpp, compiled per ISA level like this file.
 void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0, int64_t m1, int64_t n0,
+          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
           int64_t n1);
 
 static void column_sum(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,

@@ -57,10 +57,11 @@ struct KernelTable {
   void (*token_logprobs_backward)(DType dt, const float* g, const void* z, const int64_t* ids, const float* lse,
                                   void* dz, int64_t V, float tau, const float* temps, int64_t row_begin,
                                   int64_t row_end);
-  // C[m, n] = round(sum_k A[m, k] * B[n, k] (+ bias[n])), element strides given, fp32 fma chains in k order.
+  // C[m, n] = round(linear_lane_fold over `lanes` lanes (1, 2, 4, 8) of the fma chains of A[m, :] * B[n, :]
+  // (+ bias[n])) — contract.h, `fma` profile — element strides given; adt == bdt, cdt == adt or F32.
   // Computes the output tile rows [m0, m1) x cols [n0, n1).
   void (*gemm)(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn,
-               int64_t b_sk, const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0,
+               int64_t b_sk, const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0,
                int64_t m1, int64_t n0, int64_t n1);
   // db[n] = chain over m of (. + g[m, n]) for n in [n0, n1)
   void (*column_sum)(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,

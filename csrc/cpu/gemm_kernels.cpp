@@ -1,31 +1,34 @@
-// gemm_kernels.cpp — the CPU GEMM behind aligned::linear and its backward, compiled once per ISA level
-// (CMake builds every csrc/cpu/*_kernels.cpp with -DALIGNED_ISA=generic / avx2 / avx512 and the matching
-// -m flags; the table in cpu_kernels.cpp points at this file's `gemm`). Torch-free: raw pointers only.
+// gemm_kernels.cpp — the CPU GEMM behind aligned::linear, linear_partial and linear_backward, compiled once
+// per ISA level (CMake builds every csrc/cpu/*_kernels.cpp with -DALIGNED_ISA=generic / avx2 / avx512 and the
+// matching -m flags; the table in cpu_kernels.cpp points at this file's `gemm`). Torch-free: raw pointers only.
 //
-//   C[m, n] = round_TC(acc[m, n] (+ bias[n])),  acc = +0, then for k = 0..K-1 in order:
-//             acc = fma(A[m, k], B[n, k], acc)                        (contract.h: linear_dot)
+//   C[m, n] = round_TC(tree(s_0 .. s_{L-1}) (+ bias[n])),  s_l = dot_chain of lane l:
+//             acc = +0, then acc = fma(A[m, k], B[n, k], acc) for k in [lo(l), lo(l + 1)), lo(l) = floor(l*K/L)
+//   (contract.h, `fma` profile: L = 8 for linear, L = lanes for linear_partial (fp32 out, no bias), L = 1 —
+//   one plain chain — for the backward's dx and dw.)
 //
-// Every output element is ONE sequential fp32 fma chain over k. Nothing below splits or reorders it:
-// no K blocking that would restart a chain, no split-K, no tree. Tiling and threads only choose which
-// chains run side by side, so the bits cannot depend on M, on the tile an element lands in, on the thread
-// that computes it, or on the ISA level (a vector fma lane computes exactly the scalar fma_f32).
+// Each lane is ONE sequential fp32 fma chain; the L lane sums are combined by linear_lane_fold (the fixed
+// pairwise tree) in the epilogue, then the bias is added once and the result rounded once. Nothing below
+// splits or reorders a lane: tiling and threads only choose which chains run side by side, so the bits
+// cannot depend on M, on the tile an element lands in, on the thread that computes it, or on the ISA level
+// (a vector fma lane computes exactly the scalar fma_f32). Lanes are computed one after another into L
+// lane tiles (the accumulators restart at +0 at every lane boundary) and folded when the tile is done.
 //
-// Design (GotoBLAS-like, without the K blocking):
+// Design (GotoBLAS-like, without K blocking across lane boundaries):
 //  * B is packed in panels of kNR = 32 output columns: bp[k][j] = fp32(B[n0 + j, k]), zero for columns past
 //    N. Widening bf16/f16 -> fp32 is exact. Row-major weights (B[n, k] contiguous in k) are transposed
 //    16x16 in registers on AVX-512; column-major B (backward: W^T, x^T) is a plain widening copy.
-//  * Microkernel: kMR rows x 32 columns of accumulators in registers (AVX-512: 8 x 2 zmm), runs the whole
-//    chain k = 0..K-1 with one broadcast of A[m, k] per row and one fma per register, then the epilogue adds
-//    the bias once and rounds to the output type.
+//  * Microkernel: kMR rows x 32 columns of accumulators in registers (AVX-512: 8 x 2 zmm), runs the chain of
+//    one lane with one broadcast of A[m, k] per row and one fma per register and stores the lane tile.
 //  * Large M: per block of kMC rows, each panel is packed over the full K (fits L2 for K <= ~6k, streams
-//    from L3 beyond) and reused by all kMR-row groups of the block; the A block stays in L3.
+//    from L3 beyond) and reused by all kMR-row groups and all lanes of the block; the A block stays in L3.
 //  * Small M (decode, <= 16 rows) with a row-major weight on AVX-512: no packing buffer. 16 weight rows x 16 k
 //    (bf16: x 32 k, as dword pairs) are transposed in registers and each transposed vector feeds the fma
 //    chains of up to 8 rows directly; bf16/f16 activation rows are widened to fp32 once. Memory traffic is
 //    one read of the weight (two for 9..16 rows).
 //  * Other small-M cases (column-major B in the backward, AVX2/generic levels): the panel is packed kKC
 //    k-steps at a time into an L1-resident buffer right before the fma steps consume it; the accumulators
-//    stay in registers across chunks (same chain, just fed in pieces).
+//    stay in registers across chunks of a lane (same chain, just fed in pieces).
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,7 +49,7 @@
 namespace aligned::cpu::ALIGNED_ISA {
 
 void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0, int64_t m1, int64_t n0,
+          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
           int64_t n1);
 
 namespace {
@@ -211,7 +214,8 @@ static ALIGNED_INLINE void store_acc(typename Vec::T (&acc)[MR][kNV], float* til
     for (int v = 0; v < kNV; ++v) Vec::store(tile + r * kNR + v * Vec::L, acc[r][v]);
 }
 
-// Epilogue: C[m, n0 + j] = round_TC(tile[r][j] (+ bias[n0 + j])) — one fp32 add, one rounding.
+// Epilogue: C[m, n0 + j] = round_TC(tile[r][j] (+ bias[n0 + j])) — one fp32 add, one rounding
+// (contract.h: linear_epilogue; written out per branch so the loops vectorise).
 template <typename TC>
 static void store_tile(const float* tile, int rows, const TC* bias, TC* c, int64_t c_sm, int64_t n0, int64_t nw) {
   for (int r = 0; r < rows; ++r) {
@@ -223,6 +227,42 @@ static void store_tile(const float* tile, int rows, const TC* bias, TC* c, int64
       for (int64_t j = 0; j < nw; ++j) crow[j] = from_f32<TC>(t[j]);
     }
   }
+}
+
+// Lane tiles lt[l] (kMR x kNR floats each, `rows` x `nw` used) -> tile, by the contract's lane tree
+// (linear_lane_fold, unrolled per lane count so the column loop vectorises without reassociation).
+constexpr int kTileFloats = kMR * kNR;
+template <int L>
+static void fold_lane_tiles_n(const float* __restrict lt, int rows, int64_t nw, float* __restrict tile) {
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < nw; ++j) {
+      float s[L];
+#pragma GCC unroll 8
+      for (int l = 0; l < L; ++l) s[l] = lt[l * kTileFloats + r * kNR + j];
+      tile[r * kNR + j] = linear_lane_fold(s, L);
+    }
+  }
+}
+static void fold_lane_tiles(const float* lt, int lanes, int rows, int64_t nw, float* tile) {
+  switch (lanes) {
+    case 2: fold_lane_tiles_n<2>(lt, rows, nw, tile); break;
+    case 4: fold_lane_tiles_n<4>(lt, rows, nw, tile); break;
+    default: fold_lane_tiles_n<8>(lt, rows, nw, tile); break;
+  }
+}
+
+// Runs chain(k0, k1, lane_tile) for every lane of K and folds the lane tiles into `tile`. One lane: the chain
+// writes `tile` directly (a 1-lane tree is the chain itself).
+template <typename Chain>
+static ALIGNED_INLINE void run_lanes(int lanes, int64_t K, int rows, int64_t nw, float* tile, float* lane_tiles,
+                                     Chain&& chain) {
+  if (lanes == 1) {
+    chain((int64_t)0, K, tile);
+    return;
+  }
+  for (int l = 0; l < lanes; ++l)
+    chain(linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats);
+  fold_lane_tiles(lane_tiles, lanes, rows, nw, tile);
 }
 
 // Full-K microkernel on a packed panel.
@@ -365,9 +405,10 @@ static float* thread_panel_buffer(int64_t floats) {
 
 template <typename TA, typename TB, typename TC>
 static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64_t b_sn, int64_t b_sk,
-                       const TC* bias, TC* c, int64_t c_sm, int64_t K, int64_t m0, int64_t m1, int64_t n0,
+                       const TC* bias, TC* c, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
                        int64_t n1) {
-  alignas(64) float tile[kMR * kNR];
+  alignas(64) float tile[kTileFloats];
+  alignas(64) float lane_tiles[kLinearLanes * kTileFloats];
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
   const auto seq = std::make_integer_sequence<int, kMR>{};
@@ -378,15 +419,17 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
       float* af = thread_panel_buffer(rows * std::max<int64_t>(K, 1));
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k = 0; k < K; ++k) af[r * K + k] = to_f32(a[(m0 + r) * a_sm + k * a_sk]);
-      gemm_typed<float, TB, TC>(af, K, 1, b, b_sn, b_sk, bias, c + m0 * c_sm, c_sm, K, 0, rows, n0, n1);
+      gemm_typed<float, TB, TC>(af, K, 1, b, b_sn, b_sk, bias, c + m0 * c_sm, c_sm, K, lanes, 0, rows, n0, n1);
       return;
     }
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
       for (int64_t m = m0; m < m1; m += kDirectRows) {
         const int r = (int)std::min<int64_t>(kDirectRows, m1 - m);
-        pick_direct<TA, TB>(r, std::make_integer_sequence<int, kDirectRows>{})(a + m * a_sm, a_sm, a_sk, b, b_sn, nb,
-                                                                              nw, K, tile);
+        const auto fn = pick_direct<TA, TB>(r, std::make_integer_sequence<int, kDirectRows>{});
+        run_lanes(lanes, K, r, nw, tile, lane_tiles, [&](int64_t k0, int64_t k1, float* t) {
+          fn(a + m * a_sm + k0 * a_sk, a_sm, a_sk, b + k0, b_sn, nb, nw, k1 - k0, t);
+        });
         store_tile(tile, r, bias, c + m * c_sm, c_sm, nb, nw);
       }
     }
@@ -398,7 +441,9 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
     auto fn = pick_streamed<TA, TB>((int)rows, seq);
     for (int64_t nb = n0; nb < n1; nb += kNR) {
       const int64_t nw = std::min<int64_t>(kNR, n1 - nb);
-      fn(a + m0 * a_sm, a_sm, a_sk, b, b_sn, b_sk, nb, nw, K, chunk, tile);
+      run_lanes(lanes, K, (int)rows, nw, tile, lane_tiles, [&](int64_t k0, int64_t k1, float* t) {
+        fn(a + m0 * a_sm + k0 * a_sk, a_sm, a_sk, b + k0 * b_sk, b_sn, b_sk, nb, nw, k1 - k0, chunk, t);
+      });
       store_tile(tile, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
     }
     return;
@@ -411,10 +456,10 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
       pack_panel(bp, b, b_sn, b_sk, nb, nw, 0, K);
       for (int64_t m = mb; m < me; m += kMR) {
         const int r = (int)std::min<int64_t>(kMR, me - m);
-        if (r == kMR)
-          micro_full<kMR, TA>(a + m * a_sm, a_sm, a_sk, bp, K, tile);
-        else
-          pick_full<TA>(r, seq)(a + m * a_sm, a_sm, a_sk, bp, K, tile);
+        const auto fn = r == kMR ? &micro_full<kMR, TA> : pick_full<TA>(r, seq);
+        run_lanes(lanes, K, r, nw, tile, lane_tiles, [&](int64_t k0, int64_t k1, float* t) {
+          fn(a + m * a_sm + k0 * a_sk, a_sm, a_sk, bp + k0 * kNR, k1 - k0, t);
+        });
         store_tile(tile, r, bias, c + m * c_sm, c_sm, nb, nw);
       }
     }
@@ -423,20 +468,21 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
 
 }  // namespace
 
-// C[m, n] = round(sum_k A[m, k] * B[n, k] (+ bias[n])) for rows [m0, m1) x columns [n0, n1), element strides.
+// C[m, n] = round(tree over `lanes` lanes of the chains of A[m, :] * B[n, :] (+ bias[n])) for rows [m0, m1) x
+// columns [n0, n1), element strides. One storage type T for A and B; C is T (linear, backward) or fp32
+// (linear_partial): the 5 instantiations that are used, not 27.
 void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int64_t m0, int64_t m1, int64_t n0,
+          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
           int64_t n1) {
+  if (bdt != adt || (cdt != adt && cdt != DType::F32)) abort();  // callers (ops_cpu.cpp) only make these
   with_type(adt, [&](auto* ap) {
-    using TA = std::remove_pointer_t<decltype(ap)>;
-    with_type(bdt, [&](auto* bpp) {
-      using TB = std::remove_pointer_t<decltype(bpp)>;
-      with_type(cdt, [&](auto* cp) {
-        using TC = std::remove_pointer_t<decltype(cp)>;
-        gemm_typed<TA, TB, TC>((const TA*)A, a_sm, a_sk, (const TB*)B, b_sn, b_sk, (const TC*)bias, (TC*)C, c_sm, K,
-                               m0, m1, n0, n1);
-      });
-    });
+    using T = std::remove_pointer_t<decltype(ap)>;
+    if (cdt == adt)
+      gemm_typed<T, T, T>((const T*)A, a_sm, a_sk, (const T*)B, b_sn, b_sk, (const T*)bias, (T*)C, c_sm, K, lanes, m0,
+                          m1, n0, n1);
+    else
+      gemm_typed<T, T, float>((const T*)A, a_sm, a_sk, (const T*)B, b_sn, b_sk, (const float*)bias, (float*)C, c_sm,
+                              K, lanes, m0, m1, n0, n1);
   });
 }
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "../common/contract.h"
 #include "../common/reduce.h"
 #include "cpu_kernels.h"
 #include "glue_checks.h"
@@ -309,7 +310,8 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
 constexpr int64_t kPanelN = 32;
 
 void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType bdt, const at::Tensor& B, int64_t b_sn,
-              int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K) {
+              int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K,
+              int lanes) {
   const int64_t panels = (N + kPanelN - 1) / kPanelN;
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
   int64_t mchunk = M;
@@ -323,7 +325,7 @@ void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType 
   at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e;) {
       const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
-      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias_ptr, cdt, C.data_ptr(), N, K,
+      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias_ptr, cdt, C.data_ptr(), N, K, lanes,
              mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
       t += p1 - p0;
     }
@@ -344,7 +346,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   sizes.back() = N;
   auto out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0)
-    run_gemm(dt, xc, K, 1, dt, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, dt, out, M, N, K);
+    run_gemm(dt, xc, K, 1, dt, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, dt, out, M, N, K,
+             kLinearLanes);
+  return out.view(sizes);
+}
+
+// linear_partial: the sub-tree over `lanes` lanes of the local K, fp32, no bias (contract.h).
+at::Tensor linear_partial(const at::Tensor& x, const at::Tensor& weight, int64_t lanes) {
+  const char* op = "linear_partial";
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  const auto a = check_linear_partial<DType>(x, weight, lanes);
+  const int64_t M = a.M, K = a.K, N = a.N;
+  auto xc = x.reshape({M, K}).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0)
+    run_gemm(a.dt, xc, K, 1, a.dt, weight, weight.stride(0), weight.stride(1), nullptr, DType::F32, out, M, N, K,
+             (int)lanes);
   return out.view(sizes);
 }
 
@@ -365,13 +385,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   if (needs_x) {
     // dx[m, k] = chain over n of g[m, n] * w[n, k]
     dx = at::empty({M, K}, x.options());
-    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, dt, wc, 1, K, nullptr, dt, dx, M, K, N);
+    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, dt, wc, 1, K, nullptr, dt, dx, M, K, N, 1);  // one chain: 1 lane
     dx = dx.view(x.sizes());
   }
   if (needs_w) {
     // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
     dw = at::empty({N, K}, weight.options());
-    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, dt, xc, 1, K, nullptr, dt, dw, N, K, M);
+    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, dt, xc, 1, K, nullptr, dt, dw, N, K, M, 1);
   }
   if (needs_b) {
     db = at::empty({N}, x.options());
@@ -407,6 +427,7 @@ TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
 TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_backward", &linear_backward);
+  m.impl("linear_partial", &linear_partial);
   m.impl("rms_norm", &rms_norm);
   m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);

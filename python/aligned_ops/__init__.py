@@ -35,6 +35,9 @@ from ._dense import (
     token_logprobs,
 )
 
+from . import _linear_lanes  # noqa: F401  (linear_partial: fake impl, no-backward rule; TP lane helpers)
+from ._linear_lanes import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
+
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 
@@ -42,6 +45,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "linear",
+    "linear_partial",
+    "linear_lane_bounds",
+    "linear_tp_slices",
+    "tree_combine",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

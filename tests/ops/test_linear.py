@@ -1,10 +1,13 @@
 """aligned::linear and aligned::linear_backward on the CPU.
 
-Contract (csrc/common/contract.h): out[m, n] = round_T(acc + bias[n]), acc = +0 then acc = fma(x[m, k], w[n, k], acc)
-for k = 0..K-1 in order, in fp32. Backward: dx[m, k] = chain over n of fma(g[m, n], w[n, k], .), dw[n, k] = chain
-over m of fma(g[m, n], x[m, k], .), db[n] = chain over m of (. + g[m, n]).
+Contract (csrc/common/contract.h, `fma` profile): K is cut into 8 lanes, lane l = [floor(l*K/8), floor((l+1)*K/8));
+each lane is one fp32 chain acc = +0, acc = fma(x[m, k], w[n, k], acc) in k order; the lane sums s_l combine as
+((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); out[m, n] = round_T(tree + bias[n]). Backward: one chain per element (a
+1-lane linear): dx[m, k] = chain over n of fma(g[m, n], w[n, k], .), dw[n, k] = chain over m of
+fma(g[m, n], x[m, k], .), db[n] = chain over m of (. + g[m, n]). (linear_partial and the TP tree:
+tests/ops/test_linear_partial.py.)
 
-Families: exactness against an exact scalar model of that chain (bitwise), accuracy against float64,
+Families: exactness against an exact scalar model of that order (bitwise), accuracy against float64,
 invariance (torch.equal) across batch size, row position, other rows, threads, runs and ISA levels, each with a
 negative control that proves the check can fail; opcheck, torch.compile, autograd and bad input.
 """
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import aligned_ops  # noqa: F401
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 linear = torch.ops.aligned.linear
 linear_backward = torch.ops.aligned.linear_backward
@@ -76,16 +80,39 @@ def fma_fraction(a: float, b: float, c: float) -> np.float32:
     return np.float32(best[1])
 
 
-def chain_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
-    """out[m, n] = round(chain_k fma(x[m, k], w[n, k], acc) (+ bias[n])), every step rounded to float32."""
-    xf = x.float().numpy()
-    wf = w.float().numpy()
+def chain_f32(xf: np.ndarray, wf: np.ndarray) -> np.ndarray:
+    """[M, N] float32: one chain per output, acc = +0 then acc = fma(x[m, k], w[n, k], acc) for k in order."""
     acc = np.zeros((xf.shape[0], wf.shape[0]), dtype=np.float32)
     for k in range(xf.shape[1]):
         acc = fma_f32(np.broadcast_to(xf[:, k, None], acc.shape), np.broadcast_to(wf[None, :, k], acc.shape), acc)
+    return acc
+
+
+def lane_tree_f32(xf: np.ndarray, wf: np.ndarray, lanes: int = 8) -> np.ndarray:
+    """The `fma` profile's tree before the bias: `lanes` lanes by the floor rule, one chain each, adjacent pairs
+    folded level by level (float32 additions, each correctly rounded)."""
+    K = xf.shape[1]
+    s = [chain_f32(xf[:, (l * K) // lanes : ((l + 1) * K) // lanes], wf[:, (l * K) // lanes : ((l + 1) * K) // lanes])
+         for l in range(lanes)]
+    while len(s) > 1:
+        s = [(s[2 * i] + s[2 * i + 1]).astype(np.float32) for i in range(len(s) // 2)]
+    return s[0]
+
+
+def _finish(acc: np.ndarray, bias, out_dtype) -> torch.Tensor:
     if bias is not None:
         acc = acc + bias.float().numpy()[None, :]  # one float32 add
     return torch.from_numpy(np.ascontiguousarray(acc)).to(out_dtype)
+
+
+def chain_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    """round(one chain over all of K (+ bias[n])): the backward's order (and the pre-lanes forward)."""
+    return _finish(chain_f32(x.float().numpy(), w.float().numpy()), bias, out_dtype)
+
+
+def lane_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    """round(8-lane tree (+ bias[n])): the forward's order."""
+    return _finish(lane_tree_f32(x.float().numpy(), w.float().numpy()), bias, out_dtype)
 
 
 def test_fma_model_matches_rational_arithmetic():
@@ -106,26 +133,33 @@ def test_fma_model_matches_rational_arithmetic():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,K,N", [(1, 45, 37), (3, 33, 16), (6, 70, 50), (11, 37, 33), (20, 16, 65)])
+@pytest.mark.parametrize(
+    "M,K,N", [(1, 45, 37), (3, 33, 16), (6, 70, 50), (11, 37, 33), (20, 16, 65), (2, 5, 19), (9, 1, 33), (4, 300, 40)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bitwise_equal_to_contract_chain(dtype, M, K, N, with_bias):
+def test_bitwise_equal_to_contract_lane_tree(dtype, M, K, N, with_bias):
+    """Conformance of the CPU kernel (every path: direct, streamed, packed; K < 8 has empty lanes) against the
+    plain scalar reference of the contract, through integer views."""
     x, w = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2)
     b = rand(N, dtype=dtype, seed=3) if with_bias else None
     got = linear(x, w, b)
-    want = chain_reference(x, w, b, dtype)
+    want = lane_reference(x, w, b, dtype)
     assert got.dtype == dtype
-    assert torch.equal(got, want)
+    assert_bitwise_equal(got, want)
 
 
-def test_chain_reference_detects_a_reordered_sum():
-    """Negative control for the exactness check: a two-way split-K sum of the same products is different bits."""
+def test_lane_reference_detects_another_order():
+    """Negative controls for the exactness check: the pre-lanes single chain and a two-way split-K sum of the
+    same products are different bits from the 8-lane tree (and from each other)."""
     x, w = rand(4, 200, seed=4), rand(24, 200, seed=5)
-    want = chain_reference(x, w, None, torch.float32)
+    want = lane_reference(x, w, None, torch.float32)
+    one_chain = chain_reference(x, w, None, torch.float32)
     split = chain_reference(x[:, :100], w[:, :100], None, torch.float32) + chain_reference(
         x[:, 100:], w[:, 100:], None, torch.float32
     )
-    assert torch.equal(linear(x, w), want)
-    assert not torch.equal(split, want)
+    assert_bitwise_equal(linear(x, w), want)
+    assert not bitwise_equal(one_chain, want)
+    assert not bitwise_equal(split, want)
 
 
 def test_backward_bitwise_equal_to_contract_chains():
