@@ -14,7 +14,8 @@ is that rank's sub-tree (fp32), and the cross-rank part of the tree is the same 
 (reduce-scatter with partners r^1, r^2, r^4 in that order, then the mirror all-gather): at step k the
 ranks whose bit k is 0 hold the left operand and the ranks whose bit k is 1 the right one, so every
 element is the tree above, with its operand order (so even NaN payloads match the single-device kernel).
-Every rank sends and receives (t-1)/t of the tensor twice — the bytes of a ring all-reduce. The fallback
+That is exactly ``aligned_ops.tree_combine`` (the linear family's reference of the cross-rank fold, over
+``csrc/common/contract.h::linear_lane_fold``). Every rank sends and receives (t-1)/t of the tensor twice — the bytes of a ring all-reduce. The fallback
 (``algorithm="allgather"``) gathers all t partials and folds them with the same tree; it moves t-1 whole
 tensors per rank. Both give the same bits.
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._linear_lanes import finish_linear, linear_partial, linear_tp_slices, tree_combine
+
 __all__ = [
     "LINEAR_LANES",
     "TP_DEGREES",
@@ -36,7 +39,6 @@ __all__ = [
     "lanes_per_rank",
     "tree_all_reduce",
     "row_parallel_linear",
-    "lane_tree",
     "sharded_rows_all_reduce",
 ]
 
@@ -58,21 +60,6 @@ def check_tp_degree(t: int, what: str = "tree_all_reduce") -> int:
 def lanes_per_rank(t: int) -> int:
     """Lanes of the 8-lane tree each of ``t`` ranks holds (8 / t)."""
     return LINEAR_LANES // check_tp_degree(t, "lanes_per_rank")
-
-
-def lane_tree(parts):
-    """The fixed halving tree over a power-of-two list of fp32 tensors: pairs (0,1), (2,3), ... first.
-
-    ``lane_tree([l0..l7])`` is the linear's 8-lane combine; over per-rank partials it is the cross-rank
-    tree. Left operand = lower index, always.
-    """
-    parts = list(parts)
-    n = len(parts)
-    if n == 0 or n & (n - 1):
-        raise ValueError(f"aligned_ops.lane_tree: need a power-of-two number of parts, got {n}")
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0]
 
 
 def _group_info(group, what):
@@ -128,7 +115,7 @@ def _halving(buf: torch.Tensor, t: int, r: int, group) -> torch.Tensor:
 def _allgather(flat: torch.Tensor, t: int, group) -> torch.Tensor:
     gathered = [torch.empty_like(flat) for _ in range(t)]
     dist.all_gather(gathered, flat, group=group)
-    return lane_tree(gathered)
+    return tree_combine(gathered)
 
 
 def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "halving") -> torch.Tensor:
@@ -164,28 +151,30 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "halv
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
                         *, in_features: int | None = None, algorithm: str = "halving") -> torch.Tensor:
     """A row-parallel ``aligned_ops.linear``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
-    contiguous 1/t of K); every rank returns the full ``linear(x, weight, bias)``, bit for bit.
+    slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
+    ``linear(x, weight, bias)``, bit for bit.
 
-    ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the bias once
-    (fp32) and one rounding to ``x.dtype`` — the linear contract's epilogue. ``in_features`` (the unsplit K)
-    is checked against ``t * K_r`` when given: a rank must hold whole lanes.
+    ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
+    epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
+    given, is checked: the rank's slice must be whole lanes and K_r long.
     """
     what = "row_parallel_linear"
-    t, _ = _group_info(group, what)
+    t, r = _group_info(group, what)
     check_tp_degree(t, what)
     k_local = weight.shape[-1]
-    if in_features is not None and k_local * t != in_features:
-        raise ValueError(
-            f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks "
-            f"(this rank holds K_r = {k_local}; need K = t * K_r with the rank's slice contiguous)"
-        )
-    from . import linear_partial  # the linear family; imported late (keeps this module importable alone)
-
+    if in_features is not None:
+        try:
+            k0, k1 = linear_tp_slices(in_features, t)[r]
+        except ValueError as e:
+            raise ValueError(f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} "
+                             f"ranks ({e})") from None
+        if k1 - k0 != k_local:
+            raise ValueError(
+                f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
+                f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds {k_local}"
+            )
     partial = linear_partial(x, weight, LINEAR_LANES // t)
-    out = tree_all_reduce(partial, group, algorithm=algorithm)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(x.dtype)
+    return finish_linear(tree_all_reduce(partial, group, algorithm=algorithm), bias, x.dtype)
 
 
 def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=None) -> torch.Tensor:

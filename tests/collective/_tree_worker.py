@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import aligned_ops
 from aligned_ops import collective
-from aligned_ops.collective import lane_tree, tree_all_reduce
+from aligned_ops import tree_combine as lane_tree
+from aligned_ops.collective import tree_all_reduce
 from aligned_ops.testing import bits
 from aligned_ops.testing.distributed import init_from_env
 
@@ -67,6 +68,12 @@ def records_for(name, group, ranks, seed):
             add("rank_sequential_differs", int((bits(seq) != bits(ref)).sum()))
             add("lane_sequential_differs", int((bits(lane_seq) != bits(ref)).sum()))
     rec += embedding_records(name, group, t, r, seed)
+    if t == 2:  # K = 13 has no 2-way split into whole lanes (rank 1's 7 features cut 4 ways != global lanes)
+        try:
+            collective.row_parallel_linear(torch.zeros(2, 7), torch.zeros(3, 7), None, group, in_features=13)
+            add("refuse_lanes", "NO ERROR")
+        except ValueError as e:
+            add("refuse_lanes", str(e))
     if hasattr(aligned_ops, "linear_partial"):
         rec += linear_records(name, group, t, r, seed)
     return rec
@@ -111,6 +118,11 @@ def linear_records(name, group, t, r, seed):
                 got = collective.row_parallel_linear(xr, Wr, bias, group, in_features=K)
                 rec.append(dict(group=name, t=t, rank=r, check=f"row_parallel_equals_linear[{dtype},K={K},bias={bias is not None}]",
                                 value=bool(torch.equal(bits(got), bits(want)))))
+            # The lane sums the engine's sequential negative control adds left to right are the linear's own:
+            lanes = [aligned_ops.linear_partial(x[:, a:b].contiguous(), W[:, a:b].contiguous(), 1)
+                     for a, b in aligned_ops.linear_lane_bounds(K)]
+            rec.append(dict(group=name, t=t, rank=r, check=f"lane_sums_tree_equals_partial8[{dtype},K={K}]",
+                            value=bool(torch.equal(bits(lane_tree(lanes)), bits(aligned_ops.linear_partial(x, W, 8))))))
             # Negative control: each rank rounds its own linear, the ranks' outputs are summed (what a plain
             # TP split of any fixed-order linear gives).
             naive = sum(x.to(torch.float32) for x in gather(aligned_ops.linear(xr, Wr).to(torch.float32), group, t))
@@ -158,8 +170,8 @@ def main():
     for check, fn, exc in [
         ("refuse_dtype", lambda: tree_all_reduce(torch.zeros(3, dtype=torch.bfloat16)), TypeError),
         ("refuse_algorithm", lambda: tree_all_reduce(torch.zeros(3), algorithm="ring"), ValueError),
-        ("refuse_lanes", lambda: collective.row_parallel_linear(torch.zeros(2, 12), torch.zeros(3, 12), None,
-                                                                in_features=100), ValueError),
+        ("refuse_slice", lambda: collective.row_parallel_linear(torch.zeros(2, 12), torch.zeros(3, 12), None,
+                                                                in_features=200), ValueError),
     ]:
         try:
             fn()

@@ -68,6 +68,7 @@ def test_row_parallel_linear_equals_linear(records, t):
     bad = [r for r in got if r["value"] is not True]
     assert not bad, bad[:5]
     assert all(r["value"] > 0 for r in _select(records, "per_rank_linear_differs", t))
+    assert all(r["value"] is True for r in _select(records, "lane_sums_tree_equals_partial8", t))
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -85,8 +86,13 @@ def test_refusals(records):
     assert msg == "aligned_ops.tree_all_reduce: partial must be float32 (the fp32 sub-tree of linear_partial), got torch.bfloat16"
     (msg,) = {r["value"] for r in _select(records, "refuse_algorithm")}
     assert "algorithm must be one of" in msg
-    (msg,) = {r["value"] for r in _select(records, "refuse_lanes")}
-    assert msg.startswith("aligned_ops.row_parallel_linear: K = 100 does not split into whole lanes over 8 ranks")
+    msgs = {r["value"] for r in _select(records, "refuse_slice")}
+    assert len(msgs) == 8 and all(
+        m.startswith("aligned_ops.row_parallel_linear: K = 200 does not split into whole lanes over 8 ranks as this "
+                     "rank's weight does: rank ") and m.endswith("(25 features), it holds 12") for m in msgs), msgs
+    msgs = {r["value"] for r in _select(records, "refuse_lanes", 2)}
+    assert all(m.startswith("aligned_ops.row_parallel_linear: K = 13 does not split into whole lanes over 2 ranks (")
+               and "cannot be split 2 ways into whole lanes" in m for m in msgs), msgs
 
 
 def test_refuses_without_process_group():
@@ -98,17 +104,3 @@ def test_refuses_without_process_group():
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="aligned_ops.tree_all_reduce: torch.distributed is not initialized"):
         tree_all_reduce(torch.zeros(3))
-
-
-def test_lane_tree_is_the_fixed_tree():
-    import torch
-
-    from aligned_ops.collective import lane_tree
-    from aligned_ops.testing import bits
-
-    g = torch.Generator().manual_seed(0)
-    L = torch.randn(8, 1000, generator=g) * torch.exp2(torch.randint(-20, 21, (8, 1000), generator=g).float())
-    want = ((L[0] + L[1]) + (L[2] + L[3])) + ((L[4] + L[5]) + (L[6] + L[7]))
-    assert torch.equal(bits(lane_tree(list(L))), bits(want))
-    with pytest.raises(ValueError, match="power-of-two number of parts, got 3"):
-        lane_tree(list(L[:3]))
