@@ -314,9 +314,12 @@ def _patch(cls, name, new, key=None):
 
 def install() -> None:
     """Install every hook (idempotent). Raises ``RuntimeError`` on an unsupported vLLM version."""
-    global _installed
+    global _installed, _tp_combine
     if _installed:
         return
+    combine = os.environ.get(TP_COMBINE_ENV, "tree").strip().lower() or "tree"
+    if combine not in TP_COMBINES:
+        raise ValueError(f"{TP_COMBINE_ENV} must be one of {TP_COMBINES}, got {combine!r}")
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.activation import SiluAndMul
@@ -342,10 +345,7 @@ def install() -> None:
     from vllm.model_executor.layers.linear import RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    global _tp_combine
-    _tp_combine = os.environ.get(TP_COMBINE_ENV, "tree").strip().lower() or "tree"
-    if _tp_combine not in TP_COMBINES:
-        raise ValueError(f"{TP_COMBINE_ENV} must be one of {TP_COMBINES}, got {_tp_combine!r}")
+    _tp_combine = combine
     _patch(RowParallelLinear, "forward", _row_parallel_forward)
     _patch(VocabParallelEmbedding, "forward", _vocab_embedding_forward)
     _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
