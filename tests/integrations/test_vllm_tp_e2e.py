@@ -1,4 +1,4 @@
-"""End to end at tensor parallelism: real vLLM-CPU at TP = 2 (mp workers) with the aligned_ops plugin vs a TP = 1
+"""End to end at tensor parallelism: real vLLM-CPU at TP = 2 (and 4, opt-in: ALIGNED_OPS_TP_E2E=2,4; mp workers) with the aligned_ops plugin vs a TP = 1
 trainer (patched HF, one process) and a 2-rank FSDP2 trainer (gloo), bitwise (integer views).
 
 One engine per dtype (bf16, fp32), chunked prefill on (max_num_batched_tokens=128, prompts up to 300
@@ -34,6 +34,8 @@ needs_lanes = pytest.mark.skipif(not hasattr(aligned_ops, "linear_partial"),
 
 PROMPT_LENS = [3, 200, 17, 300, 64, 129, 8, 250]  # 200/300/129/250 > max_num_batched_tokens: chunked prefill
 FSDP_WORKER = os.path.join(os.path.dirname(__file__), "_fsdp2_worker.py")
+# CI runs TP = 2; ALIGNED_OPS_TP_E2E=2,4 adds TP = 4 (4 workers on this 2-core machine: slow, run by hand).
+TP_DEGREES = [int(t) for t in os.environ.get("ALIGNED_OPS_TP_E2E", "2").split(",")]
 
 
 def _prompts(seed):
@@ -79,20 +81,22 @@ def _same(a, b):
 
 
 @needs_lanes
+@pytest.mark.parametrize("tp", TP_DEGREES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp2_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, dtype, tmp_path, monkeypatch):
+def test_tp_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, dtype, tp, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        ncpu = os.cpu_count() or 1
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % ncpu) for r in range(tp)))
     path = model_dirs[dtype]
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
     llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512,
-                   tensor_parallel_size=2, distributed_executor_backend="mp")
+                   tensor_parallel_size=tp, distributed_executor_backend="mp")
     jobs = []
     try:
-        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == tp
         # 1. sampled rollouts, batch of 8, chunked prefill
         sampled = generate_with_logprobs(llm, _prompts(0), temperature=0.7, max_tokens=8)
         assert [len(r.prompt_token_ids) for r in sampled] == PROMPT_LENS
@@ -114,7 +118,7 @@ def test_tp2_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, dtype, tm
         vllm_plugin.set_tp_combine(llm, "tree")
         n_seq = sum(int((bits(a.logprobs_tensor()) != bits(b.logprobs_tensor())).sum()) + (a.token_ids != b.token_ids)
                     for a, b in zip(seq, full))
-        print(f"[{dtype}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
+        print(f"[{dtype}, TP={tp}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
         assert n_seq > 0
         again = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
         assert all(_same(a, b) for a, b in zip(again, full))
