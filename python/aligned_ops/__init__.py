@@ -45,6 +45,9 @@ from ._dense import (
 from . import _linear_lanes  # noqa: F401  (linear_partial: fake impl, no-backward rule; TP lane helpers)
 from ._linear_lanes import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
 
+from . import collective  # noqa: F401  (tree all-reduce across TP ranks: finishes the 8-lane linear tree)
+from .collective import tree_all_reduce
+
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 
@@ -56,6 +59,7 @@ __all__ = [
     "linear_lane_bounds",
     "linear_tp_slices",
     "tree_combine",
+    "tree_all_reduce",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

@@ -98,10 +98,16 @@ def test_quantization_and_spec_decode_and_tp_refused(tiny_dir):
     c = copy.copy(base)
     c.speculative_config = object()
     cases.append((c, "speculative decoding is not covered"))
+    for tp in (3, 6, 16):
+        c = copy.copy(base)
+        c.parallel_config = copy.copy(base.parallel_config)
+        c.parallel_config.tensor_parallel_size = tp
+        cases.append((c, f"tensor_parallel_size {tp} is not supported \\(1, 2, 4 or 8: each rank of a row-parallel "
+                         "layer must hold whole lanes of the 8-lane linear tree\\)"))
     c = copy.copy(base)
     c.parallel_config = copy.copy(base.parallel_config)
-    c.parallel_config.tensor_parallel_size = 2
-    cases.append((c, "tensor/pipeline parallelism"))
+    c.parallel_config.pipeline_parallel_size = 2
+    cases.append((c, "pipeline parallelism is not covered; use pipeline_parallel_size=1"))
     c = copy.copy(base)
     c.cache_config = copy.copy(base.cache_config)
     c.cache_config.cache_dtype = "fp8"
@@ -158,3 +164,20 @@ def test_rollout_dtype_must_be_explicit():
 
     with pytest.raises(ValueError, match="dtype must be one of"):
         make_llm("/nonexistent", dtype="auto")
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_degrees_accepted(tiny_dir, tp):
+    """TP 2/4/8 pass validation (the row-parallel layers finish the 8-lane tree with tree_all_reduce)."""
+    base = _engine_config(tiny_dir)
+    c = copy.copy(base)
+    c.parallel_config = copy.copy(base.parallel_config)
+    c.parallel_config.tensor_parallel_size = tp
+    vllm_plugin.validate_vllm_config(c)
+
+
+def test_tp_combine_env_refused(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.TP_COMBINE_ENV, "ring")
+    monkeypatch.setattr(vllm_plugin, "_installed", False)
+    with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential'\\), got 'ring'"):
+        vllm_plugin.install()

@@ -19,7 +19,7 @@ import torch
 
 from . import vllm_plugin
 
-__all__ = ["make_llm", "generate_with_logprobs", "refit", "Rollout"]
+__all__ = ["make_llm", "generate_with_logprobs", "refit", "shutdown", "Rollout"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,3 +151,11 @@ def refit(llm, state_dict) -> None:
     dtype = llm.llm_engine.model_config.dtype
     items = [(k, v.detach().to("cpu", dtype)) for k, v in state_dict.items()]
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=items))
+
+
+def shutdown(llm) -> None:
+    """Stop ``llm``'s engine core and, with ``distributed_executor_backend="mp"`` (tensor parallelism), its
+    worker processes, now rather than at garbage collection."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

@@ -15,6 +15,10 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
 - ``UnquantizedLinearMethod`` (QKV, o_proj, gate_up, down) and ``UnquantizedEmbeddingMethod.apply`` (LM head)
   -> ``aligned::linear``; their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
   and ``load_weights`` (refit) keeps working
+- tensor parallelism (TP = 2, 4, 8): ``RowParallelLinear.forward`` (o_proj, down_proj) -> each rank's
+  8-lane sub-tree (``aligned::linear_partial``) finished by ``aligned_ops.collective.tree_all_reduce``, bias
+  once after; ``VocabParallelEmbedding.forward`` -> an exact owner-copy combine that keeps -0.0; vLLM's own
+  TP all-reduce (shared memory on CPU) raises if anything else reaches it
 - the attention backend -> :class:`~aligned_ops.integrations.vllm_attention.AlignedAttentionBackend`
   (overrides ``CPU_ATTN`` on CPU; registered as ``CUSTOM`` and selected on CUDA/ROCm)
 - ``Sampler.compute_logprobs`` -> ``aligned::log_softmax`` over the full vocabulary in fp32 at the
@@ -24,8 +28,8 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
 
 At engine start-up (``EngineArgs.create_engine_config``) it refuses, with one ``ValueError`` listing every
 reason, configurations it cannot keep aligned: other architectures or RoPE variants, quantization, a
-non-``auto`` KV-cache dtype, prefix caching, speculative decoding, tensor/pipeline parallelism, compiled
-mode (pass ``enforce_eager=True``), and a ``logprobs_mode`` other than ``raw_logprobs``.
+non-``auto`` KV-cache dtype, prefix caching, speculative decoding, a tensor-parallel size other than 1, 2,
+4 or 8, pipeline parallelism, compiled mode (pass ``enforce_eager=True``), and a ``logprobs_mode`` other than ``raw_logprobs``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import os
 import torch
 
 import aligned_ops
+import aligned_ops.collective
 
 from . import SUPPORTED_DTYPES, check_hf_config
 
@@ -119,6 +124,110 @@ def _linear_apply(self, layer, x, bias=None):
     return aligned_ops.linear(x, layer.weight, bias)
 
 
+# ---- tensor parallelism (TP = 1, 2, 4, 8) ----------------------------------------------------------------
+# Column-parallel layers (QKV, gate_up), the attention heads and the LM head's vocab shards compute whole
+# output elements over the full K: already exact. Row-parallel layers (o_proj, down_proj) hold 1/t of K =
+# 8/t whole lanes of the linear's 8-lane tree: each rank computes its sub-tree (linear_partial, fp32) and
+# tree_all_reduce finishes the same tree; the bias is added once, after. The vocab-parallel embedding's
+# ranks own disjoint rows: the others contribute -0.0 (x + -0.0 == x for every x, -0.0 included), so the sum
+# is an exact copy. vLLM-CPU's shared-memory all-reduce is never reached from these layers (a stock TP
+# all-reduce of floating data raises while the plugin is installed, so nothing can bypass this silently).
+
+TP_COMBINES = ("tree", "sequential")
+TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential": NEGATIVE CONTROL ONLY (breaks the contract)
+_tp_combine = "tree"
+
+
+def _set_tp_combine_in_worker(worker, mode):
+    global _tp_combine
+    if mode not in TP_COMBINES:
+        raise ValueError(f"tp combine must be one of {TP_COMBINES}, got {mode!r}")
+    _tp_combine = mode
+    return mode
+
+
+def set_tp_combine(llm, mode: str) -> None:
+    """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree" or "sequential") in every
+    worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show the
+    log-probs then differ from the trainer's)."""
+    llm.collective_rpc(_set_tp_combine_in_worker, args=(mode,))
+
+
+def _tp_group():
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group()
+
+
+def _sequential_lane_combine(x, weight, group_coordinator):
+    """Negative control: the same lane sums combined left to right (((l0+l1)+l2)+...) instead of the tree."""
+    t = group_coordinator.world_size
+    k = weight.shape[-1]
+    lanes = aligned_ops.collective.LINEAR_LANES // t
+    sums = []
+    for j in range(lanes):
+        lo, hi = (j * k) // lanes, ((j + 1) * k) // lanes
+        sums.append(aligned_ops.linear_partial(x[..., lo:hi].contiguous(), weight[:, lo:hi].contiguous(), 1))
+    local = torch.stack(sums)
+    gathered = [torch.empty_like(local) for _ in range(t)]
+    torch.distributed.all_gather(gathered, local, group=group_coordinator.device_group)
+    all_lanes = [s for g in gathered for s in g]
+    acc = all_lanes[0]
+    for s in all_lanes[1:]:
+        acc = acc + s
+    return acc
+
+
+def _row_parallel_forward(self, input_):
+    if self.tp_size == 1:
+        return _originals["RowParallelLinear.forward"](self, input_)
+    if not self.reduce_results:
+        raise NotImplementedError("aligned_ops: a row-parallel layer without reduce_results is not supported")
+    if not self.input_is_parallel:
+        from vllm.distributed import split_tensor_along_last_dim
+
+        input_ = split_tensor_along_last_dim(input_, num_partitions=self.tp_size)[self.tp_rank].contiguous()
+    group = _tp_group()
+    bias = None if self.skip_bias_add else self.bias
+    if _tp_combine == "sequential":
+        out = _sequential_lane_combine(input_, self.weight, group)
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        out = out.to(input_.dtype)
+    else:
+        out = aligned_ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
+                                                         in_features=self.input_size)
+    if not self.return_bias:
+        return out
+    return out, (self.bias if self.skip_bias_add else None)
+
+
+def _vocab_embedding_forward(self, input_):
+    if self.tp_size == 1:
+        return _originals["VocabParallelEmbedding.forward"](self, input_)
+    from vllm.model_executor.layers.vocab_parallel_embedding import get_masked_input_and_mask
+
+    si = self.shard_indices
+    masked_input, not_owned = get_masked_input_and_mask(
+        input_, si.org_vocab_start_index, si.org_vocab_end_index, si.num_org_vocab_padding,
+        si.added_vocab_start_index, si.added_vocab_end_index)
+    local = self.quant_method.embedding(self, masked_input.long())
+    if not self.reduce_results:
+        return local.masked_fill(not_owned.unsqueeze(-1), 0)
+    group = self.parallel_group if self.parallel_group is not None else _tp_group()
+    return aligned_ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
+
+
+def _stock_all_reduce(self, input_):
+    if (self.world_size > 1 and self.unique_name.startswith("tp") and isinstance(input_, torch.Tensor)
+            and input_.is_floating_point()):
+        raise RuntimeError(
+            "aligned_ops vLLM plugin: a stock tensor-parallel all-reduce (vLLM's shared-memory/NCCL SUM, not "
+            "the 8-lane tree) was reached from a layer the plugin does not cover"
+        )
+    return _originals["GroupCoordinator.all_reduce"](self, input_)
+
+
 def _keep_weight_after_loading(self, layer):
     # Skip vLLM's CPU GEMM dispatch: it may re-pack or delete layer.weight (oneDNN / sgl / zentorch);
     # aligned::linear reads the plain [N, K] weight, and refit (load_weights) needs it in place.
@@ -169,11 +278,14 @@ def validate_vllm_config(vllm_config) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append("speculative decoding is not covered")
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+    if pc.tensor_parallel_size not in aligned_ops.collective.TP_DEGREES:
         reasons.append(
-            "tensor/pipeline parallelism splits reductions across ranks and is not covered; use tp=pp=1 "
-            "(data-parallel replicas are fine)"
+            f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
+            "row-parallel layer must hold whole lanes of the 8-lane linear tree)"
         )
+    if pc.pipeline_parallel_size != 1:
+        reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
+                       "data-parallel replicas are fine)")
     if not mc.enforce_eager:
         reasons.append("compiled mode is not covered; pass enforce_eager=True")
     if str(getattr(mc, "logprobs_mode", "raw_logprobs")) != "raw_logprobs":
@@ -202,9 +314,12 @@ def _patch(cls, name, new, key=None):
 
 def install() -> None:
     """Install every hook (idempotent). Raises ``RuntimeError`` on an unsupported vLLM version."""
-    global _installed
+    global _installed, _tp_combine
     if _installed:
         return
+    combine = os.environ.get(TP_COMBINE_ENV, "tree").strip().lower() or "tree"
+    if combine not in TP_COMBINES:
+        raise ValueError(f"{TP_COMBINE_ENV} must be one of {TP_COMBINES}, got {combine!r}")
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.activation import SiluAndMul
@@ -226,6 +341,14 @@ def install() -> None:
     _patch(Sampler, "forward", _sampler_forward)
     _patch(Sampler, "compute_logprobs", staticmethod(_compute_logprobs))
     _patch(EngineArgs, "create_engine_config", _create_engine_config)
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    _tp_combine = combine
+    _patch(RowParallelLinear, "forward", _row_parallel_forward)
+    _patch(VocabParallelEmbedding, "forward", _vocab_embedding_forward)
+    _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
 
     path = "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
     if current_platform.is_cpu():
@@ -248,8 +371,13 @@ def uninstall() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
     classes = {c.__name__: c for c in (EngineArgs, SiluAndMul, RMSNorm, UnquantizedLinearMethod, RotaryEmbedding,
-                                       UnquantizedEmbeddingMethod, Sampler)}
+                                       UnquantizedEmbeddingMethod, Sampler, RowParallelLinear,
+                                       VocabParallelEmbedding, GroupCoordinator)}
     for key, orig in list(_originals.items()):
         if key == "backend.CPU_ATTN":
             register_backend(AttentionBackendEnum.CPU_ATTN, orig)
