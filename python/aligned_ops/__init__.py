@@ -37,6 +37,7 @@ from ._dense import (
 
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
+from .emulation import emulate
 
 __version__ = "0.1.0"
 
@@ -53,4 +54,5 @@ __all__ = [
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",
+    "emulate",
 ]
