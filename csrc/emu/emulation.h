@@ -38,7 +38,7 @@ std::string known_archs();
 // CPU backend fails when the emulated kernels do not compute what the GPU would.
 enum class Fault : int {
   kNone = 0,
-  kShuffleRotate = 1,  // shfl_xor reads lane (lane + mask) mod width instead of lane ^ mask
+  kShuffleNeighbourTree = 1,  // shfl_xor mask bits reversed: a butterfly 16..1 sums neighbours first
   kBarrierNoop = 2,    // __syncthreads does not wait for the other threads
 };
 

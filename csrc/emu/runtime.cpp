@@ -466,13 +466,23 @@ std::string hex(uint64_t v) {
   return b;
 }
 
+// The xor mask with its log2(width) low bits reversed: the butterfly 16, 8, 4, 2, 1 becomes 1, 2, 4, 8, 16,
+// i.e. the neighbour-pairs tree ((a0 + a1) + (a2 + a3)) + ... instead of the contract's halving tree.
+int reverse_low_bits(int mask, int width) {
+  int r = 0, bits = 0;
+  while ((1 << bits) < width) ++bits;
+  for (int b = 0; b < bits; ++b)
+    if (mask & (1 << b)) r |= 1 << (bits - 1 - b);
+  return r | (mask & ~(width - 1));
+}
+
 // The source lane (index within the warp) that `l` reads in a shuffle.
 int shuffle_source(const Lane& l, Fault fault) {
   const int lane = l.lane, width = l.width, seg = lane & ~(width - 1), ws = l.coords.warp_size;
   int s = lane;
   switch (l.op) {
     case WarpOp::kShflXor:
-      s = fault == Fault::kShuffleRotate ? seg + ((lane - seg + l.arg) & (width - 1)) : (lane ^ l.arg);
+      s = lane ^ (fault == Fault::kShuffleNeighbourTree ? reverse_low_bits(l.arg, width) : l.arg);
       if (s >= seg + width || s >= ws) s = lane;  // later segments: own value (both vendors)
       break;
     case WarpOp::kShflIdx: s = seg + (int)((unsigned)l.arg % (unsigned)width); break;

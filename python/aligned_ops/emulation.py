@@ -22,7 +22,7 @@ import torch
 
 ARCHS = ("sm_90", "sm_100", "gfx942", "gfx950")
 # Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
-_FAULTS = {None: 0, "shuffle_rotate": 1, "barrier_noop": 2}
+_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2}
 
 
 @dataclasses.dataclass(frozen=True)
