@@ -14,6 +14,7 @@
 #include "cpu_kernels.h"
 #include "glue_checks.h"
 #include "dense_split_kernels.h"
+#include "emulation_hook.h"
 
 namespace aligned::cpu {
 
@@ -460,7 +461,8 @@ std::string cpu_isa() { return cpu_kernels().isa; }
 
 TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
 
-TORCH_LIBRARY_IMPL(aligned, CPU, m) {
+TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
+  EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)
   m.impl("linear", &linear);
   m.impl("linear_backward", &linear_backward);
   m.impl("linear_partial", &linear_partial);

@@ -16,7 +16,11 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#if defined(ALIGNED_ROCM)
+#if defined(ALIGNED_EMULATED_GLUE)
+// Compiled a second time for the emulation target (csrc/emu/ops_emulated_*.cpp): CPU tensors, the emulated
+// launchers, no stream, and a registry instead of the CUDA dispatch key (csrc/emu/emulation.h).
+#include "../emu/emulation.h"
+#elif defined(ALIGNED_ROCM)
 #include <c10/hip/HIPStream.h>
 #else
 #include <c10/cuda/CUDAStream.h>
@@ -36,7 +40,10 @@ namespace {
 using gpu::DType;
 
 void* current_stream(const at::Tensor& t) {
-#if defined(ALIGNED_ROCM)
+#if defined(ALIGNED_EMULATED_GLUE)
+  (void)t;
+  return nullptr;  // emulated launches are synchronous
+#elif defined(ALIGNED_ROCM)
   return (void*)c10::hip::getCurrentHIPStream(t.device().index()).stream();
 #else
   return (void*)c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
@@ -49,9 +56,15 @@ void check_launch(const char* err, const char* op) {
 
 // t must live on the same CUDA device as ref (ref itself must be a CUDA tensor).
 void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
+#if defined(ALIGNED_EMULATED_GLUE)
+  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
+              " must be a CPU tensor under aligned_ops.emulate, got device ", t.device());
+  (void)ref;
+#else
   TORCH_CHECK(t.device().is_cuda(), "aligned::", op, ": ", name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK(t.device() == ref.device(), "aligned::", op, ": ", name, " is on ", t.device(), " but the inputs are on ",
               ref.device(), " (all tensors must be on the same device)");
+#endif
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -418,7 +431,11 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, true, "_log_
 
 }  // namespace
 
+#if defined(ALIGNED_EMULATED_GLUE)
+ALIGNED_EMULATED_GLUE_IMPL(m) {
+#else
 TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
+#endif
   m.impl("linear", &linear);
   m.impl("linear_backward", &linear_backward);
   m.impl("linear_partial", &linear_partial);

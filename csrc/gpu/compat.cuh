@@ -8,12 +8,25 @@
 // warpSize: they use kGroupLanes and the group index threadIdx.x / 32.
 #pragma once
 
-#if defined(__HIPCC__)
+#if defined(ALIGNED_GPU_EMULATED)
+// The emulation target (csrc/emu): the same source compiled for the host, run by our SIMT runtime. simt.h
+// defines ALIGNED_GPU_CUDA or ALIGNED_GPU_HIP for the vendor spelling being emulated, so the branches
+// below are the real vendor branches.
+#include "../emu/simt.h"
+#elif defined(__HIPCC__)
 #include <hip/hip_runtime.h>
 #define ALIGNED_GPU_HIP 1
 #else
 #include <cuda_runtime.h>
 #define ALIGNED_GPU_CUDA 1
+#endif
+
+// ALIGNED_LAUNCH(grid, block, shared_bytes, stream, kernel<...>)(args...) is `kernel<<<grid, block, shared_bytes,
+// stream>>>(args...)`; the emulation target, being plain C++, has no <<< >>> syntax.
+#if defined(ALIGNED_GPU_EMULATED)
+#define ALIGNED_LAUNCH(grid, block, shared_bytes, stream, ...) ALIGNED_EMU_LAUNCH(grid, block, shared_bytes, stream, __VA_ARGS__)
+#else
+#define ALIGNED_LAUNCH(grid, block, shared_bytes, stream, ...) __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
 #endif
 
 #include <stdint.h>

@@ -48,7 +48,7 @@ const char* launch_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      rms_norm_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+      ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), rms_norm_kernel<T, TW>)(
           (const T*)p.x, (const TW*)p.w, (T*)p.out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
@@ -62,7 +62,7 @@ const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      fused_add_rms_norm_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+      ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), fused_add_rms_norm_kernel<T, TW>)(
           (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
@@ -77,12 +77,12 @@ const char* launch_rms_norm_backward(const RmsNormBackwardParams& p, void* strea
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
       if (p.rows > 0)
-        rms_norm_backward_dx_kernel<T, TW><<<row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream)>>>(
+        ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), rms_norm_backward_dx_kernel<T, TW>)(
             (const T*)p.g, (const T*)p.x, (const TW*)p.w, (T*)p.dx, p.inv, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
     // dw reads inv[] written above: same stream, so ordered. rows == 0 gives dw = +0 (empty chains).
-    rms_norm_backward_dw_kernel<T><<<elem_blocks(p.H), kElemBlockThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(elem_blocks(p.H), kElemBlockThreads, 0, as_stream(stream), rms_norm_backward_dw_kernel<T>)(
         (const T*)p.g, (const T*)p.x, p.inv, p.dw, p.rows, p.H);
   });
   return last_error();
@@ -92,7 +92,7 @@ const char* launch_silu_and_mul(const SiluMulParams& p, void* stream) {
   if (p.rows == 0 || p.d == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    silu_and_mul_kernel<T><<<elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream), silu_and_mul_kernel<T>)(
         (const T*)p.x, (T*)p.out, p.rows, p.d);
   });
   return last_error();
@@ -102,7 +102,7 @@ const char* launch_silu_and_mul_backward(const SiluMulParams& p, void* stream) {
   if (p.rows == 0 || p.d == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    silu_and_mul_backward_kernel<T><<<elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(elem_blocks(p.rows * p.d), kElemBlockThreads, 0, as_stream(stream), silu_and_mul_backward_kernel<T>)(
         (const T*)p.g, (const T*)p.x, (T*)p.out, p.rows, p.d);
   });
   return last_error();
@@ -114,7 +114,7 @@ const char* launch_rotary(const RotaryParams& p, void* stream) {
   if (n == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    rotary_kernel<T><<<elem_blocks(n), kElemBlockThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(elem_blocks(n), kElemBlockThreads, 0, as_stream(stream), rotary_kernel<T>)(
         p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse);
   });
   return last_error();
@@ -126,7 +126,7 @@ const char* launch_logits(const LogitsParams& p, void* stream) {
   if (p.T == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    logits_row_kernel<T, kMode><<<row_blocks(p.T), kRowBlockThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(row_blocks(p.T), kRowBlockThreads, 0, as_stream(stream), logits_row_kernel<T, kMode>)(
         (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz);
   });
   return last_error();
@@ -164,22 +164,22 @@ const char* launch_gemm(const GemmParams& p, void* stream) {
     const T* B = (const T*)p.B;
     if (p.lanes == 1) {  // one chain per element, written straight to C
       if (p.cdt == p.adt)
-        gemm_fp32_kernel<T, T, T><<<grid, kGemmThreads, 0, as_stream(stream)>>>(
+        ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, T>)(
             A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N, p.K, 1, 0);
       else
-        gemm_fp32_kernel<T, T, float><<<grid, kGemmThreads, 0, as_stream(stream)>>>(
+        ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, float>)(
             A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const float*)p.bias, (float*)p.C, p.c_sm, p.M, p.N, p.K, 1, 0);
       return;
     }
     // lanes > 1: lane sums to the workspace (no bias), then the tree + bias + rounding
-    gemm_fp32_kernel<T, T, float><<<grid, kGemmThreads, 0, as_stream(stream)>>>(
+    ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, float>)(
         A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, nullptr, p.lane_ws, p.N, p.M, p.N, p.K, p.lanes, p.M * p.N);
     const unsigned fold_blocks = elem_blocks(p.M * p.N);  // grid-stride loop inside
     if (p.cdt == p.adt)
-      lane_fold_kernel<T><<<fold_blocks, kElemBlockThreads, 0, as_stream(stream)>>>(
+      ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<T>)(
           p.lane_ws, p.lanes, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N);
     else
-      lane_fold_kernel<float><<<fold_blocks, kElemBlockThreads, 0, as_stream(stream)>>>(
+      ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<float>)(
           p.lane_ws, p.lanes, (const float*)p.bias, (float*)p.C, p.c_sm, p.M, p.N);
   });
   return last_error();
@@ -190,7 +190,7 @@ const char* launch_column_sum(const ColumnSumParams& p, void* stream) {
   if (p.out_dt != p.dt) return "aligned column_sum: output dtype must equal input dtype";
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    column_sum_kernel<T, T><<<elem_blocks(p.cols), kElemBlockThreads, 0, as_stream(stream)>>>((const T*)p.g, (T*)p.out,
+    ALIGNED_LAUNCH(elem_blocks(p.cols), kElemBlockThreads, 0, as_stream(stream), column_sum_kernel<T, T>)((const T*)p.g, (T*)p.out,
                                                                                              p.rows, p.cols);
   });
   return last_error();
@@ -198,12 +198,12 @@ const char* launch_column_sum(const ColumnSumParams& p, void* stream) {
 
 const char* launch_exp_f32(const ElementwiseParams& p, void* stream) {
   if (p.n == 0) return nullptr;
-  exp_log_kernel<false><<<elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream)>>>(p.x, p.out, p.n);
+  ALIGNED_LAUNCH(elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream), exp_log_kernel<false>)(p.x, p.out, p.n);
   return last_error();
 }
 const char* launch_log_f32(const ElementwiseParams& p, void* stream) {
   if (p.n == 0) return nullptr;
-  exp_log_kernel<true><<<elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream)>>>(p.x, p.out, p.n);
+  ALIGNED_LAUNCH(elem_blocks(p.n), kElemBlockThreads, 0, as_stream(stream), exp_log_kernel<true>)(p.x, p.out, p.n);
   return last_error();
 }
 

@@ -50,6 +50,7 @@ from .collective import tree_all_reduce
 
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
+from .emulation import emulate
 
 __version__ = "0.1.0"
 
@@ -71,4 +72,5 @@ __all__ = [
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",
+    "emulate",
 ]

@@ -1,0 +1,54 @@
+// ops_emulated_cuda.cpp — the GPU glue (csrc/cuda/ops_cuda.cpp) compiled for the emulated CUDA build of
+// csrc/gpu (csrc/emu/model_cuda.h): same argument checks, params and launcher calls, CPU tensors, launchers in
+// aligned::gpu_emu_cuda, registered into glue_registry(Vendor::kCuda). Also the control ops behind
+// aligned_ops.emulate (python/aligned_ops/emulation.py).
+#include "emulated_glue_prelude.h"
+
+#include <string>
+#include <vector>
+
+#define ALIGNED_EMULATED_VENDOR ::aligned::emu::Vendor::kCuda
+#define gpu gpu_emu_cuda
+#include "../cuda/ops_cuda.cpp"
+#undef gpu
+
+namespace aligned::emu {
+namespace {
+
+void emulate_enter(const std::string& arch, int64_t fault) {
+  const Arch* a = find_arch(arch);
+  TORCH_CHECK(a != nullptr, "aligned_ops.emulate: arch must be one of ", known_archs(), ", got '", arch, "'");
+  TORCH_CHECK(fault >= 0 && fault <= 2, "aligned_ops.emulate: unknown fault ", fault);
+  enter(a, (Fault)fault);
+}
+
+// One string per launch: "kernel|arch|gx,gy,gz|bx,by,bz|shared_bytes" (parsed by emulation.py).
+std::vector<std::string> emulate_exit() {
+  std::vector<std::string> out;
+  for (const LaunchRecord& r : exit()) {
+    out.push_back(r.kernel + "|" + r.arch + "|" + std::to_string(r.grid[0]) + "," + std::to_string(r.grid[1]) + "," +
+                  std::to_string(r.grid[2]) + "|" + std::to_string(r.block[0]) + "," + std::to_string(r.block[1]) +
+                  "," + std::to_string(r.block[2]) + "|" + std::to_string(r.shared_bytes));
+  }
+  return out;
+}
+
+// "name|vendor|warp_size|max_shared_bytes|matrix model" per arch.
+std::vector<std::string> emulated_archs() {
+  std::vector<std::string> out;
+  for (const char* n : {"sm_90", "sm_100", "gfx942", "gfx950"}) {
+    const Arch* a = find_arch(n);
+    out.push_back(std::string(a->name) + "|" + (a->vendor == Vendor::kHip ? "hip" : "cuda") + "|" +
+                  std::to_string(a->warp_size) + "|" + std::to_string(a->max_shared_bytes) + "|" + a->matrix_model);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace aligned::emu
+
+TORCH_LIBRARY_FRAGMENT(aligned, m) {
+  m.def("_emulate_enter(str arch, int fault=0) -> ()", &aligned::emu::emulate_enter);
+  m.def("_emulate_exit() -> str[]", &aligned::emu::emulate_exit);
+  m.def("_emulated_archs() -> str[]", &aligned::emu::emulated_archs);
+}

@@ -1,0 +1,755 @@
+// runtime.cpp — the SIMT runtime of the emulation target (torch-free).
+//
+// A launch runs every block of the grid to completion before it returns. Blocks are independent, so they
+// are spread over a few worker OS threads (ALIGNED_EMU_THREADS, default min(4, cores)); which worker runs a
+// block never changes a result, because a block's threads only share memory within the block.
+//
+// Inside a block every GPU thread is a fiber with a small stack (64 KiB, 512 KiB under ASan, a guard page
+// below). The worker runs the runnable fibers in thread order, each until it blocks at __syncthreads or a
+// warp collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are
+// resolved (values exchanged, votes counted), then — if nothing else can run — the barrier is released once
+// every live thread waits at it; anything else is a deadlock and fails the launch with a description. The
+// order of everything is fixed, so runs are deterministic. Fibers are created once per worker and reused by
+// every block and launch (a finished fiber waits at the top of its loop for the next thread to run).
+//
+// Context switches: a 6-register x86-64 switch (callee-saved registers + stack pointer; MXCSR and the x87
+// control word are never changed by kernels), ucontext elsewhere. Under ASan every switch is announced
+// with __sanitizer_start/finish_switch_fiber so stack checking follows the fibers.
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "emulation.h"
+#include "simt_api.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define ALIGNED_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ALIGNED_EMU_ASAN 1
+#endif
+#endif
+#if defined(ALIGNED_EMU_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace aligned::emu {
+
+thread_local const ThreadCoords* tl_coords = nullptr;
+
+// ---- archs -----------------------------------------------------------------------------------------------
+namespace {
+const Arch kArchs[] = {
+    {"sm_90", Vendor::kCuda, 32, 227 * 1024,
+     "none emulated (no kernel uses an MMA); bf16/fp16 wgmma would follow MMA-Sim's Hopper model: K=16 fused dot "
+     "+ C, terms aligned to the largest exponent, truncated to 25 fractional bits, round toward zero"},
+    {"sm_100", Vendor::kCuda, 32, 227 * 1024,
+     "none emulated (no kernel uses an MMA); bf16/fp16 tcgen05 would follow MMA-Sim's Blackwell model (as Hopper)"},
+    {"gfx942", Vendor::kHip, 64, 64 * 1024,
+     "none emulated (no kernel uses an MFMA); bf16/fp16 MFMA would follow MMA-Sim's CDNA3 model: groups of 8 "
+     "products truncated to 24 bits, group sum floored to 31 bits, round to nearest even"},
+    {"gfx950", Vendor::kHip, 64, 160 * 1024, "none emulated (no kernel uses an MFMA); MMA-Sim has no CDNA4 model"},
+};
+}  // namespace
+
+const Arch* find_arch(const std::string& name) {
+  for (const Arch& a : kArchs)
+    if (name == a.name) return &a;
+  return nullptr;
+}
+std::string known_archs() {
+  std::string s;
+  for (const Arch& a : kArchs) s += (s.empty() ? "" : ", ") + std::string(a.name);
+  return s;
+}
+
+// ---- activation and records -----------------------------------------------------------------------------
+namespace {
+struct Scope {
+  const Arch* prev_arch;
+  Fault prev_fault;
+  size_t first_record;
+};
+std::mutex g_state_mutex;
+std::vector<Scope> g_scopes;
+std::vector<LaunchRecord> g_records;
+std::atomic<const Arch*> g_arch{nullptr};
+std::atomic<int> g_fault{0};
+}  // namespace
+
+void enter(const Arch* arch, Fault fault) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  g_scopes.push_back({g_arch.load(), (Fault)g_fault.load(), g_records.size()});
+  g_fault.store((int)fault);
+  g_arch.store(arch);
+}
+std::vector<LaunchRecord> exit() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (g_scopes.empty()) return {};
+  const Scope s = g_scopes.back();
+  g_scopes.pop_back();
+  std::vector<LaunchRecord> mine(g_records.begin() + (ptrdiff_t)s.first_record, g_records.end());
+  if (g_scopes.empty()) g_records.clear();
+  g_arch.store(s.prev_arch);
+  g_fault.store((int)s.prev_fault);
+  return mine;
+}
+const Arch* active_arch() { return g_arch.load(std::memory_order_acquire); }
+Fault active_fault() { return (Fault)g_fault.load(std::memory_order_relaxed); }
+
+GlueRegistry& glue_registry(Vendor vendor) {
+  static GlueRegistry registries[2];
+  return registries[(int)vendor];
+}
+void GlueRegistry::signature_mismatch(const std::string& name) {
+  throw std::logic_error("aligned emulation: the emulated GPU glue of '" + name +
+                         "' has a different C++ signature than the CPU glue");
+}
+
+// ---- errors (sticky per calling thread, like cudaGetLastError) -----------------------------------------------
+namespace {
+thread_local std::string tl_error;
+thread_local bool tl_error_pending = false;
+}  // namespace
+const char* take_last_error() {
+  if (!tl_error_pending) return nullptr;
+  tl_error_pending = false;
+  return tl_error.c_str();
+}
+const char* last_error_message() { return tl_error.empty() ? "no error" : tl_error.c_str(); }
+
+const char* pretty_kernel_name(const char* pretty) {
+  // GCC: "... [with auto K = aligned::gpu_emu_cuda::rms_norm_kernel<float, float>]"; clang: "[K = &...]".
+  std::string s(pretty);
+  size_t b = s.find("K = ");
+  b = b == std::string::npos ? 0 : b + 4;
+  if (b < s.size() && s[b] == '&') ++b;
+  size_t e = s.rfind(']');
+  std::string name = s.substr(b, e == std::string::npos || e < b ? std::string::npos : e - b);
+  const size_t lt = name.find('<');
+  const size_t ns = name.rfind("::", lt);
+  if (ns != std::string::npos) name = name.substr(ns + 2);
+  static std::mutex m;
+  static std::vector<std::unique_ptr<std::string>> interned;
+  std::lock_guard<std::mutex> lock(m);
+  interned.push_back(std::make_unique<std::string>(name));
+  return interned.back()->c_str();
+}
+
+// ---- fibers ----------------------------------------------------------------------------------------------
+namespace {
+
+#if defined(__x86_64__)
+extern "C" void aligned_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl aligned_emu_switch
+  .hidden aligned_emu_switch
+  .type aligned_emu_switch,@function
+aligned_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size aligned_emu_switch,.-aligned_emu_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+struct Context {
+  void* sp = nullptr;
+};
+#else
+struct Context {
+  ucontext_t uc;
+};
+#endif
+
+#if defined(ALIGNED_EMU_ASAN)
+constexpr size_t kStackBytes = 512 * 1024;  // ASan frames carry redzones
+#else
+constexpr size_t kStackBytes = 64 * 1024;
+#endif
+
+struct Lane;
+
+struct Fiber {
+  Context ctx;
+  char* map = nullptr;  // guard page + stack
+  size_t map_bytes = 0;
+  char* stack_lo() const { return map + page(); }
+  size_t stack_bytes() const { return map_bytes - page(); }
+  static size_t page() { return (size_t)sysconf(_SC_PAGESIZE); }
+};
+
+enum class LaneState : uint8_t { kRunnable, kBarrier, kWarpOp, kDone, kFailed };
+
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  size_t bytes, zero_fill;
+};
+
+// One GPU thread of the block being run.
+struct Lane {
+  ThreadCoords coords;
+  int linear = 0, warp = 0, lane = 0;
+  LaneState state = LaneState::kRunnable;
+  // the warp collective it waits at
+  WarpOp op = WarpOp::kSyncWarp;
+  uint64_t value = 0, result = 0, mask = 0;
+  int arg = 0, width = 0;
+  bool has_mask = false;
+  // async copies not yet retired, and the end index of each committed group
+  std::vector<PendingCopy> copies;
+  std::vector<size_t> group_ends;
+  Fiber* fiber = nullptr;
+};
+
+struct Job {
+  const char* kernel;
+  LaunchConfig cfg;
+  const Arch* arch;
+  Fault fault;
+  void (*thunk)(const void*);
+  const void* args;
+  uint64_t blocks;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  uint64_t error_block = ~0ull;
+  std::string error;
+  void fail(uint64_t block, const std::string& what) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (block < error_block) {  // the lowest failing block reports: deterministic message
+      error_block = block;
+      error = what;
+    }
+    failed.store(true);
+  }
+};
+
+// Per worker OS thread: its fibers, the scheduler's own context and the block it runs.
+struct Worker {
+  Context sched;
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  std::vector<Lane> lanes;
+  Lane* current = nullptr;
+  const Job* job = nullptr;
+  std::string block_error;
+  const void* sched_stack_lo = nullptr;  // ASan: the scheduler's stack (learnt on the first switch)
+  size_t sched_stack_bytes = 0;
+  ~Worker() {
+    for (auto& f : fibers) munmap(f->map, f->map_bytes);
+  }
+};
+thread_local Worker tl_worker;
+
+[[noreturn]] void fiber_main();
+
+void init_fiber_context(Fiber* f) {
+#if defined(ALIGNED_EMU_ASAN)
+  __asan_unpoison_memory_region(f->stack_lo(), f->stack_bytes());  // frames abandoned by a failed launch
+#endif
+#if defined(__x86_64__)
+  uintptr_t top = ((uintptr_t)(f->stack_lo() + f->stack_bytes())) & ~(uintptr_t)15;
+  void** sp = (void**)top;
+  *--sp = nullptr;                      // fiber_main's (never used) return address
+  *--sp = (void*)&fiber_main;           // aligned_emu_switch returns here
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
+  f->ctx.sp = sp;
+#else
+  getcontext(&f->ctx.uc);
+  f->ctx.uc.uc_stack.ss_sp = f->stack_lo();
+  f->ctx.uc.uc_stack.ss_size = f->stack_bytes();
+  f->ctx.uc.uc_link = nullptr;
+  makecontext(&f->ctx.uc, (void (*)())fiber_main, 0);
+#endif
+}
+
+Fiber* new_fiber() {
+  auto* f = new Fiber;
+  f->map_bytes = kStackBytes + Fiber::page();
+  void* m = mmap(nullptr, f->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) {
+    delete f;
+    throw std::runtime_error("aligned emulation: cannot map a fiber stack");
+  }
+  f->map = (char*)m;
+  mprotect(f->map, Fiber::page(), PROT_NONE);  // stack overflow faults instead of corrupting memory
+  init_fiber_context(f);
+  return f;
+}
+
+inline void raw_switch(Context& from, Context& to) {
+#if defined(__x86_64__)
+  aligned_emu_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+// Scheduler -> fiber of `lane`; returns when the fiber blocks or finishes.
+void resume(Worker& w, Lane& lane) {
+  w.current = &lane;
+  tl_coords = &lane.coords;
+#if defined(ALIGNED_EMU_ASAN)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, lane.fiber->stack_lo(), lane.fiber->stack_bytes());
+#endif
+  raw_switch(w.sched, lane.fiber->ctx);
+#if defined(ALIGNED_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  w.current = nullptr;
+  tl_coords = nullptr;
+}
+
+// Fiber -> scheduler (the lane's state says why); returns when the scheduler resumes this fiber.
+void yield_to_scheduler() {
+  Worker& w = tl_worker;
+  Fiber* f = w.current->fiber;
+#if defined(ALIGNED_EMU_ASAN)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, w.sched_stack_lo, w.sched_stack_bytes);
+#endif
+  raw_switch(f->ctx, w.sched);
+#if defined(ALIGNED_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(fake, &w.sched_stack_lo, &w.sched_stack_bytes);
+#endif
+}
+
+void retire_copies(Lane& l, size_t groups) {
+  if (groups == 0) return;
+  const size_t end = l.group_ends[groups - 1];
+  for (size_t i = 0; i < end; ++i) {
+    const PendingCopy& c = l.copies[i];
+    memcpy(c.dst, c.src, c.bytes - c.zero_fill);
+    memset((char*)c.dst + (c.bytes - c.zero_fill), 0, c.zero_fill);
+  }
+  l.copies.erase(l.copies.begin(), l.copies.begin() + (ptrdiff_t)end);
+  l.group_ends.erase(l.group_ends.begin(), l.group_ends.begin() + (ptrdiff_t)groups);
+  for (size_t& g : l.group_ends) g -= end;
+}
+
+[[noreturn]] void fiber_main() {
+  Worker& w = tl_worker;
+#if defined(ALIGNED_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(nullptr, &w.sched_stack_lo, &w.sched_stack_bytes);
+#endif
+  for (;;) {
+    w.job->thunk(w.job->args);
+    Lane& l = *w.current;
+    // Copies still in flight when a thread exits complete anyway on a GPU.
+    l.group_ends.push_back(l.copies.size());
+    retire_copies(l, l.group_ends.size());
+    l.state = LaneState::kDone;
+    yield_to_scheduler();
+  }
+}
+
+// A rule broken by the running thread: fail the block and never resume this fiber.
+[[noreturn]] void device_fault(const std::string& what) {
+  Worker& w = tl_worker;
+  Lane& l = *w.current;
+  if (w.block_error.empty()) {
+    w.block_error = what + " (thread (" + std::to_string(l.coords.thread_idx.x) + "," +
+                    std::to_string(l.coords.thread_idx.y) + "," + std::to_string(l.coords.thread_idx.z) + "))";
+  }
+  l.state = LaneState::kFailed;
+  yield_to_scheduler();
+  abort();  // unreachable: a failed fiber is reset, not resumed
+}
+
+Lane& running_lane(const char* what) {
+  Worker& w = tl_worker;
+  if (!w.current) {
+    fprintf(stderr, "aligned emulation: %s called outside an emulated kernel\n", what);
+    abort();
+  }
+  return *w.current;
+}
+
+const char* op_name(WarpOp op) {
+  switch (op) {
+    case WarpOp::kShflXor: return "shfl_xor";
+    case WarpOp::kShflIdx: return "shfl";
+    case WarpOp::kShflUp: return "shfl_up";
+    case WarpOp::kShflDown: return "shfl_down";
+    case WarpOp::kBallot: return "ballot";
+    case WarpOp::kAny: return "any";
+    case WarpOp::kAll: return "all";
+    case WarpOp::kSyncWarp: return "syncwarp";
+  }
+  return "?";
+}
+
+}  // namespace
+
+// ---- device calls ----------------------------------------------------------------------------------------
+uint64_t warp_collective(WarpOp op, uint64_t value, int arg, int width, uint64_t mask, bool has_mask) {
+  Lane& l = running_lane("a warp collective");
+  const int ws = l.coords.warp_size;
+  if (width <= 0 || width > ws || (width & (width - 1)) != 0)
+    device_fault(std::string(op_name(op)) + ": width " + std::to_string(width) + " is not a power of two <= warpSize " +
+                 std::to_string(ws));
+  if (has_mask && !((mask >> l.lane) & 1))
+    device_fault(std::string(op_name(op)) + ": the calling lane " + std::to_string(l.lane) + " is not in the _sync mask");
+  l.op = op;
+  l.value = value;
+  l.arg = arg;
+  l.width = width;
+  l.mask = has_mask ? mask : ~0ull;
+  l.has_mask = has_mask;
+  l.state = LaneState::kWarpOp;
+  yield_to_scheduler();
+  return l.result;
+}
+
+void sync_threads() {
+  Lane& l = running_lane("__syncthreads");
+  if (tl_worker.job->fault == Fault::kBarrierNoop) return;
+  l.state = LaneState::kBarrier;
+  yield_to_scheduler();
+}
+
+void async_copy(void* dst, const void* src, size_t bytes, size_t zero_fill) {
+  Lane& l = running_lane("__pipeline_memcpy_async");
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || zero_fill > bytes)
+    device_fault("__pipeline_memcpy_async: size must be 4, 8 or 16 bytes and zero_fill <= size");
+  if (((uintptr_t)dst | (uintptr_t)src) % bytes != 0)
+    device_fault("__pipeline_memcpy_async: source and destination must be aligned to the copy size");
+  l.copies.push_back({dst, src, bytes, zero_fill});
+}
+void async_commit() {
+  Lane& l = running_lane("__pipeline_commit");
+  l.group_ends.push_back(l.copies.size());
+}
+void async_wait_prior(size_t pending_groups) {
+  Lane& l = running_lane("__pipeline_wait_prior");
+  const size_t groups = l.group_ends.size();
+  retire_copies(l, groups > pending_groups ? groups - pending_groups : 0);
+}
+
+// ---- the block scheduler ---------------------------------------------------------------------------------
+namespace {
+
+std::string hex(uint64_t v) {
+  char b[32];
+  snprintf(b, sizeof b, "0x%llx", (unsigned long long)v);
+  return b;
+}
+
+// The xor mask with its log2(width) low bits reversed: the butterfly 16, 8, 4, 2, 1 becomes 1, 2, 4, 8, 16,
+// i.e. the neighbour-pairs tree ((a0 + a1) + (a2 + a3)) + ... instead of the contract's halving tree.
+int reverse_low_bits(int mask, int width) {
+  int r = 0, bits = 0;
+  while ((1 << bits) < width) ++bits;
+  for (int b = 0; b < bits; ++b)
+    if (mask & (1 << b)) r |= 1 << (bits - 1 - b);
+  return r | (mask & ~(width - 1));
+}
+
+// The source lane (index within the warp) that `l` reads in a shuffle.
+int shuffle_source(const Lane& l, Fault fault) {
+  const int lane = l.lane, width = l.width, seg = lane & ~(width - 1), ws = l.coords.warp_size;
+  int s = lane;
+  switch (l.op) {
+    case WarpOp::kShflXor:
+      s = lane ^ (fault == Fault::kShuffleNeighbourTree ? reverse_low_bits(l.arg, width) : l.arg);
+      if (s >= seg + width || s >= ws) s = lane;  // later segments: own value (both vendors)
+      break;
+    case WarpOp::kShflIdx: s = seg + (int)((unsigned)l.arg % (unsigned)width); break;
+    case WarpOp::kShflUp: s = lane - l.arg < seg ? lane : lane - l.arg; break;
+    case WarpOp::kShflDown: s = lane + l.arg >= seg + width ? lane : lane + l.arg; break;
+    default: break;
+  }
+  return s;
+}
+
+// Resolves the collectives of warp `warp` whose lanes all arrived. Returns whether any lane became runnable;
+// a broken rule is written to `err`.
+bool resolve_warp(Worker& w, int warp, int nthreads, std::string& err) {
+  const int ws = w.job->arch->warp_size;
+  const int first = warp * ws, last = std::min(nthreads, first + ws);
+  Lane* lanes = w.lanes.data();
+  uint64_t arrived = 0;
+  for (int t = first; t < last; ++t)
+    if (lanes[t].state == LaneState::kWarpOp) arrived |= 1ull << (t - first);
+  if (!arrived) return false;
+  uint64_t done = 0;
+  bool progressed = false;
+  for (int t = first; t < last; ++t) {
+    const uint64_t bit = 1ull << (t - first);
+    if (!(arrived & bit) || (done & bit)) continue;
+    const Lane& lead = lanes[t];
+    // The participants: on CUDA the lanes of the lead's _sync mask; on HIP every lane at a collective.
+    uint64_t group = lead.has_mask ? lead.mask : arrived;
+    const uint64_t exists = (last - first) == 64 ? ~0ull : ((1ull << (last - first)) - 1);
+    if (lead.has_mask && (group & ~arrived)) {
+      const uint64_t missing = group & ~arrived;
+      err = std::string(op_name(lead.op)) + ": lanes " + hex(missing & exists) + (missing & ~exists ? " (and lanes past the block's last thread)" : "") +
+            " named in the _sync mask " + hex(group) + " of warp " + std::to_string(warp) +
+            " did not arrive (exited, or waiting elsewhere)";
+      return false;
+    }
+    for (int u = first; u < last; ++u) {
+      const uint64_t ub = 1ull << (u - first);
+      if (!(group & ub)) continue;
+      const Lane& o = lanes[u];
+      if (o.op != lead.op || o.width != lead.width || o.has_mask != lead.has_mask || (lead.has_mask && o.mask != lead.mask)) {
+        err = "divergent warp collectives in warp " + std::to_string(warp) + ": lane " + std::to_string(t - first) +
+              " is at " + op_name(lead.op) + " (width " + std::to_string(lead.width) + ", mask " + hex(lead.mask) +
+              "), lane " + std::to_string(u - first) + " at " + op_name(o.op) + " (width " + std::to_string(o.width) +
+              ", mask " + hex(o.mask) + ")";
+        return false;
+      }
+    }
+    uint64_t votes = 0;
+    for (int u = first; u < last; ++u)
+      if ((group & (1ull << (u - first))) && lanes[u].value) votes |= 1ull << (u - first);
+    for (int u = first; u < last; ++u) {
+      const uint64_t ub = 1ull << (u - first);
+      if (!(group & ub)) continue;
+      Lane& o = lanes[u];
+      switch (o.op) {
+        case WarpOp::kShflXor:
+        case WarpOp::kShflIdx:
+        case WarpOp::kShflUp:
+        case WarpOp::kShflDown: {
+          const int s = shuffle_source(o, w.job->fault);
+          if (!(group & (1ull << s))) {
+            err = std::string(op_name(o.op)) + ": lane " + std::to_string(u - first) + " of warp " + std::to_string(warp) +
+                  " reads lane " + std::to_string(s) + ", which is not at this collective (exited or diverged)";
+            return false;
+          }
+          o.result = lanes[first + s].value;
+          break;
+        }
+        case WarpOp::kBallot: o.result = votes; break;
+        case WarpOp::kAny: o.result = votes != 0; break;
+        case WarpOp::kAll: o.result = votes == (group & arrived); break;
+        case WarpOp::kSyncWarp: o.result = 0; break;
+      }
+      o.state = LaneState::kRunnable;
+      progressed = true;
+    }
+    done |= group;
+  }
+  return progressed;
+}
+
+void reset_block_fibers(Worker& w, int nthreads) {
+  for (int t = 0; t < nthreads; ++t) {
+    Lane& l = w.lanes[t];
+    if (l.state != LaneState::kDone) init_fiber_context(l.fiber);  // abandon its frames
+  }
+}
+
+// Runs block `b` of the job on this worker; returns false (and the message) on a broken rule.
+bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
+  const dim3 g = job.cfg.grid, bd = job.cfg.block;
+  const int nthreads = (int)(bd.x * bd.y * bd.z);
+  const int ws = job.arch->warp_size;
+  while ((int)w.fibers.size() < nthreads) w.fibers.emplace_back(new_fiber());
+  if ((int)w.lanes.size() < nthreads) w.lanes.resize(nthreads);
+  const uint3 bidx{(unsigned)(b % g.x), (unsigned)((b / g.x) % g.y), (unsigned)(b / ((uint64_t)g.x * g.y))};
+  for (int t = 0; t < nthreads; ++t) {
+    Lane& l = w.lanes[t];
+    l.coords = ThreadCoords{uint3{t % bd.x, (t / bd.x) % bd.y, t / (bd.x * bd.y)}, bidx, bd, g, ws};
+    l.linear = t;
+    l.warp = t / ws;
+    l.lane = t % ws;
+    l.state = LaneState::kRunnable;
+    l.copies.clear();
+    l.group_ends.clear();
+    l.fiber = w.fibers[t].get();
+  }
+  w.job = &job;
+  w.block_error.clear();
+  const int nwarps = (nthreads + ws - 1) / ws;
+  int live = nthreads;
+  for (;;) {
+    for (int t = 0; t < nthreads; ++t) {
+      Lane& l = w.lanes[t];
+      if (l.state != LaneState::kRunnable) continue;
+      resume(w, l);
+      if (l.state == LaneState::kDone) --live;
+      if (l.state == LaneState::kFailed) break;
+    }
+    if (!w.block_error.empty()) {
+      err = w.block_error;
+      reset_block_fibers(w, nthreads);
+      return false;
+    }
+    if (live == 0) return true;
+    bool progressed = false;
+    for (int wi = 0; wi < nwarps && err.empty(); ++wi) progressed |= resolve_warp(w, wi, nthreads, err);
+    if (!err.empty()) {
+      reset_block_fibers(w, nthreads);
+      return false;
+    }
+    if (progressed) continue;
+    int at_barrier = 0, at_warp = 0;
+    for (int t = 0; t < nthreads; ++t) {
+      at_barrier += w.lanes[t].state == LaneState::kBarrier;
+      at_warp += w.lanes[t].state == LaneState::kWarpOp;
+    }
+    if (at_barrier == live) {
+      for (int t = 0; t < nthreads; ++t)
+        if (w.lanes[t].state == LaneState::kBarrier) w.lanes[t].state = LaneState::kRunnable;
+      continue;
+    }
+    err = "deadlock: " + std::to_string(at_barrier) + " thread(s) wait at __syncthreads while " +
+          std::to_string(at_warp) + " wait at a warp collective that cannot complete";
+    reset_block_fibers(w, nthreads);
+    return false;
+  }
+}
+
+void run_blocks(Job& job) {
+  Worker& w = tl_worker;
+  std::string err;
+  for (;;) {
+    if (job.failed.load(std::memory_order_relaxed)) return;
+    const uint64_t b = job.next.fetch_add(1);
+    if (b >= job.blocks) return;
+    err.clear();
+    if (!run_block(w, job, b, err)) {
+      const dim3 g = job.cfg.grid;
+      job.fail(b, "block (" + std::to_string(b % g.x) + "," + std::to_string((b / g.x) % g.y) + "," +
+                      std::to_string(b / ((uint64_t)g.x * g.y)) + "): " + err);
+      return;
+    }
+  }
+}
+
+// A few persistent worker threads (fibers and their stacks are per worker, created once).
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool;  // never destroyed: workers may outlive static destruction
+    if (pool->pid_ != getpid()) pool = new Pool;  // after fork() the workers are gone
+    return *pool;
+  }
+  void run(Job& job) {
+    const int helpers = std::min<int>((int)threads_.size(), (int)std::min<uint64_t>(job.blocks, 64) - 1);
+    if (helpers > 0) {
+      std::unique_lock<std::mutex> lock(m_);
+      job_ = &job;
+      wanted_ = helpers;
+      busy_ = helpers;
+      ++generation_;
+      cv_.notify_all();
+    }
+    run_blocks(job);
+    if (helpers > 0) {
+      std::unique_lock<std::mutex> lock(m_);
+      done_cv_.wait(lock, [&] { return busy_ == 0; });
+      job_ = nullptr;
+    }
+  }
+
+ private:
+  Pool() : pid_(getpid()) {
+    int n = (int)std::thread::hardware_concurrency();
+    if (const char* e = getenv("ALIGNED_EMU_THREADS")) n = atoi(e);
+    n = std::max(1, std::min(n, 4));
+    for (int i = 0; i + 1 < n; ++i) threads_.emplace_back([this, i] { loop(i); });
+    for (auto& t : threads_) t.detach();
+  }
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      Job* job;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index >= wanted_) continue;
+        job = job_;
+      }
+      run_blocks(*job);
+      std::unique_lock<std::mutex> lock(m_);
+      if (--busy_ == 0) done_cv_.notify_all();
+    }
+  }
+  pid_t pid_;
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_, done_cv_;
+  Job* job_ = nullptr;
+  int wanted_ = 0, busy_ = 0;
+  uint64_t generation_ = 0;
+};
+
+std::mutex g_launch_mutex;  // one launch at a time (launches are synchronous anyway)
+
+void set_error(const std::string& what) {
+  tl_error = what;
+  tl_error_pending = true;
+}
+
+}  // namespace
+
+void launch(const char* kernel, const LaunchConfig& cfg, void (*thunk)(const void*), const void* args) {
+  const Arch* arch = active_arch();
+  const std::string where = std::string("emulated launch of ") + kernel;
+  if (!arch) return set_error(where + ": no emulated arch is active (aligned_ops.emulate)");
+  if (tl_worker.current) return set_error(where + ": launched from inside an emulated kernel");
+  const dim3 g = cfg.grid, b = cfg.block;
+  const uint64_t threads = (uint64_t)b.x * b.y * b.z;
+  if (threads == 0 || threads > 1024 || b.z > 64)
+    return set_error(where + ": invalid block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," +
+                     std::to_string(b.z) + "): 1..1024 threads, z <= 64");
+  if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535)
+    return set_error(where + ": invalid grid (" + std::to_string(g.x) + "," + std::to_string(g.y) + "," +
+                     std::to_string(g.z) + ")");
+  if (cfg.shared_bytes > arch->max_shared_bytes)
+    return set_error(where + ": " + std::to_string(cfg.shared_bytes) + " bytes of dynamic shared memory exceed " +
+                     arch->name + "'s " + std::to_string(arch->max_shared_bytes));
+  {
+    std::lock_guard<std::mutex> lock(g_state_mutex);
+    if (!g_scopes.empty())
+      g_records.push_back(LaunchRecord{kernel, arch->name, {g.x, g.y, g.z}, {b.x, b.y, b.z}, cfg.shared_bytes});
+  }
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  Job job;
+  job.kernel = kernel;
+  job.cfg = cfg;
+  job.arch = arch;
+  job.fault = active_fault();
+  job.thunk = thunk;
+  job.args = args;
+  job.blocks = (uint64_t)g.x * g.y * g.z;
+  Pool::get().run(job);
+  if (job.failed.load()) set_error(where + " on " + arch->name + ": " + job.error);
+}
+
+}  // namespace aligned::emu

@@ -1,0 +1,102 @@
+// simt_api.h — the interface between emulated kernels (csrc/emu/simt.h, the macros kernels see) and the SIMT
+// runtime (csrc/emu/runtime.cpp). Torch-free, macro-free: runtime.cpp includes it without the kernel macros.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+// CUDA and HIP declare these at global scope.
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace aligned::emu {
+
+// What the running fiber sees as its built-in variables (set by the scheduler before each resume).
+struct ThreadCoords {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+  int warp_size;
+};
+extern thread_local const ThreadCoords* tl_coords;
+
+enum class WarpOp : uint8_t { kShflXor, kShflIdx, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp };
+
+// One warp collective by the calling lane: blocks the fiber until its warp's participating lanes arrived.
+// mask: the _sync mask (CUDA spelling) or all ones (HIP spelling, has_mask false). Returns the lane's result
+// bits (shuffles: the source lane's value; votes: the mask / 0 / 1).
+uint64_t warp_collective(WarpOp op, uint64_t value, int arg, int width, uint64_t mask, bool has_mask);
+void sync_threads();
+void async_copy(void* dst, const void* src, size_t bytes, size_t zero_fill);
+void async_commit();
+void async_wait_prior(size_t pending_groups);
+
+template <class T>
+inline uint64_t to_bits(const T& v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp shuffles move at most 8 bytes");
+  uint64_t u = 0;
+  memcpy(&u, &v, sizeof(T));
+  return u;
+}
+template <class T>
+inline T from_bits(uint64_t u) {
+  T v;
+  memcpy(&v, &u, sizeof(T));
+  return v;
+}
+template <class T>
+inline T shuffle(WarpOp op, T v, int arg, int width, uint64_t mask, bool has_mask) {
+  return from_bits<T>(warp_collective(op, to_bits(v), arg, width, mask, has_mask));
+}
+
+// ---- launches -----------------------------------------------------------------------------------------
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t shared_bytes;  // dynamic shared memory of the launch (the third <<< >>> argument)
+  void* stream;
+};
+// Runs every block of the grid to completion (the launch is synchronous, like a launch followed by a stream
+// sync). A failure is kept as the sticky last error (cudaGetLastError / hipGetLastError below).
+void launch(const char* kernel_name, const LaunchConfig& cfg, void (*thunk)(const void* args), const void* args);
+const char* pretty_kernel_name(const char* pretty_function);  // interns the name (see kernel_name)
+
+// "rms_norm_kernel<float, float>" from the compiler's spelling of the template argument K.
+template <auto K>
+const char* kernel_name() {
+  static const char* const name = pretty_kernel_name(__PRETTY_FUNCTION__);
+  return name;
+}
+
+template <class... P>
+std::tuple<std::decay_t<P>...> kernel_parameters(void (*)(P...));
+
+// ALIGNED_LAUNCH(grid, block, shared, stream, kernel)(args...): converts the arguments to the kernel's
+// parameter types (as a <<< >>> launch does) and runs the grid.
+template <auto K>
+struct Launch {
+  LaunchConfig cfg;
+  template <class... A>
+  void operator()(A&&... a) const {
+    using Args = decltype(kernel_parameters(K));
+    const Args args(std::forward<A>(a)...);
+    launch(kernel_name<K>(), cfg, [](const void* p) { std::apply(K, *static_cast<const Args*>(p)); }, &args);
+  }
+};
+
+// The sticky error of the last failed launch (nullptr: none); reading it clears it, as cudaGetLastError does.
+const char* take_last_error();
+const char* last_error_message();
+
+}  // namespace aligned::emu
+

@@ -1,0 +1,93 @@
+"""``aligned_ops.emulate(arch)``: run the GPU kernel source on CPU tensors, in CI, without a GPU.
+
+Inside ``with aligned_ops.emulate("sm_90") as emu:`` every ``torch.ops.aligned`` op that has a GPU
+implementation runs, on CPU tensors, the GPU glue (csrc/cuda/ops_cuda.cpp: the same argument checks and
+params) and the csrc/gpu kernels compiled for the host and executed by our SIMT runtime (csrc/emu): GPU
+threads as fibers, ``__shared__`` memory per block, ``__syncthreads``, warp shuffles and votes with the
+arch's warp width (32 for sm_90 / sm_100, which run the CUDA spelling of csrc/gpu/compat.cuh; 64 for
+gfx942 / gfx950, which run the HIP spelling on wave64). Ops without GPU kernels (attention today) keep
+running the CPU backend. ``emu.launches`` lists every kernel launch of the block (kernel, arch, grid, block,
+dynamic shared bytes), so a test can prove that the GPU source ran. Emulation is process-wide (autograd's
+threads see it too); scopes nest.
+
+No matrix instruction is emulated, because no kernel in csrc/gpu uses one (the GEMM is fp32 fma on CUDA
+cores / VALU); ``emu.matrix_model`` says which published model a future MMA kernel would follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+ARCHS = ("sm_90", "sm_100", "gfx942", "gfx950")
+# Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
+_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str  # e.g. "rms_norm_kernel<float, float>"
+    arch: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int  # dynamic shared memory of the launch
+
+    @property
+    def kernel_base(self) -> str:
+        """The kernel's name without template arguments, e.g. "rms_norm_kernel"."""
+        return self.kernel.split("<", 1)[0]
+
+
+def _archs() -> dict[str, dict]:
+    out = {}
+    for rec in torch.ops.aligned._emulated_archs():
+        name, vendor, warp, smem, model = rec.split("|", 4)
+        out[name] = {"vendor": vendor, "warp_size": int(warp), "max_shared_bytes": int(smem), "matrix_model": model}
+    return out
+
+
+class Emulation:
+    """The context manager returned by :func:`emulate`; ``launches`` fills in when the block exits."""
+
+    def __init__(self, arch: str, _fault: str | None = None):
+        if arch not in ARCHS:
+            raise ValueError(f"aligned_ops.emulate: arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        if _fault not in _FAULTS:
+            raise ValueError(f"aligned_ops.emulate: unknown fault {_fault!r}")
+        info = _archs()[arch]
+        self.arch = arch
+        self.vendor: str = info["vendor"]
+        self.warp_size: int = info["warp_size"]
+        self.max_shared_bytes: int = info["max_shared_bytes"]
+        self.matrix_model: str = info["matrix_model"]
+        self.launches: list[Launch] = []
+        self._fault = _fault
+        self._active = False
+
+    def __enter__(self) -> "Emulation":
+        if self._active:
+            raise RuntimeError("aligned_ops.emulate: this scope is already active")
+        torch.ops.aligned._emulate_enter(self.arch, _FAULTS[self._fault])
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._active = False
+        for rec in torch.ops.aligned._emulate_exit():
+            kernel, arch, grid, block, smem = rec.split("|")
+            self.launches.append(
+                Launch(kernel, arch, tuple(int(v) for v in grid.split(",")), tuple(int(v) for v in block.split(",")), int(smem))
+            )
+
+    def kernels(self) -> set[str]:
+        """Base names of the kernels launched so far (after the block exited)."""
+        return {launch.kernel_base for launch in self.launches}
+
+    def __repr__(self) -> str:
+        return f"Emulation(arch={self.arch!r}, warp_size={self.warp_size}, launches={len(self.launches)})"
+
+
+def emulate(arch: str, *, _fault: str | None = None) -> Emulation:
+    """Run the aligned ops on CPU tensors through the GPU kernel source of ``arch`` (see the module doc)."""
+    return Emulation(arch, _fault)
