@@ -38,6 +38,9 @@ from ._dense import (
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 
+from . import _moe  # noqa: F401  (fake impls + autograd of the moe ops)
+from ._moe import moe_experts, moe_layer, moe_routing
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -53,4 +56,7 @@ __all__ = [
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",
+    "moe_routing",
+    "moe_experts",
+    "moe_layer",
 ]
