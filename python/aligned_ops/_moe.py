@@ -7,8 +7,8 @@ and rounded once). Both the vLLM plugin and the trainer patch call these ops, so
 trainer choose the same experts and compute the same bits.
 
 Backward is deterministic: the routing gradient is its own op with a fixed order (moe.h); the experts'
-gradient is composed of ``aligned`` ops (linear_backward, silu_and_mul_backward) run expert by expert in
-increasing id, tokens in batch order, with fp32 accumulation.
+gradient is the op ``aligned::moe_experts_backward``, composed of ``aligned`` ops (linear_backward,
+silu_and_mul_backward) run expert by expert in increasing id, tokens in batch order, with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -101,13 +101,12 @@ def _mlp_backward(x, w13, w2, gy):
     return y, dx, dw13, dw2
 
 
-def _experts_backward(ctx, grad):
-    x, tw, ids, w13, w2, sw13, sw2, sgate = ctx.saved_tensors
+def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+    """CPU/any-device kernel of ``aligned::moe_experts_backward`` (experts in increasing id, tokens in order)."""
     T, H = x.shape
     k = ids.shape[1]
     E = w13.shape[0]
     g = grad.float().contiguous()
-    need = ctx.needs_input_grad
     dx = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     dtw = torch.zeros((T, k), dtype=torch.float32, device=x.device)
     dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
@@ -130,7 +129,8 @@ def _experts_backward(ctx, grad):
         dx.index_add_(0, tok, dxe)
         dw13[e] = dw13e
         dw2[e] = dw2e
-    dsw13 = dsw2 = dgate = None
+    empty = x.new_empty((0,))
+    dsw13 = dsw2 = dgate = empty
     if sw13 is not None:
         if sgate is not None:
             logit = ops.linear(x.float(), sgate.reshape(1, H).float(), None)  # [T, 1] fp32, the kernel's chain
@@ -146,15 +146,41 @@ def _experts_backward(ctx, grad):
             dx += dxg
             dgate = dgate.reshape(sgate.shape).to(sgate.dtype)
         dsw13, dsw2 = dsw13.to(sw13.dtype), dsw2.to(sw2.dtype)
+    return dx.to(x.dtype), dtw, dw13.to(w13.dtype), dw2.to(w2.dtype), dsw13, dsw2, dgate
+
+
+torch.library.register_kernel(_lib + "moe_experts_backward", "cpu", _experts_backward_impl)
+
+
+@torch.library.register_fake(_lib + "moe_experts_backward")
+def _(grad_out, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+    _same_device("moe_experts_backward", grad_out, x, tw, ids, w13, w2, sw13, sw2, sgate)
+    empty = x.new_empty((0,))
     return (
-        dx.to(x.dtype) if need[0] else None,
+        x.new_empty(x.shape),
+        tw.new_empty(tw.shape, dtype=torch.float32),
+        w13.new_empty(w13.shape),
+        w2.new_empty(w2.shape),
+        sw13.new_empty(sw13.shape) if sw13 is not None else empty,
+        sw2.new_empty(sw2.shape) if sw2 is not None else empty,
+        sgate.new_empty(sgate.shape) if sgate is not None else empty,
+    )
+
+
+def _experts_backward(ctx, grad):
+    x, tw, ids, w13, w2, sw13, sw2, sgate = ctx.saved_tensors
+    need = tuple(ctx.needs_input_grad) + (False,) * 8  # optional inputs may be absent from the tuple
+    dx, dtw, dw13, dw2, dsw13, dsw2, dgate = ops.moe_experts_backward(grad.contiguous(), x, tw, ids, w13, w2, sw13,
+                                                                     sw2, sgate)
+    return (
+        dx if need[0] else None,
         dtw if need[1] else None,
         None,
-        dw13.to(w13.dtype) if need[3] else None,
-        dw2.to(w2.dtype) if need[4] else None,
-        dsw13 if need[5] else None,
-        dsw2 if need[6] else None,
-        dgate if need[7] else None,
+        dw13 if need[3] else None,
+        dw2 if need[4] else None,
+        dsw13 if (need[5] and sw13 is not None) else None,
+        dsw2 if (need[6] and sw2 is not None) else None,
+        dgate if (need[7] and sgate is not None) else None,
     )
 
 
