@@ -4,7 +4,7 @@
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
 //   1. assignments (token t, rank r) are sorted by expert, tokens in order inside an expert (counting sort);
-//   2. per expert: its tokens' rows are gathered, h = gemm(x_e, w13[e]) rounded to T, a = silu_and_mul(h),
+//   2. per expert (experts side by side on the threads): its tokens' rows are gathered, h = gemm(x_e, w13[e]) rounded to T, a = silu_and_mul(h),
 //      y = gemm(a, w2[e]) kept in fp32 (one row per assignment) — every gemm output element is one chain of
 //      the linear contract over its own row, so the rows an expert happens to hold do not matter;
 //   3. the shared expert (if any) runs the same three steps on all tokens, its gate one gemm column;
@@ -250,25 +250,39 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
       for (int64_t s = b; s < e; ++s) memcpy(xd + s * H * es, xs + src_token[s] * H * es, H * es);
     });
   }
-  int64_t max_rows = 0;
-  for (int64_t e = 0; e < E; ++e) max_rows = std::max(max_rows, start[e + 1] - start[e]);
-  const int64_t Imax = std::max(I, a.Is);
-  const int64_t rows_buf = std::max(max_rows, a.sw13.defined() ? T : 0);
-  auto hbuf = at::empty({rows_buf, 2 * Imax}, opts), abuf = at::empty({rows_buf, Imax}, opts);
+  // Experts run side by side (one task per expert with tokens, each its two gemms + silu_and_mul on one thread):
+  // decode and small prefill batches give an expert a few rows only, too little to split one gemm across threads.
+  auto hbuf = at::empty({N, 2 * I}, opts), abuf = at::empty({N, I}, opts);
   auto y = at::empty({N, H}, opts.dtype(at::kFloat));
   const char* w13p = (const char*)a.w13.data_ptr();
   const char* w2p = (const char*)a.w2.data_ptr();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = start[e + 1] - start[e];
-    if (m == 0) continue;  // an expert with no tokens costs nothing
-    expert_mlp(a.dt, (const char*)xg.data_ptr() + start[e] * H * es, w13p + e * 2 * I * H * es,
-               w2p + e * H * I * es, m, H, I, hbuf.data_ptr(), abuf.data_ptr(), y.data_ptr<float>() + start[e] * H);
+  std::vector<int64_t> busy;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) busy.push_back(e);  // an expert with no tokens costs nothing
+  {
+    const auto& ck = cpu_kernels();
+    char* xg0 = (char*)xg.data_ptr();
+    char* h0 = (char*)hbuf.data_ptr();
+    char* a0 = (char*)abuf.data_ptr();
+    float* y0 = y.data_ptr<float>();
+    at::parallel_for(0, (int64_t)busy.size(), 1, [&](int64_t b, int64_t en) {
+      for (int64_t i = b; i < en; ++i) {
+        const int64_t e = busy[i], r0 = start[e], m = start[e + 1] - start[e];
+        char* xe = xg0 + r0 * H * es;
+        char* he = h0 + r0 * 2 * I * es;
+        char* ae = a0 + r0 * I * es;
+        ck.gemm(a.dt, xe, H, 1, a.dt, w13p + e * 2 * I * H * es, H, 1, nullptr, a.dt, he, 2 * I, H, 0, m, 0, 2 * I);
+        ck.silu_and_mul(a.dt, he, ae, I, 0, m);
+        ck.gemm(a.dt, ae, I, 1, a.dt, w2p + e * H * I * es, I, 1, nullptr, DType::F32, y0 + r0 * H, H, I, 0, m, 0, H);
+      }
+    });
   }
   // 3. shared expert on every token, and its gate
   at::Tensor ys, g;
   if (a.sw13.defined()) {
     ys = at::empty({T, H}, opts.dtype(at::kFloat));
-    expert_mlp(a.dt, a.x.data_ptr(), a.sw13.data_ptr(), a.sw2.data_ptr(), T, H, a.Is, hbuf.data_ptr(), abuf.data_ptr(),
+    auto hs = at::empty({T, 2 * a.Is}, opts), as = at::empty({T, a.Is}, opts);
+    expert_mlp(a.dt, a.x.data_ptr(), a.sw13.data_ptr(), a.sw2.data_ptr(), T, H, a.Is, hs.data_ptr(), as.data_ptr(),
                ys.data_ptr<float>());
     if (a.sgate.defined()) {
       g = at::empty({T}, opts.dtype(at::kFloat));
