@@ -58,6 +58,25 @@ TORCH_LIBRARY(aligned, m) {
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
   m.def("_log_f32(Tensor x) -> Tensor");
+  // moe family (csrc/common/moe.h; CPU glue csrc/cpu/ops_moe_cpu.cpp; fakes + autograd python/aligned_ops/_moe.py)
+  m.def(
+      "moe_routing(Tensor router_logits, int top_k, str scoring=\"softmax\", bool renormalize=True) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_routing_backward(Tensor grad_weights, Tensor? grad_scores, Tensor router_logits, Tensor topk_ids, "
+      "str scoring, bool renormalize) -> Tensor");
+  m.def(
+      "moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? shared_w13=None, "
+      "Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
+  // Gradients of moe_experts wrt (x, topk_weights, w13, w2, shared_w13, shared_w2, shared_gate); the shared ones
+  // are empty tensors without a shared expert / gate. Implemented from other aligned ops (python/aligned_ops/_moe.py).
+  m.def(
+      "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
+      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_moe_experts_reference(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
+      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

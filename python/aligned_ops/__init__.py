@@ -52,6 +52,9 @@ from . import _attention  # noqa: F401  (fake impls + autograd of the attention 
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 from .emulation import emulate
 
+from . import _moe  # noqa: F401  (fake impls + autograd of the moe ops)
+from ._moe import moe_experts, moe_layer, moe_routing
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -73,4 +76,8 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "emulate",
+
+    "moe_routing",
+    "moe_experts",
+    "moe_layer",
 ]

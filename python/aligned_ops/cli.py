@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--temperature", type=float, default=1.0)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--threads", type=int, default=None, help="torch threads in the children (default: all cores)")
+    v.add_argument("--moe", action="store_true",
+                   help="build a tiny mixture-of-experts model (Qwen3-MoE) instead of a dense one; with --model, "
+                        "MoE checkpoints are detected from their config (routing flips are reported either way)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 

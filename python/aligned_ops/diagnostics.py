@@ -42,8 +42,13 @@ def mismatch_metrics(
     mask: Optional[Tensor] = None,
     *,
     band: tuple[float, float] = (0.5, 5.0),
+    trainer_experts: Optional[Tensor] = None,
+    rollout_experts: Optional[Tensor] = None,
 ) -> dict[str, float]:
     """Mismatch between trainer and rollout log-probs; a plain dict of python floats.
+
+    MoE models: pass both sides' expert choices (``trainer_experts``, ``rollout_experts``: int ``[B, T, L, k]``
+    or ``[T, L, k]``, aligned with the log-probs) to add the routing-flip keys of :func:`routing_flip_metrics`.
 
     Inputs are [B, T] (sequences, padded; ``mask`` bool or 0/1, default all valid) or [T] (one sequence).
     Means are over the n valid tokens unless stated; n_b is sequence b's valid token count.
@@ -106,6 +111,8 @@ def mismatch_metrics(
     seq_log_ratio = log_ratio_bt.sum(dim=-1)[tokens_per_seq > 0]
     seq_mean_log_ratio = seq_log_ratio / tokens_per_seq[tokens_per_seq > 0]
     lo, hi = band
+    if trainer_experts is not None and rollout_experts is not None:
+        metrics.update(routing_flip_metrics(trainer_experts, rollout_experts, log_ratio_bt, valid))
     return {
         **metrics,
         "frac_bitwise_equal": float(equal.sum()) / n,
@@ -142,6 +149,51 @@ def nan_min(values) -> float:
     """min() with the same NaN rule as :func:`nan_max`."""
     values = list(values)
     return float("nan") if any(map(_is_nan, values)) else min(values)
+
+def routing_flip_metrics(trainer_experts: Tensor, rollout_experts: Tensor, log_ratio: Tensor,
+                         valid: Tensor) -> dict[str, float]:
+    """Routing flips between trainer and rollout, and |Δ log-prob| split by whether routing agreed.
+
+    ``*_experts``: int ``[B, T, L, k]`` (or ``[T, L, k]``): for each scored token, the experts each of the L
+    MoE layers chose at the position whose hidden state scores it (the previous position). A (token, layer)
+    pair is a *flip* when the two sides chose different expert sets (order inside the top-k ignored); a token
+    is *flipped* when any layer flipped for it.
+
+    routing_flips                      number of flipped (token, layer) pairs over valid tokens
+    num_tokens_routing_flipped         tokens with at least one flip; frac_tokens_routing_flipped their fraction
+    abs_diff_mean/max_routing_agreed   |ℓt − ℓr| over tokens whose routing agreed in every layer
+    abs_diff_mean/max_routing_flipped  the same over flipped tokens (0 when there is none)
+    """
+    if trainer_experts.shape != rollout_experts.shape:
+        raise ValueError(f"trainer_experts shape {tuple(trainer_experts.shape)} != rollout_experts shape "
+                         f"{tuple(rollout_experts.shape)}")
+    if trainer_experts.dim() == 3:
+        trainer_experts, rollout_experts = trainer_experts[None], rollout_experts[None]
+    if trainer_experts.dim() != 4 or tuple(trainer_experts.shape[:2]) != tuple(valid.shape):
+        raise ValueError(f"expert choices must be [B, T, L, k] matching the log-probs {tuple(valid.shape)}, "
+                         f"got {tuple(trainer_experts.shape)}")
+    a = trainer_experts.sort(dim=-1).values
+    b = rollout_experts.to(a.dtype).sort(dim=-1).values
+    flip_layer = (a != b).any(dim=-1) & valid[..., None]  # [B, T, L]
+    flip_token = flip_layer.any(dim=-1)
+    agreed = valid & ~flip_token
+    diff = log_ratio.abs()
+
+    def stats(sel):
+        return (float(diff[sel].mean()), float(diff[sel].max())) if bool(sel.any()) else (0.0, 0.0)
+
+    mean_a, max_a = stats(agreed)
+    mean_f, max_f = stats(flip_token)
+    n = max(int(valid.sum()), 1)
+    return {
+        "routing_flips": float(flip_layer.sum()),
+        "num_tokens_routing_flipped": float(flip_token.sum()),
+        "frac_tokens_routing_flipped": float(flip_token.sum()) / n,
+        "abs_diff_mean_routing_agreed": mean_a,
+        "abs_diff_max_routing_agreed": max_a,
+        "abs_diff_mean_routing_flipped": mean_f,
+        "abs_diff_max_routing_flipped": max_f,
+    }
 
 
 def peak_to_median(values: list[float]) -> float:

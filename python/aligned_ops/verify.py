@@ -87,6 +87,41 @@ def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id,
     return lp, comp
 
 
+def is_moe_model(model_dir: str) -> bool:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    # transformers 5 writes num_local_experts; older configs num_experts
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
+
+
+def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id):
+    """Both sides' expert choices ``[B, S, L, k]`` (-1 where nothing is scored), entry ``[b, p]`` being the
+    experts of position p-1 — the hidden state that scores token p, like the log-prob tensors."""
+    import torch
+
+    from .integrations.routing_capture import capture_hf_routing, vllm_teacher_forced_routing
+
+    ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
+    B, S = ids.shape
+    with torch.no_grad():
+        if aligned:
+            per_pos = model(ids, attention_mask=attn, return_logits=False, return_routing=True).routed_experts
+        else:
+            with capture_hf_routing(model) as rec:
+                model(input_ids=ids, attention_mask=attn)
+            per_pos = torch.stack([r.view(B, S, -1) for r in rec], dim=2)
+    L, k = per_pos.shape[-2:]
+    trainer = torch.full((B, S, L, k), -1, dtype=torch.int64)
+    rollout = torch.full((B, S, L, k), -1, dtype=torch.int64)
+    for b, seq in enumerate(sequences):
+        n = len(seq)
+        trainer[b, 1:n] = per_pos[b, : n - 1]
+        rollout[b, 1:n] = vllm_teacher_forced_routing(llm, seq, L)[: n - 1]
+    return trainer, rollout
+
+
 def child(args) -> dict:
     """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
@@ -113,7 +148,11 @@ def child(args) -> dict:
     lp_rollout = torch.zeros_like(lp_trainer)
     for b, (s, c) in enumerate(zip(starts, completions)):
         lp_rollout[b, s : s + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    m = mismatch_metrics(lp_trainer, lp_rollout, comp)
+    experts = {}
+    if is_moe_model(args.model):
+        experts = dict(zip(("trainer_experts", "rollout_experts"),
+                           routing_pair(llm, model, aligned, sequences, starts, tok.eos_token_id)))
+    m = mismatch_metrics(lp_trainer, lp_rollout, comp, **experts)
     m.update(engine_start_s=t_engine, generate_s=t_gen, trainer_s=t_train, prompts=len(prompts),
              prompt_lengths=[len(p) for p in prompts])
     return m
@@ -123,6 +162,13 @@ def main(args) -> int:
     """Parent: build the model if none is given, run both kernel sets, print the table."""
     work = temp_dir("aligned_verify_")
     model = args.model
+    if model is None and getattr(args, "moe", False):
+        import torch
+
+        from .integrations.tiny_model import build_tiny_moe
+
+        model = build_tiny_moe(os.path.join(work, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype), seed=args.seed)
+        print(f"built a tiny random-weight Qwen3-MoE (8 experts, top-2; {args.dtype}) in {model}", flush=True)
     if model is None:
         import torch
 
@@ -144,6 +190,15 @@ def main(args) -> int:
         ("peak ratio π/μ", [results[k]["ratio_max"] for k in KERNEL_SETS]),
         ("min ratio π/μ", [results[k]["ratio_min"] for k in KERNEL_SETS]),
     ]
+    if "routing_flips" in results["aligned"]:  # MoE: the mechanism, split by routing agreement
+        rows += [
+            ("routing flips (token·layer)", [results[k]["routing_flips"] for k in KERNEL_SETS]),
+            ("tokens with a flip", [results[k]["num_tokens_routing_flipped"] for k in KERNEL_SETS]),
+            ("mean abs Δlogp, routing agreed", [results[k]["abs_diff_mean_routing_agreed"] for k in KERNEL_SETS]),
+            ("max abs Δlogp, routing agreed", [results[k]["abs_diff_max_routing_agreed"] for k in KERNEL_SETS]),
+            ("mean abs Δlogp, routing flipped", [results[k]["abs_diff_mean_routing_flipped"] for k in KERNEL_SETS]),
+            ("max abs Δlogp, routing flipped", [results[k]["abs_diff_max_routing_flipped"] for k in KERNEL_SETS]),
+        ]
     print_table(
         f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "
         f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step)",

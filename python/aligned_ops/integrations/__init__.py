@@ -15,6 +15,8 @@ on which dtype. See ``docs/integrations.md``.
 from __future__ import annotations
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# Mixture-of-experts architectures (routing + experts through aligned::moe_*; hf_moe.py, vllm_plugin.py).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -39,10 +41,13 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
     if architecture is not None:
         archs = [architecture]
     name = archs[0] if archs else type(config).__name__
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES:
         raise ValueError(
-            f"aligned_ops ({where}): unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"aligned_ops ({where}): unsupported architecture {name!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES)}"
         )
+    if archs[0] in MOE_ARCHITECTURES:
+        check_moe_config(config, where)
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     scaling = getattr(config, "rope_scaling", None)
@@ -59,3 +64,12 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
         raise ValueError(f"aligned_ops ({where}): activation {config.hidden_act!r} is not supported (only silu)")
     if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
+
+
+def check_moe_config(config, where: str) -> None:
+    """MoE-specific refusals (Qwen3-MoE / Qwen2-MoE): only what aligned::moe_* reproduces."""
+    top_k, experts = getattr(config, "num_experts_per_tok", 0), getattr(config, "num_experts", 0)
+    if not (1 <= top_k <= experts):
+        raise ValueError(f"aligned_ops ({where}): num_experts_per_tok must be in [1, num_experts], got {top_k}/{experts}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"aligned_ops ({where}): MoE experts need silu, got {config.hidden_act!r}")

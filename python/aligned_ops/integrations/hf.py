@@ -31,7 +31,7 @@ import torch
 
 import aligned_ops
 
-from . import SUPPORTED_ARCHITECTURES, check_hf_config, rope_theta_of
+from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe, rope_theta_of
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
@@ -48,6 +48,11 @@ class AlignedCausalLMOutput:
 
     logits: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``);
+    # ``routed_experts`` — int64 expert ids ``[*input_ids.shape, moe_layers, top_k]``, -1 at padding
+    # (``return_routing``), for routing-flip diagnostics against the rollout engine.
+    aux_loss: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 # ---- packing -----------------------------------------------------------------------------------------
@@ -150,6 +155,8 @@ def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache)
     x, residual = aligned_ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
                                                  self.post_attention_layernorm.variance_epsilon)
     mlp = self.mlp
+    if hf_moe.is_moe_block(mlp):  # Qwen3-MoE / Qwen2-MoE sparse block: aligned::moe_routing + moe_experts
+        return hf_moe.moe_block_forward(mlp, x), residual
     gate_up = torch.cat([_lin(mlp.gate_proj, x), _lin(mlp.up_proj, x)], dim=-1)
     return _lin(mlp.down_proj, aligned_ops.silu_and_mul(gate_up)), residual
 
@@ -163,6 +170,8 @@ def _model_forward(
     completion_mask: torch.Tensor | None = None,
     temperature=1.0,
     return_logits: bool | None = None,
+    output_router_logits: bool = False,
+    return_routing: bool = False,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
@@ -182,12 +191,20 @@ def _model_forward(
     hidden = inner.embed_tokens(ids)
     cache = _cos_sin_cache(self, hidden.device)
     residual = None
-    for layer in inner.layers:
-        hidden, residual = layer(hidden, residual, positions, cu, cache)
+    with hf_moe.RoutingRecorder() as routing:
+        for layer in inner.layers:
+            hidden, residual = layer(hidden, residual, positions, cu, cache)
     hidden, _ = aligned_ops.fused_add_rms_norm(hidden, residual, inner.norm.weight, inner.norm.variance_epsilon)
     head = self.lm_head
 
     out = AlignedCausalLMOutput()
+    if output_router_logits and routing.records:
+        cfg = self.config
+        out.aux_loss = hf_moe.load_balancing_loss(routing.records, cfg.num_experts, cfg.num_experts_per_tok)
+    if return_routing and routing.records:
+        rids = torch.stack([r[0] for r in routing.records], dim=1)  # [T, layers, k]
+        full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
+        out.routed_experts = full.index_copy(0, flat, rids).view(*input_ids.shape, *rids.shape[1:])
     if return_logits:
         logits = _lin(head, hidden)
         full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
@@ -253,7 +270,7 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     # The model's own class (or a base class) names the architecture; config.architectures is None for a
     # model built in memory, and only consulted when the class is not one we know.
-    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in SUPPORTED_ARCHITECTURES]
+    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES]
     named = list(getattr(model.config, "architectures", None) or [])
     check_hf_config(model.config, "patch_model",
                     architecture=known[0] if known else (named[0] if named else type(model).__name__))
@@ -263,6 +280,9 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"aligned_ops (patch_model): unsupported parameter dtype(s) {sorted(map(str, bad))}")
     if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
+    for layer in model.model.layers:
+        if hf_moe.is_moe_block(getattr(layer, "mlp", None)):
+            hf_moe.check_moe_block(layer.mlp, "patch_model")
     for layer in model.model.layers:
         layer.forward = types.MethodType(_layer_forward, layer)
     model.forward = types.MethodType(_model_forward, model)

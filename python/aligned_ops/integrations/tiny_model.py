@@ -111,3 +111,90 @@ def build_tiny_qwen2(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     with open(gen_cfg, "w") as f:
         json.dump({"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}, f)
     return path
+
+
+# ---- tiny mixture-of-experts checkpoints -------------------------------------------------------------------
+
+DEFAULT_MOE_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,  # dense MLP layers (mlp_only_layers), if any
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    router_aux_loss_coef=0.001,
+)
+
+
+def build_tiny_moe(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    arch: str = "qwen3_moe",
+    router_scale: float = 0.08,
+    **overrides,
+) -> str:
+    """Write a random-weight Qwen3-MoE (``arch="qwen3_moe"``) or Qwen2-MoE (``"qwen2_moe"``, with a gated shared
+    expert) causal LM and its tokenizer to ``path``; returns ``str(path)``.
+
+    Default: 8 experts, top-2, renormalised, every layer sparse. ``router_scale`` is the std of the router
+    weights: larger values make routing decisive, small ones put tokens near routing boundaries (many close
+    scores, so small kernel differences flip experts). ``overrides`` change the default config.
+    """
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"build_tiny_moe: unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    if arch not in ("qwen3_moe", "qwen2_moe"):
+        raise ValueError(f"build_tiny_moe: arch must be 'qwen3_moe' or 'qwen2_moe', got {arch!r}")
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(DEFAULT_MOE_CONFIG)
+    if arch == "qwen2_moe":
+        cfg.update(shared_expert_intermediate_size=64, qkv_bias=True)
+        cfg.pop("head_dim")
+    cfg.update(overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if arch == "qwen3_moe" else (Qwen2MoeConfig,
+                                                                                              Qwen2MoeForCausalLM)
+    config = config_cls(
+        **cfg,
+        hidden_act="silu",
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(router_scale * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}, f)
+    return path

@@ -21,6 +21,13 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
   TP all-reduce (shared memory on CPU) raises if anything else reaches it
 - the attention backend -> :class:`~aligned_ops.integrations.vllm_attention.AlignedAttentionBackend`
   (overrides ``CPU_ATTN`` on CPU; registered as ``CUSTOM`` and selected on CUDA/ROCm)
+- MoE (Qwen3-MoE, Qwen2-MoE): ``MoERunner.forward`` (the ``FusedMoE`` layer, unquantized) -> router linear
+  (``aligned::linear`` on the gate weight) -> ``aligned::moe_routing`` -> ``aligned::moe_experts`` with the
+  shared expert and its sigmoid gate folded in (the same ops ``hf_moe.py`` runs); ``GateLinear.forward`` ->
+  ``aligned::linear``. The experts' CPU weight pre-packing is skipped (``w13_weight``/``w2_weight`` stay plain
+  ``[E, 2I, H]`` / ``[E, H, I]``, so refit works). vLLM's routed-experts capture hook still sees the chosen ids.
+  Anything else in a MoE layer (grouped top-k, score-correction bias, routed scaling, quantized experts,
+  expert parallelism, other activations) raises ``NotImplementedError`` when the layer first runs.
 - ``Sampler.compute_logprobs`` -> ``aligned::log_softmax`` over the full vocabulary in fp32 at the
   request's sampling temperature (greedy / temperature 0 is scored at 1.0). vLLM's stock default returns
   log-probs of the raw logits (temperature 1); with the plugin the returned log-prob is the one of the
@@ -234,6 +241,93 @@ def _keep_weight_after_loading(self, layer):
     return None
 
 
+def _gate_linear_forward(self, x):
+    # GateLinear (the MoE router projection): aligned::linear in the model dtype, whatever tier vLLM picked.
+    out = aligned_ops.linear(x, self.weight, getattr(self, "bias", None))
+    return (out, None) if getattr(self, "return_bias", True) else out
+
+
+def _moe_layer_spec(runner):
+    """(top_k, scoring, renormalize) of a vLLM MoE runner, after checking we can reproduce it (cached)."""
+    spec = getattr(runner, "_aligned_moe_spec", None)
+    if spec is not None:
+        return spec
+    reasons = []
+    router = runner.router
+    if type(router).__name__ not in ("FusedTopKRouter", "CPURouter"):
+        reasons.append(f"router {type(router).__name__} (only plain top-k routing)")
+    if getattr(router, "use_grouped_topk", False):
+        reasons.append("grouped top-k")
+    if getattr(router, "custom_routing_function", None) is not None:
+        reasons.append("a custom routing function")
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        reasons.append("e_score_correction_bias")
+    if getattr(router, "routed_scaling_factor", 1.0) not in (None, 1.0):
+        reasons.append("routed_scaling_factor != 1")
+    if getattr(router, "_hash_indices_table", None) is not None:
+        reasons.append("hash routing")
+    scoring = getattr(router, "scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        reasons.append(f"scoring_func {scoring!r}")
+    re = runner.routed_experts
+    qm = type(re.quant_method).__name__
+    if qm != "UnquantizedFusedMoEMethod":
+        reasons.append(f"quantized experts ({qm})")
+    if getattr(re, "routed_scaling_factor", 1.0) != 1.0 or getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+        reasons.append("routed_scaling_factor != 1")
+    if getattr(re, "apply_router_weight_on_input", False):
+        reasons.append("apply_router_weight_on_input")
+    if getattr(re, "e_score_correction_bias", None) is not None:
+        reasons.append("e_score_correction_bias")
+    mc = runner.moe_config
+    if str(getattr(mc, "activation", "silu")).split(".")[-1].lower() not in ("silu",):
+        reasons.append(f"activation {mc.activation}")
+    if getattr(mc, "has_bias", False):
+        reasons.append("expert biases")
+    if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
+        reasons.append("routed input/output transforms")
+    if runner.shared_expert_gate is not None:
+        reasons.append("a runner-level shared_expert_gate")
+    if re.w13_weight.dim() != 3 or re.w2_weight.dim() != 3 or re.w13_weight.shape[1] != 2 * re.w2_weight.shape[2]:
+        reasons.append("padded or re-packed expert weights")
+    if getattr(mc, "ep_size", 1) != 1 or getattr(mc, "tp_size", 1) != 1 or getattr(mc, "dp_size", 1) != 1:
+        reasons.append("expert/tensor/data parallel MoE")
+    if reasons:
+        raise NotImplementedError("aligned_ops: this MoE layer cannot be kept aligned: " + "; ".join(reasons))
+    spec = (int(router.top_k), scoring, bool(getattr(router, "renormalize", True)))
+    runner._aligned_moe_spec = spec
+    return spec
+
+
+def _shared_expert_weights(runner):
+    shared = getattr(runner, "_shared_experts", None)
+    if shared is None:
+        return None, None, None
+    layer = shared._layer
+    gate = getattr(layer, "expert_gate", None)
+    return layer.gate_up_proj.weight, layer.down_proj.weight, (gate.weight if gate is not None else None)
+
+
+def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
+    """FusedMoE through aligned::moe_routing + moe_experts (the op sequence of hf_moe.moe_block_forward)."""
+    top_k, scoring, renormalize = _moe_layer_spec(self)
+    x = hidden_states.contiguous()
+    if self.gate is not None:  # Qwen3-MoE hands the router to the runner (router_logits is the hidden state)
+        router_logits = aligned_ops.linear(x, self.gate.weight)
+    w, ids, _ = aligned_ops.moe_routing(router_logits.contiguous(), top_k, scoring, renormalize)
+    capture = getattr(self.router, "capture_fn", None)
+    if capture is not None:  # vLLM's routed-experts output (enable_return_routed_experts)
+        capture(ids.to(torch.int32))
+    if _moe_trace is not None:
+        _moe_trace.append((self.layer_name, ids))
+    sw13, sw2, sgate = _shared_expert_weights(self)
+    re = self.routed_experts
+    return aligned_ops.moe_experts(x, w, ids, re.w13_weight, re.w2_weight, sw13, sw2, sgate)
+
+
+_moe_trace: list | None = None
+
+
 def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
     token = _current_temperature.set(sampling_metadata.temperature)
     try:
@@ -349,6 +443,13 @@ def install() -> None:
     _patch(RowParallelLinear, "forward", _row_parallel_forward)
     _patch(VocabParallelEmbedding, "forward", _vocab_embedding_forward)
     _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    _patch(MoERunner, "forward", _moe_runner_forward)
+    _patch(GateLinear, "forward", _gate_linear_forward)
+    _patch(UnquantizedFusedMoEMethod, "process_weights_after_loading", _keep_weight_after_loading)
 
     path = "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
     if current_platform.is_cpu():
@@ -370,6 +471,9 @@ def uninstall() -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.sample.sampler import Sampler
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.model_executor.layers.linear import RowParallelLinear
@@ -377,7 +481,8 @@ def uninstall() -> None:
 
     classes = {c.__name__: c for c in (EngineArgs, SiluAndMul, RMSNorm, UnquantizedLinearMethod, RotaryEmbedding,
                                        UnquantizedEmbeddingMethod, Sampler, RowParallelLinear,
-                                       VocabParallelEmbedding, GroupCoordinator)}
+                                       VocabParallelEmbedding, GroupCoordinator, MoERunner, GateLinear,
+                                       UnquantizedFusedMoEMethod)}
     for key, orig in list(_originals.items()):
         if key == "backend.CPU_ATTN":
             register_backend(AttentionBackendEnum.CPU_ATTN, orig)

@@ -1,0 +1,109 @@
+// moe_kernels.cpp — the moe family's torch-free CPU kernels (see moe_kernels.h), compiled once per ISA level
+// (CMake builds every csrc/cpu/*_kernels.cpp with -DALIGNED_ISA=...). Each loop is the per-token function of
+// csrc/common/moe.h; the combine is written with the output column innermost so the compiler vectorises
+// across columns without touching any element's tree (contraction is off).
+#include <stdlib.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "../common/moe.h"
+#include "moe_kernels.h"
+
+#ifndef ALIGNED_ISA
+#error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
+#endif
+
+namespace aligned::cpu::ALIGNED_ISA {
+
+namespace {
+
+void routing(DType dt, const void* z, int64_t E, int64_t k, int scoring, bool renormalize, float* scores,
+             int64_t* ids, float* w, int64_t row_begin, int64_t row_end) {
+  std::vector<unsigned char> taken(E);
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* zt = (const T*)z;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      float* p = scores + r * E;
+      moe_scores_row(zt + r * E, E, (MoeScoring)scoring, p);
+      moe_topk_row(p, E, k, renormalize, taken.data(), ids + r * k, w + r * k);
+    }
+  });
+}
+
+void routing_backward(DType dt, const float* gw, const float* gs, const void* z, const int64_t* ids, int64_t E,
+                      int64_t k, int scoring, bool renormalize, void* dz, int64_t row_begin, int64_t row_end) {
+  std::vector<float> scratch(3 * E);
+  float *p = scratch.data(), *gp = p + E, *d = gp + E;
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      moe_routing_backward_row((const float*)gw + r * k, gs ? gs + r * E : nullptr, (const T*)z + r * E, ids + r * k,
+                               E, k, (MoeScoring)scoring, renormalize, p, gp, d);
+      T* out = (T*)dz + r * E;
+      for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(d[i]);
+    }
+  });
+}
+
+void combine(DType dt, const float* y, const int64_t* pos, const float* w, int64_t k, const float* ys, const float* g,
+             void* out, int64_t H, int64_t row_begin, int64_t row_end) {
+  std::vector<float> acc(H);
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t t = row_begin; t < row_end; ++t) {
+      // Same tree as moe_combine_row, column-innermost: acc = +0, + w_r * y_r for r in rank order, + g * y_s.
+      float* a = acc.data();
+      for (int64_t n = 0; n < H; ++n) a[n] = 0.0f;
+      for (int64_t r = 0; r < k; ++r) {
+        const float wr = w[t * k + r];
+        const float* yr = y + pos[t * k + r] * H;
+        for (int64_t n = 0; n < H; ++n) a[n] = a[n] + wr * yr[n];
+      }
+      if (ys) {
+        const float gt = g ? g[t] : 1.0f;
+        const float* yst = ys + t * H;
+        for (int64_t n = 0; n < H; ++n) a[n] = a[n] + gt * yst[n];
+      }
+      T* o = (T*)out + t * H;
+      for (int64_t n = 0; n < H; ++n) o[n] = from_f32<T>(a[n]);
+    }
+  });
+}
+
+void experts_reference(DType dt, const void* x, const float* w, const int64_t* ids, int64_t k, const void* w13,
+                       const void* w2, int64_t H, int64_t I, const void* sw13, const void* sw2, const void* sgate,
+                       int64_t Is, void* out, int64_t row_begin, int64_t row_end) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const int64_t Imax = I > Is ? I : Is;
+    std::vector<T> h(2 * Imax), a(Imax);
+    std::vector<float> y((k + 1) * H);
+    std::vector<const float*> yp(k);
+    for (int64_t t = row_begin; t < row_end; ++t) {
+      const T* xt = (const T*)x + t * H;
+      for (int64_t r = 0; r < k; ++r) {
+        const int64_t e = ids[t * k + r];
+        moe_expert_row_reference(xt, (const T*)w13 + e * 2 * I * H, (const T*)w2 + e * H * I, H, I, h.data(),
+                                 a.data(), y.data() + r * H);
+        yp[r] = y.data() + r * H;
+      }
+      const float* ys = nullptr;
+      float g = 1.0f;
+      if (sw13) {
+        moe_expert_row_reference(xt, (const T*)sw13, (const T*)sw2, H, Is, h.data(), a.data(), y.data() + k * H);
+        ys = y.data() + k * H;
+        if (sgate) g = moe_shared_gate(linear_dot(xt, (const T*)sgate, H));
+      }
+      moe_combine_row(yp.data(), w + t * k, k, ys, g, (T*)out + t * H, H);
+    }
+  });
+}
+
+}  // namespace
+
+extern const MoeKernels kMoe;
+const MoeKernels kMoe = {routing, routing_backward, combine, experts_reference};
+
+}  // namespace aligned::cpu::ALIGNED_ISA

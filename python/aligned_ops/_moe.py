@@ -1,0 +1,225 @@
+"""The moe family: fake implementations, autograd and Python wrappers of ``aligned::moe_routing`` and
+``aligned::moe_experts``.
+
+The per-token arithmetic is written once in ``csrc/common/moe.h`` (routing scores, top-k with the lower-id
+tie-break, rank-order renormalisation; each expert through the linear contract, combined in fp32 in rank order
+and rounded once). Both the vLLM plugin and the trainer patch call these ops, so the rollout engine and the
+trainer choose the same experts and compute the same bits.
+
+Backward is deterministic: the routing gradient is its own op with a fixed order (moe.h); the experts'
+gradient is the op ``aligned::moe_experts_backward``, composed of ``aligned`` ops (linear_backward,
+silu_and_mul_backward) run expert by expert in increasing id, tokens in batch order, with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ops = torch.ops.aligned
+_lib = "aligned::"
+SCORINGS = ("softmax", "sigmoid")
+
+
+def _same_device(op, *tensors):
+    devs = {t.device for t in tensors if t is not None}
+    torch._check(len(devs) <= 1, lambda: f"aligned::{op}: all tensors must be on the same device, got {devs}")
+
+
+# ---- fake implementations --------------------------------------------------------------------------------
+
+
+@torch.library.register_fake(_lib + "moe_routing")
+def _(router_logits, top_k, scoring="softmax", renormalize=True):
+    torch._check(router_logits.dim() == 2, lambda: "aligned::moe_routing: router_logits must be 2-D [tokens, experts]")
+    T, E = router_logits.shape
+    torch._check(1 <= top_k <= E, lambda: f"aligned::moe_routing: top_k must be in [1, {E}], got {top_k}")
+    w = router_logits.new_empty((T, top_k), dtype=torch.float32)
+    ids = router_logits.new_empty((T, top_k), dtype=torch.int64)
+    scores = router_logits.new_empty((T, E), dtype=torch.float32)
+    return w, ids, scores
+
+
+@torch.library.register_fake(_lib + "moe_routing_backward")
+def _(grad_weights, grad_scores, router_logits, topk_ids, scoring, renormalize):
+    _same_device("moe_routing_backward", grad_weights, grad_scores, router_logits, topk_ids)
+    return torch.empty_like(router_logits, memory_format=torch.contiguous_format)
+
+
+def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+    _same_device("moe_experts", x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+    torch._check(x.dim() == 2, lambda: "aligned::moe_experts: x must be 2-D [tokens, hidden]")
+    torch._check(w13.dim() == 3 and w13.shape[2] == x.shape[1], lambda: "aligned::moe_experts: w13 must be [E, 2I, H]")
+    return x.new_empty(x.shape)
+
+
+torch.library.register_fake(_lib + "moe_experts")(_experts_fake)
+torch.library.register_fake(_lib + "_moe_experts_reference")(_experts_fake)
+
+
+# ---- autograd ------------------------------------------------------------------------------------------------
+
+
+def _routing_setup(ctx, inputs, output):
+    router_logits, top_k, scoring, renormalize = inputs
+    _, ids, _ = output
+    ctx.save_for_backward(router_logits, ids)
+    ctx.scoring = scoring
+    ctx.renormalize = renormalize
+
+
+def _routing_backward(ctx, grad_w, grad_ids, grad_scores):
+    logits, ids = ctx.saved_tensors
+    if grad_w is None:
+        grad_w = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    gs = grad_scores.contiguous() if grad_scores is not None else None
+    dz = ops.moe_routing_backward(grad_w.contiguous(), gs, logits, ids, ctx.scoring, ctx.renormalize)
+    return dz, None, None, None
+
+
+torch.library.register_autograd(_lib + "moe_routing", _routing_backward, setup_context=_routing_setup)
+
+
+def _experts_setup(ctx, inputs, output):
+    x, tw, ids, w13, w2, sw13, sw2, sgate = inputs
+    ctx.save_for_backward(x, tw, ids, w13, w2, sw13, sw2, sgate)
+
+
+def _mlp_backward(x, w13, w2, gy):
+    """One expert MLP's backward on gathered rows x (model dtype); gy = grad of its fp32 output y.
+
+    Returns (y fp32, dx fp32, dw13 fp32, dw2 fp32). The forward is recomputed with the same ops as the kernel
+    (h = linear(x, w13) in the model dtype, a = silu_and_mul(h), y = linear in fp32), so y is bit-identical to
+    the forward's.
+    """
+    h = ops.linear(x, w13, None)
+    a = ops.silu_and_mul(h)
+    af, w2f = a.float(), w2.float()
+    y = ops.linear(af, w2f, None)
+    da, dw2, _ = ops.linear_backward(gy.contiguous(), af, w2f, True, True, False)
+    dh = ops.silu_and_mul_backward(da.contiguous(), h.float())
+    dx, dw13, _ = ops.linear_backward(dh.contiguous(), x.float(), w13.float(), True, True, False)
+    return y, dx, dw13, dw2
+
+
+def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+    """CPU/any-device kernel of ``aligned::moe_experts_backward`` (experts in increasing id, tokens in order)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E = w13.shape[0]
+    g = grad.float().contiguous()
+    dx = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    dtw = torch.zeros((T, k), dtype=torch.float32, device=x.device)
+    dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1).to(torch.int64)
+    order = torch.sort(flat, stable=True).indices  # expert-major, (token, rank) order inside an expert
+    counts = torch.bincount(flat, minlength=E).tolist()
+    start = 0
+    for e in range(E):
+        n = counts[e]
+        if n == 0:
+            continue
+        sel = order[start : start + n]
+        start += n
+        tok, rank = sel // k, sel % k
+        wv = tw[tok, rank].float()
+        gt = g.index_select(0, tok)
+        y, dxe, dw13e, dw2e = _mlp_backward(x.index_select(0, tok).contiguous(), w13[e], w2[e], wv[:, None] * gt)
+        dtw[tok, rank] = (gt * y).sum(-1)
+        dx.index_add_(0, tok, dxe)
+        dw13[e] = dw13e
+        dw2[e] = dw2e
+    empty = x.new_empty((0,))
+    dsw13 = dsw2 = dgate = empty
+    if sw13 is not None:
+        if sgate is not None:
+            logit = ops.linear(x.float(), sgate.reshape(1, H).float(), None)  # [T, 1] fp32, the kernel's chain
+            gate = 1.0 / (1.0 + ops._exp_f32(-logit))  # moe.h: moe_shared_gate
+        else:
+            gate = torch.ones((T, 1), dtype=torch.float32, device=x.device)
+        ys, dxs, dsw13, dsw2 = _mlp_backward(x, sw13, sw2, gate * g)
+        dx += dxs
+        if sgate is not None:
+            dlogit = (g * ys).sum(-1, keepdim=True) * (gate * (1.0 - gate))
+            dxg, dgate, _ = ops.linear_backward(dlogit.contiguous(), x.float(), sgate.reshape(1, H).float(),
+                                                True, True, False)
+            dx += dxg
+            dgate = dgate.reshape(sgate.shape).to(sgate.dtype)
+        dsw13, dsw2 = dsw13.to(sw13.dtype), dsw2.to(sw2.dtype)
+    return dx.to(x.dtype), dtw, dw13.to(w13.dtype), dw2.to(w2.dtype), dsw13, dsw2, dgate
+
+
+torch.library.register_kernel(_lib + "moe_experts_backward", "cpu", _experts_backward_impl)
+
+
+@torch.library.register_fake(_lib + "moe_experts_backward")
+def _(grad_out, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+    _same_device("moe_experts_backward", grad_out, x, tw, ids, w13, w2, sw13, sw2, sgate)
+    empty = x.new_empty((0,))
+    return (
+        x.new_empty(x.shape),
+        tw.new_empty(tw.shape, dtype=torch.float32),
+        w13.new_empty(w13.shape),
+        w2.new_empty(w2.shape),
+        sw13.new_empty(sw13.shape) if sw13 is not None else empty,
+        sw2.new_empty(sw2.shape) if sw2 is not None else empty,
+        sgate.new_empty(sgate.shape) if sgate is not None else empty,
+    )
+
+
+def _experts_backward(ctx, grad):
+    x, tw, ids, w13, w2, sw13, sw2, sgate = ctx.saved_tensors
+    need = tuple(ctx.needs_input_grad) + (False,) * 8  # optional inputs may be absent from the tuple
+    dx, dtw, dw13, dw2, dsw13, dsw2, dgate = ops.moe_experts_backward(grad.contiguous(), x, tw, ids, w13, w2, sw13,
+                                                                     sw2, sgate)
+    return (
+        dx if need[0] else None,
+        dtw if need[1] else None,
+        None,
+        dw13 if need[3] else None,
+        dw2 if need[4] else None,
+        dsw13 if (need[5] and sw13 is not None) else None,
+        dsw2 if (need[6] and sw2 is not None) else None,
+        dgate if (need[7] and sgate is not None) else None,
+    )
+
+
+torch.library.register_autograd(_lib + "moe_experts", _experts_backward, setup_context=_experts_setup)
+
+
+# ---- Python wrappers ------------------------------------------------------------------------------------------
+
+
+def moe_routing(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True):
+    """Route tokens: ``(topk_weights fp32 [T, k], topk_ids int64 [T, k], scores fp32 [T, E])``.
+
+    ``scoring``: ``"softmax"`` (Qwen/Mixtral) or ``"sigmoid"`` (DeepSeek-V3 style). Top-k ties go to the lower
+    expert id; ``renormalize`` divides the k weights by their sum taken in rank order. See ``csrc/common/moe.h``.
+    """
+    if scoring not in SCORINGS:
+        raise ValueError(f"aligned_ops.moe_routing: scoring must be one of {SCORINGS}, got {scoring!r}")
+    return ops.moe_routing(router_logits, int(top_k), scoring, bool(renormalize))
+
+
+def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+    """``sum_r w_r * expert_{id_r}(x)`` (+ ``sigmoid(x . shared_gate) * shared_expert(x)``), fp32, rounded once.
+
+    ``w13 [E, 2I, H]`` holds each expert's gate rows then up rows (vLLM's ``w13_weight``, HF's
+    ``experts.gate_up_proj``); ``w2 [E, H, I]`` the down projections. The optional shared expert uses
+    ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]`` and its gate ``shared_gate [1, H]``.
+    """
+    return ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+
+
+def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=True, shared_w13=None,
+              shared_w2=None, shared_gate=None, return_routing=False):
+    """A whole routed MoE block: router linear (``aligned::linear``, model dtype) -> routing -> experts.
+
+    With ``return_routing`` also returns ``(router_logits, topk_weights, topk_ids, scores)``.
+    """
+    logits = ops.linear(x, router_weight, None)
+    w, ids, scores = moe_routing(logits, top_k, scoring, renormalize)
+    out = moe_experts(x, w, ids, w13, w2, shared_w13, shared_w2, shared_gate)
+    if return_routing:
+        return out, (logits, w, ids, scores)
+    return out
