@@ -33,6 +33,13 @@ TORCH_LIBRARY(aligned, m) {
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
   m.def("_log_f32(Tensor x) -> Tensor");
+  // exact profile (csrc/common/exact_linear.h): integer digit products, one rounding; the weight is packed once.
+  m.def("linear_exact(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_exact_pack_weight(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_exact_packed(Tensor x, Tensor weight_digits, Tensor weight_exponents, Tensor weight_nonfinite, "
+      "int out_features, Tensor? bias=None, int k_parts=1) -> Tensor");
+  m.def("_linear_exact_reference(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

@@ -35,6 +35,9 @@ from ._dense import (
     token_logprobs,
 )
 
+from . import _exact  # noqa: F401  (the exact linear profile: fakes, autograd, packed-weight cache)
+from ._exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 
@@ -42,6 +45,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "linear",
+    "linear_exact",
+    "linear_profile",
+    "profile_linear",
+    "clear_exact_weight_cache",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
