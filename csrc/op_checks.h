@@ -277,8 +277,8 @@ inline void check_elementwise_f32(const at::Tensor& x, const char* op) {
 }
 
 // ---- linear_exact (exact profile, exact_linear.h): weight [N, K] packed once; x [..., K] ---------------
-// The packed weight is (wd int8 [Sw, Np * Kp], w_exp int32 [N], w_bad uint8 [N]), Np = 16 ceil(N/16),
-// Kp = 64 ceil(K/64), 1 <= Sw <= 4.
+// The packed weight is (wd int8 [Sw, Np * Kp], w_exp int32 [N + 1], w_bad uint8 [N]), Np = 16 ceil(N/16),
+// Kp = 64 ceil(K/64), 1 <= Sw <= 4; w_exp[N] holds the weight's in_features K (checked against x).
 template <class DTypeEnum>
 DTypeEnum check_linear_exact_weight(const at::Tensor& weight, const char* op) {
   const DTypeEnum dt = dtype_of<DTypeEnum>(weight, op, "weight");
@@ -307,8 +307,10 @@ LinearArgs<DTypeEnum> check_linear_exact_packed(const at::Tensor& x, const at::T
               "aligned::", op, ": weight_digits must be contiguous int8 [S, ", Np * Kp, "] (S in 1..4) for x's ", a.K,
               " input features and ", N, " outputs, got ", wd.scalar_type(), " ", wd.sizes(),
               " (pack the weight with linear_exact_pack_weight)");
-  TORCH_CHECK(w_exp.scalar_type() == at::kInt && w_exp.dim() == 1 && w_exp.size(0) == N && w_exp.is_contiguous(),
-              "aligned::", op, ": weight_exponents must be contiguous int32 [", N, "]");
+  TORCH_CHECK(w_exp.scalar_type() == at::kInt && w_exp.dim() == 1 && w_exp.size(0) == N + 1 && w_exp.is_contiguous(),
+              "aligned::", op, ": weight_exponents must be contiguous int32 [", N + 1, "]");
+  TORCH_CHECK(w_exp.device().is_cpu() && w_exp.data_ptr<int32_t>()[N] == a.K, "aligned::", op, ": x has ", a.K,
+              " input features but the packed weight has ", w_exp.device().is_cpu() ? w_exp.data_ptr<int32_t>()[N] : -1);
   TORCH_CHECK(w_bad.scalar_type() == at::kByte && w_bad.dim() == 1 && w_bad.size(0) == N && w_bad.is_contiguous(),
               "aligned::", op, ": weight_nonfinite must be contiguous uint8 [", N, "]");
   TORCH_CHECK(k_parts >= 1, "aligned::", op, ": k_parts must be >= 1, got ", k_parts);

@@ -86,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
   for (int64_t n = 0; n < N; ++n) sw = std::max(sw, forms[n].S);
   auto opts = weight.options();
   auto wd = at::zeros({sw, Np * Kp}, opts.dtype(at::kChar));
-  auto we = at::zeros({N}, opts.dtype(at::kInt));
+  auto we = at::zeros({N + 1}, opts.dtype(at::kInt));
+  we.data_ptr<int32_t>()[N] = (int32_t)K;  // the packed form's in_features
   auto wb = at::zeros({N}, opts.dtype(at::kByte));
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     k.pack_w(dt, wc.data_ptr(), K, Kp, Np * Kp, sw, forms.data(), wd.data_ptr<int8_t>(), we.data_ptr<int32_t>(),

@@ -15,9 +15,8 @@ through :func:`linear_profile`; ``fma`` when unset).
 from __future__ import annotations
 
 import os
-import weakref
-
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -65,7 +64,7 @@ def _(weight):
     n, k = weight.shape
     return (
         weight.new_empty((s, _ceil(n, 16) * _ceil(k, 64)), dtype=torch.int8),
-        weight.new_empty((n,), dtype=torch.int32),
+        weight.new_empty((n + 1,), dtype=torch.int32),
         weight.new_empty((n,), dtype=torch.uint8),
     )
 
@@ -98,7 +97,7 @@ torch.library.register_autograd(_lib + "linear_exact", _exact_backward, setup_co
 # through ``param.data`` does not bump the version counter: call clear_exact_weight_cache() after it (the
 # vLLM plugin does after weight loading). Memory: S bytes per weight element (S = 1..4 digits, 4 for
 # ordinary random-init weights) + 5 bytes per output row, padded to 16 rows x 64 columns.
-_cache: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+_cache = WeakIdKeyDictionary()  # tensors compare elementwise, so key them by identity
 
 
 def _version(t: torch.Tensor) -> int:
