@@ -167,6 +167,37 @@ inline float round_i128_f32(__int128 acc, int q) {
   return neg ? -r : r;
 }
 
+// The same rounding for acc = hi * 2^32 + lo (the split form the kernels accumulate, see combine_split).
+// Fast path when |hi|, |lo| < 2^53: both are exact doubles; their sum is formed exactly as a two-sum and
+// rounded to odd in double (53 >= 24 + 2 bits, so the following round to fp32 is the correct rounding of the
+// exact value); scaling by 2^q is exact in double for every q the canonical forms produce. Otherwise int128.
+inline float round_split_f32(int64_t hi, int64_t lo, int q) {
+  constexpr int64_t lim = (int64_t)1 << 53;
+  if (hi > -lim && hi < lim && lo > -lim && lo < lim && q > -900 && q < 900) {
+    const double a = (double)hi * 4294967296.0, b = (double)lo;
+    double s = a + b;
+    const double bb = s - a;
+    const double err = (a - (s - bb)) + (b - bb);
+    if (err != 0.0) {
+      uint64_t u;
+      __builtin_memcpy(&u, &s, 8);
+      if ((u & 1) == 0) {  // step to the odd neighbour on err's side (|s| grows iff err has s's sign)
+        const bool away = (err > 0) == (s > 0);
+        u = away ? u + 1 : u - 1;
+        __builtin_memcpy(&s, &u, 8);
+      }
+    }
+    // s * 2^q exactly: two power-of-two factors, each a normal double
+    const int q1 = q / 2, q2 = q - q1;
+    uint64_t p1 = (uint64_t)(q1 + 1023) << 52, p2 = (uint64_t)(q2 + 1023) << 52;
+    double f1, f2;
+    __builtin_memcpy(&f1, &p1, 8);
+    __builtin_memcpy(&f2, &p2, 8);
+    return (float)((s * f1) * f2);
+  }
+  return round_i128_f32(((__int128)hi << 32) + lo, q);
+}
+
 // Weight of digit pair (t, u) in the int128 combine: acc = sum_tu C_tu << (8 * (6 - t - u)), value
 // acc * 2^(Ex + Ew - 10 - 48).
 constexpr int kCombineTop = 2 * (kMaxDigits - 1);

@@ -9,7 +9,8 @@
 //             is exact modulo 2^32 and the true sums fit); without VNNI the avx2 code;
 //   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64.
 // Every level produces C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
-// 16-column panel; one shared epilogue combines the digit pairs into an int128 and rounds (round_i128_f32).
+// 16-column panel; one shared epilogue combines the digit pairs exactly (two int64 halves) and rounds once
+// (round_split_f32: a two-sum rounded to odd, or int128).
 // No float arithmetic happens before that single rounding.
 #include <stdlib.h>
 #include <string.h>
@@ -271,7 +272,7 @@ void pairs_best(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, in
 
 // Epilogue: out[m, n] = round_T(round_f32(sum_tu C_tu 2^(8 (6 - t - u)) * 2^q) (+ bias)).
 template <typename T>
-void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, const __int128* acc) {
+void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, const int64_t* hi, const int64_t* lo) {
   const int64_t nb = panel * 16;
   const int64_t rows = std::min<int64_t>(16, p.M - m0), cols = std::min<int64_t>(16, p.N - nb);
   T* out = (T*)p.out;
@@ -285,7 +286,7 @@ void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, cons
       if (p.x_bad[m] || p.w_bad[n]) {
         y = float_of(0x7fc00000u);
       } else {
-        y = ex::round_i128_f32(acc[r * 16 + j], ex::combine_q(p.x_exp[m], p.w_exp[n]));
+        y = ex::round_split_f32(hi[r * 16 + j], lo[r * 16 + j], ex::combine_q(p.x_exp[m], p.w_exp[n]));
       }
       if (bias) y = y + to_f32(bias[n]);
       out[m * p.N + n] = from_f32<T>(y);
@@ -293,14 +294,22 @@ void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, cons
   }
 }
 
-// Adds the digit pairs of C (rows' own digit counts: digits past a row's S are zero) into acc.
-void combine(const ExactGemmParams& p, int sxt, const int32_t* C, __int128* acc) {
+// Adds the digit pairs of C into the split accumulator: level s = t + u weighs 2^(8 (6 - s)); levels 0..2
+// go to hi (units of 2^32), levels 3..6 to lo. Digits past a row's S are zero, so rows mix freely. Bounds:
+// |C| <= 2^14 K, so |hi| < 3 * 2^30 K and |lo| < 4 * 2^38 K fit int64 for K <= 2^17.
+void combine(const ExactGemmParams& p, int sxt, const int32_t* C, int64_t* hi, int64_t* lo) {
   const int sw = p.w_digits;
   for (int t = 0; t < sxt; ++t)
     for (int u = 0; u < sw; ++u) {
-      const int sh = 8 * (ex::kCombineTop - t - u);
+      const int s = t + u;
       const int32_t* c = C + (t * sw + u) * kTileC;
-      for (int i = 0; i < kTileC; ++i) acc[i] += (__int128)c[i] << sh;
+      if (s <= 2) {
+        const int sh = 8 * (2 - s);
+        for (int i = 0; i < kTileC; ++i) hi[i] += (int64_t)c[i] << sh;
+      } else {
+        const int sh = 8 * (6 - s);
+        for (int i = 0; i < kTileC; ++i) lo[i] += (int64_t)c[i] << sh;
+      }
     }
 }
 
@@ -310,7 +319,7 @@ void gemm(const ExactGemmParams& p) {
   const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
   alignas(64) int32_t C[kD * kD * kTileC];
   alignas(64) int32_t C2[kD * kD * kTileC];
-  alignas(16) __int128 acc[kTileC], acc2[kTileC];
+  alignas(64) int64_t hi[kTileC], lo[kTileC], hi2[kTileC], lo2[kTileC];
   for (int64_t m0 = p.m0; m0 < p.m1; m0 += 16) {
     int sxt = 1;
     for (int64_t m = m0; m < std::min<int64_t>(m0 + 16, p.M); ++m) sxt = std::max<int>(sxt, p.x_digits[m]);
@@ -321,7 +330,7 @@ void gemm(const ExactGemmParams& p) {
 #else
       const bool two = false;
 #endif
-      for (int i = 0; i < kTileC; ++i) acc[i] = acc2[i] = 0;
+      for (int i = 0; i < kTileC; ++i) hi[i] = lo[i] = hi2[i] = lo2[i] = 0;
       for (int part = 0; part < parts; ++part) {
         const int64_t kb0 = nkb * part / parts, kb1 = nkb * (part + 1) / parts;
 #if defined(__AVX512F__)
@@ -333,13 +342,13 @@ void gemm(const ExactGemmParams& p) {
 #else
         pairs_best(p, m0, panel, sxt, kb0, kb1, C);
 #endif
-        combine(p, sxt, C, acc);
-        if (two) combine(p, sxt, C2, acc2);
+        combine(p, sxt, C, hi, lo);
+        if (two) combine(p, sxt, C2, hi2, lo2);
       }
       with_type(p.dt, [&](auto* tp) {
         using T = std::remove_pointer_t<decltype(tp)>;
-        epilogue<T>(p, m0, panel, sxt, acc);
-        if (two) epilogue<T>(p, m0, panel + 1, sxt, acc2);
+        epilogue<T>(p, m0, panel, sxt, hi, lo);
+        if (two) epilogue<T>(p, m0, panel + 1, sxt, hi2, lo2);
       });
       if (two) nb += 16;
     }

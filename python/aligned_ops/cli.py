@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--temperature", type=float, default=1.0)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--threads", type=int, default=None, help="torch threads in the children (default: all cores)")
+    v.add_argument("--linear", choices=["fma", "exact"], default=None,
+                   help="linear numerics profile of the aligned side (default: ALIGNED_OPS_LINEAR, else fma)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 
