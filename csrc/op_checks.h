@@ -313,4 +313,51 @@ inline void check_elementwise_f32(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "aligned::", op, ": x must be float32");
 }
 
+// ---- linear_exact (exact profile, exact_linear.h): weight [N, K] packed once; x [..., K] ---------------
+// The packed weight is (wd int8 [Sw, Np * Kp], w_exp int32 [N + 1], w_bad uint8 [N]), Np = 16 ceil(N/16),
+// Kp = 64 ceil(K/64), 1 <= Sw <= 4; w_exp[N] holds the weight's in_features K (checked against x).
+template <class DTypeEnum>
+DTypeEnum check_linear_exact_weight(const at::Tensor& weight, const char* op) {
+  const DTypeEnum dt = dtype_of<DTypeEnum>(weight, op, "weight");
+  TORCH_CHECK(weight.dim() == 2, "aligned::", op, ": weight must be [out_features, in_features], got ", weight.sizes());
+  TORCH_CHECK(weight.size(1) <= 131072, "aligned::", op, ": in_features must be <= 131072 (int32 digit sums), got ",
+              weight.size(1));
+  return dt;
+}
+
+template <class DTypeEnum>
+LinearArgs<DTypeEnum> check_linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                                                const at::Tensor& w_bad, int64_t N,
+                                                const std::optional<at::Tensor>& bias, int64_t k_parts) {
+  const char* op = "linear_exact_packed";
+  LinearArgs<DTypeEnum> a;
+  a.dt = dtype_of<DTypeEnum>(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1, "aligned::", op, ": x must have at least one dimension");
+  a.K = x.size(-1);
+  a.N = N;
+  a.M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  TORCH_CHECK(a.K <= 131072, "aligned::", op, ": in_features must be <= 131072, got ", a.K);
+  TORCH_CHECK(N >= 0, "aligned::", op, ": out_features must be >= 0");
+  const int64_t Np = (N + 15) / 16 * 16, Kp = (a.K + 63) / 64 * 64;
+  TORCH_CHECK(wd.scalar_type() == at::kChar && wd.dim() == 2 && wd.size(0) >= 1 && wd.size(0) <= 4 &&
+                  wd.size(1) == Np * Kp && wd.is_contiguous(),
+              "aligned::", op, ": weight_digits must be contiguous int8 [S, ", Np * Kp, "] (S in 1..4) for x's ", a.K,
+              " input features and ", N, " outputs, got ", wd.scalar_type(), " ", wd.sizes(),
+              " (pack the weight with linear_exact_pack_weight)");
+  TORCH_CHECK(w_exp.scalar_type() == at::kInt && w_exp.dim() == 1 && w_exp.size(0) == N + 1 && w_exp.is_contiguous(),
+              "aligned::", op, ": weight_exponents must be contiguous int32 [", N + 1, "]");
+  TORCH_CHECK(w_exp.device().is_cpu() && w_exp.data_ptr<int32_t>()[N] == a.K, "aligned::", op, ": x has ", a.K,
+              " input features but the packed weight has ", w_exp.device().is_cpu() ? w_exp.data_ptr<int32_t>()[N] : -1);
+  TORCH_CHECK(w_bad.scalar_type() == at::kByte && w_bad.dim() == 1 && w_bad.size(0) == N && w_bad.is_contiguous(),
+              "aligned::", op, ": weight_nonfinite must be contiguous uint8 [", N, "]");
+  TORCH_CHECK(k_parts >= 1, "aligned::", op, ": k_parts must be >= 1, got ", k_parts);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+                "aligned::", op, ": bias must be [", N, "] with x's dtype, got ", bias->sizes(), " ",
+                bias->scalar_type());
+    a.bias = bias->contiguous();
+  }
+  return a;
+}
+
 }  // namespace aligned

@@ -77,6 +77,14 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "_moe_experts_reference(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
       "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
+
+  // exact profile (csrc/common/exact_linear.h): integer digit products, one rounding; the weight is packed once.
+  m.def("linear_exact(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_exact_pack_weight(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_exact_packed(Tensor x, Tensor weight_digits, Tensor weight_exponents, Tensor weight_nonfinite, "
+      "int out_features, Tensor? bias=None, int k_parts=1) -> Tensor");
+  m.def("_linear_exact_reference(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

@@ -48,6 +48,9 @@ from ._linear_lanes import linear_lane_bounds, linear_partial, linear_tp_slices,
 from . import collective  # noqa: F401  (tree all-reduce across TP ranks: finishes the 8-lane linear tree)
 from .collective import tree_all_reduce
 
+from . import _exact  # noqa: F401  (the exact linear profile: fakes, autograd, packed-weight cache)
+from ._exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+
 from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
 from ._attention import attention_varlen, paged_attention, reshape_and_cache
 from .emulation import emulate
@@ -64,6 +67,11 @@ __all__ = [
     "linear_tp_slices",
     "tree_combine",
     "tree_all_reduce",
+
+    "linear_exact",
+    "linear_profile",
+    "profile_linear",
+    "clear_exact_weight_cache",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

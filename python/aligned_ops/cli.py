@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--moe", action="store_true",
                    help="build a tiny mixture-of-experts model (Qwen3-MoE) instead of a dense one; with --model, "
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
+
+    v.add_argument("--linear", choices=["fma", "exact"], default=None,
+                   help="linear numerics profile of the aligned side (default: ALIGNED_OPS_LINEAR, else fma)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 

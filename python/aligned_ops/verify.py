@@ -122,6 +122,20 @@ def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id
     return trainer, rollout
 
 
+def check_profiles(model) -> str:
+    """The linear profile both sides ran (ALIGNED_OPS_LINEAR); refuses a mismatch between them."""
+    from . import linear_profile
+    from .integrations import vllm_plugin
+
+    now = linear_profile()
+    engine = vllm_plugin.installed_linear_profile or now  # None: the plugin ran in another process
+    trainer = getattr(model, "_aligned_linear_profile", now)
+    if not (engine == trainer == now):
+        raise RuntimeError(f"aligned-ops verify: linear profile mismatch: vLLM plugin {engine!r}, trainer {trainer!r}, "
+                           f"ALIGNED_OPS_LINEAR now {now!r}; both sides must run one profile")
+    return now
+
+
 def child(args) -> dict:
     """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
@@ -153,6 +167,18 @@ def child(args) -> dict:
         experts = dict(zip(("trainer_experts", "rollout_experts"),
                            routing_pair(llm, model, aligned, sequences, starts, tok.eos_token_id)))
     m = mismatch_metrics(lp_trainer, lp_rollout, comp, **experts)
+    m["linear_profile"] = check_profiles(model) if aligned else "stock"
+    if aligned and m["linear_profile"] == "exact":
+        # How far the exact profile's log-probs are from the fma profile's (same tokens, trainer side).
+        old = os.environ.get("ALIGNED_OPS_LINEAR")
+        os.environ["ALIGNED_OPS_LINEAR"] = "fma"
+        try:
+            lp_fma, _ = trainer_logprobs(model, aligned, sequences, starts, tok.eos_token_id, args.temperature)
+        finally:
+            os.environ["ALIGNED_OPS_LINEAR"] = old
+        d = (lp_trainer - lp_fma).abs()[comp.bool()]
+        m["exact_vs_fma_abs_max"] = float(d.max()) if d.numel() else 0.0
+        m["exact_vs_fma_abs_mean"] = float(d.mean()) if d.numel() else 0.0
     m.update(engine_start_s=t_engine, generate_s=t_gen, trainer_s=t_train, prompts=len(prompts),
              prompt_lengths=[len(p) for p in prompts])
     return m
@@ -176,6 +202,11 @@ def main(args) -> int:
 
         model = build_tiny_qwen2(os.path.join(work, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen2 ({args.dtype}) in {model}", flush=True)
+    if getattr(args, "linear", None):
+        os.environ["ALIGNED_OPS_LINEAR"] = args.linear  # the children inherit it: both sides, one profile
+    from . import linear_profile
+
+    profile = linear_profile()
     argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),
             "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.threads:
@@ -189,6 +220,7 @@ def main(args) -> int:
         ("k3 (KL est.)", [results[k]["kl_k3"] for k in KERNEL_SETS]),
         ("peak ratio π/μ", [results[k]["ratio_max"] for k in KERNEL_SETS]),
         ("min ratio π/μ", [results[k]["ratio_min"] for k in KERNEL_SETS]),
+        ("linear profile", [results[k].get("linear_profile", "-") for k in KERNEL_SETS]),
     ]
     if "routing_flips" in results["aligned"]:  # MoE: the mechanism, split by routing agreement
         rows += [
@@ -199,9 +231,15 @@ def main(args) -> int:
             ("mean abs Δlogp, routing flipped", [results[k]["abs_diff_mean_routing_flipped"] for k in KERNEL_SETS]),
             ("max abs Δlogp, routing flipped", [results[k]["abs_diff_max_routing_flipped"] for k in KERNEL_SETS]),
         ]
+    if "exact_vs_fma_abs_max" in results["aligned"]:
+        rows += [
+            ("max |Δlogp| exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_max"]]),
+            ("mean |Δlogp| exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_mean"]]),
+        ]
     print_table(
         f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "
-        f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step)",
+        f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step), "
+        f"aligned linear profile {profile}",
         list(KERNEL_SETS), rows)
     ok = results["aligned"]["frac_bitwise_equal"] == 1.0
     print("\naligned kernels: every sampled token's log-prob is bitwise equal" if ok else

@@ -123,7 +123,8 @@ def _cos_sin_cache(model, device):
 
 
 def _lin(module, x):
-    return aligned_ops.linear(x, module.weight, module.bias)
+    # The linear numerics profile (ALIGNED_OPS_LINEAR=fma|exact), the same switch the vLLM plugin reads.
+    return aligned_ops.profile_linear(x, module.weight, module.bias)
 
 
 # ---- patched forwards ----------------------------------------------------------------------------------
@@ -287,6 +288,7 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         layer.forward = types.MethodType(_layer_forward, layer)
     model.forward = types.MethodType(_model_forward, model)
     model._aligned_patched = True
+    model._aligned_linear_profile = aligned_ops.linear_profile()  # read by `aligned-ops verify`
     return model
 
 

@@ -128,7 +128,8 @@ def _rotary_forward(self, positions, query, key=None):
 
 
 def _linear_apply(self, layer, x, bias=None):
-    return aligned_ops.linear(x, layer.weight, bias)
+    # ALIGNED_OPS_LINEAR=fma|exact, the same switch the trainer patch reads (aligned_ops._exact).
+    return aligned_ops.profile_linear(x, layer.weight, bias)
 
 
 # ---- tensor parallelism (TP = 1, 2, 4, 8) ----------------------------------------------------------------
@@ -238,6 +239,8 @@ def _stock_all_reduce(self, input_):
 def _keep_weight_after_loading(self, layer):
     # Skip vLLM's CPU GEMM dispatch: it may re-pack or delete layer.weight (oneDNN / sgl / zentorch);
     # aligned::linear reads the plain [N, K] weight, and refit (load_weights) needs it in place.
+    # A (re)load may have rewritten weights in place: the exact profile's packed digits are redone.
+    aligned_ops.clear_exact_weight_cache()
     return None
 
 
@@ -457,7 +460,13 @@ def install() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, path)
     else:  # pragma: no cover - CUDA/ROCm: registered as CUSTOM; select with attention_backend="CUSTOM"
         register_backend(AttentionBackendEnum.CUSTOM, path)
+    global installed_linear_profile
+    installed_linear_profile = aligned_ops.linear_profile()
     _installed = True
+
+
+# The linear profile the hooks were installed under (`aligned-ops verify` compares it with the trainer's).
+installed_linear_profile = None
 
 
 def uninstall() -> None:

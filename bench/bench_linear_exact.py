@@ -1,0 +1,104 @@
+"""Speed of aligned_ops.linear_exact (the `exact` profile) vs torch's bf16 linear and the `fma` aligned linear,
+in one process, interleaved, repeated: ratios are medians over the repeats (ratio = torch time / ours, > 1 means
+faster than torch). The packed weight is built once (as at load/refit) and not timed; the activation packing is.
+
+    PYTHONPATH=python python3 bench/bench_linear_exact.py [--threads 2] [--repeats 5] [--matrix]
+
+--matrix runs the table in four subprocesses: integer unit AMX (default) or AVX512-VNNI (ALIGNED_CPU_ISA=avx512),
+and torch with oneDNN's AMX (default) or without it (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = [(1, 1536, 1536), (16, 1536, 1536), (256, 1536, 1536), (16, 896, 4864 * 2), (256, 4864, 896)]
+
+
+def timed(fn, reps):
+    fn()
+    best = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t0)
+    return statistics.median(best)
+
+
+def run(args):
+    import torch
+    import torch.nn.functional as F
+
+    import aligned_ops
+
+    torch.set_num_threads(args.threads)
+    ops = torch.ops.aligned
+    g = torch.Generator().manual_seed(0)
+    unit = ops._exact_unit()
+    rows = []
+    for M, K, N in SHAPES:
+        w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
+        x = torch.randn(M, K, generator=g).bfloat16()
+        packed = ops.linear_exact_pack_weight(w)
+        inner = max(1, int(2e8 / (M * K * N)))  # calls per sample, so small shapes are not timer-bound
+
+        def many(f):
+            return lambda: [f() for _ in range(inner)]
+
+        fe = many(lambda: ops.linear_exact_packed(x, *packed, N))
+        ft = many(lambda: F.linear(x, w))
+        ff = many(lambda: ops.linear(x, w))
+        re, rf, te_all, tt_all, tf_all = [], [], [], [], []
+        for _ in range(args.repeats):  # interleaved: the machine's load hits all three alike
+            te, tt, tf = timed(fe, 3) / inner, timed(ft, 3) / inner, timed(ff, 3) / inner
+            re.append(tt / te)
+            rf.append(tt / tf)
+            te_all.append(te)
+            tt_all.append(tt)
+            tf_all.append(tf)
+        sw = packed[0].shape[0]
+        mem = sum(t.numel() * t.element_size() for t in packed)
+        rows.append((M, K, N, sw, mem, statistics.median(te_all), statistics.median(tt_all), statistics.median(tf_all),
+                     statistics.median(re), statistics.median(rf)))
+        print(f"  M={M} K={K} N={N}: exact {rows[-1][5]*1e3:.3f} ms, torch {rows[-1][6]*1e3:.3f} ms, "
+              f"ratio {rows[-1][8]:.2f} (fma {rows[-1][9]:.2f})", file=sys.stderr, flush=True)
+    torch_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "default (AMX)")
+    print(f"\n### linear_exact, unit {unit}, torch oneDNN ISA {torch_isa}, {args.threads} threads, "
+          f"median of {args.repeats} interleaved repeats\n")
+    print("| M | K | N | weight digits | packed weight (MiB) | exact (ms) | torch bf16 (ms) | fma (ms) | "
+          "exact ratio (torch/exact) | fma ratio (torch/fma) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for M, K, N, sw, mem, te, tt, tf, r, rf in rows:
+        print(f"| {M} | {K} | {N} | {sw} | {mem / 2**20:.1f} | {te*1e3:.3f} | {tt*1e3:.3f} | {tf*1e3:.3f} | "
+              f"{r:.2f} | {rf:.2f} |")
+    sys.stdout.flush()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--matrix", action="store_true")
+    args = p.parse_args()
+    if not args.matrix:
+        return run(args)
+    for isa in (None, "avx512"):
+        for onednn in (None, "AVX512_CORE_BF16"):
+            env = dict(os.environ)
+            env.pop("ALIGNED_CPU_ISA", None)
+            env.pop("ONEDNN_MAX_CPU_ISA", None)
+            if isa:
+                env["ALIGNED_CPU_ISA"] = isa
+            if onednn:
+                env["ONEDNN_MAX_CPU_ISA"] = onednn
+            subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--repeats", str(args.repeats)],
+                           env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+// exact_kernels.h — torch-free entry points of the CPU `exact` linear (csrc/common/exact_linear.h defines
+// the numbers; gemm_exact_kernels.cpp computes them, once per ISA level).
+//
+// Packed forms (built by the pack functions, consumed by exact_gemm):
+//   x digits  xd[t][Mp][Kp]                 int8, t < Sx_max, rows padded to Mp = 16*ceil(M/16) and
+//                                           k to Kp = 64*ceil(K/64) with zeros (AMX A-tiles, VNNI broadcasts)
+//   w digits  wd[u][Np/16][Kp/4][16][4]     int8, u < Sw: panels of 16 output columns, k in quads (the AMX
+//                                           B-tile / VNNI layout: 64 bytes = 16 columns x 4 k)
+//   per row   exponent E (int32), digit count S (int8, x only), non-finite flag (uint8)
+#pragma once
+
+#include <stdint.h>
+
+#include "../common/exact_linear.h"
+#include "cpu_kernels.h"
+
+namespace aligned::cpu {
+
+struct ExactGemmParams {
+  // activations (packed)
+  const int8_t* xd;
+  int64_t x_plane;  // Mp * Kp
+  const int32_t* x_exp;
+  const int8_t* x_digits;
+  const uint8_t* x_bad;
+  // weight (packed once per weight version)
+  const int8_t* wd;
+  int64_t w_plane;  // Np * Kp
+  const int32_t* w_exp;
+  const uint8_t* w_bad;
+  int w_digits;
+  // output
+  const void* bias;  // [N] in dt, or null
+  DType dt;
+  void* out;  // [M, N] row-major in dt
+  int64_t M, N, K, Kp;
+  // the tile range this call computes: rows [m0, m1) (m0 % 16 == 0), columns [n0, n1) (n0 % 16 == 0)
+  int64_t m0, m1, n0, n1;
+  int k_parts;   // >= 1: the 64-wide k blocks are cut into this many parts, each summed on its own and
+                 // combined exactly (the result cannot change: tests use it to show split-K invariance)
+  bool use_amx;  // avx512 level only: AMX-INT8 tiles instead of VNNI (same integers)
+};
+
+struct ExactKernels {
+  const char* isa;
+  // rows [r0, r1) of x [M, K] (dtype dt): forms + digits into the packed buffers (xd planes hold
+  // max_digits planes; a row writes its own S digits and zeros the rest)
+  void (*pack_x)(DType dt, const void* x, int64_t K, int64_t Kp, int64_t x_plane, int max_digits, int8_t* xd,
+                 int32_t* x_exp, int8_t* x_digits, uint8_t* x_bad, int64_t r0, int64_t r1);
+  // rows [r0, r1) of a weight [N, K]: their canonical forms (E, S, bad)
+  void (*w_forms)(DType dt, const void* w, int64_t K, aligned::exact::RowForm* forms, int64_t r0, int64_t r1);
+  // rows [r0, r1) of the weight with Sw digits into the panel layout (padding rows/k must be pre-zeroed)
+  void (*pack_w)(DType dt, const void* w, int64_t K, int64_t Kp, int64_t w_plane, int sw,
+                 const aligned::exact::RowForm* forms, int8_t* wd, int32_t* w_exp, uint8_t* w_bad, int64_t r0,
+                 int64_t r1);
+  void (*gemm)(const ExactGemmParams& p);
+  // which integer unit gemm would use here ("amx", "avx512-vnni", "avx512bw", "avx2", "generic")
+  const char* (*unit)(bool use_amx);
+};
+
+// The table for the process's ISA level (same choice as cpu_kernels()).
+const ExactKernels& exact_kernels();
+// AMX-INT8 present and the tile state granted (arch_prctl) — asked once per process.
+bool amx_int8_usable();
+
+}  // namespace aligned::cpu

@@ -1,0 +1,379 @@
+// gemm_exact_kernels.cpp — the CPU `exact` linear (contract: csrc/common/exact_linear.h), compiled once per
+// ISA level like every *_kernels.cpp. Torch-free: raw pointers behind ExactGemmParams.
+//
+// Each output is an exact integer sum rounded once, so the levels may compute it any way that is exact:
+//   generic   scalar int32 digit products;
+//   avx2      vpmaddwd on sign-extended digits (int16 x int16 -> int32 pair sums, exact);
+//   avx512    vpdpbusd (AVX512-VNNI, u8 x s8): the x digit is fed as d + 128 (one xor) and 128 * sum_k w is
+//             subtracted, computed by the same instruction from a vector of ones (wrapping int32 arithmetic
+//             is exact modulo 2^32 and the true sums fit); without VNNI the avx2 code;
+//   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64.
+// Every level produces C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
+// 16-column panel; one shared epilogue combines the digit pairs exactly (two int64 halves) and rounds once
+// (round_split_f32: a two-sum rounded to odd, or int128).
+// No float arithmetic happens before that single rounding.
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "exact_kernels.h"
+
+#ifndef ALIGNED_ISA
+#error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
+#endif
+
+namespace aligned::cpu::ALIGNED_ISA {
+
+namespace {
+
+namespace ex = aligned::exact;
+constexpr int kD = ex::kMaxDigits;
+// C buffer for one tile: [t][u][16][16] int32
+constexpr int kTileC = 16 * 16;
+
+template <typename T>
+void pack_x_typed(const T* x, int64_t K, int64_t Kp, int64_t plane, int maxd, int8_t* xd, int32_t* xe, int8_t* xs,
+                  uint8_t* xbad, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = x + r * K;
+    const ex::RowForm f = ex::row_form(row, K);
+    xe[r] = f.E;
+    xs[r] = (int8_t)f.S;
+    xbad[r] = f.bad;
+    for (int t = 0; t < maxd; ++t) memset(xd + t * plane + r * Kp, 0, (size_t)Kp);
+    if (f.zero) continue;
+    int8_t* base = xd + r * Kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = to_f32(row[k]);
+      if (!ex::is_finite_bits(v)) continue;
+      ex::split_digits(ex::quantize(v, f.S, f.E), f.S, base + k, plane);
+    }
+  }
+}
+
+void pack_x(DType dt, const void* x, int64_t K, int64_t Kp, int64_t plane, int maxd, int8_t* xd, int32_t* xe,
+            int8_t* xs, uint8_t* xbad, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    pack_x_typed((const T*)x, K, Kp, plane, maxd, xd, xe, xs, xbad, r0, r1);
+  });
+}
+
+void w_forms(DType dt, const void* w, int64_t K, ex::RowForm* forms, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = r0; r < r1; ++r) forms[r] = ex::row_form((const T*)w + r * K, K);
+  });
+}
+
+void pack_w(DType dt, const void* w, int64_t K, int64_t Kp, int64_t plane, int sw, const ex::RowForm* forms,
+            int8_t* wd, int32_t* we, uint8_t* wbad, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t n = r0; n < r1; ++n) {
+      const T* row = (const T*)w + n * K;
+      const ex::RowForm& f = forms[n];
+      we[n] = f.E;
+      wbad[n] = f.bad;
+      if (f.zero) continue;
+      // element (n, k) of digit plane u sits at panel n/16, quad k/4, column n%16, byte k%4
+      int8_t* base = wd + (n / 16) * (Kp * 16) + (n % 16) * 4;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = to_f32(row[k]);
+        if (!ex::is_finite_bits(v)) continue;
+        ex::split_digits(ex::quantize(v, sw, f.E), sw, base + (k / 4) * 64 + (k % 4), plane);
+      }
+    }
+  });
+}
+
+// ---- digit-pair products for one 16-row tile x one 16-column panel, k blocks [kb0, kb1) of 64 -----------
+// C[(t * sw + u) * 256 + r * 16 + j] = sum_k xd[t][m0 + r][k] * wd[u][panel][k][j]
+void pairs_generic(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, int64_t kb0, int64_t kb1,
+                   int32_t* C) {
+  const int sw = p.w_digits;
+  for (int t = 0; t < sxt; ++t)
+    for (int u = 0; u < sw; ++u) {
+      int32_t* c = C + (t * sw + u) * kTileC;
+      const int8_t* wp = p.wd + u * p.w_plane + panel * (p.Kp * 16);
+      for (int r = 0; r < 16; ++r) {
+        const int8_t* xr = p.xd + t * p.x_plane + (m0 + r) * p.Kp;
+        int32_t acc[16] = {0};
+        for (int64_t q = kb0 * 16; q < kb1 * 16; ++q) {
+          const int8_t* wq = wp + q * 64;
+          for (int j = 0; j < 16; ++j)
+            for (int i = 0; i < 4; ++i) acc[j] += (int32_t)xr[4 * q + i] * (int32_t)wq[4 * j + i];
+        }
+        memcpy(c + r * 16, acc, sizeof(acc));
+      }
+    }
+}
+
+#if defined(__AVX2__)
+// vpmaddwd: 4 columns x 4 k per 16-byte slice of the quad, widened to int16; x's 4 k broadcast as int16.
+void pairs_avx2(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, int64_t kb0, int64_t kb1, int32_t* C) {
+  const int sw = p.w_digits;
+  for (int t = 0; t < sxt; ++t)
+    for (int u = 0; u < sw; ++u) {
+      int32_t* c = C + (t * sw + u) * kTileC;
+      const int8_t* wp = p.wd + u * p.w_plane + panel * (p.Kp * 16);
+      for (int r0 = 0; r0 < 16; r0 += 2) {
+        __m256i acc[2][4];
+        for (int a = 0; a < 2; ++a)
+          for (int s = 0; s < 4; ++s) acc[a][s] = _mm256_setzero_si256();
+        const int8_t* xr0 = p.xd + t * p.x_plane + (m0 + r0) * p.Kp;
+        const int8_t* xr1 = xr0 + p.Kp;
+        for (int64_t q = kb0 * 16; q < kb1 * 16; ++q) {
+          const int8_t* wq = wp + q * 64;
+          __m256i wv[4];
+          for (int s = 0; s < 4; ++s) wv[s] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wq + 16 * s)));
+          int32_t x0, x1;
+          memcpy(&x0, xr0 + 4 * q, 4);
+          memcpy(&x1, xr1 + 4 * q, 4);
+          const __m256i xv0 = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(x0)));
+          const __m256i xv1 = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(x1)));
+          for (int s = 0; s < 4; ++s) {
+            acc[0][s] = _mm256_add_epi32(acc[0][s], _mm256_madd_epi16(xv0, wv[s]));
+            acc[1][s] = _mm256_add_epi32(acc[1][s], _mm256_madd_epi16(xv1, wv[s]));
+          }
+        }
+        // acc[a][s] lanes: column 4s + l/2, half l%2 -> add the two halves
+        for (int a = 0; a < 2; ++a)
+          for (int s = 0; s < 4; ++s) {
+            alignas(32) int32_t v[8];
+            _mm256_store_si256((__m256i*)v, acc[a][s]);
+            for (int l = 0; l < 4; ++l) c[(r0 + a) * 16 + 4 * s + l] = v[2 * l] + v[2 * l + 1];
+          }
+      }
+    }
+}
+#endif
+
+#if defined(__AVX512F__)
+__attribute__((target("avx512vnni"))) void pairs_vnni(const ExactGemmParams& p, int64_t m0, int64_t panel,
+                                                      int sxt, int64_t kb0, int64_t kb1, int32_t* C) {
+  const int sw = p.w_digits;
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+  int rows = (int)std::min<int64_t>(16, p.M - m0);
+  for (int t = 0; t < sxt; ++t)
+    for (int u = 0; u < sw; ++u) {
+      int32_t* c = C + (t * sw + u) * kTileC;
+      const int8_t* wp = p.wd + u * p.w_plane + panel * (p.Kp * 16);
+      for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int nr = std::min(8, rows - r0);
+        __m512i acc[8], ws = _mm512_setzero_si512();
+        for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_si512();
+        const int8_t* xr = p.xd + t * p.x_plane + (m0 + r0) * p.Kp;
+        for (int64_t q = kb0 * 16; q < kb1 * 16; ++q) {
+          const __m512i w = _mm512_loadu_si512((const void*)(wp + q * 64));
+          ws = _mm512_dpbusd_epi32(ws, ones, w);
+#pragma GCC unroll 8
+          for (int a = 0; a < 8; ++a) {
+            if (a < nr) {
+              int32_t xv;
+              memcpy(&xv, xr + a * p.Kp + 4 * q, 4);
+              acc[a] = _mm512_dpbusd_epi32(acc[a], _mm512_xor_si512(_mm512_set1_epi32(xv), flip), w);
+            }
+          }
+        }
+        const __m512i corr = _mm512_slli_epi32(ws, 7);
+        for (int a = 0; a < nr; ++a) _mm512_storeu_si512((void*)(c + (r0 + a) * 16), _mm512_sub_epi32(acc[a], corr));
+      }
+      for (int r = rows; r < 16; ++r) memset(c + r * 16, 0, 64);
+    }
+}
+
+// AMX-INT8: tiles 0..3 = C for (t0, t1) x (panel, panel2); 4, 5 = A for t0, t1; 6, 7 = B for the two panels.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Loaded at the start of every gemm call and released at its end: other libraries on the same thread
+// (oneDNN) load their own configuration and release the tiles, so a cached "configured" flag is wrong.
+__attribute__((target("amx-tile,amx-int8"))) void amx_release() { _tile_release(); }
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_config() {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C for 2 panels at once: C[(t*sw+u)*256] for `panel`, C2 for panel + 1 (when two).
+__attribute__((target("amx-tile,amx-int8"))) void pairs_amx(const ExactGemmParams& p, int64_t m0, int64_t panel,
+                                                            bool two, int sxt, int64_t kb0, int64_t kb1, int32_t* C,
+                                                            int32_t* C2) {
+  amx_config();
+  const int sw = p.w_digits;
+  const int64_t bstride = 64, astride = p.Kp;
+  for (int u = 0; u < sw; ++u) {
+    const int8_t* wp0 = p.wd + u * p.w_plane + panel * (p.Kp * 16);
+    const int8_t* wp1 = wp0 + p.Kp * 16;
+    for (int t = 0; t < sxt; t += 2) {
+      const bool t2 = t + 1 < sxt;
+      const int8_t* xa = p.xd + t * p.x_plane + m0 * p.Kp;
+      const int8_t* xb = xa + p.x_plane;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        _tile_loadd(4, xa + kb * 64, astride);
+        _tile_loadd(6, wp0 + kb * 1024, bstride);
+        _tile_dpbssd(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, wp1 + kb * 1024, bstride);
+          _tile_dpbssd(1, 4, 7);
+        }
+        if (t2) {
+          _tile_loadd(5, xb + kb * 64, astride);
+          _tile_dpbssd(2, 5, 6);
+          if (two) _tile_dpbssd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, C + (t * sw + u) * kTileC, 64);
+      if (two) _tile_stored(1, C2 + (t * sw + u) * kTileC, 64);
+      if (t2) {
+        _tile_stored(2, C + ((t + 1) * sw + u) * kTileC, 64);
+        if (two) _tile_stored(3, C2 + ((t + 1) * sw + u) * kTileC, 64);
+      }
+    }
+  }
+  amx_release();
+}
+#endif
+
+void pairs_best(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, int64_t kb0, int64_t kb1, int32_t* C) {
+#if defined(__AVX512F__)
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  if (vnni) return pairs_vnni(p, m0, panel, sxt, kb0, kb1, C);
+#endif
+#if defined(__AVX2__)
+  return pairs_avx2(p, m0, panel, sxt, kb0, kb1, C);
+#else
+  return pairs_generic(p, m0, panel, sxt, kb0, kb1, C);
+#endif
+}
+
+// Epilogue: out[m, n] = round_T(round_f32(sum_tu C_tu 2^(8 (6 - t - u)) * 2^q) (+ bias)).
+template <typename T>
+void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, const int64_t* hi, const int64_t* lo) {
+  const int64_t nb = panel * 16;
+  const int64_t rows = std::min<int64_t>(16, p.M - m0), cols = std::min<int64_t>(16, p.N - nb);
+  T* out = (T*)p.out;
+  const T* bias = (const T*)p.bias;
+  (void)sxt;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t n = nb + j;
+      float y;
+      if (p.x_bad[m] || p.w_bad[n]) {
+        y = float_of(0x7fc00000u);
+      } else {
+        y = ex::round_split_f32(hi[r * 16 + j], lo[r * 16 + j], ex::combine_q(p.x_exp[m], p.w_exp[n]));
+      }
+      if (bias) y = y + to_f32(bias[n]);
+      out[m * p.N + n] = from_f32<T>(y);
+    }
+  }
+}
+
+// Adds the digit pairs of C into the split accumulator: level s = t + u weighs 2^(8 (6 - s)); levels 0..2
+// go to hi (units of 2^32), levels 3..6 to lo. Digits past a row's S are zero, so rows mix freely. Bounds:
+// |C| <= 2^14 K, so |hi| < 3 * 2^30 K and |lo| < 4 * 2^38 K fit int64 for K <= 2^17.
+void combine(const ExactGemmParams& p, int sxt, const int32_t* C, int64_t* hi, int64_t* lo) {
+  const int sw = p.w_digits;
+  for (int t = 0; t < sxt; ++t)
+    for (int u = 0; u < sw; ++u) {
+      const int s = t + u;
+      const int32_t* c = C + (t * sw + u) * kTileC;
+      if (s <= 2) {
+        const int sh = 8 * (2 - s);
+        for (int i = 0; i < kTileC; ++i) hi[i] += (int64_t)c[i] << sh;
+      } else {
+        const int sh = 8 * (6 - s);
+        for (int i = 0; i < kTileC; ++i) lo[i] += (int64_t)c[i] << sh;
+      }
+    }
+}
+
+void gemm(const ExactGemmParams& p) {
+  const int sw = p.w_digits;
+  const int64_t nkb = p.Kp / 64;
+  const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
+  alignas(64) int32_t C[kD * kD * kTileC];
+  alignas(64) int32_t C2[kD * kD * kTileC];
+  alignas(64) int64_t hi[kTileC], lo[kTileC], hi2[kTileC], lo2[kTileC];
+  for (int64_t m0 = p.m0; m0 < p.m1; m0 += 16) {
+    int sxt = 1;
+    for (int64_t m = m0; m < std::min<int64_t>(m0 + 16, p.M); ++m) sxt = std::max<int>(sxt, p.x_digits[m]);
+    for (int64_t nb = p.n0; nb < p.n1; nb += 16) {
+      const int64_t panel = nb / 16;
+#if defined(__AVX512F__)
+      const bool two = p.use_amx && nb + 16 < p.n1;
+#else
+      const bool two = false;
+#endif
+      for (int i = 0; i < kTileC; ++i) hi[i] = lo[i] = hi2[i] = lo2[i] = 0;
+      for (int part = 0; part < parts; ++part) {
+        const int64_t kb0 = nkb * part / parts, kb1 = nkb * (part + 1) / parts;
+#if defined(__AVX512F__)
+        if (p.use_amx) {
+          pairs_amx(p, m0, panel, two, sxt, kb0, kb1, C, C2);
+        } else {
+          pairs_best(p, m0, panel, sxt, kb0, kb1, C);
+        }
+#else
+        pairs_best(p, m0, panel, sxt, kb0, kb1, C);
+#endif
+        combine(p, sxt, C, hi, lo);
+        if (two) combine(p, sxt, C2, hi2, lo2);
+      }
+      with_type(p.dt, [&](auto* tp) {
+        using T = std::remove_pointer_t<decltype(tp)>;
+        epilogue<T>(p, m0, panel, sxt, hi, lo);
+        if (two) epilogue<T>(p, m0, panel + 1, sxt, hi2, lo2);
+      });
+      if (two) nb += 16;
+    }
+  }
+  (void)sw;
+}
+
+const char* unit(bool use_amx) {
+#if defined(__AVX512F__)
+  if (use_amx) return "amx";
+  if (__builtin_cpu_supports("avx512vnni")) return "avx512-vnni";
+  return "avx2-madd";
+#elif defined(__AVX2__)
+  (void)use_amx;
+  return "avx2-madd";
+#else
+  (void)use_amx;
+  return "generic";
+#endif
+}
+
+}  // namespace
+
+#define ALIGNED_STR2(x) #x
+#define ALIGNED_STR(x) ALIGNED_STR2(x)
+extern const ExactKernels kExact = {ALIGNED_STR(ALIGNED_ISA), &pack_x, &w_forms, &pack_w, &gemm, &unit};
+
+}  // namespace aligned::cpu::ALIGNED_ISA

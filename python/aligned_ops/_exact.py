@@ -1,0 +1,158 @@
+"""The ``exact`` linear profile: fake impls, autograd, the packed-weight cache and the profile switch.
+
+``linear_exact(x, weight, bias)`` computes every output as the exact integer dot product of the canonical
+fixed-point forms of the bf16/fp16/fp32 inputs (``csrc/common/exact_linear.h``, ``docs/exact_linear.md``),
+rounded once to fp32 and once to x's dtype. Its bits do not depend on batch, row position, threads, ISA level
+(AMX-INT8, AVX512-VNNI, AVX2, generic) or how K is cut.
+
+Backward (training) uses the deterministic ``fma`` path (``aligned::linear_backward``): rollouts never need
+backward bits, and the trainer's forward still uses the exact kernel, so forward log-probs match the engine.
+
+Profile switch: ``ALIGNED_OPS_LINEAR=fma|exact`` (process-wide, read by the vLLM plugin and the trainer patch
+through :func:`linear_profile`; ``fma`` when unset).
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+ops = torch.ops.aligned
+_lib = "aligned::"
+
+PROFILES = ("fma", "exact")
+
+
+def linear_profile() -> str:
+    """The process-wide linear numerics profile from ``ALIGNED_OPS_LINEAR`` (``fma`` when unset)."""
+    p = os.environ.get("ALIGNED_OPS_LINEAR", "fma").strip().lower() or "fma"
+    if p not in PROFILES:
+        raise ValueError(f"ALIGNED_OPS_LINEAR must be one of {PROFILES}, got {p!r}")
+    return p
+
+
+def _same_device(op, *ts):
+    devs = {t.device for t in ts if t is not None}
+    torch._check(len(devs) <= 1, lambda: f"aligned::{op}: all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def _ceil(v, m):
+    return (v + m - 1) // m * m
+
+
+@torch.library.register_fake(_lib + "linear_exact")
+def _(x, weight, bias=None):
+    _same_device("linear_exact", x, weight, bias)
+    torch._check(x.dim() >= 1, lambda: "aligned::linear_exact: x must have at least one dimension")
+    torch._check(weight.dim() == 2, lambda: "aligned::linear_exact: weight must be 2-D")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "aligned::linear_exact: in_features mismatch")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake(_lib + "linear_exact_packed")
+def _(x, weight_digits, weight_exponents, weight_nonfinite, out_features, bias=None, k_parts=1):
+    _same_device("linear_exact_packed", x, weight_digits, bias)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake(_lib + "linear_exact_pack_weight")
+def _(weight):
+    # The digit count is data-dependent (the fewest digits that hold every row exactly).
+    ctx = torch.library.get_ctx()
+    s = ctx.new_dynamic_size(min=1, max=4)
+    n, k = weight.shape
+    return (
+        weight.new_empty((s, _ceil(n, 16) * _ceil(k, 64)), dtype=torch.int8),
+        weight.new_empty((n + 1,), dtype=torch.int32),
+        weight.new_empty((n,), dtype=torch.uint8),
+    )
+
+
+@torch.library.register_fake(_lib + "_linear_exact_reference")
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _exact_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _exact_backward(ctx, grad):
+    # The fma profile's deterministic backward (contract.h chains); see the module docstring.
+    x, weight = ctx.saved_tensors
+    return ops.linear_backward(
+        grad.contiguous(), x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        ctx.has_bias and ctx.needs_input_grad[2],
+    )
+
+
+torch.library.register_autograd(_lib + "linear_exact", _exact_backward, setup_context=_exact_setup)
+
+
+# ---- packed-weight cache: one packing per weight version --------------------------------------------------
+# Keyed by the weight tensor (weakly) and validated by (data_ptr, version, shape, dtype). A refit that writes
+# through ``param.data`` does not bump the version counter: call clear_exact_weight_cache() after it (the
+# vLLM plugin does after weight loading). Memory: S bytes per weight element (S = 1..4 digits, 4 for
+# ordinary random-init weights) + 5 bytes per output row, padded to 16 rows x 64 columns.
+_cache = WeakIdKeyDictionary()  # tensors compare elementwise, so key them by identity
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return -1
+
+
+def clear_exact_weight_cache() -> None:
+    _cache.clear()
+
+
+def packed_weight(weight: torch.Tensor):
+    key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype)
+    hit = _cache.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        packed = ops.linear_exact_pack_weight(weight.detach())
+    _cache[weight] = (key, packed)
+    return packed
+
+
+def exact_weight_cache_bytes() -> int:
+    return sum(sum(t.numel() * t.element_size() for t in v[1]) for v in _cache.values())
+
+
+class _LinearExactCached(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        wd, we, wb = packed_weight(weight)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exact_backward(ctx, grad)
+
+
+def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` under the ``exact`` profile, with the weight's packed digits cached.
+
+    Under torch.compile (or on a non-CPU device) the uncached op runs (it packs the weight each call)."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return ops.linear_exact(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearExactCached.apply(x, weight, bias)
+    wd, we, wb = packed_weight(weight)
+    return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias)
+
+
+def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The aligned linear of the process's profile (``ALIGNED_OPS_LINEAR``)."""
+    if linear_profile() == "exact":
+        return linear_exact(x, weight, bias)
+    return ops.linear(x, weight, bias)

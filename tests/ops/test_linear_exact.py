@@ -1,0 +1,289 @@
+"""linear_exact (the `exact` linear profile, csrc/common/exact_linear.h): bits equal to the scalar int128
+definition, invariant to batch / row position / threads / ISA level / K split (bitwise, integer views), accurate
+against float64, with negative controls on torch's own GEMM."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import aligned_ops
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+
+ops = torch.ops.aligned
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _rand(*shape, g, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 423, 213), (17, 64, 16), (40, 130, 97), (2, 1536, 33)])
+def test_equals_scalar_definition(dtype, shape):
+    M, K, N = shape
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x, w, b = _rand(M, K, g=g, dtype=dtype), _rand(N, K, g=g, scale=0.05, dtype=dtype), _rand(N, g=g, dtype=dtype)
+    for bias in (None, b):
+        assert_bitwise_equal(ops.linear_exact(x, w, bias), ops._linear_exact_reference(x, w, bias))
+
+
+def test_extreme_rows_equal_definition():
+    g = torch.Generator().manual_seed(3)
+    K, N = 300, 40
+    x = _rand(12, K, g=g)
+    x[0] = 0  # zero row
+    x[1, 7] = 3e4  # massive activation (BOS-like row)
+    x[2, ::3] *= 1e-30  # tiny values beside ordinary ones: beyond 4 digits -> rounded (the stated limit)
+    x[3] = _rand(K, g=g, scale=1e-38)  # subnormal range
+    x[4, 5] = 3e38
+    x[5] = _rand(K, g=g, scale=1e4)
+    w = _rand(N, K, g=g, scale=0.02)
+    w[:, 7] *= 1e-3  # small weights meeting the massive channel
+    w[3] = 0
+    assert_bitwise_equal(ops.linear_exact(x, w), ops._linear_exact_reference(x, w))
+
+
+def test_nonfinite_rows_and_columns():
+    g = torch.Generator().manual_seed(4)
+    x, w = _rand(5, 70, g=g), _rand(9, 70, g=g)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    w[4, 69] = -float("inf")
+    y = ops.linear_exact(x, w)
+    assert y[1].isnan().all() and y[2].isnan().all() and y[:, 4].isnan().all()
+    ok = torch.ones_like(y, dtype=torch.bool)
+    ok[1] = ok[2] = False
+    ok[:, 4] = False
+    assert not y[ok].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_accuracy_against_float64(dtype):
+    """The fp32 stage is the correctly rounded exact sum, so the output is round_T(fp32(exact)): compare to the
+    float64 product rounded the same way; and the error is never above torch's own GEMM's."""
+    g = torch.Generator().manual_seed(5)
+    M, K, N = 33, 1536, 96
+    x, w = _rand(M, K, g=g, dtype=dtype), _rand(N, K, g=g, scale=0.02, dtype=dtype)
+    x[:, [5, 900]] *= 1e3  # outlier channels ...
+    w[:, [5, 900]] *= 1e-3  # ... meeting small weights (the adversarial case of the study)
+    ref = x.double() @ w.double().T
+    y = ops.linear_exact(x, w)
+    want = ref.float().to(dtype)
+    # float64 is not exact here, so a tie may round either way: at most 1 output in 1000 may differ, by one ulp
+    diff = (y.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3
+    rel = ((y.double() - ref).abs() / ref.abs().clamp_min(1e-30))
+    rel_t = ((torch.nn.functional.linear(x, w).double() - ref).abs() / ref.abs().clamp_min(1e-30))
+    assert rel.max() <= rel_t.max() and rel.mean() <= rel_t.mean() * 1.001
+
+
+def test_noncontiguous_inputs():
+    g = torch.Generator().manual_seed(6)
+    xt = _rand(64, 10, g=g).t()  # [10, 64] non-contiguous
+    wt = _rand(64, 24, g=g).t()
+    b = _rand(48, g=g)[::2]
+    assert not xt.is_contiguous() and not wt.is_contiguous() and not b.is_contiguous()
+    assert_bitwise_equal(ops.linear_exact(xt, wt, b), ops.linear_exact(xt.contiguous(), wt.contiguous(), b.contiguous()))
+    x3 = _rand(2, 3, 64, g=g)
+    assert ops.linear_exact(x3, wt).shape == (2, 3, 24)
+
+
+def test_batch_and_position_invariance():
+    """Every row of every batch size M = 1..300 (and every position in a shuffled batch) equals the row computed
+    in the full batch, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    K, N = 200, 70
+    x, w = _rand(300, K, g=g), _rand(N, K, g=g, scale=0.05)
+    x[17, 3] = 5e3  # one BOS-like row: more digits in its tile, same bits for the others
+    full = aligned_ops.linear_exact(x, w)
+    for m in range(1, 301):
+        assert_bitwise_equal(aligned_ops.linear_exact(x[:m], w), full[:m])
+    perm = torch.randperm(300, generator=g)
+    assert_bitwise_equal(aligned_ops.linear_exact(x[perm], w), full[perm])
+    for r in (0, 17, 150, 299):  # a row alone, or at another position of a padded batch
+        assert_bitwise_equal(aligned_ops.linear_exact(x[r : r + 1], w), full[r : r + 1])
+        padded = torch.cat([x[:5], x[r : r + 1], x[40:63]])
+        assert_bitwise_equal(aligned_ops.linear_exact(padded, w)[5], full[r])
+
+
+def test_thread_count_invariance():
+    g = torch.Generator().manual_seed(8)
+    x, w = _rand(100, 1000, g=g), _rand(300, 1000, g=g, scale=0.03)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = aligned_ops.linear_exact(x, w)
+        torch.set_num_threads(2)
+        two = aligned_ops.linear_exact(x, w)
+    finally:
+        torch.set_num_threads(old)
+    assert_bitwise_equal(one, two)
+
+
+def test_k_split_invariance():
+    """The kernel's exact partial sums over any cut of K combine to the same bits."""
+    g = torch.Generator().manual_seed(9)
+    x, w = _rand(20, 1000, g=g), _rand(50, 1000, g=g, scale=0.03)
+    wd, we, wb = ops.linear_exact_pack_weight(w)
+    base = ops.linear_exact_packed(x, wd, we, wb, 50, None, 1)
+    for parts in (2, 3, 5, 7, 16, 100):
+        assert_bitwise_equal(ops.linear_exact_packed(x, wd, we, wb, 50, None, parts), base)
+
+
+def test_negative_control_torch_gemm_is_not_invariant():
+    """The same checks on torch's bf16 GEMM (fp32 accumulation) find differences: a K split (partials summed in
+    fp32) changes bits, and so does the batch size or thread count on at least some rows."""
+    g = torch.Generator().manual_seed(10)
+    x, w = _rand(300, 1000, g=g), _rand(300, 1000, g=g, scale=0.03)
+    full = torch.nn.functional.linear(x, w)
+    split = (torch.nn.functional.linear(x[:, :333].float(), w[:, :333].float())
+             + torch.nn.functional.linear(x[:, 333:].float(), w[:, 333:].float())).bfloat16()
+    whole = torch.nn.functional.linear(x.float(), w.float()).bfloat16()
+    assert not bitwise_equal(split, whole)
+    batch_diff = any(not bitwise_equal(torch.nn.functional.linear(x[:m], w), full[:m]) for m in (1, 3, 16, 17, 64))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.nn.functional.linear(x, w)
+    finally:
+        torch.set_num_threads(old)
+    assert batch_diff or not bitwise_equal(one, full) or not bitwise_equal(split, whole)
+    # and the exact op passes exactly these comparisons (the test above could fail)
+    assert bitwise_equal(aligned_ops.linear_exact(x[:3], w), aligned_ops.linear_exact(x, w)[:3])
+
+
+ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, aligned_ops
+    ops = torch.ops.aligned
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    out = {"unit": ops._exact_unit()}
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for (M, K, N) in ((1, 64, 16), (3, 423, 213), (37, 1536, 100), (300, 130, 33)):
+            x = torch.randn(M, K, generator=g).to(dt)
+            w = (torch.randn(N, K, generator=g) * 0.05).to(dt)
+            x[M // 2, K // 3] = 2e4
+            b = torch.randn(N, generator=g).to(dt)
+            out[f"{dt}{M}_{K}_{N}"] = ops.linear_exact(x, w, b)
+            wd, we, wb = ops.linear_exact_pack_weight(w)
+            out[f"parts{dt}{M}_{K}_{N}"] = ops.linear_exact_packed(x, wd, we, wb, N, b, 3)
+    torch.save(out, sys.argv[1])
+    """
+)
+
+
+def _isa_levels():
+    import aligned_ops  # noqa: F401
+
+    levels = ["generic"]
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx2 " in flags:
+        levels.append("avx2")
+    if " avx512f " in flags:
+        levels.append("avx512")
+    if " amx_int8 " in flags:
+        levels.append("amx")
+    return levels
+
+
+def test_isa_levels_bit_identical(tmp_path):
+    results = {}
+    for level in _isa_levels():
+        path = tmp_path / f"{level}.pt"
+        env = dict(os.environ, ALIGNED_CPU_ISA=level)
+        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path)], check=True, env=env, timeout=600)
+        results[level] = torch.load(path)
+    units = {lvl: r.pop("unit") for lvl, r in results.items()}
+    assert units["generic"] == "generic"
+    if "amx" in units:
+        assert units["amx"] == "amx" and units["avx512"] != "amx"
+    base = results["generic"]
+    for level, r in results.items():
+        assert r.keys() == base.keys()
+        for k in base:
+            assert_bitwise_equal(r[k], base[k], msg=f"{level} ({units[level]}) {k}") if _takes_msg() else assert_bitwise_equal(r[k], base[k])
+
+
+def _takes_msg():
+    import inspect
+
+    return "msg" in inspect.signature(assert_bitwise_equal).parameters
+
+
+def test_opcheck_compile_and_gradient():
+    g = torch.Generator().manual_seed(11)
+    x, w, b = _rand(6, 96, g=g), _rand(40, 96, g=g, scale=0.05), _rand(40, g=g)
+    torch.library.opcheck(ops.linear_exact.default, (x, w, b), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    wd, we, wb = ops.linear_exact_pack_weight(w)
+    torch.library.opcheck(ops.linear_exact_packed.default, (x, wd, we, wb, 40, b, 1), test_utils=("test_schema", "test_faketensor"))
+    f = torch.compile(lambda a, c, d: ops.linear_exact(a, c, d) * 1, fullgraph=True)
+    assert_bitwise_equal(f(x, w, b), ops.linear_exact(x, w, b))
+    # backward: the deterministic fma path, checked against torch's gradient of the same inputs in fp64
+    xr, wr, br = (t.float().requires_grad_() for t in (x, w, b))
+    aligned_ops.linear_exact(xr, wr, br).sum().backward()
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(x64, w64, b64).sum().backward()
+    for a, r in ((xr, x64), (wr, w64), (br, b64)):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-5, atol=1e-5)
+    # the raw op's autograd too
+    xr.grad = None
+    ops.linear_exact(xr, wr, br).sum().backward()
+    torch.testing.assert_close(xr.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_cache_follows_versions():
+    from aligned_ops import _exact
+
+    g = torch.Generator().manual_seed(12)
+    x, w = _rand(4, 64, g=g), _rand(8, 64, g=g)
+    aligned_ops.clear_exact_weight_cache()
+    y0 = aligned_ops.linear_exact(x, w)
+    assert _exact.exact_weight_cache_bytes() > 0
+    with torch.no_grad():
+        w.mul_(2)  # a refit in place bumps the version: the packing is redone
+    assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops.linear_exact(x, w))
+    assert not bitwise_equal(aligned_ops.linear_exact(x, w), y0)
+
+
+def test_profile_switch(monkeypatch):
+    g = torch.Generator().manual_seed(13)
+    x, w = _rand(4, 64, g=g), _rand(8, 64, g=g)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    assert aligned_ops.linear_profile() == "exact"
+    assert_bitwise_equal(aligned_ops.profile_linear(x, w), ops.linear_exact(x, w))
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    assert_bitwise_equal(aligned_ops.profile_linear(x, w), ops.linear(x, w))
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "tensorcore")
+    with pytest.raises(ValueError, match="ALIGNED_OPS_LINEAR must be one of"):
+        aligned_ops.linear_profile()
+
+
+def test_bad_inputs_name_op_and_argument():
+    g = torch.Generator().manual_seed(14)
+    x, w = _rand(4, 64, g=g), _rand(8, 64, g=g)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact: weight dtype"):
+        ops.linear_exact(x, w.float())
+    with pytest.raises(RuntimeError, match="aligned::linear_exact: x has 63 input features"):
+        ops.linear_exact(x[:, :63], w)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_pack_weight: weight must be"):
+        ops.linear_exact_pack_weight(w[0])
+    with pytest.raises(RuntimeError, match="in_features must be <= 131072"):
+        ops.linear_exact_pack_weight(torch.zeros(1, 131073, dtype=torch.bfloat16))
+    wd, we, wb = ops.linear_exact_pack_weight(w)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_packed: x has 60 input features but the packed"):
+        ops.linear_exact_packed(x[:, :60], wd, we, wb, 8)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_packed: weight_digits must be"):
+        ops.linear_exact_packed(x, wd[:, :-64].contiguous(), we, wb, 8)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_packed: weight_exponents"):
+        ops.linear_exact_packed(x, wd, we[:4], wb, 8)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_packed: bias must be"):
+        ops.linear_exact_packed(x, wd, we, wb, 8, torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="aligned::linear_exact_packed: k_parts"):
+        ops.linear_exact_packed(x, wd, we, wb, 8, None, 0)
+    with pytest.raises(RuntimeError, match="aligned::linear_exact: all tensors must be on one device"):
+        ops.linear_exact(x.to("meta"), w)
