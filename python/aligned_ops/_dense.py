@@ -325,15 +325,15 @@ def rotary_embedding(positions, x, cos_sin_cache, rotary_dim: int | None = None,
 
 
 def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
-    """The fp32 ``[max_position, rotary_dim]`` cache (cos half, sin half) both sides must share.
+    """The fp32 ``[max_position, rotary_dim]`` cache (cos half, sin half) of plain RoPE both sides share.
 
-    Built in float64 and rounded once to float32, so it does not depend on the device or on torch's fp32
-    ``cos``/``sin`` implementation: the trainer and the rollout engine get the same table.
+    ``aligned_ops.rope.cos_sin_cache`` with a ``default`` spec: float64 arithmetic rounded once to float32,
+    independent of the device, the table length and torch's fp32 ``cos``/``sin`` (scaled RoPE variants:
+    ``aligned_ops.rope``).
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    t = torch.arange(max_position, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+    from .rope import RopeSpec, cos_sin_cache
+
+    return cos_sin_cache(RopeSpec(rotary_dim=int(rotary_dim), base=float(base), max_position=int(max_position)))
 
 
 def _temperature_args(temperature):

@@ -53,9 +53,8 @@ def test_supported_config_is_accepted(tiny_dir):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(enable_prefix_caching=True), "prefix caching is not covered"),
-        (dict(enforce_eager=False), "compiled mode is not covered; pass enforce_eager=True"),
-        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode 'processed_logprobs' is not supported"),
+        (dict(logprobs_mode="processed_logits"), "logprobs_mode 'processed_logits' is not supported"),
+        (dict(logprobs_mode="raw_logits"), "logprobs_mode 'raw_logits' is not supported"),
     ],
 )
 def test_engine_start_refuses(tiny_dir, kw, match):
@@ -63,13 +62,24 @@ def test_engine_start_refuses(tiny_dir, kw, match):
         _engine_config(tiny_dir, **kw)
 
 
-def test_llm_constructor_refuses_prefix_caching(tiny_dir):
+@pytest.mark.parametrize(
+    "kw",
+    [dict(enable_prefix_caching=True), dict(enforce_eager=False), dict(logprobs_mode="processed_logprobs"),
+     dict(enable_prefix_caching=True, enforce_eager=False, logprobs_mode="processed_logprobs")],
+)
+def test_rl_settings_are_accepted(tiny_dir, kw):
+    """Prefix caching, compiled mode and processed log-probs are covered (test_vllm_rl_features.py)."""
+    cfg = _engine_config(tiny_dir, **kw)
+    vllm_plugin.validate_vllm_config(cfg)
+
+
+def test_llm_constructor_refuses_before_building(tiny_dir):
     """Through the public ``vllm.LLM`` entry point, before any model is built."""
     from vllm import LLM
 
     vllm_plugin.install()
-    with pytest.raises(ValueError, match="aligned_ops vLLM plugin refuses this configuration: prefix caching"):
-        LLM(model=tiny_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=True, max_model_len=128,
+    with pytest.raises(ValueError, match="aligned_ops vLLM plugin refuses this configuration: logprobs_mode"):
+        LLM(model=tiny_dir, dtype="float32", enforce_eager=True, logprobs_mode="processed_logits", max_model_len=128,
             kv_cache_memory_bytes=32 << 20)
 
 
@@ -77,8 +87,10 @@ def test_llm_constructor_refuses_prefix_caching(tiny_dir):
     "changes, match",
     [
         (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "unsupported architecture 'MistralForCausalLM'"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
-                               "original_max_position_embeddings": 1024}), "rope_type 'yarn' is not supported"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "short_factor": [1.0] * 16,
+                               "long_factor": [1.0] * 16, "original_max_position_embeddings": 1024}),
+         "rope_type 'longrope' is not supported"),
+        (dict(partial_rotary_factor=0.5), "partial rotary embeddings are not supported"),
         (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), "sliding-window attention"),
     ],
 )

@@ -48,13 +48,26 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
         )
     if archs[0] in MOE_ARCHITECTURES:
         check_moe_config(config, where)
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    from ..rope import SUPPORTED_ROPE_TYPES, rope_spec_from_hf_config
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None)
-    if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"):
+    if isinstance(scaling, dict):
+        params.update({k: v for k, v in scaling.items() if k not in params})
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"aligned_ops ({where}): rope_type {rope_type!r} is not supported (only plain RoPE, rope_type 'default')"
+            f"aligned_ops ({where}): rope_type {rope_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    try:
+        spec = rope_spec_from_hf_config(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"aligned_ops ({where}): rope parameters {params} are not usable: {e}") from e
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if spec.rotary_dim != head_dim:
+        # HF's Llama/Qwen2/Qwen3 forward rotates the whole head (no partial rotary): no reference semantics.
+        raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
     if getattr(config, "use_sliding_window", False):
         raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported")
     qc = getattr(config, "quantization_config", None)
@@ -62,8 +75,6 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
         raise ValueError(f"aligned_ops ({where}): quantized checkpoints are not supported ({qc})")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"aligned_ops ({where}): activation {config.hidden_act!r} is not supported (only silu)")
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
 
 
 def check_moe_config(config, where: str) -> None:

@@ -31,7 +31,8 @@ import torch
 
 import aligned_ops
 
-from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe, rope_theta_of
+from ..rope import cos_sin_cache, rope_spec_from_hf_config
+from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
@@ -114,10 +115,9 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
 def _cos_sin_cache(model, device):
     cache = getattr(model, "_aligned_cos_sin_cache", None)
     if cache is None or cache.device != device:
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # Same function and arguments as the vLLM plugin: rotary_dim = head_dim, max_position_embeddings rows.
-        cache = aligned_ops.rotary_cos_sin_cache(head_dim, cfg.max_position_embeddings, rope_theta_of(cfg)).to(device)
+        # The one table builder the vLLM plugin also uses (aligned_ops.rope); [positions, rotary_dim] fp32.
+        spec = rope_spec_from_hf_config(model.config)
+        cache = cos_sin_cache(spec).to(device)
         object.__setattr__(model, "_aligned_cos_sin_cache", cache)
     return cache
 
@@ -149,8 +149,9 @@ def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = aligned_ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
         k = aligned_ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-    q = aligned_ops.rotary_embedding(positions, q, cos_sin_cache, D, True)
-    k = aligned_ops.rotary_embedding(positions, k, cos_sin_cache, D, True)
+    R = cos_sin_cache.shape[-1]  # rotary_dim (the table's width)
+    q = aligned_ops.rotary_embedding(positions, q, cos_sin_cache, R, True)
+    k = aligned_ops.rotary_embedding(positions, k, cos_sin_cache, R, True)
     o, _ = attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, float(attn.scaling), True)
     h = _lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
     x, residual = aligned_ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
@@ -173,6 +174,9 @@ def _model_forward(
     return_logits: bool | None = None,
     output_router_logits: bool = False,
     return_routing: bool = False,
+    top_k=None,
+    top_p=None,
+    min_p=None,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
@@ -228,11 +232,38 @@ def _model_forward(
         targets = cm.nonzero().squeeze(1)
         logits = _lin(head, hidden.index_select(0, targets - 1))
         temps = _per_token_temperature(temperature, input_ids, cu, flat, targets)
-        lp = aligned_ops.token_logprobs(logits, ids.index_select(0, targets), temps)
+        target_ids = ids.index_select(0, targets)
+        if top_k is None and top_p is None and min_p is None:
+            lp = aligned_ops.token_logprobs(logits, target_ids, temps)
+        else:
+            # The distribution vLLM sampled from with logprobs_mode="processed_logprobs" and the plugin:
+            # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
+            from ..sampling import scale_logits, truncate_logits
+
+            def per_token(v, dtype):
+                return None if v is None else _per_token_value(v, cu, targets, dtype, input_ids.device)
+
+            t = temps if isinstance(temps, torch.Tensor) else torch.full((targets.numel(),), temps)
+            x = scale_logits(logits, t)
+            x = truncate_logits(x, top_k=per_token(top_k, torch.int64), top_p=per_token(top_p, torch.float32),
+                                min_p=per_token(min_p, torch.float32))
+            lp = aligned_ops.token_logprobs(x, target_ids, 1.0)
         full = lp.new_zeros(input_ids.numel())
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _per_token_value(value, cu, targets, dtype, device):
+    """A scalar, or one value per sequence ``[B]``, expanded to the selected tokens."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return torch.full((targets.numel(),), float(value) if dtype.is_floating_point else int(value), dtype=dtype,
+                          device=device)
+    nseq = cu.numel() - 1
+    if value.numel() != nseq:
+        raise ValueError(f"per-sequence sampling parameter must have one entry per sequence ({nseq}), got {value.numel()}")
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    return torch.repeat_interleave(value.to(device=device, dtype=dtype), lens).index_select(0, targets)
 
 
 def _per_token_temperature(temperature, input_ids, cu, flat, targets):
@@ -311,6 +342,9 @@ def completion_logprobs(
     attention_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     temperature=1.0,
+    top_k=None,
+    top_p=None,
+    min_p=None,
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
@@ -318,6 +352,11 @@ def completion_logprobs(
     with ``cu_seqlens [B+1]``. ``completion_mask[b, t] = 1`` asks for ``log p(input_ids[b, t] | prefix)``
     (under ``softmax(logits / temperature)`` over the full vocabulary; temperature is a float or one value
     per sequence; 0 means greedy and is scored at 1.0, like the vLLM plugin). Differentiable.
+
+    ``top_k`` / ``top_p`` / ``min_p`` (scalar or one per sequence; default None = full vocabulary): score
+    the *truncated* distribution instead — ``log_softmax`` of ``aligned_ops.sampling.truncate_logits(z / T)``,
+    what the vLLM plugin returns with ``logprobs_mode="processed_logprobs"`` (bit for bit). A token outside
+    the truncated set gets ``-inf``.
     """
     if not getattr(model, "_aligned_patched", False):
         raise ValueError("completion_logprobs: call aligned_ops.integrations.hf.patch_model(model) first")
@@ -328,4 +367,7 @@ def completion_logprobs(
         completion_mask=completion_mask,
         temperature=temperature,
         return_logits=False,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
     ).logprobs

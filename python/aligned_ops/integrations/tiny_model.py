@@ -178,8 +178,40 @@ def build_tiny_moe(
         use_sliding_window=False,
         attention_dropout=0.0,
     )
+    return _save_random(model_cls(config), tokenizer, path, dtype, seed, eos, router_scale=router_scale)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+
+
+def build_tiny_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     rope_parameters: dict | None = None, **overrides) -> str:
+    """A random-weight Llama causal LM (Llama-3 style: ``rope_type`` llama3 by default, untied LM head, no
+    biases) and its tokenizer; same shapes as :func:`build_tiny_qwen2` unless ``overrides`` change them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.pop("rope_theta")
+    cfg.update(tie_word_embeddings=False, head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.update(overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = LlamaConfig(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                         attention_bias=False, mlp_bias=False,
+                         rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
+    config.architectures = ["LlamaForCausalLM"]
+    return _save_random(LlamaForCausalLM(config), tokenizer, path, dtype, seed, eos)
+
+
+def _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=None):
+    """Overwrite every parameter from a generator seeded with ``seed`` (norm weights near 1, biases 0.02,
+    MoE router weights ``router_scale``, the rest 0.08: larger than the usual 0.02 so logits are spread),
+    cast to ``dtype``, save with the tokenizer and a neutral generation config."""
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    model = model.to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -187,7 +219,7 @@ def build_tiny_moe(
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):
+            elif router_scale is not None and name.endswith("mlp.gate.weight"):
                 p.copy_(router_scale * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))

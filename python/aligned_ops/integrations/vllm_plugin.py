@@ -49,7 +49,7 @@ import torch
 import aligned_ops
 import aligned_ops.collective
 
-from . import SUPPORTED_DTYPES, check_hf_config
+from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
@@ -58,6 +58,8 @@ _installed = False
 _MISSING = object()
 _originals: dict = {}
 _current_temperature: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_temperature", default=None)
+_processed_mode: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_processed_logprobs", default=False)
+SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def enabled_by_env() -> bool:
@@ -102,19 +104,69 @@ def _silu_and_mul_forward(self, x):
     return aligned_ops.silu_and_mul(x)
 
 
-def _rotary_forward(self, positions, query, key=None):
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+def rope_spec_from_vllm(rot):
+    """The :class:`aligned_ops.rope.RopeSpec` of a rotary module vLLM built (``get_rope``).
 
-    if type(self) is not RotaryEmbedding:
-        raise NotImplementedError(f"aligned_ops: {type(self).__name__} (scaled RoPE) is not supported")
-    cache = getattr(self, "_aligned_cos_sin_cache", None)
-    if cache is None or cache.device != query.device:
-        # Same builder and arguments as the trainer side (hf.py): fp64 -> fp32, [max_position, rotary_dim].
-        cache = aligned_ops.rotary_cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
+    Raises ``NotImplementedError`` for rotary classes whose table we do not reproduce (mrope, DeepSeek YaRN,
+    LongRoPE, NTK-alpha, several linear factors, ...). The trainer describes the same RoPE from the HF config
+    (``aligned_ops.rope.rope_spec_from_hf_config``); both feed ``aligned_ops.rope.cos_sin_cache``.
+    """
+    from vllm.model_executor.layers.rotary_embedding import (
+        DynamicNTKScalingRotaryEmbedding,
+        Llama3RotaryEmbedding,
+        LinearScalingRotaryEmbedding,
+        RotaryEmbedding,
+        YaRNScalingRotaryEmbedding,
+    )
+
+    from ..rope import RopeSpec
+
+    kind = type(rot)
+    common = dict(rotary_dim=int(rot.rotary_dim), base=float(rot.base), max_position=int(rot.max_position_embeddings))
+    if kind is RotaryEmbedding:
+        return RopeSpec(**common)
+    if kind is Llama3RotaryEmbedding:
+        return RopeSpec(**common, rope_type="llama3", factor=float(rot.scaling_factor),
+                        low_freq_factor=float(rot.low_freq_factor), high_freq_factor=float(rot.high_freq_factor),
+                        original_max_position=int(rot.orig_max_position))
+    if kind is LinearScalingRotaryEmbedding:
+        if len(rot.scaling_factors) != 1:
+            raise NotImplementedError("aligned_ops: linear RoPE with several scaling factors (LoRA) is not supported")
+        return RopeSpec(**common, rope_type="linear", factor=float(rot.scaling_factors[0]))
+    if kind is DynamicNTKScalingRotaryEmbedding:
+        return RopeSpec(**common, rope_type="dynamic", factor=float(rot.scaling_factor),
+                        max_trained_positions=int(rot.max_trained_positions))
+    if kind is YaRNScalingRotaryEmbedding:
+        # vLLM's yarn module keeps original_max_position in max_position_embeddings.
+        return RopeSpec(**common, rope_type="yarn", factor=float(rot.scaling_factor),
+                        original_max_position=int(rot.max_position_embeddings), beta_fast=float(rot.beta_fast),
+                        beta_slow=float(rot.beta_slow), truncate=bool(rot.truncate),
+                        attention_factor=float(rot.mscale))
+    raise NotImplementedError(f"aligned_ops: {kind.__name__} (this RoPE variant) is not supported")
+
+
+def _rotary_init(self, *args, **kwargs):
+    """After vLLM's own init: build the shared table once (outside any traced forward, so compiled mode sees a
+    plain buffer). Unsupported variants keep ``None`` and raise when called."""
+    _originals["RotaryEmbedding.__init__"](self, *args, **kwargs)
+    from ..rope import cos_sin_cache
+
+    try:
+        spec = rope_spec_from_vllm(self)
+    except NotImplementedError as e:
+        self._aligned_unsupported = str(e)
+        return
+    self._aligned_unsupported = None
+    self.register_buffer("_aligned_cos_sin_cache", cos_sin_cache(spec), persistent=False)
+
+
+def _rotary_forward(self, positions, query, key=None):
+    reason = getattr(self, "_aligned_unsupported", "aligned_ops: rotary module built before the plugin was installed")
+    if reason:
+        raise NotImplementedError(reason)
+    cache = self._aligned_cos_sin_cache
+    if cache.device != query.device:  # pragma: no cover - vLLM moves buffers with the module
         cache = cache.to(query.device)
-        self._aligned_cos_sin_cache = cache
-    if self.rotary_dim != self.head_size:
-        raise NotImplementedError("aligned_ops: partial rotary embeddings are not supported")
     positions = positions.flatten().to(torch.int64)
     T = positions.shape[0]
 
@@ -332,11 +384,41 @@ _moe_trace: list | None = None
 
 
 def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
+    mode = kwargs.get("logprobs_mode_override") or self.logprobs_mode
     token = _current_temperature.set(sampling_metadata.temperature)
+    token_p = _processed_mode.set(mode == "processed_logprobs")
     try:
         return _originals["Sampler.forward"](self, logits, sampling_metadata, *args, **kwargs)
     finally:
+        _processed_mode.reset(token_p)
         _current_temperature.reset(token)
+
+
+def _min_p_apply(self, logits):
+    """min-p of ``aligned_ops.sampling`` (contract probabilities) in processed_logprobs mode; stock otherwise."""
+    if not _processed_mode.get() or not self.min_p_count:
+        return _originals["MinPLogitsProcessor.apply"](self, logits)
+    from ..sampling import truncation_mask
+
+    keep = truncation_mask(logits, min_p=self.min_p.reshape(-1))
+    return logits.masked_fill_(~keep, float("-inf"))
+
+
+def _make_topk_topp_forward(name):
+    def forward(self, logits, generators, k, p):
+        """processed_logprobs: truncate with ``aligned_ops.sampling`` (top-k, then top-p), sample from the
+        truncated logits with vLLM's own sampler, return ``aligned::log_softmax`` of the truncated logits."""
+        original = _originals[f"TopKTopPSampler.{name}"]
+        if self.logprobs_mode != "processed_logprobs":
+            return original(self, logits, generators, k, p)
+        from ..sampling import truncate_logits
+
+        x = truncate_logits(logits.to(torch.float32).contiguous(), top_k=k, top_p=p)
+        sampled, _ = original(self, x, generators, None, None)  # no further truncation: x is final
+        return sampled, aligned_ops.log_softmax(x, 1.0)
+
+    forward.__name__ = name
+    return forward
 
 
 def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -368,8 +450,8 @@ def validate_vllm_config(vllm_config) -> None:
     if getattr(mc, "quantization", None) or getattr(vllm_config, "quant_config", None) is not None:
         reasons.append(f"quantization ({mc.quantization}) is not supported")
     cc = vllm_config.cache_config
-    if cc.enable_prefix_caching:
-        reasons.append("prefix caching is not covered; pass enable_prefix_caching=False")
+    # Prefix caching is allowed: a cache hit is one more chunk boundary for aligned::paged_attention, whose key
+    # tiles are aligned to absolute positions (tests/integrations/test_vllm_rl_features.py).
     if str(getattr(cc, "cache_dtype", "auto")) != "auto":
         reasons.append(f"kv_cache_dtype {cc.cache_dtype} is not supported (use 'auto')")
     if getattr(vllm_config, "speculative_config", None) is not None:
@@ -383,10 +465,21 @@ def validate_vllm_config(vllm_config) -> None:
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
                        "data-parallel replicas are fine)")
+    # Compiled mode (enforce_eager=False) is allowed for a dense model on one rank: every arithmetic op of the
+    # model is an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested
+    # bitwise against eager and the trainer). Not proven with the TP tree all-reduce (point-to-point inside
+    # the graph) nor with the MoE layer: those stay eager-only.
     if not mc.enforce_eager:
-        reasons.append("compiled mode is not covered; pass enforce_eager=True")
-    if str(getattr(mc, "logprobs_mode", "raw_logprobs")) != "raw_logprobs":
-        reasons.append(f"logprobs_mode {mc.logprobs_mode!r} is not supported (use the default 'raw_logprobs')")
+        archs = list(getattr(mc.hf_config, "architectures", None) or [])
+        if pc.tensor_parallel_size != 1:
+            reasons.append("compiled mode with tensor_parallel_size > 1 is not covered; pass enforce_eager=True")
+        if archs and archs[0] in MOE_ARCHITECTURES:
+            reasons.append(f"compiled mode with a mixture-of-experts model ({archs[0]}) is not covered; pass "
+                           "enforce_eager=True")
+    mode = str(getattr(mc, "logprobs_mode", "raw_logprobs"))
+    if mode not in SUPPORTED_LOGPROBS_MODES:
+        reasons.append(f"logprobs_mode {mode!r} is not supported (use 'raw_logprobs', the default, or "
+                       "'processed_logprobs')")
     if reasons:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
 
@@ -394,8 +487,6 @@ def validate_vllm_config(vllm_config) -> None:
 def _create_engine_config(self, *args, **kwargs):
     config = _originals["EngineArgs.create_engine_config"](self, *args, **kwargs)
     validate_vllm_config(config)
-    if not config.model_config.enforce_eager:  # pragma: no cover - refused above
-        raise AssertionError
     return config
 
 
@@ -426,17 +517,23 @@ def install() -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
 
     _patch(RMSNorm, "forward", _rms_norm_forward)
     _patch(SiluAndMul, "forward", _silu_and_mul_forward)
     _patch(RotaryEmbedding, "forward", _rotary_forward)
+    _patch(RotaryEmbedding, "__init__", _rotary_init)
     _patch(UnquantizedLinearMethod, "apply", _linear_apply)
     _patch(UnquantizedLinearMethod, "process_weights_after_loading", _keep_weight_after_loading)
     _patch(UnquantizedEmbeddingMethod, "apply", _linear_apply)
     _patch(UnquantizedEmbeddingMethod, "process_weights_after_loading", _keep_weight_after_loading)
     _patch(Sampler, "forward", _sampler_forward)
     _patch(Sampler, "compute_logprobs", staticmethod(_compute_logprobs))
+    _patch(MinPLogitsProcessor, "apply", _min_p_apply)
+    for name in ("forward_native", "forward_cpu", "forward_cuda"):
+        _patch(TopKTopPSampler, name, _make_topk_topp_forward(name))
     _patch(EngineArgs, "create_engine_config", _create_engine_config)
     from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.model_executor.layers.linear import RowParallelLinear
@@ -479,6 +576,8 @@ def uninstall() -> None:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
@@ -491,7 +590,7 @@ def uninstall() -> None:
     classes = {c.__name__: c for c in (EngineArgs, SiluAndMul, RMSNorm, UnquantizedLinearMethod, RotaryEmbedding,
                                        UnquantizedEmbeddingMethod, Sampler, RowParallelLinear,
                                        VocabParallelEmbedding, GroupCoordinator, MoERunner, GateLinear,
-                                       UnquantizedFusedMoEMethod)}
+                                       UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler)}
     for key, orig in list(_originals.items()):
         if key == "backend.CPU_ATTN":
             register_backend(AttentionBackendEnum.CPU_ATTN, orig)

