@@ -140,7 +140,7 @@ void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64
   at::parallel_for(0, mt * panels, std::max<int64_t>(1, (1 << 18) / per), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t mi = t / panels, p = t % panels;
-      k.gemm(dt, A, K, 1, dt, B, K, 1, nullptr, cdt, C, N, K, mi * mchunk, std::min(M, (mi + 1) * mchunk), p * kPanel,
+      k.gemm(dt, A, K, 1, dt, B, K, 1, nullptr, cdt, C, N, K, kLinearLanes, mi * mchunk, std::min(M, (mi + 1) * mchunk), p * kPanel,
              std::min(N, (p + 1) * kPanel));
     }
   });
@@ -271,9 +271,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
         char* xe = xg0 + r0 * H * es;
         char* he = h0 + r0 * 2 * I * es;
         char* ae = a0 + r0 * I * es;
-        ck.gemm(a.dt, xe, H, 1, a.dt, w13p + e * 2 * I * H * es, H, 1, nullptr, a.dt, he, 2 * I, H, 0, m, 0, 2 * I);
+        ck.gemm(a.dt, xe, H, 1, a.dt, w13p + e * 2 * I * H * es, H, 1, nullptr, a.dt, he, 2 * I, H, kLinearLanes, 0, m, 0, 2 * I);
         ck.silu_and_mul(a.dt, he, ae, I, 0, m);
-        ck.gemm(a.dt, ae, I, 1, a.dt, w2p + e * H * I * es, I, 1, nullptr, DType::F32, y0 + r0 * H, H, I, 0, m, 0, H);
+        ck.gemm(a.dt, ae, I, 1, a.dt, w2p + e * H * I * es, I, 1, nullptr, DType::F32, y0 + r0 * H, H, I, kLinearLanes, 0, m, 0, H);
       }
     });
   }
