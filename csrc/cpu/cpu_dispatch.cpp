@@ -1,54 +1,101 @@
-// cpu_dispatch.cpp — picks the kernel table for the widest ISA the running CPU supports. All tables
-// compute identical bits; ALIGNED_CPU_ISA=generic|avx2|avx512 forces one (used by the tests that prove it).
-// A value that names no level, or a level this CPU cannot run, fails loudly (std::runtime_error, which the
-// dispatcher reports as a RuntimeError on the first op call) instead of silently running another level.
+// cpu_dispatch.cpp — the one place a CPU ISA level is chosen (cpu_backend.h), and the family accessors that
+// read their table from it.
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <stdexcept>
 #include <string>
 
-#include "cpu_kernels.h"
+#include "cpu_backend.h"
 
 namespace aligned::cpu {
-namespace generic { extern const KernelTable kTable; }
+
+// Each ISA namespace's tables, gathered with designated initializers (same names in every namespace).
+#define ALIGNED_DECLARE_LEVEL(ns)                   \
+  namespace ns {                                    \
+  extern const KernelTable kTable;                  \
+  extern const DenseSplitKernels kDenseSplit;       \
+  extern const AttentionTable kAttentionTable;      \
+  extern const MoeKernels kMoe;                     \
+  extern const ExactKernels kExact;                 \
+  }
+#define ALIGNED_LEVEL(name, ns, amx)                                                                          \
+  CpuBackend {                                                                                              \
+    .level = name, .amx_int8 = amx, .dense = &ns::kTable, .dense_split = &ns::kDenseSplit,                  \
+    .attention = &ns::kAttentionTable, .moe = &ns::kMoe, .exact = &ns::kExact                               \
+  }
+
+ALIGNED_DECLARE_LEVEL(generic)
 #if defined(__x86_64__)
-namespace avx2 { extern const KernelTable kTable; }
-namespace avx512 { extern const KernelTable kTable; }
+ALIGNED_DECLARE_LEVEL(avx2)
+ALIGNED_DECLARE_LEVEL(avx512)
 #endif
 
-static const KernelTable& select_table() {
+bool amx_int8_usable() {
+  static const bool ok = []() {
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    if (!tile || !int8) return false;
+    // Linux grants the AMX tile state (XFEATURE_XTILEDATA = 18) per process on request.
+    constexpr long kArchReqXcompPerm = 0x1023;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+static CpuBackend select_backend() {
   const char* forced = getenv("ALIGNED_CPU_ISA");
   if (forced && *forced == '\0') forced = nullptr;  // set but empty: no preference
-  if (forced && strcmp(forced, "generic") != 0 && strcmp(forced, "avx2") != 0 && strcmp(forced, "avx512") != 0)
+  auto is = [&](const char* name) { return forced && strcmp(forced, name) == 0; };
+  if (forced && !is("generic") && !is("avx2") && !is("avx512") && !is("amx"))
     throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA='") + forced +
-                             "' is not a kernel level; use generic, avx2 or avx512 (or unset it)");
+                             "' is not a kernel level; use generic, avx2, avx512 or amx (or unset it)");
+  if (is("generic")) return ALIGNED_LEVEL("generic", generic, false);
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (forced && strcmp(forced, "generic") == 0) return generic::kTable;
-  if (forced && strcmp(forced, "avx2") == 0) {
+  if (is("avx2")) {
     if (!has_avx2) throw std::runtime_error("aligned_ops: ALIGNED_CPU_ISA=avx2 but this CPU lacks AVX2/FMA");
-    return avx2::kTable;
+    return ALIGNED_LEVEL("avx2", avx2, false);
   }
-  if (forced && strcmp(forced, "avx512") == 0) {
-    if (!has_avx512) throw std::runtime_error("aligned_ops: ALIGNED_CPU_ISA=avx512 but this CPU lacks AVX-512 F/BW/VL/DQ");
-    return avx512::kTable;
+  if (is("avx512") || is("amx")) {
+    if (!has_avx512) throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA=") + forced +
+                                              " but this CPU lacks AVX-512 F/BW/VL/DQ");
+    if (is("avx512")) return ALIGNED_LEVEL("avx512", avx512, false);
+    if (!amx_int8_usable())
+      throw std::runtime_error("aligned_ops: ALIGNED_CPU_ISA=amx but this CPU (or kernel) grants no AMX-INT8 tiles");
+    return ALIGNED_LEVEL("amx", avx512, true);
   }
-  if (has_avx512) return avx512::kTable;
-  if (has_avx2) return avx2::kTable;
+  if (has_avx512) return amx_int8_usable() ? ALIGNED_LEVEL("amx", avx512, true) : ALIGNED_LEVEL("avx512", avx512, false);
+  if (has_avx2) return ALIGNED_LEVEL("avx2", avx2, false);
 #else
-  if (forced && strcmp(forced, "generic") != 0)
-    throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA=") + forced + " is not available on this CPU");
+  if (forced) throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA=") + forced + " is not available on this CPU");
 #endif
-  return generic::kTable;
+  return ALIGNED_LEVEL("generic", generic, false);
 }
 
-const KernelTable& cpu_kernels() {
-  static const KernelTable& table = select_table();
-  return table;
+const CpuBackend& cpu_backend() {
+  static const CpuBackend backend = select_backend();
+  return backend;
 }
+
+const KernelTable& cpu_kernels() { return *cpu_backend().dense; }
+const DenseSplitKernels& dense_split_kernels() { return *cpu_backend().dense_split; }
+const AttentionTable& attention_kernels() { return *cpu_backend().attention; }
+const MoeKernels& moe_kernels() { return *cpu_backend().moe; }
+const ExactKernels& exact_kernels() { return *cpu_backend().exact; }
 
 }  // namespace aligned::cpu

@@ -20,25 +20,6 @@
 #include "glue_checks.h"
 
 namespace aligned::cpu {
-namespace generic { extern const AttentionTable kAttentionTable; }
-#if defined(__x86_64__)
-namespace avx2 { extern const AttentionTable kAttentionTable; }
-namespace avx512 { extern const AttentionTable kAttentionTable; }
-#endif
-
-// Same ISA level as the dense kernels (ALIGNED_CPU_ISA forces it for both).
-const AttentionTable& attention_kernels() {
-  static const AttentionTable& table = []() -> const AttentionTable& {
-    const char* isa = cpu_kernels().isa;
-#if defined(__x86_64__)
-    if (strcmp(isa, "avx512") == 0) return avx512::kAttentionTable;
-    if (strcmp(isa, "avx2") == 0) return avx2::kAttentionTable;
-#endif
-    (void)isa;
-    return generic::kAttentionTable;
-  }();
-  return table;
-}
 
 namespace {
 

@@ -11,30 +11,13 @@
 
 #include "../common/contract.h"
 #include "../common/reduce.h"
-#include "cpu_kernels.h"
+#include "cpu_backend.h"
 #include "glue_checks.h"
 #include "dense_split_kernels.h"
 #include "emulation_hook.h"
 
 namespace aligned::cpu {
 
-namespace generic { extern const DenseSplitKernels kDenseSplit; }
-#if defined(__x86_64__)
-namespace avx2 { extern const DenseSplitKernels kDenseSplit; }
-namespace avx512 { extern const DenseSplitKernels kDenseSplit; }
-#endif
-
-// Same ISA level as the main table (cpu_dispatch.cpp picks it once per process).
-const DenseSplitKernels& dense_split_kernels() {
-  static const DenseSplitKernels& table = [&]() -> const DenseSplitKernels& {
-#if defined(__x86_64__)
-    if (strcmp(cpu_kernels().isa, "avx512") == 0) return avx512::kDenseSplit;
-    if (strcmp(cpu_kernels().isa, "avx2") == 0) return avx2::kDenseSplit;
-#endif
-    return generic::kDenseSplit;
-  }();
-  return table;
-}
 
 namespace {
 
@@ -457,7 +440,9 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels(
 
 // Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
 // ALIGNED_CPU_ISA really forced a level before comparing the levels' bits. CPU-only diagnostic.
-std::string cpu_isa() { return cpu_kernels().isa; }
+// The chosen CPU level (cpu_backend.h), for the tests that force each one. Schema here, not in
+// torch_bindings.cpp: a no-tensor op needs its kernel registered with the schema (catch-all).
+std::string cpu_isa() { return cpu_backend().level; }
 
 TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
 

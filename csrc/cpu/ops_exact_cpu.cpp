@@ -10,66 +10,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include <vector>
 
-#include "exact_kernels.h"
+#include "cpu_backend.h"
 #include "glue_checks.h"
 
 namespace aligned::cpu {
-
-namespace generic { extern const ExactKernels kExact; }
-#if defined(__x86_64__)
-namespace avx2 { extern const ExactKernels kExact; }
-namespace avx512 { extern const ExactKernels kExact; }
-#endif
-
-const ExactKernels& exact_kernels() {
-  static const ExactKernels& table = []() -> const ExactKernels& {
-#if defined(__x86_64__)
-    if (strcmp(cpu_kernels().isa, "avx512") == 0) return avx512::kExact;
-    if (strcmp(cpu_kernels().isa, "avx2") == 0) return avx2::kExact;
-#endif
-    return generic::kExact;
-  }();
-  return table;
-}
-
-bool amx_int8_usable() {
-  static const bool ok = []() {
-#if defined(__x86_64__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-    if (!tile || !int8) return false;
-    // Linux grants the AMX tile state (XFEATURE_XTILEDATA = 18) per process on request.
-    constexpr long kArchReqXcompPerm = 0x1023;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, 18) == 0;
-#else
-    return false;
-#endif
-  }();
-  return ok;
-}
 
 namespace {
 
 DType dtype_enum(const at::Tensor& t, const char* op, const char* name) { return dtype_of<DType>(t, op, name); }
 
-// AMX runs on the avx512 level unless ALIGNED_CPU_ISA names a level without it (avx512, avx2, generic).
-bool use_amx() {
-  static const bool amx = []() {
-    if (strcmp(exact_kernels().isa, "avx512") != 0 || !amx_int8_usable()) return false;
-    const char* forced = getenv("ALIGNED_CPU_ISA");
-    return !forced || strcmp(forced, "amx") == 0;
-  }();
-  return amx;
-}
+// AMX-INT8 tiles where the chosen level grants them (cpu_backend.h: level "amx").
+bool use_amx() { return cpu_backend().amx_int8; }
 
 constexpr int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 

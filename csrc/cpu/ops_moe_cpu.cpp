@@ -24,22 +24,6 @@
 
 namespace aligned::cpu {
 
-namespace generic { extern const MoeKernels kMoe; }
-#if defined(__x86_64__)
-namespace avx2 { extern const MoeKernels kMoe; }
-namespace avx512 { extern const MoeKernels kMoe; }
-#endif
-
-const MoeKernels& moe_kernels() {
-  static const MoeKernels& table = [&]() -> const MoeKernels& {
-#if defined(__x86_64__)
-    if (strcmp(cpu_kernels().isa, "avx512") == 0) return avx512::kMoe;
-    if (strcmp(cpu_kernels().isa, "avx2") == 0) return avx2::kMoe;
-#endif
-    return generic::kMoe;
-  }();
-  return table;
-}
 
 namespace {
 
