@@ -21,14 +21,14 @@ if BUILT_WITH_TORCH != torch.__version__:
         "torch's C++ ABI changes between versions: rebuild with `pip install --no-build-isolation .`"
     )
 
-import os as _os
-
-_isa = _os.environ.get("ALIGNED_CPU_ISA")
-if _isa and _isa not in ("generic", "avx2", "avx512"):
-    # The C++ dispatcher refuses it too (on the first op call); failing here names the cause at import.
-    raise ImportError(f"ALIGNED_CPU_ISA={_isa!r} is not a kernel level: use generic, avx2 or avx512, or unset it")
-
 from . import _C  # noqa: F401  (registers the ops)
+
+# The CPU kernel level is chosen once, in C++ (csrc/cpu/cpu_backend.h); an ALIGNED_CPU_ISA that names no level
+# (or one this CPU cannot run) fails here, at import, with the backend's own words, not at the first op.
+try:
+    torch.ops.aligned._cpu_isa()
+except RuntimeError as _e:
+    raise ImportError(str(_e).splitlines()[0]) from None
 from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
 from ._dense import (
     fused_add_rms_norm,

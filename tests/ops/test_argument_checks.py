@@ -86,7 +86,7 @@ def test_unknown_cpu_isa_fails_loudly(value):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"ALIGNED_CPU_ISA={value!r} is not a kernel level" in proc.stderr
-    assert "generic, avx2 or avx512" in proc.stderr
+    assert "generic, avx2, avx512 or amx" in proc.stderr
 
 
 def test_known_cpu_isa_still_selects_that_level():
