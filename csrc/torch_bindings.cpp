@@ -85,6 +85,9 @@ TORCH_LIBRARY(aligned, m) {
       "linear_exact_packed(Tensor x, Tensor weight_digits, Tensor weight_exponents, Tensor weight_nonfinite, "
       "int out_features, Tensor? bias=None, int k_parts=1) -> Tensor");
   m.def("_linear_exact_reference(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+
+  // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
+  m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

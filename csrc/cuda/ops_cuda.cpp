@@ -26,6 +26,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -312,7 +313,8 @@ at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
-// lanes > 1 (linear, linear_partial): the lane sums go through an fp32 workspace [lanes, M, N] (gemm_fp32.cuh).
+// lanes > 1 (linear, linear_partial): the lane sums go through an fp32 workspace [lanes, ws_rows, N]
+// (gemm_fp32.cuh).
 void run_gemm(DType dt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, const at::Tensor& B, int64_t b_sn,
               int64_t b_sk, const at::Tensor* bias, at::Tensor& C, DType cdt, int64_t M, int64_t N, int64_t K,
               int lanes, const char* op) {
@@ -333,8 +335,10 @@ void run_gemm(DType dt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, const a
   p.K = K;
   p.lanes = lanes;
   at::Tensor ws;
-  if (lanes > 1) {
-    ws = at::empty({lanes, M, N}, C.options().dtype(at::kFloat));
+  if (lanes > 1) {  // at most ~64 MiB of lane sums at a time (M runs in chunks of whole 128-row tiles)
+    const int64_t budget_rows = ((int64_t)64 << 20) / ((int64_t)lanes * N * 4) / 128 * 128;
+    p.ws_rows = std::min<int64_t>(M, std::max<int64_t>(128, budget_rows));
+    ws = at::empty({lanes, p.ws_rows, N}, C.options().dtype(at::kFloat));
     p.lane_ws = ws.data_ptr<float>();
   }
   check_launch(gpu::launch_gemm(p, current_stream(C)), op);  // ws is stream-ordered by the caching allocator

@@ -83,7 +83,8 @@ struct GemmParams {
   int64_t c_sm;
   int64_t M, N, K;
   int lanes;         // 1, 2, 4 or 8 (8: linear; 1: backward chains)
-  float* lane_ws;    // [lanes, M, N] fp32 scratch, required when lanes > 1
+  float* lane_ws;    // [lanes, ws_rows, N] fp32 scratch, required when lanes > 1
+  int64_t ws_rows;   // rows the workspace holds: M is run in chunks of ws_rows rows (bounds its memory)
 };
 
 // out[n] = round(chain over m = 0..rows-1 of (. + g[m, n])), g [rows, cols] contiguous.

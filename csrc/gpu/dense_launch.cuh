@@ -154,7 +154,8 @@ const char* launch_gemm(const GemmParams& p, void* stream) {
   if (p.adt != p.bdt || (p.cdt != p.adt && p.cdt != DType::F32))
     return "aligned gemm: A and B must share one dtype, C that dtype or float32";
   if (p.lanes != 1 && p.lanes != 2 && p.lanes != 4 && p.lanes != 8) return "aligned gemm: lanes must be 1, 2, 4 or 8";
-  if (p.lanes > 1 && !p.lane_ws) return "aligned gemm: lanes > 1 needs the [lanes, M, N] fp32 workspace";
+  if (p.lanes > 1 && (!p.lane_ws || p.ws_rows <= 0))
+    return "aligned gemm: lanes > 1 needs the [lanes, ws_rows, N] fp32 workspace";
   const int64_t gx = (p.N + kTileN - 1) / kTileN, gy = (p.M + kTileM - 1) / kTileM;
   if (gx > 0x7fffffff || gy > 65535) return "aligned gemm: problem too large for one grid (M > 65535 * kTileM)";
   const dim3 grid((unsigned)gx, (unsigned)gy, (unsigned)p.lanes);
@@ -171,16 +172,22 @@ const char* launch_gemm(const GemmParams& p, void* stream) {
             A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const float*)p.bias, (float*)p.C, p.c_sm, p.M, p.N, p.K, 1, 0);
       return;
     }
-    // lanes > 1: lane sums to the workspace (no bias), then the tree + bias + rounding
-    ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, float>)(
-        A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, nullptr, p.lane_ws, p.N, p.M, p.N, p.K, p.lanes, p.M * p.N);
-    const unsigned fold_blocks = elem_blocks(p.M * p.N);  // grid-stride loop inside
-    if (p.cdt == p.adt)
-      ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<T>)(
-          p.lane_ws, p.lanes, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N);
-    else
-      ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<float>)(
-          p.lane_ws, p.lanes, (const float*)p.bias, (float*)p.C, p.c_sm, p.M, p.N);
+    // lanes > 1: lane sums to the workspace (no bias), then the tree + bias + rounding; M in chunks of ws_rows
+    // rows (rows are independent, so the chunking cannot change a bit).
+    for (int64_t m0 = 0; m0 < p.M; m0 += p.ws_rows) {
+      const int64_t rows = (p.M - m0) < p.ws_rows ? (p.M - m0) : p.ws_rows;
+      const dim3 cgrid((unsigned)gx, (unsigned)((rows + kTileM - 1) / kTileM), (unsigned)p.lanes);
+      ALIGNED_LAUNCH(cgrid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, float>)(
+          A + m0 * p.a_sm, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, nullptr, p.lane_ws, p.N, rows, p.N, p.K, p.lanes,
+          rows * p.N);
+      const unsigned fold_blocks = elem_blocks(rows * p.N);  // grid-stride loop inside
+      if (p.cdt == p.adt)
+        ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<T>)(
+            p.lane_ws, p.lanes, (const T*)p.bias, (T*)p.C + m0 * p.c_sm, p.c_sm, rows, p.N);
+      else
+        ALIGNED_LAUNCH(fold_blocks, kElemBlockThreads, 0, as_stream(stream), lane_fold_kernel<float>)(
+            p.lane_ws, p.lanes, (const float*)p.bias, (float*)p.C + m0 * p.c_sm, p.c_sm, rows, p.N);
+    }
   });
   return last_error();
 }

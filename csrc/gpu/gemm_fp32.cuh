@@ -9,8 +9,8 @@
 // which each thread owns a kThreadM x kThreadN block of outputs and runs each of their fma chains over the
 // lane's k in order. The M/N tiles choose which chains run together and the K tiles (kTileK) only stage A
 // and B through shared memory — each lane's chain is the same single sequential fma chain, whatever the
-// tile shapes, M, the grid, or the GPU. With L > 1 the lane sums go to an fp32 workspace [L, M, N] and
-// lane_fold_kernel applies the contract's fixed tree, the bias and the one rounding (no atomics: every
+// tile shapes, M, the grid, or the GPU. With L > 1 the lane sums go to an fp32 workspace [L, rows, N] (M in
+// chunks of rows, to bound its memory) and lane_fold_kernel applies the contract's fixed tree, the bias and the one rounding (no atomics: every
 // element is written once). Hence CPU == CUDA == HIP bit for bit (operands are widened to fp32 exactly,
 // fma and + are correctly rounded everywhere). The lanes are also the GPU's split-K parallelism for small M:
 // 8x more blocks, with a fixed, TP-compatible combine.

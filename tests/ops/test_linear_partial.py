@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -75,6 +74,18 @@ def test_partial_bitwise_equal_to_scalar_reference(dtype, lanes, M, K, N):
     assert got.dtype == torch.float32 and got.shape == (M, N)
     want = torch.from_numpy(lane_tree_f32(x.float().numpy(), w.float().numpy(), lanes))
     assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 45, 37), (3, 423, 213), (17, 130, 33), (9, 3, 40)])
+def test_kernel_equals_the_contract_helper_equals_the_python_reference(dtype, M, K, N):
+    """Three-way conformance: the GEMM kernel, contract.h's scalar linear_partial_dot (the helper every backend
+    is held to, exposed as _linear_partial_reference) and the independent Python scalar reference."""
+    x, w = rand(M, K, dtype=dtype, seed=30), rand(N, K, dtype=dtype, seed=31)
+    for lanes in (1, 2, 4, 8):
+        helper = torch.ops.aligned._linear_partial_reference(x, w, lanes)
+        assert_bitwise_equal(helper, torch.from_numpy(lane_tree_f32(x.float().numpy(), w.float().numpy(), lanes)))
+        assert_bitwise_equal(linear_partial(x, w, lanes), helper)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,7 +223,10 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(M, K, generator=g).to(dt)
         w = torch.randn(N, K, generator=g).to(dt)
         for lanes in (1, 2, 4, 8):
-            h.update(linear_partial(x, w, lanes).view(torch.int32).numpy().tobytes())
+            got = linear_partial(x, w, lanes)
+            ref = torch.ops.aligned._linear_partial_reference(x, w, lanes)  # contract.h helper, scalar
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (dt, M, K, N, lanes)
+            h.update(got.view(torch.int32).numpy().tobytes())
             h.update(linear_partial(x, w.T.contiguous().T, lanes).view(torch.int32).numpy().tobytes())
         if K % 8 == 0:
             for t in (2, 4, 8):
@@ -223,6 +237,7 @@ print(h.hexdigest())
 
 
 def test_isa_levels_compute_identical_bits():
+    """Each level (its own process) equals contract.h's scalar helper on every case, and all digests agree."""
     digests = {}
     for isa in ("generic", "avx2", "avx512"):
         env = dict(os.environ, ALIGNED_CPU_ISA=isa)
