@@ -19,6 +19,21 @@ import tempfile
 
 KERNEL_SETS = ("standard", "aligned")
 
+# What makes `aligned-ops demo` differ between machines of one kind (issue 8): torch's own CPU kernels
+# (AdamW's lerp/addcdiv, clip_grad_norm_'s vector_norm, the stock HF trainer of the warm-up) are picked per
+# CPU capability (AVX2 vs AVX-512: fma use and reduction widths differ), and the stock engine's oneDNN
+# matmuls take the AMX path on CPUs that have it. The demo pins both to the AVX2 level (an explicit setting
+# in the environment wins); the aligned ops themselves never depend on the CPU. Thread count still matters
+# for torch's reductions: pass --threads for the same table on machines with different core counts.
+REPRODUCIBLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pin_reproducible_env() -> None:
+    """Set REPRODUCIBLE_ENV (unless already set): before the first torch CPU kernel runs, since torch and
+    oneDNN read these once, lazily; child processes inherit them."""
+    for key, value in REPRODUCIBLE_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def child_env(kernels: str) -> dict:
     env = dict(os.environ)
@@ -172,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "demo":
+        pin_reproducible_env()
     if args.threads:
         import torch
 
