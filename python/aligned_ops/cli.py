@@ -19,6 +19,21 @@ import tempfile
 
 KERNEL_SETS = ("standard", "aligned")
 
+# What makes `aligned-ops demo` differ between machines of one kind (issue 8): torch's own CPU kernels
+# (AdamW's lerp/addcdiv, clip_grad_norm_'s vector_norm, the stock HF trainer of the warm-up) are picked per
+# CPU capability (AVX2 vs AVX-512: fma use and reduction widths differ), and the stock engine's oneDNN
+# matmuls take the AMX path on CPUs that have it. The demo pins both to the AVX2 level (an explicit setting
+# in the environment wins); the aligned ops themselves never depend on the CPU. Thread count still matters
+# for torch's reductions: pass --threads for the same table on machines with different core counts.
+REPRODUCIBLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pin_reproducible_env() -> None:
+    """Set REPRODUCIBLE_ENV (unless already set): before the first torch CPU kernel runs, since torch and
+    oneDNN read these once, lazily; child processes inherit them."""
+    for key, value in REPRODUCIBLE_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def child_env(kernels: str) -> dict:
     env = dict(os.environ)
@@ -60,7 +75,75 @@ def print_table(title: str, columns: list[str], rows: list[tuple[str, list]]) ->
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+class UsageError(Exception):
+    """A bad flag or model folder: reported as one line, exit status 2, before any engine starts."""
+
+
+def _at_least(args, name: str, lo: int) -> None:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    if value is not None and value < lo:
+        raise UsageError(f"{name} must be >= {lo}, got {value}")
+
+
+def _positive_float(args, name: str) -> None:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    if not (0.0 < value < float("inf")):
+        raise UsageError(f"{name} must be a finite number > 0, got {value}")
+
+
+def check_model_dir(path: str) -> None:
+    """The model folder exists, holds a config.json, and names an architecture both sides support: checked
+    from the JSON alone (no torch, no transformers, no engine), so a wrong folder fails in well under a second."""
+    from types import SimpleNamespace
+
+    from .integrations import check_hf_config
+
+    if not os.path.isdir(path):
+        raise UsageError(f"--model {path}: no such directory (pass a local checkpoint folder)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"--model {path}: no config.json in that folder (not a Hugging Face checkpoint)")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {path}: cannot read config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--model {path}: config.json is not a JSON object")
+    try:
+        check_hf_config(SimpleNamespace(**cfg), "--model")
+    except ValueError as e:
+        raise UsageError(f"{e} (folder {path})") from None
+
+
+def validate_args(args) -> None:
+    """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
+    _at_least(args, "--threads", 1)
+    _at_least(args, "--seed", 0)
+    if args.command == "verify":
+        _at_least(args, "--num-prompts", 1)
+        _at_least(args, "--max-tokens", 1)
+        if not (0.0 < args.temperature < float("inf")):
+            raise UsageError(f"--temperature must be a finite number > 0, got {args.temperature} (greedy decoding "
+                             "samples no distribution to compare; use e.g. 1.0)")
+    else:
+        _at_least(args, "--steps", 1)
+        _at_least(args, "--sft-steps", 0)
+        _at_least(args, "--lag", 0)
+        _at_least(args, "--prompts", 1)
+        _at_least(args, "--samples", 1)
+        _at_least(args, "--layers", 1)
+        _positive_float(args, "--lr")
+        _positive_float(args, "--sft-lr")
+        if args.hidden < 8 or args.hidden % 8:
+            raise UsageError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {args.hidden}")
+        if args.kernels is None and os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise UsageError(f"--out {args.out}: exists and is not a folder")
+    if args.model is not None:
+        check_model_dir(args.model)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aligned-ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -99,7 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--result", default=None, help=argparse.SUPPRESS)
     d.add_argument("--model", default=None, help=argparse.SUPPRESS)
 
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    try:
+        validate_args(args)
+    except UsageError as e:
+        print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "demo":
+        pin_reproducible_env()
     if args.threads:
         import torch
 

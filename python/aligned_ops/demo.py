@@ -12,7 +12,10 @@ Each step logs, per kernel set:
   kernel Δ      max |Δlogp| between the trainer scoring the rollout with the *rollout's own weights* and vLLM:
                 pure kernel mismatch (0 with aligned kernels).
 The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
-Seeded: the same flags give the same numbers.
+Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
+x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
+grad-norm, the stock trainer: AVX2 vs AVX-512 code) and the stock engine's oneDNN path (AMX or not); the
+CLI pins both (cli.REPRODUCIBLE_ENV) unless ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA are set.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import aligned_ops  # noqa: F401
+from aligned_ops.testing import bitwise_equal
 
 ops = torch.ops.aligned
 LANES = 32
@@ -147,7 +148,7 @@ def test_lane_sum_ref_is_not_a_plain_sum():
     # The reference really fixes an order: on data with cancellation it differs from torch.sum somewhere.
     g = torch.Generator().manual_seed(5)
     t = torch.randn(256, 1000, generator=g) * torch.logspace(-3, 3, 1000)
-    assert not torch.equal(lane_sum_ref(t), t.sum(-1))
+    assert not bitwise_equal(lane_sum_ref(t), t.sum(-1))
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -162,17 +163,17 @@ def test_rms_norm_equals_contract(dtype, H):
     eps = 1e-5
     inv = rms_inv_ref(x.float(), eps)
     ref = ((x.float() * inv[:, None]) * w.float()).to(dtype)
-    assert torch.equal(ops.rms_norm(x, w, eps), ref)
+    assert bitwise_equal(ops.rms_norm(x, w, eps), ref)
     # fp32 weight with low-precision activations
     ref32 = ((x.float() * inv[:, None]) * w.float()).to(dtype)
-    assert torch.equal(ops.rms_norm(x, w.float(), eps), ref32)
+    assert bitwise_equal(ops.rms_norm(x, w.float(), eps), ref32)
     # fused: the rounded residual is normalised
     res = torch.randn(19, H, generator=g).to(dtype)
     r = (x.float() + res.float()).to(dtype)
     inv_r = rms_inv_ref(r.float(), eps)
     out, res_out = ops.fused_add_rms_norm(x, res, w, eps)
-    assert torch.equal(res_out, r)
-    assert torch.equal(out, ((r.float() * inv_r[:, None]) * w.float()).to(dtype))
+    assert bitwise_equal(res_out, r)
+    assert bitwise_equal(out, ((r.float() * inv_r[:, None]) * w.float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -194,8 +195,8 @@ def test_rms_norm_backward_equals_contract(dtype, H):
     for r in range(rows):  # one chain per column, rows in batch order
         dw_ref = dw_ref + g32[r] * (x32[r] * inv[r])
     dx, dw = ops.rms_norm_backward(go, x, w, eps)
-    assert torch.equal(dx, dx_ref)
-    assert torch.equal(dw, dw_ref.to(dtype))
+    assert bitwise_equal(dx, dx_ref)
+    assert bitwise_equal(dw, dw_ref.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -205,13 +206,13 @@ def test_silu_and_mul_equals_contract(dtype):
     x = (torch.randn(9, 2 * d, generator=g) * 4).to(dtype)
     a, b = x.float()[:, :d], x.float()[:, d:]
     silu = div32(a, 1.0 + ops._exp_f32(-a))
-    assert torch.equal(ops.silu_and_mul(x), (silu * b).to(dtype))
+    assert bitwise_equal(ops.silu_and_mul(x), (silu * b).to(dtype))
     go = torch.randn(9, d, generator=g).to(dtype)
     gf = go.float()
     s = div32(1.0, 1.0 + ops._exp_f32(-a))
     da = (gf * b) * (s + (a * s) * (1.0 - s))
     db = gf * silu
-    assert torch.equal(ops.silu_and_mul_backward(go, x), torch.cat([da.to(dtype), db.to(dtype)], -1))
+    assert bitwise_equal(ops.silu_and_mul_backward(go, x), torch.cat([da.to(dtype), db.to(dtype)], -1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,14 +239,15 @@ def test_rotary_equals_contract(dtype, is_neox):
             ref[..., idx1] = (x1 * c + x2 * s).to(dtype)
             ref[..., idx2] = (x2 * c - x1 * s).to(dtype)
             out = ops.rotary_embedding_backward(pos, x, cache, rot, is_neox)
-        assert torch.equal(out, ref)
+        assert bitwise_equal(out, ref)
 
 
-def lse_ref(z: torch.Tensor, tau) -> torch.Tensor:
+def lse_pair_ref(z: torch.Tensor, tau):
+    """contract.h lse_pair_row for ordinary rows: s = z / tau, m = max s, L = log(lane_sum exp(s - m))."""
     s = div32(z.float(), tau)
     m = s.max(-1).values
     total = lane_sum_ref(ops._exp_f32(s - m[:, None]))
-    return m + ops._log_f32(total)
+    return s, m, ops._log_f32(total)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -254,14 +256,29 @@ def test_logsumexp_and_log_softmax_equal_contract(dtype, V):
     g = torch.Generator().manual_seed(V)
     T = 6
     z = (torch.randn(T, V, generator=g) * 5).to(dtype)
+    z[2] = z[2] + 300.0 if dtype != torch.float16 else z[2] + 3000.0  # large logits: the shift matters
     for tau in (1.0, 0.7):
-        lse = lse_ref(z, tau)
-        assert torch.equal(ops.logsumexp(z, tau, None), lse)
-        logp = div32(z.float(), tau) - lse[:, None]
-        assert torch.equal(ops.log_softmax(z, tau, None), logp)
+        s, m, L = lse_pair_ref(z, tau)
+        assert bitwise_equal(ops.logsumexp(z, tau, None), m + L)
+        logp = (s - m[:, None]) - L[:, None]
+        assert bitwise_equal(ops.log_softmax(z, tau, None), logp)
         ids = torch.randint(0, V, (T,), generator=g)
-        assert torch.equal(ops.token_logprobs(z, ids, tau, None), logp.gather(1, ids[:, None])[:, 0])
+        assert bitwise_equal(ops.token_logprobs(z, ids, tau, None), logp.gather(1, ids[:, None])[:, 0])
         grad = torch.randn(T, generator=g)
         onehot = torch.nn.functional.one_hot(ids, V).float()
-        dz = div32((onehot - ops._exp_f32(div32(z.float(), tau) - lse[:, None])) * grad[:, None], tau)
-        assert torch.equal(ops.token_logprobs_backward(grad, z, ids, tau, None), dz.to(dtype))
+        p = ops._exp_f32(logp)
+        dz = div32((onehot - p) * grad[:, None], tau)
+        assert bitwise_equal(ops.token_logprobs_backward(grad, z, ids, tau, None), dz.to(dtype))
+        assert bitwise_equal(ops.logsumexp_backward(grad, z, tau, None), div32(p * grad[:, None], tau).to(dtype))
+        gfull = torch.randn(T, V, generator=g)
+        gsum = lane_sum_ref(gfull)
+        ref = div32(gfull - p * gsum[:, None], tau).to(dtype)
+        assert bitwise_equal(ops.log_softmax_backward(gfull, z, tau, None), ref)
+
+
+def test_negative_control_unshifted_log_softmax_differs_from_contract():
+    # The former expression s - (m + L) is a different tree: the contract test above can tell them apart.
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(8, 1000, generator=g) * 5 + 1e4
+    s, m, L = lse_pair_ref(z, 1.0)
+    assert not bitwise_equal(ops.log_softmax(z, 1.0, None), s - (m + L)[:, None])

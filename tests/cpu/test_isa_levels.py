@@ -1,7 +1,7 @@
 """Every CPU ISA level (generic x86-64, AVX2+FMA, AVX-512) computes identical bits for every dense op.
 
 The level is picked once per process (ALIGNED_CPU_ISA), so each level runs in its own subprocess and writes
-its outputs to a file; the files are compared with torch.equal. Shapes include odd lengths so that vector
+its outputs to a file; the files are compared through integer views. Shapes include odd lengths so that vector
 tails, masked loads and the scalar remainder paths all run."""
 
 import os

@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
 from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing import bitwise_equal
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ def _assert_bitwise(rollouts, trainer_lps):
     for r, lp in zip(rollouts, trainer_lps):
         v = r.logprobs_tensor()
         assert len(r.token_ids) > 0
-        assert torch.equal(v, lp), (
+        assert bitwise_equal(v, lp), (
             f"prompt len {len(r.prompt_token_ids)}: {int((v != lp).sum())}/{v.numel()} differ, "
             f"max |diff| {(v - lp).abs().max().item():.3g}"
         )
@@ -87,7 +88,7 @@ def test_sampled_logprobs_bitwise_equal_trainer(engine):
     _assert_bitwise(rollouts, _teacher_forced(trainer, rollouts, 0.7))
     # The plugin returns log-probs at the sampling temperature, not vLLM's raw (tau = 1) ones.
     raw = _teacher_forced(trainer, rollouts, 1.0)
-    assert any(not torch.equal(r.logprobs_tensor(), lp) for r, lp in zip(rollouts, raw))
+    assert any(not bitwise_equal(r.logprobs_tensor(), lp) for r, lp in zip(rollouts, raw))
 
 
 def test_batch_size_and_order_do_not_change_logprobs(engine):
@@ -98,10 +99,10 @@ def test_batch_size_and_order_do_not_change_logprobs(engine):
     sub = generate_with_logprobs(llm, [prompts[3], prompts[1], prompts[0]], temperature=0.0, max_tokens=8)
     alone = generate_with_logprobs(llm, [prompts[3]], temperature=0.0, max_tokens=8)
     for a, b in zip(full, rev):
-        assert a.token_ids == b.token_ids and torch.equal(a.logprobs_tensor(), b.logprobs_tensor())
+        assert a.token_ids == b.token_ids and bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
     for a, b in zip([full[3], full[1], full[0]], sub):
-        assert a.token_ids == b.token_ids and torch.equal(a.logprobs_tensor(), b.logprobs_tensor())
-    assert torch.equal(full[3].logprobs_tensor(), alone[0].logprobs_tensor())
+        assert a.token_ids == b.token_ids and bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
+    assert bitwise_equal(full[3].logprobs_tensor(), alone[0].logprobs_tensor())
     # greedy is scored at tau = 1
     _assert_bitwise(full, _teacher_forced(trainer, full, 1.0))
     _assert_bitwise(sub, _teacher_forced(trainer, sub, 0.0))
@@ -120,7 +121,7 @@ def test_refit_then_bitwise_equal(engine):
     _assert_bitwise(after, _teacher_forced(trainer, after, 1.0))
     # The refit really changed the engine: greedy log-probs under the new weights differ from before.
     again = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
-    assert any(not torch.equal(a.logprobs_tensor(), b.logprobs_tensor()) for a, b in zip(before, again))
+    assert any(not bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor()) for a, b in zip(before, again))
     _assert_bitwise(again, _teacher_forced(trainer, again, 1.0))
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aligned_ops
+from aligned_ops.testing import bitwise_equal
 
 ops = torch.ops.aligned
 NAN = float("nan")
@@ -75,7 +76,7 @@ def test_overlapping_k_and_v_caches_are_refused():
     # disjoint views of one buffer (vLLM's kv_cache[0] / kv_cache[1]) are fine
     kv = torch.zeros(2, 2, 4, 1, 8)
     ops.reshape_and_cache(k, v * 2, kv[0], kv[1], slots)
-    assert torch.equal(kv[0].reshape(-1, 1, 8)[:3], k) and torch.equal(kv[1].reshape(-1, 1, 8)[:3], 2 * v)
+    assert bitwise_equal(kv[0].reshape(-1, 1, 8)[:3], k) and bitwise_equal(kv[1].reshape(-1, 1, 8)[:3], 2 * v)
 
 
 @pytest.mark.parametrize("value", ["avx1024", "AVX2", "neon"])

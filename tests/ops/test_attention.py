@@ -1,5 +1,5 @@
 """aligned::attention_varlen (+ backward): accuracy vs a float64 reference, batch/thread/ISA invariance
-(torch.equal) with negative controls, opcheck, torch.compile, bad input.
+(integer views) with negative controls, opcheck, torch.compile, bad input.
 
 The invariance contract (csrc/common/attention.h): a query row's output depends only on its own q, the keys
 of its sequence up to its position, and the scale — tiles of 32 keys and KV splits of 512 keys are aligned to
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import aligned_ops
+from aligned_ops.testing import bitwise_equal
 
 ops = torch.ops.aligned
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
@@ -90,7 +91,7 @@ def test_forward_matches_float64(dtype, lens_q, lens_k, hq, hkv, d, causal):
 def test_empty_rows_and_zero_size():
     q, k, v, cq, ck = make([6], [4], 2, 1, 16, torch.float32)
     out, lse = run(q, k, v, cq, ck)
-    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    assert bitwise_equal(out[:2], torch.zeros_like(out[:2]))
     assert torch.isneginf(lse[:2]).all() and torch.isfinite(lse[2:]).all()
     # zero tokens, zero-length sequences in the batch
     q, k, v, cq, ck = make([0, 3, 0], [0, 3, 0], 2, 2, 8, torch.float32)
@@ -110,7 +111,7 @@ def test_non_contiguous_inputs():
     assert not kn.is_contiguous()
     a = run(q, k, v, cq, ck)
     b = run(qn, kn, v, cq, ck)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert bitwise_equal(a[0], b[0]) and bitwise_equal(a[1], b[1])
 
 
 # ---- backward -------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_batch_invariance_forward(dtype):
     for b, n in enumerate(lens):
         s = slice(int(cq[b]), int(cq[b + 1]))
         o1, l1 = run(q[s], k[s], v[s], cu([n]), cu([n]))
-        assert torch.equal(o1, out[s]) and torch.equal(l1, lse[s])
+        assert bitwise_equal(o1, out[s]) and bitwise_equal(l1, lse[s])
     # reversed order, other content around (sizes 2, 3)
     q2, k2, v2, _, _ = make([50, 11], [50, 11], 4, 2, 64, dtype, seed=6)
     s = slice(int(cq[2]), int(cq[3]))
@@ -182,7 +183,7 @@ def test_batch_invariance_forward(dtype):
     kb = torch.cat([k2[:50], k[s], k2[50:]])
     vb = torch.cat([v2[:50], v[s], v2[50:]])
     ob, lb = run(qb, kb, vb, cu([50, 600, 11]), cu([50, 600, 11]))
-    assert torch.equal(ob[50:650], out[s]) and torch.equal(lb[50:650], lse[s])
+    assert bitwise_equal(ob[50:650], out[s]) and bitwise_equal(lb[50:650], lse[s])
 
 
 def test_prefix_row_invariance_bottom_right():
@@ -193,7 +194,7 @@ def test_prefix_row_invariance_bottom_right():
     out, lse = run(q, k, v, cq, ck)
     for start, end in [(0, 1), (5, 12), (511, 513), (650, 700), (699, 700)]:
         o, l = run(q[start:end], k[:end], v[:end], cu([end - start]), cu([end]))
-        assert torch.equal(o, out[start:end]) and torch.equal(l, lse[start:end])
+        assert bitwise_equal(o, out[start:end]) and bitwise_equal(l, lse[start:end])
 
 
 def test_thread_and_repeat_invariance_forward_backward():
@@ -208,9 +209,9 @@ def test_thread_and_repeat_invariance_forward_backward():
     g2 = grads(q, k, v, cq, ck, go)
     g3 = grads(q, k, v, cq, ck, go)
     for a, b in zip(f1 + g1, f2 + g2):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
     for a, b in zip(g2, g3):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -222,7 +223,7 @@ def test_batch_invariance_backward(dtype):
     dq, dk, dv = grads(q, k, v, cq, ck, go)
     s = slice(43, 120)
     dq1, dk1, dv1 = grads(q[s], k[s], v[s], cu([77]), cu([77]), go[s])
-    assert torch.equal(dq1, dq[s]) and torch.equal(dk1, dk[s]) and torch.equal(dv1, dv[s])
+    assert bitwise_equal(dq1, dq[s]) and bitwise_equal(dk1, dk[s]) and bitwise_equal(dv1, dv[s])
 
 
 def test_isa_levels_identical(tmp_path):
@@ -247,7 +248,7 @@ def test_isa_levels_identical(tmp_path):
         results.append(torch.load(out))
     for other in results[1:]:
         for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
+            assert bitwise_equal(a, b)
 
 
 # ---- negative controls ----------------------------------------------------------------------------------
@@ -262,11 +263,11 @@ def test_negative_control_sdpa_decode_vs_prefill():
     mismatches = 0
     for p in (63, 120, 199):
         last = F.scaled_dot_product_attention(qt[:, :, p : p + 1], kt[:, :, : p + 1], vt[:, :, : p + 1])
-        mismatches += not torch.equal(full[:, :, p : p + 1], last)
+        mismatches += not bitwise_equal(full[:, :, p : p + 1], last)
         # ours on the same case is exact
         o_full = run(q, k, v, cq, ck)[0][p]
         o_dec = run(q[p : p + 1], k[: p + 1], v[: p + 1], cu([1]), cu([p + 1]))[0][0]
-        assert torch.equal(o_full, o_dec)
+        assert bitwise_equal(o_full, o_dec)
     assert mismatches > 0
 
 
@@ -288,7 +289,7 @@ def test_negative_control_chunk_aligned_splits():
     o_new, l_new = run(q[c0:], k[c0:], v[c0:], cu([n - c0]), cu([n - c0]), causal=True)
     cascaded = merge_lse(o_pre, l_pre, o_new, l_new)
     torch.testing.assert_close(cascaded, ref_out, atol=1e-5, rtol=1e-5)  # right answer...
-    assert not torch.equal(cascaded, ref_out)  # ...but different bits
+    assert not bitwise_equal(cascaded, ref_out)  # ...but different bits
 
 
 # ---- opcheck / compile ----------------------------------------------------------------------------------
@@ -316,13 +317,13 @@ def test_torch_compile_matches_eager():
 
     eager = f(q, k, v)
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    assert bitwise_equal(eager[0], compiled[0]) and bitwise_equal(eager[1], compiled[1])
     # backward through the compiled graph
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     torch.compile(f, fullgraph=True)(qa, ka, va)[0].sum().backward()
     qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
     f(qb, kb, vb)[0].sum().backward()
-    assert torch.equal(qa.grad, qb.grad) and torch.equal(ka.grad, kb.grad) and torch.equal(va.grad, vb.grad)
+    assert bitwise_equal(qa.grad, qb.grad) and bitwise_equal(ka.grad, kb.grad) and bitwise_equal(va.grad, vb.grad)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ fma(g[m, n], x[m, k], .), db[n] = chain over m of (. + g[m, n]). (linear_partial
 tests/ops/test_linear_partial.py.)
 
 Families: exactness against an exact scalar model of that order (bitwise), accuracy against float64,
-invariance (torch.equal) across batch size, row position, other rows, threads, runs and ISA levels, each with a
+invariance (integer views, aligned_ops.testing) across batch size, row position, other rows, threads, runs and ISA levels, each with a
 negative control that proves the check can fail; opcheck, torch.compile, autograd and bad input.
 """
 
@@ -166,12 +166,12 @@ def test_backward_bitwise_equal_to_contract_chains():
     M, K, N = 9, 21, 35
     x, w, g = rand(M, K, seed=6), rand(N, K, seed=7), rand(M, N, seed=8)
     dx, dw, db = linear_backward(g, x, w, True, True, True)
-    assert torch.equal(dx, chain_reference(g, w.T.contiguous(), None, torch.float32))  # chain over n
-    assert torch.equal(dw, chain_reference(g.T.contiguous(), x.T.contiguous(), None, torch.float32))  # over m
+    assert bitwise_equal(dx, chain_reference(g, w.T.contiguous(), None, torch.float32))  # chain over n
+    assert bitwise_equal(dw, chain_reference(g.T.contiguous(), x.T.contiguous(), None, torch.float32))  # over m
     acc = np.zeros(N, dtype=np.float32)
     for m in range(M):
         acc = acc + g[m].numpy()
-    assert torch.equal(db, torch.from_numpy(acc))
+    assert bitwise_equal(db, torch.from_numpy(acc))
 
 
 # ---- accuracy against float64 ----------------------------------------------------------------------------
@@ -206,10 +206,10 @@ def test_non_contiguous_inputs_and_batch_dims(dtype):
     w_sliced = rand(45, 134, dtype=dtype, seed=13)[:, ::2]
     w_sliced.copy_(w)
     assert not x_nc.is_contiguous() and not w_t.is_contiguous() and not w_sliced.is_contiguous()
-    assert torch.equal(linear(x_nc, w, b), want)
-    assert torch.equal(linear(x3, w_t, b), want)
-    assert torch.equal(linear(x3, w_sliced, b), want)
-    assert torch.equal(linear(x3[:, ::2], w, b), want[:, ::2])
+    assert bitwise_equal(linear(x_nc, w, b), want)
+    assert bitwise_equal(linear(x3, w_t, b), want)
+    assert bitwise_equal(linear(x3, w_sliced, b), want)
+    assert bitwise_equal(linear(x3[:, ::2], w, b), want[:, ::2])
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(want.double(), ref64(x3, w, b), rtol=rtol, atol=atol * 67**0.5)
 
@@ -220,13 +220,13 @@ def test_zero_size(dtype):
     assert linear(torch.empty(0, 5, dtype=dtype), w, b).shape == (0, 7)
     assert linear(torch.empty(3, 0, 5, dtype=dtype), w).shape == (3, 0, 7)
     out = linear(torch.empty(4, 0, dtype=dtype), torch.empty(7, 0, dtype=dtype), b)  # K = 0: bias only
-    assert torch.equal(out, b.expand(4, 7))
+    assert bitwise_equal(out, b.expand(4, 7))
     no_bias = linear(torch.empty(4, 0, dtype=dtype), torch.empty(7, 0, dtype=dtype))
-    assert torch.equal(no_bias, torch.zeros(4, 7, dtype=dtype))
+    assert bitwise_equal(no_bias, torch.zeros(4, 7, dtype=dtype))
     assert linear(rand(4, 5, dtype=dtype), torch.empty(0, 5, dtype=dtype)).shape == (4, 0)
     dx, dw, db = linear_backward(torch.empty(0, 7, dtype=dtype), torch.empty(0, 5, dtype=dtype), w, True, True, True)
     assert dx.shape == (0, 5)
-    assert torch.equal(dw, torch.zeros(7, 5, dtype=dtype)) and torch.equal(db, torch.zeros(7, dtype=dtype))
+    assert bitwise_equal(dw, torch.zeros(7, 5, dtype=dtype)) and bitwise_equal(db, torch.zeros(7, dtype=dtype))
 
 
 def test_special_values_propagate():
@@ -236,7 +236,7 @@ def test_special_values_propagate():
     out = linear(x, w)
     ref = ref64(x, w)
     assert torch.isnan(out[1]).all()
-    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert bitwise_equal(torch.isnan(out), torch.isnan(ref)) and bitwise_equal(torch.isinf(out), torch.isinf(ref))
 
 
 # ---- invariance -----------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def _rows_invariant(fn, x_full, rows):
         j = (i * 7 + 3) % x_full.shape[0]
         moved = noise.clone()
         moved[j] = x_full[i]
-        if not (torch.equal(full[i], alone) and torch.equal(fn(moved)[j], full[i])):
+        if not (bitwise_equal(full[i], alone) and bitwise_equal(fn(moved)[j], full[i])):
             bad.append(i)
     return bad
 
@@ -299,7 +299,7 @@ def test_threads_and_runs(M, N, dtype):
     two = linear(x, w, b), *linear_backward(g, x, w, True, True, True)
     again = linear(x, w, b), *linear_backward(g, x, w, True, True, True)
     for a, b2, c in zip(one, two, again):
-        assert torch.equal(a, b2) and torch.equal(b2, c)
+        assert bitwise_equal(a, b2) and bitwise_equal(b2, c)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -325,9 +325,9 @@ def test_dw_is_chain_over_tokens_in_order():
     dw1 = linear_backward(g, x, w, False, True, False)[1]
     torch.set_num_threads(2)
     dw2 = linear_backward(g, x, w, False, True, False)[1]
-    assert torch.equal(dw1, dw2)
+    assert bitwise_equal(dw1, dw2)
     dw_rev = linear_backward(g.flip(0), x.flip(0), w, False, True, False)[1]
-    assert not torch.equal(dw_rev, dw1)
+    assert not bitwise_equal(dw_rev, dw1)
     torch.testing.assert_close(dw_rev, dw1, rtol=1e-5, atol=1e-4)
 
 
@@ -383,9 +383,9 @@ def test_compile_fullgraph_bitwise_equals_eager():
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True)
-    assert torch.equal(compiled(x, w, b), f(x, w, b))
+    assert bitwise_equal(compiled(x, w, b), f(x, w, b))
     x2 = rand(9, 45, seed=43)  # another batch size
-    assert torch.equal(compiled(x2, w, b), f(x2, w, b))
+    assert bitwise_equal(compiled(x2, w, b), f(x2, w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

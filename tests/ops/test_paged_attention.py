@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from aligned_ops.testing import bitwise_equal
 
 ops = torch.ops.aligned
 
@@ -87,7 +88,7 @@ def test_reshape_and_cache_writes_slots(dtype):
     kf, vf = kc.view(-1, 2, 8), vc.view(-1, 2, 8)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert torch.equal(kf[s], k[t]) and torch.equal(vf[s], v[t])
+            assert bitwise_equal(kf[s], k[t]) and bitwise_equal(vf[s], v[t])
     written = torch.zeros(64, dtype=torch.bool)
     written[[5, 63, 16, 0]] = True
     assert (kf[~written] == 0).all() and (vf[~written] == 0).all()  # padding tokens wrote nothing
@@ -115,7 +116,7 @@ def test_prefill_and_decode_batches_equal_varlen(dtype, block_size):
     out = cache.attend(q, range(len(lens)), prompt, prompt, scale)
     off = 0
     for b in range(len(lens)):
-        assert torch.equal(out[off : off + prompt[b]], ref[b][: prompt[b]])
+        assert bitwise_equal(out[off : off + prompt[b]], ref[b][: prompt[b]])
         off += prompt[b]
     # decode: each step a different subset of the sequences, in a shuffled order
     g = torch.Generator().manual_seed(3)
@@ -129,7 +130,7 @@ def test_prefill_and_decode_batches_equal_varlen(dtype, block_size):
         q = torch.cat([seqs[b][0][cur[b] : cur[b] + 1] for b in step])
         out = cache.attend(q, step, [cur[b] + 1 for b in step], [1] * len(step), scale)
         for i, b in enumerate(step):
-            assert torch.equal(out[i], ref[b][cur[b]]), (b, cur[b])
+            assert bitwise_equal(out[i], ref[b][cur[b]]), (b, cur[b])
             cur[b] += 1
 
 
@@ -147,7 +148,7 @@ def test_chunked_prefill_equals_varlen_long_context(chunk):
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         outs.append(cache.attend(q[s:e], [0], [e], [e - s], scale))
-    assert torch.equal(torch.cat(outs), ref)
+    assert bitwise_equal(torch.cat(outs), ref)
     torch.testing.assert_close(ref.double(), ref_attention_seq(q, k, v, scale), atol=2e-2, rtol=2e-2)
 
 
@@ -170,16 +171,16 @@ def test_mixed_batch_decode_chunk_prefill_any_composition():
     for threads in (1, 2):
         torch.set_num_threads(threads)
         outs[threads] = cache.attend(q, ids, lens, q_lens, scale)
-    assert torch.equal(outs[1], outs[2])
+    assert bitwise_equal(outs[1], outs[2])
     off = 0
     for b in ids:
-        assert torch.equal(outs[1][off : off + q_lens[b]], ref[b][lens[b] - q_lens[b] :])
+        assert bitwise_equal(outs[1][off : off + q_lens[b]], ref[b][lens[b] - q_lens[b] :])
         off += q_lens[b]
     # the same rows in a different batch order
     rev = ids[::-1]
     q_rev = torch.cat([seqs[b][0][lens[b] - q_lens[b] :] for b in rev])
     out_rev = cache.attend(q_rev, rev, [lens[b] for b in rev], [q_lens[b] for b in rev], scale)
-    assert torch.equal(out_rev[-1], outs[1][0])
+    assert bitwise_equal(out_rev[-1], outs[1][0])
 
 
 def test_block_table_permutation_invariance():
@@ -191,7 +192,7 @@ def test_block_table_permutation_invariance():
         cache = PagedCache([n], hkv, d, torch.float16, 16, seed=seed, spare_blocks=7)
         cache.write(0, 0, k, v)
         outs.append(cache.attend(q[-5:], [0], [n], [5], 0.125))
-    assert torch.equal(outs[0], outs[1])
+    assert bitwise_equal(outs[0], outs[1])
 
 
 # ---- negative control -----------------------------------------------------------------------------------
@@ -208,13 +209,13 @@ def test_negative_control_sdpa_decode_differs_from_prefill():
         F.scaled_dot_product_attention(qt[:, :, p : p + 1], kt[:, :, : p + 1], vt[:, :, : p + 1])[0].transpose(0, 1)
         for p in range(n)
     ])
-    assert not torch.equal(full, dec)
+    assert not bitwise_equal(full, dec)
     # ours: the same check passes
     ref = varlen_out(seqs, d**-0.5)[0]
     cache = PagedCache([n], hq, d, torch.float32, 16, seed=12)
     cache.write(0, 0, k, v)
     ours = torch.cat([cache.attend(q[p : p + 1], [0], [p + 1], [1], d**-0.5) for p in range(n)])
-    assert torch.equal(ours, ref)
+    assert bitwise_equal(ours, ref)
 
 
 # ---- opcheck / compile ----------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def test_opcheck_and_compile():
     )
     eager = ops.paged_attention(*args)
     compiled = torch.compile(lambda *a: ops.paged_attention(*a), fullgraph=True)(*args)
-    assert torch.equal(eager, compiled)
+    assert bitwise_equal(eager, compiled)
 
     def write_then_attend(k_new, v_new, kc, vc, slots):
         ops.reshape_and_cache(k_new, v_new, kc, vc, slots)
@@ -249,7 +250,7 @@ def test_opcheck_and_compile():
     slots = cache.slots(0, torch.tensor([18, 19]))
     e = write_then_attend(kn, kn * 2, kc1, vc1, slots)
     c = torch.compile(write_then_attend, fullgraph=True)(kn, kn * 2, kc2, vc2, slots)
-    assert torch.equal(e, c) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert bitwise_equal(e, c) and bitwise_equal(kc1, kc2) and bitwise_equal(vc1, vc2)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import aligned_ops
+from aligned_ops.testing import bitwise_equal
 from dense_invariance import (
     batch_mismatches,
     batch_variant_sum,
@@ -53,10 +54,10 @@ def test_fused_add_rms_norm_accuracy(dtype, shape):
     res = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     out, res_out = aligned_ops.fused_add_rms_norm(x, res, w, EPS)
     r = (x.double() + res.double()).to(dtype)  # the residual stream is stored in the activation dtype
-    assert torch.equal(res_out, r)
+    assert bitwise_equal(res_out, r)
     torch.testing.assert_close(out.double(), rms_norm_ref(r, w), **TOL[dtype])
     # fused == unfused composition, bit for bit
-    assert torch.equal(out, ops.rms_norm(res_out, w, EPS))
+    assert bitwise_equal(out, ops.rms_norm(res_out, w, EPS))
 
 
 def test_non_contiguous_inputs():
@@ -65,12 +66,12 @@ def test_non_contiguous_inputs():
     xs = torch.randn(64, 600).to(torch.bfloat16)[:, ::2]
     wn = torch.rand(600).add(0.5).to(torch.bfloat16)[::2]
     assert not xt.is_contiguous() and not xs.is_contiguous() and not wn.is_contiguous()
-    assert torch.equal(ops.rms_norm(xt, w, EPS), ops.rms_norm(x, w, EPS))
-    assert torch.equal(ops.rms_norm(xs, wn, EPS), ops.rms_norm(xs.contiguous(), wn.contiguous(), EPS))
+    assert bitwise_equal(ops.rms_norm(xt, w, EPS), ops.rms_norm(x, w, EPS))
+    assert bitwise_equal(ops.rms_norm(xs, wn, EPS), ops.rms_norm(xs.contiguous(), wn.contiguous(), EPS))
     res = torch.randn(300, 64).to(torch.bfloat16).t()
     a = ops.fused_add_rms_norm(xt, res, w, EPS)
     b = ops.fused_add_rms_norm(x, res.contiguous(), w, EPS)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert bitwise_equal(a[0], b[0]) and bitwise_equal(a[1], b[1])
 
 
 def test_zero_size():
@@ -92,7 +93,7 @@ def test_nan_propagates_to_its_row_only():
     assert torch.isnan(out[1]).all()
     assert torch.isnan(out[2]).any()  # inf/inf
     assert torch.isfinite(out[[0, 3]]).all()
-    assert torch.equal(out[[0, 3]], ops.rms_norm(x[[0, 3]], w, EPS))
+    assert bitwise_equal(out[[0, 3]], ops.rms_norm(x[[0, 3]], w, EPS))
 
 
 # ---- invariance --------------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_dw_is_one_chain_per_column_in_row_order():
     g = torch.randn(300, 96)
     _, dw = ops.rms_norm_backward(g, x, w, EPS)
     _, dw2 = ops.rms_norm_backward(torch.cat([g, torch.zeros(5, 96)]), torch.cat([x, torch.randn(5, 96)]), w, EPS)
-    assert torch.equal(dw, dw2)
+    assert bitwise_equal(dw, dw2)
 
 
 # ---- autograd ------------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_fused_add_rms_norm_gradients_both_outputs():
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
     # only the residual output used
     (dx,) = torch.autograd.grad(aligned_ops.fused_add_rms_norm(*leaves, EPS)[1].sum(), leaves[0])
-    assert torch.equal(dx, torch.ones_like(dx))
+    assert bitwise_equal(dx, torch.ones_like(dx))
 
 
 # ---- opcheck / compile ----------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def test_torch_compile_fullgraph_bitwise():
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
     for a, b in zip(cf(x, r, w), f(x, r, w)):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_compiled_forward_and_backward_match_eager_bitwise():
     le = [t.clone().requires_grad_(True) for t in (x, w)]
     lc = [t.clone().requires_grad_(True) for t in (x, w)]
     ye, yc = f(*le), cf(*lc)
-    assert torch.equal(ye, yc)
+    assert bitwise_equal(ye, yc)
     ye.backward(g[:, :100])
     yc.backward(g[:, :100])
-    assert torch.equal(le[0].grad, lc[0].grad) and torch.equal(le[1].grad, lc[1].grad)
+    assert bitwise_equal(le[0].grad, lc[0].grad) and bitwise_equal(le[1].grad, lc[1].grad)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import aligned_ops
+from aligned_ops.testing import bitwise_equal
 from dense_invariance import batch_mismatches, contracted_for_large_batch, run_mismatches, thread_mismatches
 
 ops = torch.ops.aligned
@@ -46,7 +47,7 @@ def test_cache_matches_float64_angles(caches):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     ang = torch.arange(MAX_POS, dtype=torch.float64)[:, None] * inv_freq
     assert cache.dtype == torch.float32 and cache.shape == (MAX_POS, 64)
-    assert torch.equal(cache, torch.cat([ang.cos(), ang.sin()], -1).float())
+    assert bitwise_equal(cache, torch.cat([ang.cos(), ang.sin()], -1).float())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,7 +58,7 @@ def test_accuracy(caches, dtype, is_neox, T, heads, head_dim, rot):
     out = aligned_ops.rotary_embedding(pos, x, caches[rot], rot, is_neox)
     assert out.shape == x.shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), rope_ref(pos, x, rot, is_neox), **TOL[dtype])
-    assert torch.equal(out[..., rot:], x[..., rot:])  # partial rotary: the rest passes through untouched
+    assert bitwise_equal(out[..., rot:], x[..., rot:])  # partial rotary: the rest passes through untouched
     back = ops.rotary_embedding_backward(pos, x, caches[rot], rot, is_neox)
     torch.testing.assert_close(back.double(), rope_ref(pos, x, rot, is_neox, inverse=True), **TOL[dtype])
 
@@ -65,17 +66,17 @@ def test_accuracy(caches, dtype, is_neox, T, heads, head_dim, rot):
 def test_int32_positions_and_non_contiguous(caches):
     pos, x = make(33, 4, 64, torch.bfloat16, 1)
     ref = ops.rotary_embedding(pos, x, caches[32], 32, True)
-    assert torch.equal(ops.rotary_embedding(pos.int(), x, caches[32], 32, True), ref)
+    assert bitwise_equal(ops.rotary_embedding(pos.int(), x, caches[32], 32, True), ref)
     xt = x.transpose(0, 1).contiguous().transpose(0, 1)  # [T, heads, D] with heads outermost in memory
     assert not xt.is_contiguous()
-    assert torch.equal(ops.rotary_embedding(pos, xt, caches[32], 32, True), ref)
+    assert bitwise_equal(ops.rotary_embedding(pos, xt, caches[32], 32, True), ref)
     big = torch.zeros(4096, 32)
     big[:, :16] = caches[32][:, :16]
     cache_nc = torch.cat([caches[32], big], 1)[:, :32]  # strided cache view
     assert not cache_nc.is_contiguous()
-    assert torch.equal(ops.rotary_embedding(pos, x, cache_nc, 32, True), ref)
+    assert bitwise_equal(ops.rotary_embedding(pos, x, cache_nc, 32, True), ref)
     pos_nc = torch.stack([pos, pos], 1)[:, 0]
-    assert torch.equal(ops.rotary_embedding(pos_nc, x, caches[32], 32, True), ref)
+    assert bitwise_equal(ops.rotary_embedding(pos_nc, x, caches[32], 32, True), ref)
 
 
 def test_zero_size(caches):
@@ -151,7 +152,7 @@ def test_opcheck_and_compile(caches):
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
     for a, b in zip(cf(pos, q), f(pos, q)):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
 
 
 def test_bad_inputs(caches):

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import aligned_ops
+from aligned_ops.testing import bitwise_equal
 from dense_invariance import batch_mismatches, contracted_for_large_batch, run_mismatches, thread_mismatches
 
 ops = torch.ops.aligned
@@ -52,10 +53,10 @@ def test_non_contiguous_and_zero_size():
     xt = x.t().contiguous().t()
     xs = make((40, 4 * 96), torch.bfloat16)[:, ::2]
     assert not xt.is_contiguous() and not xs.is_contiguous()
-    assert torch.equal(ops.silu_and_mul(xt), ops.silu_and_mul(x))
-    assert torch.equal(ops.silu_and_mul(xs), ops.silu_and_mul(xs.contiguous()))
+    assert bitwise_equal(ops.silu_and_mul(xt), ops.silu_and_mul(x))
+    assert bitwise_equal(ops.silu_and_mul(xs), ops.silu_and_mul(xs.contiguous()))
     g = make((96, 40), torch.bfloat16).t()
-    assert torch.equal(ops.silu_and_mul_backward(g, xt), ops.silu_and_mul_backward(g.contiguous(), x))
+    assert bitwise_equal(ops.silu_and_mul_backward(g, xt), ops.silu_and_mul_backward(g.contiguous(), x))
     for shape in [(0, 8), (2, 0, 8), (3, 0)]:
         z = torch.randn(shape)
         assert ops.silu_and_mul(z).shape == (*shape[:-1], shape[-1] // 2)
@@ -117,7 +118,7 @@ def test_opcheck_and_compile():
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
     for a, b in zip(cf(xb), f(xb)):
-        assert torch.equal(a, b)
+        assert bitwise_equal(a, b)
 
 
 def test_bad_inputs():
@@ -147,5 +148,5 @@ def test_single_row_split_across_threads_gives_the_batch_bits():
     torch.set_num_threads(2)
     batch = ops.silu_and_mul(x)
     for r in range(5):
-        assert torch.equal(ops.silu_and_mul(x[r:r + 1]), batch[r:r + 1])
+        assert bitwise_equal(ops.silu_and_mul(x[r:r + 1]), batch[r:r + 1])
     assert thread_mismatches(ops.silu_and_mul, x[:1]) == 0

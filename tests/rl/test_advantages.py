@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from aligned_ops.testing import bitwise_equal
 from aligned_ops.rl import (
     broadcast_to_tokens,
     group_mean_advantages,
@@ -41,7 +42,7 @@ def test_grpo_unbiased_std_and_dr_grpo():
 
 def test_grpo_constant_and_singleton_groups_are_zero_not_nan():
     adv = grpo_advantages(torch.tensor([1.0, 1.0, 1.0, 0.5]), torch.tensor([0, 0, 0, 1]))
-    assert torch.equal(adv, torch.zeros(4))
+    assert bitwise_equal(adv, torch.zeros(4))
 
 
 def test_reinforce_pp_token_whitening_hand_values():
@@ -73,7 +74,7 @@ def test_reinforce_pp_with_group_mean_baseline():
 def test_broadcast_to_tokens():
     out = broadcast_to_tokens(torch.tensor([2.0, -1.0], dtype=torch.bfloat16), torch.tensor([[1, 0], [1, 1]]))
     assert out.dtype == torch.float32
-    assert torch.equal(out, torch.tensor([[2.0, 0.0], [-1.0, -1.0]]))
+    assert bitwise_equal(out, torch.tensor([[2.0, 0.0], [-1.0, -1.0]]))
     with pytest.raises(ValueError):
         broadcast_to_tokens(torch.ones(3), torch.ones(2, 2))
 
