@@ -21,6 +21,19 @@
 #define ALIGNED_GPU_CUDA 1
 #endif
 
+// Fast math is outside the numerics contract. The compile check scans the emitted code (cmake/gpu_isa_check.py);
+// where the compiler announces fast math with a macro, refuse at once. nvcc defines __USE_FAST_MATH__ for
+// --use_fast_math in some releases (13.0 does not: its PTX shows .ftz / .approx instead); clang (HIP and host)
+// defines __FAST_MATH__ and __FINITE_MATH_ONLY__ 1 for -ffast-math, __CLANG_GPU_APPROX_TRANSCENDENTALS__ for
+// -fgpu-approx-transcendentals.
+#if defined(__USE_FAST_MATH__)
+#error "aligned_ops: csrc/gpu must not be compiled with --use_fast_math (numerics contract)"
+#endif
+#if defined(__FAST_MATH__) || (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__) || \
+    defined(__CLANG_GPU_APPROX_TRANSCENDENTALS__)
+#error "aligned_ops: csrc/gpu must not be compiled with -ffast-math / -ffinite-math-only / approximate transcendentals"
+#endif
+
 // ALIGNED_LAUNCH(grid, block, shared_bytes, stream, kernel<...>)(args...) is `kernel<<<grid, block, shared_bytes,
 // stream>>>(args...)`; the emulation target, being plain C++, has no <<< >>> syntax.
 #if defined(ALIGNED_GPU_EMULATED)
