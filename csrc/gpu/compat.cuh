@@ -1,4 +1,6 @@
 // compat.cuh — the few differences between CUDA (nvcc) and HIP (hip-clang) that the dense kernels touch.
+// A third target, the emulation (csrc/emu, ALIGNED_GPU_EMULATED), compiles this same source for the host in
+// either vendor spelling and runs it with our SIMT runtime; it needs nothing from kernels but ALIGNED_LAUNCH.
 //
 // The kernels in this folder are written once and compiled by both vendors' compilers. Everything
 // vendor-specific is here: the runtime header, the stream type, the error query, and the 32-lane
