@@ -21,7 +21,11 @@ if(NOT EXISTS "${ALIGNED_NVCC}")
     set(ALIGNED_NVCC "${ALIGNED_NVCC_FOUND}")
   endif()
 endif()
-find_program(ALIGNED_HIP_CLANG NAMES clang++-22 clang++-19)
+if(CMAKE_HIP_COMPILER)
+  set(ALIGNED_HIP_CLANG "${CMAKE_HIP_COMPILER}")  # a ROCm build checks with the compiler it builds with
+else()
+  find_program(ALIGNED_HIP_CLANG NAMES clang++-22 clang++-19)
+endif()
 set(ALIGNED_CUDA_CHECK_ARCHS sm_90a sm_100a CACHE STRING "CUDA archs of the compile check")
 set(ALIGNED_HIP_CHECK_ARCHS gfx942 gfx950 CACHE STRING "AMD archs of the compile check")
 
@@ -35,7 +39,25 @@ file(GLOB _gc_gpu_headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gp
 # ---- CUDA --------------------------------------------------------------------------------------------
 file(GLOB _gc_cu CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*.cu")
 if(EXISTS "${ALIGNED_NVCC}")
-  set(_nvcc_flags -std=c++17 -O3 --fmad=false -ftz=false -prec-div=true -prec-sqrt=true -Xcompiler -ffp-contract=off)
+  # The extension's own flags (CMakeLists.txt) plus whatever the user's build adds (CMAKE_CUDA_FLAGS[_<CONFIG>],
+  # CUDAFLAGS): the check scans what the real build would emit. ALIGNED_GPU_CHECK_EXTRA_FLAGS plants a flag
+  # (tests/cuda/test_gpu_isa_scan.py).
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" _cfg)
+  separate_arguments(_user_cuda_all NATIVE_COMMAND "$ENV{CUDAFLAGS} ${CMAKE_CUDA_FLAGS} ${CMAKE_CUDA_FLAGS_${_cfg}}")
+  # Target selection is the check's own (-arch per checked arch): drop the build's -gencode / -arch options.
+  set(_user_cuda)
+  set(_skip_next FALSE)
+  foreach(_f IN LISTS _user_cuda_all)
+    if(_skip_next)
+      set(_skip_next FALSE)
+    elseif(_f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code)$")
+      set(_skip_next TRUE)
+    elseif(NOT _f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code)=")
+      list(APPEND _user_cuda "${_f}")
+    endif()
+  endforeach()
+  set(_nvcc_flags -std=c++17 -O3 ${_user_cuda} ${ALIGNED_CUDA_EXACT_FLAGS} -Xcompiler -ffp-contract=off
+      ${ALIGNED_GPU_CHECK_EXTRA_FLAGS})
   foreach(src IN LISTS _gc_cu)
     get_filename_component(_name "${src}" NAME_WE)
     foreach(arch IN LISTS ALIGNED_CUDA_CHECK_ARCHS)
@@ -72,7 +94,16 @@ if(ALIGNED_HIP_CLANG)
   endif()
   # Debian's HIP headers (libamdhip64-dev) still read __AMDGCN_WAVEFRONT_SIZE, which clang-22 no longer
   # predefines; gfx942 and gfx950 are wave64. A ROCm toolchain with matching headers does not need this.
-  set(_hip_flags -x hip -std=c++20 -O3 -nogpulib --rocm-path=/usr -ffp-contract=off -D__AMDGCN_WAVEFRONT_SIZE=64)
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" _cfg)
+  separate_arguments(_user_hip NATIVE_COMMAND "$ENV{HIPFLAGS} ${CMAKE_HIP_FLAGS} ${CMAKE_HIP_FLAGS_${_cfg}}")
+  list(FILTER _user_hip EXCLUDE REGEX "^--offload-arch=")
+  if(CMAKE_HIP_COMPILER)
+    set(_hip_env)  # ROCm's own clang and headers
+  else()
+    set(_hip_env --rocm-path=/usr -D__AMDGCN_WAVEFRONT_SIZE=64)  # Debian's clang-22 + libamdhip64-dev (below)
+  endif()
+  set(_hip_flags -x hip -std=c++20 -O3 -nogpulib ${_hip_env} ${_user_hip} ${ALIGNED_HIP_EXACT_FLAGS}
+      ${ALIGNED_GPU_CHECK_EXTRA_FLAGS})
   set(_offload)
   foreach(arch IN LISTS _hip_archs)
     list(APPEND _offload --offload-arch=${arch})

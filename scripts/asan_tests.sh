@@ -17,6 +17,7 @@ libubsan=$(g++ -print-file-name=libubsan.so)
 # Python and torch allocate for the life of the process: leak checking would only report those.
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0:detect_odr_violation=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-tests=${*:-tests/ops tests/common}
+# tests/emulated: the GPU kernel source under the fiber SIMT runtime (ASan follows every fiber switch).
+tests=${*:-tests/ops tests/common tests/emulated}
 # torch.compile under ASan only re-tests inductor (slow); eager, opcheck and autograd tests run.
 LD_PRELOAD="$libasan $libubsan" PYTHONPATH="$PWD/$root/pkg" ALIGNED_ASAN=1 "$PY" -m pytest -q -p no:cacheprovider -k "not compile" $tests

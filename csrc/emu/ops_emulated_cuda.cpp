@@ -12,8 +12,26 @@
 #include "../cuda/ops_cuda.cpp"
 #undef gpu
 
+namespace aligned::gpu_emu_cuda {
+const char* run_selftest(const std::string& name, std::vector<long long>& out);  // selftest_cuda.cpp
+}
+namespace aligned::gpu_emu_hip {
+const char* run_selftest(const std::string& name, std::vector<long long>& out);  // selftest_hip.cpp
+}
+
 namespace aligned::emu {
 namespace {
+
+// The runtime's self-test kernels (selftest_kernels.cuh) at the active arch.
+std::vector<int64_t> emulate_selftest(const std::string& name) {
+  const Arch* a = active_arch();
+  TORCH_CHECK(a != nullptr, "aligned::_emulate_selftest: needs aligned_ops.emulate(arch)");
+  std::vector<long long> out;
+  const char* err = a->vendor == Vendor::kHip ? gpu_emu_hip::run_selftest(name, out)
+                                              : gpu_emu_cuda::run_selftest(name, out);
+  TORCH_CHECK(err == nullptr, "aligned::_emulate_selftest(", name, "): ", err ? err : "");
+  return std::vector<int64_t>(out.begin(), out.end());
+}
 
 void emulate_enter(const std::string& arch, int64_t fault) {
   const Arch* a = find_arch(arch);
@@ -51,4 +69,5 @@ TORCH_LIBRARY_FRAGMENT(aligned, m) {
   m.def("_emulate_enter(str arch, int fault=0) -> ()", &aligned::emu::emulate_enter);
   m.def("_emulate_exit() -> str[]", &aligned::emu::emulate_exit);
   m.def("_emulated_archs() -> str[]", &aligned::emu::emulated_archs);
+  m.def("_emulate_selftest(str name) -> int[]", &aligned::emu::emulate_selftest);
 }

@@ -67,6 +67,16 @@
 
 inline void __syncthreads() { ::aligned::emu::sync_threads(); }
 
+// ---- vector types (the ones kernels use for 16-byte accesses) -----------------------------------------
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
 // ---- correctly rounded fp32 intrinsics (IEEE binary32 on the host; built with -ffp-contract=off) --------
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

@@ -1,4 +1,6 @@
 // compat.cuh — the few differences between CUDA (nvcc) and HIP (hip-clang) that the dense kernels touch.
+// A third target, the emulation (csrc/emu, ALIGNED_GPU_EMULATED), compiles this same source for the host in
+// either vendor spelling and runs it with our SIMT runtime; it needs nothing from kernels but ALIGNED_LAUNCH.
 //
 // The kernels in this folder are written once and compiled by both vendors' compilers. Everything
 // vendor-specific is here: the runtime header, the stream type, the error query, and the 32-lane
@@ -19,6 +21,19 @@
 #else
 #include <cuda_runtime.h>
 #define ALIGNED_GPU_CUDA 1
+#endif
+
+// Fast math is outside the numerics contract. The compile check scans the emitted code (cmake/gpu_isa_check.py);
+// where the compiler announces fast math with a macro, refuse at once. nvcc defines __USE_FAST_MATH__ for
+// --use_fast_math in some releases (13.0 does not: its PTX shows .ftz / .approx instead); clang (HIP and host)
+// defines __FAST_MATH__ and __FINITE_MATH_ONLY__ 1 for -ffast-math, __CLANG_GPU_APPROX_TRANSCENDENTALS__ for
+// -fgpu-approx-transcendentals.
+#if defined(__USE_FAST_MATH__)
+#error "aligned_ops: csrc/gpu must not be compiled with --use_fast_math (numerics contract)"
+#endif
+#if defined(__FAST_MATH__) || (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__) || \
+    defined(__CLANG_GPU_APPROX_TRANSCENDENTALS__)
+#error "aligned_ops: csrc/gpu must not be compiled with -ffast-math / -ffinite-math-only / approximate transcendentals"
 #endif
 
 // ALIGNED_LAUNCH(grid, block, shared_bytes, stream, kernel<...>)(args...) is `kernel<<<grid, block, shared_bytes,

@@ -1,7 +1,8 @@
 // dense_launch.cuh — the launchers declared in dense_api.h, defined once for both vendors.
 //
 // Included by exactly one translation unit per vendor: csrc/cuda/dense.cu (nvcc) and csrc/hip/dense.hip
-// (hip-clang). Each launcher maps the runtime dtypes to a kernel instantiation, picks a grid (which never
+// (hip-clang) — and by their emulated builds (csrc/emu), which is why launches are spelled ALIGNED_LAUNCH
+// (compat.cuh) instead of <<< >>>. Each launcher maps the runtime dtypes to a kernel instantiation, picks a grid (which never
 // changes any result: rows, columns and output tiles are independent), enqueues on the caller's stream and
 // reports the launch error, if any. Zero-size problems enqueue nothing.
 #pragma once

@@ -1,0 +1,191 @@
+"""The GPU numerics scan (cmake/gpu_isa_check.py) fails on every flag that breaks the contract.
+
+A probe kernel built on csrc/gpu/compat.cuh — a plain division, a plain sqrt, a multiply-add, the contract's
+exp — is compiled with the extension's own exact-numerics flags (parsed from CMakeLists.txt, the one place
+they are written) and must pass the scan (positive control); then each bad flag is planted in place of its
+good counterpart (or added) and the compile or the scan must fail, naming the problem. Needs nvcc / clang-22
+(present in CI); skipped where they are missing. Plus unit tests of each scan pattern on text.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHECK = ROOT / "cmake/gpu_isa_check.py"
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if pathlib.Path("/usr/local/bin/nvcc").exists() else None)
+HIP_CLANG = shutil.which("clang++-22")
+
+PROBE = f"""#include "{ROOT}/csrc/gpu/compat.cuh"
+__global__ void probe(const float* a, const float* b, float* o, int n) {{
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float q = a[i] / b[i];                 // what a careless kernel writes: plain '/'
+  float r = sqrtf(a[i]);                 // and plain sqrt
+  o[i] = q * r + aligned::exp_f32(b[i]) * a[i];
+}}
+"""
+
+
+def cmake_list(name: str) -> list[str]:
+    text = (ROOT / "CMakeLists.txt").read_text()
+    m = re.search(rf"set\({name}\s+([^)]*)\)", text)
+    assert m, f"{name} is not defined in CMakeLists.txt"
+    return m.group(1).split()
+
+
+def test_flags_written_once_and_used_by_the_real_build_and_the_check():
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    check = (ROOT / "cmake/gpu_compile_check.cmake").read_text()
+    assert cmake_list("ALIGNED_CUDA_EXACT_FLAGS") == ["--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]
+    hip = cmake_list("ALIGNED_HIP_EXACT_FLAGS")
+    assert {"-ffp-contract=off", "-fno-fast-math", "-fno-gpu-flush-denormals-to-zero",
+            "-fhip-fp32-correctly-rounded-divide-sqrt"} <= set(hip)
+    # the extension's CUDA/HIP sources compile with these lists ...
+    assert "$<$<COMPILE_LANGUAGE:CUDA>:${ALIGNED_CUDA_EXACT_FLAGS}" in cmake
+    assert "$<$<COMPILE_LANGUAGE:HIP>:-O3 ${ALIGNED_HIP_EXACT_FLAGS}>" in cmake
+    # ... the check compiles with the same lists plus the user's flags of the real build ...
+    assert "${ALIGNED_CUDA_EXACT_FLAGS}" in check and "${ALIGNED_HIP_EXACT_FLAGS}" in check
+    assert "CMAKE_CUDA_FLAGS" in check and "CUDAFLAGS" in check and "CMAKE_HIP_FLAGS" in check and "HIPFLAGS" in check
+    # ... and a CUDA / ROCm build runs the check before linking _C
+    assert "add_dependencies(_C gpu_compile_check)" in cmake
+
+
+def run_scan(kind: str, path: pathlib.Path) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, str(CHECK), kind, str(path), str(path) + ".ok"], capture_output=True, text=True)
+    return p.returncode, p.stderr
+
+
+def replace_flag(flags: list[str], bad: str) -> list[str]:
+    """flags with bad's counterpart (same option name) removed, then bad added."""
+    key = re.split(r"[=]", bad)[0].replace("-fno-", "-f")
+    keep = [f for f in flags if re.split(r"[=]", f)[0].replace("-fno-", "-f") != key]
+    return keep + [bad]
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------------
+
+CUDA_PLANTS = {
+    # flag planted: what the failure must mention
+    "-prec-div=false": "approximate division",
+    "-prec-sqrt=false": "approximate rcp/sqrt",
+    "-ftz=true": "flush-to-zero",
+    "--fmad=true": "without .rn",
+    "--use_fast_math": "flush-to-zero|approximate|fast_math",
+}
+
+
+def nvcc_scan(tmp_path, flags) -> tuple[int, str]:
+    src = tmp_path / "probe.cu"
+    src.write_text(PROBE)
+    ptx = tmp_path / "probe.ptx"
+    p = subprocess.run([NVCC, "-std=c++17", "-O3", *flags, "-Xcompiler", "-ffp-contract=off", "-arch=sm_90a", "-ptx",
+                        str(src), "-o", str(ptx)], capture_output=True, text=True)
+    if p.returncode != 0:
+        return p.returncode, p.stderr
+    return run_scan("ptx", ptx)
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_cuda_probe_passes_with_the_extension_flags(tmp_path):
+    rc, err = nvcc_scan(tmp_path, cmake_list("ALIGNED_CUDA_EXACT_FLAGS"))
+    assert rc == 0, err
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+@pytest.mark.parametrize("bad", sorted(CUDA_PLANTS))
+def test_cuda_scan_fails_on_planted_flag(tmp_path, bad):
+    # --use_fast_math only expands to -ftz=true -prec-div=false -prec-sqrt=false --fmad=true, and nvcc lets the
+    # extension's explicit flags win over it (measured, nvcc 13.0), so it is planted as a build that lost them.
+    flags = [bad] if bad == "--use_fast_math" else replace_flag(cmake_list("ALIGNED_CUDA_EXACT_FLAGS"), bad)
+    rc, err = nvcc_scan(tmp_path, flags)
+    assert rc != 0, f"{bad}: the PTX scan accepted it"
+    assert re.search(CUDA_PLANTS[bad], err), err
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_cuda_explicit_flags_override_use_fast_math(tmp_path):
+    rc, err = nvcc_scan(tmp_path, cmake_list("ALIGNED_CUDA_EXACT_FLAGS") + ["--use_fast_math"])
+    assert rc == 0, err
+
+
+# ---- HIP ------------------------------------------------------------------------------------------------------
+
+HIP_PLANTS = {
+    "-fno-hip-fp32-correctly-rounded-divide-sqrt": ("ll", "approximate divide/sqrt"),
+    "-ffast-math": ("compile", "must not be compiled with -ffast-math"),
+    "-fgpu-approx-transcendentals": ("compile", "approximate transcendentals"),
+    "-fgpu-flush-denormals-to-zero": ("s", "flushes f32 denormals"),
+    "-ffp-contract=fast": ("ll", "fmuladd|fast-math flag"),
+}
+
+
+def hip_scan(tmp_path, flags, kind) -> tuple[int, str]:
+    src = tmp_path / "probe.hip"
+    src.write_text(PROBE)
+    out = tmp_path / f"probe.{kind}"
+    base = [HIP_CLANG, "-x", "hip", "-std=c++20", "-O3", "-nogpulib", "--rocm-path=/usr", "-D__AMDGCN_WAVEFRONT_SIZE=64",
+            *flags, "--offload-arch=gfx942", "--offload-device-only", "-S"]
+    p = subprocess.run(base + (["-emit-llvm"] if kind == "ll" else []) + [str(src), "-o", str(out)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        return p.returncode, p.stderr
+    return run_scan(kind, out)
+
+
+@pytest.mark.skipif(HIP_CLANG is None, reason="needs clang++-22")
+@pytest.mark.parametrize("kind", ["s", "ll"])
+def test_hip_probe_passes_with_the_extension_flags(tmp_path, kind):
+    rc, err = hip_scan(tmp_path, cmake_list("ALIGNED_HIP_EXACT_FLAGS"), kind)
+    assert rc == 0, err
+
+
+@pytest.mark.skipif(HIP_CLANG is None, reason="needs clang++-22")
+@pytest.mark.parametrize("bad", sorted(HIP_PLANTS))
+def test_hip_scan_fails_on_planted_flag(tmp_path, bad):
+    kind, what = HIP_PLANTS[bad]
+    rc, err = hip_scan(tmp_path, replace_flag(cmake_list("ALIGNED_HIP_EXACT_FLAGS"), bad), "s" if kind == "compile" else kind)
+    assert rc != 0, f"{bad}: accepted"
+    assert re.search(what, err), err
+
+
+# ---- the patterns themselves ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,line", [
+    ("ptx", "div.full.f32 %f3, %f1, %f2;"), ("ptx", "div.approx.f32 %f3, %f1, %f2;"),
+    ("ptx", "div.approx.ftz.f32 %f3, %f1, %f2;"), ("ptx", "rcp.approx.f32 %f2, %f1;"),
+    ("ptx", "rcp.approx.ftz.f64 %fd2, %fd1;"), ("ptx", "sqrt.approx.f32 %f2, %f1;"),
+    ("ptx", "rsqrt.approx.f32 %f2, %f1;"), ("ptx", "sin.approx.f32 %f2, %f1;"), ("ptx", "cos.approx.f32 %f2, %f1;"),
+    ("ptx", "ex2.approx.f32 %f2, %f1;"), ("ptx", "lg2.approx.f32 %f2, %f1;"), ("ptx", "tanh.approx.f32 %f2, %f1;"),
+    ("ptx", "add.ftz.f32 %f3, %f1, %f2;"),
+    ("s", "v_exp_f32_e32 v1, v0"), ("s", "v_log_f32_e32 v1, v0"), ("s", "v_rsq_f32_e32 v1, v0"),
+    ("ll", "%3 = fdiv float %1, %2, !fpmath !7"), ("ll", "%3 = call float @llvm.sqrt.f32(float %1), !fpmath !8"),
+    ("ll", "%3 = call float @llvm.amdgcn.rcp.f32(float %1)"), ("ll", "%3 = call float @llvm.amdgcn.sqrt.f32(float %1)"),
+    ("ll", "%3 = call float @__ocml_native_sqrt_f32(float %1)"), ("ll", "%3 = fdiv arcp float %1, %2"),
+])
+def test_scan_pattern_fires(tmp_path, kind, line):
+    f = tmp_path / f"x.{kind}"
+    denorm = "\n.amdhsa_float_denorm_mode_32 3\n" if kind == "s" else "\n"
+    f.write_text(line + denorm)
+    rc, err = run_scan(kind, f)
+    assert rc == 1, f"{line!r} passed the {kind} scan"
+
+
+@pytest.mark.parametrize("kind,line", [
+    ("ptx", "div.rn.f32 %f3, %f1, %f2;"), ("ptx", "sqrt.rn.f32 %f2, %f1;"), ("ptx", "rcp.rn.f32 %f2, %f1;"),
+    ("ptx", "div.s64 %rd3, %rd1, %rd2;"), ("ptx", "fma.rn.f32 %f4, %f1, %f2, %f3;"),
+    ("ll", "%3 = fdiv float %1, %2"), ("ll", "%3 = call float @llvm.sqrt.f32(float %1)"),
+    ("s", "v_div_fixup_f32 v1, v2, v3, v4\nv_rcp_f32_e32 v5, v6"),
+])
+def test_scan_pattern_accepts_correctly_rounded(tmp_path, kind, line):
+    f = tmp_path / f"x.{kind}"
+    f.write_text(line + ("\n.amdhsa_float_denorm_mode_32 3\n" if kind == "s" else "\n"))
+    rc, err = run_scan(kind, f)
+    assert rc == 0, err
