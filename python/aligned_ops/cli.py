@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.add_argument("--hidden", type=int, default=128, help="tiny model width")
     d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--moe", action="store_true",
+                   help="a tiny Qwen3-MoE (8 experts, top-2) instead of the dense Qwen2: routing flips under "
+                        "standard kernels")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--out", default="demo_out", help="folder for the plot and JSON results")

@@ -217,13 +217,18 @@ def main(args) -> int:
     """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
     import torch
 
-    from .integrations.tiny_model import build_tiny_qwen2
+    from .integrations.tiny_model import build_tiny_moe, build_tiny_qwen2
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    base = build_tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed,
-                            hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                            num_hidden_layers=args.layers)
+    if getattr(args, "moe", False):
+        base = build_tiny_moe(os.path.join(args.out, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype),
+                              seed=args.seed, hidden_size=args.hidden, moe_intermediate_size=args.hidden // 2,
+                              num_hidden_layers=args.layers)
+    else:
+        base = build_tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), dtype=getattr(torch, args.dtype),
+                                seed=args.seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                                num_hidden_layers=args.layers)
     print(f"supervised warm-up: {args.sft_steps} steps ...", flush=True)
     warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed)
     argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),

@@ -47,6 +47,14 @@ def main():
         v_ex.append(scored_token_experts(vllm_teacher_forced_routing(llm, seq, L), P, C))
     m = mismatch_metrics(torch.cat(hf_lp), torch.cat(v_lp), trainer_experts=torch.cat(hf_ex),
                          rollout_experts=torch.cat(v_ex))
+    # Stock refit of the same weights must not change anything (rollout.refit re-packs the CPU MoE weights).
+    from aligned_ops.integrations.rollout import refit
+
+    before = generate_with_logprobs(llm, prompts[:2], temperature=0.0, max_tokens=4)
+    refit(llm, model.state_dict())
+    after = generate_with_logprobs(llm, prompts[:2], temperature=0.0, max_tokens=4)
+    m["refit_same_weights_unchanged"] = all(
+        a.token_ids == b.token_ids and torch.equal(a.logprobs_tensor(), b.logprobs_tensor()) for a, b in zip(before, after))
     print(json.dumps(m))
 
 

