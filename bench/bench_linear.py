@@ -5,7 +5,8 @@
         [--ms 1,16,256] [--shapes qo] [--repeat 3]
 
 --ms/--shapes pick a sub-grid; --repeat times each row that many times (aligned and torch interleaved in the
-same run) and reports the median of each, so a shared machine's noise hits both sides alike.
+same run) and reports the median of each, so a shared machine's noise hits both sides alike. --cpu-time
+measures the calling thread's CPU time with 1 thread (on a loaded machine wall time is mostly waiting).
 
 Ratio = torch time / aligned time (> 1: aligned is faster). Both ops get the same inputs and thread count.
 """
@@ -39,8 +40,13 @@ def main() -> None:
     p.add_argument("--ms", default=None, help="comma-separated batch sizes M (overrides --quick/--full)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names of SHAPES (default: all)")
     p.add_argument("--repeat", type=int, default=1, help="time each row this many times, report medians")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time the calling thread's CPU time instead of wall time (forces --threads 1): robust on a "
+                        "shared machine")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.cpu_time:
+        args.threads = 1
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     ms = [1, 16, 512] if args.quick else [1, 16, 512, 2048] + ([4096] if args.full else [])
@@ -49,7 +55,8 @@ def main() -> None:
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
     run_time = 0.1 if args.quick else 0.2
     where = "CPU" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
-    table = Table(f"linear ({where}, {args.threads} threads, median of {args.repeat})")
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    table = Table(f"linear ({where}, {args.threads} threads, {clock}, median of {args.repeat})", cpu_time=args.cpu_time)
     torch.manual_seed(0)
     for dt_name in args.dtypes.split(","):
         dt = getattr(torch, dt_name)

@@ -11,8 +11,32 @@ import torch
 import torch.utils.benchmark as tbench
 
 
-def time_us(fn, min_run_time: float = 0.3) -> float:
-    """Median wall time of fn() in microseconds (blocked_autorange: repeats until min_run_time is spent)."""
+def cpu_time_us(fn, min_run_time: float = 0.3, blocks: int = 5) -> float:
+    """Median CPU time of the calling thread per fn() call, in microseconds (blocks of calls, each block at least
+    min_run_time / blocks of CPU time). With torch.set_num_threads(1) this is the op's whole cost, and unlike
+    wall time it does not grow when other processes share the cores (cache and memory contention still count)."""
+    import statistics
+    import time
+
+    fn()
+    per = []
+    for _ in range(blocks):
+        n, t0 = 0, time.thread_time()
+        while True:
+            fn()
+            n += 1
+            el = time.thread_time() - t0
+            if el >= min_run_time / blocks:
+                break
+        per.append(el / n)
+    return statistics.median(per) * 1e6
+
+
+def time_us(fn, min_run_time: float = 0.3, cpu_time: bool = False) -> float:
+    """Median wall time of fn() in microseconds (blocked_autorange: repeats until min_run_time is spent);
+    cpu_time=True: cpu_time_us instead."""
+    if cpu_time:
+        return cpu_time_us(fn, min_run_time)
     fn()  # warm-up (allocations, lazy init)
     m = tbench.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time)
     return m.median * 1e6
@@ -21,8 +45,9 @@ def time_us(fn, min_run_time: float = 0.3) -> float:
 class Table:
     """Collects rows (op, shape, aligned us, torch us, ratio) and prints them as a Markdown table."""
 
-    def __init__(self, title: str):
+    def __init__(self, title: str, cpu_time: bool = False):
         self.title = title
+        self.cpu_time = cpu_time
         self.rows: list[tuple[str, str, str, float, float]] = []
 
     def add(self, op: str, shape: str, dtype: torch.dtype, aligned_fn, torch_fn, min_run_time: float = 0.3,
@@ -32,8 +57,8 @@ class Table:
 
         ts, As = [], []
         for _ in range(repeat):
-            As.append(time_us(aligned_fn, min_run_time))
-            ts.append(time_us(torch_fn, min_run_time))
+            As.append(time_us(aligned_fn, min_run_time, self.cpu_time))
+            ts.append(time_us(torch_fn, min_run_time, self.cpu_time))
         a, t = statistics.median(As), statistics.median(ts)
         row = (op, shape, str(dtype).replace("torch.", ""), a, t)
         self.rows.append(row)

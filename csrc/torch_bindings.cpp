@@ -43,6 +43,8 @@ TORCH_LIBRARY(aligned, m) {
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
   m.def("_log_f32(Tensor x) -> Tensor");
+  // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
+  m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

@@ -6,6 +6,9 @@
 // HIP kernels parallelise each row across a warp/wave with the same lane assignment (reduce.h) and
 // the same per-element expressions. Rows never interact, so an output row depends only on its own
 // input row and the weights: batch size, row position, other rows and thread count cannot change it.
+// Matrix work (linear) is written per numerics profile (section "linear" below): the GEMM kernels run its
+// lane chains register-tiled and call linear_lane_fold / linear_epilogue for the combine; the scalar
+// linear_partial_dot / linear_dot are the reference the tests hold every backend to.
 //
 // Storage types T: float, bf16_t, f16_t. Inputs are widened to fp32 exactly; every result is rounded
 // once to its output type (round to nearest even).

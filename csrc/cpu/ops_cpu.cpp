@@ -413,6 +413,29 @@ at::Tensor elementwise_f32(const at::Tensor& x, float (*fn)(float), const char* 
   });
   return out;
 }
+// _linear_partial_reference: contract.h's scalar linear_partial_dot, one call per output, for the conformance
+// test that holds the GEMM kernels (every ISA level) to the helper itself. Slow by design; test hook only.
+at::Tensor linear_partial_reference(const at::Tensor& x, const at::Tensor& weight, int64_t lanes) {
+  const char* op = "_linear_partial_reference";
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  const auto a = check_linear_partial<DType>(x, weight, lanes);
+  auto xc = x.reshape({a.M, a.K}).contiguous();
+  auto wc = weight.contiguous();
+  auto out = at::empty({a.M, a.N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  with_type(a.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* xp = (const T*)xc.data_ptr();
+    const T* wp = (const T*)wc.data_ptr();
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t n = 0; n < a.N; ++n) o[m * a.N + n] = linear_partial_dot(xp + m * a.K, wp + n * a.K, a.K, (int)lanes);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = a.N;
+  return out.view(sizes);
+}
+
 at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().exp_f32, "_exp_f32"); }
 at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().log_f32, "_log_f32"); }
 
@@ -440,6 +463,7 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   m.impl("token_logprobs", &token_logprobs);
   m.impl("token_logprobs_backward", &token_logprobs_backward);
   m.impl("_exp_f32", &exp_f32);
+  m.impl("_linear_partial_reference", &linear_partial_reference);
   m.impl("_log_f32", &log_f32);
 }
 

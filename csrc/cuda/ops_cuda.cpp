@@ -22,10 +22,12 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
 
+#include "../common/contract.h"
 #include "../gpu/dense_api.h"
 #include "../op_checks.h"
 
@@ -279,10 +281,14 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
+// lanes > 1 (linear, linear_partial): the lane sums go through an fp32 workspace [lanes, ws_rows, N]
+// (gemm_fp32.cuh).
 void run_gemm(DType dt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, const at::Tensor& B, int64_t b_sn,
-              int64_t b_sk, const at::Tensor* bias, at::Tensor& C, int64_t M, int64_t N, int64_t K, const char* op) {
+              int64_t b_sk, const at::Tensor* bias, at::Tensor& C, DType cdt, int64_t M, int64_t N, int64_t K,
+              int lanes, const char* op) {
   gpu::GemmParams p{};
-  p.adt = p.bdt = p.cdt = dt;
+  p.adt = p.bdt = dt;
+  p.cdt = cdt;
   p.A = A.data_ptr();
   p.a_sm = a_sm;
   p.a_sk = a_sk;
@@ -295,7 +301,15 @@ void run_gemm(DType dt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, const a
   p.M = M;
   p.N = N;
   p.K = K;
-  check_launch(gpu::launch_gemm(p, current_stream(C)), op);
+  p.lanes = lanes;
+  at::Tensor ws;
+  if (lanes > 1) {  // at most ~64 MiB of lane sums at a time (M runs in chunks of whole 128-row tiles)
+    const int64_t budget_rows = ((int64_t)64 << 20) / ((int64_t)lanes * N * 4) / 128 * 128;
+    p.ws_rows = std::min<int64_t>(M, std::max<int64_t>(128, budget_rows));
+    ws = at::empty({lanes, p.ws_rows, N}, C.options().dtype(at::kFloat));
+    p.lane_ws = ws.data_ptr<float>();
+  }
+  check_launch(gpu::launch_gemm(p, current_stream(C)), op);  // ws is stream-ordered by the caching allocator
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -313,7 +327,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   sizes.back() = N;
   auto out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0)
-    run_gemm(dt, xc, K, 1, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, out, M, N, K, op);
+    run_gemm(dt, xc, K, 1, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, out, dt, M, N, K,
+             kLinearLanes, op);
+  return out.view(sizes);
+}
+
+at::Tensor linear_partial(const at::Tensor& x, const at::Tensor& weight, int64_t lanes) {
+  const char* op = "linear_partial";
+  check_cuda(x, x, op, "x");
+  check_cuda(weight, x, op, "weight");
+  c10::DeviceGuard guard(x.device());
+  const auto a = check_linear_partial<DType>(x, weight, lanes);
+  const int64_t M = a.M, K = a.K, N = a.N;
+  auto xc = x.reshape({M, K}).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0)
+    run_gemm(a.dt, xc, K, 1, weight, weight.stride(0), weight.stride(1), nullptr, out, DType::F32, M, N, K, (int)lanes,
+             op);
   return out.view(sizes);
 }
 
@@ -335,13 +367,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   if (needs_x) {
     // dx[m, k] = chain over n of g[m, n] * w[n, k]
     dx = at::empty({M, K}, x.options());
-    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, wc, 1, K, nullptr, dx, M, K, N, op);
+    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, wc, 1, K, nullptr, dx, dt, M, K, N, 1, op);  // one chain: 1 lane
     dx = dx.view(x.sizes());
   }
   if (needs_w) {
     // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
     dw = at::empty({N, K}, weight.options());
-    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, xc, 1, K, nullptr, dw, N, K, M, op);
+    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, xc, 1, K, nullptr, dw, dt, N, K, M, 1, op);
   }
   if (needs_b) {
     db = at::empty({N}, x.options());
@@ -374,6 +406,7 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, true, "_log_
 TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("linear", &linear);
   m.impl("linear_backward", &linear_backward);
+  m.impl("linear_partial", &linear_partial);
   m.impl("rms_norm", &rms_norm);
   m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);

@@ -70,7 +70,8 @@ struct LogitsParams {
   void* dz;               // backward [T, V] in dt, or nullptr
 };
 
-// C[m, n] = round_TC(chain_k fma(A[m, k], B[n, k]) (+ bias[n])), element strides, k = 0..K-1 in order.
+// C[m, n] = round_TC(linear_lane_fold over `lanes` lanes of the fma chains of A[m, :] * B[n, :] (+ bias[n]))
+// (contract.h, `fma` profile), element strides. adt == bdt; cdt == adt, or F32 (linear_partial).
 struct GemmParams {
   DType adt, bdt, cdt;
   const void* A;
@@ -81,6 +82,9 @@ struct GemmParams {
   void* C;           // [M, N] contiguous (row stride c_sm)
   int64_t c_sm;
   int64_t M, N, K;
+  int lanes;         // 1, 2, 4 or 8 (8: linear; 1: backward chains)
+  float* lane_ws;    // [lanes, ws_rows, N] fp32 scratch, required when lanes > 1
+  int64_t ws_rows;   // rows the workspace holds: M is run in chunks of ws_rows rows (bounds its memory)
 };
 
 // out[n] = round(chain over m = 0..rows-1 of (. + g[m, n])), g [rows, cols] contiguous.

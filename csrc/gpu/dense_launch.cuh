@@ -144,15 +144,44 @@ const char* launch_token_logprobs_backward(const LogitsParams& p, void* s) {
 
 const char* launch_gemm(const GemmParams& p, void* stream) {
   if (p.M == 0 || p.N == 0) return nullptr;
-  // One storage type per call (what linear / linear_backward use): 3 instantiations, not 27.
-  if (p.adt != p.cdt || p.bdt != p.cdt) return "aligned gemm: A, B and C must share one dtype";
+  // One storage type T for A and B; C in T or fp32 (linear_partial): 5 instantiations, not 27.
+  if (p.adt != p.bdt || (p.cdt != p.adt && p.cdt != DType::F32))
+    return "aligned gemm: A and B must share one dtype, C that dtype or float32";
+  if (p.lanes != 1 && p.lanes != 2 && p.lanes != 4 && p.lanes != 8) return "aligned gemm: lanes must be 1, 2, 4 or 8";
+  if (p.lanes > 1 && (!p.lane_ws || p.ws_rows <= 0))
+    return "aligned gemm: lanes > 1 needs the [lanes, ws_rows, N] fp32 workspace";
   const int64_t gx = (p.N + kTileN - 1) / kTileN, gy = (p.M + kTileM - 1) / kTileM;
   if (gx > 0x7fffffff || gy > 65535) return "aligned gemm: problem too large for one grid (M > 65535 * kTileM)";
-  with_type(p.cdt, [&](auto* tp) {
+  const dim3 grid((unsigned)gx, (unsigned)gy, (unsigned)p.lanes);
+  with_type(p.adt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    gemm_fp32_kernel<T, T, T><<<dim3((unsigned)gx, (unsigned)gy), kGemmThreads, 0, as_stream(stream)>>>(
-        (const T*)p.A, p.a_sm, p.a_sk, (const T*)p.B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N,
-        p.K);
+    const T* A = (const T*)p.A;
+    const T* B = (const T*)p.B;
+    if (p.lanes == 1) {  // one chain per element, written straight to C
+      if (p.cdt == p.adt)
+        gemm_fp32_kernel<T, T, T><<<grid, kGemmThreads, 0, as_stream(stream)>>>(
+            A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N, p.K, 1, 0);
+      else
+        gemm_fp32_kernel<T, T, float><<<grid, kGemmThreads, 0, as_stream(stream)>>>(
+            A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const float*)p.bias, (float*)p.C, p.c_sm, p.M, p.N, p.K, 1, 0);
+      return;
+    }
+    // lanes > 1: lane sums to the workspace (no bias), then the tree + bias + rounding; M in chunks of ws_rows
+    // rows (rows are independent, so the chunking cannot change a bit).
+    for (int64_t m0 = 0; m0 < p.M; m0 += p.ws_rows) {
+      const int64_t rows = (p.M - m0) < p.ws_rows ? (p.M - m0) : p.ws_rows;
+      const dim3 cgrid((unsigned)gx, (unsigned)((rows + kTileM - 1) / kTileM), (unsigned)p.lanes);
+      gemm_fp32_kernel<T, T, float><<<cgrid, kGemmThreads, 0, as_stream(stream)>>>(
+          A + m0 * p.a_sm, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, nullptr, p.lane_ws, p.N, rows, p.N, p.K, p.lanes,
+          rows * p.N);
+      const unsigned fold_blocks = elem_blocks(rows * p.N);  // grid-stride loop inside
+      if (p.cdt == p.adt)
+        lane_fold_kernel<T><<<fold_blocks, kElemBlockThreads, 0, as_stream(stream)>>>(
+            p.lane_ws, p.lanes, (const T*)p.bias, (T*)p.C + m0 * p.c_sm, p.c_sm, rows, p.N);
+      else
+        lane_fold_kernel<float><<<fold_blocks, kElemBlockThreads, 0, as_stream(stream)>>>(
+            p.lane_ws, p.lanes, (const float*)p.bias, (float*)p.C + m0 * p.c_sm, p.c_sm, rows, p.N);
+    }
   });
   return last_error();
 }

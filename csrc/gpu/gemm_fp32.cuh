@@ -1,17 +1,23 @@
-// gemm_fp32.cuh — the fp32 CUDA-core / VALU GEMM of aligned::linear and linear_backward (CUDA and HIP).
+// gemm_fp32.cuh — the fp32 CUDA-core / VALU GEMM of aligned::linear, linear_partial and linear_backward
+// (CUDA and HIP): the `fma` profile of csrc/common/contract.h.
 //
-// C[m, n] = round_TC(acc + bias[n]), acc = chain over k = 0..K-1 of fma(A[m, k], B[n, k], acc), acc from +0
-// (contract.h, linear_dot). This is a classic shared-memory-tiled SGEMM in which each thread owns a
-// kThreadM x kThreadN block of outputs and runs each of their fma chains over k in order: the M/N tiles
-// choose which chains run together and the K tiles (kTileK) only stage A and B through shared memory —
-// the chain of every output element is the same single sequential fma chain, whatever the tile shapes,
-// M, the grid, or the GPU. Hence CPU == CUDA == HIP bit for bit (operands are widened to fp32 exactly,
-// fma is correctly rounded everywhere). No split-K, ever: K is never divided between threads or blocks.
-// The K tail never pads the chain: a zero-padded fma(0, 0, acc) would turn acc = -0 into +0.
+// C[m, n] = round_TC(linear_lane_fold(s_0 .. s_{L-1}) (+ bias[n])), s_l = dot_chain over lane l of K,
+// lane l = [linear_lane_begin(l, K, L), linear_lane_begin(l + 1, K, L)); L = 8 (linear), lanes
+// (linear_partial, fp32 out, no bias), 1 (the backward's dx and dw: one chain over all of K).
+//
+// gemm_fp32_kernel computes ONE lane per block (blockIdx.z = lane): a classic shared-memory-tiled SGEMM in
+// which each thread owns a kThreadM x kThreadN block of outputs and runs each of their fma chains over the
+// lane's k in order. The M/N tiles choose which chains run together and the K tiles (kTileK) only stage A
+// and B through shared memory — each lane's chain is the same single sequential fma chain, whatever the
+// tile shapes, M, the grid, or the GPU. With L > 1 the lane sums go to an fp32 workspace [L, rows, N] (M in
+// chunks of rows, to bound its memory) and lane_fold_kernel applies the contract's fixed tree, the bias and the one rounding (no atomics: every
+// element is written once). Hence CPU == CUDA == HIP bit for bit (operands are widened to fp32 exactly,
+// fma and + are correctly rounded everywhere). The lanes are also the GPU's split-K parallelism for small M:
+// 8x more blocks, with a fixed, TP-compatible combine.
+// The K tail never pads a chain: a zero-padded fma(0, 0, acc) would turn acc = -0 into +0.
 //
 // Tensor cores / MFMA are not used: their per-vendor rounding (see DESIGN.md and
-// shared/notes/gpu-kernels.md) breaks cross-vendor equality. A tensor-core path with its own fixed K
-// order (and its own CPU emulation) is future work; it is not built here.
+// shared/notes/gpu-kernels.md) breaks cross-vendor equality (contract.h: the matrix-unit profile slot).
 #pragma once
 
 #include "compat.cuh"  // first: the vendor runtime header defines __host__/__device__/__forceinline__
@@ -29,11 +35,12 @@ constexpr int kGemmThreads = (kTileM / kThreadM) * (kTileN / kThreadN);  // 256
 
 // Thread (ty, tx) owns rows m0 + ty + i * (kTileM / kThreadM) and columns n0 + tx + j * (kTileN / kThreadN):
 // strided ownership keeps the shared-memory reads of one k step conflict-free (broadcasts within rows).
+// Lane blockIdx.z of `lanes`: writes C + blockIdx.z * c_lane (the lane's [M, N] slab; c_lane = 0 when lanes = 1).
 template <typename TA, typename TB, typename TC>
 __global__ void __launch_bounds__(kGemmThreads)
     gemm_fp32_kernel(const TA* __restrict__ A, int64_t a_sm, int64_t a_sk, const TB* __restrict__ B, int64_t b_sn,
                      int64_t b_sk, const TC* __restrict__ bias, TC* __restrict__ C, int64_t c_sm, int64_t M, int64_t N,
-                     int64_t K) {
+                     int64_t K, int lanes, int64_t c_lane) {
   constexpr int kRowsStride = kTileM / kThreadM;  // 16
   constexpr int kColsStride = kTileN / kThreadN;  // 16
   __shared__ float As[kTileK][kTileM];
@@ -43,6 +50,8 @@ __global__ void __launch_bounds__(kGemmThreads)
   const int ty = tid / kColsStride, tx = tid % kColsStride;
   const int64_t m0 = (int64_t)blockIdx.y * kTileM;
   const int64_t n0 = (int64_t)blockIdx.x * kTileN;
+  const int64_t kb = linear_lane_begin(blockIdx.z, K, lanes), ke = linear_lane_begin(blockIdx.z + 1, K, lanes);
+  C += (int64_t)blockIdx.z * c_lane;
 
   float acc[kThreadM][kThreadN];
 #pragma unroll
@@ -50,10 +59,10 @@ __global__ void __launch_bounds__(kGemmThreads)
 #pragma unroll
     for (int j = 0; j < kThreadN; ++j) acc[i][j] = 0.0f;
 
-  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-    const int kmax = (int)((K - k0) < kTileK ? (K - k0) : kTileK);
+  for (int64_t k0 = kb; k0 < ke; k0 += kTileK) {
+    const int kmax = (int)((ke - k0) < kTileK ? (ke - k0) : kTileK);
     // Stage A[m0.., k0..] and B[n0.., k0..] as fp32 (exact widening). Out-of-range entries are 0 and are
-    // never used by a stored output (rows/columns past M/N are not written; k past K is not iterated).
+    // never used by a stored output (rows/columns past M/N are not written; k past the lane is not iterated).
     for (int idx = tid; idx < kTileM * kTileK; idx += kGemmThreads) {
       const int mi = idx / kTileK, kk = idx % kTileK;
       const int64_t m = m0 + mi, k = k0 + kk;
@@ -94,8 +103,22 @@ __global__ void __launch_bounds__(kGemmThreads)
     for (int j = 0; j < kThreadN; ++j) {
       const int64_t n = n0 + tx + j * kColsStride;
       if (n >= N) continue;
-      C[m * c_sm + n] = from_f32<TC>(bias ? acc[i][j] + to_f32(bias[n]) : acc[i][j]);
+      C[m * c_sm + n] = linear_epilogue(acc[i][j], bias, n);
     }
+  }
+}
+
+// out[m, n] = linear_epilogue(linear_lane_fold(ws[0..lanes)[m, n]), bias, n): the contract's lane tree, the bias
+// once, one rounding. ws is [lanes, M, N] fp32 (the lane sums of gemm_fp32_kernel), out row stride c_sm.
+template <typename TC>
+__global__ void lane_fold_kernel(const float* __restrict__ ws, int lanes, const TC* __restrict__ bias,
+                                 TC* __restrict__ out, int64_t c_sm, int64_t M, int64_t N) {
+  const int64_t MN = M * N;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < MN; i += (int64_t)gridDim.x * blockDim.x) {
+    float s[kLinearLanes];
+    for (int l = 0; l < lanes; ++l) s[l] = ws[l * MN + i];
+    const int64_t m = i / N, n = i % N;
+    out[m * c_sm + n] = linear_epilogue(linear_lane_fold(s, lanes), bias, n);
   }
 }
 

@@ -87,6 +87,12 @@ def _(x, weight, lanes):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.register_fake("aligned::_linear_partial_reference")
+def _(x, weight, lanes):
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "aligned::_linear_partial_reference: in_features mismatch")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 def _partial_setup(ctx, inputs, output):
     pass
 

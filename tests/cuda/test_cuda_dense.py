@@ -177,6 +177,26 @@ def test_linear_matches_cpu(dtype, M, N, K, with_bias, gen):
     cpu_vs_cuda(ops.linear_backward, g, x, w, True, True, with_bias)
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 37, 45), (3, 213, 423), (129, 130, 17), (9, 40, 3), (300, 64, 1536)])
+def test_linear_partial_matches_cpu(dtype, lanes, M, N, K, gen):
+    """The GPU's lane-per-block GEMM + lane_fold_kernel give the CPU's lane tree bit for bit."""
+    x = randn(M, K, dtype=dtype, gen=gen)
+    w = randn(N, K, dtype=dtype, scale=0.1, gen=gen)
+    cpu_vs_cuda(ops.linear_partial, x, w, lanes)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_linear_equals_tree_of_rank_partials_on_gpu(t, gen):
+    x = randn(17, 1536, dtype=torch.bfloat16, gen=gen).cuda()
+    w = randn(96, 1536, dtype=torch.bfloat16, scale=0.1, gen=gen).cuda()
+    b = randn(96, dtype=torch.bfloat16, gen=gen).cuda()
+    parts = [ops.linear_partial(x[:, a:c], w[:, a:c], 8 // t) for a, c in aligned_ops.linear_tp_slices(1536, t)]
+    tp = (aligned_ops.tree_combine(parts) + b.float()).to(torch.bfloat16)
+    assert bits_equal(tp, ops.linear(x, w, b))
+
+
 def test_linear_noncontiguous_weight_and_3d_input(gen):
     x = randn(2, 3, 96, gen=gen)
     w = randn(96, 130, gen=gen).t()  # [130, 96], strides (1, 130)
