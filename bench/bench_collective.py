@@ -35,7 +35,7 @@ def worker(quick: bool):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
         n_iter = max(5, int(2e6 // x.numel())) if not quick else 5
         fns = {
-            "tree (halving)": lambda: aligned_ops.tree_all_reduce(x),
+            "tree (halving)": lambda: aligned_ops.tree_all_reduce(x, algorithm="halving"),
             "tree (allgather)": lambda: aligned_ops.tree_all_reduce(x, algorithm="allgather"),
             "torch all_reduce": lambda: dist.all_reduce(x.clone()),
         }

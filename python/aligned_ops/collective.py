@@ -10,14 +10,16 @@ is that rank's sub-tree (fp32), and the cross-rank part of the tree is the same 
 
     t = 2:  p0 + p1          t = 4:  (p0+p1)+(p2+p3)          t = 8:  ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))
 
-:func:`tree_all_reduce` computes that sum on every rank. Default algorithm: recursive halving
+:func:`tree_all_reduce` computes that sum on every rank. Bandwidth-optimal algorithm: recursive halving
 (reduce-scatter with partners r^1, r^2, r^4 in that order, then the mirror all-gather): at step k the
 ranks whose bit k is 0 hold the left operand and the ranks whose bit k is 1 the right one, so every
 element is the tree above, with its operand order (so even NaN payloads match the single-device kernel).
 That is exactly ``aligned_ops.tree_combine`` (the linear family's reference of the cross-rank fold, over
-``csrc/common/contract.h::linear_lane_fold``). Every rank sends and receives (t-1)/t of the tensor twice — the bytes of a ring all-reduce. The fallback
+``csrc/common/contract.h::linear_lane_fold``). Every rank sends and receives (t-1)/t of the tensor twice —
+the bytes of a ring all-reduce. The fallback
 (``algorithm="allgather"``) gathers all t partials and folds them with the same tree; it moves t-1 whole
-tensors per rank. Both give the same bits.
+tensors per rank but needs one collective instead of 2*log2(t) exchange rounds. Both give the same bits;
+the default ``"auto"`` takes the all-gather for small (latency-bound, decode-step) tensors, halving above.
 
 No division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
 the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
@@ -44,7 +46,10 @@ __all__ = [
 
 LINEAR_LANES = 8  # the fma linear's lanes (contract.h); the cross-rank tree is the top of that tree
 TP_DEGREES = (1, 2, 4, 8)
-ALGORITHMS = ("halving", "allgather")
+ALGORITHMS = ("auto", "halving", "allgather")
+# "auto": below this many fp32 elements per rank the exchange is latency-bound (decode steps) and one
+# all-gather (1 collective) beats 2·log2(t) point-to-point rounds; above it halving moves t/2 x fewer bytes.
+AUTO_ALLGATHER_MAX_NUMEL = 1 << 18
 
 
 def check_tp_degree(t: int, what: str = "tree_all_reduce") -> int:
@@ -118,14 +123,16 @@ def _allgather(flat: torch.Tensor, t: int, group) -> torch.Tensor:
     return tree_combine(gathered)
 
 
-def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "halving") -> torch.Tensor:
+def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto") -> torch.Tensor:
     """Finish the 8-lane linear tree across the ranks of ``group``; returns a new fp32 tensor (same shape).
 
     ``partial``: this rank's fp32 sub-tree (``aligned_ops.linear_partial(x_r, w_r, 8 // t)``), the same
     shape on every rank. The result on every rank is the tree over group ranks 0..t-1 (see the module
     docstring), so a row-parallel linear equals the unsplit linear bit for bit. ``group``: a
     ``torch.distributed`` process group (default: the world) of t in {1, 2, 4, 8} ranks. ``algorithm``:
-    ``"halving"`` (recursive halving, bandwidth-optimal) or ``"allgather"`` (simple fallback); same bits.
+    ``"halving"`` (recursive halving, bandwidth-optimal), ``"allgather"`` (one all-gather, then the tree:
+    fewer rounds) or ``"auto"`` (all-gather up to ``AUTO_ALLGATHER_MAX_NUMEL`` elements, else halving); the
+    same bits whichever runs.
     ``partial`` is not modified.
     """
     what = "tree_all_reduce"
@@ -141,6 +148,8 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "halv
     check_tp_degree(t, what)
     flat = partial.detach().reshape(-1).clone()  # contiguous, ours to overwrite
     if t > 1:
+        if algorithm == "auto":
+            algorithm = "allgather" if flat.numel() <= AUTO_ALLGATHER_MAX_NUMEL else "halving"
         if algorithm == "halving":
             flat = _halving(flat, t, r, group)
         else:
@@ -149,7 +158,7 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "halv
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
-                        *, in_features: int | None = None, algorithm: str = "halving") -> torch.Tensor:
+                        *, in_features: int | None = None, algorithm: str = "auto") -> torch.Tensor:
     """A row-parallel ``aligned_ops.linear``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
     slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
     ``linear(x, weight, bias)``, bit for bit.

@@ -47,7 +47,7 @@ def test_tree_all_reduce_equals_unsplit_tree(records, t):
 def test_group_without_rank_zero_and_both_algorithms(records):
     got = [r for r in _select(records, "tree_equals_unsplit", 4) if r["group"] == "quad1"]
     assert {r["rank"] for r in got} == {0, 1, 2, 3}
-    assert {r["check"].split("[")[1].split(",")[0] for r in got} == {"halving", "allgather"}
+    assert {r["check"].split("[")[1].split(",")[0] for r in got} == {"auto", "halving", "allgather"}
     assert all(r["value"] for r in got)
 
 

@@ -193,3 +193,19 @@ def test_tp_combine_env_refused(monkeypatch):
     monkeypatch.setattr(vllm_plugin, "_installed", False)
     with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential'\\), got 'ring'"):
         vllm_plugin.install()
+
+
+def test_stock_tp_all_reduce_raises_while_installed():
+    """No layer can reach vLLM's own TP all-reduce (shared memory on CPU) silently while the plugin is installed."""
+    import types
+
+    vllm_plugin.install()
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    assert GroupCoordinator.all_reduce is vllm_plugin._stock_all_reduce
+    tp = types.SimpleNamespace(world_size=2, unique_name="tp:0")
+    with pytest.raises(RuntimeError, match="a stock tensor-parallel all-reduce .* was reached"):
+        vllm_plugin._stock_all_reduce(tp, torch.zeros(3))
+    single = types.SimpleNamespace(world_size=1, unique_name="tp:0")
+    x = torch.zeros(3)
+    assert GroupCoordinator.all_reduce(single, x) is x  # TP = 1: vLLM's bypass, unchanged

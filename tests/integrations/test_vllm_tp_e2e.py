@@ -63,10 +63,6 @@ def _teacher_forced(trainer, rollouts, temperature):
     return [lp[i, len(r.prompt_token_ids): len(r.prompt_token_ids) + len(r.token_ids)] for i, r in enumerate(rollouts)]
 
 
-def _n_differ(rollouts, lps):
-    return sum(int((bits(r.logprobs_tensor()) != bits(lp)).sum()) for r, lp in zip(rollouts, lps))
-
-
 def _assert_bitwise(rollouts, lps, who):
     for r, lp in zip(rollouts, lps):
         v = r.logprobs_tensor()
