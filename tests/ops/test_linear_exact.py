@@ -287,3 +287,19 @@ def test_bad_inputs_name_op_and_argument():
         ops.linear_exact_packed(x, wd, we, wb, 8, None, 0)
     with pytest.raises(RuntimeError, match="aligned::linear_exact: all tensors must be on one device"):
         ops.linear_exact(x.to("meta"), w)
+
+
+def test_verify_refuses_a_profile_mismatch(monkeypatch):
+    """aligned-ops verify compares the profile the vLLM plugin was installed under with the trainer patch's."""
+    import types
+
+    from aligned_ops import verify
+    from aligned_ops.integrations import vllm_plugin
+
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    model = types.SimpleNamespace(_aligned_linear_profile="exact")
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "exact")
+    assert verify.check_profiles(model) == "exact"
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "fma")
+    with pytest.raises(RuntimeError, match="linear profile mismatch: vLLM plugin 'fma', trainer 'exact'"):
+        verify.check_profiles(model)
