@@ -325,5 +325,5 @@ def test_verify_exact_profile_is_bitwise():
 
     assert float(row("bitwise equal (%)")[1]) == 100.0
     assert row("linear profile") == ["stock", "exact"]
-    d = float(row("max |Δlogp| exact vs fma")[1])
+    d = float(row("max abs Δlogp exact vs fma")[1])
     assert 0.0 < d < 0.1
