@@ -35,6 +35,7 @@ namespace aligned::cpu::ALIGNED_ISA {
 namespace {
 
 namespace ex = aligned::exact;
+using aligned::bf16_t;
 constexpr int kD = ex::kMaxDigits;
 // C buffer for one tile: [t][u][16][16] int32
 constexpr int kTileC = 16 * 16;
@@ -59,8 +60,81 @@ void pack_x_typed(const T* x, int64_t K, int64_t Kp, int64_t plane, int maxd, in
   }
 }
 
+// bf16 rows (the common case) without the generic decomposition: a bf16 is (-1)^s m 2^(e - 134) with m the
+// 8-bit significand (implicit bit included; e = 1 for subnormals, whose m has no implicit bit). The row max
+// is the max of the 15 magnitude bits (monotonic), the lowest set bit comes from a ctz table. Same numbers
+// as row_form / quantize / split_digits (tests compare the packed results of every level bit for bit).
+void pack_x_bf16(const bf16_t* x, int64_t K, int64_t Kp, int64_t plane, int maxd, int8_t* xd, int32_t* xe,
+                 int8_t* xs, uint8_t* xbad, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = (const uint16_t*)(x + r * K);
+    uint16_t mag_max = 0;
+    int lmin = 1 << 20;
+    bool bad = false;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t mag = row[k] & 0x7fff;
+      mag_max = mag > mag_max ? mag : mag_max;
+      bad |= mag >= 0x7f80;
+      if (mag != 0 && mag < 0x7f80) {
+        const int be = mag >> 7, man = mag & 0x7f;
+        const int m = be ? (man | 0x80) : man;
+        const int l = (be ? be : 1) - 134 + __builtin_ctz((unsigned)m);
+        lmin = l < lmin ? l : lmin;
+      }
+    }
+    for (int t = 0; t < maxd; ++t) memset(xd + t * plane + r * Kp, 0, (size_t)Kp);
+    xbad[r] = bad;
+    if (lmin == (1 << 20)) {  // all zero (or all non-finite)
+      xe[r] = 0;
+      xs[r] = 1;
+      continue;
+    }
+    // max over finite magnitudes only
+    uint16_t fmax = 0;
+    if (bad) {
+      for (int64_t k = 0; k < K; ++k) {
+        const uint16_t mag = row[k] & 0x7fff;
+        if (mag < 0x7f80 && mag > fmax) fmax = mag;
+      }
+    } else {
+      fmax = mag_max;
+    }
+    const int bmax = fmax >> 7;
+    const int E = bmax ? bmax - 127 : ex::ilog2_abs(to_f32(bf16_t{fmax}));
+    int S = (E - lmin + 3 + 7) / 8;
+    S = S < 1 ? 1 : (S > kD ? kD : S);
+    xe[r] = E;
+    xs[r] = (int8_t)S;
+    const int base_sh = 8 * S - 3 - E;
+    int8_t* out = xd + r * Kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t b = row[k], mag = b & 0x7fff;
+      if (mag == 0 || mag >= 0x7f80) continue;
+      const int be = mag >> 7, man = mag & 0x7f;
+      const int64_t m = be ? (man | 0x80) : man;
+      const int sh = (be ? be : 1) - 134 + base_sh;
+      int64_t v;
+      if (sh >= 0) {
+        v = m << sh;
+      } else {
+        const int s = -sh;
+        if (s > 40) {
+          v = 0;
+        } else {
+          int64_t q = m >> s;
+          const int64_t rem = m - (q << s), half = (int64_t)1 << (s - 1);
+          if (rem > half || (rem == half && (q & 1))) ++q;
+          v = q;
+        }
+      }
+      ex::split_digits((int32_t)((b & 0x8000) ? -v : v), S, out + k, plane);
+    }
+  }
+}
+
 void pack_x(DType dt, const void* x, int64_t K, int64_t Kp, int64_t plane, int maxd, int8_t* xd, int32_t* xe,
             int8_t* xs, uint8_t* xbad, int64_t r0, int64_t r1) {
+  if (dt == DType::BF16) return pack_x_bf16((const bf16_t*)x, K, Kp, plane, maxd, xd, xe, xs, xbad, r0, r1);
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     pack_x_typed((const T*)x, K, Kp, plane, maxd, xd, xe, xs, xbad, r0, r1);

@@ -233,8 +233,8 @@ def main(args) -> int:
         ]
     if "exact_vs_fma_abs_max" in results["aligned"]:
         rows += [
-            ("max |Δlogp| exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_max"]]),
-            ("mean |Δlogp| exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_mean"]]),
+            ("max abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_max"]]),
+            ("mean abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_mean"]]),
         ]
     print_table(
         f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "

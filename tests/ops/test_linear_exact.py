@@ -287,3 +287,43 @@ def test_bad_inputs_name_op_and_argument():
         ops.linear_exact_packed(x, wd, we, wb, 8, None, 0)
     with pytest.raises(RuntimeError, match="aligned::linear_exact: all tensors must be on one device"):
         ops.linear_exact(x.to("meta"), w)
+
+
+def test_verify_refuses_a_profile_mismatch(monkeypatch):
+    """aligned-ops verify compares the profile the vLLM plugin was installed under with the trainer patch's."""
+    import types
+
+    from aligned_ops import verify
+    from aligned_ops.integrations import vllm_plugin
+
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    model = types.SimpleNamespace(_aligned_linear_profile="exact")
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "exact")
+    assert verify.check_profiles(model) == "exact"
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "fma")
+    with pytest.raises(RuntimeError, match="linear profile mismatch: vLLM plugin 'fma', trainer 'exact'"):
+        verify.check_profiles(model)
+
+
+@pytest.mark.slow
+def test_verify_exact_profile_is_bitwise():
+    """`aligned-ops verify --linear exact`: vLLM with the plugin and the patched trainer, both on the exact profile,
+    agree bit for bit; the table states the profile and the distance to the fma profile (bf16 noise, not zero)."""
+    pytest.importorskip("vllm")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.cli", "verify", "--linear", "exact", "--num-prompts", "4",
+                           "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+
+    def row(metric):
+        for line in out.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells and cells[0] == metric:
+                return cells[1:]
+        raise AssertionError(f"no row {metric!r} in:\n{out[-3000:]}")
+
+    assert float(row("bitwise equal (%)")[1]) == 100.0
+    assert row("linear profile") == ["stock", "exact"]
+    d = float(row("max abs Δlogp exact vs fma")[1])
+    assert 0.0 < d < 0.1
