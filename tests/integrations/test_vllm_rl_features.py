@@ -167,6 +167,52 @@ def test_refit_resets_prefix_cache(engine, trainer):
     refit(engine, trainer.state_dict())
 
 
+def grpo_step(llm, model, optimizer, prompts, n=8, temperature=1.0, top_p=0.9, max_tokens=8):
+    """One GRPO / REINFORCE-Zero step on our helpers (the recipe of docs/integrations.md): n samples per prompt
+    (prefix caching shares the prompt KV), processed log-probs, group advantages, untruncated token IS,
+    optimiser step, refit. Toy reward: fraction of even token ids. Returns the loss metrics."""
+    from aligned_ops.rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
+
+    rollouts = generate_with_logprobs(llm, prompts, temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n)
+    rewards = torch.tensor([sum(t % 2 == 0 for t in r.token_ids) / len(r.token_ids) for r in rollouts])
+    S = max(len(r.prompt_token_ids) + len(r.token_ids) for r in rollouts)
+    ids = torch.zeros(len(rollouts), S, dtype=torch.long)
+    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
+    mu = torch.zeros(len(rollouts), S)
+    for i, r in enumerate(rollouts):
+        P, L = len(r.prompt_token_ids), len(r.token_ids)
+        ids[i, : P + L] = torch.tensor(r.prompt_token_ids + r.token_ids)
+        am[i, : P + L] = 1
+        cm[i, P : P + L] = 1
+        mu[i, P : P + L] = r.logprobs_tensor()
+    lp = completion_logprobs(model, ids, cm, attention_mask=am, temperature=temperature, top_p=top_p)
+    adv = broadcast_to_tokens(grpo_advantages(rewards, group_size=n), cm)
+    loss, metrics = reinforce_zero_loss(lp, mu, adv, cm)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    refit(llm, model.state_dict())
+    return metrics
+
+
+def test_grpo_recipe_on_policy_ratios_exactly_one(engine, trainer):
+    """Two on-policy GRPO steps (n = 8, top-p 0.9 processed): every IS ratio is exactly 1.0 — the trainer's
+    log-prob of each sampled token equals vLLM's bit for bit, before and after a real optimiser step + refit."""
+    original = {k: v.clone() for k, v in trainer.state_dict().items()}
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.5)
+    prompts = _prompts(8)[:2]
+    try:
+        for _ in range(2):
+            m = grpo_step(engine, trainer, optimizer, prompts)
+            assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0, m
+        assert any(not torch.equal(original[k], v) for k, v in trainer.state_dict().items())  # weights moved
+    finally:
+        with torch.no_grad():
+            for name, p in trainer.named_parameters():
+                p.copy_(original[name])
+        refit(engine, trainer.state_dict())
+
+
 def test_compiled_engine_equals_eager_engine(engine, model_dir):
     """Compiled mode (+ prefix caching + processed mode, after a refit there and back) == the plain eager
     engine, bit for bit (greedy)."""
