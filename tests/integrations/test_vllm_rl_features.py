@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_llama  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
+from aligned_ops.integrations.tiny_model import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -145,8 +145,77 @@ def test_eviction_under_small_cache_bitwise(engine, trainer):
     _assert_all_bitwise([before] + flood, _teacher(trainer, [before] + flood, temperature=1.0))
 
 
+def test_refit_resets_prefix_cache(engine, trainer):
+    """After a refit no cached block of the old weights is reused. Runs before any second engine is built in
+    this process (vLLM's parallel groups are process-wide) and restores the weights at the end."""
+    prompts = _prompts(5)[:2]
+    original = {k: v.clone() for k, v in trainer.state_dict().items()}
+    generate_with_logprobs(engine, prompts, temperature=0.0, max_tokens=4)  # cache the prompts
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in trainer.named_parameters():
+            p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    refit(engine, trainer.state_dict())
+    first = generate_with_logprobs(engine, prompts[:1], temperature=0.0, max_tokens=4)
+    assert first[0].num_cached_tokens == 0  # the old blocks are gone
+    after = generate_with_logprobs(engine, prompts, temperature=1.0, top_p=0.9, max_tokens=6, n=4)
+    _assert_all_bitwise(first + after, _teacher(trainer, first, temperature=1.0)
+                        + _teacher(trainer, after, temperature=1.0, top_p=0.9))
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            p.copy_(original[name])
+    refit(engine, trainer.state_dict())
+
+
+def grpo_step(llm, model, optimizer, prompts, n=8, temperature=1.0, top_p=0.9, max_tokens=8):
+    """One GRPO / REINFORCE-Zero step on our helpers (the recipe of docs/integrations.md): n samples per prompt
+    (prefix caching shares the prompt KV), processed log-probs, group advantages, untruncated token IS,
+    optimiser step, refit. Toy reward: fraction of even token ids. Returns the loss metrics."""
+    from aligned_ops.rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
+
+    rollouts = generate_with_logprobs(llm, prompts, temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n)
+    rewards = torch.tensor([sum(t % 2 == 0 for t in r.token_ids) / len(r.token_ids) for r in rollouts])
+    S = max(len(r.prompt_token_ids) + len(r.token_ids) for r in rollouts)
+    ids = torch.zeros(len(rollouts), S, dtype=torch.long)
+    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
+    mu = torch.zeros(len(rollouts), S)
+    for i, r in enumerate(rollouts):
+        P, L = len(r.prompt_token_ids), len(r.token_ids)
+        ids[i, : P + L] = torch.tensor(r.prompt_token_ids + r.token_ids)
+        am[i, : P + L] = 1
+        cm[i, P : P + L] = 1
+        mu[i, P : P + L] = r.logprobs_tensor()
+    lp = completion_logprobs(model, ids, cm, attention_mask=am, temperature=temperature, top_p=top_p)
+    adv = broadcast_to_tokens(grpo_advantages(rewards, group_size=n), cm)
+    loss, metrics = reinforce_zero_loss(lp, mu, adv, cm)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    refit(llm, model.state_dict())
+    return metrics
+
+
+def test_grpo_recipe_on_policy_ratios_exactly_one(engine, trainer):
+    """Two on-policy GRPO steps (n = 8, top-p 0.9 processed): every IS ratio is exactly 1.0 — the trainer's
+    log-prob of each sampled token equals vLLM's bit for bit, before and after a real optimiser step + refit."""
+    original = {k: v.clone() for k, v in trainer.state_dict().items()}
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.5)
+    prompts = _prompts(8)[:2]
+    try:
+        for _ in range(2):
+            m = grpo_step(engine, trainer, optimizer, prompts)
+            assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0, m
+        assert any(not torch.equal(original[k], v) for k, v in trainer.state_dict().items())  # weights moved
+    finally:
+        with torch.no_grad():
+            for name, p in trainer.named_parameters():
+                p.copy_(original[name])
+        refit(engine, trainer.state_dict())
+
+
 def test_compiled_engine_equals_eager_engine(engine, model_dir):
-    """Compiled mode (+ prefix caching + processed mode) == the plain eager engine, bit for bit (greedy)."""
+    """Compiled mode (+ prefix caching + processed mode, after a refit there and back) == the plain eager
+    engine, bit for bit (greedy)."""
     prompts = _prompts(4)
     compiled = generate_with_logprobs(engine, prompts, temperature=0.0, max_tokens=8)
     eager = make_llm(model_dir, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512)
@@ -159,3 +228,22 @@ def test_compiled_engine_equals_eager_engine(engine, model_dir):
     for a, b in zip(compiled, ref):
         assert a.token_ids == b.token_ids
         assert_bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
+
+
+def test_yarn_qwen2_bitwise(tmp_path):
+    """YaRN (cos/sin scaled by its attention factor 0.1 ln 4 + 1) on a Qwen2, past original_max_position."""
+    from transformers import AutoModelForCausalLM
+
+    d = build_tiny_qwen2(tmp_path / "yarn", torch.bfloat16, max_position_embeddings=1024, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 1e6})
+    llm = make_llm(d, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512)
+    try:
+        g = torch.Generator().manual_seed(6)
+        prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (300, 40)]
+        out = generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=6, n=2)
+    finally:
+        del llm
+        gc.collect()
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    _assert_all_bitwise(out, _teacher(model, out, temperature=1.0))
+

@@ -155,7 +155,8 @@ def refit(llm, state_dict) -> None:
     ``load_weights`` fuses q/k/v and gate/up, then vLLM re-runs each layer's post-load processing. That
     matters for the *stock* CPU engine, whose linear layers re-pack the weight for oneDNN/sgl and drop
     ``layer.weight`` (a plain ``load_weights`` fails there); with the plugin ``layer.weight`` stays a plain
-    tensor and the re-processing is a no-op. Prefix caching is off, so no stale KV blocks survive.
+    tensor and the re-processing is a no-op. With prefix caching on, the cache is reset afterwards
+    (``llm.reset_prefix_cache()``), so no KV block computed with the old weights is reused.
     Tensors are moved to CPU and cast to the engine's dtype.
     """
     dtype = llm.llm_engine.model_config.dtype
@@ -163,6 +164,9 @@ def refit(llm, state_dict) -> None:
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=items))
     if not vllm_plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("refit: vLLM could not reset the prefix cache (requests still running?)")
 
 
 def _repack_stock_cpu_moe(worker) -> int:

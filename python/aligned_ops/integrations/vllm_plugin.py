@@ -10,8 +10,9 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
 
 - ``RMSNorm.forward`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
 - ``SiluAndMul.forward`` -> ``aligned::silu_and_mul``
-- ``RotaryEmbedding.forward`` -> ``aligned::rotary_embedding`` with ``aligned_ops.rotary_cos_sin_cache``
-  (the same table the trainer uses)
+- ``RotaryEmbedding`` (plain, llama3, yarn, linear, dynamic NTK) -> ``aligned::rotary_embedding`` with the table
+  of ``aligned_ops.rope.cos_sin_cache`` (the same builder and spec the trainer uses), built when vLLM
+  constructs the module
 - ``UnquantizedLinearMethod`` (QKV, o_proj, gate_up, down) and ``UnquantizedEmbeddingMethod.apply`` (LM head)
   -> ``aligned::linear``; their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
   and ``load_weights`` (refit) keeps working
@@ -29,14 +30,23 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
   Anything else in a MoE layer (grouped top-k, score-correction bias, routed scaling, quantized experts,
   expert parallelism, other activations) raises ``NotImplementedError`` when the layer first runs.
 - ``Sampler.compute_logprobs`` -> ``aligned::log_softmax`` over the full vocabulary in fp32 at the
-  request's sampling temperature (greedy / temperature 0 is scored at 1.0). vLLM's stock default returns
-  log-probs of the raw logits (temperature 1); with the plugin the returned log-prob is the one of the
-  distribution the token was sampled from (before top-k/top-p truncation, which the trainer cannot see).
+  request's sampling temperature (greedy / temperature 0 is scored at 1.0): the default
+  (``logprobs_mode="raw_logprobs"``) returns the log-prob of the *untruncated* tempered distribution.
+- with ``logprobs_mode="processed_logprobs"``: min-p (``MinPLogitsProcessor.apply``) and top-k/top-p
+  (``TopKTopPSampler``) use ``aligned_ops.sampling``'s recipe, vLLM samples from those truncated logits, and
+  the returned log-prob is ``aligned::log_softmax`` of them — the distribution actually sampled from;
+  ``hf.completion_logprobs(..., top_k=, top_p=, min_p=)`` gives the same bits.
+
+Covered (tested end to end, ``tests/integrations/test_vllm_rl_features.py``): prefix caching (a cache hit is
+one more chunk boundary: attention tiles are aligned to absolute positions), ``n`` samples per prompt,
+eviction/preemption, compiled mode (``enforce_eager=False``; vLLM-CPU's inductor compile; bitwise equal to
+eager), chunked prefill.
 
 At engine start-up (``EngineArgs.create_engine_config``) it refuses, with one ``ValueError`` listing every
-reason, configurations it cannot keep aligned: other architectures or RoPE variants, quantization, a
-non-``auto`` KV-cache dtype, prefix caching, speculative decoding, a tensor-parallel size other than 1, 2,
-4 or 8, pipeline parallelism, compiled mode (pass ``enforce_eager=True``), and a ``logprobs_mode`` other than ``raw_logprobs``.
+reason, configurations it cannot keep aligned: other architectures or RoPE variants (and partial rotary),
+quantization, a non-``auto`` KV-cache dtype, speculative decoding, a tensor-parallel size other than 1, 2,
+4 or 8, pipeline parallelism, compiled mode together with TP > 1 or MoE (pass ``enforce_eager=True``), and
+``logprobs_mode`` ``raw_logits`` / ``processed_logits``.
 """
 
 from __future__ import annotations
