@@ -111,3 +111,8 @@ torch.library.register_autograd("aligned::linear_partial", _partial_backward, se
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, lanes: int) -> torch.Tensor:
     """fp32 sub-tree over ``lanes`` lanes of the local K (see the module docstring); no bias, no rounding."""
     return ops.linear_partial(x, weight, lanes)
+
+
+from ._dense import register_no_backward  # noqa: E402
+
+register_no_backward("_linear_partial_reference", "a test hook: contract.h's scalar linear_partial_dot")

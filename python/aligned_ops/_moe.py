@@ -223,3 +223,10 @@ def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=T
     if return_routing:
         return out, (logits, w, ids, scores)
     return out
+
+
+from ._dense import register_no_backward  # noqa: E402
+
+for _name in ("moe_routing_backward", "moe_experts_backward"):
+    register_no_backward(_name, "it is a backward op; double backward is not implemented")
+register_no_backward("_moe_experts_reference", "a test hook: the per-token scalar model of the moe contract")

@@ -107,7 +107,9 @@ def test_launch_records_name_grid_block_and_shared(gen):
         ops.linear(randn(130, 9, gen=gen), randn(257, 9, gen=gen), None)
     assert [(l.kernel, l.grid, l.block, l.shared_bytes) for l in emu.launches] == [
         ("rms_norm_kernel<float, float>", (3, 1, 1), (256, 1, 1), 0),  # 8 rows per block
-        ("gemm_fp32_kernel<float, float, float>", (3, 2, 1), (256, 1, 1), 0),  # 128 x 128 tiles
+        # 128 x 128 tiles, one grid z per lane of the fma profile's 8-lane tree (fp32 workspace) ...
+        ("gemm_fp32_kernel<float, float, float>", (3, 2, 8), (256, 1, 1), 0),
+        ("lane_fold_kernel<float>", (131, 1, 1), (256, 1, 1), 0),  # ... then the tree + bias + rounding
     ]
     # outside the scope nothing is recorded and the CPU backend runs
     with aligned_ops.emulate("sm_90") as idle:
@@ -236,7 +238,7 @@ def test_linear(arch, dtype, M, N, K, with_bias, gen):
 def test_noncontiguous_inputs(arch, gen):
     x = randn(3, 19, 70, gen=gen)[:, ::2, 3:67]  # strided 3-d input
     w = randn(64, 33, gen=gen).t()  # transposed weight [33, 64]
-    cpu_vs_emulated(arch, ops.linear, x, w, None, kernels={"gemm_fp32_kernel"})
+    cpu_vs_emulated(arch, ops.linear, x, w, None, kernels={"gemm_fp32_kernel", "lane_fold_kernel"})
     z = randn(40, 301, dtype=torch.bfloat16, gen=gen)[::3, 1:]
     cpu_vs_emulated(arch, ops.log_softmax, z, 1.3, None)
     cpu_vs_emulated(arch, ops.rms_norm, z, randn(300, gen=gen), 1e-6)

@@ -76,6 +76,43 @@ DIFFERENTIABLE = {
                          lambda q, k, v: _attn_ref(q, k, v, LENS, 0.3)),
 }
 
+
+
+def _moe_routing_ref(z):
+    p = torch.softmax(z, -1)
+    ids = p.detach().topk(2, -1).indices
+    w = p.gather(1, ids)
+    return w / w.sum(-1, keepdim=True)
+
+
+MOE_IDS = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]])
+
+
+def _moe_experts_ref(x, tw, w13, w2):
+    out = []
+    for t in range(x.shape[0]):
+        acc = 0
+        for j in range(MOE_IDS.shape[1]):
+            e = int(MOE_IDS[t, j])
+            h = w13[e] @ x[t]
+            inter = h.shape[0] // 2
+            acc = acc + tw[t, j] * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
+        out.append(acc)
+    return torch.stack(out)
+
+
+DIFFERENTIABLE.update({
+    # exact profile: integer forward, the fma profile's deterministic backward (linear_backward)
+    "linear_exact": (lambda: (_rows(5, 7), _rows(4, 7, seed=1), _rows(4, seed=2)),
+                     lambda x, w, b: ops.linear_exact(x, w, b), lambda x, w, b: F.linear(x, w, b)),
+    "moe_routing": (lambda: (_rows(5, 8, scale=2.0),), lambda z: ops.moe_routing(z, 2, "softmax", True)[0],
+                    _moe_routing_ref),
+    "moe_experts": (lambda: (_rows(5, 8), _rows(5, 2, seed=1).detach().abs().requires_grad_(True),
+                             _rows(4, 6, 8, seed=2), _rows(4, 8, 3, seed=3)),
+                    lambda x, tw, w13, w2: ops.moe_experts(x, tw, MOE_IDS, w13, w2, None, None, None),
+                    _moe_experts_ref),
+})
+
 # Ops that take float tensors but have no gradient formula: backward() through them must raise.
 NO_BACKWARD = {
     "linear_backward": lambda x: ops.linear_backward(x, x, x[:, :5].contiguous(), True, True, True)[0],
@@ -97,8 +134,26 @@ NO_BACKWARD = {
         torch.tensor([0, 5], dtype=torch.int32), 0.5),
 }
 
-# Ops with nothing to differentiate: an in-place cache write returning None, a string diagnostic.
-NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa"}
+_W3 = torch.randn(3, 5)
+NO_BACKWARD.update({
+    "linear_partial": lambda x: ops.linear_partial(x, _W3, 8),
+    "_linear_partial_reference": lambda x: ops._linear_partial_reference(x, _W3, 8),
+    "_linear_exact_reference": lambda x: ops._linear_exact_reference(x, _W3, None),
+    "linear_exact_packed": lambda x: ops.linear_exact_packed(x, *ops.linear_exact_pack_weight(_W3), 3, None, 1),
+    "_moe_experts_reference": lambda x: ops._moe_experts_reference(
+        x[:, :4].contiguous(), torch.ones(5, 1), MOE_IDS[:, :1].contiguous(), torch.randn(4, 6, 4),
+        torch.randn(4, 4, 3), None, None, None),
+    "moe_routing_backward": lambda x: ops.moe_routing_backward(
+        x[:, :2].contiguous(), None, x, MOE_IDS % 5, "softmax", True),
+    "moe_experts_backward": lambda x: ops.moe_experts_backward(
+        x[:, :4].contiguous(), x[:, :4].contiguous(), x[:, :2].contiguous(), MOE_IDS, torch.randn(4, 6, 4),
+        torch.randn(4, 4, 3), None, None, None)[0],
+})
+
+# Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the
+# packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
+NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight", "_emulate_enter",
+                      "_emulate_exit", "_emulate_selftest", "_emulated_archs"}
 
 
 def _registered_ops():
