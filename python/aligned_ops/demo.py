@@ -14,8 +14,9 @@ Each step logs, per kernel set:
 The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
 Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
 x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
-grad-norm, the stock trainer: AVX2 vs AVX-512 code) and the stock engine's oneDNN path (AMX or not); the
-CLI pins both (cli.REPRODUCIBLE_ENV) unless ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA are set.
+grad-norm, the stock trainer: AVX2 vs AVX-512 code), pinned by the CLI (cli.REPRODUCIBLE_ENV) unless
+ATEN_CPU_CAPABILITY is set, and the stock engine's oneDNN path (AMX or not), which is not pinned: the
+standard column can still differ between CPUs with and without AMX.
 """
 
 from __future__ import annotations
