@@ -89,50 +89,20 @@ def build_tiny_qwen2(path: str | os.PathLike, dtype: torch.dtype = torch.float32
         use_sliding_window=False,
         attention_dropout=0.0,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                # Norm weights near 1 with some spread, so the norm's weight multiply matters.
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            else:
-                # Larger than the usual 0.02 so logits are spread and log-probs are far from uniform.
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    model = model.to(dtype)
-    model.config.dtype = dtype
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    gen_cfg = os.path.join(path, "generation_config.json")
-    # Keep vLLM's defaults neutral: no repetition penalty / top-k from a generation config.
-    with open(gen_cfg, "w") as f:
-        json.dump({"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}, f)
-    return path
+    return _save_random(Qwen2ForCausalLM(config), tokenizer, path, dtype, seed, eos)
 
 
 # ---- tiny mixture-of-experts checkpoints -------------------------------------------------------------------
 
 DEFAULT_MOE_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=256,  # dense MLP layers (mlp_only_layers), if any
+    DEFAULT_CONFIG,  # the dense shape; intermediate_size serves dense MLP layers (mlp_only_layers), if any
     moe_intermediate_size=64,
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,
     decoder_sparse_step=1,
     mlp_only_layers=[],
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=32,
-    vocab_size=512,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
     router_aux_loss_coef=0.001,
 )
 
