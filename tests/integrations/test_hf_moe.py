@@ -169,6 +169,10 @@ def test_unsupported_moe_refused(tmp_path):
     with pytest.raises(ValueError, match="MoE experts need silu, got 'gelu'"):
         patch_model(m)
     m.config.hidden_act = "silu"
+    # A config naming another MoE architecture is refused (what the vLLM plugin checks); patch_model itself
+    # goes by the model's class, which is Qwen3-MoE here.
+    from aligned_ops.integrations import check_hf_config
+
     m.config.architectures = ["MixtralForCausalLM"]
     with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'"):
-        patch_model(m)
+        check_hf_config(m.config, "vLLM plugin")
