@@ -89,48 +89,77 @@ ALIGNED_HD float attn_dot(const TQ* q, const TK* k, int64_t D) {
   return dot_chain(q, k, D);
 }
 
+// Step 3, one tile, in pieces: a GPU computes the per-key values (dot, p_j) one key per lane and the
+// per-element values (pv[d], acc[d]) one element per lane, so it calls these pieces directly; the CPU calls
+// them through attn_tile_update. Each piece is one expression of the formula above, so both are the same
+// arithmetic. (The lane-parallel l sum uses compat.cuh's group_sum_tree, which is fold_lanes exactly.)
+ALIGNED_HD float attn_tile_max(const float* s, int nv, float m) {  // m_new
+  float mt = neg_inf_f32();
+  for (int j = 0; j < nv; ++j) mt = max_f32(mt, s[j]);
+  return max_f32(m, mt);
+}
+ALIGNED_HD float attn_shift(float m_new) { return m_new == neg_inf_f32() ? 0.0f : m_new; }  // mu
+ALIGNED_HD float attn_tile_prob(float s_j, int j, int nv, float mu) { return j < nv ? exp_f32(s_j - mu) : 0.0f; }
+ALIGNED_HD float attn_tile_l(float l, float alpha, float tile_sum) { return fma_f32(l, alpha, tile_sum); }
+ALIGNED_HD float attn_pv_step(float p_j, float v_jd, float pv) { return fma_f32(p_j, v_jd, pv); }
+ALIGNED_HD float attn_acc_step(float acc, float alpha, float pv) { return fma_f32(acc, alpha, pv); }
+
 // Step 3, one tile: s[0..nv) are the scaled scores, v(j) returns a pointer to value row j (fp32 or T).
 // State: *m, *l, acc[D]. pv is scratch of D floats.
 template <typename VRow>
 ALIGNED_HD void attn_tile_update(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc,
                                  float* pv) {
-  float mt = neg_inf_f32();
-  for (int j = 0; j < nv; ++j) mt = max_f32(mt, s[j]);
-  const float m_new = max_f32(*m, mt);
-  const float mu = m_new == neg_inf_f32() ? 0.0f : m_new;
+  const float m_new = attn_tile_max(s, nv, *m);
+  const float mu = attn_shift(m_new);
   const float alpha = exp_f32(*m - mu);
   float p[kAttnTile];
-  for (int j = 0; j < kAttnTile; ++j) p[j] = j < nv ? exp_f32(s[j] - mu) : 0.0f;
+  for (int j = 0; j < kAttnTile; ++j) p[j] = attn_tile_prob(s[j], j, nv, mu);
   for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
   for (int j = 0; j < nv; ++j) {
     const auto* vj = v(j);
-    for (int64_t d = 0; d < D; ++d) pv[d] = fma_f32(p[j], to_f32(vj[d]), pv[d]);
+    for (int64_t d = 0; d < D; ++d) pv[d] = attn_pv_step(p[j], to_f32(vj[d]), pv[d]);
   }
   const float ts = fold_lanes(p);
-  *l = fma_f32(*l, alpha, ts);
-  for (int64_t d = 0; d < D; ++d) acc[d] = fma_f32(acc[d], alpha, pv[d]);
+  *l = attn_tile_l(*l, alpha, ts);
+  for (int64_t d = 0; d < D; ++d) acc[d] = attn_acc_step(acc[d], alpha, pv[d]);
   *m = m_new;
 }
+
+// Step 4 in pieces (a GPU merges one output element per lane): the statistics M, Mu, L of a row's
+// partials, the weight of split s (exp_f32 is deterministic: recomputing w_s gives the same bits as
+// storing it), and one output element.
+ALIGNED_HD float attn_merge_weight(const float* part, int64_t stride, int64_t s, float Mu) {
+  return exp_f32(part[s * stride] - Mu);
+}
+ALIGNED_HD void attn_merge_stats(const float* part, int64_t stride, int64_t n_splits, float* M_out, float* Mu_out,
+                                 float* L_out) {
+  float M = neg_inf_f32();
+  for (int64_t s = 0; s < n_splits; ++s) M = max_f32(M, part[s * stride]);
+  const float Mu = M == neg_inf_f32() ? 0.0f : M;
+  float L = 0.0f;
+  for (int64_t s = 0; s < n_splits; ++s) L = fma_f32(part[s * stride + 1], attn_merge_weight(part, stride, s, Mu), L);
+  *M_out = M;
+  *Mu_out = Mu;
+  *L_out = L;
+}
+ALIGNED_HD float attn_merge_step(float acc_sd, float w_s, float O) { return fma_f32(acc_sd, w_s, O); }
+ALIGNED_HD float attn_merge_out(float O, float L) { return L == 0.0f ? 0.0f : div_f32(O, L); }
+ALIGNED_HD float attn_merge_lse(float M, float L) { return M + log_f32(L); }
 
 // Step 4: merge n_splits partials (m_s, l_s, acc_s) laid out as part[s * stride + {0: m, 1: l, 2..: acc}].
 // w is scratch for n_splits weights (each w_s is computed once and reused for every d: same bits).
 template <typename TO>
 ALIGNED_HD void attn_merge(const float* part, int64_t stride, int64_t n_splits, int64_t D, float* w, TO* out,
                            float* lse) {
-  float M = neg_inf_f32();
-  for (int64_t s = 0; s < n_splits; ++s) M = max_f32(M, part[s * stride]);
-  const float Mu = M == neg_inf_f32() ? 0.0f : M;
-  float L = 0.0f;
-  for (int64_t s = 0; s < n_splits; ++s) {
-    w[s] = exp_f32(part[s * stride] - Mu);
-    L = fma_f32(part[s * stride + 1], w[s], L);
-  }
+  float M, Mu, L;
+  attn_merge_stats(part, stride, n_splits, &M, &Mu, &L);
+  for (int64_t s = 0; s < n_splits; ++s) w[s] = attn_merge_weight(part, stride, s, Mu);
   for (int64_t d = 0; d < D; ++d) {
     float O = 0.0f;
-    for (int64_t s = 0; s < n_splits; ++s) O = fma_f32(part[s * stride + 2 + d], w[s], O);
-    out[d] = from_f32<TO>(L == 0.0f ? 0.0f : div_f32(O, L));
+    for (int64_t s = 0; s < n_splits; ++s) O = attn_merge_step(part[s * stride + 2 + d], w[s], O);
+    out[d] = from_f32<TO>(attn_merge_out(O, L));
   }
-  *lse = M + log_f32(L);
+  *lse = attn_merge_lse(M, L);
 }
 
 }  // namespace aligned

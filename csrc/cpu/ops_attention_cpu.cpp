@@ -17,6 +17,7 @@
 
 #include "../attention_checks.h"
 #include "attention_kernels.h"
+#include "emulation_hook.h"
 #include "glue_checks.h"
 
 namespace aligned::cpu {
@@ -170,7 +171,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 }  // namespace aligned::cpu
 
-TORCH_LIBRARY_IMPL(aligned, CPU, m) {
+TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
+  aligned::cpu::EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs
   m.impl("attention_varlen", &aligned::cpu::attention_varlen);
   m.impl("attention_varlen_backward", &aligned::cpu::attention_varlen_backward);
   m.impl("reshape_and_cache", &aligned::cpu::reshape_and_cache);

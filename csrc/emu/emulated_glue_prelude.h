@@ -9,6 +9,12 @@
 #include <optional>
 #include <tuple>
 
+#include <string.h>
+
+#include <string>
+#include <vector>
+
+#include "../attention_checks.h"
 #include "../op_checks.h"
 #include "emulation.h"
 

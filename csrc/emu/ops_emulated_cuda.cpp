@@ -10,6 +10,7 @@
 #define ALIGNED_EMULATED_VENDOR ::aligned::emu::Vendor::kCuda
 #define gpu gpu_emu_cuda
 #include "../cuda/ops_cuda.cpp"
+#include "../cuda/ops_attention_cuda.cpp"  // the attention family's GPU glue
 #undef gpu
 
 namespace aligned::gpu_emu_cuda {

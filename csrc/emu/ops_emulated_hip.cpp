@@ -5,3 +5,4 @@
 #define ALIGNED_EMULATED_VENDOR ::aligned::emu::Vendor::kHip
 #define gpu gpu_emu_hip
 #include "../cuda/ops_cuda.cpp"
+#include "../cuda/ops_attention_cuda.cpp"  // the attention family's GPU glue

@@ -1,0 +1,90 @@
+// attention_api.h — the torch-free host interface of the GPU attention kernels (CUDA and HIP): the forward
+// over packed or paged K/V (attention_varlen, paged_attention) and the KV-cache write (reshape_and_cache).
+//
+// The host planner (csrc/common/attention_plan.h) validates the metadata and builds the work list on the
+// host; attn_pack_work turns that list into flat int64 records that the glue uploads with one host-to-device
+// copy. The kernels read nothing else of the metadata, so no launcher ever reads device memory back and no
+// kernel can see an unchecked block id or offset. Launchers are defined once in attention_launch.cuh and
+// compiled by nvcc (csrc/cuda/attention.cu) or hip-clang (csrc/hip/attention.hip), and for the emulation
+// target (csrc/emu). Each returns nullptr or the runtime's launch error string.
+#pragma once
+
+#include <stdint.h>
+
+#include <vector>
+
+#include "../common/attention_plan.h"
+#include "dense_api.h"
+
+namespace aligned::gpu {
+
+// Largest head_dim of the GPU kernels: a K tile is staged in shared memory as fp32 [32][D + 1] (33 KB at
+// D = 256) and every lane holds ceil(D / 32) <= 8 accumulators in registers.
+constexpr int64_t kGpuAttnMaxD = 256;
+
+// One work record: a (row block, split) forward item, or a row block for the merge (split = 0).
+enum AttnWorkField : int {
+  kWqBegin = 0,   // first query row of the sequence (packed q)
+  kWqLen,         // new rows of the sequence
+  kWnCtx,         // keys of the sequence
+  kWkBegin,       // packed K/V: first key row of the sequence
+  kWtableRow,     // paged: offset (int32 elements) of the sequence's block-table row; -1: packed
+  kWg,            // KV head
+  kWr0,           // first row of the block (relative to the sequence's first new row)
+  kWnr,           // rows in the block
+  kWnSplits,      // the block's partial stride in splits
+  kWpartOffset,   // offset (floats) of the block's partials
+  kWsplit,        // the item's split
+  kAttnWorkFields
+};
+
+struct AttnFwdParams {
+  DType dt;
+  int64_t Hq, Hkv, D;
+  float scale;
+  bool causal;
+  const void* q;                // [Tq, Hq, D]
+  const void* k;                // packed [Tk, Hkv, D] or paged [num_blocks, block_size, Hkv, D]
+  const void* v;
+  int64_t block_size;           // 0: packed K/V
+  const int32_t* block_tables;  // paged: the block table [B, max_blocks] (device copy); else nullptr
+  const int64_t* items;         // [n_items, kAttnWorkFields] forward items
+  int64_t n_items;
+  const int64_t* blocks;        // [n_blocks, kAttnWorkFields] row blocks (merge)
+  int64_t n_blocks;
+  float* part;                  // the plan's partial buffer (part_floats)
+  void* out;                    // [Tq, Hq, D], dtype dt
+  float* lse;                   // [Tq, Hq]
+};
+
+struct CacheWriteParams {
+  DType dt;
+  const void* k;        // [T, Hkv, D]
+  const void* v;
+  void* k_cache;        // [num_blocks, block_size, Hkv, D]
+  void* v_cache;
+  const int64_t* slots; // [T], -1 = padding
+  int64_t T, row_elems, n_slots;
+};
+
+const char* launch_attention_forward(const AttnFwdParams& p, void* stream);
+const char* launch_cache_write(const CacheWriteParams& p, void* stream);
+
+// Host side: the work records of a plan, items first then blocks (one buffer, one upload).
+// table_row_stride: max_blocks of the block table (paged plans), 0 for packed plans.
+inline std::vector<int64_t> attn_pack_work(const AttnPlan& plan, int64_t table_row_stride) {
+  std::vector<int64_t> w;
+  w.reserve((plan.items.size() + plan.blocks.size()) * kAttnWorkFields);
+  auto put = [&](const AttnBlock& b, int64_t split) {
+    const AttnSeq& s = plan.seqs[b.seq];
+    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin,
+                                          s.blocks ? b.seq * table_row_stride : -1,
+                                          b.g, b.r0, b.nr, b.n_splits, b.part_offset, split};
+    w.insert(w.end(), rec, rec + kAttnWorkFields);
+  };
+  for (const AttnItem& it : plan.items) put(plan.blocks[it.block], it.split);
+  for (const AttnBlock& b : plan.blocks) put(b, 0);
+  return w;
+}
+
+}  // namespace aligned::gpu
