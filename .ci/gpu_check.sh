@@ -78,7 +78,7 @@ if [ "$built" = 1 ]; then
   grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -1 | sed 's/^/pytest: /' >>"$SUMMARY.tail" || true
 
   # 4. benchmarks (present on other branches; --quick keeps each under a minute)
-  for b in bench/bench_dense.py bench/bench_linear.py; do
+  for b in bench/bench_dense.py bench/bench_linear.py bench/bench_attention_gpu.py; do
     if [ -f "$b" ]; then
       step "$(basename "$b") --device cuda" 90 "$OUT/bench.log" \
         env PYTHONPATH=$TEST_PATH "$PY" "$b" --device cuda --quick --out "$OUT/bench.md"

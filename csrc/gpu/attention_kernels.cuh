@@ -24,9 +24,10 @@
 // used: attn_tile_max reads j < nv, attn_tile_prob gives 0 for j >= nv, and pv runs over j < nv.
 #pragma once
 
+#include "compat.cuh"  // first: the vendor runtime header before numerics.h (ALIGNED_HD)
+
 #include "../common/attention.h"
 #include "attention_api.h"
-#include "compat.cuh"
 
 namespace aligned::gpu {
 

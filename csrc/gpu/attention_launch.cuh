@@ -4,8 +4,7 @@
 // depends on the batch beyond the list itself, and no launch shape can change a bit.
 #pragma once
 
-#include "attention_api.h"
-#include "attention_kernels.cuh"
+#include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
 
 namespace aligned::gpu {
 namespace {

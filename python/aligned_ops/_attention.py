@@ -1,6 +1,8 @@
 """Attention and KV-cache ops: fake (meta) implementations, autograd, and Python wrappers.
 
-The kernels and schemas live in C++ (``csrc/cpu/ops_attention_cpu.cpp``, ``csrc/cpu/attention_kernels.cpp``);
+The kernels and schemas live in C++ (``csrc/cpu/ops_attention_cpu.cpp``, ``csrc/cpu/attention_kernels.cpp``; the
+GPU forward and cache write in ``csrc/gpu/attention_kernels.cuh``, whose glue takes the planner metadata —
+offsets, seq_lens, block tables — as host tensors);
 the reduction order that makes every path bitwise identical (tiles of 32 keys and KV splits of 512 keys,
 both aligned to absolute position 0, merged in split order) and the paged cache layout
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` are written down in ``csrc/common/attention.h``.
@@ -23,9 +25,20 @@ def _check_same_device(op, **tensors):
     )
 
 
+def _check_host_or_same(op, ref, **meta):
+    """Planner metadata: on ref's device or on the host (the GPU path plans from host copies, see
+    csrc/cuda/ops_attention_cuda.cpp)."""
+    for name, t in meta.items():
+        torch._check(
+            t.device == ref.device or t.device.type == "cpu",
+            lambda: f"aligned::{op}: {name} must be on {ref.device} or the CPU, got {t.device}",
+        )
+
+
 @torch.library.register_fake(_lib + "attention_varlen")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
-    _check_same_device("attention_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_same_device("attention_varlen", q=q, k=k, v=v)
+    _check_host_or_same("attention_varlen", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch._check(q.dim() == 3, lambda: "aligned::attention_varlen: q must be [tokens, heads, head_dim]")
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "aligned::attention_varlen: k, v must be 3-D")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "aligned::attention_varlen: num_heads % num_kv_heads != 0")
@@ -46,15 +59,16 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
 
 @torch.library.register_fake(_lib + "reshape_and_cache")
 def _(k, v, k_cache, v_cache, slot_mapping):
-    _check_same_device("reshape_and_cache", k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    _check_same_device("reshape_and_cache", k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    _check_host_or_same("reshape_and_cache", k, slot_mapping=slot_mapping)
     return None
 
 
 @torch.library.register_fake(_lib + "paged_attention")
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
-    _check_same_device(
-        "paged_attention", q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
+    _check_same_device("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_host_or_same(
+        "paged_attention", q, block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc
     )
     torch._check(q.dim() == 3, lambda: "aligned::paged_attention: q must be [tokens, heads, head_dim]")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
