@@ -125,6 +125,11 @@ ALIGNED_HD void attn_tile_update(const float* s, int nv, VRow v, int64_t D, floa
   *m = m_new;
 }
 
+// Backward pieces (see "backward"): the probability of a key from its forward score and the row's lse,
+// and its score gradient.
+ALIGNED_HD float attn_bwd_prob(float s_j, float lse) { return exp_f32(s_j - lse); }
+ALIGNED_HD float attn_bwd_ds(float p_j, float dp_j, float delta) { return p_j * (dp_j - delta); }
+
 // Step 4 in pieces (a GPU merges one output element per lane): the statistics M, Mu, L of a row's
 // partials, the weight of split s (exp_f32 is deterministic: recomputing w_s gives the same bits as
 // storing it), and one output element.

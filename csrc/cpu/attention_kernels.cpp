@@ -248,8 +248,8 @@ static void bwd_dq_block_t(const AttnArgs& a, const AttnBlock& b, const void* do
         const float l = lse[rowidx[pr]], dl = delta[rowidx[pr]];
         float* ac = acc.data() + pr * D;
         for (int j = 0; j < nv; ++j) {
-          const float p = exp_f32(sc[i][j] * a.scale - l);
-          const float ds = p * (dp[i][j] - dl);
+          const float p = attn_bwd_prob(sc[i][j] * a.scale, l);
+          const float ds = attn_bwd_ds(p, dp[i][j], dl);
           const float* kj = krow.data() + j * D;
           for (int64_t d = 0; d < D; ++d) ac[d] = fma_f32(ds, kj[d], ac[d]);
         }
@@ -304,8 +304,8 @@ static void bwd_dkdv_tile_t(const AttnArgs& a, int64_t seq, int64_t g, int64_t t
     for (int i = 0; i < cnt; ++i) {
       const float l = lse[rowidx[i]], dl = delta[rowidx[i]];
       for (int j = 0; j < nv[i]; ++j) {
-        const float p = exp_f32(sc[i][j] * a.scale - l);
-        const float ds = p * (dp[i][j] - dl);
+        const float p = attn_bwd_prob(sc[i][j] * a.scale, l);
+        const float ds = attn_bwd_ds(p, dp[i][j], dl);
         float* dkj = dka.data() + j * D;
         float* dvj = dva.data() + j * D;
         for (int64_t d = 0; d < D; ++d) {

@@ -12,8 +12,8 @@
 // tensor there is refused with a message naming the argument, rather than silently synchronising.
 // slot_mapping of reshape_and_cache may be either: a host slot mapping is range-checked by the planner
 // (clear error); a device one is not read by the host, and the kernel skips any slot outside the cache.
-// The backward (attention_varlen_backward) has no GPU kernel yet: on a GPU it raises (no kernel for the
-// CUDA key), under emulation it runs the CPU backend (no launch recorded).
+// The backward (attention_varlen_backward) runs on the GPU too: delta per row, dq per row block, dk/dv per
+// key tile (the planner's key tiles), each gradient element one fma chain in attention.h's order.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -143,6 +143,59 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q, const a
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal) {
+  const char* op = "attention_varlen_backward";
+  check_device(q, q, op, "q");
+  check_device(k, q, op, "k");
+  check_device(v, q, op, "v");
+  check_device(grad_out, q, op, "grad_out");
+  check_device(out, q, op, "out");
+  check_device(lse, q, op, "lse");
+  check_host(cu_q, op, "cu_seqlens_q");
+  check_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  check_attention_varlen_backward(grad_out, q, out, lse, op);
+  c10::DeviceGuard guard(q.device());
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         true, op, &plan));
+  TORCH_CHECK(c.shape.D <= gpu::kGpuAttnMaxD, "aligned::", op, ": head_dim must be <= ", gpu::kGpuAttnMaxD,
+              " on the GPU, got ", c.shape.D);
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto go = grad_out.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
+  auto dq = at::empty_like(qc), dk = at::zeros_like(kc), dv = at::zeros_like(vc);
+  auto delta = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const std::vector<int64_t> work = gpu::attn_pack_backward(plan);
+  auto dwork = upload(work.data(), (int64_t)work.size(), at::kLong, q);
+  gpu::AttnBwdParams p{};
+  p.f.dt = c.dt;
+  p.f.Hq = c.shape.Hq;
+  p.f.Hkv = c.shape.Hkv;
+  p.f.D = c.shape.D;
+  p.f.scale = (float)scale;
+  p.f.causal = causal;
+  p.f.q = qc.data_ptr();
+  p.f.k = kc.data_ptr();
+  p.f.v = vc.data_ptr();
+  p.f.n_blocks = (int64_t)plan.blocks.size();
+  p.f.blocks = dwork.data_ptr<int64_t>();
+  p.tiles = p.f.blocks + p.f.n_blocks * gpu::kAttnWorkFields;
+  p.n_tiles = (int64_t)plan.key_tiles.size();
+  p.dout = go.data_ptr();
+  p.out = oc.data_ptr();
+  p.lse = lc.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.rows = q.size(0) * q.size(1);
+  check_launch(gpu::launch_attention_backward(p, stream_of(q)), op);
+  return {dq, dk, dv};
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
                            double scale) {
@@ -222,6 +275,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 namespace {
 void aligned_emulated_attention_glue_init(::aligned::emu::GlueRegistry& m) {
   m.impl("attention_varlen", &aligned::cuda_attn::attention_varlen);
+  m.impl("attention_varlen_backward", &aligned::cuda_attn::attention_varlen_backward);
   m.impl("paged_attention", &aligned::cuda_attn::paged_attention);
   m.impl("reshape_and_cache", &aligned::cuda_attn::reshape_and_cache);
 }
@@ -231,6 +285,7 @@ const bool aligned_emulated_attention_glue_registered =
 #else
 TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("attention_varlen", &aligned::cuda_attn::attention_varlen);
+  m.impl("attention_varlen_backward", &aligned::cuda_attn::attention_varlen_backward);
   m.impl("paged_attention", &aligned::cuda_attn::paged_attention);
   m.impl("reshape_and_cache", &aligned::cuda_attn::reshape_and_cache);
 }

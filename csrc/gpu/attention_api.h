@@ -67,7 +67,23 @@ struct CacheWriteParams {
   int64_t T, row_elems, n_slots;
 };
 
+// Backward (deterministic: every gradient element is one fma chain in attention.h's order, no atomics).
+struct AttnBwdParams {
+  AttnFwdParams f;       // shapes, q/k/v, scale, causal (packed K/V only); f.out, f.lse, f.part unused
+  const void* dout;      // [Tq, Hq, D]
+  const void* out;       // the forward output [Tq, Hq, D]
+  const float* lse;      // [Tq, Hq]
+  float* delta;          // [Tq, Hq] scratch
+  void* dq;              // [Tq, Hq, D]
+  void* dk;              // [Tk, Hkv, D]
+  void* dv;
+  const int64_t* tiles;  // [n_tiles, kAttnWorkFields] key tiles: kWg = KV head, kWsplit = tile index
+  int64_t n_tiles;
+  int64_t rows;          // Tq * Hq
+};
+
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream);
+const char* launch_attention_backward(const AttnBwdParams& p, void* stream);
 const char* launch_cache_write(const CacheWriteParams& p, void* stream);
 
 // Host side: the work records of a plan, items first then blocks (one buffer, one upload).
@@ -84,6 +100,19 @@ inline std::vector<int64_t> attn_pack_work(const AttnPlan& plan, int64_t table_r
   };
   for (const AttnItem& it : plan.items) put(plan.blocks[it.block], it.split);
   for (const AttnBlock& b : plan.blocks) put(b, 0);
+  return w;
+}
+
+// Host side: backward records, row blocks (dq) first then key tiles (dk, dv).
+inline std::vector<int64_t> attn_pack_backward(const AttnPlan& plan) {
+  std::vector<int64_t> w;
+  w.reserve((plan.blocks.size() + plan.key_tiles.size()) * kAttnWorkFields);
+  auto put = [&](const AttnSeq& s, int64_t g, int64_t r0, int64_t nr, int64_t t) {
+    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin, -1, g, r0, nr, 0, 0, t};
+    w.insert(w.end(), rec, rec + kAttnWorkFields);
+  };
+  for (const AttnBlock& b : plan.blocks) put(plan.seqs[b.seq], b.g, b.r0, b.nr, 0);
+  for (const AttnKeyTile& k : plan.key_tiles) put(plan.seqs[k.seq], k.g, 0, plan.seqs[k.seq].q_len, k.t);
   return w;
 }
 

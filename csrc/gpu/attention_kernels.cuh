@@ -163,6 +163,161 @@ __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdPa
   }
 }
 
+// ---- backward (attention.h "backward"; packed K/V) ---------------------------------------------------------
+// delta[i] = fma chain over d of (dO, O), one thread per (row, head).
+template <typename T>
+__global__ void attention_bwd_delta_kernel(AttnBwdParams p) {
+  for (int64_t i = global_thread_index(); i < p.rows; i += global_thread_count())
+    p.delta[i] = attn_dot((const T*)p.dout + i * p.f.D, (const T*)p.out + i * p.f.D, p.f.D);
+}
+
+// dq of one row block: a group per (row, head) pair; lane j owns key j of each tile (s_j, dp_j, ds_j), lane i
+// owns the elements d = i, i + 32, ...: dq[d] = scale * (fma chain over keys ascending of (ds_j, k_j[d])).
+template <typename T>
+__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdParams p) {
+  __shared__ float ktile[kAttnTile * kAttnKStride];
+  const AttnFwdParams& f = p.f;
+  const int64_t* w = f.blocks + (int64_t)blockIdx.x * kAttnWorkFields;
+  const int64_t D = f.D, G = f.Hq / f.Hkv, nr = w[kWnr], P = nr * G;
+  const KvRows kv = work_kv_rows(f, w);
+  const T* K = (const T*)f.k;
+  const T* V = (const T*)f.v;
+  const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
+  int64_t nk_max = 0;
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t n = work_row_keys(f, w, r);
+    nk_max = n > nk_max ? n : nk_max;
+  }
+  for (int64_t round0 = 0; round0 < P; round0 += kAttnGroups) {
+    const int64_t pr = round0 + grp, r = pr / G, h = pr % G;
+    const int64_t nk = pr < P ? work_row_keys(f, w, r) : 0;
+    const int64_t row = (w[kWqBegin] + w[kWr0] + r) * f.Hq + w[kWg] * G + h;
+    const float l = pr < P ? p.lse[row] : 0.0f, dl = pr < P ? p.delta[row] : 0.0f;
+    float acc[kAttnChunks];
+#pragma unroll
+    for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    for (int64_t j0 = 0; j0 < nk_max; j0 += kAttnTile) {
+      const int n_tile = (int)(nk_max - j0 < kAttnTile ? nk_max - j0 : kAttnTile);
+      __syncthreads();
+      for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+        const int j = (int)(e / D);
+        const int64_t d = e % D;
+        ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
+      }
+      __syncthreads();
+      if (nk <= j0) continue;  // uniform over the group
+      const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
+      float ds_lane = 0.0f;
+      if (lane < nv) {
+        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, w[kWg]), D);
+        ds_lane = attn_bwd_ds(attn_bwd_prob(s, l), dp, dl);
+      }
+      for (int j = 0; j < kAttnTile; ++j) {
+        const float dsj = shfl_idx32(ds_lane, j);
+        if (j >= nv) continue;
+#pragma unroll
+        for (int i = 0; i < kAttnChunks; ++i) {
+          const int64_t d = lane + (int64_t)i * kGroupLanes;
+          if (d < D) acc[i] = fma_f32(dsj, ktile[j * kAttnKStride + d], acc[i]);
+        }
+      }
+    }
+    if (pr >= P) continue;
+#pragma unroll
+    for (int i = 0; i < kAttnChunks; ++i) {
+      const int64_t d = lane + (int64_t)i * kGroupLanes;
+      if (d < D) ((T*)p.dq)[row * D + d] = from_f32<T>(acc[i] * f.scale);
+    }
+  }
+}
+
+// dk, dv of one key tile (32 keys of one sequence and KV head). Each round, group gi computes p_j and ds_j of
+// the round's pair gi (lane j = key j); then every thread adds the round's pairs, in pair order (row
+// ascending, then head), to the elements it owns (e = thread + 256 i of the tile's 32 x D): one fma chain per
+// element in attention.h's order, whatever the number of groups.
+constexpr int kAttnTileElems = (int)(kAttnTile * kGpuAttnMaxD / kAttnThreads);  // elements per thread
+template <typename T>
+__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBwdParams p) {
+  __shared__ float ktile[kAttnTile * kAttnKStride];
+  __shared__ float pbuf[kAttnGroups][kAttnTile];
+  __shared__ float dsbuf[kAttnGroups][kAttnTile];
+  __shared__ int nvbuf[kAttnGroups];
+  __shared__ int64_t rowbuf[kAttnGroups];
+  const AttnFwdParams& f = p.f;
+  const int64_t* w = p.tiles + (int64_t)blockIdx.x * kAttnWorkFields;
+  const int64_t D = f.D, G = f.Hq / f.Hkv, g = w[kWg], q_len = w[kWqLen], n_ctx = w[kWnCtx];
+  const int64_t j0 = w[kWsplit] * kAttnTile;
+  const int n = (int)(n_ctx - j0 < kAttnTile ? n_ctx - j0 : kAttnTile);
+  const KvRows kv = work_kv_rows(f, w);
+  const T* K = (const T*)f.k;
+  const T* V = (const T*)f.v;
+  const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
+  for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+    const int j = (int)(e / D);
+    const int64_t d = e % D;
+    ktile[j * kAttnKStride + d] = j < n ? to_f32(K[kv.offset(j0 + j, g) + d]) : 0.0f;
+  }
+  int64_t r_first = 0;
+  if (f.causal) r_first = j0 - (n_ctx - q_len) > 0 ? j0 - (n_ctx - q_len) : 0;
+  const int64_t P = (q_len - (r_first < q_len ? r_first : q_len)) * G;
+  float dk[kAttnTileElems], dv[kAttnTileElems];
+#pragma unroll
+  for (int i = 0; i < kAttnTileElems; ++i) dk[i] = dv[i] = 0.0f;
+  __syncthreads();
+  for (int64_t round0 = 0; round0 < P; round0 += kAttnGroups) {
+    const int64_t pr = round0 + grp;
+    if (pr < P) {  // uniform over the group
+      const int64_t r = r_first + pr / G, h = pr % G;
+      const int64_t row = (w[kWqBegin] + r) * f.Hq + g * G + h;
+      const int64_t nk = attn_row_keys(n_ctx - q_len + r, n_ctx, f.causal) - j0;
+      const int nv = (int)(nk < n ? nk : n);
+      float pj = 0.0f, dsj = 0.0f;
+      if (lane < nv) {
+        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, g), D);
+        pj = attn_bwd_prob(s, p.lse[row]);
+        dsj = attn_bwd_ds(pj, dp, p.delta[row]);
+      }
+      pbuf[grp][lane] = pj;
+      dsbuf[grp][lane] = dsj;
+      if (lane == 0) {
+        nvbuf[grp] = nv;
+        rowbuf[grp] = row;
+      }
+    }
+    __syncthreads();
+    const int64_t n_round = P - round0 < kAttnGroups ? P - round0 : kAttnGroups;
+    for (int64_t gi = 0; gi < n_round; ++gi) {
+      const int nv = nvbuf[gi];
+      const T* qrow = (const T*)f.q + rowbuf[gi] * D;
+      const T* dorow = (const T*)p.dout + rowbuf[gi] * D;
+#pragma unroll
+      for (int i = 0; i < kAttnTileElems; ++i) {
+        const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
+        const int j = (int)(e / D);
+        const int64_t d = e % D;
+        if (j < nv) {
+          dk[i] = fma_f32(dsbuf[gi][j], to_f32(qrow[d]), dk[i]);
+          dv[i] = fma_f32(pbuf[gi][j], to_f32(dorow[d]), dv[i]);
+        }
+      }
+    }
+    __syncthreads();  // the next round overwrites the buffers
+  }
+#pragma unroll
+  for (int i = 0; i < kAttnTileElems; ++i) {
+    const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
+    const int j = (int)(e / D);
+    const int64_t d = e % D;
+    if (j < n) {
+      const int64_t off = kv.offset(j0 + j, g) + d;
+      ((T*)p.dk)[off] = from_f32<T>(dk[i] * f.scale);
+      ((T*)p.dv)[off] = from_f32<T>(dv[i]);
+    }
+  }
+}
+
 // cache[slot] = k[t] for every token with a slot in [0, n_slots) (-1: padding). The glue validated host
 // slot mappings with the planner; the bound test here keeps a device slot mapping memory-safe too.
 template <typename T>

@@ -39,6 +39,25 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   return attn_last_error();
 }
 
+const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
+  if (p.f.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
+  if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";
+  attn_with_type(p.f.dt, [&](auto* tp) {
+    using T = typename std::remove_pointer<decltype(tp)>::type;
+    if (p.rows > 0) {
+      int64_t blocks = (p.rows + 255) / 256;
+      if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
+      ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<T>)(p);
+    }
+    // delta first (same stream), then dq per row block and dk/dv per key tile: independent outputs
+    if (p.f.n_blocks > 0)
+      ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dq_kernel<T>)(p);
+    if (p.n_tiles > 0)
+      ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T>)(p);
+  });
+  return attn_last_error();
+}
+
 const char* launch_cache_write(const CacheWriteParams& p, void* stream) {
   const int64_t n = p.T * p.row_elems;
   if (n == 0) return nullptr;

@@ -5,8 +5,8 @@ implementation runs, on CPU tensors, the GPU glue (csrc/cuda/ops_cuda.cpp: the s
 params) and the csrc/gpu kernels compiled for the host and executed by our SIMT runtime (csrc/emu): GPU
 threads as fibers, ``__shared__`` memory per block, ``__syncthreads``, warp shuffles and votes with the
 arch's warp width (32 for sm_90 / sm_100, which run the CUDA spelling of csrc/gpu/compat.cuh; 64 for
-gfx942 / gfx950, which run the HIP spelling on wave64). Ops without GPU kernels (attention_varlen_backward
-today) keep running the CPU backend. ``emu.launches`` lists every kernel launch of the block (kernel, arch, grid, block,
+gfx942 / gfx950, which run the HIP spelling on wave64). Ops without GPU kernels (the MoE and exact-linear
+families today) keep running the CPU backend. ``emu.launches`` lists every kernel launch of the block (kernel, arch, grid, block,
 dynamic shared bytes), so a test can prove that the GPU source ran. Emulation is process-wide (autograd's
 threads see it too); scopes nest.
 
