@@ -86,6 +86,15 @@ def run_every_op(gen):
     ops.linear_backward(randn(5, 11, gen=gen), x, randn(11, 97, gen=gen), True, True, True)
     ops._exp_f32(x)
     ops._log_f32(x.abs())
+    # attention (tests/emulated/test_emulated_attention.py has the invariance matrix)
+    qa, ka = randn(5, 2, 8, gen=gen), randn(5, 1, 8, gen=gen)
+    cu5 = torch.tensor([0, 5], dtype=torch.int32)
+    oa, la = ops.attention_varlen(qa, ka, ka.flip(0), cu5, cu5, 0.3, True)
+    ops.attention_varlen_backward(qa.flip(0), qa, ka, ka.flip(0), oa, la, cu5, cu5, 0.3, True)
+    kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    ops.reshape_and_cache(ka, ka.flip(0), kc, vc, torch.tensor([4, 5, 6, 7, 0]))
+    ops.paged_attention(qa[:1], kc, vc, torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                        torch.tensor([0, 1], dtype=torch.int32), 0.3)
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
