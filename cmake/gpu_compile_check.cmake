@@ -171,6 +171,18 @@ if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
     COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
   list(APPEND _gc_outputs "${_ok}")
   list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_cuda.cpp")
+  # the attention family's GPU glue, same check
+  set(_attn_glue "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/ops_attention_cuda.cpp")
+  set(_attn_ok "${_gc_dir}/ops_attention_cuda.syntax.ok")
+  add_custom_command(OUTPUT "${_attn_ok}"
+    COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
+            "-I${_cuda_inc}" "${_attn_glue}"
+    COMMAND "${CMAKE_COMMAND}" -E touch "${_attn_ok}"
+    DEPENDS "${_attn_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/attention_api.h"
+            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/attention_checks.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/attention_plan.h"
+    COMMENT "c++ -fsyntax-only (CPU torch headers): ops_attention_cuda.cpp" VERBATIM)
+  list(APPEND _gc_outputs "${_attn_ok}")
+  list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_attention_cuda.cpp")
 elseif(EXISTS "${_glue}")
   list(APPEND _gc_manifest "SKIPPED glue syntax (needs a CPU torch and the CUDA headers)")
 endif()
