@@ -384,7 +384,8 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams
   const int sw = p.w_digits;
   const int64_t nkb = p.Kp / 64;
   const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
-  constexpr int64_t kChunkKb = 256;  // 16384 k
+  constexpr int64_t kChunkKb = 256;  // 16384 k (the int32 bound above)
+  constexpr int kPfKb = 2;           // software prefetch distance of the weight stream, in k blocks
   const int64_t astride = p.Kp;
   alignas(64) int32_t L[3 * kTileC];
   alignas(64) int64_t hi[kTileC], lo[kTileC];
@@ -401,6 +402,9 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams
       int sxt = 1;
       for (int64_t m = m0; m < m0 + rows; ++m) sxt = std::max<int>(sxt, p.x_digits[m]);
       const int top = sxt - 1 + sw - 1;
+      // the first row tile of a panel streams its weight digits from L3 / memory (measured: M = 1 is
+      // bound by that stream); later row tiles find them in L2
+      const bool first_tile = m0 == p.m0;
       memset(hi, 0, sizeof(hi));
       memset(lo, 0, sizeof(lo));
       const int8_t* xrow = p.xd + m0 * p.Kp;
@@ -413,6 +417,7 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams
             _tile_zero(1);
             _tile_zero(2);
             for (int64_t kb = c0; kb < c1; ++kb) {
+              const bool prefetch = first_tile && kb + kPfKb < c1;
               for (int t0 = 0; t0 < sxt; t0 += 2) {
                 const int u0 = s0 - t0;
                 if (u0 < 0) break;
@@ -420,6 +425,12 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams
                 const bool t2 = t0 + 1 < sxt, u2 = u0 + 1 < sw;
                 const int8_t* a0 = xrow + t0 * p.x_plane + kb * 64;
                 const int8_t* b0 = wpan + u0 * p.w_plane + kb * 1024;
+                if (prefetch) {  // the weight digits PF k blocks ahead (the stream from L3 / memory)
+                  const int8_t* pb = b0 + kPfKb * 1024;
+                  for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(pb + 64 * l), _MM_HINT_T0);
+                  if (u2)
+                    for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(pb + p.w_plane + 64 * l), _MM_HINT_T0);
+                }
                 _tile_loadd(4, a0, astride);
                 _tile_loadd(6, b0, 64);
                 _tile_dpbssd(0, 4, 6);
