@@ -7,10 +7,11 @@
 //   avx512    vpdpbusd (AVX512-VNNI, u8 x s8): the x digit is fed as d + 128 (one xor) and 128 * sum_k w is
 //             subtracted, computed by the same instruction from a vector of ones (wrapping int32 arithmetic
 //             is exact modulo 2^32 and the true sums fit); without VNNI the avx2 code;
-//   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64.
-// Every level produces C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
-// 16-column panel; one shared epilogue combines the digit pairs exactly (two int64 halves) and rounds once
-// (round_split_f32: a two-sum rounded to odd, or int128).
+//   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64 (gemm_amx: its own loop,
+//             digit pairs accumulated by level t + u in the tiles, see there).
+// The vector levels produce C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
+// 16-column panel; every path combines the digit pairs exactly into the same two int64 halves and rounds once
+// (round_split_f32: a two-sum rounded to odd, or int128; the AVX-512 epilogue does the same double operations).
 // No float arithmetic happens before that single rounding.
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,5 @@
 // ops_exact_cpu.cpp — torch glue of the `exact` linear on the CPU: weight packing (once per weight version;
-// the Python wrapper caches it), activation packing, the split of 16-row x 64-column tiles across threads,
+// the Python wrapper caches it), activation packing, the split of row blocks x 64-column groups across threads,
 // and the choice of integer unit. The numbers are defined in csrc/common/exact_linear.h; the arithmetic is
 // in gemm_exact_kernels.cpp. Threads only pick which tiles they compute; every output is an exact integer
 // rounded once, so neither threads nor the unit can change a bit.
