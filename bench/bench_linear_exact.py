@@ -4,6 +4,8 @@ faster than torch). The packed weight is built once (as at load/refit) and not t
 
     PYTHONPATH=python python3 bench/bench_linear_exact.py [--threads 2] [--repeats 5] [--matrix]
 
+--cpu-time times with time.thread_time at 1 thread (CPU time of the calling thread: robust to a shared machine's
+scheduling, which wall-clock ratios at 2 threads are not); --shapes M,K,N;... limits the table.
 --matrix runs the table in four subprocesses: integer unit AMX (default) or AVX512-VNNI (ALIGNED_CPU_ISA=avx512),
 and torch with oneDNN's AMX (default) or without it (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
 """
@@ -20,13 +22,16 @@ import time
 SHAPES = [(1, 1536, 1536), (16, 1536, 1536), (256, 1536, 1536), (16, 896, 4864 * 2), (256, 4864, 896)]
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn, reps):
     fn()
     best = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best.append(time.perf_counter() - t0)
+        best.append(CLOCK() - t0)
     return statistics.median(best)
 
 
@@ -36,12 +41,17 @@ def run(args):
 
     import aligned_ops
 
+    global CLOCK
+    if args.cpu_time:
+        args.threads = 1
+        CLOCK = time.thread_time
     torch.set_num_threads(args.threads)
     ops = torch.ops.aligned
     g = torch.Generator().manual_seed(0)
     unit = ops._exact_unit()
     rows = []
-    for M, K, N in SHAPES:
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in t.split(",")) for t in args.shapes.split(";")]
+    for M, K, N in shapes:
         w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
         x = torch.randn(M, K, generator=g).bfloat16()
         packed = ops.linear_exact_pack_weight(w)
@@ -69,6 +79,7 @@ def run(args):
               f"ratio {rows[-1][8]:.2f} (fma {rows[-1][9]:.2f})", file=sys.stderr, flush=True)
     torch_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "default (AMX)")
     print(f"\n### linear_exact, unit {unit}, torch oneDNN ISA {torch_isa}, {args.threads} threads, "
+          f"{'single-thread CPU time (time.thread_time)' if args.cpu_time else 'wall clock'}, "
           f"median of {args.repeats} interleaved repeats\n")
     print("| M | K | N | weight digits | packed weight (MiB) | exact (ms) | torch bf16 (ms) | fma (ms) | "
           "exact ratio (torch/exact) | fma ratio (torch/fma) |")
@@ -84,6 +95,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--matrix", action="store_true")
+    p.add_argument("--cpu-time", action="store_true")
+    p.add_argument("--shapes", default="")
     args = p.parse_args()
     if not args.matrix:
         return run(args)
@@ -96,8 +109,12 @@ def main():
                 env["ALIGNED_CPU_ISA"] = isa
             if onednn:
                 env["ONEDNN_MAX_CPU_ISA"] = onednn
-            subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--repeats", str(args.repeats)],
-                           env=env, check=True)
+            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+            if args.cpu_time:
+                cmd.append("--cpu-time")
+            if args.shapes:
+                cmd += ["--shapes", args.shapes]
+            subprocess.run(cmd, env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@
 //   avx512    vpdpbusd (AVX512-VNNI, u8 x s8): the x digit is fed as d + 128 (one xor) and 128 * sum_k w is
 //             subtracted, computed by the same instruction from a vector of ones (wrapping int32 arithmetic
 //             is exact modulo 2^32 and the true sums fit); without VNNI the avx2 code;
-//   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64.
-// Every level produces C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
-// 16-column panel; one shared epilogue combines the digit pairs exactly (two int64 halves) and rounds once
-// (round_split_f32: a two-sum rounded to odd, or int128).
+//   amx       tdpbssd (AMX-INT8, s8 x s8 -> int32): 16x16 tiles, k in blocks of 64 (gemm_amx: its own loop,
+//             digit pairs accumulated by level t + u in the tiles, see there).
+// The vector levels produce C[t][u][16 rows][16 cols] = sum_k Dx_t * Dw_u (int32) for one 16-row tile and one
+// 16-column panel; every path combines the digit pairs exactly into the same two int64 halves and rounds once
+// (round_split_f32: a two-sum rounded to odd, or int128; the AVX-512 epilogue does the same double operations).
 // No float arithmetic happens before that single rounding.
 #include <stdlib.h>
 #include <string.h>
@@ -266,66 +267,198 @@ __attribute__((target("avx512vnni"))) void pairs_vnni(const ExactGemmParams& p, 
     }
 }
 
-// AMX-INT8: tiles 0..3 = C for (t0, t1) x (panel, panel2); 4, 5 = A for t0, t1; 6, 7 = B for the two panels.
+// AMX-INT8 (gemm_amx below). Tile configuration: 0..2 = C (three digit levels), 4, 5 = A (two x digits of
+// one 16-row tile, `rows` rows), 6, 7 = B (two weight digits of one 16-column panel, 16 quads of k x 16 cols).
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
 
-// Loaded at the start of every gemm call and released at its end: other libraries on the same thread
-// (oneDNN) load their own configuration and release the tiles, so a cached "configured" flag is wrong.
+// Loaded at the start of every gemm call (and when a tail tile has fewer rows) and released at its end:
+// other libraries on the same thread (oneDNN) load their own configuration and release the tiles, so a
+// configuration cannot be cached across calls.
 __attribute__((target("amx-tile,amx-int8"))) void amx_release() { _tile_release(); }
 
-__attribute__((target("amx-tile,amx-int8"))) void amx_config() {
+__attribute__((target("amx-tile,amx-int8"))) void amx_config(int rows) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
+    cfg.rows[i] = (uint8_t)(i < 6 ? rows : 16);  // C and A: the tile's live rows; B: 16 quads of k
   }
   _tile_loadconfig(&cfg);
 }
 
-// C for 2 panels at once: C[(t*sw+u)*256] for `panel`, C2 for panel + 1 (when two).
-__attribute__((target("amx-tile,amx-int8"))) void pairs_amx(const ExactGemmParams& p, int64_t m0, int64_t panel,
-                                                            bool two, int sxt, int64_t kb0, int64_t kb1, int32_t* C,
-                                                            int32_t* C2) {
-  amx_config();
+// round_split_f32 for 8 lanes (hi, lo as int64, q per lane): the same double operations as the scalar
+// fast path (int64 -> double exact below 2^53, a two-sum, round to odd by a step of the last bit, an exact
+// power-of-two scaling, one RNE conversion to fp32), so the same bits. Returns false (and writes nothing)
+// when a lane is outside the fast path: the caller then uses the scalar function for those 8 outputs.
+inline bool round_split8(const int64_t* hi, const int64_t* lo, __m512i q, float* out) {
+  const __m512i lim = _mm512_set1_epi64((int64_t)1 << 53), nlim = _mm512_set1_epi64(-((int64_t)1 << 53));
+  const __m512i h = _mm512_loadu_si512((const void*)hi), l = _mm512_loadu_si512((const void*)lo);
+  __mmask8 ok = _mm512_cmpgt_epi64_mask(h, nlim) & _mm512_cmplt_epi64_mask(h, lim) &
+                _mm512_cmpgt_epi64_mask(l, nlim) & _mm512_cmplt_epi64_mask(l, lim) &
+                _mm512_cmpgt_epi64_mask(q, _mm512_set1_epi64(-900)) & _mm512_cmplt_epi64_mask(q, _mm512_set1_epi64(900));
+  if (ok != 0xff) return false;
+  const __m512d a = _mm512_mul_pd(_mm512_cvtepi64_pd(h), _mm512_set1_pd(4294967296.0));
+  const __m512d b = _mm512_cvtepi64_pd(l);
+  const __m512d s = _mm512_add_pd(a, b);
+  const __m512d bb = _mm512_sub_pd(s, a);
+  const __m512d err = _mm512_add_pd(_mm512_sub_pd(a, _mm512_sub_pd(s, bb)), _mm512_sub_pd(b, bb));
+  const __m512d zero = _mm512_setzero_pd();
+  __m512i u = _mm512_castpd_si512(s);
+  const __mmask8 fix = _mm512_cmp_pd_mask(err, zero, _CMP_NEQ_OQ) & _mm512_testn_epi64_mask(u, _mm512_set1_epi64(1));
+  const __mmask8 away = (__mmask8)~(_mm512_cmp_pd_mask(err, zero, _CMP_GT_OQ) ^ _mm512_cmp_pd_mask(s, zero, _CMP_GT_OQ));
+  const __m512i one = _mm512_set1_epi64(1);
+  u = _mm512_mask_add_epi64(u, fix & away, u, one);
+  u = _mm512_mask_sub_epi64(u, fix & (__mmask8)~away, u, one);
+  // q1 = q / 2 truncated (as the scalar code), q2 = q - q1; 2^q1, 2^q2 built from their exponent fields
+  const __m512i q1 = _mm512_srai_epi64(_mm512_add_epi64(q, _mm512_srli_epi64(q, 63)), 1);
+  const __m512i q2 = _mm512_sub_epi64(q, q1);
+  const __m512i bias = _mm512_set1_epi64(1023);
+  const __m512d f1 = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(q1, bias), 52));
+  const __m512d f2 = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(q2, bias), 52));
+  const __m512d r = _mm512_mul_pd(_mm512_mul_pd(_mm512_castsi512_pd(u), f1), f2);
+  _mm256_storeu_ps(out, _mm512_cvtpd_ps(r));
+  return true;
+}
+
+// The AVX-512 form of `epilogue` (same bits: the rounding above, then the scalar non-finite / bias / dtype
+// steps of the scalar epilogue).
+template <typename T>
+void epilogue_avx512(const ExactGemmParams& p, int64_t m0, int64_t panel, const int64_t* hi, const int64_t* lo) {
+  const int64_t nb = panel * 16;
+  const int64_t rows = std::min<int64_t>(16, p.M - m0), cols = std::min<int64_t>(16, p.N - nb);
+  T* out = (T*)p.out;
+  const T* bias = (const T*)p.bias;
+  alignas(64) int32_t wexp[16];
+  for (int j = 0; j < 16; ++j) wexp[j] = j < cols ? p.w_exp[nb + j] : 0;
+  const __m512i we0 = _mm512_cvtepi32_epi64(_mm256_load_si256((const __m256i*)wexp));
+  const __m512i we1 = _mm512_cvtepi32_epi64(_mm256_load_si256((const __m256i*)(wexp + 8)));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    alignas(64) float y[16];
+    const __m512i qx = _mm512_set1_epi64((int64_t)p.x_exp[m] - 10 - 8 * ex::kCombineTop);
+    for (int h = 0; h < 2; ++h) {
+      if (!round_split8(hi + r * 16 + 8 * h, lo + r * 16 + 8 * h, _mm512_add_epi64(qx, h ? we1 : we0), y + 8 * h))
+        for (int j = 8 * h; j < 8 * h + 8 && j < cols; ++j)
+          y[j] = ex::round_split_f32(hi[r * 16 + j], lo[r * 16 + j], ex::combine_q(p.x_exp[m], p.w_exp[nb + j]));
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t n = nb + j;
+      float v = (p.x_bad[m] || p.w_bad[n]) ? float_of(0x7fc00000u) : y[j];
+      if (bias) v = v + to_f32(bias[n]);
+      out[m * p.N + n] = from_f32<T>(v);
+    }
+  }
+}
+
+// Adds three int32 level tiles (levels s0, s0 + 1, s0 + 2) into the split accumulator, as `combine`.
+void add_levels(const int32_t* L, int s0, int top, int64_t* hi, int64_t* lo) {
+  for (int d = 0; d < 3; ++d) {
+    const int s = s0 + d;
+    if (s > top) break;
+    const int32_t* c = L + d * kTileC;
+    int64_t* acc = s <= 2 ? hi : lo;
+    const int sh = s <= 2 ? 8 * (2 - s) : 8 * (6 - s);
+    for (int i = 0; i < kTileC; i += 16) {
+      const __m512i v = _mm512_loadu_si512((const void*)(c + i));
+      const __m512i v0 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)), sh);
+      const __m512i v1 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)), sh);
+      _mm512_storeu_si512((void*)(acc + i), _mm512_add_epi64(_mm512_loadu_si512((const void*)(acc + i)), v0));
+      _mm512_storeu_si512((void*)(acc + i + 8), _mm512_add_epi64(_mm512_loadu_si512((const void*)(acc + i + 8)), v1));
+    }
+  }
+}
+
+// The AMX-INT8 gemm over the call's whole range: tiles configured once, then for each 16-column panel, for
+// each 16-row tile (the panel's weight digits stay in L2 while the row tiles pass), for each chunk of k:
+// digit pairs (t, u) are taken in 2x2 blocks (x digits t0, t0+1 in A tiles 4, 5; weight digits u0, u0+1 in
+// B tiles 6, 7) and accumulated by LEVEL s = t + u, not by pair: C tile 0 += level s0 = t0 + u0, tile 1 +=
+// s0 + 1 (two pairs), tile 2 += s0 + 2, and every block with the same s0 (t0, u0 even) adds into the same
+// three tiles, k outermost so each k block's A and B bytes are loaded while hot. Bound: a level holds at most
+// min(Sx, Sw) <= 4 pairs, each |sum| <= 2^14 per k, so a chunk of at most 16384 k keeps |C| <= 2^30 (int32
+// exact); chunks add into the int64 split accumulator (the same integers as `combine`: the sum is exact).
+__attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams& p) {
   const int sw = p.w_digits;
-  const int64_t bstride = 64, astride = p.Kp;
-  for (int u = 0; u < sw; ++u) {
-    const int8_t* wp0 = p.wd + u * p.w_plane + panel * (p.Kp * 16);
-    const int8_t* wp1 = wp0 + p.Kp * 16;
-    for (int t = 0; t < sxt; t += 2) {
-      const bool t2 = t + 1 < sxt;
-      const int8_t* xa = p.xd + t * p.x_plane + m0 * p.Kp;
-      const int8_t* xb = xa + p.x_plane;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = kb0; kb < kb1; ++kb) {
-        _tile_loadd(4, xa + kb * 64, astride);
-        _tile_loadd(6, wp0 + kb * 1024, bstride);
-        _tile_dpbssd(0, 4, 6);
-        if (two) {
-          _tile_loadd(7, wp1 + kb * 1024, bstride);
-          _tile_dpbssd(1, 4, 7);
-        }
-        if (t2) {
-          _tile_loadd(5, xb + kb * 64, astride);
-          _tile_dpbssd(2, 5, 6);
-          if (two) _tile_dpbssd(3, 5, 7);
+  const int64_t nkb = p.Kp / 64;
+  const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
+  constexpr int64_t kChunkKb = 256;  // 16384 k (the int32 bound above)
+  constexpr int kPfKb = 2;           // software prefetch distance of the weight stream, in k blocks
+  const int64_t astride = p.Kp;
+  alignas(64) int32_t L[3 * kTileC];
+  alignas(64) int64_t hi[kTileC], lo[kTileC];
+  int cfg_rows = 0;
+  for (int64_t nb = p.n0; nb < p.n1; nb += 16) {
+    const int64_t panel = nb / 16;
+    const int8_t* wpan = p.wd + panel * (p.Kp * 16);
+    for (int64_t m0 = p.m0; m0 < p.m1; m0 += 16) {
+      const int rows = (int)std::min<int64_t>(16, p.M - m0);
+      if (rows != cfg_rows) {
+        amx_config(rows);
+        cfg_rows = rows;
+      }
+      int sxt = 1;
+      for (int64_t m = m0; m < m0 + rows; ++m) sxt = std::max<int>(sxt, p.x_digits[m]);
+      const int top = sxt - 1 + sw - 1;
+      // the first row tile of a panel streams its weight digits from L3 / memory (measured: M = 1 is
+      // bound by that stream); later row tiles find them in L2
+      const bool first_tile = m0 == p.m0;
+      memset(hi, 0, sizeof(hi));
+      memset(lo, 0, sizeof(lo));
+      const int8_t* xrow = p.xd + m0 * p.Kp;
+      for (int part = 0; part < parts; ++part) {
+        const int64_t pk0 = nkb * part / parts, pk1 = nkb * (part + 1) / parts;
+        for (int64_t c0 = pk0; c0 < pk1; c0 += kChunkKb) {
+          const int64_t c1 = std::min(pk1, c0 + kChunkKb);
+          for (int s0 = 0; s0 <= top; s0 += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (int64_t kb = c0; kb < c1; ++kb) {
+              const bool prefetch = first_tile && kb + kPfKb < c1;
+              for (int t0 = 0; t0 < sxt; t0 += 2) {
+                const int u0 = s0 - t0;
+                if (u0 < 0) break;
+                if (u0 >= sw) continue;
+                const bool t2 = t0 + 1 < sxt, u2 = u0 + 1 < sw;
+                const int8_t* a0 = xrow + t0 * p.x_plane + kb * 64;
+                const int8_t* b0 = wpan + u0 * p.w_plane + kb * 1024;
+                if (prefetch) {  // the weight digits PF k blocks ahead (the stream from L3 / memory)
+                  const int8_t* pb = b0 + kPfKb * 1024;
+                  for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(pb + 64 * l), _MM_HINT_T0);
+                  if (u2)
+                    for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(pb + p.w_plane + 64 * l), _MM_HINT_T0);
+                }
+                _tile_loadd(4, a0, astride);
+                _tile_loadd(6, b0, 64);
+                _tile_dpbssd(0, 4, 6);
+                if (u2) {
+                  _tile_loadd(7, b0 + p.w_plane, 64);
+                  _tile_dpbssd(1, 4, 7);
+                }
+                if (t2) {
+                  _tile_loadd(5, a0 + p.x_plane, astride);
+                  if (u2) _tile_dpbssd(2, 5, 7);
+                  _tile_dpbssd(1, 5, 6);
+                }
+              }
+            }
+            _tile_stored(0, L, 64);
+            _tile_stored(1, L + kTileC, 64);
+            _tile_stored(2, L + 2 * kTileC, 64);
+            if (rows < 16)  // rows past the tile's live rows were not written
+              for (int d = 0; d < 3; ++d) memset(L + d * kTileC + rows * 16, 0, (size_t)(16 - rows) * 64);
+            add_levels(L, s0, top, hi, lo);
+          }
         }
       }
-      _tile_stored(0, C + (t * sw + u) * kTileC, 64);
-      if (two) _tile_stored(1, C2 + (t * sw + u) * kTileC, 64);
-      if (t2) {
-        _tile_stored(2, C + ((t + 1) * sw + u) * kTileC, 64);
-        if (two) _tile_stored(3, C2 + ((t + 1) * sw + u) * kTileC, 64);
-      }
+      with_type(p.dt, [&](auto* tp) {
+        using T = std::remove_pointer_t<decltype(tp)>;
+        epilogue_avx512<T>(p, m0, panel, hi, lo);
+      });
     }
   }
   amx_release();
@@ -388,46 +521,34 @@ void combine(const ExactGemmParams& p, int sxt, const int32_t* C, int64_t* hi, i
 }
 
 void gemm(const ExactGemmParams& p) {
-  const int sw = p.w_digits;
+#if defined(__AVX512F__)
+  if (p.use_amx) return gemm_amx(p);
+#endif
   const int64_t nkb = p.Kp / 64;
   const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
   alignas(64) int32_t C[kD * kD * kTileC];
-  alignas(64) int32_t C2[kD * kD * kTileC];
-  alignas(64) int64_t hi[kTileC], lo[kTileC], hi2[kTileC], lo2[kTileC];
+  alignas(64) int64_t hi[kTileC], lo[kTileC];
   for (int64_t m0 = p.m0; m0 < p.m1; m0 += 16) {
     int sxt = 1;
     for (int64_t m = m0; m < std::min<int64_t>(m0 + 16, p.M); ++m) sxt = std::max<int>(sxt, p.x_digits[m]);
     for (int64_t nb = p.n0; nb < p.n1; nb += 16) {
       const int64_t panel = nb / 16;
-#if defined(__AVX512F__)
-      const bool two = p.use_amx && nb + 16 < p.n1;
-#else
-      const bool two = false;
-#endif
-      for (int i = 0; i < kTileC; ++i) hi[i] = lo[i] = hi2[i] = lo2[i] = 0;
+      for (int i = 0; i < kTileC; ++i) hi[i] = lo[i] = 0;
       for (int part = 0; part < parts; ++part) {
         const int64_t kb0 = nkb * part / parts, kb1 = nkb * (part + 1) / parts;
-#if defined(__AVX512F__)
-        if (p.use_amx) {
-          pairs_amx(p, m0, panel, two, sxt, kb0, kb1, C, C2);
-        } else {
-          pairs_best(p, m0, panel, sxt, kb0, kb1, C);
-        }
-#else
         pairs_best(p, m0, panel, sxt, kb0, kb1, C);
-#endif
         combine(p, sxt, C, hi, lo);
-        if (two) combine(p, sxt, C2, hi2, lo2);
       }
       with_type(p.dt, [&](auto* tp) {
         using T = std::remove_pointer_t<decltype(tp)>;
+#if defined(__AVX512F__)
+        epilogue_avx512<T>(p, m0, panel, hi, lo);
+#else
         epilogue<T>(p, m0, panel, sxt, hi, lo);
-        if (two) epilogue<T>(p, m0, panel + 1, sxt, hi2, lo2);
+#endif
       });
-      if (two) nb += 16;
     }
   }
-  (void)sw;
 }
 
 const char* unit(bool use_amx) {

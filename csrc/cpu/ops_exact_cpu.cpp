@@ -1,5 +1,5 @@
 // ops_exact_cpu.cpp — torch glue of the `exact` linear on the CPU: weight packing (once per weight version;
-// the Python wrapper caches it), activation packing, the split of 16-row x 64-column tiles across threads,
+// the Python wrapper caches it), activation packing, the split of row blocks x 64-column groups across threads,
 // and the choice of integer unit. The numbers are defined in csrc/common/exact_linear.h; the arithmetic is
 // in gemm_exact_kernels.cpp. Threads only pick which tiles they compute; every output is an exact integer
 // rounded once, so neither threads nor the unit can change a bit.
@@ -97,15 +97,19 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   p.Kp = Kp;
   p.k_parts = (int)std::min<int64_t>(k_parts, 1 << 20);
   p.use_amx = use_amx();
-  // Tasks: 16-row tiles x groups of 64 columns (AMX computes two 16-column panels per pass).
+  // Tasks: blocks of rows x groups of 64 columns, column group outermost, so a thread's consecutive tasks
+  // share the group's weight digits (the kernel keeps each 16-column panel in cache while its row tiles
+  // pass). AMX takes up to 256 rows per task (its tile configuration is loaded once per task); the vector
+  // levels 16.
   constexpr int64_t kCols = 64;
-  const int64_t mt = Mp / 16, ng = (N + kCols - 1) / kCols;
+  const int64_t rows_per_task = p.use_amx ? 256 : 16;
+  const int64_t mt = (M + rows_per_task - 1) / rows_per_task, ng = (N + kCols - 1) / kCols;
   at::parallel_for(0, mt * ng, 1, [&](int64_t b, int64_t e) {
     for (int64_t task = b; task < e; ++task) {
       ExactGemmParams q = p;
-      const int64_t i = task / ng, g = task % ng;
-      q.m0 = i * 16;
-      q.m1 = std::min(M, q.m0 + 16);
+      const int64_t g = task / mt, i = task % mt;
+      q.m0 = i * rows_per_task;
+      q.m1 = std::min(M, q.m0 + rows_per_task);
       q.n0 = g * kCols;
       q.n1 = std::min(N, q.n0 + kCols);
       k.gemm(q);
