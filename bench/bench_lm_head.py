@@ -85,7 +85,9 @@ def main():
           f"MiB, 1/8 = {fp32_logits / 8 / 2**20:.1f} MiB")
     res = {}
     for v in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", v] + [a for a in sys.argv[1:] if not a.startswith("--variants")]
+        cmd = [sys.executable, __file__, "--variant", v, "--T", str(args.T), "--V", str(args.V), "--K", str(args.K),
+               "--dtype", args.dtype, "--temperature", str(args.temperature), "--token-chunk", str(args.token_chunk),
+               "--vocab-chunk", str(args.vocab_chunk)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         r = res[v] = json.loads(out)
         print(f"{v:8s} peak {r['peak_bytes'] / 2**20:8.1f} MiB  extra {r['extra_bytes'] / 2**20:8.1f} MiB "

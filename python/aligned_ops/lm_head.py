@@ -34,8 +34,10 @@ ops = torch.ops.aligned
 _lib = "aligned::"
 _OP = "fused_token_logprobs"
 
-# Default chunk sizes: each tile (logits or their gradient, in the logits dtype) about this many bytes.
-DEFAULT_TILE_BYTES = 32 << 20
+# Default chunk sizes: each tile (logits or their gradient, in the logits dtype) about this many bytes. 32 MiB
+# tiles measured 587 MiB peak extra at T = 4096, V = 151,936 (allocator fragmentation between the two sweeps),
+# 16 MiB tiles 159 MiB (bench/RESULTS.md).
+DEFAULT_TILE_BYTES = 16 << 20
 
 
 def _auto_chunk(chunk: int, other: int, elem: int, name: str) -> int:
@@ -207,7 +209,7 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     head log-prob, bit for bit (forward and gradient wrt hidden, weight and bias) — without the ``[T, V]``
     logits. ``hidden [T, K]``, ``weight [V, K]`` (same dtype), ``token_ids [T]``; ``temperature`` a float or a
     per-token fp32 tensor ``[T]``. ``token_chunk`` rows (forward, d hidden) and ``vocab_chunk`` vocabulary rows
-    (d weight) per tile; 0 picks tiles of about 32 MiB. Chunk sizes never change a bit (module docstring)."""
+    (d weight) per tile; 0 picks tiles of about 16 MiB. Chunk sizes never change a bit (module docstring)."""
     t, ts = _temperature_args(temperature)
     lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
     return lp
