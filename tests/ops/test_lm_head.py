@@ -145,3 +145,15 @@ def test_empty_and_pairs_not_differentiable():
     h2, w2, _, ids, _ = _inputs(3, 8, 30, torch.float32, False)
     _, pairs = ops.fused_token_logprobs(h2.requires_grad_(True), w2, None, ids, 1.0, None, 0, 0)
     assert not pairs.requires_grad
+
+
+def test_under_gpu_emulation_equal_to_unfused():
+    # The fused op is composed of dispatcher ops, so under aligned_ops.emulate the linear pieces run the GPU
+    # source (csrc/gpu) and the result is still the unfused path's, bit for bit (the column-tile backward and
+    # token_logprobs_pairs have no GPU kernel and run the CPU ones).
+    h, w, b, ids, gw = _inputs(6, 8, 70, torch.bfloat16, True, seed=11)
+    with aligned_ops.emulate("sm_90") as emu:
+        ref = _run(_unfused(ids, 0.8), h, w, b, ids, gw)
+        got = _run(_fused(ids, 0.8, 4, 33), h, w, b, ids, gw)
+    assert emu.launches  # the GPU source really ran
+    _assert_same(ref, got)
