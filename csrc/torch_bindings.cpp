@@ -43,6 +43,26 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "log_softmax_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> "
       "Tensor");
+  // ---- fused LM head (python/aligned_ops/lm_head.py): the pieces and the op ----
+  // token_logprobs_pairs: token_logprobs plus the rows' (m, L) pairs (contract.h LsePair) as fp32 [T, 2].
+  m.def(
+      "token_logprobs_pairs(Tensor logits, Tensor token_ids, float temperature=1.0, Tensor? temperatures=None) -> "
+      "(Tensor logprobs, Tensor lse_pairs)");
+  // token_logprobs_backward_cols: token_logprobs_backward on the column tile logits = z[:, vocab_start :
+  // vocab_start + n] of rows with the given pairs; token_ids are absolute (in [0, vocab_size)).
+  m.def(
+      "token_logprobs_backward_cols(Tensor grad, Tensor logits, Tensor token_ids, Tensor lse_pairs, int vocab_start, "
+      "int vocab_size, float temperature=1.0, Tensor? temperatures=None) -> Tensor");
+  // fused_token_logprobs: token_logprobs(linear(hidden, weight, bias), token_ids, temperature) bit for bit, forward
+  // and gradient, without the [T, V] logits: token chunks of full rows (forward, d hidden), vocabulary chunks of
+  // all tokens (d weight, d bias). Returns (logprobs [T] fp32, lse_pairs [T, 2] fp32). Composed of aligned ops.
+  m.def(
+      "fused_token_logprobs(Tensor hidden, Tensor weight, Tensor? bias, Tensor token_ids, float temperature=1.0, "
+      "Tensor? temperatures=None, int token_chunk=0, int vocab_chunk=0) -> (Tensor logprobs, Tensor lse_pairs)");
+  m.def(
+      "fused_token_logprobs_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor? bias, Tensor token_ids, "
+      "Tensor lse_pairs, float temperature, Tensor? temperatures, int token_chunk, int vocab_chunk, "
+      "bool needs_hidden_grad, bool needs_weight_grad, bool needs_bias_grad) -> (Tensor, Tensor, Tensor)");
   // ---- attention (csrc/common/attention.h; planner csrc/common/attention_plan.h) ----
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "

@@ -455,6 +455,26 @@ static void logits_backward(LogitsGrad mode, DType dt, const float* g, const voi
   });
 }
 
+// token_logprobs backward on a column tile (cpu_kernels.h): the expression logits_backward_rows evaluates
+// with given pairs (s = z / tau, then contract.h's token_logprobs_grad), for columns v0 .. v0 + n - 1 only.
+static void token_logprobs_backward_cols(DType dt, const float* g, const void* z, const int64_t* ids,
+                                         const float* pairs, void* dz, int64_t v0, int64_t n, float tau,
+                                         const float* temps, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* __restrict__ zr = (const T*)z + r * n;
+      T* __restrict__ o = (T*)dz + r * n;
+      const float t = temps ? temps[r] : tau;
+      const LsePair p{pairs[2 * r], pairs[2 * r + 1]};
+      const float gr = g[r];
+      for (int64_t v = 0; v < n; ++v) o[v] = from_f32<T>(token_logprobs_grad(div_f32(to_f32(zr[v]), t), p, false, gr, t));
+      const int64_t j = ids[r] - v0;
+      if (j >= 0 && j < n) o[j] = from_f32<T>(token_logprobs_grad(div_f32(to_f32(zr[j]), t), p, true, gr, t));
+    }
+  });
+}
+
 // ---- intra-row splits (dense_split_kernels.h) ------------------------------------------------------------
 static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1) {
   with_type(dt, [&](auto* tp) {
@@ -525,6 +545,7 @@ const KernelTable kTable = {
     logsumexp_pairs,
     log_softmax,
     logits_backward,
+    token_logprobs_backward_cols,
     gemm,
     column_sum,
     exp_scalar,

@@ -64,6 +64,13 @@ struct KernelTable {
   void (*logits_backward)(LogitsGrad mode, DType dt, const float* g, const void* z, const int64_t* ids,
                           const float* pairs, void* dz, int64_t V, float tau, const float* temps,
                           int64_t row_begin, int64_t row_end);
+  // token_logprobs backward on the column tile [v0, v0 + n) of rows whose pairs are known (the fused LM head's
+  // weight-gradient sweep, python/aligned_ops/lm_head.py): z and dz are [rows, n] (row stride n), ids are
+  // absolute vocabulary indices (a row whose id is outside the tile has no "1" term there). The elements equal
+  // logits_backward(kTokenLogprobs)'s for those columns bit for bit (same helper, same operands).
+  void (*token_logprobs_backward_cols)(DType dt, const float* g, const void* z, const int64_t* ids,
+                                       const float* pairs, void* dz, int64_t v0, int64_t n, float tau,
+                                       const float* temps, int64_t row_begin, int64_t row_end);
   // C[m, n] = round(linear_lane_fold over `lanes` lanes (1, 2, 4, 8) of the fma chains of A[m, :] * B[n, :]
   // (+ bias[n])) — contract.h, `fma` profile — element strides given; adt == bdt, cdt == adt or F32.
   // Computes the output tile rows [m0, m1) x cols [n0, n1).

@@ -259,13 +259,9 @@ at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::
   return out;
 }
 
-at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature,
-                          const std::optional<at::Tensor>& temperatures) {
-  auto a = check_logits(logits, temperature, temperatures, "token_logprobs");
-  auto idc = check_ids(ids, a, "token_logprobs");
-  auto pairs = lse_pairs_of(a);
+// logp_id = (z_id / tau - m) - L: the same expression log_softmax evaluates, for one column.
+at::Tensor token_logprobs_from_pairs(const LogitsArgs& a, const at::Tensor& idc, const at::Tensor& pairs) {
   auto out = at::empty({a.T}, a.z.options().dtype(at::kFloat));
-  // logp_id = (z_id / tau - m) - L: the same expression log_softmax evaluates, for one column.
   const auto& k = cpu_kernels();
   const int64_t* id = idc.data_ptr<int64_t>();
   at::parallel_for(0, a.T, 1024, [&](int64_t b, int64_t e) {
@@ -278,6 +274,23 @@ at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, doubl
     }
   });
   return out;
+}
+
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature,
+                          const std::optional<at::Tensor>& temperatures) {
+  auto a = check_logits(logits, temperature, temperatures, "token_logprobs");
+  auto idc = check_ids(ids, a, "token_logprobs");
+  return token_logprobs_from_pairs(a, idc, lse_pairs_of(a));
+}
+
+// token_logprobs and the rows' (m, L) pairs [T, 2] (the fused LM head keeps the pairs for its backward).
+std::tuple<at::Tensor, at::Tensor> token_logprobs_pairs(const at::Tensor& logits, const at::Tensor& ids,
+                                                        double temperature,
+                                                        const std::optional<at::Tensor>& temperatures) {
+  auto a = check_logits(logits, temperature, temperatures, "token_logprobs_pairs");
+  auto idc = check_ids(ids, a, "token_logprobs_pairs");
+  auto pairs = lse_pairs_of(a);
+  return {token_logprobs_from_pairs(a, idc, pairs), pairs};
 }
 
 // The three backward ops share one path: few rows -> the pairs with the threads sharing each row, then the
@@ -303,6 +316,36 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   auto idc = check_ids(ids, a, op);
   auto g = check_logits_grad(grad, a.T, a.V, false, op);
   return logits_backward(LogitsGrad::kTokenLogprobs, g, a, idc.data_ptr<int64_t>());
+}
+
+// token_logprobs_backward on the column tile [vocab_start, vocab_start + n) of the rows (logits is that tile,
+// [T, n]), given the rows' pairs from token_logprobs_pairs: the same elements token_logprobs_backward writes
+// for those columns of the full [T, vocab_size] logits.
+at::Tensor token_logprobs_backward_cols(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
+                                        const at::Tensor& lse_pairs, int64_t vocab_start, int64_t vocab_size,
+                                        double temperature, const std::optional<at::Tensor>& temperatures) {
+  const char* op = "token_logprobs_backward_cols";
+  check_cpu(grad, op, "grad");
+  check_cpu(lse_pairs, op, "lse_pairs");
+  auto a = check_logits(logits, temperature, temperatures, op);
+  TORCH_CHECK(vocab_start >= 0 && vocab_start + a.V <= vocab_size, "aligned::", op, ": the tile [", vocab_start,
+              ", ", vocab_start + a.V, ") must lie in the vocabulary [0, ", vocab_size, ")");
+  check_cpu(ids, op, "token_ids");
+  auto idc = check_token_ids(ids, a.T, vocab_size, op);
+  TORCH_CHECK(lse_pairs.scalar_type() == at::kFloat && lse_pairs.dim() == 2 && lse_pairs.size(0) == a.T &&
+                  lse_pairs.size(1) == 2,
+              "aligned::", op, ": lse_pairs must be float32 [", a.T, ", 2], got ", lse_pairs.scalar_type(), " ",
+              lse_pairs.sizes());
+  auto pairs = lse_pairs.contiguous();
+  auto g = check_logits_grad(grad, a.T, a.V, false, op);
+  auto dz = at::empty({a.T, a.V}, a.z.options());
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
+    k.token_logprobs_backward_cols(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(),
+                                   pairs.data_ptr<float>(), dz.data_ptr(), vocab_start, a.V, a.tau, a.temps_ptr(),
+                                   b, e);
+  });
+  return dz;
 }
 
 at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
@@ -485,6 +528,8 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   m.impl("log_softmax", &log_softmax);
   m.impl("token_logprobs", &token_logprobs);
   m.impl("token_logprobs_backward", &token_logprobs_backward);
+  m.impl("token_logprobs_pairs", &token_logprobs_pairs);
+  m.impl("token_logprobs_backward_cols", &token_logprobs_backward_cols);
   m.impl("logsumexp_backward", &logsumexp_backward);
   m.impl("log_softmax_backward", &log_softmax_backward);
   m.impl("_exp_f32", &exp_f32);

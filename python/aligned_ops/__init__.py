@@ -58,6 +58,9 @@ from .emulation import emulate
 from . import _moe  # noqa: F401  (fake impls + autograd of the moe ops)
 from ._moe import moe_experts, moe_layer, moe_routing
 
+from . import lm_head  # noqa: F401  (the fused LM-head log-prob: no [T, V] logits, same bits)
+from .lm_head import fused_token_logprobs
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -68,6 +71,7 @@ __all__ = [
     "tree_combine",
     "tree_all_reduce",
 
+    "fused_token_logprobs",
     "linear_exact",
     "linear_profile",
     "profile_linear",

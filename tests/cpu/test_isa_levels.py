@@ -65,6 +65,10 @@ SCRIPT = textwrap.dedent(
                 out["tlpbwd" + k] = ops.token_logprobs_backward(gr, z, ids, t, ts)
                 out["lsebwd" + k] = ops.logsumexp_backward(gr, z, t, ts)
                 out["lsmbwd" + k] = ops.log_softmax_backward(grf, z, t, ts)
+                pairs = ops.token_logprobs_pairs(z, ids, t, ts)[1]
+                c0, c1 = V // 3, V // 3 + min(V - V // 3, 1003)  # a column tile (the fused LM head's dW sweep)
+                out["tlpcols" + k] = ops.token_logprobs_backward_cols(gr, z[:, c0:c1].contiguous(), ids, pairs, c0,
+                                                                      V, t, ts)
         # one row, two threads: the intra-row split kernels (dense_split_kernels.h)
         z1 = (torch.randn(1, 40003, generator=g) * 5).to(dt)
         ids1 = torch.randint(0, 40003, (1,), generator=g)

@@ -283,3 +283,31 @@ def test_patch_model_recognises_the_class_when_config_names_none():
     assert g.config.architectures is None
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         patch_model(g)
+
+
+def test_fused_lm_head_option_is_bitwise_the_unfused_path(model):
+    # completion_logprobs(fused_lm_head=...): log-probs and every parameter gradient (the tied / untied LM head
+    # weight included) bit for bit those of the unfused LM head, with chunks that divide neither T nor V.
+    s = _seqs([30, 12], 9)
+    packed = torch.cat(s)
+    cu = torch.tensor([0, 30, 42], dtype=torch.int32)
+    cm = torch.ones_like(packed)
+    cm[0] = 0
+    cm[30] = 0
+    temps = torch.tensor([0.7, 1.3])
+    runs = []
+    for fused in (False, {"token_chunk": 7, "vocab_chunk": 37}, True):
+        model.zero_grad(set_to_none=True)
+        lp = completion_logprobs(model, packed, cm, cu_seqlens=cu, temperature=temps, fused_lm_head=fused)
+        (lp * torch.linspace(-1, 2, lp.numel())).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    model.zero_grad(set_to_none=True)
+    for lp, grads in runs[1:]:
+        assert_bitwise_equal(lp, runs[0][0], "logprobs")
+        assert set(grads) == set(runs[0][1])
+        for n, g in grads.items():
+            assert_bitwise_equal(g, runs[0][1][n], n)
+    with pytest.raises(ValueError, match="fused_lm_head does not score truncated"):
+        completion_logprobs(model, packed, cm, cu_seqlens=cu, top_p=0.9, fused_lm_head=True)
+    with pytest.raises(ValueError, match="fused_lm_head keys"):
+        completion_logprobs(model, packed, cm, cu_seqlens=cu, fused_lm_head={"chunk": 3})

@@ -111,6 +111,11 @@ DIFFERENTIABLE.update({
                              _rows(4, 6, 8, seed=2), _rows(4, 8, 3, seed=3)),
                     lambda x, tw, w13, w2: ops.moe_experts(x, tw, MOE_IDS, w13, w2, None, None, None),
                     _moe_experts_ref),
+    # fused LM head: token_logprobs(linear(h, W, b)) without the logits (chunks 2 tokens x 7 vocabulary rows)
+    "fused_token_logprobs": (lambda: (_rows(5, 7), _rows(50, 7, seed=1), _rows(50, seed=2)),
+                             lambda h, w, b: ops.fused_token_logprobs(h, w, b, IDS, 1.0, TEMPS, 2, 7)[0],
+                             lambda h, w, b: torch.log_softmax(F.linear(h, w, b) / TEMPS.double()[:, None],
+                                                               -1).gather(1, IDS[:, None])[:, 0]),
 })
 
 # Ops that take float tensors but have no gradient formula: backward() through them must raise.
@@ -148,6 +153,11 @@ NO_BACKWARD.update({
     "moe_experts_backward": lambda x: ops.moe_experts_backward(
         x[:, :4].contiguous(), x[:, :4].contiguous(), x[:, :2].contiguous(), MOE_IDS, torch.randn(4, 6, 4),
         torch.randn(4, 4, 3), None, None, None)[0],
+    "token_logprobs_pairs": lambda x: ops.token_logprobs_pairs(x, IDS % 5, 1.0, None)[0],
+    "token_logprobs_backward_cols": lambda x: ops.token_logprobs_backward_cols(
+        x[:, 0].contiguous(), x, IDS % 5, torch.zeros(5, 2), 0, 5, 1.0, None),
+    "fused_token_logprobs_backward": lambda x: ops.fused_token_logprobs_backward(
+        x[:, 0].contiguous(), x, x, None, IDS % 5, torch.zeros(5, 2), 1.0, None, 0, 0, True, False, False)[0],
 })
 
 # Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the

@@ -177,6 +177,7 @@ def _model_forward(
     top_k=None,
     top_p=None,
     min_p=None,
+    fused_lm_head=False,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
@@ -230,12 +231,15 @@ def _model_forward(
         if bool((cm & first_of_seq).any()):
             raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
         targets = cm.nonzero().squeeze(1)
-        logits = _lin(head, hidden.index_select(0, targets - 1))
         temps = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
-        if top_k is None and top_p is None and min_p is None:
-            lp = aligned_ops.token_logprobs(logits, target_ids, temps)
+        head_in = hidden.index_select(0, targets - 1)
+        if fused_lm_head:
+            lp = _fused_head_logprobs(head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p)
+        elif top_k is None and top_p is None and min_p is None:
+            lp = aligned_ops.token_logprobs(_lin(head, head_in), target_ids, temps)
         else:
+            logits = _lin(head, head_in)
             # The distribution vLLM sampled from with logprobs_mode="processed_logprobs" and the plugin:
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits
@@ -252,6 +256,23 @@ def _model_forward(
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, min_p):
+    """completion_logprobs(fused_lm_head=...): aligned_ops.fused_token_logprobs, the same bits as the unfused
+    LM head linear -> token_logprobs without the [tokens, vocab] logits. ``option`` is True or a dict of chunk
+    sizes (token_chunk=, vocab_chunk=)."""
+    if top_k is not None or top_p is not None or min_p is not None:
+        raise ValueError("completion_logprobs: fused_lm_head does not score truncated distributions (top_k / top_p "
+                         "/ min_p need each row's full sorted logits); use fused_lm_head=False")
+    if aligned_ops.linear_profile() != "fma":
+        raise ValueError(f"completion_logprobs: fused_lm_head needs the fma linear profile, not "
+                         f"ALIGNED_OPS_LINEAR={aligned_ops.linear_profile()}")
+    chunks = option if isinstance(option, dict) else {}
+    unknown = set(chunks) - {"token_chunk", "vocab_chunk"}
+    if unknown:
+        raise ValueError(f"completion_logprobs: fused_lm_head keys must be token_chunk / vocab_chunk, got {unknown}")
+    return aligned_ops.fused_token_logprobs(hidden, head.weight, target_ids, temps, bias=head.bias, **chunks)
 
 
 def _per_token_value(value, cu, targets, dtype, device):
@@ -345,6 +366,7 @@ def completion_logprobs(
     top_k=None,
     top_p=None,
     min_p=None,
+    fused_lm_head=False,
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
@@ -357,6 +379,10 @@ def completion_logprobs(
     the *truncated* distribution instead — ``log_softmax`` of ``aligned_ops.sampling.truncate_logits(z / T)``,
     what the vLLM plugin returns with ``logprobs_mode="processed_logprobs"`` (bit for bit). A token outside
     the truncated set gets ``-inf``.
+
+    ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
+    log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
+    ``[tokens, vocab]`` logits and their gradient (full-vocabulary scoring and the fma linear profile only).
     """
     if not getattr(model, "_aligned_patched", False):
         raise ValueError("completion_logprobs: call aligned_ops.integrations.hf.patch_model(model) first")
@@ -370,4 +396,5 @@ def completion_logprobs(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        fused_lm_head=fused_lm_head,
     ).logprobs
