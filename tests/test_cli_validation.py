@@ -35,6 +35,8 @@ CASES = [
     (["demo", "--hidden", "12"], "--hidden must be a positive multiple of 8"),
     (["demo", "--lr", "0"], "--lr must be a finite number > 0"),
     (["demo", "--sft-steps", "-2"], "--sft-steps must be >= 0"),
+    (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
+    (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),
@@ -66,12 +68,23 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
     assert proc.returncode == 2 and "no config.json in that folder" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "demo"])
+@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe"])
 def test_validation_accepts_the_defaults(command):
     # Positive control: the default flags pass the same validation (checked without starting the runs).
     from aligned_ops import cli
 
-    cli.validate_args(cli.build_parser().parse_args([command]))
+    cli.validate_args(cli.build_parser().parse_args(command.split()))
+
+
+def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
+    from aligned_ops import cli
+
+    dense = cli.build_parser().parse_args(["demo"])
+    cli.validate_args(dense)
+    assert (dense.lag, dense.lr, dense.rl_warmup, dense.freeze_router) == (2, 5e-4, 0, False)
+    moe = cli.build_parser().parse_args(["demo", "--moe", "--lag", "3"])
+    cli.validate_args(moe)
+    assert moe.lag == 3 and moe.lr == cli.DEMO_MOE_DEFAULTS["lr"] and moe.freeze_router is True
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():
