@@ -102,3 +102,21 @@ def test_demo_pins_torch_and_onednn_isa_levels():
     if " avx2 " not in open("/proc/cpuinfo").read():
         pytest.skip("CPU without AVX2: torch stays at its default level")
     assert proc.stdout.split() == ["AVX2"]
+
+
+def test_moe_folder_written_by_transformers_is_accepted(tmp_path):
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts: the demo's own warm checkpoint was
+    # refused ("got 2/0") before check_moe_config read that name. Negative control: no expert count at all.
+    from aligned_ops import cli
+
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 1,
+           "vocab_size": 512, "hidden_act": "silu", "num_experts_per_tok": 2, "num_local_experts": 8,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cli.check_model_dir(str(tmp_path))
+    del cfg["num_local_experts"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(cli.UsageError, match="num_experts_per_tok must be in"):
+        cli.check_model_dir(str(tmp_path))
