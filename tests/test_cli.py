@@ -52,6 +52,24 @@ def test_demo_runs_and_records_every_step(tmp_path):
     assert "D3 peak-to-median" in out
 
 
+@pytest.mark.slow
+def test_moe_demo_prints_both_kernel_sets_d3_and_routing_flips(tmp_path):
+    # Structure only (a tiny config; the README's numbers come from the default run): the table names each
+    # column's D3 peak-to-median and the routing flips; with aligned kernels no route flips and no bit differs.
+    code, out = run_cli("demo", "--moe", "--steps", "2", "--rl-warmup", "1", "--sft-steps", "2", "--prompts", "2",
+                        "--samples", "2", "--layers", "1", "--out", str(tmp_path))
+    assert code == 0, out[-4000:]
+    assert "tiny Qwen3-MoE" in out and "2 logged steps after 1 unlogged" in out
+    for row in ("D3 peak-to-median", "routing flips (token·layer, all steps)", "kernel max abs Δlogp (any token)"):
+        assert len(table_row(out, row)) == 2
+    assert table_row(out, "routing flips (token·layer, all steps)")[1] == "0"
+    assert "D3 peak-to-median: standard" in out and "columns: standard = stock vLLM" in out
+    aligned = json.loads((tmp_path / "demo_aligned.json").read_text())
+    assert aligned["moe"] and [r["step"] for r in aligned["steps"]] == [0, 1]
+    assert all(r["routing_flips"] == 0 and r["kernel_abs_diff_max"] == 0.0 for r in aligned["steps"])
+    assert (tmp_path / "demo.png").stat().st_size > 0
+
+
 def test_cli_rejects_unknown_command():
     code, out = run_cli("nope")
     assert code != 0 and "invalid choice" in out

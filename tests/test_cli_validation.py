@@ -35,6 +35,8 @@ CASES = [
     (["demo", "--hidden", "12"], "--hidden must be a positive multiple of 8"),
     (["demo", "--lr", "0"], "--lr must be a finite number > 0"),
     (["demo", "--sft-steps", "-2"], "--sft-steps must be >= 0"),
+    (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
+    (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),
@@ -66,12 +68,23 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
     assert proc.returncode == 2 and "no config.json in that folder" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "demo"])
+@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe"])
 def test_validation_accepts_the_defaults(command):
     # Positive control: the default flags pass the same validation (checked without starting the runs).
     from aligned_ops import cli
 
-    cli.validate_args(cli.build_parser().parse_args([command]))
+    cli.validate_args(cli.build_parser().parse_args(command.split()))
+
+
+def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
+    from aligned_ops import cli
+
+    dense = cli.build_parser().parse_args(["demo"])
+    cli.validate_args(dense)
+    assert (dense.lag, dense.lr, dense.rl_warmup, dense.freeze_router) == (2, 5e-4, 0, False)
+    moe = cli.build_parser().parse_args(["demo", "--moe", "--lag", "3"])
+    cli.validate_args(moe)
+    assert moe.lag == 3 and moe.lr == cli.DEMO_MOE_DEFAULTS["lr"] and moe.freeze_router is True
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():
@@ -89,3 +102,21 @@ def test_demo_pins_torch_and_onednn_isa_levels():
     if " avx2 " not in open("/proc/cpuinfo").read():
         pytest.skip("CPU without AVX2: torch stays at its default level")
     assert proc.stdout.split() == ["AVX2"]
+
+
+def test_moe_folder_written_by_transformers_is_accepted(tmp_path):
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts: the demo's own warm checkpoint was
+    # refused ("got 2/0") before check_moe_config read that name. Negative control: no expert count at all.
+    from aligned_ops import cli
+
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 1,
+           "vocab_size": 512, "hidden_act": "silu", "num_experts_per_tok": 2, "num_local_experts": 8,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cli.check_model_dir(str(tmp_path))
+    del cfg["num_local_experts"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(cli.UsageError, match="num_experts_per_tok must be in"):
+        cli.check_model_dir(str(tmp_path))

@@ -118,8 +118,27 @@ def check_model_dir(path: str) -> None:
         raise UsageError(f"{e} (folder {path})") from None
 
 
+DEMO_DEFAULTS = dict(steps=60, sft_steps=150, rl_warmup=0, lag=2, prompts=16, samples=4, lr=5e-4, sft_lr=3e-3,
+                     router_scale=0.08, freeze_router=False)
+# --moe: what makes D3 show the mechanism (README "The MoE demo"): a warmed-up policy moved by a small, steady
+# learning rate with lag 1 (the lag's share of D3 small and smooth), routers kept near ties (bf16 kernel
+# differences flip routes under stock kernels).
+DEMO_MOE_DEFAULTS = dict(DEMO_DEFAULTS, steps=40, sft_steps=60, rl_warmup=10, lag=1, lr=3e-5,
+                         router_scale=0.08, freeze_router=True)
+
+
+def resolve_demo_defaults(args) -> None:
+    """Fill the demo flags left unset from the dense or the --moe defaults (idempotent)."""
+    table = DEMO_MOE_DEFAULTS if getattr(args, "moe", False) else DEMO_DEFAULTS
+    for key, value in table.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
+    if args.command == "demo":
+        resolve_demo_defaults(args)
     _at_least(args, "--threads", 1)
     _at_least(args, "--seed", 0)
     if args.command == "verify":
@@ -131,6 +150,8 @@ def validate_args(args) -> None:
     else:
         _at_least(args, "--steps", 1)
         _at_least(args, "--sft-steps", 0)
+        _at_least(args, "--rl-warmup", 0)
+        _positive_float(args, "--router-scale")
         _at_least(args, "--lag", 0)
         _at_least(args, "--prompts", 1)
         _at_least(args, "--samples", 1)
@@ -167,13 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 
     d = sub.add_parser("demo", help="small async RL run with REINFORCE Zero, standard vs aligned kernels")
-    d.add_argument("--steps", type=int, default=60, help="RL steps")
-    d.add_argument("--sft-steps", type=int, default=150, help="supervised warm-up steps before RL")
-    d.add_argument("--lag", type=int, default=2, help="rollout weights lag the trainer by this many steps")
-    d.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
-    d.add_argument("--samples", type=int, default=4, help="samples per prompt (group size)")
-    d.add_argument("--lr", type=float, default=5e-4, help="RL learning rate (AdamW on fp32 master weights)")
-    d.add_argument("--sft-lr", type=float, default=3e-3, help="supervised warm-up learning rate")
+    # Defaults: None here, filled from DEMO_DEFAULTS (dense) or DEMO_MOE_DEFAULTS (--moe) by resolve_demo_defaults.
+    d.add_argument("--steps", type=int, default=None, help="logged RL steps")
+    d.add_argument("--sft-steps", type=int, default=None, help="supervised warm-up steps before RL")
+    d.add_argument("--rl-warmup", type=int, default=None,
+                   help="RL steps trained before logging starts (Adam's first, largest updates; dense 0)")
+    d.add_argument("--lag", type=int, default=None, help="rollout weights lag the trainer by this many steps")
+    d.add_argument("--prompts", type=int, default=None, help="prompts per RL step")
+    d.add_argument("--samples", type=int, default=None, help="samples per prompt (group size)")
+    d.add_argument("--lr", type=float, default=None, help="RL learning rate (AdamW on fp32 master weights)")
+    d.add_argument("--sft-lr", type=float, default=None, help="supervised warm-up learning rate")
+    d.add_argument("--router-scale", type=float, default=None,
+                   help="--moe: std of the random router weights (small: close expert scores, routes that flip)")
+    d.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=None,
+                   help="--moe: keep the router weights fixed in warm-up and RL (routing stays close to ties)")
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.add_argument("--hidden", type=int, default=128, help="tiny model width")
     d.add_argument("--layers", type=int, default=2)

@@ -65,7 +65,7 @@ class Trainer:
     """The model in its checkpoint dtype (what both the trainer forward and vLLM run), fp32 master weights
     and AdamW on the masters: the usual mixed-precision set-up of an RL trainer."""
 
-    def __init__(self, model_dir: str, dtype: str, aligned: bool, lr: float):
+    def __init__(self, model_dir: str, dtype: str, aligned: bool, lr: float, freeze=lambda name: False):
         import torch
 
         from .verify import trainer_model
@@ -73,7 +73,10 @@ class Trainer:
         self.aligned = aligned
         self.model = trainer_model(model_dir, dtype, aligned)
         self.model.train()
-        self.params = [p for p in self.model.parameters()]
+        for name, p in self.model.named_parameters():
+            if freeze(name):
+                p.requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
@@ -110,14 +113,20 @@ class Trainer:
 # ---- supervised warm-up (parent, once) -----------------------------------------------------------------
 
 
-def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int) -> str:
+def is_router(name: str) -> bool:
+    """A MoE router weight (Qwen2/Qwen3-MoE ``mlp.gate``; not the shared-expert gate or gate_proj)."""
+    return name.endswith("mlp.gate.weight")
+
+
+def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int,
+                      freeze=lambda name: False) -> str:
     """Teach the task briefly (teacher-forced cross-entropy on the answers), save the checkpoint."""
     import torch
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     task = AdditionTask(tok)
-    trainer = Trainer(model_dir, dtype, aligned=False, lr=lr)
+    trainer = Trainer(model_dir, dtype, aligned=False, lr=lr, freeze=freeze)
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
         batch = task.sample(gen, 64)
@@ -137,27 +146,37 @@ def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: 
 
 
 def child(args) -> dict:
-    """One RL run with one kernel set (``args.kernels``); returns the per-step records and the D3 summary."""
+    """One RL run with one kernel set (``args.kernels``); returns the per-step records and the D3 summary.
+
+    The first ``args.rl_warmup`` RL steps train exactly like the others but are not logged: Adam's first
+    updates (bias-corrected, ≈ lr·sign(g) per weight) move the policy far more than its steady ones, and
+    would otherwise be the D3 peak of either kernel set. Logged steps are numbered from 0 after them.
+    """
     import torch
     from tqdm import tqdm
 
     from .diagnostics import MismatchTracker, mismatch_metrics
     from .integrations import rollout
     from .rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
+    from .verify import is_moe_model, routing_pair
 
     torch.manual_seed(args.seed)
     aligned = args.kernels == "aligned"
+    moe = is_moe_model(args.model)
+    freeze = is_router if (moe and args.freeze_router) else (lambda name: False)
     llm = rollout.make_llm(args.model, dtype=args.dtype, aligned=aligned, seed=args.seed)
     tok = llm.get_tokenizer()
     task = AdditionTask(tok)
-    trainer = Trainer(args.model, args.dtype, aligned, args.lr)
+    trainer = Trainer(args.model, args.dtype, aligned, args.lr, freeze)
     scorer = Trainer(args.model, args.dtype, aligned, args.lr)  # the trainer's forward at the rollout's weights
     history = [trainer.state_dict()]  # history[i] = weights after i steps
     tracker = MismatchTracker()
     gen = torch.Generator().manual_seed(args.seed + 2)
     steps = []
-    bar = tqdm(range(args.steps), desc=f"{args.kernels:>8}", unit="step", dynamic_ncols=True)
-    for step in bar:
+    warm = args.rl_warmup
+    bar = tqdm(range(warm + args.steps), desc=f"{args.kernels:>8}", unit="step", dynamic_ncols=True)
+    for it in bar:
+        logged = it >= warm
         behaviour = max(0, len(history) - 1 - args.lag)
         rollout.refit(llm, history[behaviour])
         scorer.model.load_state_dict(history[behaviour])
@@ -175,20 +194,36 @@ def child(args) -> dict:
             lp_rollout[b, starts[b] : starts[b] + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         adv = broadcast_to_tokens(grpo_advantages(rewards, group_size=args.samples), comp)
         loss, _ = reinforce_zero_loss(lp, lp_rollout, adv, comp)
-        d3 = tracker.update(step, lp.detach(), lp_rollout, comp)["kl_k3"]
+        if logged:
+            d3 = tracker.update(it - warm, lp.detach(), lp_rollout, comp)
+        else:
+            d3 = mismatch_metrics(lp.detach(), lp_rollout, comp)
+        experts = {}
+        if logged and moe:  # both sides' expert choices at the rollout's weights (one vLLM prefill per sequence)
+            experts = dict(zip(("trainer_experts", "rollout_experts"),
+                               routing_pair(llm, scorer.model, aligned, sequences, starts, task.eos)))
         with torch.no_grad():
             lp_behaviour, _ = scorer.logprobs(sequences, starts, task.eos)
-        kernel = mismatch_metrics(lp_behaviour, lp_rollout, comp)
+        kernel = mismatch_metrics(lp_behaviour, lp_rollout, comp, **experts)
         grad_norm = trainer.step(loss)
         history.append(trainer.state_dict())
         history = history[-(args.lag + 2):] if len(history) > args.lag + 2 else history
-        rec = dict(step=step, reward=float(rewards.mean()), d3=d3, kernel_abs_diff_max=kernel["abs_diff_max"],
-                   kernel_frac_bitwise_equal=kernel["frac_bitwise_equal"], kernel_d3=kernel["kl_k3"],
-                   ratio_max=kernel["ratio_max"],
+        if not logged:
+            bar.set_postfix(warmup=f"{it + 1}/{warm}", D3=f"{d3['kl_k3']:.2e}")
+            continue
+        rec = dict(step=it - warm, reward=float(rewards.mean()), d3=d3["kl_k3"], ratio_max=d3["ratio_max"],
+                   ratio_min=d3["ratio_min"], num_tokens=d3["num_tokens"],
+                   kernel_abs_diff_max=kernel["abs_diff_max"], kernel_frac_bitwise_equal=kernel["frac_bitwise_equal"],
+                   kernel_d3=kernel["kl_k3"], kernel_ratio_max=kernel["ratio_max"],
                    grad_norm=grad_norm, loss=loss.item())
+        if moe:
+            rec.update(routing_flips=kernel["routing_flips"], tokens_routing_flipped=kernel["num_tokens_routing_flipped"],
+                       kernel_abs_diff_max_routing_flipped=kernel["abs_diff_max_routing_flipped"],
+                       kernel_abs_diff_max_routing_agreed=kernel["abs_diff_max_routing_agreed"])
         steps.append(rec)
-        bar.set_postfix(reward=f"{rec['reward']:.2f}", D3=f"{d3:.2e}", kernelΔ=f"{rec['kernel_abs_diff_max']:.1e}")
-    return dict(kernels=args.kernels, steps=steps, summary=tracker.summary())
+        bar.set_postfix(reward=f"{rec['reward']:.2f}", D3=f"{rec['d3']:.2e}", kernelΔ=f"{rec['kernel_abs_diff_max']:.1e}",
+                        **({"flips": int(rec["routing_flips"])} if moe else {}))
+    return dict(kernels=args.kernels, moe=moe, steps=steps, summary=tracker.summary())
 
 
 def plot(results: dict, path: str) -> None:
@@ -197,19 +232,24 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_d, ax_k) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (ax_r, ax_d, ax_k) = plt.subplots(1, 3, figsize=(16, 4.2))
     floor = 1e-12  # log axes: exact zeros are drawn at this floor
     for k in KERNEL_SETS:
         s = results[k]["steps"]
         x = [r["step"] for r in s]
+        ptm = results[k]["summary"]["d3_peak_to_median"]
         ax_r.plot(x, [r["reward"] for r in s], label=f"{k} kernels")
-        ax_d.semilogy(x, [max(r["d3"], floor) for r in s], label=f"{k} kernels")
+        (line,) = ax_d.semilogy(x, [max(r["d3"], floor) for r in s], label=f"{k} kernels (peak/median {ptm:.3g})")
+        flipped = [(r["step"], max(r["d3"], floor)) for r in s if r.get("routing_flips", 0) > 0]
+        if flipped:
+            ax_d.scatter(*zip(*flipped), marker="x", color=line.get_color(), zorder=3,
+                         label=f"{k}: step with a routing flip")
         ax_k.semilogy(x, [max(r["kernel_abs_diff_max"], floor) for r in s], label=f"{k} kernels")
     ax_r.set(title="reward (exact match)", xlabel="RL step")
-    ax_d.set(title="D3 = k3(π ‖ μ) per step (weight lag + kernels)", xlabel="RL step")
+    ax_d.set(title="D3 = mean k3(π ‖ μ) per step (weight lag + kernels)", xlabel="RL step")
     ax_k.set(title=f"kernel mismatch: max |Δlogp| at μ's weights (0 drawn at {floor:g})", xlabel="RL step")
     for ax in (ax_r, ax_d, ax_k):
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -225,16 +265,20 @@ def main(args) -> int:
     if getattr(args, "moe", False):
         base = build_tiny_moe(os.path.join(args.out, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype),
                               seed=args.seed, hidden_size=args.hidden, moe_intermediate_size=args.hidden // 2,
-                              num_hidden_layers=args.layers)
+                              num_hidden_layers=args.layers, router_scale=args.router_scale)
     else:
         base = build_tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), dtype=getattr(torch, args.dtype),
                                 seed=args.seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                                 num_hidden_layers=args.layers)
     print(f"supervised warm-up: {args.sft_steps} steps ...", flush=True)
-    warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed)
+    moe = getattr(args, "moe", False)
+    freeze = is_router if (moe and args.freeze_router) else (lambda name: False)
+    warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed,
+                             freeze)
     argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),
-            "--prompts", str(args.prompts), "--samples", str(args.samples), "--lr", str(args.lr),
-            "--seed", str(args.seed)]
+            "--rl-warmup", str(args.rl_warmup), "--prompts", str(args.prompts), "--samples", str(args.samples),
+            "--lr", str(args.lr), "--seed", str(args.seed),
+            "--freeze-router" if args.freeze_router else "--no-freeze-router"]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     results = {k: run_child(k, argv, os.path.join(args.out, f"demo_{k}.json")) for k in KERNEL_SETS}
@@ -244,17 +288,41 @@ def main(args) -> int:
         n = max(1, len(s) // 5)  # mean over the first and last fifth of the run
         return sum(r[key] for r in s[:n]) / n, sum(r[key] for r in s[-n:]) / n
 
+    def over_steps(k, key, reduce=max):
+        return reduce(r[key] for r in results[k]["steps"])
+
+    summary = {k: results[k]["summary"] for k in KERNEL_SETS}
     rows = [
-        ("reward start -> end", [f"{first_last(k, 'reward')[0]:.2f} -> {first_last(k, 'reward')[1]:.2f}" for k in KERNEL_SETS]),
-        ("D3 median", [results[k]["summary"]["d3_median"] for k in KERNEL_SETS]),
-        ("D3 peak", [results[k]["summary"]["d3_peak"] for k in KERNEL_SETS]),
-        ("D3 peak-to-median", [results[k]["summary"]["d3_peak_to_median"] for k in KERNEL_SETS]),
-        ("kernel-only D3 (max over steps)", [max(r["kernel_d3"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
-        ("kernel max abs Δlogp (any step)", [max(r["kernel_abs_diff_max"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
-        ("kernel bitwise equal (min %)", [100 * min(r["kernel_frac_bitwise_equal"] for r in results[k]["steps"]) for k in KERNEL_SETS]),
+        ("reward, first -> last fifth", [f"{first_last(k, 'reward')[0]:.2f} -> {first_last(k, 'reward')[1]:.2f}" for k in KERNEL_SETS]),
+        ("D3 median over steps", [summary[k]["d3_median"] for k in KERNEL_SETS]),
+        ("D3 peak over steps", [summary[k]["d3_peak"] for k in KERNEL_SETS]),
+        ("D3 peak-to-median", [summary[k]["d3_peak_to_median"] for k in KERNEL_SETS]),
+        ("max IS ratio π/μ (any token)", [over_steps(k, "ratio_max") for k in KERNEL_SETS]),
+        ("kernel-only D3 (max over steps)", [over_steps(k, "kernel_d3") for k in KERNEL_SETS]),
+        ("kernel max abs Δlogp (any token)", [over_steps(k, "kernel_abs_diff_max") for k in KERNEL_SETS]),
+        ("kernel bitwise equal (min %)", [100 * over_steps(k, "kernel_frac_bitwise_equal", min) for k in KERNEL_SETS]),
     ]
-    print_table(f"async RL demo: {args.steps} steps, lag {args.lag}, {args.prompts}x{args.samples} rollouts/step, "
-                f"{args.dtype}, REINFORCE Zero (untruncated token IS)", list(KERNEL_SETS), rows)
+    moe = all(results[k].get("moe") for k in KERNEL_SETS)
+    if moe:
+        rows += [
+            ("routing flips (token·layer, all steps)", [int(over_steps(k, "routing_flips", sum)) for k in KERNEL_SETS]),
+            ("steps with a routing flip", [sum(r["routing_flips"] > 0 for r in results[k]["steps"]) for k in KERNEL_SETS]),
+            ("kernel max abs Δlogp, routing flipped", [over_steps(k, "kernel_abs_diff_max_routing_flipped") for k in KERNEL_SETS]),
+            ("kernel max abs Δlogp, routing agreed", [over_steps(k, "kernel_abs_diff_max_routing_agreed") for k in KERNEL_SETS]),
+        ]
+    model = "tiny Qwen3-MoE" if moe else "tiny Qwen2"
+    print_table(f"async RL demo ({model}): {args.steps} logged steps after {args.rl_warmup} unlogged, lag {args.lag}, "
+                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step, {args.dtype}, REINFORCE Zero "
+                f"(untruncated token IS)", list(KERNEL_SETS), rows)
+    print("\ncolumns: standard = stock vLLM rollouts + stock Hugging Face trainer; aligned = vLLM with the aligned_ops "
+          "plugin + the patched trainer.\nrows: D3 = per step, mean over the completion tokens of k3 = (ρ-1) - log ρ, "
+          "ρ = π_trainer/μ_rollout (current vs lagged weights: lag + kernel mismatch); kernel-only rows compare the "
+          "trainer at the rollout's own weights with vLLM (kernel mismatch alone)"
+          + ("; routing flips: (token, layer) pairs whose top-k expert set differs between the two, at the rollout's "
+             "weights." if moe else "."))
+    ptm = {k: summary[k]["d3_peak_to_median"] for k in KERNEL_SETS}
+    print(f"D3 peak-to-median: standard {ptm['standard']:.3g}, aligned {ptm['aligned']:.3g} "
+          f"(standard / aligned = {ptm['standard'] / ptm['aligned']:.3g}x)")
     png = os.path.join(args.out, "demo.png")
     plot(results, png)
     print(f"\nplot: {png}\nresults: {args.out}/demo_*.json\nwall time: {time.time() - t0:.0f} s")

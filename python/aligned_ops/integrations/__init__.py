@@ -79,7 +79,10 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
 
 def check_moe_config(config, where: str) -> None:
     """MoE-specific refusals (Qwen3-MoE / Qwen2-MoE): only what aligned::moe_* reproduces."""
-    top_k, experts = getattr(config, "num_experts_per_tok", 0), getattr(config, "num_experts", 0)
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an attribute_map alias): a raw
+    # config.json read by check_model_dir has only that name.
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    top_k = getattr(config, "num_experts_per_tok", 0)
     if not (1 <= top_k <= experts):
         raise ValueError(f"aligned_ops ({where}): num_experts_per_tok must be in [1, num_experts], got {top_k}/{experts}")
     if getattr(config, "hidden_act", "silu") != "silu":
