@@ -86,6 +86,7 @@ def run_every_op(gen):
     ops.linear_backward(randn(5, 11, gen=gen), x, randn(11, 97, gen=gen), True, True, True)
     ops._exp_f32(x)
     ops._log_f32(x.abs())
+    ops.linear_exact(x.bfloat16(), randn(11, 97, dtype=torch.bfloat16, gen=gen), None)  # int8 MMA / MFMA kernels
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
