@@ -55,7 +55,7 @@ def digit_rows(K, dtype, gen):
     return torch.stack(rows).to(dtype)
 
 
-def cpu_vs_emulated(arch, *args, packed_kparts=None):
+def cpu_vs_emulated(arch, *args):
     ref = ops.linear_exact(*args)
     with aligned_ops.emulate(arch) as emu:
         got = ops.linear_exact(*args)
