@@ -32,6 +32,23 @@
 
 namespace aligned::exact {
 
+// Every helper below is host + device (ALIGNED_HD): the CPU kernels, the CUDA / HIP kernels of
+// csrc/gpu/exact_linear_kernels.cuh and their emulated builds call these same functions.
+ALIGNED_HD int clz64(uint64_t v) {  // v != 0
+#if defined(__CUDA_ARCH__)
+  return __clzll((long long)v);
+#else
+  return __builtin_clzll(v);
+#endif
+}
+ALIGNED_HD int ctz64(uint64_t v) {  // v != 0
+#if defined(__CUDA_ARCH__)
+  return __ffsll((long long)v) - 1;
+#else
+  return __builtin_ctzll(v);
+#endif
+}
+
 constexpr int kMaxDigits = 4;
 constexpr int64_t kMaxK = 131072;
 
@@ -40,7 +57,7 @@ struct Decomp {
   int64_t mant;
   int exp;
 };
-inline Decomp decompose(float f) {
+ALIGNED_HD Decomp decompose(float f) {
   const uint32_t u = bits_of(f);
   const int be = (int)((u >> 23) & 0xff);
   int64_t m = (int64_t)(u & 0x7fffff);
@@ -52,19 +69,19 @@ inline Decomp decompose(float f) {
     e = be - 150;
   }
   if (m == 0) return {0, 0};
-  const int tz = __builtin_ctzll((uint64_t)m);
+  const int tz = ctz64((uint64_t)m);
   m >>= tz;
   e += tz;
   return {(u >> 31) ? -m : m, e};
 }
 
-inline bool is_finite_bits(float f) { return ((bits_of(f) >> 23) & 0xff) != 0xff; }
+ALIGNED_HD bool is_finite_bits(float f) { return ((bits_of(f) >> 23) & 0xff) != 0xff; }
 
 // floor(log2 |f|) for f != 0 (f finite).
-inline int ilog2_abs(float f) {
+ALIGNED_HD int ilog2_abs(float f) {
   const Decomp d = decompose(f);
   const uint64_t a = (uint64_t)(d.mant < 0 ? -d.mant : d.mant);
-  return d.exp + 63 - __builtin_clzll(a);
+  return d.exp + 63 - clz64(a);
 }
 
 struct RowForm {
@@ -74,34 +91,52 @@ struct RowForm {
   bool zero;   // every element is zero
 };
 
-template <typename T>
-inline RowForm row_form(const T* v, int64_t K) {
-  RowForm r{0, 1, false, true};
-  int emax = -100000, lmin = 100000;
-  for (int64_t k = 0; k < K; ++k) {
-    const float f = to_f32(v[k]);
-    if (!is_finite_bits(f)) {
-      r.bad = true;
-      continue;
-    }
-    if (f == 0.0f) continue;
-    const Decomp d = decompose(f);
-    const uint64_t a = (uint64_t)(d.mant < 0 ? -d.mant : d.mant);
-    const int e = d.exp + 63 - __builtin_clzll(a);
-    emax = e > emax ? e : emax;
-    lmin = d.exp < lmin ? d.exp : lmin;
-    r.zero = false;
+// row_form in pieces, for kernels that scan a row in parallel (GPU lanes): the per-element scan, an exact
+// order-free merge (max / min / or of integers) and the final form. row_form is exactly these pieces.
+struct RowScan {
+  int emax;  // max floor(log2 |v|) over finite nonzero v (-100000: none)
+  int lmin;  // min lowest-set-bit exponent over finite nonzero v (100000: none)
+  bool bad;  // NaN or inf seen
+};
+ALIGNED_HD RowScan row_scan_init() { return RowScan{-100000, 100000, false}; }
+ALIGNED_HD void row_scan_add(RowScan& s, float f) {
+  if (!is_finite_bits(f)) {
+    s.bad = true;
+    return;
   }
-  if (r.zero) return r;
-  r.E = emax;
-  const int need = emax - lmin + 3;  // 8S >= need
-  int S = (need + 7) / 8;
+  if (f == 0.0f) return;
+  const Decomp d = decompose(f);
+  const uint64_t a = (uint64_t)(d.mant < 0 ? -d.mant : d.mant);
+  const int e = d.exp + 63 - clz64(a);
+  s.emax = e > s.emax ? e : s.emax;
+  s.lmin = d.exp < s.lmin ? d.exp : s.lmin;
+}
+ALIGNED_HD RowScan row_scan_merge(RowScan a, const RowScan& b) {
+  a.emax = b.emax > a.emax ? b.emax : a.emax;
+  a.lmin = b.lmin < a.lmin ? b.lmin : a.lmin;
+  a.bad = a.bad || b.bad;
+  return a;
+}
+ALIGNED_HD RowForm row_scan_form(const RowScan& s) {
+  RowForm r{0, 1, s.bad, true};
+  if (s.lmin == 100000) return r;  // no finite nonzero element
+  r.zero = false;
+  r.E = s.emax;
+  const int need = s.emax - s.lmin + 3;  // 8S >= need
+  const int S = (need + 7) / 8;
   r.S = S < 1 ? 1 : (S > kMaxDigits ? kMaxDigits : S);
   return r;
 }
 
+template <typename T>
+ALIGNED_HD RowForm row_form(const T* v, int64_t K) {
+  RowScan s = row_scan_init();
+  for (int64_t k = 0; k < K; ++k) row_scan_add(s, to_f32(v[k]));
+  return row_scan_form(s);
+}
+
 // V = RNE(f * 2^(8S - 3 - E)) as an integer (|V| < 2^(8S-2) <= 2^30). f finite.
-inline int32_t quantize(float f, int S, int E) {
+ALIGNED_HD int32_t quantize(float f, int S, int E) {
   const Decomp d = decompose(f);
   if (d.mant == 0) return 0;
   const int sh = d.exp + 8 * S - 3 - E;  // V = mant * 2^sh
@@ -118,7 +153,7 @@ inline int32_t quantize(float f, int S, int E) {
 }
 
 // Balanced base-256 digits of V, top first: out[t * stride] for t < S.
-inline void split_digits(int32_t V, int S, int8_t* out, int64_t stride) {
+ALIGNED_HD void split_digits(int32_t V, int S, int8_t* out, int64_t stride) {
   int64_t v = V;
   for (int t = S - 1; t >= 1; --t) {
     const int64_t d = ((v + 128) & 255) - 128;
@@ -129,12 +164,12 @@ inline void split_digits(int32_t V, int S, int8_t* out, int64_t stride) {
 }
 
 // round_f32(acc * 2^q): round to nearest even, subnormals and overflow to inf as IEEE.
-inline float round_i128_f32(__int128 acc, int q) {
+ALIGNED_HD float round_i128_f32(__int128 acc, int q) {
   if (acc == 0) return 0.0f;
   const bool neg = acc < 0;
   unsigned __int128 a = neg ? (unsigned __int128)(-acc) : (unsigned __int128)acc;
   const uint64_t hi = (uint64_t)(a >> 64), lo = (uint64_t)a;
-  const int p = hi ? 127 - __builtin_clzll(hi) : 63 - __builtin_clzll(lo);  // msb position
+  const int p = hi ? 127 - clz64(hi) : 63 - clz64(lo);  // msb position
   int e = p + q;                                                             // value in [2^e, 2^(e+1))
   // keep bits down to 2^(e - 23), or to 2^-149 for subnormal results
   int lsb = e - 23;
@@ -155,7 +190,7 @@ inline float round_i128_f32(__int128 acc, int q) {
   if (m == 0) return neg ? -0.0f : 0.0f;
   // m * 2^lsb, m <= 2^24: exact in fp32 unless it overflows
   float r;
-  if (lsb + (63 - __builtin_clzll(m | 1)) > 127) {
+  if (lsb + (63 - clz64(m | 1)) > 127) {
     r = float_of(0x7f800000u);
   } else {
     // build m * 2^lsb exactly: m < 2^25, scale in two exact steps (both powers of two are normal)
@@ -171,7 +206,7 @@ inline float round_i128_f32(__int128 acc, int q) {
 // Fast path when |hi|, |lo| < 2^53: both are exact doubles; their sum is formed exactly as a two-sum and
 // rounded to odd in double (53 >= 24 + 2 bits, so the following round to fp32 is the correct rounding of the
 // exact value); scaling by 2^q is exact in double for every q the canonical forms produce. Otherwise int128.
-inline float round_split_f32(int64_t hi, int64_t lo, int q) {
+ALIGNED_HD float round_split_f32(int64_t hi, int64_t lo, int q) {
   constexpr int64_t lim = (int64_t)1 << 53;
   if (hi > -lim && hi < lim && lo > -lim && lo < lim && q > -900 && q < 900) {
     const double a = (double)hi * 4294967296.0, b = (double)lo;
@@ -201,7 +236,22 @@ inline float round_split_f32(int64_t hi, int64_t lo, int q) {
 // Weight of digit pair (t, u) in the int128 combine: acc = sum_tu C_tu << (8 * (6 - t - u)), value
 // acc * 2^(Ex + Ew - 10 - 48).
 constexpr int kCombineTop = 2 * (kMaxDigits - 1);
-inline int combine_q(int Ex, int Ew) { return Ex + Ew - 10 - 8 * kCombineTop; }
+ALIGNED_HD int combine_q(int Ex, int Ew) { return Ex + Ew - 10 - 8 * kCombineTop; }
+
+// The split accumulator of the kernels: acc = hi * 2^32 + lo. An exact digit-pair (or same-level) sum c of
+// level s = t + u weighs 2^(8 (6 - s)); levels 0..2 go to hi, 3..6 to lo (bounds: see the CPU combine).
+ALIGNED_HD void add_level(int64_t& hi, int64_t& lo, int s, int64_t c) {
+  if (s <= 2) {
+    hi += c * ((int64_t)1 << (8 * (2 - s)));
+  } else {
+    lo += c * ((int64_t)1 << (8 * (6 - s)));
+  }
+}
+
+// One output before the bias: NaN when its x row or weight row holds a NaN / inf, else the single rounding.
+ALIGNED_HD float exact_output_f32(int64_t hi, int64_t lo, int Ex, int Ew, bool bad) {
+  return bad ? float_of(0x7fc00000u) : round_split_f32(hi, lo, combine_q(Ex, Ew));
+}
 
 // The scalar definition: one output from the canonical integers (no digits), for tests and the generic path.
 inline __int128 exact_dot_ref(const int32_t* X, const int32_t* W, int64_t K) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_backend.h"
+#include "emulation_hook.h"
 #include "glue_checks.h"
 
 namespace aligned::cpu {
@@ -188,11 +189,12 @@ std::string exact_unit() { return exact_kernels().unit(use_amx()); }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(aligned, CPU, m) {
+TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
+  EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)
   m.impl("linear_exact", &linear_exact);
   m.impl("linear_exact_pack_weight", &linear_exact_pack_weight);
   m.impl("linear_exact_packed", &linear_exact_packed);
-  m.impl("_linear_exact_reference", &linear_exact_reference);
+  lib.impl("_linear_exact_reference", &linear_exact_reference);
 }
 
 TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_exact_unit() -> str", &exact_unit); }

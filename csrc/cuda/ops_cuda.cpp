@@ -32,7 +32,9 @@
 #include <tuple>
 
 #include "../common/contract.h"
+#include "../common/exact_linear.h"
 #include "../gpu/dense_api.h"
+#include "../gpu/exact_api.h"
 #include "../op_checks.h"
 
 namespace aligned::cuda {
@@ -433,6 +435,122 @@ at::Tensor elementwise_f32(const at::Tensor& x, bool is_log, const char* op) {
 at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, false, "_exp_f32"); }
 at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, true, "_log_f32"); }
 
+// ---- the exact linear (csrc/gpu/exact_linear_kernels.cuh; numbers: csrc/common/exact_linear.h) ------------
+// Same packed form as the CPU (op_checks.h): (wd int8 [Sw, Np * Kp], w_exp int32 [N + 1] with K at [N],
+// w_bad uint8 [N]), packed here by the row-forms + pack kernels. Sw = the max of the rows' digit counts is
+// read back to size the buffer (one synchronisation per weight version, at pack time).
+constexpr int64_t exact_ceil(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+void exact_row_forms(DType dt, const at::Tensor& v, int64_t rows, int64_t K, at::Tensor& E, at::Tensor& S,
+                     at::Tensor& bad, const char* op) {
+  gpu::ExactFormsParams f{};
+  f.dt = dt;
+  f.v = v.data_ptr();
+  f.rows = rows;
+  f.K = K;
+  f.E = E.data_ptr<int32_t>();
+  f.S = S.data_ptr<int8_t>();
+  f.bad = bad.data_ptr<uint8_t>();
+  check_launch(gpu::launch_exact_row_forms(f, current_stream(v)), op);
+}
+
+void exact_pack(DType dt, const at::Tensor& v, int64_t rows, int64_t K, int64_t Kp, const at::Tensor& E,
+                const at::Tensor* S, int fixed_digits, at::Tensor& out, const char* op) {
+  gpu::ExactPackParams p{};
+  p.dt = dt;
+  p.v = v.data_ptr();
+  p.rows = rows;
+  p.K = K;
+  p.Kp = Kp;
+  p.plane = out.size(1) * (out.dim() == 3 ? out.size(2) : 1);
+  p.E = E.data_ptr<int32_t>();
+  p.S = S ? S->data_ptr<int8_t>() : nullptr;
+  p.fixed_digits = fixed_digits;
+  p.weight_layout = S == nullptr;
+  p.out = out.data_ptr<int8_t>();
+  check_launch(gpu::launch_exact_pack_digits(p, current_stream(v)), op);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at::Tensor& weight) {
+  const char* op = "linear_exact_pack_weight";
+  check_cuda(weight, weight, op, "weight");
+  const DType dt = check_linear_exact_weight<DType>(weight, op);
+  c10::DeviceGuard guard(weight.device());
+  auto wc = weight.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), Np = exact_ceil(N, 16), Kp = exact_ceil(K, 64);
+  auto opts = weight.options();
+  auto we = at::zeros({N + 1}, opts.dtype(at::kInt));
+  auto ws = at::ones({std::max<int64_t>(N, 1)}, opts.dtype(at::kChar));
+  auto wb = at::zeros({N}, opts.dtype(at::kByte));
+  exact_row_forms(dt, wc, N, K, we, ws, wb, op);
+  const int sw = N > 0 ? (int)ws.narrow(0, 0, N).max().item<int8_t>() : 1;
+  auto wd = at::zeros({sw, Np * Kp}, opts.dtype(at::kChar));
+  exact_pack(dt, wc, N, K, Kp, we, nullptr, sw, wd, op);
+  we.narrow(0, N, 1).fill_(K);  // the packed form's in_features
+  return {wd, we, wb};
+}
+
+at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
+                               int64_t k_parts) {
+  const char* op = "linear_exact_packed";
+  check_cuda(x, x, op, "x");
+  check_cuda(wd, x, op, "weight_digits");
+  check_cuda(w_exp, x, op, "weight_exponents");
+  check_cuda(w_bad, x, op, "weight_nonfinite");
+  if (bias.has_value() && bias->defined()) check_cuda(*bias, x, op, "bias");
+  c10::DeviceGuard guard(x.device());
+  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts);
+  const int64_t M = a.M, K = a.K, Mp = exact_ceil(M, 16), Kp = exact_ceil(K, 64);
+  auto xc = x.reshape({M, K}).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.view(sizes);
+  auto opts = x.options();
+  auto xd = at::zeros({exact::kMaxDigits, Mp, Kp}, opts.dtype(at::kChar));
+  auto xe = at::empty({M}, opts.dtype(at::kInt));
+  auto xs = at::empty({M}, opts.dtype(at::kChar));
+  auto xb = at::empty({M}, opts.dtype(at::kByte));
+  exact_row_forms(a.dt, xc, M, K, xe, xs, xb, op);
+  exact_pack(a.dt, xc, M, K, Kp, xe, &xs, 0, xd, op);
+  gpu::ExactGemmParams p{};
+  p.dt = a.dt;
+  p.xd = xd.data_ptr<int8_t>();
+  p.x_plane = Mp * Kp;
+  p.x_exp = xe.data_ptr<int32_t>();
+  p.x_digits = xs.data_ptr<int8_t>();
+  p.x_bad = xb.data_ptr<uint8_t>();
+  p.wd = wd.data_ptr<int8_t>();
+  p.w_plane = wd.size(1);
+  p.w_exp = w_exp.data_ptr<int32_t>();
+  p.w_bad = w_bad.data_ptr<uint8_t>();
+  p.w_digits = (int)wd.size(0);
+  p.bias = a.bias.defined() ? a.bias.data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.Kp = Kp;
+  // k_parts cuts K into parts summed on their own (exactly combined): here it sets the k per int32 level sum.
+  const int64_t part = exact_ceil((Kp + std::min<int64_t>(k_parts, Kp) - 1) / std::min<int64_t>(k_parts, Kp), 32);
+  p.chunk_k = std::max<int64_t>(32, std::min<int64_t>(8192, part));
+  check_launch(gpu::launch_exact_gemm(p, current_stream(x)), op);
+  return out.view(sizes);
+}
+
+at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_exact";
+  check_cuda(x, x, op, "x");
+  check_cuda(weight, x, op, "weight");
+  const DType dt = check_linear_exact_weight<DType>(weight, op);
+  TORCH_CHECK(dtype_of<DType>(x, op, "x") == dt, "aligned::linear_exact: weight dtype ", weight.scalar_type(),
+              " must equal x dtype ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "aligned::linear_exact: x has ",
+              x.dim() >= 1 ? x.size(-1) : 0, " input features but weight is ", weight.sizes());
+  auto [wd, we, wb] = linear_exact_pack_weight(weight);
+  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1);
+}
+
 }  // namespace
 
 #if defined(ALIGNED_EMULATED_GLUE)
@@ -458,6 +576,9 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("log_softmax_backward", &log_softmax_backward);
   m.impl("_exp_f32", &exp_f32);
   m.impl("_log_f32", &log_f32);
+  m.impl("linear_exact", &linear_exact);
+  m.impl("linear_exact_pack_weight", &linear_exact_pack_weight);
+  m.impl("linear_exact_packed", &linear_exact_packed);
 }
 
 }  // namespace aligned::cuda

@@ -40,6 +40,7 @@ enum class Fault : int {
   kNone = 0,
   kShuffleNeighbourTree = 1,  // shfl_xor mask bits reversed: a butterfly 16..1 sums neighbours first
   kBarrierNoop = 2,    // __syncthreads does not wait for the other threads
+  kMatrixLayout = 3,   // integer MMA models read a wrong fragment layout (A's k halves / B's k words swapped)
 };
 
 struct LaunchRecord {

@@ -37,7 +37,7 @@ std::vector<int64_t> emulate_selftest(const std::string& name) {
 void emulate_enter(const std::string& arch, int64_t fault) {
   const Arch* a = find_arch(arch);
   TORCH_CHECK(a != nullptr, "aligned_ops.emulate: arch must be one of ", known_archs(), ", got '", arch, "'");
-  TORCH_CHECK(fault >= 0 && fault <= 2, "aligned_ops.emulate: unknown fault ", fault);
+  TORCH_CHECK(fault >= 0 && fault <= 3, "aligned_ops.emulate: unknown fault ", fault);
   enter(a, (Fault)fault);
 }
 

@@ -56,14 +56,18 @@ thread_local const ThreadCoords* tl_coords = nullptr;
 namespace {
 const Arch kArchs[] = {
     {"sm_90", Vendor::kCuda, 32, 227 * 1024,
-     "none emulated (no kernel uses an MMA); bf16/fp16 wgmma would follow MMA-Sim's Hopper model: K=16 fused dot "
+     "integer mma.sync m16n8k32 s8 (exact: int32 sums of int8 products, PTX fragment layout); no float MMA is "
+     "emulated; bf16/fp16 wgmma would follow MMA-Sim's Hopper model: K=16 fused dot "
      "+ C, terms aligned to the largest exponent, truncated to 25 fractional bits, round toward zero"},
     {"sm_100", Vendor::kCuda, 32, 227 * 1024,
-     "none emulated (no kernel uses an MMA); bf16/fp16 tcgen05 would follow MMA-Sim's Blackwell model (as Hopper)"},
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; bf16/fp16 tcgen05 would follow MMA-Sim's Blackwell model (as Hopper)"},
     {"gfx942", Vendor::kHip, 64, 64 * 1024,
-     "none emulated (no kernel uses an MFMA); bf16/fp16 MFMA would follow MMA-Sim's CDNA3 model: groups of 8 "
+     "integer v_mfma_i32_16x16x32_i8 (exact: int32 sums of int8 products, CDNA3 fragment layout); no float "
+     "MFMA is emulated; bf16/fp16 MFMA would follow MMA-Sim's CDNA3 model: groups of 8 "
      "products truncated to 24 bits, group sum floored to 31 bits, round to nearest even"},
-    {"gfx950", Vendor::kHip, 64, 160 * 1024, "none emulated (no kernel uses an MFMA); MMA-Sim has no CDNA4 model"},
+    {"gfx950", Vendor::kHip, 64, 160 * 1024,
+     "integer v_mfma_i32_16x16x32_i8 (exact, CDNA3 fragment layout, kept on CDNA4); no float MFMA is emulated; "
+     "MMA-Sim has no CDNA4 model"},
 };
 }  // namespace
 
@@ -406,6 +410,7 @@ const char* op_name(WarpOp op) {
     case WarpOp::kAny: return "any";
     case WarpOp::kAll: return "all";
     case WarpOp::kSyncWarp: return "syncwarp";
+    case WarpOp::kMatrix: return "matrix instruction";
   }
   return "?";
 }
@@ -430,6 +435,20 @@ uint64_t warp_collective(WarpOp op, uint64_t value, int arg, int width, uint64_t
   l.state = LaneState::kWarpOp;
   yield_to_scheduler();
   return l.result;
+}
+
+void warp_matrix(MatrixOp op, MatrixFragment* f, uint64_t mask, bool has_mask) {
+  Lane& l = running_lane("a matrix instruction");
+  if (has_mask && !((mask >> l.lane) & 1))
+    device_fault("matrix instruction: the calling lane " + std::to_string(l.lane) + " is not in the warp mask");
+  l.op = WarpOp::kMatrix;
+  l.value = (uint64_t)(uintptr_t)f;
+  l.arg = (int)op;
+  l.width = l.coords.warp_size;
+  l.mask = has_mask ? mask : ~0ull;
+  l.has_mask = has_mask;
+  l.state = LaneState::kWarpOp;
+  yield_to_scheduler();
 }
 
 void sync_threads() {
@@ -493,6 +512,74 @@ int shuffle_source(const Lane& l, Fault fault) {
   return s;
 }
 
+// ---- integer matrix instruction models (simt_api.h: exact sums, the vendors' fragment layouts) --------------
+int8_t frag_byte(uint32_t word, int i) { return (int8_t)(uint8_t)(word >> (8 * i)); }
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 — PTX ISA "Matrix Fragments for mma.m16n8k32" (.s8/.u8):
+// lane l, g = l >> 2, q = l & 3: a[0] A[g][4q + i], a[1] A[g + 8][4q + i], a[2] A[g][16 + 4q + i],
+// a[3] A[g + 8][16 + 4q + i]; b[0] B[4q + i][g], b[1] B[16 + 4q + i][g]; c[r] C[g + 8 (r >> 1)][2q + (r & 1)].
+void model_mma_m16n8k32_s8(MatrixFragment* const* f, bool wrong_layout) {
+  int32_t A[16][32], B[32][8];
+  int64_t C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, q = l & 3;
+    const int a1 = wrong_layout ? 2 : 1, a2 = wrong_layout ? 1 : 2;  // negative control: a[1] <-> a[2]
+    for (int i = 0; i < 4; ++i) {
+      A[g][4 * q + i] = frag_byte(f[l]->a[0], i);
+      A[g + 8][4 * q + i] = frag_byte(f[l]->a[a1], i);
+      A[g][16 + 4 * q + i] = frag_byte(f[l]->a[a2], i);
+      A[g + 8][16 + 4 * q + i] = frag_byte(f[l]->a[3], i);
+      B[4 * q + i][g] = frag_byte(f[l]->b[0], i);
+      B[16 + 4 * q + i][g] = frag_byte(f[l]->b[1], i);
+    }
+    for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * q + (r & 1)] = f[l]->c[r];
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j)
+      for (int k = 0; k < 32; ++k) C[i][j] += (int64_t)A[i][k] * B[k][j];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, q = l & 3;
+    for (int r = 0; r < 4; ++r) f[l]->c[r] = (int32_t)(uint32_t)(uint64_t)C[g + 8 * (r >> 1)][2 * q + (r & 1)];
+  }
+}
+
+// v_mfma_i32_16x16x32_i8 — AMD matrix instruction calculator (CDNA3 ISA, gfx942; kept on gfx950): lane l,
+// i = l & 15, h = l >> 4: A[i][8h + e] = byte e of the 64-bit a (a[0] low word, a[1] high), B[8h + e][i]
+// likewise from b; c[r] = C[4h + r][i].
+void model_mfma_i32_16x16x32_i8(MatrixFragment* const* f, bool wrong_layout) {
+  int32_t A[16][32], B[32][16];
+  int64_t C[16][16];
+  for (int l = 0; l < 64; ++l) {
+    const int i = l & 15, h = l >> 4;
+    for (int e = 0; e < 8; ++e) {
+      A[i][8 * h + e] = frag_byte(f[l]->a[e >> 2], e & 3);
+      B[8 * h + e][i] = frag_byte(f[l]->b[(e >> 2) ^ (wrong_layout ? 1 : 0)], e & 3);  // control: words swapped
+    }
+    for (int r = 0; r < 4; ++r) C[4 * h + r][i] = f[l]->c[r];
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j)
+      for (int k = 0; k < 32; ++k) C[i][j] += (int64_t)A[i][k] * B[k][j];
+  for (int l = 0; l < 64; ++l)
+    for (int r = 0; r < 4; ++r) f[l]->c[r] = (int32_t)(uint32_t)(uint64_t)C[4 * (l >> 4) + r][l & 15];
+}
+
+// The whole warp is at one matrix instruction (checked by the caller): run its model.
+bool run_matrix(Worker& w, int first, int lanes, int op, const Arch* arch, std::string& err) {
+  MatrixFragment* f[64];
+  for (int l = 0; l < lanes; ++l) f[l] = (MatrixFragment*)(uintptr_t)w.lanes[first + l].value;
+  if (op == (int)MatrixOp::kMmaM16N8K32S8 && arch->vendor == Vendor::kCuda && lanes == 32) {
+    model_mma_m16n8k32_s8(f, w.job->fault == Fault::kMatrixLayout);
+    return true;
+  }
+  if (op == (int)MatrixOp::kMfmaI32x16x16x32I8 && arch->vendor == Vendor::kHip && lanes == 64) {
+    model_mfma_i32_16x16x32_i8(f, w.job->fault == Fault::kMatrixLayout);
+    return true;
+  }
+  err = "matrix instruction " + std::to_string(op) + " does not exist on " + arch->name;
+  return false;
+}
+
 // Resolves the collectives of warp `warp` whose lanes all arrived. Returns whether any lane became runnable;
 // a broken rule is written to `err`.
 bool resolve_warp(Worker& w, int warp, int nthreads, std::string& err) {
@@ -523,13 +610,25 @@ bool resolve_warp(Worker& w, int warp, int nthreads, std::string& err) {
       const uint64_t ub = 1ull << (u - first);
       if (!(group & ub)) continue;
       const Lane& o = lanes[u];
-      if (o.op != lead.op || o.width != lead.width || o.has_mask != lead.has_mask || (lead.has_mask && o.mask != lead.mask)) {
+      if (o.op != lead.op || o.width != lead.width || o.has_mask != lead.has_mask || (lead.has_mask && o.mask != lead.mask) ||
+          (lead.op == WarpOp::kMatrix && o.arg != lead.arg)) {
         err = "divergent warp collectives in warp " + std::to_string(warp) + ": lane " + std::to_string(t - first) +
               " is at " + op_name(lead.op) + " (width " + std::to_string(lead.width) + ", mask " + hex(lead.mask) +
               "), lane " + std::to_string(u - first) + " at " + op_name(o.op) + " (width " + std::to_string(o.width) +
               ", mask " + hex(o.mask) + ")";
         return false;
       }
+    }
+    if (lead.op == WarpOp::kMatrix) {  // a warp-wide instruction: every lane of a full warp, one instruction
+      if (last - first != ws || (group & arrived) != exists || group != exists) {
+        err = "matrix instruction in warp " + std::to_string(warp) + ": every lane of a full warp must execute it " +
+              "(arrived " + hex(arrived) + ", warp of " + std::to_string(ws) + " lanes, " +
+              std::to_string(last - first) + " present)";
+        return false;
+      }
+      if (!run_matrix(w, first, ws, lead.arg, w.job->arch, err)) return false;
+      for (int u = first; u < last; ++u) lanes[u].state = LaneState::kRunnable;
+      return true;
     }
     uint64_t votes = 0;
     for (int u = first; u < last; ++u)

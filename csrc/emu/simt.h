@@ -25,9 +25,10 @@
 //     evaluated with the host's IEEE binary32 operations (bit-identical by IEEE-754).
 // Vendor approximations (__expf, __fdividef, rcp/sqrt.approx, ...) and the matrix instructions are not
 // defined here, so a kernel using one fails to compile for the emulation target instead of running with a
-// made-up model. Matrix units: no kernel in csrc/gpu uses one today (the GEMM is fp32 fma on CUDA cores /
-// VALU), so none is emulated; an integer MMA would be exact arithmetic, a bf16/fp16 one needs the MMA-Sim
-// model of its arch (DESIGN.md, shared/notes/gpu-kernels.md) — added with the first kernel that uses one.
+// made-up model. Matrix units: the integer MMAs of the exact linear (mma.sync m16n8k32 s8, v_mfma_i32_16x16x32_i8)
+// are emulated through warp_matrix (simt_api.h; csrc/gpu/int_mma.cuh calls it): integer MMA is exact, the model
+// is its definition with the vendors' fragment layouts. A bf16/fp16 MMA needs the MMA-Sim model of its arch
+// (DESIGN.md, shared/notes/gpu-kernels.md) — added with the first kernel that uses one.
 //
 // Rules a kernel must follow, which the runtime checks (a violation fails the launch with a message; the
 // torch glue raises it): every lane named in a _sync mask arrives at the same collective; no lane reads a

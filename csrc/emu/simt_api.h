@@ -31,13 +31,32 @@ struct ThreadCoords {
 };
 extern thread_local const ThreadCoords* tl_coords;
 
-enum class WarpOp : uint8_t { kShflXor, kShflIdx, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp };
+enum class WarpOp : uint8_t { kShflXor, kShflIdx, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp, kMatrix };
 
 // One warp collective by the calling lane: blocks the fiber until its warp's participating lanes arrived.
 // mask: the _sync mask (CUDA spelling) or all ones (HIP spelling, has_mask false). Returns the lane's result
 // bits (shuffles: the source lane's value; votes: the mask / 0 / 1).
 uint64_t warp_collective(WarpOp op, uint64_t value, int arg, int width, uint64_t mask, bool has_mask);
 void sync_threads();
+
+// ---- warp-wide integer matrix instructions (csrc/gpu/int_mma.cuh calls these under emulation) ---------------
+// Integer MMA is exact arithmetic, so its model is the definition: D[i][j] = C[i][j] + sum_k A[i][k] B[k][j],
+// the sum formed exactly and wrapped to int32 (two's complement, as both vendors' non-saturating forms do).
+// What the model must get right is the fragment layout: which lane holds which element (runtime.cpp, beside
+// the model of each instruction, with the vendor document it follows). Every lane of the warp must execute
+// the same instruction (mma.sync.aligned / an MFMA with a full EXEC mask); the runtime checks it.
+enum class MatrixOp : int {
+  kMmaM16N8K32S8 = 1,     // CUDA mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (sm_80+), 32 lanes
+  kMfmaI32x16x16x32I8 = 2, // HIP v_mfma_i32_16x16x32_i8 (gfx942, gfx950), 64 lanes
+};
+// One lane's registers: a, b the A / B fragment words (bytes little-endian, element 0 in the low byte),
+// c the accumulator fragment, replaced by D when the instruction completes.
+struct MatrixFragment {
+  uint32_t a[4];
+  uint32_t b[2];
+  int32_t c[4];
+};
+void warp_matrix(MatrixOp op, MatrixFragment* lane_fragment, uint64_t mask, bool has_mask);
 void async_copy(void* dst, const void* src, size_t bytes, size_t zero_fill);
 void async_commit();
 void async_wait_prior(size_t pending_groups);

@@ -10,8 +10,10 @@ families today) keep running the CPU backend. ``emu.launches`` lists every kerne
 dynamic shared bytes), so a test can prove that the GPU source ran. Emulation is process-wide (autograd's
 threads see it too); scopes nest.
 
-No matrix instruction is emulated, because no kernel in csrc/gpu uses one (the GEMM is fp32 fma on CUDA
-cores / VALU); ``emu.matrix_model`` says which published model a future MMA kernel would follow.
+The integer matrix instructions of the exact linear are emulated (CUDA ``mma.sync`` m16n8k32 s8, HIP
+``v_mfma_i32_16x16x32_i8``): integer MMA is exact, so the model is the definition; what it checks is the
+vendors' fragment layouts (csrc/gpu/int_mma.cuh, csrc/emu/runtime.cpp). No float MMA is emulated (the fp32
+GEMM is fma on CUDA cores / VALU); ``emu.matrix_model`` says which published model one would follow.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 ARCHS = ("sm_90", "sm_100", "gfx942", "gfx950")
 # Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
-_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2}
+_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3}
 
 
 @dataclasses.dataclass(frozen=True)

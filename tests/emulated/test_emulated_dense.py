@@ -95,6 +95,7 @@ def run_every_op(gen):
     ops.reshape_and_cache(ka, ka.flip(0), kc, vc, torch.tensor([4, 5, 6, 7, 0]))
     ops.paged_attention(qa[:1], kc, vc, torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
                         torch.tensor([0, 1], dtype=torch.int32), 0.3)
+    ops.linear_exact(x.bfloat16(), randn(11, 97, dtype=torch.bfloat16, gen=gen), None)  # int8 MMA / MFMA kernels
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

@@ -1,0 +1,59 @@
+// exact_api.h — the torch-free host interface of the GPU `exact` linear (csrc/gpu/exact_linear_kernels.cuh),
+// used by the torch glue (csrc/cuda/ops_cuda.cpp) and built by csrc/cuda/exact_linear.cu (nvcc) and
+// csrc/hip/exact_linear.hip (hip-clang), and by their emulated builds (csrc/emu). Packed layouts: see
+// csrc/cpu/exact_kernels.h (the GPU packs the same bytes).
+#pragma once
+
+#include <stdint.h>
+
+#include "dense_api.h"
+
+namespace aligned::gpu {
+
+// The canonical form of each row of v [rows, K]: E (int32), S (int8, 1..4), non-finite flag (uint8).
+struct ExactFormsParams {
+  DType dt;
+  const void* v;
+  int64_t rows, K;
+  int32_t* E;
+  int8_t* S;
+  uint8_t* bad;
+};
+
+// Digits of v [rows, K] into the zeroed packed buffer `out` (planes of `plane` bytes). weight_layout: the panel
+// layout with `fixed_digits` digits for every row; else the x layout with each row's S.
+struct ExactPackParams {
+  DType dt;
+  const void* v;
+  int64_t rows, K, Kp, plane;
+  const int32_t* E;
+  const int8_t* S;  // x layout only
+  int fixed_digits;  // weight layout only
+  bool weight_layout;
+  int8_t* out;
+};
+
+// out [M, N] = the exact linear of packed x (xd [4, Mp, Kp]) and the packed weight (+ bias [N] in dt).
+struct ExactGemmParams {
+  DType dt;
+  const int8_t* xd;
+  int64_t x_plane;
+  const int32_t* x_exp;
+  const int8_t* x_digits;
+  const uint8_t* x_bad;
+  const int8_t* wd;
+  int64_t w_plane;
+  const int32_t* w_exp;
+  const uint8_t* w_bad;
+  int w_digits;
+  const void* bias;
+  void* out;
+  int64_t M, N, Kp;
+  int64_t chunk_k;  // k per int32 level sum: a multiple of 32, <= 8192 (k_parts picks it; bits cannot change)
+};
+
+const char* launch_exact_row_forms(const ExactFormsParams& p, void* stream);
+const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream);
+const char* launch_exact_gemm(const ExactGemmParams& p, void* stream);
+
+}  // namespace aligned::gpu
