@@ -156,10 +156,12 @@ __global__ void silu_and_mul_backward_kernel(const T* __restrict__ g, const T* _
 // ---- rotary_embedding -----------------------------------------------------------------------------------
 // Work item (t, h, w): w < rot/2 rotates pair w (contract.h rotate_pair); w >= rot/2 copies dimension
 // rot + (w - rot/2), which passes through unchanged.
+// A position outside [0, max_pos) reads nothing from the table: the token's outputs are NaN and
+// error_flags[kErrRotaryPosition] is set (dense_api.h: value checks of device data run here, not on the host).
 template <typename T>
 __global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __restrict__ x, T* __restrict__ out,
                               const float* __restrict__ cache, int64_t T_, int64_t heads, int64_t head_dim,
-                              int64_t rot, bool is_neox, bool inverse) {
+                              int64_t rot, bool is_neox, bool inverse, int64_t max_pos, int32_t* error_flags) {
   const int64_t half = rot / 2;
   const int64_t W = half + (head_dim - rot);
   const int64_t n = T_ * heads * W;
@@ -168,8 +170,20 @@ __global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __
     const int64_t t = th / heads;
     const T* xr = x + th * head_dim;
     T* o = out + th * head_dim;
+    const int64_t pos = positions[t];
+    if (pos < 0 || pos >= max_pos) {
+      if (error_flags) error_flags[kErrRotaryPosition] = 1;
+      const T nan = from_f32<T>(float_of(0x7fc00000u));
+      if (wi < half) {
+        o[is_neox ? wi : 2 * wi] = nan;
+        o[is_neox ? wi + half : 2 * wi + 1] = nan;
+      } else {
+        o[rot + (wi - half)] = nan;
+      }
+      continue;
+    }
     if (wi < half) {
-      const float* cs = cache + positions[t] * rot;
+      const float* cs = cache + pos * rot;
       const int64_t i1 = is_neox ? wi : 2 * wi;
       const int64_t i2 = is_neox ? wi + half : 2 * wi + 1;
       float o1, o2;
@@ -222,15 +236,43 @@ enum class LogitsMode : int {
 //   kTokenLogprobsBackward dz[t, v] = round_T(((v == id) - p_v) * g[t] / tau)
 //   kLogsumexpBackward     dz[t, v] = round_T((p_v * g[t]) / tau)
 //   kLogSoftmaxBackward    G = group lane sum of g[t, v]; dz[t, v] = round_T((g[t, v] - p_v * G) / tau)
+// A row whose temperature is not a finite fp32 >= FLT_MIN, or whose token id is outside [0, V), writes NaN
+// for every output of the row and sets error_flags[kErrTemperature / kErrTokenId] (uniform per group: every
+// lane reads the same temps[t] / ids[t]).
+template <typename T, LogitsMode kMode>
+__device__ __forceinline__ void logits_bad_row(int64_t t, int64_t V, int lane, float* __restrict__ lse_out,
+                                               float* __restrict__ out, T* __restrict__ dz) {
+  const float nan = float_of(0x7fc00000u);
+  if constexpr (kMode == LogitsMode::kLogsumexp || kMode == LogitsMode::kTokenLogprobs) {
+    if (lane == 0) (kMode == LogitsMode::kLogsumexp ? lse_out : out)[t] = nan;
+  } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
+    for (int64_t v = lane; v < V; v += kGroupLanes) out[t * V + v] = nan;
+  } else {
+    for (int64_t v = lane; v < V; v += kGroupLanes) dz[t * V + v] = from_f32<T>(nan);
+  }
+}
+
 template <typename T, LogitsMode kMode>
 __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V, float tau,
                                   const float* __restrict__ temps, const int64_t* __restrict__ ids,
                                   const float* __restrict__ g, float* __restrict__ lse_out, float* __restrict__ out,
-                                  T* __restrict__ dz) {
+                                  T* __restrict__ dz, int32_t* error_flags) {
+  constexpr bool kHasId = kMode == LogitsMode::kTokenLogprobs || kMode == LogitsMode::kTokenLogprobsBackward;
   const GroupCoord c = group_coord();
   for (int64_t t = c.group; t < T_; t += c.n_groups) {
     const T* zr = z + t * V;
     const float tt = temps ? temps[t] : tau;
+    // !(a <= b) is true for NaN too; FLT_MAX bounds +inf.
+    const bool bad_temp = temps && !(tt >= float_of(0x00800000u) && tt <= float_of(0x7f7fffffu));
+    const bool bad_id = kHasId && (ids[t] < 0 || ids[t] >= V);
+    if (bad_temp || bad_id) {
+      if (c.lane == 0 && error_flags) {
+        if (bad_temp) error_flags[kErrTemperature] = 1;
+        if (bad_id) error_flags[kErrTokenId] = 1;
+      }
+      logits_bad_row<T, kMode>(t, V, c.lane, lse_out, out, dz);
+      continue;
+    }
     const LsePair p = group_lse_pair(zr, V, tt, c.lane);
     if constexpr (kMode == LogitsMode::kLogsumexp) {
       if (c.lane == 0) lse_out[t] = lse_value(p);

@@ -116,7 +116,8 @@ const char* launch_rotary(const RotaryParams& p, void* stream) {
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
     ALIGNED_LAUNCH(elem_blocks(n), kElemBlockThreads, 0, as_stream(stream), rotary_kernel<T>)(
-        p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse);
+        p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse,
+        p.max_pos, p.error_flags);
   });
   return last_error();
 }
@@ -128,7 +129,7 @@ const char* launch_logits(const LogitsParams& p, void* stream) {
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
     ALIGNED_LAUNCH(row_blocks(p.T), kRowBlockThreads, 0, as_stream(stream), logits_row_kernel<T, kMode>)(
-        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz);
+        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz, p.error_flags);
   });
   return last_error();
 }

@@ -277,9 +277,11 @@ def test_bad_input_errors_are_the_glue_checks(arch):
     """Under emulation the GPU glue checks arguments with op_checks.h: same rule, same words as the CPU."""
     cases = [
         (lambda: ops.rms_norm(torch.randn(3, 8), torch.randn(7), 1e-6), r"aligned::rms_norm: weight must have shape \[8\]"),
-        (lambda: ops.token_logprobs(torch.randn(2, 5), torch.tensor([0, 5]), 1.0, None), r"aligned::token_logprobs"),
-        (lambda: ops.rotary_embedding(torch.tensor([0, 70]), torch.randn(2, 1, 8), aligned_ops.rotary_cos_sin_cache(8, 64),
+        (lambda: ops.token_logprobs(torch.randn(2, 5), torch.tensor([[0, 4]]), 1.0, None), r"aligned::token_logprobs"),
+        (lambda: ops.rotary_embedding(torch.tensor([0, 7]), torch.randn(2, 1, 8), aligned_ops.rotary_cos_sin_cache(6, 64),
                                       8, True), r"aligned::rotary_embedding"),
+        # Out-of-range *values* (positions, token ids, temperatures) are checked in the kernel on the GPU, not
+        # on the host: tests/emulated/test_emulated_device_errors.py.
         (lambda: ops.linear(torch.randn(2, 3), torch.randn(4, 5), None), r"aligned::linear"),
     ]
     for fn, msg in cases:
