@@ -106,7 +106,7 @@ def test_launch_records_name_grid_block_and_shared(gen):
         ops.rms_norm(x, torch.ones(40, dtype=torch.bfloat16).float(), 1e-6)
         ops.linear(randn(130, 9, gen=gen), randn(257, 9, gen=gen), None)
     assert [(l.kernel, l.grid, l.block, l.shared_bytes) for l in emu.launches] == [
-        ("rms_norm_kernel<float, float>", (3, 1, 1), (256, 1, 1), 0),  # 8 rows per block
+        ("rms_norm_kernel<float, float>", (9, 1, 1), (64, 1, 1), 0),  # small batch: 2 rows per block
         # 128 x 128 tiles, one grid z per lane of the fma profile's 8-lane tree (fp32 workspace) ...
         ("gemm_fp32_kernel<float, float, float>", (3, 2, 8), (256, 1, 1), 0),
         ("lane_fold_kernel<float>", (131, 1, 1), (256, 1, 1), 0),  # ... then the tree + bias + rounding
