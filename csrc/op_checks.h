@@ -133,10 +133,14 @@ struct RotaryArgs {
   at::Tensor positions;  // int64, contiguous, every entry in [0, max_position)
 };
 
-// Reads positions (min/max): device checks first.
+// ValueChecks::kHost reads positions (min/max) on the host: the CPU backend, where that is free (device
+// checks first). ValueChecks::kInKernel (the GPU glue) reads no tensor data here: the kernel checks each value
+// and reports through its error flags (csrc/gpu/dense_api.h), so the op never synchronises with the host.
+enum class ValueChecks { kHost, kInKernel };
+
 template <class DTypeEnum>
 RotaryArgs<DTypeEnum> check_rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cache,
-                                   int64_t rot, const char* op) {
+                                   int64_t rot, const char* op, ValueChecks values = ValueChecks::kHost) {
   const DTypeEnum dt = dtype_of<DTypeEnum>(x, op, "x");
   TORCH_CHECK(x.dim() == 3, "aligned::", op, ": x must be [tokens, heads, head_dim], got ", x.sizes());
   const int64_t T = x.size(0), heads = x.size(1), head_dim = x.size(2);
@@ -151,7 +155,7 @@ RotaryArgs<DTypeEnum> check_rotary(const at::Tensor& positions, const at::Tensor
               cache.sizes());
   auto pos = positions.to(at::kLong).contiguous();
   const int64_t max_pos = cache.size(0);
-  if (T > 0) {
+  if (T > 0 && values == ValueChecks::kHost) {
     const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < max_pos, "aligned::", op, ": positions must lie in [0, ", max_pos, "), got [", lo,
                 ", ", hi, "]");
@@ -170,10 +174,11 @@ struct LogitsArgs {
   const float* temps_ptr() const { return temps.defined() ? temps.data_ptr<float>() : nullptr; }
 };
 
-// Reads temperatures (all finite and > 0): device checks first.
+// ValueChecks::kHost reads temperatures (all finite and > 0): device checks first. kInKernel: see check_rotary.
 template <class DTypeEnum>
 LogitsArgs<DTypeEnum> check_logits(const at::Tensor& logits, double temperature,
-                                   const std::optional<at::Tensor>& temperatures, const char* op) {
+                                   const std::optional<at::Tensor>& temperatures, const char* op,
+                                   ValueChecks values = ValueChecks::kHost) {
   LogitsArgs<DTypeEnum> a;
   a.dt = dtype_of<DTypeEnum>(logits, op, "logits");
   TORCH_CHECK(logits.dim() == 2, "aligned::", op, ": logits must be [tokens, vocab], got ", logits.sizes());
@@ -194,7 +199,7 @@ LogitsArgs<DTypeEnum> check_logits(const at::Tensor& logits, double temperature,
     TORCH_CHECK(t.dim() == 1 && t.size(0) == a.T, "aligned::", op, ": temperatures must be [", a.T, "], got ",
                 t.sizes());
     at::Tensor temps = t.to(at::kFloat).contiguous();
-    if (a.T > 0) {
+    if (a.T > 0 && values == ValueChecks::kHost) {
       TORCH_CHECK(temps.ge(std::numeric_limits<float>::min()).all().item<bool>() &&
                       temps.isfinite().all().item<bool>(),
                   "aligned::", op,
@@ -208,14 +213,15 @@ LogitsArgs<DTypeEnum> check_logits(const at::Tensor& logits, double temperature,
 }
 
 // token_ids [T], int64 or int32, every id in [0, V). Returns them as int64, contiguous. Reads the ids
-// (min/max): device checks first.
-inline at::Tensor check_token_ids(const at::Tensor& ids, int64_t T, int64_t V, const char* op) {
+// (min/max) under ValueChecks::kHost: device checks first. kInKernel: see check_rotary.
+inline at::Tensor check_token_ids(const at::Tensor& ids, int64_t T, int64_t V, const char* op,
+                                  ValueChecks values = ValueChecks::kHost) {
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
               ": token_ids must be int64 or int32, got ", ids.scalar_type());
   TORCH_CHECK(ids.dim() == 1 && ids.size(0) == T, "aligned::", op, ": token_ids must be [", T, "], got ",
               ids.sizes());
   auto idc = ids.to(at::kLong).contiguous();
-  if (T > 0) {
+  if (T > 0 && values == ValueChecks::kHost) {
     const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < V, "aligned::", op, ": token_ids must lie in [0, ", V, "), got [", lo, ", ", hi, "]");
   }

@@ -78,6 +78,9 @@ TORCH_LIBRARY(aligned, m) {
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
   m.def("_log_f32(Tensor x) -> Tensor");
+  // The GPU ops check data values in the kernel (no host sync); their per-device error words, read and cleared
+  // by aligned_ops.check_device_errors() (csrc/gpu/dense_api.h DeviceError). CPU: always zeros.
+  m.def("_device_error_flags(Tensor like) -> Tensor");
   // moe family (csrc/common/moe.h; CPU glue csrc/cpu/ops_moe_cpu.cpp; fakes + autograd python/aligned_ops/_moe.py)
   m.def(
       "moe_routing(Tensor router_logits, int top_k, str scoring=\"softmax\", bool renormalize=True) -> "

@@ -502,6 +502,10 @@ at::Tensor linear_partial_reference(const at::Tensor& x, const at::Tensor& weigh
 at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().exp_f32, "_exp_f32"); }
 at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().log_f32, "_log_f32"); }
 
+// The CPU glue checks data values on the host and raises at once: no error is ever deferred (zeros).
+// Under aligned_ops.emulate the GPU glue's own persistent words are returned instead (emulation_hook.h).
+at::Tensor device_error_flags(const at::Tensor& like) { return at::zeros({3}, like.options().dtype(at::kInt)); }
+
 }  // namespace
 
 // Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
@@ -535,6 +539,7 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   m.impl("_exp_f32", &exp_f32);
   m.impl("_linear_partial_reference", &linear_partial_reference);
   m.impl("_log_f32", &log_f32);
+  m.impl("_device_error_flags", &device_error_flags);
 }
 
 }  // namespace aligned::cpu

@@ -10,8 +10,13 @@
 // rules, same messages); this file adds only the device check: every tensor must be a CUDA tensor on the
 // same device as the first input.
 //
-// Range checks of positions / token ids read the min/max back to the host (one synchronisation), exactly
-// like the CPU glue: out-of-range indices must be an error, never an out-of-bounds read.
+// No op here reads device data on the host (no .item(), no copy to the CPU, no stream synchronisation), so
+// every op is asynchronous and CUDA-graph capturable. The data-value checks the CPU glue runs on the host
+// (positions in range, token ids in range, temperatures finite and > 0) run in the kernels instead
+// (ValueChecks::kInKernel, csrc/gpu/dense_api.h): a bad value never causes an out-of-bounds read, the row
+// comes out NaN, and a per-device error word is set that aligned_ops.check_device_errors() reads (one sync,
+// outside the hot path) and turns into the error the CPU glue would raise. tests/cuda/test_no_host_sync.py
+// scans this file for host reads (planted-violation negative control).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -28,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <optional>
 #include <tuple>
 
@@ -68,6 +74,28 @@ void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op, cons
   TORCH_CHECK(t.device() == ref.device(), "aligned::", op, ": ", name, " is on ", t.device(), " but the inputs are on ",
               ref.device(), " (all tensors must be on the same device)");
 #endif
+}
+
+// The per-device error words of the in-kernel value checks (dense_api.h DeviceError), allocated once per
+// device on first use (zeros: an async memset, no sync; vLLM's eager warm-up runs before graph capture) and
+// never freed (a process-lifetime buffer must outlive the caching allocator's teardown).
+int32_t* device_error_flags(const at::Tensor& like) {
+  static std::mutex mu;
+  static at::Tensor* flags[64] = {};
+  const int idx = like.device().is_cpu() ? 0 : like.device().index();
+  TORCH_CHECK(idx >= 0 && idx < 64, "aligned: device index ", idx, " out of range for the error flags");
+  std::lock_guard<std::mutex> lock(mu);
+  if (!flags[idx]) flags[idx] = new at::Tensor(at::zeros({gpu::kNumDeviceErrors}, like.options().dtype(at::kInt)));
+  return flags[idx]->data_ptr<int32_t>();
+}
+
+// _device_error_flags(like): the error words of like's device (a view of the persistent buffer, so the caller
+// can read and clear them).
+at::Tensor device_error_flags_tensor(const at::Tensor& like) {
+  check_cuda(like, like, "_device_error_flags", "like");
+  c10::DeviceGuard guard(like.device());
+  int32_t* ptr = device_error_flags(like);
+  return at::from_blob(ptr, {gpu::kNumDeviceErrors}, like.options().dtype(at::kInt));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -189,7 +217,7 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   check_cuda(positions, x, op, "positions");
   check_cuda(cache, x, op, "cos_sin_cache");
   c10::DeviceGuard guard(x.device());  // the positions range check below runs on x's device
-  const auto a = check_rotary<DType>(positions, x, cache, rot, op);
+  const auto a = check_rotary<DType>(positions, x, cache, rot, op, ValueChecks::kInKernel);
   auto xc = x.contiguous(), cc = cache.contiguous();
   auto out = at::empty_like(xc);
   gpu::RotaryParams p{};
@@ -204,6 +232,8 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   p.rot = rot;
   p.is_neox = is_neox;
   p.inverse = inverse;
+  p.max_pos = cc.size(0);
+  p.error_flags = device_error_flags(x);
   check_launch(gpu::launch_rotary(p, current_stream(x)), op);
   return out;
 }
@@ -228,7 +258,7 @@ LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std:
                         const char* op) {
   check_cuda(logits, logits, op, "logits");
   if (temperatures.has_value() && temperatures->defined()) check_cuda(*temperatures, logits, op, "temperatures");
-  auto checked = aligned::check_logits<DType>(logits, temperature, temperatures, op);
+  auto checked = aligned::check_logits<DType>(logits, temperature, temperatures, op, ValueChecks::kInKernel);
   LogitsArgs a;
   a.z = checked.z;
   a.temps = checked.temps;
@@ -238,12 +268,13 @@ LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std:
   a.p.tau = checked.tau;
   a.p.temps = checked.temps_ptr();
   a.p.z = a.z.data_ptr();
+  a.p.error_flags = device_error_flags(logits);
   return a;
 }
 
 void check_ids(const at::Tensor& ids, LogitsArgs& a, const char* op) {
   check_cuda(ids, a.z, op, "token_ids");
-  a.ids = check_token_ids(ids, a.p.T, a.p.V, op);
+  a.ids = check_token_ids(ids, a.p.T, a.p.V, op, ValueChecks::kInKernel);
   a.p.ids = a.ids.data_ptr<int64_t>();
 }
 
@@ -579,6 +610,7 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("linear_exact", &linear_exact);
   m.impl("linear_exact_pack_weight", &linear_exact_pack_weight);
   m.impl("linear_exact_packed", &linear_exact_packed);
+  m.impl("_device_error_flags", &device_error_flags_tensor);
 }
 
 }  // namespace aligned::cuda

@@ -15,6 +15,18 @@ namespace aligned::gpu {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
+// Data-value checks on the GPU run in the kernel, not on the host (a host check of device data is a
+// synchronisation on every decode step and breaks CUDA-graph capture). A kernel that meets a bad value
+// keeps every read in bounds, writes NaN for the row, and stores 1 into error_flags[code] (a plain store of
+// the same constant by every finder: a flag, not a reduction). The glue passes one persistent int32 word per
+// code per device; aligned_ops.check_device_errors() reads and clears them outside the hot path.
+enum DeviceError : int {
+  kErrRotaryPosition = 0,     // rotary_embedding(_backward): a position outside [0, max_position)
+  kErrTemperature = 1,        // the log-prob family: a per-row temperature not finite or < FLT_MIN
+  kErrTokenId = 2,            // token_logprobs(_backward): a token id outside [0, V)
+  kNumDeviceErrors = 3,
+};
+
 struct RmsNormParams {
   DType dt, wdt;           // x/out dtype; weight dtype (== dt or F32)
   const void* x;           // [rows, H]
@@ -48,12 +60,14 @@ struct SiluMulParams {
 
 struct RotaryParams {
   DType dt;
-  const int64_t* positions;  // [T], validated in [0, max_pos)
+  const int64_t* positions;  // [T]; an entry outside [0, max_pos) gives NaN and error_flags[kErrRotaryPosition]
   const void* x;             // [T, heads, head_dim]
   void* out;                 // [T, heads, head_dim]
   const float* cache;        // [max_pos, rot]
   int64_t T, heads, head_dim, rot;
   bool is_neox, inverse;
+  int64_t max_pos;           // rows of cache
+  int32_t* error_flags;      // [kNumDeviceErrors] device words, or nullptr (values checked on the host)
 };
 
 // The log-prob family: logits [T, V]; temperature per row (temps) or the scalar tau.
@@ -62,12 +76,13 @@ struct LogitsParams {
   const void* z;
   int64_t T, V;
   float tau;
-  const float* temps;     // [T] or nullptr
-  const int64_t* ids;     // [T] (token_logprobs / backward), validated in [0, V)
+  const float* temps;     // [T] or nullptr; an entry not finite or < FLT_MIN: NaN row + kErrTemperature
+  const int64_t* ids;     // [T] (token_logprobs / backward); outside [0, V): NaN row + kErrTokenId
   const float* g;         // backward: [T] (token_logprobs, logsumexp) or [T, V] (log_softmax), fp32
   float* lse;             // [T] out (logsumexp), or nullptr
   float* out_f32;         // log_softmax [T, V] / token_logprobs [T], or nullptr
   void* dz;               // backward [T, V] in dt, or nullptr
+  int32_t* error_flags;   // [kNumDeviceErrors] device words, or nullptr (values checked on the host)
 };
 
 // C[m, n] = round_TC(linear_lane_fold over `lanes` lanes of the fma chains of A[m, :] * B[n, :] (+ bias[n]))

@@ -11,7 +11,13 @@
 //   * Rows are independent: a group's result depends only on its row, never on which group/block ran
 //     it, on the grid size or on the number of rows, so batch size cannot change any bit.
 //   * Column chains (rms_norm dw, linear db) run one thread per column over the rows in order: no split
-//     of the row axis, no atomics.
+//     of the row axis, no atomics. The contract fixes a sequential chain per column, so a column's adds
+//     cannot be parallelised; what is parallel is the loading: a block owns 32 columns, 7 warps stage the
+//     next tile of rows (terms computed, coalesced) into shared memory while warp 0's 32 lanes run the
+//     chains over the current tile (double buffer). Same terms, same order: same bits.
+//   * Latency (decode): a lane's chain is sequential by the contract (32 lanes per row, no more), so the
+//     row kernels issue kPrefetch loads of a lane's next elements before adding them in order, and small
+//     batches launch 2-group blocks (more blocks -> more SMs busy); neither changes any bit.
 //   * Elementwise ops (silu_and_mul, rotary, exp/log) are one thread per element (or pair).
 // Numerics flags (part of the contract): nvcc --fmad=false -ftz=false -prec-div=true -prec-sqrt=true,
 // hip-clang -ffp-contract=off; exp/log are exp_f32/log_f32, never __expf / v_exp_f32.
@@ -22,9 +28,15 @@
 
 namespace aligned::gpu {
 
-// Threads per block of the row kernels: 8 groups of 32 lanes (CUDA: 8 warps; AMD: 4 waves).
+// Threads per block of the row kernels: 8 groups of 32 lanes (CUDA: 8 warps; AMD: 4 waves); batches of
+// fewer than kSmallBatchRows rows use kSmallRowBlockThreads (2 groups: one AMD wave) so the rows spread over
+// more SMs. The kernels read the group count from blockDim, never from these constants.
 constexpr int kRowBlockThreads = 256;
+constexpr int kSmallRowBlockThreads = 64;
+constexpr int64_t kSmallBatchRows = 2048;
 constexpr int kGroupsPerBlock = kRowBlockThreads / kGroupLanes;
+// Elements of one lane's chain loaded ahead of their (in-order) adds.
+constexpr int kPrefetch = 8;
 // Threads per block of the elementwise and column kernels.
 constexpr int kElemBlockThreads = 256;
 // Grid cap for grid-stride loops (results never depend on it: every row/element is computed alike).
@@ -38,20 +50,35 @@ struct GroupCoord {
 __device__ __forceinline__ GroupCoord group_coord() {
   GroupCoord c;
   c.lane = (int)(threadIdx.x % kGroupLanes);
-  c.group = (int64_t)blockIdx.x * kGroupsPerBlock + threadIdx.x / kGroupLanes;
-  c.n_groups = (int64_t)gridDim.x * kGroupsPerBlock;
+  const int64_t groups_per_block = blockDim.x / kGroupLanes;
+  c.group = (int64_t)blockIdx.x * groups_per_block + threadIdx.x / kGroupLanes;
+  c.n_groups = (int64_t)gridDim.x * groups_per_block;
   return c;
+}
+
+// One lane's chain of reduce.h: acc = ((0 + f(x[lane])) + f(x[lane + 32])) + ... in increasing index order.
+// The loads of kPrefetch consecutive chain elements are issued before their adds (latency hiding only: the
+// adds and their order are those of the plain loop `for (k = lane; k < n; k += 32) acc = acc + f(x[k])`).
+template <typename T, typename F>
+__device__ __forceinline__ float lane_chain(const T* x, int64_t n, int lane, F f) {
+  float acc = 0.0f;
+  int64_t k = lane;
+  for (; k + (kPrefetch - 1) * kGroupLanes < n; k += kPrefetch * kGroupLanes) {
+    float v[kPrefetch];
+#pragma unroll
+    for (int u = 0; u < kPrefetch; ++u) v[u] = to_f32(x[k + u * kGroupLanes]);
+#pragma unroll
+    for (int u = 0; u < kPrefetch; ++u) acc = acc + f(v[u]);
+  }
+  for (; k < n; k += kGroupLanes) acc = acc + f(to_f32(x[k]));
+  return acc;
 }
 
 // ---- rms_norm -------------------------------------------------------------------------------------------
 // contract.h rms_inv: lanes[j] += x_k * x_k for k = j, j+32, ...; ss = fold; inv = 1/sqrt(ss/H + eps).
 template <typename T>
 __device__ __forceinline__ float group_rms_inv(const T* x, int64_t H, float eps, int lane) {
-  float acc = 0.0f;
-  for (int64_t k = lane; k < H; k += kGroupLanes) {
-    const float v = to_f32(x[k]);
-    acc = acc + v * v;
-  }
+  const float acc = lane_chain(x, H, lane, [](float v) { return v * v; });
   const float ss = group_sum_tree(acc);
   return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
 }
@@ -115,16 +142,53 @@ __global__ void rms_norm_backward_dx_kernel(const T* __restrict__ g, const T* __
   }
 }
 
-// dw[k] = chain over rows r = 0..rows-1 of (. + g[r,k] * (x[r,k] * inv[r])): one thread per column.
+// ---- column chains: out[c] = chain over r = 0..rows-1 of (. + term(r, c)), in row order -----------------
+// A block owns kColTileCols columns (threads 0..31 run their chains); the other kColLoaders warps stage
+// tiles of kColTileRows rows of terms in shared memory, one tile ahead (double buffer). Blocks grid-stride
+// over column groups. Every thread of the block runs the same number of iterations (uniform barriers).
+constexpr int kColTileCols = 32;
+constexpr int kColTileRows = 64;
+constexpr int kColBlockThreads = 256;
+constexpr int kColLoaders = kColBlockThreads / kColTileCols - 1;  // warps 1..7 (rows of 32 threads)
+
+template <typename Term, typename Out>
+__device__ __forceinline__ void column_chain_block(int64_t rows, int64_t cols, Term term, Out store) {
+  __shared__ float tile[2][kColTileRows][kColTileCols];
+  const int tc = (int)(threadIdx.x % kColTileCols), tr = (int)(threadIdx.x / kColTileCols);
+  const int64_t n_tiles = (rows + kColTileRows - 1) / kColTileRows;
+  for (int64_t c0 = (int64_t)blockIdx.x * kColTileCols; c0 < cols; c0 += (int64_t)gridDim.x * kColTileCols) {
+    const int64_t c = c0 + tc;
+    auto stage = [&](int64_t t, int buf) {  // loaders only: rows t*R + i for i = tr-1, tr-1+7, ...
+      for (int i = tr - 1; i < kColTileRows; i += kColLoaders) {
+        const int64_t r = t * kColTileRows + i;
+        tile[buf][i][tc] = (r < rows && c < cols) ? term(r, c) : 0.0f;
+      }
+    };
+    if (tr > 0 && n_tiles > 0) stage(0, 0);
+    __syncthreads();
+    float acc = 0.0f;
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int buf = (int)(t & 1);
+      if (tr == 0) {
+        const int n = (int)(rows - t * kColTileRows < kColTileRows ? rows - t * kColTileRows : kColTileRows);
+        for (int i = 0; i < n; ++i) acc = acc + tile[buf][i][tc];
+      } else if (t + 1 < n_tiles) {
+        stage(t + 1, buf ^ 1);
+      }
+      __syncthreads();
+    }
+    if (tr == 0 && c < cols) store(c, acc);
+  }
+}
+
+// dw[k] = chain over rows r = 0..rows-1 of (. + g[r,k] * (x[r,k] * inv[r])) (contract.h).
 template <typename T>
 __global__ void rms_norm_backward_dw_kernel(const T* __restrict__ g, const T* __restrict__ x,
                                             const float* __restrict__ inv, float* __restrict__ dw, int64_t rows,
                                             int64_t H) {
-  for (int64_t k = global_thread_index(); k < H; k += global_thread_count()) {
-    float acc = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) acc = acc + to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]);
-    dw[k] = acc;
-  }
+  column_chain_block(
+      rows, H, [&](int64_t r, int64_t k) { return to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]); },
+      [&](int64_t k, float acc) { dw[k] = acc; });
 }
 
 // ---- silu_and_mul ---------------------------------------------------------------------------------------
@@ -156,10 +220,12 @@ __global__ void silu_and_mul_backward_kernel(const T* __restrict__ g, const T* _
 // ---- rotary_embedding -----------------------------------------------------------------------------------
 // Work item (t, h, w): w < rot/2 rotates pair w (contract.h rotate_pair); w >= rot/2 copies dimension
 // rot + (w - rot/2), which passes through unchanged.
+// A position outside [0, max_pos) reads nothing from the table: the token's outputs are NaN and
+// error_flags[kErrRotaryPosition] is set (dense_api.h: value checks of device data run here, not on the host).
 template <typename T>
 __global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __restrict__ x, T* __restrict__ out,
                               const float* __restrict__ cache, int64_t T_, int64_t heads, int64_t head_dim,
-                              int64_t rot, bool is_neox, bool inverse) {
+                              int64_t rot, bool is_neox, bool inverse, int64_t max_pos, int32_t* error_flags) {
   const int64_t half = rot / 2;
   const int64_t W = half + (head_dim - rot);
   const int64_t n = T_ * heads * W;
@@ -168,8 +234,20 @@ __global__ void rotary_kernel(const int64_t* __restrict__ positions, const T* __
     const int64_t t = th / heads;
     const T* xr = x + th * head_dim;
     T* o = out + th * head_dim;
+    const int64_t pos = positions[t];
+    if (pos < 0 || pos >= max_pos) {
+      if (error_flags) error_flags[kErrRotaryPosition] = 1;
+      const T nan = from_f32<T>(float_of(0x7fc00000u));
+      if (wi < half) {
+        o[is_neox ? wi : 2 * wi] = nan;
+        o[is_neox ? wi + half : 2 * wi + 1] = nan;
+      } else {
+        o[rot + (wi - half)] = nan;
+      }
+      continue;
+    }
     if (wi < half) {
-      const float* cs = cache + positions[t] * rot;
+      const float* cs = cache + pos * rot;
       const int64_t i1 = is_neox ? wi : 2 * wi;
       const int64_t i2 = is_neox ? wi + half : 2 * wi + 1;
       float o1, o2;
@@ -201,8 +279,7 @@ __device__ __forceinline__ LsePair group_lse_pair(const T* z, int64_t V, float t
   m = group_max(m);
   LsePair p;
   if (lse_special_row(m, flags, &p)) return p;
-  float acc = 0.0f;
-  for (int64_t v = lane; v < V; v += kGroupLanes) acc = acc + exp_f32(div_f32(to_f32(z[v]), tau) - m);
+  const float acc = lane_chain(z, V, lane, [tau, m](float zv) { return exp_f32(div_f32(zv, tau) - m); });
   return LsePair{m, log_f32(group_sum_tree(acc))};
 }
 
@@ -222,15 +299,43 @@ enum class LogitsMode : int {
 //   kTokenLogprobsBackward dz[t, v] = round_T(((v == id) - p_v) * g[t] / tau)
 //   kLogsumexpBackward     dz[t, v] = round_T((p_v * g[t]) / tau)
 //   kLogSoftmaxBackward    G = group lane sum of g[t, v]; dz[t, v] = round_T((g[t, v] - p_v * G) / tau)
+// A row whose temperature is not a finite fp32 >= FLT_MIN, or whose token id is outside [0, V), writes NaN
+// for every output of the row and sets error_flags[kErrTemperature / kErrTokenId] (uniform per group: every
+// lane reads the same temps[t] / ids[t]).
+template <typename T, LogitsMode kMode>
+__device__ __forceinline__ void logits_bad_row(int64_t t, int64_t V, int lane, float* __restrict__ lse_out,
+                                               float* __restrict__ out, T* __restrict__ dz) {
+  const float nan = float_of(0x7fc00000u);
+  if constexpr (kMode == LogitsMode::kLogsumexp || kMode == LogitsMode::kTokenLogprobs) {
+    if (lane == 0) (kMode == LogitsMode::kLogsumexp ? lse_out : out)[t] = nan;
+  } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
+    for (int64_t v = lane; v < V; v += kGroupLanes) out[t * V + v] = nan;
+  } else {
+    for (int64_t v = lane; v < V; v += kGroupLanes) dz[t * V + v] = from_f32<T>(nan);
+  }
+}
+
 template <typename T, LogitsMode kMode>
 __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V, float tau,
                                   const float* __restrict__ temps, const int64_t* __restrict__ ids,
                                   const float* __restrict__ g, float* __restrict__ lse_out, float* __restrict__ out,
-                                  T* __restrict__ dz) {
+                                  T* __restrict__ dz, int32_t* error_flags) {
+  constexpr bool kHasId = kMode == LogitsMode::kTokenLogprobs || kMode == LogitsMode::kTokenLogprobsBackward;
   const GroupCoord c = group_coord();
   for (int64_t t = c.group; t < T_; t += c.n_groups) {
     const T* zr = z + t * V;
     const float tt = temps ? temps[t] : tau;
+    // !(a <= b) is true for NaN too; FLT_MAX bounds +inf.
+    const bool bad_temp = temps && !(tt >= float_of(0x00800000u) && tt <= float_of(0x7f7fffffu));
+    const bool bad_id = kHasId && (ids[t] < 0 || ids[t] >= V);
+    if (bad_temp || bad_id) {
+      if (c.lane == 0 && error_flags) {
+        if (bad_temp) error_flags[kErrTemperature] = 1;
+        if (bad_id) error_flags[kErrTokenId] = 1;
+      }
+      logits_bad_row<T, kMode>(t, V, c.lane, lse_out, out, dz);
+      continue;
+    }
     const LsePair p = group_lse_pair(zr, V, tt, c.lane);
     if constexpr (kMode == LogitsMode::kLogsumexp) {
       if (c.lane == 0) lse_out[t] = lse_value(p);
@@ -266,11 +371,9 @@ __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V
 // out[n] = round_TO(chain over m = 0..rows-1 of (. + g[m, n])) — linear's bias gradient (contract.h).
 template <typename T, typename TO>
 __global__ void column_sum_kernel(const T* __restrict__ g, TO* __restrict__ out, int64_t rows, int64_t cols) {
-  for (int64_t n = global_thread_index(); n < cols; n += global_thread_count()) {
-    float acc = 0.0f;
-    for (int64_t m = 0; m < rows; ++m) acc = acc + to_f32(g[m * cols + n]);
-    out[n] = from_f32<TO>(acc);
-  }
+  column_chain_block(
+      rows, cols, [&](int64_t m, int64_t n) { return to_f32(g[m * cols + n]); },
+      [&](int64_t n, float acc) { out[n] = from_f32<TO>(acc); });
 }
 
 // ---- the contract's scalar exp/log, elementwise (tests compare backends with these) -----------------------

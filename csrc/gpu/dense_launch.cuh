@@ -31,8 +31,17 @@ const char* last_error() {
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }
 
+// Row kernels: 2-group blocks for small batches (decode: spread the rows over the SMs), 8 groups otherwise.
+// A row's result never depends on the block size (one group per row, rows independent).
+unsigned row_threads(int64_t rows) { return rows < kSmallBatchRows ? kSmallRowBlockThreads : kRowBlockThreads; }
 unsigned row_blocks(int64_t rows) {
-  int64_t b = (rows + kGroupsPerBlock - 1) / kGroupsPerBlock;
+  const int64_t groups = row_threads(rows) / kGroupLanes;
+  int64_t b = (rows + groups - 1) / groups;
+  return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
+}
+// Column chains: one block per kColTileCols columns (grid-stride beyond kMaxBlocks groups).
+unsigned col_blocks(int64_t cols) {
+  int64_t b = (cols + kColTileCols - 1) / kColTileCols;
   return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
 }
 unsigned elem_blocks(int64_t n) {
@@ -49,7 +58,7 @@ const char* launch_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), rms_norm_kernel<T, TW>)(
+      ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), rms_norm_kernel<T, TW>)(
           (const T*)p.x, (const TW*)p.w, (T*)p.out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
@@ -63,7 +72,7 @@ const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), fused_add_rms_norm_kernel<T, TW>)(
+      ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), fused_add_rms_norm_kernel<T, TW>)(
           (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
@@ -78,12 +87,12 @@ const char* launch_rms_norm_backward(const RmsNormBackwardParams& p, void* strea
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
       if (p.rows > 0)
-        ALIGNED_LAUNCH(row_blocks(p.rows), kRowBlockThreads, 0, as_stream(stream), rms_norm_backward_dx_kernel<T, TW>)(
+        ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), rms_norm_backward_dx_kernel<T, TW>)(
             (const T*)p.g, (const T*)p.x, (const TW*)p.w, (T*)p.dx, p.inv, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
     // dw reads inv[] written above: same stream, so ordered. rows == 0 gives dw = +0 (empty chains).
-    ALIGNED_LAUNCH(elem_blocks(p.H), kElemBlockThreads, 0, as_stream(stream), rms_norm_backward_dw_kernel<T>)(
+    ALIGNED_LAUNCH(col_blocks(p.H), kColBlockThreads, 0, as_stream(stream), rms_norm_backward_dw_kernel<T>)(
         (const T*)p.g, (const T*)p.x, p.inv, p.dw, p.rows, p.H);
   });
   return last_error();
@@ -116,7 +125,8 @@ const char* launch_rotary(const RotaryParams& p, void* stream) {
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
     ALIGNED_LAUNCH(elem_blocks(n), kElemBlockThreads, 0, as_stream(stream), rotary_kernel<T>)(
-        p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse);
+        p.positions, (const T*)p.x, (T*)p.out, p.cache, p.T, p.heads, p.head_dim, p.rot, p.is_neox, p.inverse,
+        p.max_pos, p.error_flags);
   });
   return last_error();
 }
@@ -127,8 +137,8 @@ const char* launch_logits(const LogitsParams& p, void* stream) {
   if (p.T == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    ALIGNED_LAUNCH(row_blocks(p.T), kRowBlockThreads, 0, as_stream(stream), logits_row_kernel<T, kMode>)(
-        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz);
+    ALIGNED_LAUNCH(row_blocks(p.T), row_threads(p.T), 0, as_stream(stream), logits_row_kernel<T, kMode>)(
+        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz, p.error_flags);
   });
   return last_error();
 }
@@ -198,7 +208,7 @@ const char* launch_column_sum(const ColumnSumParams& p, void* stream) {
   if (p.out_dt != p.dt) return "aligned column_sum: output dtype must equal input dtype";
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    ALIGNED_LAUNCH(elem_blocks(p.cols), kElemBlockThreads, 0, as_stream(stream), column_sum_kernel<T, T>)((const T*)p.g, (T*)p.out,
+    ALIGNED_LAUNCH(col_blocks(p.cols), kColBlockThreads, 0, as_stream(stream), column_sum_kernel<T, T>)((const T*)p.g, (T*)p.out,
                                                                                              p.rows, p.cols);
   });
   return last_error();

@@ -31,6 +31,7 @@ except RuntimeError as _e:
     raise ImportError(str(_e).splitlines()[0]) from None
 from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
 from ._dense import (
+    check_device_errors,
     fused_add_rms_norm,
     linear,
     log_softmax,
@@ -88,6 +89,7 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "emulate",
+    "check_device_errors",
 
     "moe_routing",
     "moe_experts",

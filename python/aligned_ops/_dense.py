@@ -8,6 +8,7 @@ Every backward is itself an ``aligned`` op with a fixed reduction order, so grad
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -146,6 +147,37 @@ def _(x):
 @_reg_fake("_log_f32")
 def _(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_reg_fake("_device_error_flags")
+def _(like):
+    return like.new_empty((len(DEVICE_ERRORS),), dtype=torch.int32)
+
+
+# The in-kernel value checks of the GPU ops (csrc/gpu/dense_api.h DeviceError, same order): on a GPU the ops
+# never read device data on the host (no sync on the decode path, CUDA-graph safe); a bad value makes that
+# row NaN and sets its word. check_device_errors() reads the words (one host sync: call it outside the hot
+# path, e.g. once per engine step or batch) and raises the error the CPU glue raises at the call itself.
+DEVICE_ERRORS = (
+    "aligned::rotary_embedding: positions must lie in [0, max_position) (cos_sin_cache rows)",
+    "aligned::log_softmax/logsumexp/token_logprobs: every temperature must be finite and > 0, and a normal float32 "
+    "value",
+    "aligned::token_logprobs: token_ids must lie in [0, vocab)",
+)
+
+
+def check_device_errors(device="cuda") -> None:
+    """Raise ``RuntimeError`` if a GPU op met a bad input value since the last check (and clear the words).
+
+    ``device``: a device, device string or a tensor on it. On the CPU backend every value is checked at the call
+    (this returns at once); under ``aligned_ops.emulate`` it reads the emulated GPU glue's words."""
+    like = device if isinstance(device, torch.Tensor) else torch.empty(0, device=device)
+    flags = ops._device_error_flags(like)
+    seen = flags.to("cpu", copy=True)  # the one host read, outside the hot path
+    if bool(seen.any()):
+        flags.zero_()
+        found = [msg for msg, hit in zip(DEVICE_ERRORS, seen.tolist()) if hit]
+        raise RuntimeError("; ".join(found) + " -- reported by the in-kernel check (the affected rows are NaN)")
 
 
 # ---- autograd ------------------------------------------------------------------------------------------
@@ -336,15 +368,20 @@ def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000
     return cos_sin_cache(RopeSpec(rotary_dim=int(rotary_dim), base=float(base), max_position=int(max_position)))
 
 
-def _temperature_args(temperature):
+def _temperature_args(temperature, rows=None):
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() == 0:
+            if temperature.device.type != "cpu":  # float() would sync: pass it as per-row temperatures instead
+                return 1.0, temperature.reshape(1).expand(rows).contiguous()
             return float(temperature), None
         return 1.0, temperature
     temperature = float(temperature)
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    as_f32 = torch.tensor(temperature, dtype=torch.float32).item()
+    try:  # its fp32 rounding, in Python (no tensor op: this runs on every decode step)
+        as_f32 = struct.unpack("f", struct.pack("f", temperature))[0]
+    except OverflowError:
+        as_f32 = math.inf
     if not (_FP32_MIN_NORMAL <= as_f32 < math.inf):
         raise ValueError(
             f"temperature {temperature} is not representable in float32 (the ops divide by it in fp32): it must "
@@ -357,17 +394,17 @@ _FP32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
 def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``log_softmax(logits / temperature)`` over the full vocabulary (float or per-row tensor)."""
-    t, ts = _temperature_args(temperature)
+    t, ts = _temperature_args(temperature, logits.shape[0])
     return ops.log_softmax(logits, t, ts)
 
 
 def logsumexp(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``logsumexp(logits / temperature)`` per row."""
-    t, ts = _temperature_args(temperature)
+    t, ts = _temperature_args(temperature, logits.shape[0])
     return ops.logsumexp(logits, t, ts)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``z[id]/tau - logsumexp(z/tau)`` per row; equals ``log_softmax(z)[id]`` bit for bit."""
-    t, ts = _temperature_args(temperature)
+    t, ts = _temperature_args(temperature, logits.shape[0])
     return ops.token_logprobs(logits, token_ids, t, ts)

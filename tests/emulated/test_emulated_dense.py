@@ -116,7 +116,7 @@ def test_launch_records_name_grid_block_and_shared(gen):
         ops.rms_norm(x, torch.ones(40, dtype=torch.bfloat16).float(), 1e-6)
         ops.linear(randn(130, 9, gen=gen), randn(257, 9, gen=gen), None)
     assert [(l.kernel, l.grid, l.block, l.shared_bytes) for l in emu.launches] == [
-        ("rms_norm_kernel<float, float>", (3, 1, 1), (256, 1, 1), 0),  # 8 rows per block
+        ("rms_norm_kernel<float, float>", (9, 1, 1), (64, 1, 1), 0),  # small batch: 2 rows per block
         # 128 x 128 tiles, one grid z per lane of the fma profile's 8-lane tree (fp32 workspace) ...
         ("gemm_fp32_kernel<float, float, float>", (3, 2, 8), (256, 1, 1), 0),
         ("lane_fold_kernel<float>", (131, 1, 1), (256, 1, 1), 0),  # ... then the tree + bias + rounding
@@ -287,9 +287,11 @@ def test_bad_input_errors_are_the_glue_checks(arch):
     """Under emulation the GPU glue checks arguments with op_checks.h: same rule, same words as the CPU."""
     cases = [
         (lambda: ops.rms_norm(torch.randn(3, 8), torch.randn(7), 1e-6), r"aligned::rms_norm: weight must have shape \[8\]"),
-        (lambda: ops.token_logprobs(torch.randn(2, 5), torch.tensor([0, 5]), 1.0, None), r"aligned::token_logprobs"),
-        (lambda: ops.rotary_embedding(torch.tensor([0, 70]), torch.randn(2, 1, 8), aligned_ops.rotary_cos_sin_cache(8, 64),
+        (lambda: ops.token_logprobs(torch.randn(2, 5), torch.tensor([[0, 4]]), 1.0, None), r"aligned::token_logprobs"),
+        (lambda: ops.rotary_embedding(torch.tensor([0, 7]), torch.randn(2, 1, 8), aligned_ops.rotary_cos_sin_cache(6, 64),
                                       8, True), r"aligned::rotary_embedding"),
+        # Out-of-range *values* (positions, token ids, temperatures) are checked in the kernel on the GPU, not
+        # on the host: tests/emulated/test_emulated_device_errors.py.
         (lambda: ops.linear(torch.randn(2, 3), torch.randn(4, 5), None), r"aligned::linear"),
     ]
     for fn, msg in cases:

@@ -157,16 +157,45 @@ def refit(llm, state_dict) -> None:
     ``layer.weight`` (a plain ``load_weights`` fails there); with the plugin ``layer.weight`` stays a plain
     tensor and the re-processing is a no-op. With prefix caching on, the cache is reset afterwards
     (``llm.reset_prefix_cache()``), so no KV block computed with the old weights is reused.
-    Tensors are moved to CPU and cast to the engine's dtype.
+    Tensors are cast to the engine's dtype and placed on the engine's device by each worker
+    (:func:`_reload_on_engine_device`: the device of the model's own parameters). An engine in this process gets
+    them without any host round trip (a trainer's CUDA weights stay on the GPU); only an engine in other
+    processes receives them through host memory (collective_rpc serialises its arguments), and its workers move
+    them back to their device.
     """
     dtype = llm.llm_engine.model_config.dtype
-    items = [(k, v.detach().to("cpu", dtype)) for k, v in state_dict.items()]
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=items))
+    in_process = _engine_in_process(llm)
+    items = [(k, _weight_for_transport(v, dtype, in_process)) for k, v in state_dict.items()]
+    llm.collective_rpc(_reload_on_engine_device, args=(items,))
     if not vllm_plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         if not llm.reset_prefix_cache():
             raise RuntimeError("refit: vLLM could not reset the prefix cache (requests still running?)")
+
+
+def _engine_in_process(llm) -> bool:
+    """True when the engine core (and its one worker) runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return type(core).__name__ == "InprocClient"
+
+
+def _weight_for_transport(v: torch.Tensor, dtype: torch.dtype, in_process: bool) -> torch.Tensor:
+    """The engine-dtype copy of one weight, on its own device; through host memory only across processes."""
+    v = v.detach().to(dtype=dtype)
+    if not in_process and v.device.type != "cpu":
+        v = v.cpu()  # collective_rpc to another process serialises tensors as host bytes
+    return v
+
+
+def _reload_on_engine_device(worker, items) -> None:
+    """Runs in each worker: move the weights to the device (and dtype) of the worker's model, then vLLM's
+    in-place ``reload_weights`` (which copies them into the existing parameters)."""
+    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
+    param = next(iter(model.parameters()))
+    device, dtype = param.device, worker.model_runner.model_config.dtype
+    moved = [(k, v.to(device=device, dtype=dtype, non_blocking=True)) for k, v in items]
+    worker.reload_weights(weights_iterator=moved)
 
 
 def _repack_stock_cpu_moe(worker) -> int:

@@ -1,0 +1,199 @@
+"""No host synchronisation in any op on the decode path (GPU glue and the Python around it).
+
+Two proofs, both without a GPU:
+1. A scan of the CUDA glue (csrc/cuda/ops_cuda.cpp, csrc/op_checks.h as the glue calls it) and of the
+   decode-path Python for host reads of device data: ``.item()``, ``.cpu()``, ``.tolist()``, ``to(kCPU)``,
+   ``cudaMemcpy``/``hipMemcpy`` device-to-host, stream/device synchronise, and every call of the data-value
+   checks with anything but ``ValueChecks::kInKernel``. A planted violation of each kind must be found
+   (negative control).
+2. The decode-path Python wrappers and vLLM hooks run under a TorchDispatchMode that fails on
+   ``aten._local_scalar_dense`` (what ``.item()`` / ``float(t)`` / ``bool(t)`` dispatch to), ``aten.equal``,
+   ``aten.is_nonzero`` and any copy of a non-CPU tensor to the CPU, on 'meta' tensors (the ops' fake
+   impls; any host read of data fails there too). The negative control runs a planted ``.item()``.
+(The emulated tests, tests/emulated/test_emulated_device_errors.py, prove behaviourally that the GPU glue
+does not read values on the host: bad values do not raise at the call.)
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import aligned_ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GLUE = ROOT / "csrc" / "cuda" / "ops_cuda.cpp"
+
+# Host reads of device data / synchronisations, as they are spelled in C++ glue.
+CXX_FORBIDDEN = {
+    "item": r"\.item\s*<|\.item\s*\(",
+    "cpu": r"\.cpu\s*\(|kCPU|Device\s*\(\s*\"cpu\"",
+    "tolist": r"\.tolist\s*\(",
+    "memcpy": r"(cuda|hip)Memcpy(Async)?\s*\(",
+    "sync": r"(cuda|hip)(Stream|Device)Synchronize|\.synchronize\s*\(",
+    "local_scalar": r"_local_scalar_dense",
+    "equal": r"\.equal\s*\(|\.is_nonzero\s*\(",
+}
+# Data-value checks of op_checks.h: in the GPU glue they must pass ValueChecks::kInKernel.
+# (ops_cuda.cpp wraps aligned::check_logits in a local check_logits; the shared one is called qualified.)
+VALUE_CHECKS = ("check_rotary", "aligned::check_logits", "check_token_ids")
+
+
+def _strip_comments(src: str) -> str:
+    src = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
+    return re.sub(r"//[^\n]*", "", src)
+
+
+def _calls(src: str, name: str):
+    """Argument text of every call of `name` (balanced parentheses)."""
+    for m in re.finditer(rf"(?<![\w:]){re.escape(name)}\s*(<[^>]*>)?\s*\(", src):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            i += 1
+        yield src[m.end():i - 1]
+
+
+def scan_glue(src: str) -> list:
+    src = _strip_comments(src)
+    found = [f"{kind}: {m.group(0)}" for kind, pat in CXX_FORBIDDEN.items() for m in re.finditer(pat, src)]
+    for name in VALUE_CHECKS:
+        for args in _calls(src, name):
+            if "ValueChecks::kInKernel" not in args:
+                found.append(f"{name}({args.strip()[:60]}...) without ValueChecks::kInKernel")
+    return found
+
+
+def test_cuda_glue_has_no_host_read():
+    src = GLUE.read_text()
+    assert scan_glue(src) == []
+    # The value checks are really called there (the scan is not vacuous).
+    stripped = _strip_comments(src)
+    for name in VALUE_CHECKS:
+        assert list(_calls(stripped, name)), name
+
+
+@pytest.mark.parametrize("planted", [
+    "  const int64_t n = pos.max().item<int64_t>();",
+    "  auto h = ids.cpu();",
+    "  auto h = ids.to(at::kCPU);",
+    "  cudaMemcpy(&h, p, 4, cudaMemcpyDeviceToHost);",
+    "  hipMemcpyAsync(&h, p, 4, hipMemcpyDeviceToHost, s);",
+    "  cudaStreamSynchronize(s);",
+    "  auto a = check_rotary<DType>(positions, x, cache, rot, op);",
+    "  auto t = aligned::check_logits<DType>(logits, temperature, temperatures, op);",
+    "  a.ids = check_token_ids(ids, a.p.T, a.p.V, op);",
+])
+def test_scan_negative_control(planted):
+    src = GLUE.read_text().replace("void check_launch(", planted + "\nvoid check_launch(", 1)
+    assert scan_glue(src), planted
+
+
+def test_host_value_checks_are_only_on_the_host_path():
+    # op_checks.h: every .item() read sits behind `values == ValueChecks::kHost`.
+    src = _strip_comments((ROOT / "csrc" / "op_checks.h").read_text())
+    for fn in ("check_rotary", "check_logits", "check_token_ids"):
+        body = src[src.index(f" {fn}("):]
+        body = body[:body.index("\n}\n")]
+        assert ".item<" in body, fn
+        guarded = body[body.index("values == ValueChecks::kHost"):]
+        assert body.index("values == ValueChecks::kHost") < body.index(".item<"), fn
+        assert ".item<" in guarded
+
+
+# ---- the decode-path Python under a mode that forbids host reads ------------------------------------------------
+
+
+class ForbidHostReads(TorchDispatchMode):
+    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                 torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"host read on the decode path: {func}")
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst_dev = (args[0].device if func is torch.ops.aten.copy_.default
+                       else kwargs.get("device", src.device))
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and torch.device(dst_dev).type == "cpu":
+                raise AssertionError(f"device->cpu copy on the decode path: {func}")
+        self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _decode_step():
+    """One decode step's op calls through the Python wrappers (B=4 tokens), on 'meta' tensors."""
+    B, H, heads, kv, D, V = 4, 64, 4, 2, 16, 97
+    x = _meta(B, H)
+    w = _meta(H)
+    h = aligned_ops.rms_norm(x, w, 1e-6)
+    h, res = aligned_ops.fused_add_rms_norm(h, x, w, 1e-6)
+    qkv = aligned_ops.linear(h, _meta((heads + 2 * kv) * D, H), _meta((heads + 2 * kv) * D))
+    q = qkv[:, :heads * D].reshape(B, heads, D).contiguous()
+    k = qkv[:, heads * D:(heads + kv) * D].reshape(B, kv, D).contiguous()
+    v = qkv[:, (heads + kv) * D:].reshape(B, kv, D).contiguous()
+    pos = torch.empty(B, dtype=torch.int64, device="meta")
+    cache = torch.empty(64, D, dtype=torch.float32, device="meta")
+    q = aligned_ops.rotary_embedding(pos, q, cache, D, True)
+    k = aligned_ops.rotary_embedding(pos, k, cache, D, True)
+    kc, vc = _meta(8, 16, kv, D), _meta(8, 16, kv, D)
+    aligned_ops.reshape_and_cache(k, v, kc, vc, torch.empty(B, dtype=torch.int64, device="meta"))
+    i32 = dict(dtype=torch.int32, device="meta")
+    o = aligned_ops.paged_attention(q, kc, vc, torch.empty(B, 2, **i32), torch.empty(B, **i32),
+                                    torch.empty(B + 1, **i32), 0.25)
+    h = aligned_ops.linear(o.reshape(B, heads * D), _meta(H, heads * D))
+    g = aligned_ops.silu_and_mul(aligned_ops.linear(h, _meta(2 * 32, H)))
+    logits = aligned_ops.linear(aligned_ops.linear(g, _meta(H, 32)), _meta(V, H))
+    temps = torch.empty(B, dtype=torch.float32, device="meta")
+    aligned_ops.log_softmax(logits, temps)
+    aligned_ops.log_softmax(logits, torch.empty((), dtype=torch.float32, device="meta"))  # 0-d device scalar
+    aligned_ops.log_softmax(logits, 0.7)
+    aligned_ops.token_logprobs(logits, torch.empty(B, dtype=torch.int64, device="meta"), temps)
+    aligned_ops.logsumexp(logits, temps)
+
+
+def test_decode_path_python_has_no_host_read():
+    with ForbidHostReads() as mode:
+        _decode_step()
+    assert any("aligned.paged_attention" in s for s in mode.seen) and any("aligned.linear" in s for s in mode.seen)
+
+
+def test_vllm_plugin_hooks_have_no_host_read():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from aligned_ops.integrations import vllm_plugin
+
+    B, heads, D, V = 3, 2, 16, 50
+    rot = SimpleNamespace(_aligned_unsupported=None, head_size=D, rotary_dim=D, is_neox_style=True,
+                          _aligned_cos_sin_cache=torch.empty(64, D, dtype=torch.float32, device="meta"))
+    with ForbidHostReads():
+        vllm_plugin._rotary_forward(rot, torch.empty(B, dtype=torch.int64, device="meta"), _meta(B, heads * D),
+                                    _meta(B, heads * D))
+        token = vllm_plugin._current_temperature.set(torch.empty(B, dtype=torch.float32, device="meta"))
+        try:
+            vllm_plugin._compute_logprobs(torch.empty(B, V, dtype=torch.float32, device="meta"))
+        finally:
+            vllm_plugin._current_temperature.reset(token)
+
+
+def test_dispatch_mode_negative_control():
+    with pytest.raises(AssertionError, match="host read on the decode path"):
+        with ForbidHostReads():
+            torch.ones(3).sum().item()
+    with pytest.raises(AssertionError, match="host read on the decode path"):
+        with ForbidHostReads():
+            aligned_ops.log_softmax(torch.randn(2, 5), torch.tensor(0.5))  # CPU 0-d: float() = a host read
