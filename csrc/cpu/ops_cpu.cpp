@@ -461,13 +461,11 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels(
 
 }  // namespace
 
-// Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
-// ALIGNED_CPU_ISA really forced a level before comparing the levels' bits. CPU-only diagnostic.
-// The chosen CPU level (cpu_backend.h), for the tests that force each one. Schema here, not in
-// torch_bindings.cpp: a no-tensor op needs its kernel registered with the schema (catch-all).
+// The chosen CPU level (cpu_backend.h): lets the tests prove that ALIGNED_CPU_ISA really forced a level before
+// comparing the levels' bits. No tensor arguments, so a catch-all kernel (schema in torch_bindings.cpp).
 std::string cpu_isa() { return cpu_backend().level; }
 
-TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) { m.impl("_cpu_isa", &cpu_isa); }
 
 TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)
