@@ -48,19 +48,15 @@ __device__ __forceinline__ GroupCoord group_coord() {
 template <typename T>
 __device__ __forceinline__ float group_rms_inv(const T* x, int64_t H, float eps, int lane) {
   float acc = 0.0f;
-  for (int64_t k = lane; k < H; k += kGroupLanes) {
-    const float v = to_f32(x[k]);
-    acc = acc + v * v;
-  }
-  const float ss = group_sum_tree(acc);
-  return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
+  for (int64_t k = lane; k < H; k += kGroupLanes) acc = rms_sq_step(acc, to_f32(x[k]));
+  return rms_inv_of_sum(group_sum_tree(acc), H, eps);
 }
 
 // One row of rms_norm by one 32-lane group: out_k = round_T((x_k * inv) * w_k) (contract.h rms_norm_row).
 template <typename T, typename TW>
 __device__ __forceinline__ void group_rms_norm_row(const T* xr, const TW* w, T* orow, int64_t H, float eps, int lane) {
   const float inv = group_rms_inv<T>(xr, H, eps, lane);
-  for (int64_t k = lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(xr[k]) * inv) * to_f32(w[k]));
+  for (int64_t k = lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>(rms_scale(to_f32(xr[k]), inv, to_f32(w[k])));
 }
 
 // One group per row (grid-stride over rows). Every lane of a group runs the same iterations, so the
@@ -101,16 +97,11 @@ __global__ void rms_norm_backward_dx_kernel(const T* __restrict__ g, const T* __
     T* dxr = dx + r * H;
     const float inv = group_rms_inv(xr, H, eps, c.lane);
     float acc = 0.0f;
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
-      const float gw = to_f32(gr[k]) * to_f32(w[k]);
-      acc = acc + gw * to_f32(xr[k]);
-    }
-    const float dot = group_sum_tree(acc);
-    const float cc = (div_f32(dot, (float)H) * inv) * inv;
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
-      const float gw = to_f32(gr[k]) * to_f32(w[k]);
-      dxr[k] = from_f32<T>((gw - to_f32(xr[k]) * cc) * inv);
-    }
+    for (int64_t k = c.lane; k < H; k += kGroupLanes)
+      acc = rms_grad_dot_step(acc, to_f32(gr[k]), to_f32(w[k]), to_f32(xr[k]));
+    const float cc = rms_grad_coef(group_sum_tree(acc), H, inv);
+    for (int64_t k = c.lane; k < H; k += kGroupLanes)
+      dxr[k] = from_f32<T>(rms_grad_dx(to_f32(gr[k]), to_f32(w[k]), to_f32(xr[k]), cc, inv));
     if (c.lane == 0) inv_out[r] = inv;
   }
 }
@@ -122,7 +113,7 @@ __global__ void rms_norm_backward_dw_kernel(const T* __restrict__ g, const T* __
                                             int64_t H) {
   for (int64_t k = global_thread_index(); k < H; k += global_thread_count()) {
     float acc = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) acc = acc + to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]);
+    for (int64_t r = 0; r < rows; ++r) acc = rms_grad_dw_step(acc, to_f32(g[r * H + k]), to_f32(x[r * H + k]), inv[r]);
     dw[k] = acc;
   }
 }
@@ -193,17 +184,16 @@ __device__ __forceinline__ LsePair group_lse_pair(const T* z, int64_t V, float t
   float m = -float_of(0x7f800000u);
   int flags = 0;
   for (int64_t v = lane; v < V; v += kGroupLanes) {
-    const float s = div_f32(to_f32(z[v]), tau);
-    flags |= logit_flags(s);
-    m = max_f32(m, s);
+    const float s = logit_scale(to_f32(z[v]), tau);
+    lse_max_merge(s, logit_flags(s), &m, &flags);
   }
   flags = group_or(flags);
   m = group_max(m);
   LsePair p;
   if (lse_special_row(m, flags, &p)) return p;
   float acc = 0.0f;
-  for (int64_t v = lane; v < V; v += kGroupLanes) acc = acc + exp_f32(div_f32(to_f32(z[v]), tau) - m);
-  return LsePair{m, log_f32(group_sum_tree(acc))};
+  for (int64_t v = lane; v < V; v += kGroupLanes) acc = lse_sum_step(acc, logit_scale(to_f32(z[v]), tau), m);
+  return lse_pair_of_sum(m, group_sum_tree(acc));
 }
 
 enum class LogitsMode : int {
