@@ -111,6 +111,18 @@ TORCH_LIBRARY(aligned, m) {
 
   // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
   m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
+
+  // ---- diagnostics and control ops without tensor arguments ----
+  // Their kernels are registered as catch-all (TORCH_LIBRARY_IMPL(aligned, CatchAll, m)) next to the backend
+  // that implements them: a no-tensor op has no dispatch key to select a backend by.
+  m.def("_cpu_isa() -> str");    // the CPU ISA level chosen once (csrc/cpu/cpu_backend.h; csrc/cpu/ops_cpu.cpp)
+  m.def("_exact_unit() -> str");  // the exact linear's CPU unit: amx / avx512-vnni / avx2-madd / generic (ops_exact_cpu.cpp)
+  // aligned_ops.emulate (csrc/emu/ops_emulated_cuda.cpp): enter/leave an emulated GPU arch, its launch records,
+  // the emulated archs, the SIMT runtime's self-test kernels.
+  m.def("_emulate_enter(str arch, int fault=0) -> ()");
+  m.def("_emulate_exit() -> str[]");
+  m.def("_emulated_archs() -> str[]");
+  m.def("_emulate_selftest(str name) -> int[]");
 }
 
 // A bare module: the ops register themselves with the dispatcher when the library is loaded.

@@ -10,6 +10,13 @@
 // lane chains register-tiled and call linear_lane_fold / linear_epilogue for the combine; the scalar
 // linear_partial_dot / linear_dot are the reference the tests hold every backend to.
 //
+// Arithmetic type V: the per-element formulas below are templates over the type they compute in, so the
+// scalar code, the GPU kernels (V = float) and the CPU vector kernels (V = a csrc/cpu/simd.h type, each lane
+// an IEEE fp32 operation) call the SAME helper instead of re-expressing it. V needs + - * (binary, unary -)
+// and fma_f32 / div_f32 / sqrt_f32 / exp_f32 / exp_f32_not_nan (numerics.h for float, simd.h for vectors);
+// float constants are written V(c). tests/common/test_simd_conformance.py holds every instantiation to a plain
+// scalar reference.
+//
 // Storage types T: float, bf16_t, f16_t. Inputs are widened to fp32 exactly; every result is rounded
 // once to its output type (round to nearest even).
 //
@@ -110,29 +117,31 @@ ALIGNED_HD TC linear_epilogue(float acc, const TC* bias, int64_t n) {
 // ss = lane_sum over k of (x_k * x_k)        (product rounded, then added; reduce.h order)
 // inv = 1 / sqrt(ss / H + eps)               (division, add, sqrt, division: each correctly rounded)
 // out_k = round_T((x_k * inv) * w_k)
+// The pieces (every backend's row loop calls these):
+template <typename V>
+ALIGNED_HD V rms_sq_step(V acc, V x) { return acc + x * x; }  // one lane's step of ss
+ALIGNED_HD float rms_inv_of_sum(float ss, int64_t H, float eps) {
+  return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
+}
+template <typename V>
+ALIGNED_HD V rms_scale(V x, V inv, V w) { return (x * inv) * w; }  // out_k before its rounding
+
 template <typename T>
 ALIGNED_HD float rms_inv(const T* x, int64_t H, float eps) {
   float lanes[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
   int64_t k0 = 0;
   for (; k0 + kReduceLanes <= H; k0 += kReduceLanes) {
-    for (int j = 0; j < kReduceLanes; ++j) {
-      float v = to_f32(x[k0 + j]);
-      lanes[j] = lanes[j] + v * v;
-    }
+    for (int j = 0; j < kReduceLanes; ++j) lanes[j] = rms_sq_step(lanes[j], to_f32(x[k0 + j]));
   }
-  for (int j = 0; k0 + j < H; ++j) {
-    float v = to_f32(x[k0 + j]);
-    lanes[j] = lanes[j] + v * v;
-  }
-  float ss = fold_lanes(lanes);
-  return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
+  for (int j = 0; k0 + j < H; ++j) lanes[j] = rms_sq_step(lanes[j], to_f32(x[k0 + j]));
+  return rms_inv_of_sum(fold_lanes(lanes), H, eps);
 }
 
 template <typename T, typename TW>
 ALIGNED_HD void rms_norm_row(const T* x, const TW* w, T* out, int64_t H, float eps) {
   float inv = rms_inv(x, H, eps);
-  for (int64_t k = 0; k < H; ++k) out[k] = from_f32<T>((to_f32(x[k]) * inv) * to_f32(w[k]));
+  for (int64_t k = 0; k < H; ++k) out[k] = from_f32<T>(rms_scale(to_f32(x[k]), inv, to_f32(w[k])));
 }
 
 // fused_add_rms_norm: r_k = round_T(x_k + res_k) is the new residual; the norm is rms_norm of the
@@ -148,31 +157,38 @@ ALIGNED_HD void fused_add_rms_norm_row(const T* x, const T* res, const TW* w, T*
 //   gw_k = g_k * w_k ; dot = lane_sum(gw_k * x_k) ; c = ((dot / H) * inv) * inv
 //   dx_k = round_T((gw_k - x_k * c) * inv)
 // dw_k = chain over rows in order of (. + g_k * (x_k * inv)), computed by the column pass below.
+template <typename V>
+ALIGNED_HD V rms_grad_dot_step(V acc, V g, V w, V x) { return acc + (g * w) * x; }  // one lane's step of dot
+ALIGNED_HD float rms_grad_coef(float dot, int64_t H, float inv) { return (div_f32(dot, (float)H) * inv) * inv; }
+template <typename V>
+ALIGNED_HD V rms_grad_dx(V g, V w, V x, V c, V inv) { return (g * w - x * c) * inv; }  // dx_k before rounding
+template <typename V>
+ALIGNED_HD V rms_grad_dw_step(V acc, V g, V x, V inv) { return acc + g * (x * inv); }  // dw_k's step for one row
+
 template <typename T, typename TW>
 ALIGNED_HD void rms_norm_backward_row(const T* g, const T* x, const TW* w, T* dx, int64_t H, float eps) {
   float inv = rms_inv(x, H, eps);
   float lanes[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
-  for (int64_t k = 0; k < H; ++k) {
-    float gw = to_f32(g[k]) * to_f32(w[k]);
-    lanes[k % kReduceLanes] = lanes[k % kReduceLanes] + gw * to_f32(x[k]);
-  }
-  float dot = fold_lanes(lanes);
-  float c = (div_f32(dot, (float)H) * inv) * inv;
-  for (int64_t k = 0; k < H; ++k) {
-    float gw = to_f32(g[k]) * to_f32(w[k]);
-    dx[k] = from_f32<T>((gw - to_f32(x[k]) * c) * inv);
-  }
+  for (int64_t k = 0; k < H; ++k)
+    lanes[k % kReduceLanes] = rms_grad_dot_step(lanes[k % kReduceLanes], to_f32(g[k]), to_f32(w[k]), to_f32(x[k]));
+  const float c = rms_grad_coef(fold_lanes(lanes), H, inv);
+  for (int64_t k = 0; k < H; ++k) dx[k] = from_f32<T>(rms_grad_dx(to_f32(g[k]), to_f32(w[k]), to_f32(x[k]), c, inv));
 }
 
 // ---- silu_and_mul -------------------------------------------------------------------------------------
 // x = [a | b] (last dim 2d): out_i = round_T(silu(a_i) * b_i), silu(a) = a / (1 + exp(-a)).
 // Backward: s = 1 / (1 + exp(-a)); da = round_T((g * b) * (s + (a * s) * (1 - s))); db = round_T(g * silu(a)).
-ALIGNED_HD float silu_mul(float a, float b) { return silu_f32(a) * b; }
-ALIGNED_HD void silu_mul_backward(float g, float a, float b, float* da, float* db) {
-  float s = div_f32(1.0f, 1.0f + exp_f32(-a));
-  *da = (g * b) * (s + (a * s) * (1.0f - s));
-  *db = g * silu_f32(a);
+// silu's exp needs no NaN fix-up: a NaN a makes a / (1 + e) return a's NaN whatever e is (numerics.h).
+template <typename V>
+ALIGNED_HD V silu(V a) { return div_f32(a, V(1.0f) + exp_f32_not_nan(-a)); }
+template <typename V>
+ALIGNED_HD V silu_mul(V a, V b) { return silu(a) * b; }
+template <typename V>
+ALIGNED_HD void silu_mul_backward(V g, V a, V b, V* da, V* db) {
+  const V s = div_f32(V(1.0f), V(1.0f) + exp_f32(-a));
+  *da = (g * b) * (s + (a * s) * (V(1.0f) - s));
+  *db = g * silu(a);
 }
 
 // ---- rotary_embedding -----------------------------------------------------------------------------------
@@ -180,7 +196,8 @@ ALIGNED_HD void silu_mul_backward(float g, float a, float b, float* da, float* d
 // Pair i (i < R/2) is (i, i + R/2) for neox style, (2i, 2i+1) for gpt-j style; dims >= R pass through.
 //   o1 = x1 * c - x2 * s ; o2 = x2 * c + x1 * s        (each product rounded, then one add/sub)
 // Backward is the rotation by -theta: g1' = g1 * c + g2 * s ; g2' = g2 * c - g1 * s.
-ALIGNED_HD void rotate_pair(float x1, float x2, float c, float s, bool inverse, float* o1, float* o2) {
+template <typename V>
+ALIGNED_HD void rotate_pair(V x1, V x2, V c, V s, bool inverse, V* o1, V* o2) {
   if (!inverse) {
     *o1 = x1 * c - x2 * s;
     *o2 = x2 * c + x1 * s;
@@ -246,6 +263,21 @@ ALIGNED_HD bool lse_special_row(float m, int32_t flags, LsePair* out) {
   return false;
 }
 
+// The pieces of the pair (every backend's row loop calls these):
+template <typename V>
+ALIGNED_HD V logit_scale(V z, V tau) { return div_f32(z, tau); }  // s_v
+// One lane's step of the exp-sum. Only ordinary rows get here (no NaN, no +inf, m finite), so s - m is never
+// NaN (s = -inf gives -inf) and the exp needs no NaN fix-up.
+template <typename V>
+ALIGNED_HD V lse_sum_step(V acc, V s, V m) { return acc + exp_f32_not_nan(s - m); }
+// A part's (max, flags) merged into the row's: max is exact and order-free (see cpu_kernels.cpp for the sign
+// of a zero maximum, which reaches no output), flags are ORed.
+ALIGNED_HD void lse_max_merge(float part_m, int32_t part_flags, float* m, int32_t* flags) {
+  *m = max_f32(*m, part_m);
+  *flags |= part_flags;
+}
+ALIGNED_HD LsePair lse_pair_of_sum(float m, float sum) { return LsePair{m, log_f32(sum)}; }
+
 ALIGNED_HD float lse_value(LsePair p) { return p.m == float_of(0x7f800000u) ? p.m : p.m + p.L; }
 ALIGNED_HD float logp_value(float s, LsePair p) { return (s - p.m) - p.L; }
 ALIGNED_HD float prob_value(float s, LsePair p) { return exp_f32(logp_value(s, p)); }
@@ -257,17 +289,16 @@ ALIGNED_HD LsePair lse_pair_row(const T* z, int64_t V, float tau) {
   float m = -float_of(0x7f800000u);
   int32_t flags = 0;
   for (int64_t v = 0; v < V; ++v) {
-    float s = div_f32(to_f32(z[v]), tau);
-    flags |= logit_flags(s);
-    m = max_f32(m, s);
+    float s = logit_scale(to_f32(z[v]), tau);
+    lse_max_merge(s, logit_flags(s), &m, &flags);
   }
   LsePair p;
   if (lse_special_row(m, flags, &p)) return p;
   float lanes[kReduceLanes];
   for (int j = 0; j < kReduceLanes; ++j) lanes[j] = 0.0f;
   for (int64_t v = 0; v < V; ++v)
-    lanes[v % kReduceLanes] = lanes[v % kReduceLanes] + exp_f32(div_f32(to_f32(z[v]), tau) - m);
-  return LsePair{m, log_f32(fold_lanes(lanes))};
+    lanes[v % kReduceLanes] = lse_sum_step(lanes[v % kReduceLanes], logit_scale(to_f32(z[v]), tau), m);
+  return lse_pair_of_sum(m, fold_lanes(lanes));
 }
 
 ALIGNED_HD float token_logprobs_grad(float s, LsePair p, bool is_id, float g, float tau) {

@@ -148,8 +148,14 @@ ALIGNED_HD float log_f32(float x) {
   return r;
 }
 
-// silu(a) = a / (1 + exp(-a)): one exp, one add, one IEEE division.
-ALIGNED_HD float silu_f32(float a) { return div_f32(a, 1.0f + exp_f32(-a)); }
+// exp_f32 for an argument that is never NaN (same bits as exp_f32 there). A vector type may skip the NaN
+// fix-up for it (csrc/cpu/simd.h); contract.h uses it only where the argument cannot be NaN, or where a NaN
+// argument cannot reach the result through it.
+ALIGNED_HD float exp_f32_not_nan(float x) { return exp_f32(x); }
+
+// silu(a) = a / (1 + exp(-a)): one exp, one add, one IEEE division — contract.h's silu<V> for float.
+// (A NaN a makes the quotient a's NaN whatever exp(-a) is, so the exp needs no NaN fix-up.)
+ALIGNED_HD float silu_f32(float a) { return div_f32(a, 1.0f + exp_f32_not_nan(-a)); }
 
 // ---- storage types -----------------------------------------------------------------------------
 struct bf16_t {

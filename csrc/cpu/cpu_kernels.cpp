@@ -4,9 +4,9 @@
 // computes the same bits (tests/cpu/test_isa_levels.py runs each level in its own process and compares):
 //   * most loops are the contract's own per-row functions, shaped so the compiler vectorises the 32
 //     independent lanes (contraction is off, so it cannot fuse or reorder anything);
-//   * where gcc's vectorised code is slow (exp inside the log-prob lane chains and silu_and_mul), the AVX-512
-//     level has an intrinsic form of the same IEEE operation sequence (exp16: equal to exp_f32 on all 2^32
-//     inputs);
+//   * where gcc's vectorised code is slow (exp inside the log-prob lane chains and silu_and_mul), the kernel
+//     calls the contract's formula (silu_mul, lse_sum_step) instantiated for this level's vector type
+//     (simd.h: F32x16 on AVX-512, F32x8 on AVX2, lane by lane the same IEEE operations as the float helper);
 //   * log-prob rows take two passes: s = z / tau once (into the output row or a per-thread scratch row) with
 //     lane maxima, then the lane chains of exp(s - m) — the contract's (m, L) pair without a second division;
 //   * dense_split_kernels.h: pieces that let threads share one row (decode batches) without splitting a
@@ -16,14 +16,12 @@
 
 #include <algorithm>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <memory>
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
 #include "dense_split_kernels.h"
+#include "simd.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -34,68 +32,8 @@ namespace aligned::cpu::ALIGNED_ISA {
 using aligned::bf16_t;
 using aligned::f16_t;
 
-// ---- AVX-512 forms of the contract's scalar helpers ------------------------------------------------------
-// gcc vectorises exp_f32 on its own, but with masked/blended code for its range checks that runs at about
-// half the speed of this straight-line form. Each function below is the same sequence of IEEE operations as
-// its numerics.h original, lane by lane (explicit _mm512_fmadd_ps where the original calls fma_f32, nothing
-// contracted otherwise), so the bits are identical; tests/cpu/test_isa_levels.py compares the levels.
-#if defined(__AVX512F__)
-#define ALIGNED_HAVE_AVX512_PATHS 1
-// kNaN = false: for callers where a NaN x cannot reach an output through exp (the lse chains never see
-// NaN; in silu a NaN a makes a / (1 + e) return a's NaN whatever e is), the NaN fix-up is skipped.
-// The range fix-ups of exp_f32 (x > 88.8 -> inf, x < -104 -> 0) need no code here: for the clamped
-// arguments the same operations already give exp(88.8) = inf (1.08 * 2^64 * 2^64 overflows) and
-// exp(-104) = 0 (0.486 * 2^-149 rounds to 0), bit for bit what the fix-ups write.
-template <bool kNaN = true>
-static inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.8f), lo = _mm512_set1_ps(-104.0f);
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);  // == the two clamps for every non-NaN x
-  __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
-  // fma(-n, c, r) == fnmadd(n, c, r): -(n * c) + r with one rounding, and negation is exact
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-  __m512i ni = _mm512_cvtps_epi32(n);  // n is an integer: exact
-  __m512i n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1);  // C's ni / 2
-  __m512i n2 = _mm512_sub_epi32(ni, n1);
-  const __m512i bias = _mm512_set1_epi32(127);
-  __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
-  __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(er, s1), s2);
-  if constexpr (kNaN) y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
-  return y;
-}
-
-// Widening loads (exact) and the rounding store of numerics.h's from_f32, for 16 elements (masked tails).
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const bf16_t* p, __mmask16 m) {
-  __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-}
-static inline __m512 load16(const f16_t* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));  // exact, subnormals kept (F16C/AVX-512 widen exactly)
-}
-static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-static inline void store16(bf16_t* p, __m512 v, __mmask16 m) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(b));
-}
-template <typename T>
-static constexpr bool kHasStore16 = !std::is_same_v<T, f16_t>;  // f16 rounding stays scalar (from_f32)
-#endif
+namespace simd = aligned::cpu::ALIGNED_ISA::simd;
+using simd::VecF32;  // this level's fp32 vector (simd.h): F32x16, F32x8 or F32x1
 
 static void rms_norm(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
                      int64_t r0, int64_t r1) {
@@ -154,26 +92,22 @@ static void rms_norm_backward_dw(DType dt, const void* g, const void* x, float* 
       const T* gr = gt + r * H;
       const T* xr = xt + r * H;
       float iv = inv[r];
-      for (int64_t k = c0; k < c1; ++k) dw[k] = dw[k] + to_f32(gr[k]) * (to_f32(xr[k]) * iv);
+      for (int64_t k = c0; k < c1; ++k) dw[k] = rms_grad_dw_step(dw[k], to_f32(gr[k]), to_f32(xr[k]), iv);
     }
   });
 }
 
-// out[i] = round_T(silu(a[i]) * b[i]) for i in [c0, c1) (contract.h: silu_mul)
+// out[i] = round_T(silu(a[i]) * b[i]) for i in [c0, c1): contract.h silu_mul, on this level's vectors
+// (the scalar loop: f16 stores, and the generic level).
 template <typename T>
 static void silu_mul_range(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o, int64_t c0, int64_t c1) {
   int64_t i = c0;
-#if defined(ALIGNED_HAVE_AVX512_PATHS)
-  if constexpr (kHasStore16<T>) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i < c1; i += 16) {
-      const __mmask16 m = c1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - i)) - 1u);
-      const __m512 av = load16(a + i, m), bv = load16(b + i, m);
-      const __m512 e = exp16<false>(_mm512_xor_ps(av, _mm512_set1_ps(-0.0f)));  // exp(-a): sign flip, as -a
-      store16(o + i, _mm512_mul_ps(_mm512_div_ps(av, _mm512_add_ps(one, e)), bv), m);
+  if constexpr (VecF32::kLanes > 1 && simd::kVectorStore<VecF32, T>) {
+    for (; i < c1; i += VecF32::kLanes) {
+      const int n = (int)std::min<int64_t>(VecF32::kLanes, c1 - i);
+      simd::store(o + i, silu_mul(simd::load<VecF32>(a + i, n), simd::load<VecF32>(b + i, n)), n);
     }
   }
-#endif
   for (; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
 }
 
@@ -276,34 +210,31 @@ static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V,
 // in order (kW = 32: the whole row; 16 or 8: one lane group of an intra-row split).
 template <int kW>
 static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int j0, float* __restrict__ lanes) {
-#if defined(ALIGNED_HAVE_AVX512_PATHS)
-  if constexpr (kW % 16 == 0) {
-    constexpr int kVecs = kW / 16;
-    __m512 acc[kVecs];
-    for (int q = 0; q < kVecs; ++q) acc[q] = _mm512_setzero_ps();
-    const __m512 mv = _mm512_set1_ps(m);
+  if constexpr (VecF32::kLanes > 1 && kW % VecF32::kLanes == 0) {  // contract.h lse_sum_step on vectors
+    constexpr int kVecs = kW / VecF32::kLanes;
+    VecF32 acc[kVecs];
+    for (int q = 0; q < kVecs; ++q) acc[q] = VecF32::zero();
+    const VecF32 mv(m);
     int64_t v0 = 0;
     for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
       for (int q = 0; q < kVecs; ++q)
-        acc[q] = _mm512_add_ps(acc[q], exp16<false>(_mm512_sub_ps(_mm512_loadu_ps(s + v0 + j0 + 16 * q), mv)));
-    for (int q = 0; q < kVecs; ++q) {  // last, partial chunk: missing elements add nothing (masked)
-      const int64_t first = v0 + j0 + 16 * q;
+        acc[q] = lse_sum_step(acc[q], simd::load<VecF32>(s + v0 + j0 + VecF32::kLanes * q), mv);
+    for (int q = 0; q < kVecs; ++q) {  // last, partial chunk: missing elements add nothing
+      const int64_t first = v0 + j0 + VecF32::kLanes * q;
       const int64_t n = V - first;
       if (n <= 0) continue;
-      const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-      const __m512 e = exp16<false>(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + first), mv));
-      acc[q] = _mm512_mask_add_ps(acc[q], k, acc[q], e);
+      const int nl = (int)std::min<int64_t>(n, VecF32::kLanes);
+      acc[q] = select_first(nl, lse_sum_step(acc[q], simd::load<VecF32>(s + first, nl), mv), acc[q]);
     }
-    for (int q = 0; q < kVecs; ++q) _mm512_storeu_ps(lanes + j0 + 16 * q, acc[q]);
+    for (int q = 0; q < kVecs; ++q) simd::store(lanes + j0 + VecF32::kLanes * q, acc[q], VecF32::kLanes);
     return;
   }
-#endif
   float acc[kW];
   for (int j = 0; j < kW; ++j) acc[j] = 0.0f;
   int64_t v0 = 0;
   for (; v0 + kReduceLanes <= V; v0 += kReduceLanes)
-    for (int j = 0; j < kW; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
-  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = acc[j] + exp_f32(s[v0 + j0 + j] - m);
+    for (int j = 0; j < kW; ++j) acc[j] = lse_sum_step(acc[j], s[v0 + j0 + j], m);
+  for (int j = 0; j < kW && v0 + j0 + j < V; ++j) acc[j] = lse_sum_step(acc[j], s[v0 + j0 + j], m);
   for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
@@ -324,10 +255,7 @@ static void scale_and_max(const T* z, float* s, int64_t n, float tau, float* max
     scale_row<T, false>(z, s, n, tau, mx, fl);
   float m = -inf;
   int32_t any = 0;
-  for (int j = 0; j < kReduceLanes; ++j) {
-    m = max_f32(m, mx[j]);
-    any |= fl[j];
-  }
+  for (int j = 0; j < kReduceLanes; ++j) lse_max_merge(mx[j], fl[j], &m, &any);
   *max = m;
   *flags = any;
 }
@@ -342,7 +270,7 @@ static LsePair row_lse_pair(const T* z, float* s, int64_t V, float tau) {
   if (lse_special_row(m, flags, &p)) return p;
   float lanes[kReduceLanes];
   lane_exp_sums_w<kReduceLanes>(s, V, m, 0, lanes);
-  return LsePair{m, log_f32(fold_lanes(lanes))};
+  return lse_pair_of_sum(m, fold_lanes(lanes));
 }
 
 // Per-thread fp32 scratch row for s (kept between calls: a fresh vocab-sized allocation per call would
@@ -497,7 +425,7 @@ static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, fl
   if (j1 - j0 == 8) return lane_exp_sums_w<8>(s, V, m, j0, lanes);
   for (int j = j0; j < j1; ++j) {
     float acc = 0.0f;
-    for (int64_t v = j; v < V; v += kReduceLanes) acc = acc + exp_f32(s[v] - m);
+    for (int64_t v = j; v < V; v += kReduceLanes) acc = lse_sum_step(acc, s[v], m);
     lanes[j] = acc;
   }
 }

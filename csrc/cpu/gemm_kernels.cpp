@@ -41,6 +41,7 @@
 
 #include "../common/contract.h"
 #include "cpu_kernels.h"
+#include "simd.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -59,58 +60,27 @@ using aligned::f16_t;
 
 #define ALIGNED_INLINE inline __attribute__((always_inline))
 
-// ---- one vector of fp32 lanes per ISA level; fma is the fused IEEE fma (same bits as fma_f32) --------
+// ---- this level's fp32 vector (simd.h); fma_f32 on it is the fused IEEE fma (same bits as the scalar) -----
+namespace simd = aligned::cpu::ALIGNED_ISA::simd;
+using Vec = simd::VecF32;
 #if defined(__AVX512F__)
-struct Vec {
-  using T = __m512;
-  static constexpr int L = 16;
-  static ALIGNED_INLINE T zero() { return _mm512_setzero_ps(); }
-  static ALIGNED_INLINE T load(const float* p) { return _mm512_load_ps(p); }
-  static ALIGNED_INLINE void store(float* p, T v) { _mm512_store_ps(p, v); }
-  static ALIGNED_INLINE T bcast(float x) { return _mm512_set1_ps(x); }
-  static ALIGNED_INLINE T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-};
 constexpr int kMR = 8;  // 8 rows x 2 zmm = 16 accumulators, 2 B registers, 1 broadcast
 #elif defined(__AVX2__) && defined(__FMA__)
-struct Vec {
-  using T = __m256;
-  static constexpr int L = 8;
-  static ALIGNED_INLINE T zero() { return _mm256_setzero_ps(); }
-  static ALIGNED_INLINE T load(const float* p) { return _mm256_load_ps(p); }
-  static ALIGNED_INLINE void store(float* p, T v) { _mm256_store_ps(p, v); }
-  static ALIGNED_INLINE T bcast(float x) { return _mm256_set1_ps(x); }
-  static ALIGNED_INLINE T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-};
 constexpr int kMR = 3;  // 3 rows x 4 ymm = 12 accumulators (16 ymm registers in all)
 #else
-struct Vec {
-  using T = float;
-  static constexpr int L = 1;
-  static ALIGNED_INLINE T zero() { return 0.0f; }
-  static ALIGNED_INLINE T load(const float* p) { return *p; }
-  static ALIGNED_INLINE void store(float* p, T v) { *p = v; }
-  static ALIGNED_INLINE T bcast(float x) { return x; }
-  static ALIGNED_INLINE T fma(T a, T b, T c) { return fma_f32(a, b, c); }
-};
 constexpr int kMR = 2;
 #endif
 
 constexpr int kNR = 32;              // columns per packed panel
-constexpr int kNV = kNR / Vec::L;    // vectors per microkernel row
+constexpr int kNV = kNR / Vec::kLanes;    // vectors per microkernel row
 constexpr int64_t kKC = 128;         // k-steps per L1 chunk on the small-M path (128 x 32 x 4 B = 16 KiB)
 constexpr int64_t kMC = 256;         // rows per block on the large-M path (A block stays in L3)
 
 // ---- packing: bp[k][j] = fp32(B[n0 + j, k0 + k]) for k < kc, j < 32 (zero for j >= nw) -----------------
 #if defined(__AVX512F__)
-// Loads up to 16 consecutive elements as exact fp32 (masked: nothing past `cnt` is touched).
-static ALIGNED_INLINE __m512 load16_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-static ALIGNED_INLINE __m512 load16_f32(const bf16_t* p, __mmask16 mk) {
-  __m256i h = _mm256_maskz_loadu_epi16(mk, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static ALIGNED_INLINE __m512 load16_f32(const f16_t* p, __mmask16 mk) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p));  // f16 -> f32 is exact (subnormals included)
-}
+// Up to 16 consecutive elements as exact fp32, nothing past `cnt` touched (simd.h's masked widening load).
+template <typename T>
+static ALIGNED_INLINE __m512 load16_f32(const T* p, int cnt) { return simd::load<simd::F32x16>(p, cnt).v; }
 
 // In-register transpose: r[i] = row i (16 lanes)  ->  r[c] = column c (lane i = old row i).
 static ALIGNED_INLINE void transpose16(__m512 r[16]) {
@@ -155,7 +125,6 @@ static void pack_panel(float* __restrict bp, const TB* __restrict b, int64_t b_s
   if (b_sk == 1) {  // row-major B (the weight in the forward): 16 x 16 transposes
     for (int64_t kk = 0; kk < kc; kk += 16) {
       const int cnt = (int)std::min<int64_t>(16, kc - kk);
-      const __mmask16 mk = (__mmask16)((1u << cnt) - 1u);
       for (int h = 0; h < 2; ++h) {
         __m512 r[16];
         if (h * 16 >= nw) {
@@ -164,7 +133,7 @@ static void pack_panel(float* __restrict bp, const TB* __restrict b, int64_t b_s
         }
         for (int i = 0; i < 16; ++i) {
           const int64_t j = h * 16 + i;
-          r[i] = j < nw ? load16_f32(base + j * b_sn + kk, mk) : _mm512_setzero_ps();
+          r[i] = j < nw ? load16_f32(base + j * b_sn + kk, cnt) : _mm512_setzero_ps();
         }
         transpose16(r);
         for (int c = 0; c < cnt; ++c) _mm512_store_ps(bp + (kk + c) * kNR + h * 16, r[c]);
@@ -181,25 +150,25 @@ static void pack_panel(float* __restrict bp, const TB* __restrict b, int64_t b_s
 
 // ---- microkernel: MR rows x 32 columns, fma steps k = 0..kc-1 of the chains held in acc -----------------
 template <int MR, typename TA>
-static ALIGNED_INLINE void fma_steps(typename Vec::T (&acc)[MR][kNV], const TA* __restrict a, int64_t a_sm,
+static ALIGNED_INLINE void fma_steps(Vec (&acc)[MR][kNV], const TA* __restrict a, int64_t a_sm,
                                      int64_t a_sk, const float* __restrict bp, int64_t kc) {
   for (int64_t k = 0; k < kc; ++k) {
     const float* bk = bp + k * kNR;
-    typename Vec::T bv[kNV];
+    Vec bv[kNV];
 #pragma GCC unroll 32
-    for (int v = 0; v < kNV; ++v) bv[v] = Vec::load(bk + v * Vec::L);
+    for (int v = 0; v < kNV; ++v) bv[v] = Vec::load_aligned(bk + v * Vec::kLanes);
     const TA* ak = a + k * a_sk;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const typename Vec::T av = Vec::bcast(to_f32(ak[r * a_sm]));
+      const Vec av(to_f32(ak[r * a_sm]));
 #pragma GCC unroll 32
-      for (int v = 0; v < kNV; ++v) acc[r][v] = Vec::fma(av, bv[v], acc[r][v]);
+      for (int v = 0; v < kNV; ++v) acc[r][v] = fma_f32(av, bv[v], acc[r][v]);
     }
   }
 }
 
 template <int MR>
-static ALIGNED_INLINE void zero_acc(typename Vec::T (&acc)[MR][kNV]) {
+static ALIGNED_INLINE void zero_acc(Vec (&acc)[MR][kNV]) {
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 32
@@ -207,11 +176,11 @@ static ALIGNED_INLINE void zero_acc(typename Vec::T (&acc)[MR][kNV]) {
 }
 
 template <int MR>
-static ALIGNED_INLINE void store_acc(typename Vec::T (&acc)[MR][kNV], float* tile) {
+static ALIGNED_INLINE void store_acc(Vec (&acc)[MR][kNV], float* tile) {
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 32
-    for (int v = 0; v < kNV; ++v) Vec::store(tile + r * kNR + v * Vec::L, acc[r][v]);
+    for (int v = 0; v < kNV; ++v) acc[r][v].store_aligned(tile + r * kNR + v * Vec::kLanes);
 }
 
 // Epilogue: C[m, n0 + j] = round_TC(tile[r][j] (+ bias[n0 + j])) — one fp32 add, one rounding
@@ -268,7 +237,7 @@ static ALIGNED_INLINE void run_lanes(int lanes, int64_t K, int rows, int64_t nw,
 // Full-K microkernel on a packed panel.
 template <int MR, typename TA>
 static void micro_full(const TA* a, int64_t a_sm, int64_t a_sk, const float* bp, int64_t K, float* tile) {
-  typename Vec::T acc[MR][kNV];
+  Vec acc[MR][kNV];
   zero_acc<MR>(acc);
   fma_steps<MR, TA>(acc, a, a_sm, a_sk, bp, K);
   store_acc<MR>(acc, tile);
@@ -278,7 +247,7 @@ static void micro_full(const TA* a, int64_t a_sm, int64_t a_sk, const float* bp,
 template <int MR, typename TA, typename TB>
 static void micro_streamed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int64_t b_sn, int64_t b_sk,
                            int64_t n0, int64_t nw, int64_t K, float* chunk, float* tile) {
-  typename Vec::T acc[MR][kNV];
+  Vec acc[MR][kNV];
   zero_acc<MR>(acc);
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
@@ -302,14 +271,14 @@ static ALIGNED_INLINE void direct_block(__m512 (&acc)[MR], const TA* a, int64_t 
   constexpr bool kPairs = std::is_same_v<TB, bf16_t>;
   constexpr int kBlock = kPairs ? 32 : 16;
   const int cnt = kFull ? kBlock : cnt_rt;
-  const uint32_t kmask = kFull ? 0xffffffffu : ((1u << cnt) - 1u);
+  [[maybe_unused]] const uint32_t kmask = kFull ? 0xffffffffu : ((1u << cnt) - 1u);
   __m512 rows[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     if constexpr (kPairs)
       rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16((__mmask32)(rv[i] & kmask), rp[i] + kk));
     else
-      rows[i] = load16_f32(rp[i] + kk, (__mmask16)(rv[i] & kmask));
+      rows[i] = load16_f32(rp[i] + kk, rv[i] ? cnt : 0);
   }
   transpose16(rows);
   if constexpr (kPairs) {

@@ -193,10 +193,7 @@ LsePair lse_pair_split(const LogitsArgs& a, int64_t r, float* s_row) {
   });
   float m = -inf;
   int32_t any = 0;
-  for (int64_t p = 0; p < parts; ++p) {
-    m = max_f32(m, mx[p]);
-    any |= flags[p];
-  }
+  for (int64_t p = 0; p < parts; ++p) lse_max_merge(mx[p], flags[p], &m, &any);
   LsePair pair;
   if (lse_special_row(m, any, &pair)) return pair;
   float lanes[kReduceLanes];
@@ -204,7 +201,7 @@ LsePair lse_pair_split(const LogitsArgs& a, int64_t r, float* s_row) {
   at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, a.V, m, (int)g * width, (int)(g + 1) * width, lanes);
   });
-  return LsePair{m, log_f32(fold_lanes(lanes))};
+  return lse_pair_of_sum(m, fold_lanes(lanes));
 }
 
 // Every row's (m, L) pair, fp32 [T, 2].
@@ -293,15 +290,23 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_pairs(const at::Tensor& logits
   return {token_logprobs_from_pairs(a, idc, pairs), pairs};
 }
 
-// The three backward ops share one path: few rows -> the pairs with the threads sharing each row, then the
-// elementwise part per row; otherwise pairs == nullptr: the kernel computes each row's pair in the same pass.
-at::Tensor logits_backward(LogitsGrad mode, const at::Tensor& g, const LogitsArgs& a, const int64_t* ids) {
+// The three backward ops are one path that differs only in the mode (contract.h: which gradient), whether
+// token ids are read, and the grad's shape ([T, V] for log_softmax, [T] otherwise). Few rows -> the pairs with
+// the threads sharing each row, then the elementwise part per row; otherwise pairs == nullptr: the kernel
+// computes each row's pair in the same pass.
+at::Tensor logits_backward(LogitsGrad mode, const char* op, const at::Tensor& grad, const at::Tensor& logits,
+                           const at::Tensor* ids, double temperature, const std::optional<at::Tensor>& temperatures) {
+  check_cpu(grad, op, "grad");
+  auto a = check_logits(logits, temperature, temperatures, op);
+  at::Tensor idc;
+  if (ids) idc = check_ids(*ids, a, op);
+  auto g = check_logits_grad(grad, a.T, a.V, mode == LogitsGrad::kLogSoftmax, op);
   auto dz = at::empty({a.T, a.V}, a.z.options());
   const auto& k = cpu_kernels();
   at::Tensor pairs;
   if (split_rows(a.T, a.V, kSplitMinVocab)) pairs = lse_pairs_of(a);
   at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.logits_backward(mode, a.dt, g.data_ptr<float>(), a.z.data_ptr(), ids,
+    k.logits_backward(mode, a.dt, g.data_ptr<float>(), a.z.data_ptr(), ids ? idc.data_ptr<int64_t>() : nullptr,
                       pairs.defined() ? pairs.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau, a.temps_ptr(),
                       b, e);
   });
@@ -310,12 +315,8 @@ at::Tensor logits_backward(LogitsGrad mode, const at::Tensor& g, const LogitsArg
 
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
                                    double temperature, const std::optional<at::Tensor>& temperatures) {
-  const char* op = "token_logprobs_backward";
-  check_cpu(grad, op, "grad");
-  auto a = check_logits(logits, temperature, temperatures, op);
-  auto idc = check_ids(ids, a, op);
-  auto g = check_logits_grad(grad, a.T, a.V, false, op);
-  return logits_backward(LogitsGrad::kTokenLogprobs, g, a, idc.data_ptr<int64_t>());
+  return logits_backward(LogitsGrad::kTokenLogprobs, "token_logprobs_backward", grad, logits, &ids, temperature,
+                         temperatures);
 }
 
 // token_logprobs_backward on the column tile [vocab_start, vocab_start + n) of the rows (logits is that tile,
@@ -350,20 +351,14 @@ at::Tensor token_logprobs_backward_cols(const at::Tensor& grad, const at::Tensor
 
 at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
                               const std::optional<at::Tensor>& temperatures) {
-  const char* op = "logsumexp_backward";
-  check_cpu(grad, op, "grad");
-  auto a = check_logits(logits, temperature, temperatures, op);
-  auto g = check_logits_grad(grad, a.T, a.V, false, op);
-  return logits_backward(LogitsGrad::kLogsumexp, g, a, nullptr);
+  return logits_backward(LogitsGrad::kLogsumexp, "logsumexp_backward", grad, logits, nullptr, temperature,
+                         temperatures);
 }
 
 at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
                                 const std::optional<at::Tensor>& temperatures) {
-  const char* op = "log_softmax_backward";
-  check_cpu(grad, op, "grad");
-  auto a = check_logits(logits, temperature, temperatures, op);
-  auto g = check_logits_grad(grad, a.T, a.V, true, op);
-  return logits_backward(LogitsGrad::kLogSoftmax, g, a, nullptr);
+  return logits_backward(LogitsGrad::kLogSoftmax, "log_softmax_backward", grad, logits, nullptr, temperature,
+                         temperatures);
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
@@ -508,13 +503,11 @@ at::Tensor device_error_flags(const at::Tensor& like) { return at::zeros({3}, li
 
 }  // namespace
 
-// Which kernel table this process uses (generic / avx2 / avx512): lets the tests prove that
-// ALIGNED_CPU_ISA really forced a level before comparing the levels' bits. CPU-only diagnostic.
-// The chosen CPU level (cpu_backend.h), for the tests that force each one. Schema here, not in
-// torch_bindings.cpp: a no-tensor op needs its kernel registered with the schema (catch-all).
+// The chosen CPU level (cpu_backend.h): lets the tests prove that ALIGNED_CPU_ISA really forced a level before
+// comparing the levels' bits. No tensor arguments, so a catch-all kernel (schema in torch_bindings.cpp).
 std::string cpu_isa() { return cpu_backend().level; }
 
-TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_cpu_isa() -> str", &cpu_isa); }
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) { m.impl("_cpu_isa", &cpu_isa); }
 
 TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)

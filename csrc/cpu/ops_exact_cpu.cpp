@@ -197,6 +197,7 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   lib.impl("_linear_exact_reference", &linear_exact_reference);
 }
 
-TORCH_LIBRARY_FRAGMENT(aligned, m) { m.def("_exact_unit() -> str", &exact_unit); }
+// No tensor arguments: a catch-all kernel (schema in torch_bindings.cpp).
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) { m.impl("_exact_unit", &exact_unit); }
 
 }  // namespace aligned::cpu

@@ -66,9 +66,10 @@ std::vector<std::string> emulated_archs() {
 }  // namespace
 }  // namespace aligned::emu
 
-TORCH_LIBRARY_FRAGMENT(aligned, m) {
-  m.def("_emulate_enter(str arch, int fault=0) -> ()", &aligned::emu::emulate_enter);
-  m.def("_emulate_exit() -> str[]", &aligned::emu::emulate_exit);
-  m.def("_emulated_archs() -> str[]", &aligned::emu::emulated_archs);
-  m.def("_emulate_selftest(str name) -> int[]", &aligned::emu::emulate_selftest);
+// No tensor arguments: catch-all kernels (schemas in torch_bindings.cpp).
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) {
+  m.impl("_emulate_enter", &aligned::emu::emulate_enter);
+  m.impl("_emulate_exit", &aligned::emu::emulate_exit);
+  m.impl("_emulated_archs", &aligned::emu::emulated_archs);
+  m.impl("_emulate_selftest", &aligned::emu::emulate_selftest);
 }

@@ -56,11 +56,12 @@ __device__ __forceinline__ GroupCoord group_coord() {
   return c;
 }
 
-// One lane's chain of reduce.h: acc = ((0 + f(x[lane])) + f(x[lane + 32])) + ... in increasing index order.
-// The loads of kPrefetch consecutive chain elements are issued before their adds (latency hiding only: the
-// adds and their order are those of the plain loop `for (k = lane; k < n; k += 32) acc = acc + f(x[k])`).
+// One lane's chain of reduce.h: acc = step(step(0, x[lane]), x[lane + 32]) ... in increasing index order, step
+// being the contract.h helper of the op (rms_sq_step, lse_sum_step). The loads of kPrefetch consecutive chain
+// elements are issued before their steps (latency hiding only: the steps and their order are those of the plain
+// loop `for (k = lane; k < n; k += 32) acc = step(acc, x[k])`).
 template <typename T, typename F>
-__device__ __forceinline__ float lane_chain(const T* x, int64_t n, int lane, F f) {
+__device__ __forceinline__ float lane_chain(const T* x, int64_t n, int lane, F step) {
   float acc = 0.0f;
   int64_t k = lane;
   for (; k + (kPrefetch - 1) * kGroupLanes < n; k += kPrefetch * kGroupLanes) {
@@ -68,9 +69,9 @@ __device__ __forceinline__ float lane_chain(const T* x, int64_t n, int lane, F f
 #pragma unroll
     for (int u = 0; u < kPrefetch; ++u) v[u] = to_f32(x[k + u * kGroupLanes]);
 #pragma unroll
-    for (int u = 0; u < kPrefetch; ++u) acc = acc + f(v[u]);
+    for (int u = 0; u < kPrefetch; ++u) acc = step(acc, v[u]);
   }
-  for (; k < n; k += kGroupLanes) acc = acc + f(to_f32(x[k]));
+  for (; k < n; k += kGroupLanes) acc = step(acc, to_f32(x[k]));
   return acc;
 }
 
@@ -78,16 +79,15 @@ __device__ __forceinline__ float lane_chain(const T* x, int64_t n, int lane, F f
 // contract.h rms_inv: lanes[j] += x_k * x_k for k = j, j+32, ...; ss = fold; inv = 1/sqrt(ss/H + eps).
 template <typename T>
 __device__ __forceinline__ float group_rms_inv(const T* x, int64_t H, float eps, int lane) {
-  const float acc = lane_chain(x, H, lane, [](float v) { return v * v; });
-  const float ss = group_sum_tree(acc);
-  return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
+  const float acc = lane_chain(x, H, lane, [](float a, float v) { return rms_sq_step(a, v); });
+  return rms_inv_of_sum(group_sum_tree(acc), H, eps);
 }
 
 // One row of rms_norm by one 32-lane group: out_k = round_T((x_k * inv) * w_k) (contract.h rms_norm_row).
 template <typename T, typename TW>
 __device__ __forceinline__ void group_rms_norm_row(const T* xr, const TW* w, T* orow, int64_t H, float eps, int lane) {
   const float inv = group_rms_inv<T>(xr, H, eps, lane);
-  for (int64_t k = lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>((to_f32(xr[k]) * inv) * to_f32(w[k]));
+  for (int64_t k = lane; k < H; k += kGroupLanes) orow[k] = from_f32<T>(rms_scale(to_f32(xr[k]), inv, to_f32(w[k])));
 }
 
 // One group per row (grid-stride over rows). Every lane of a group runs the same iterations, so the
@@ -128,16 +128,11 @@ __global__ void rms_norm_backward_dx_kernel(const T* __restrict__ g, const T* __
     T* dxr = dx + r * H;
     const float inv = group_rms_inv(xr, H, eps, c.lane);
     float acc = 0.0f;
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
-      const float gw = to_f32(gr[k]) * to_f32(w[k]);
-      acc = acc + gw * to_f32(xr[k]);
-    }
-    const float dot = group_sum_tree(acc);
-    const float cc = (div_f32(dot, (float)H) * inv) * inv;
-    for (int64_t k = c.lane; k < H; k += kGroupLanes) {
-      const float gw = to_f32(gr[k]) * to_f32(w[k]);
-      dxr[k] = from_f32<T>((gw - to_f32(xr[k]) * cc) * inv);
-    }
+    for (int64_t k = c.lane; k < H; k += kGroupLanes)
+      acc = rms_grad_dot_step(acc, to_f32(gr[k]), to_f32(w[k]), to_f32(xr[k]));
+    const float cc = rms_grad_coef(group_sum_tree(acc), H, inv);
+    for (int64_t k = c.lane; k < H; k += kGroupLanes)
+      dxr[k] = from_f32<T>(rms_grad_dx(to_f32(gr[k]), to_f32(w[k]), to_f32(xr[k]), cc, inv));
     if (c.lane == 0) inv_out[r] = inv;
   }
 }
@@ -187,7 +182,7 @@ __global__ void rms_norm_backward_dw_kernel(const T* __restrict__ g, const T* __
                                             const float* __restrict__ inv, float* __restrict__ dw, int64_t rows,
                                             int64_t H) {
   column_chain_block(
-      rows, H, [&](int64_t r, int64_t k) { return to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]); },
+      rows, H, [&](int64_t r, int64_t k) { return to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]); },  // rms_grad_dw_step's term,
       [&](int64_t k, float acc) { dw[k] = acc; });
 }
 
@@ -271,16 +266,16 @@ __device__ __forceinline__ LsePair group_lse_pair(const T* z, int64_t V, float t
   float m = -float_of(0x7f800000u);
   int flags = 0;
   for (int64_t v = lane; v < V; v += kGroupLanes) {
-    const float s = div_f32(to_f32(z[v]), tau);
-    flags |= logit_flags(s);
-    m = max_f32(m, s);
+    const float s = logit_scale(to_f32(z[v]), tau);
+    lse_max_merge(s, logit_flags(s), &m, &flags);
   }
   flags = group_or(flags);
   m = group_max(m);
   LsePair p;
   if (lse_special_row(m, flags, &p)) return p;
-  const float acc = lane_chain(z, V, lane, [tau, m](float zv) { return exp_f32(div_f32(zv, tau) - m); });
-  return LsePair{m, log_f32(group_sum_tree(acc))};
+  const float acc =
+      lane_chain(z, V, lane, [tau, m](float a, float zv) { return lse_sum_step(a, logit_scale(zv, tau), m); });
+  return lse_pair_of_sum(m, group_sum_tree(acc));
 }
 
 enum class LogitsMode : int {

@@ -1,0 +1,282 @@
+// simd_conformance.cpp — the C++ conformance test of csrc/common/contract.h's templated formulas (driven by
+// tests/common/test_simd_conformance.py, which compiles this file once per CPU ISA level with the build's
+// numerics flags). Every formula helper is instantiated for float (the scalar and GPU instantiation), for
+// simd.h's F32x1 and, where the level has them, F32x8 (AVX2) and F32x16 (AVX-512), run on random and special
+// inputs, and compared bit for bit with a PLAIN scalar reference written out below (ordinary float
+// expressions and numerics.h's exp_f32 — deliberately not the contract's helpers). NaN results compare equal
+// to any NaN: which NaN payload an IEEE operation returns when both operands are NaN is an operand-order
+// detail the compiler may choose, and no output of the contract depends on it.
+//
+// Output: one line per (check, type): "<check> <type> <checked> <mismatches>"; exit status 1 on any mismatch
+// outside the negative controls (lines starting with "negative_"), whose mismatches must be > 0 — they hold a
+// re-expressed formula (as a kernel that re-typed the helper with another tree would) to the same reference.
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <string>
+#include <vector>
+
+#include "csrc/common/contract.h"
+#include "csrc/cpu/simd.h"
+
+namespace simd = aligned::cpu::ALIGNED_ISA::simd;
+using aligned::bf16_t;
+using aligned::f16_t;
+using aligned::div_f32;
+using aligned::exp_f32;
+using aligned::exp_f32_not_nan;
+using aligned::fma_f32;
+
+static bool same(float a, float b) {
+  if (a != a && b != b) return true;
+  uint32_t x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  return x == y;
+}
+
+// ---- inputs -----------------------------------------------------------------------------------------------
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t next_u32() {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (uint32_t)(rng_state >> 16);
+}
+static float from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static const float kSpecial[] = {0.0f, -0.0f, 1.0f, -1.0f, from_bits(0x7f800000u), from_bits(0xff800000u),
+                                 from_bits(0x7fc00000u), from_bits(0x00000001u), from_bits(0x80400000u),
+                                 3.4028235e38f, -3.4028235e38f, 88.8f, -104.0f, 1e-30f, 65504.0f, 0.5f};
+// Mostly values in [-range, range]; one in 8 a special value, one in 8 any bit pattern.
+static std::vector<float> inputs(size_t n, float range, bool allow_nan = true) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t kind = next_u32() % 8;
+    float x;
+    if (kind == 0) x = kSpecial[next_u32() % (sizeof(kSpecial) / sizeof(float))];
+    else if (kind == 1) x = from_bits(next_u32());
+    else x = ((float)(next_u32() >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * range;
+    if (!allow_nan && x != x) x = 1.5f;
+    v[i] = x;
+  }
+  return v;
+}
+
+// ---- running a formula on one arithmetic type --------------------------------------------------------------
+template <typename V>
+struct Lanes {
+  static constexpr int n = V::kLanes;
+};
+template <>
+struct Lanes<float> {
+  static constexpr int n = 1;
+};
+template <typename V>
+static V get(const float* p, int n) {
+  if constexpr (std::is_same_v<V, float>) return *p;
+  else return simd::load<V>(p, n);
+}
+template <typename V>
+static void put(float* p, V v, int n) {
+  if constexpr (std::is_same_v<V, float>) *p = v;
+  else simd::store(p, v, n);
+}
+
+static bool g_failed = false;
+static void report(const std::string& check, const char* type, size_t checked, size_t bad) {
+  printf("%s %s %zu %zu\n", check.c_str(), type, checked, bad);
+  const bool negative = check.rfind("negative_", 0) == 0;
+  if (negative ? bad == 0 : bad != 0) g_failed = true;
+}
+
+// args: K input arrays; f(V* in, V* out) computes R outputs; ref(const float* in, float* out) the reference.
+template <typename V, int K, int R, typename F, typename Ref>
+static void check(const std::string& name, const char* type, const std::vector<float> (&args)[K], F f, Ref ref) {
+  const size_t n = args[0].size();
+  constexpr int L = Lanes<V>::n;
+  size_t bad = 0;
+  std::vector<float> got[R];
+  for (int r = 0; r < R; ++r) got[r].assign(n, 0.0f);
+  for (size_t i = 0; i < n; i += L) {
+    const int cnt = (int)std::min<size_t>(L, n - i);  // the last chunk exercises the tail loads and stores
+    V in[K], out[R];
+    for (int k = 0; k < K; ++k) in[k] = get<V>(args[k].data() + i, cnt);
+    f(in, out);
+    for (int r = 0; r < R; ++r) put<V>(got[r].data() + i, out[r], cnt);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    float in[K], want[R];
+    for (int k = 0; k < K; ++k) in[k] = args[k][i];
+    ref(in, want);
+    for (int r = 0; r < R; ++r) bad += !same(got[r][i], want[r]);
+  }
+  report(name, type, n * R, bad);
+}
+
+// ---- the checks: each contract helper against its plain scalar reference -----------------------------------
+constexpr size_t kN = (1 << 16) + 13;  // not a multiple of any lane count
+
+template <typename V>
+static void check_formulas(const char* type) {
+  {
+    const std::vector<float> a[2] = {inputs(kN, 30.0f), inputs(kN, 4.0f)};
+    check<V, 2, 1>("silu_mul", type, a, [](V* x, V* o) { o[0] = aligned::silu_mul(x[0], x[1]); },
+                   [](const float* x, float* o) { o[0] = (x[0] / (1.0f + exp_f32(-x[0]))) * x[1]; });
+    // negative control: silu as a * (1 / (1 + e)) — another tree — must differ from the reference.
+    check<V, 2, 1>(
+        "negative_silu_reciprocal", type, a,
+        [](V* x, V* o) { o[0] = (x[0] * div_f32(V(1.0f), V(1.0f) + exp_f32_not_nan(-x[0]))) * x[1]; },
+        [](const float* x, float* o) { o[0] = (x[0] / (1.0f + exp_f32(-x[0]))) * x[1]; });
+  }
+  {
+    const std::vector<float> a[3] = {inputs(kN, 2.0f), inputs(kN, 30.0f), inputs(kN, 4.0f)};
+    check<V, 3, 2>("silu_mul_backward", type, a,
+                   [](V* x, V* o) { aligned::silu_mul_backward(x[0], x[1], x[2], &o[0], &o[1]); },
+                   [](const float* x, float* o) {
+                     const float g = x[0], a = x[1], b = x[2];
+                     const float s = 1.0f / (1.0f + exp_f32(-a));
+                     o[0] = (g * b) * (s + (a * s) * (1.0f - s));
+                     o[1] = g * (a / (1.0f + exp_f32(-a)));
+                   });
+  }
+  {
+    const std::vector<float> a[4] = {inputs(kN, 8.0f), inputs(kN, 8.0f), inputs(kN, 1.0f), inputs(kN, 1.0f)};
+    for (bool inverse : {false, true}) {
+      check<V, 4, 2>(inverse ? "rotate_pair_inverse" : "rotate_pair", type, a,
+                     [inverse](V* x, V* o) { aligned::rotate_pair(x[0], x[1], x[2], x[3], inverse, &o[0], &o[1]); },
+                     [inverse](const float* x, float* o) {
+                       if (!inverse) {
+                         o[0] = x[0] * x[2] - x[1] * x[3];
+                         o[1] = x[1] * x[2] + x[0] * x[3];
+                       } else {
+                         o[0] = x[0] * x[2] + x[1] * x[3];
+                         o[1] = x[1] * x[2] - x[0] * x[3];
+                       }
+                     });
+    }
+  }
+  {
+    const std::vector<float> a[5] = {inputs(kN, 100.0f), inputs(kN, 8.0f), inputs(kN, 8.0f), inputs(kN, 8.0f),
+                                     inputs(kN, 2.0f)};
+    const std::vector<float> a2[2] = {a[0], a[1]}, a3[3] = {a[1], a[2], a[3]}, a4[4] = {a[0], a[1], a[2], a[3]};
+    check<V, 2, 1>("rms_sq_step", type, a2,
+                   [](V* x, V* o) { o[0] = aligned::rms_sq_step(x[0], x[1]); },
+                   [](const float* x, float* o) { o[0] = x[0] + x[1] * x[1]; });
+    check<V, 3, 1>("rms_scale", type, a3,
+                   [](V* x, V* o) { o[0] = aligned::rms_scale(x[0], x[1], x[2]); },
+                   [](const float* x, float* o) { o[0] = (x[0] * x[1]) * x[2]; });
+    check<V, 4, 1>("rms_grad_dot_step", type, a4,
+                   [](V* x, V* o) { o[0] = aligned::rms_grad_dot_step(x[0], x[1], x[2], x[3]); },
+                   [](const float* x, float* o) { o[0] = x[0] + (x[1] * x[2]) * x[3]; });
+    check<V, 5, 1>("rms_grad_dx", type, a, [](V* x, V* o) { o[0] = aligned::rms_grad_dx(x[0], x[1], x[2], x[3], x[4]); },
+                   [](const float* x, float* o) { o[0] = (x[0] * x[1] - x[2] * x[3]) * x[4]; });
+    check<V, 4, 1>("rms_grad_dw_step", type, a4,
+                   [](V* x, V* o) { o[0] = aligned::rms_grad_dw_step(x[0], x[1], x[2], x[3]); },
+                   [](const float* x, float* o) { o[0] = x[0] + x[1] * (x[2] * x[3]); });
+    // negative control: the dx formula with a fused multiply-add the contract does not write.
+    check<V, 5, 1>("negative_rms_grad_dx_fma", type, a,
+                   [](V* x, V* o) { o[0] = fma_f32(-x[2], x[3], x[0] * x[1]) * x[4]; },
+                   [](const float* x, float* o) { o[0] = (x[0] * x[1] - x[2] * x[3]) * x[4]; });
+  }
+  {
+    // log-prob pieces: s = z / tau; the exp-sum step for an ordinary row (s <= m, m finite, nothing NaN).
+    std::vector<float> z = inputs(kN, 60.0f), tau = inputs(kN, 2.0f);
+    for (float& t : tau) t = t == t && t > 0.05f && t < 1e30f ? t : 0.7f;
+    const std::vector<float> a[2] = {z, tau};
+    check<V, 2, 1>("logit_scale", type, a, [](V* x, V* o) { o[0] = aligned::logit_scale(x[0], x[1]); },
+                   [](const float* x, float* o) { o[0] = x[0] / x[1]; });
+    std::vector<float> acc = inputs(kN, 1000.0f, false), s = inputs(kN, 120.0f, false), m = inputs(kN, 120.0f, false);
+    for (size_t i = 0; i < kN; ++i) {
+      acc[i] = acc[i] < 0 || !(acc[i] < 1e30f) ? 0.0f : acc[i];
+      m[i] = m[i] == m[i] && m[i] > -3e38f && m[i] < 3e38f ? m[i] : 0.0f;
+      if (!(s[i] <= m[i])) s[i] = m[i] - (s[i] == s[i] && s[i] > 0 && s[i] < 1e30f ? s[i] : 1.0f);
+    }
+    const std::vector<float> b[3] = {acc, s, m};
+    check<V, 3, 1>("lse_sum_step", type, b, [](V* x, V* o) { o[0] = aligned::lse_sum_step(x[0], x[1], x[2]); },
+                   [](const float* x, float* o) { o[0] = x[0] + exp_f32(x[1] - x[2]); });
+  }
+  {
+    const std::vector<float> a[1] = {inputs(kN, 110.0f)};
+    check<V, 1, 1>("exp_f32", type, a, [](V* x, V* o) { o[0] = exp_f32(x[0]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0]); });
+    const std::vector<float> b[1] = {inputs(kN, 110.0f, false)};
+    check<V, 1, 1>("exp_f32_not_nan", type, b, [](V* x, V* o) { o[0] = exp_f32_not_nan(x[0]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0]); });
+  }
+}
+
+// exp on a stride of every bit pattern (the vector forms of exp_f32 re-express it, so they get the wide check).
+template <typename V>
+static void check_exp_sweep(const char* type) {
+  constexpr int L = Lanes<V>::n;
+  size_t checked = 0, bad = 0;
+  alignas(64) float in[L], out[L];
+  uint64_t u = 0;
+  while (u < (1ull << 32)) {
+    for (int j = 0; j < L; ++j, u += 251) in[j] = from_bits((uint32_t)u);
+    put<V>(out, exp_f32(get<V>(in, L)), L);
+    for (int j = 0; j < L; ++j) bad += !same(out[j], aligned::exp_f32(in[j]));
+    checked += L;
+  }
+  report("exp_f32_sweep", type, checked, bad);
+}
+
+// Widening loads and rounding stores against numerics.h to_f32 / from_f32, for every tail length.
+template <typename V, typename T>
+static void check_load_store(const char* type, const char* tname) {
+  constexpr int L = Lanes<V>::n;
+  size_t checked = 0, bad = 0;
+  std::vector<float> src = inputs(4096, 1e5f);
+  for (int rep = 0; rep < 4096 / L; ++rep) {
+    for (int n = 0; n <= L; ++n) {
+      T st[L], back[L];
+      for (int j = 0; j < L; ++j) st[j] = aligned::from_f32<T>(src[rep * L + j]);
+      const V v = simd::load<V>(st, n);
+      alignas(64) float w[L];
+      simd::store(w, v, L);
+      for (int j = 0; j < L; ++j) bad += !same(w[j], j < n ? aligned::to_f32(st[j]) : 0.0f);
+      checked += L;
+      if constexpr (simd::kVectorStore<V, T>) {  // rounding store of fp32 values, n lanes, nothing past n
+        const V x = simd::load<V>(src.data() + rep * L, L);
+        for (int j = 0; j < L; ++j) memset(&back[j], 0xA5, sizeof(T));
+        simd::store(back, x, n);
+        for (int j = 0; j < L; ++j) {
+          T want;
+          if (j < n) want = aligned::from_f32<T>(src[rep * L + j]);
+          else memset(&want, 0xA5, sizeof(T));
+          bad += memcmp(&want, &back[j], sizeof(T)) != 0;
+        }
+        checked += L;
+      }
+    }
+  }
+  report(std::string("load_store_") + tname, type, checked, bad);
+}
+
+template <typename V>
+static void check_type(const char* type) {
+  check_formulas<V>(type);
+  if constexpr (!std::is_same_v<V, float>) {
+    check_exp_sweep<V>(type);
+    check_load_store<V, float>(type, "f32");
+    check_load_store<V, bf16_t>(type, "bf16");
+    check_load_store<V, f16_t>(type, "f16");
+  }
+}
+
+int main() {
+  check_type<float>("float");
+  check_type<simd::F32x1>("F32x1");
+#if defined(__AVX2__) && defined(__FMA__)
+  check_type<simd::F32x8>("F32x8");
+#endif
+#if defined(__AVX512F__)
+  check_type<simd::F32x16>("F32x16");
+#endif
+  return g_failed ? 1 : 0;
+}
