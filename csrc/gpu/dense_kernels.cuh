@@ -181,8 +181,9 @@ template <typename T>
 __global__ void rms_norm_backward_dw_kernel(const T* __restrict__ g, const T* __restrict__ x,
                                             const float* __restrict__ inv, float* __restrict__ dw, int64_t rows,
                                             int64_t H) {
+  // acc + term is contract.h rms_grad_dw_step: acc + g * (x * inv)
   column_chain_block(
-      rows, H, [&](int64_t r, int64_t k) { return to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]); },  // rms_grad_dw_step's term,
+      rows, H, [&](int64_t r, int64_t k) { return to_f32(g[r * H + k]) * (to_f32(x[r * H + k]) * inv[r]); },
       [&](int64_t k, float acc) { dw[k] = acc; });
 }
 
