@@ -29,8 +29,8 @@ try:
     torch.ops.aligned._cpu_isa()
 except RuntimeError as _e:
     raise ImportError(str(_e).splitlines()[0]) from None
-from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
-from ._dense import (
+from . import ops  # noqa: F401  (every op family's fake impls + autograd; ops/__init__.py imports them in order)
+from .ops.dense import (
     fused_add_rms_norm,
     linear,
     log_softmax,
@@ -41,22 +41,12 @@ from ._dense import (
     silu_and_mul,
     token_logprobs,
 )
-
-from . import _linear_lanes  # noqa: F401  (linear_partial: fake impl, no-backward rule; TP lane helpers)
-from ._linear_lanes import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
-
-from . import collective  # noqa: F401  (tree all-reduce across TP ranks: finishes the 8-lane linear tree)
-from .collective import tree_all_reduce
-
-from . import _exact  # noqa: F401  (the exact linear profile: fakes, autograd, packed-weight cache)
-from ._exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
-
-from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
-from ._attention import attention_varlen, paged_attention, reshape_and_cache
+from .ops.linear import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
+from .ops.collective import tree_all_reduce
+from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+from .ops.attention import attention_varlen, paged_attention, reshape_and_cache
 from .emulation import emulate
-
-from . import _moe  # noqa: F401  (fake impls + autograd of the moe ops)
-from ._moe import moe_experts, moe_layer, moe_routing
+from .ops.moe import moe_experts, moe_layer, moe_routing
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 

@@ -10,7 +10,7 @@ import torch
 from aligned_ops.diagnostics import mismatch_metrics, routing_flip_metrics
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
 from aligned_ops.integrations.routing_capture import capture_hf_routing
-from aligned_ops.integrations.tiny_model import build_tiny_moe
+from aligned_ops.testing.tiny_model import build_tiny_moe
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 ARCHS = [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]

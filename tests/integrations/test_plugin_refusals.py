@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

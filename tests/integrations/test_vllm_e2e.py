@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bitwise_equal
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E40
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
 from aligned_ops.integrations.routing_capture import scored_token_experts, vllm_teacher_forced_routing  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_moe  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -57,7 +57,7 @@ import os
 import torch
 
 import aligned_ops
-import aligned_ops.collective
+import aligned_ops.ops.collective
 
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
@@ -233,7 +233,7 @@ def _sequential_lane_combine(x, weight, group_coordinator):
     """Negative control: the same lane sums combined left to right (((l0+l1)+l2)+...) instead of the tree."""
     t = group_coordinator.world_size
     k = weight.shape[-1]
-    lanes = aligned_ops.collective.LINEAR_LANES // t
+    lanes = aligned_ops.ops.collective.LINEAR_LANES // t
     sums = []
     for j in range(lanes):
         lo, hi = (j * k) // lanes, ((j + 1) * k) // lanes
@@ -265,7 +265,7 @@ def _row_parallel_forward(self, input_):
             out = out + bias.to(torch.float32)
         out = out.to(input_.dtype)
     else:
-        out = aligned_ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
+        out = aligned_ops.ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
                                                          in_features=self.input_size)
     if not self.return_bias:
         return out
@@ -285,7 +285,7 @@ def _vocab_embedding_forward(self, input_):
     if not self.reduce_results:
         return local.masked_fill(not_owned.unsqueeze(-1), 0)
     group = self.parallel_group if self.parallel_group is not None else _tp_group()
-    return aligned_ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
+    return aligned_ops.ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
 
 
 def _stock_all_reduce(self, input_):
@@ -467,7 +467,7 @@ def validate_vllm_config(vllm_config) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append("speculative decoding is not covered")
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size not in aligned_ops.collective.TP_DEGREES:
+    if pc.tensor_parallel_size not in aligned_ops.ops.collective.TP_DEGREES:
         reasons.append(
             f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
             "row-parallel layer must hold whole lanes of the 8-lane linear tree)"

@@ -82,7 +82,7 @@ class Trainer:
 
         ids, attn, comp = pad_batch(sequences, starts, pad_id)
         if self.aligned:
-            from .integrations import hf
+            from ..integrations import hf
 
             return hf.completion_logprobs(self.model, ids, comp, attention_mask=attn), comp
         return stock_completion_logprobs(self.model, ids, attn, comp), comp
@@ -141,9 +141,9 @@ def child(args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from .diagnostics import MismatchTracker, mismatch_metrics
-    from .integrations import rollout
-    from .rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
+    from ..diagnostics import MismatchTracker, mismatch_metrics
+    from ..integrations import rollout
+    from ..rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
 
     torch.manual_seed(args.seed)
     aligned = args.kernels == "aligned"
@@ -218,7 +218,7 @@ def main(args) -> int:
     """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
     import torch
 
-    from .integrations.tiny_model import build_tiny_moe, build_tiny_qwen2
+    from ..testing.tiny_model import build_tiny_moe, build_tiny_qwen2
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

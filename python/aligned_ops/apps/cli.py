@@ -49,7 +49,7 @@ def child_env(kernels: str) -> dict:
 
 def run_child(kernels: str, argv: list[str], result_path: str) -> dict:
     """Run ``python -m aligned_ops.cli <argv> --kernels K --result PATH`` and load its JSON result."""
-    cmd = [sys.executable, "-m", "aligned_ops.cli", *argv, "--kernels", kernels, "--result", result_path]
+    cmd = [sys.executable, "-m", "aligned_ops.apps.cli", *argv, "--kernels", kernels, "--result", result_path]
     proc = subprocess.run(cmd, env=child_env(kernels))
     if proc.returncode != 0:
         raise SystemExit(f"aligned-ops: the {kernels!r} run failed (exit {proc.returncode}); its output is above")
@@ -98,7 +98,7 @@ def check_model_dir(path: str) -> None:
     from the JSON alone (no torch, no transformers, no engine), so a wrong folder fails in well under a second."""
     from types import SimpleNamespace
 
-    from .integrations import check_hf_config
+    from ..integrations import check_hf_config
 
     if not os.path.isdir(path):
         raise UsageError(f"--model {path}: no such directory (pass a local checkpoint folder)")

@@ -331,7 +331,7 @@ def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000
     independent of the device, the table length and torch's fp32 ``cos``/``sin`` (scaled RoPE variants:
     ``aligned_ops.rope``).
     """
-    from .rope import RopeSpec, cos_sin_cache
+    from ..rope import RopeSpec, cos_sin_cache
 
     return cos_sin_cache(RopeSpec(rotary_dim=int(rotary_dim), base=float(base), max_position=int(max_position)))
 

@@ -113,6 +113,6 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, lanes: int) -> torch.T
     return ops.linear_partial(x, weight, lanes)
 
 
-from ._dense import register_no_backward  # noqa: E402
+from .dense import register_no_backward  # noqa: E402
 
 register_no_backward("_linear_partial_reference", "a test hook: contract.h's scalar linear_partial_dot")

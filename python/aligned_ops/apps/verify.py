@@ -67,7 +67,7 @@ def trainer_model(model_dir: str, dtype: str, aligned: bool):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()
     if aligned:
-        from .integrations import hf
+        from ..integrations import hf
 
         hf.patch_model(model)
     return model
@@ -79,7 +79,7 @@ def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id,
     ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
     with torch.no_grad():
         if aligned:
-            from .integrations import hf
+            from ..integrations import hf
 
             lp = hf.completion_logprobs(model, ids, comp, attention_mask=attn, temperature=temperature)
         else:
@@ -101,7 +101,7 @@ def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id
     experts of position p-1 — the hidden state that scores token p, like the log-prob tensors."""
     import torch
 
-    from .integrations.routing_capture import capture_hf_routing, vllm_teacher_forced_routing
+    from ..integrations.routing_capture import capture_hf_routing, vllm_teacher_forced_routing
 
     ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
     B, S = ids.shape
@@ -124,8 +124,8 @@ def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id
 
 def check_profiles(model) -> str:
     """The linear profile both sides ran (ALIGNED_OPS_LINEAR); refuses a mismatch between them."""
-    from . import linear_profile
-    from .integrations import vllm_plugin
+    from .. import linear_profile
+    from ..integrations import vllm_plugin
 
     now = linear_profile()
     engine = vllm_plugin.installed_linear_profile or now  # None: the plugin ran in another process
@@ -140,8 +140,8 @@ def child(args) -> dict:
     """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
 
-    from .diagnostics import mismatch_metrics
-    from .integrations import rollout
+    from ..diagnostics import mismatch_metrics
+    from ..integrations import rollout
 
     aligned = args.kernels == "aligned"
     t0 = time.time()
@@ -191,20 +191,20 @@ def main(args) -> int:
     if model is None and getattr(args, "moe", False):
         import torch
 
-        from .integrations.tiny_model import build_tiny_moe
+        from ..testing.tiny_model import build_tiny_moe
 
         model = build_tiny_moe(os.path.join(work, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen3-MoE (8 experts, top-2; {args.dtype}) in {model}", flush=True)
     if model is None:
         import torch
 
-        from .integrations.tiny_model import build_tiny_qwen2
+        from ..testing.tiny_model import build_tiny_qwen2
 
         model = build_tiny_qwen2(os.path.join(work, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen2 ({args.dtype}) in {model}", flush=True)
     if getattr(args, "linear", None):
         os.environ["ALIGNED_OPS_LINEAR"] = args.linear  # the children inherit it: both sides, one profile
-    from . import linear_profile
+    from .. import linear_profile
 
     profile = linear_profile()
     argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),

@@ -1,0 +1,19 @@
+"""The op families' Python side, one module each: fake (meta) impls for torch.compile, autograd formulas,
+documented wrappers. Schemas and checks live in C++ (csrc/torch_bindings.cpp, csrc/op_checks.h).
+
+- :mod:`.dense`        norms, activation, rotary (and, for now, the linear and logits wrappers it registers);
+- :mod:`.linear`       the ``fma`` profile's 8 lanes: ``linear_partial``, the TP lane helpers, ``tree_combine``;
+- :mod:`.linear_exact` the ``exact`` profile (integer-MMA linear), its packed-weight cache, ``profile_linear``;
+- :mod:`.attention`    varlen / paged attention, cache write;
+- :mod:`.moe`          routing and experts;
+- :mod:`.collective`   the tree all-reduce that finishes the linear tree across TP ranks (Python, no kernel).
+
+Importing this package registers all of them (``dense`` first: the others use its ``register_no_backward``).
+"""
+
+from . import dense  # noqa: F401
+from . import linear  # noqa: F401
+from . import collective  # noqa: F401
+from . import linear_exact  # noqa: F401
+from . import attention  # noqa: F401
+from . import moe  # noqa: F401
