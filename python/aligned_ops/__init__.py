@@ -30,18 +30,9 @@ try:
 except RuntimeError as _e:
     raise ImportError(str(_e).splitlines()[0]) from None
 from . import ops  # noqa: F401  (every op family's fake impls + autograd; ops/__init__.py imports them in order)
-from .ops.dense import (
-    fused_add_rms_norm,
-    linear,
-    log_softmax,
-    logsumexp,
-    rms_norm,
-    rotary_embedding,
-    rotary_cos_sin_cache,
-    silu_and_mul,
-    token_logprobs,
-)
-from .ops.linear import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
+from .ops.dense import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, rotary_embedding, silu_and_mul
+from .ops.linear import linear, linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
+from .ops.logits import log_softmax, logsumexp, token_logprobs
 from .ops.collective import tree_all_reduce
 from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
 from .ops.attention import attention_varlen, paged_attention, reshape_and_cache
