@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-from .cli import KERNEL_SETS, print_table, run_child, temp_dir
+from .common import KERNEL_SETS, print_table, run_child, temp_dir
+from .trainer import pad_batch, trainer_logprobs, trainer_model
 
 # Prompt lengths: short and long mixed in one batch, the longest well past one chunked-prefill step.
 PROMPT_LENGTHS = (300, 7, 120, 33, 260, 1, 64, 190, 15, 280, 90, 45)
@@ -32,59 +33,6 @@ def make_prompts(vocab_size: int, n: int, seed: int, eos_id: int) -> list[list[i
         ids[ids == eos_id] = (eos_id + 1) % vocab_size
         prompts.append(ids.tolist())
     return prompts
-
-
-def stock_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """What a trainer without aligned_ops computes: fp32 log_softmax of the model's logits, gathered."""
-    import torch
-
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = lp
-    return out * completion_mask
-
-
-def pad_batch(sequences: list[list[int]], completion_starts: list[int], pad_id: int):
-    """Right-padded ``input_ids``, ``attention_mask`` and ``completion_mask`` tensors."""
-    import torch
-
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(sequences), width), dtype=torch.long)
-    comp = torch.zeros((len(sequences), width), dtype=torch.float32)
-    for b, (s, c) in enumerate(zip(sequences, completion_starts)):
-        ids[b, : len(s)] = torch.tensor(s)
-        attn[b, : len(s)] = 1
-        comp[b, c : len(s)] = 1
-    return ids, attn, comp
-
-
-def trainer_model(model_dir: str, dtype: str, aligned: bool):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model.eval()
-    if aligned:
-        from ..integrations import hf
-
-        hf.patch_model(model)
-    return model
-
-
-def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id, temperature=1.0):
-    import torch
-
-    ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
-    with torch.no_grad():
-        if aligned:
-            from ..integrations import hf
-
-            lp = hf.completion_logprobs(model, ids, comp, attention_mask=attn, temperature=temperature)
-        else:
-            lp = stock_completion_logprobs(model, ids, attn, comp, temperature)
-    return lp, comp
 
 
 def is_moe_model(model_dir: str) -> bool:
