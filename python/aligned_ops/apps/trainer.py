@@ -6,8 +6,13 @@ from __future__ import annotations
 
 
 def stock_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """What a trainer without aligned_ops computes: fp32 log_softmax of the model's logits, gathered."""
+    """What a trainer without aligned_ops computes: fp32 log_softmax of the model's logits, gathered (greedy
+    temperatures scored at 1, as both aligned sides do: ``sampling.effective_temperature``)."""
     import torch
+
+    from ..sampling import effective_temperature
+
+    temperature = effective_temperature(temperature)
 
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]

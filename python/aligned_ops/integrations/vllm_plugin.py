@@ -59,6 +59,7 @@ import torch
 import aligned_ops
 import aligned_ops.ops.collective
 
+from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
@@ -439,7 +440,7 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         # All-greedy batch (vLLM passes no temperatures) or a call outside sampling (prompt log-probs).
         return aligned_ops.log_softmax(logits, 1.0)
     temp = temp.to(device=logits.device, dtype=torch.float32)
-    temp = torch.where(temp < 1e-5, torch.ones_like(temp), temp)  # greedy rows are scored at tau = 1
+    temp = effective_temperature(temp)  # greedy rows are scored at tau = 1
     return aligned_ops.log_softmax(logits, temp.contiguous())
 
 
