@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Table, emit, parse_args  # noqa: E402
 
 import aligned_ops  # noqa: E402
-from aligned_ops import _dense  # noqa: E402,F401
+from aligned_ops.ops import dense  # noqa: E402,F401
 
 ops = torch.ops.aligned
 

@@ -52,7 +52,7 @@ def main():
         return child(a.child[0], a.child[1], a.threads, a.child[2])
     import torch
 
-    from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+    from aligned_ops.testing.tiny_model import build_tiny_qwen2
 
     work = tempfile.mkdtemp(prefix="aligned_e2e_")
     model = build_tiny_qwen2(os.path.join(work, "qwen2-896"), dtype=torch.bfloat16, hidden_size=896,

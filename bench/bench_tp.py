@@ -61,7 +61,7 @@ def main():
         return child(args)
     import torch
 
-    from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+    from aligned_ops.testing.tiny_model import build_tiny_qwen2
 
     with tempfile.TemporaryDirectory() as tmp:
         heads = args.hidden // 64

@@ -148,7 +148,7 @@ def model_cases():
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+    from aligned_ops.testing.tiny_model import build_tiny_qwen2
 
     res = []
     with tempfile.TemporaryDirectory() as d:

@@ -37,4 +37,4 @@ rm -rf dist
 "$PY" -c "import aligned_ops; print('aligned_ops', aligned_ops.__version__, 'built against torch', aligned_ops.BUILT_WITH_TORCH)"
 # pyenv: expose the new `aligned-ops` console script through its shims.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
-command -v aligned-ops >/dev/null 2>&1 || echo "note: aligned-ops is not on PATH; use: $PY -m aligned_ops.cli"
+command -v aligned-ops >/dev/null 2>&1 || echo "note: aligned-ops is not on PATH; use: $PY -m aligned_ops.apps.cli"

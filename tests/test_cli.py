@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 def run_cli(*argv, timeout=600):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.cli", *argv], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 

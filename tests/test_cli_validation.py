@@ -14,7 +14,7 @@ import pytest
 
 def run_cli(*argv, timeout=120):
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.cli", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return proc, time.time() - t0
 
@@ -71,7 +71,7 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
 @pytest.mark.parametrize("command", ["verify", "demo", "demo --moe"])
 def test_validation_accepts_the_defaults(command):
     # Positive control: the default flags pass the same validation (checked without starting the runs).
-    from aligned_ops import cli
+    from aligned_ops.apps import cli
 
     cli.validate_args(cli.build_parser().parse_args(command.split()))
 
@@ -92,7 +92,7 @@ def test_demo_pins_torch_and_onednn_isa_levels():
     # the stock engine's oneDNN matmuls are chosen per CPU. The demo pins torch's level before it runs a kernel
     # (oneDNN cannot be pinned: vLLM-CPU's bf16 engine crashes under ONEDNN_MAX_CPU_ISA=AVX2).
     code = ("import os; os.environ.pop('ATEN_CPU_CAPABILITY', None)\n"
-            "from aligned_ops import cli\n"
+            "from aligned_ops.apps import cli\n"
             "cli.pin_reproducible_env()\n"
             "import torch; torch.randn(8).sum()\n"
             "print(torch.backends.cpu.get_cpu_capability())")

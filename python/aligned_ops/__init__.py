@@ -29,38 +29,17 @@ try:
     torch.ops.aligned._cpu_isa()
 except RuntimeError as _e:
     raise ImportError(str(_e).splitlines()[0]) from None
-from . import _dense  # noqa: F401  (fake impls + autograd of the dense ops)
-from ._dense import (
-    check_device_errors,
-    fused_add_rms_norm,
-    linear,
-    log_softmax,
-    logsumexp,
-    rms_norm,
-    rotary_embedding,
-    rotary_cos_sin_cache,
-    silu_and_mul,
-    token_logprobs,
-)
-
-from . import _linear_lanes  # noqa: F401  (linear_partial: fake impl, no-backward rule; TP lane helpers)
-from ._linear_lanes import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
-
-from . import collective  # noqa: F401  (tree all-reduce across TP ranks: finishes the 8-lane linear tree)
-from .collective import tree_all_reduce
-
-from . import _exact  # noqa: F401  (the exact linear profile: fakes, autograd, packed-weight cache)
-from ._exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
-
-from . import _attention  # noqa: F401  (fake impls + autograd of the attention ops)
-from ._attention import attention_varlen, paged_attention, reshape_and_cache
+from . import ops  # noqa: F401  (every op family's fake impls + autograd; ops/__init__.py imports them in order)
+from .ops.dense import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, rotary_embedding, silu_and_mul
+from .ops.linear import linear, linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
+from .ops.logits import log_softmax, logsumexp, token_logprobs
+from .ops.collective import tree_all_reduce
+from .ops.device_errors import check_device_errors
+from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+from .ops.attention import attention_varlen, paged_attention, reshape_and_cache
 from .emulation import emulate
-
-from . import _moe  # noqa: F401  (fake impls + autograd of the moe ops)
-from ._moe import moe_experts, moe_layer, moe_routing
-
-from . import lm_head  # noqa: F401  (the fused LM-head log-prob: no [T, V] logits, same bits)
-from .lm_head import fused_token_logprobs
+from .ops.moe import moe_experts, moe_layer, moe_routing
+from .ops.lm_head import fused_token_logprobs
 
 __version__ = "0.1.0"
 
@@ -71,7 +50,6 @@ __all__ = [
     "linear_tp_slices",
     "tree_combine",
     "tree_all_reduce",
-
     "fused_token_logprobs",
     "linear_exact",
     "linear_profile",
@@ -90,7 +68,6 @@ __all__ = [
     "reshape_and_cache",
     "emulate",
     "check_device_errors",
-
     "moe_routing",
     "moe_experts",
     "moe_layer",

@@ -30,7 +30,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["truncation_mask", "truncate_logits", "scale_logits"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "effective_temperature", "truncation_mask", "truncate_logits", "scale_logits"]
+
+# vLLM's sampling eps: a request with temperature < 1e-5 is greedy, and its row is scored at T = 1 (the
+# distribution vLLM's sampler divides by when it applies temperatures). Written once, here; the vLLM plugin,
+# the trainer patch (hf.py) and scale_logits all call effective_temperature.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def effective_temperature(temperature):
+    """The temperature a row is scored at: ``temperature`` itself, or 1.0 where it is greedy (``< 1e-5``).
+
+    A float gives a float; a tensor gives an fp32 tensor of the same shape (no check of sign or finiteness:
+    callers that accept user input refuse those first)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(torch.float32)
+        return torch.where(t < GREEDY_TEMPERATURE_EPS, torch.ones_like(t), t)
+    t = float(temperature)
+    return 1.0 if t < GREEDY_TEMPERATURE_EPS else t
 
 
 def _per_row(value, R, device, dtype):
@@ -53,11 +70,10 @@ def _probs(x):
 
 
 def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
-    """``fp32(logits) / T`` per row, ``T < 1e-5`` (greedy) read as 1 — vLLM's ``apply_temperature``."""
+    """``fp32(logits) / T`` per row, greedy rows (:func:`effective_temperature`) at 1 — vLLM's ``apply_temperature``."""
     x = logits.to(torch.float32)
     R = x.shape[0]
-    t = _per_row(temperature, R, x.device, torch.float32)
-    t = torch.where(t < 1e-5, torch.ones_like(t), t)
+    t = effective_temperature(_per_row(temperature, R, x.device, torch.float32))
     return x / t.unsqueeze(1)
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import aligned_ops
-from aligned_ops import collective
+from aligned_ops.ops import collective
 from aligned_ops import tree_combine as lane_tree
-from aligned_ops.collective import tree_all_reduce
+from aligned_ops.ops.collective import tree_all_reduce
 from aligned_ops.testing import bits
 from aligned_ops.testing.distributed import init_from_env
 

@@ -98,7 +98,7 @@ def test_refusals(records):
 def test_refuses_without_process_group():
     import torch
 
-    from aligned_ops.collective import tree_all_reduce
+    from aligned_ops.ops.collective import tree_all_reduce
 
     if dist.is_initialized():
         pytest.skip("a process group exists in this process")

@@ -16,7 +16,7 @@ import torch
 
 import aligned_ops  # noqa: F401
 from aligned_ops.integrations.hf import completion_logprobs, patch_model
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) GPU")

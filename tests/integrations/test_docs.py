@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bitwise_equal
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")

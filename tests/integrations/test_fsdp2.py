@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing.distributed import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fsdp2_worker.py")

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+from aligned_ops.testing.rollouts import padded_batch, random_sequences
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -19,8 +20,7 @@ def model(request, tmp_path_factory):
 
 
 def _seqs(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (n,), generator=g) for n in lens]
+    return random_sequences(lens, seed)
 
 
 def _lp_single(model, s, start):
@@ -49,14 +49,7 @@ def test_padding_packing_batch_invariance(model):
     # right padding, left padding, packed, reversed order, sub-batch
     S = max(LENS)
     for left in (False, True):
-        ids = torch.zeros(len(seqs), S + 3, dtype=torch.long)
-        am = torch.zeros_like(ids)
-        cm = torch.zeros_like(ids)
-        for i, (s, st) in enumerate(zip(seqs, starts)):
-            off = ids.shape[1] - len(s) if left else 0
-            ids[i, off : off + len(s)] = s
-            am[i, off : off + len(s)] = 1
-            cm[i, off + st : off + len(s)] = 1
+        ids, am, cm, _ = padded_batch(seqs, starts, S + 3, left=left)
         with torch.no_grad():
             lp = completion_logprobs(model, ids, cm, attention_mask=am, temperature=0.9)
         for i, (s, st) in enumerate(zip(seqs, starts)):
@@ -175,16 +168,8 @@ def test_unsupported_models_refused():
 # ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------
 
 
-def _padded(seqs, starts, width, scored=None):
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
-        if s is None:
-            continue  # an all-padding row
-        ids[i, : len(s)] = s
-        am[i, : len(s)] = 1
-        cm[i, st : len(s)] = 1
-    return ids, am, cm
+def _padded(seqs, starts, width):
+    return padded_batch(seqs, starts, width)[:3]  # a None sequence is an all-padding row
 
 
 def test_all_padding_rows_and_empty_sequences_score_zero_and_keep_bits(model):

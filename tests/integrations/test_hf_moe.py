@@ -10,8 +10,9 @@ import torch
 from aligned_ops.diagnostics import mismatch_metrics, routing_flip_metrics
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
 from aligned_ops.integrations.routing_capture import capture_hf_routing
-from aligned_ops.integrations.tiny_model import build_tiny_moe
+from aligned_ops.testing.tiny_model import build_tiny_moe
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+from aligned_ops.testing.rollouts import padded_batch, random_sequences
 
 ARCHS = [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]
 
@@ -26,8 +27,7 @@ def model(request, tmp_path_factory):
 
 
 def _seqs(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (n,), generator=g) for n in lens]
+    return random_sequences(lens, seed)
 
 
 LENS = [5, 40, 2, 71, 9]
@@ -47,13 +47,7 @@ def test_padding_packing_batch_invariance(model):
     single = [_single(model, s, st) for s, st in zip(seqs, starts)]
     S = max(LENS)
     for left in (False, True):
-        ids = torch.zeros(len(seqs), S + 2, dtype=torch.long)
-        am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
-        for i, (s, st) in enumerate(zip(seqs, starts)):
-            off = ids.shape[1] - len(s) if left else 0
-            ids[i, off : off + len(s)] = s
-            am[i, off : off + len(s)] = 1
-            cm[i, off + st : off + len(s)] = 1
+        ids, am, cm, _ = padded_batch(seqs, starts, S + 2, left=left)
         with torch.no_grad():
             out = model(ids, attention_mask=am, completion_mask=cm, return_logits=False, return_routing=True)
         for i, (s, st) in enumerate(zip(seqs, starts)):

@@ -73,7 +73,7 @@ def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm
-    from aligned_ops.integrations.tiny_model import build_tiny_qwen2
+    from aligned_ops.testing.tiny_model import build_tiny_qwen2
 
     path = build_tiny_qwen2(tmp_path / "m", torch.float32, seed=0, num_hidden_layers=2)
     spec = spec_steps(model_spec(AutoConfig.from_pretrained(path)))

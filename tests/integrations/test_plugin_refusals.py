@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,13 +162,19 @@ def test_entry_point_declared_and_inert_without_opt_in():
         "os.environ.pop('ALIGNED_OPS_VLLM', None); p.register(); a = p.is_installed()\n"
         "os.environ['ALIGNED_OPS_VLLM'] = '1'; p.register(); b = p.is_installed()\n"
         "from vllm.model_executor.layers.layernorm import RMSNorm\n"
-        "print(a, b, RMSNorm.forward is p._rms_norm_forward)\n"
+        "from vllm.model_executor.custom_op import op_registry_oot as r\n"
+        "h = r.get('RMSNorm')  # hooked through CustomOp.register_oot, the in-tree class left alone\n"
+        "hooked = h is not None and issubclass(h, RMSNorm) and h.forward is p._rms_norm_forward\n"
+        "hooked = hooked and RMSNorm.forward is not p._rms_norm_forward and set(p._patched_classes()) >= {\n"
+        "    k.split('.')[0] for k in p._originals if not k.startswith('backend.')}\n"
+        "p.uninstall()\n"
+        "print(a, b, hooked, 'RMSNorm' not in r and 'SiluAndMul' not in r)\n"
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == "False True True"
+    assert res.stdout.strip().splitlines()[-1] == "False True True True"
 
 
 def test_rollout_dtype_must_be_explicit():

@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
+from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
-from aligned_ops.testing import bitwise_equal
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing import bitwise_equal  # noqa: E402
+from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +30,7 @@ PROMPT_LENS = [3, 200, 17, 300, 64, 129, 8, 250]  # 200/300/129/250 > max_num_ba
 
 
 def _prompts(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module")
@@ -56,36 +56,14 @@ def engine(request, model_dirs):
 
 
 def _teacher_forced(trainer, rollouts, temperature):
-    """Trainer log-probs of every rollout, computed in ONE right-padded batch (so trainer batching is tested too)."""
-    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    cm = torch.zeros_like(ids)
-    for i, (s, r) in enumerate(zip(seqs, rollouts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        am[i, : len(s)] = 1
-        cm[i, len(r.prompt_token_ids) : len(s)] = 1
-    with torch.no_grad():
-        lp = completion_logprobs(trainer, ids, cm, attention_mask=am, temperature=temperature)
-    return [lp[i, len(r.prompt_token_ids) : len(r.prompt_token_ids) + len(r.token_ids)] for i, r in enumerate(rollouts)]
-
-
-def _assert_bitwise(rollouts, trainer_lps):
-    for r, lp in zip(rollouts, trainer_lps):
-        v = r.logprobs_tensor()
-        assert len(r.token_ids) > 0
-        assert bitwise_equal(v, lp), (
-            f"prompt len {len(r.prompt_token_ids)}: {int((v != lp).sum())}/{v.numel()} differ, "
-            f"max |diff| {(v - lp).abs().max().item():.3g}"
-        )
+    return teacher_forced(trainer, rollouts, temperature=temperature)
 
 
 def test_sampled_logprobs_bitwise_equal_trainer(engine):
     dtype, llm, trainer = engine
     rollouts = generate_with_logprobs(llm, _prompts(0), temperature=0.7, max_tokens=10)
     assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
-    _assert_bitwise(rollouts, _teacher_forced(trainer, rollouts, 0.7))
+    assert_rollouts_bitwise(rollouts, _teacher_forced(trainer, rollouts, 0.7))
     # The plugin returns log-probs at the sampling temperature, not vLLM's raw (tau = 1) ones.
     raw = _teacher_forced(trainer, rollouts, 1.0)
     assert any(not bitwise_equal(r.logprobs_tensor(), lp) for r, lp in zip(rollouts, raw))
@@ -104,8 +82,8 @@ def test_batch_size_and_order_do_not_change_logprobs(engine):
         assert a.token_ids == b.token_ids and bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor())
     assert bitwise_equal(full[3].logprobs_tensor(), alone[0].logprobs_tensor())
     # greedy is scored at tau = 1
-    _assert_bitwise(full, _teacher_forced(trainer, full, 1.0))
-    _assert_bitwise(sub, _teacher_forced(trainer, sub, 0.0))
+    assert_rollouts_bitwise(full, _teacher_forced(trainer, full, 1.0))
+    assert_rollouts_bitwise(sub, _teacher_forced(trainer, sub, 0.0))
 
 
 def test_refit_then_bitwise_equal(engine):
@@ -118,11 +96,11 @@ def test_refit_then_bitwise_equal(engine):
             p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
     refit(llm, trainer.state_dict())
     after = generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=6)
-    _assert_bitwise(after, _teacher_forced(trainer, after, 1.0))
+    assert_rollouts_bitwise(after, _teacher_forced(trainer, after, 1.0))
     # The refit really changed the engine: greedy log-probs under the new weights differ from before.
     again = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
     assert any(not bitwise_equal(a.logprobs_tensor(), b.logprobs_tensor()) for a, b in zip(before, again))
-    _assert_bitwise(again, _teacher_forced(trainer, again, 1.0))
+    assert_rollouts_bitwise(again, _teacher_forced(trainer, again, 1.0))
 
 
 def test_negative_control_stock_vllm_mismatches(model_dirs):

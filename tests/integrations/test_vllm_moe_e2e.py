@@ -19,11 +19,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E402
+from aligned_ops.testing import bitwise_equal  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
 from aligned_ops.integrations.routing_capture import scored_token_experts, vllm_teacher_forced_routing  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_moe  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
+from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +32,7 @@ PROMPT_LENS = [3, 150, 17, 90, 64, 8]  # 150/90 > max_num_batched_tokens=64: chu
 
 
 def _prompts(seed=0, lens=PROMPT_LENS):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
+    return random_prompts(lens, seed)
 
 
 @pytest.fixture(scope="module")
@@ -59,29 +59,11 @@ def engine(request, model_dirs):
 
 def _teacher_forced(trainer, rollouts, temperature, return_routing=False):
     """Trainer log-probs (and routing) of every rollout in ONE right-padded batch."""
-    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    cm = torch.zeros_like(ids)
-    for i, (s, r) in enumerate(zip(seqs, rollouts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        am[i, : len(s)] = 1
-        cm[i, len(r.prompt_token_ids) : len(s)] = 1
-    with torch.no_grad():
-        out = trainer(ids, attention_mask=am, completion_mask=cm, temperature=temperature, return_logits=False,
-                      return_routing=return_routing)
-    lps = [out.logprobs[i, len(r.prompt_token_ids) : len(r.prompt_token_ids) + len(r.token_ids)]
-           for i, r in enumerate(rollouts)]
-    if return_routing:
-        return lps, [out.routed_experts[i, : len(s)] for i, s in enumerate(seqs)]
-    return lps
+    return teacher_forced(trainer, rollouts, return_routing=return_routing, temperature=temperature)
 
 
 def _assert_bitwise(rollouts, trainer_lps):
-    for r, lp in zip(rollouts, trainer_lps):
-        assert len(r.token_ids) > 0
-        assert_bitwise_equal(r.logprobs_tensor(), lp, f"prompt len {len(r.prompt_token_ids)}")
+    assert_rollouts_bitwise(rollouts, trainer_lps)
 
 
 def test_sampled_logprobs_and_routing_bitwise_equal_trainer(engine):

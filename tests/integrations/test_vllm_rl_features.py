@@ -18,8 +18,9 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E402
+from aligned_ops.testing.rollouts import assert_rollouts_bitwise, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -67,23 +68,11 @@ def _prompts(seed=0):
 
 def _teacher(trainer, rollouts, **sampling):
     """Trainer log-probs of every rollout in ONE right-padded batch."""
-    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, r) in enumerate(zip(seqs, rollouts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        am[i, : len(s)] = 1
-        cm[i, len(r.prompt_token_ids): len(s)] = 1
-    with torch.no_grad():
-        lp = completion_logprobs(trainer, ids, cm, attention_mask=am, **sampling)
-    return [lp[i, len(r.prompt_token_ids): len(r.prompt_token_ids) + len(r.token_ids)] for i, r in enumerate(rollouts)]
+    return teacher_forced(trainer, rollouts, **sampling)
 
 
 def _assert_all_bitwise(rollouts, trainer_lps):
-    for r, lp in zip(rollouts, trainer_lps):
-        assert len(r.token_ids) > 0
-        assert_bitwise_equal(r.logprobs_tensor(), lp)
+    assert_rollouts_bitwise(rollouts, trainer_lps)
 
 
 def test_prefix_cache_hits_mid_tile_bitwise(engine, trainer):

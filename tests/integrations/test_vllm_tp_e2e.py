@@ -22,11 +22,12 @@ pytest.importorskip("vllm")
 
 import aligned_ops  # noqa: E402
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
-from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
+from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
-from aligned_ops.integrations.tiny_model import build_tiny_qwen2  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.distributed import launch  # noqa: E402
+from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 needs_lanes = pytest.mark.skipif(not hasattr(aligned_ops, "linear_partial"),
@@ -39,8 +40,7 @@ TP_DEGREES = [int(t) for t in os.environ.get("ALIGNED_OPS_TP_E2E", "2").split(",
 
 
 def _prompts(seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module")
@@ -50,26 +50,11 @@ def model_dirs(tmp_path_factory):
 
 
 def _teacher_forced(trainer, rollouts, temperature):
-    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts]
-    S = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    am, cm = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, r) in enumerate(zip(seqs, rollouts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        am[i, : len(s)] = 1
-        cm[i, len(r.prompt_token_ids): len(s)] = 1
-    with torch.no_grad():
-        lp = completion_logprobs(trainer, ids, cm, attention_mask=am, temperature=temperature)
-    return [lp[i, len(r.prompt_token_ids): len(r.prompt_token_ids) + len(r.token_ids)] for i, r in enumerate(rollouts)]
+    return teacher_forced(trainer, rollouts, temperature=temperature)
 
 
 def _assert_bitwise(rollouts, lps, who):
-    for r, lp in zip(rollouts, lps):
-        v = r.logprobs_tensor()
-        assert len(r.token_ids) > 0 and v.shape == lp.shape
-        assert torch.equal(bits(v), bits(lp)), (
-            f"{who}, prompt len {len(r.prompt_token_ids)}: {int((bits(v) != bits(lp)).sum())}/{v.numel()} differ, "
-            f"max |diff| {(v - lp).abs().max().item():.3g}")
+    assert_rollouts_bitwise(rollouts, lps, who)
 
 
 def _same(a, b):

@@ -237,7 +237,7 @@ def test_opcheck_compile_and_gradient():
 
 
 def test_weight_cache_follows_versions():
-    from aligned_ops import _exact
+    from aligned_ops.ops import linear_exact as _exact
 
     g = torch.Generator().manual_seed(12)
     x, w = _rand(4, 64, g=g), _rand(8, 64, g=g)
@@ -293,7 +293,7 @@ def test_verify_refuses_a_profile_mismatch(monkeypatch):
     """aligned-ops verify compares the profile the vLLM plugin was installed under with the trainer patch's."""
     import types
 
-    from aligned_ops import verify
+    from aligned_ops.apps import verify
     from aligned_ops.integrations import vllm_plugin
 
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
@@ -311,7 +311,7 @@ def test_verify_exact_profile_is_bitwise():
     agree bit for bit; the table states the profile and the distance to the fma profile (bf16 noise, not zero)."""
     pytest.importorskip("vllm")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.cli", "verify", "--linear", "exact", "--num-prompts", "4",
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--linear", "exact", "--num-prompts", "4",
                            "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

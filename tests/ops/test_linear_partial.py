@@ -18,7 +18,7 @@ import torch
 
 import aligned_ops
 from aligned_ops import linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine
-from aligned_ops._linear_lanes import finish_linear
+from aligned_ops.ops.linear import finish_linear
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,4 +1,4 @@
-"""aligned_ops.fused_token_logprobs (python/aligned_ops/lm_head.py): bit for bit the unfused LM head the trainer
+"""aligned_ops.fused_token_logprobs (python/aligned_ops/ops/lm_head.py): bit for bit the unfused LM head the trainer
 runs (aligned linear -> aligned token_logprobs at a temperature), forward and every gradient, for chunk sizes
 that do and do not divide T and V — compared through integer views. Negative controls: a chunked logsumexp
 merged across vocabulary chunks (torch.logaddexp: a different order) and a weight gradient summed from two

@@ -6,7 +6,6 @@
 - :mod:`aligned_ops.integrations.vllm_plugin` — the ``vllm.general_plugins`` entry point, active when
   ``ALIGNED_OPS_VLLM=1``; routes vLLM's layers, attention backend and returned log-probs through the same ops.
 - :mod:`aligned_ops.integrations.rollout` — ``make_llm`` / ``generate_with_logprobs`` / ``refit`` helpers.
-- :mod:`aligned_ops.integrations.tiny_model` — an offline tiny Qwen2 checkpoint and tokenizer for tests.
 
 Both sides share one definition of the model's arithmetic (``model_spec``): which op runs, in which order,
 on which dtype. See ``docs/integrations.md``.

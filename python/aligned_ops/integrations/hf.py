@@ -32,6 +32,7 @@ import torch
 import aligned_ops
 
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
+from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
@@ -296,7 +297,7 @@ def _per_token_temperature(temperature, input_ids, cu, flat, targets):
         t = float(temperature)
         if not (0.0 <= t < float("inf")):
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
-        return 1.0 if t < 1e-5 else t
+        return effective_temperature(t)
     temperature = temperature.to(device=input_ids.device, dtype=torch.float32)
     nseq = cu.numel() - 1
     if temperature.numel() != nseq:
@@ -304,7 +305,7 @@ def _per_token_temperature(temperature, input_ids, cu, flat, targets):
     if nseq and not bool(((temperature >= 0) & torch.isfinite(temperature)).all()):
         raise ValueError("every temperature must be finite and >= 0 (0 = greedy), got "
                          f"{temperature.tolist()}")
-    temperature = torch.where(temperature < 1e-5, torch.ones_like(temperature), temperature)
+    temperature = effective_temperature(temperature)
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
     per_token = torch.repeat_interleave(temperature, lens)
     return per_token.index_select(0, targets).contiguous()

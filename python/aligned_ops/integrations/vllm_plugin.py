@@ -6,10 +6,11 @@ aligned_ops.integrations.vllm_plugin:register``. vLLM calls :func:`register` in 
 environment. (``aligned_ops.integrations.rollout.make_llm(aligned=True)`` sets it and calls
 :func:`install` directly, which also works where the package is not pip-installed.)
 
-What it replaces (class-level, for every model vLLM builds in the process afterwards):
+What it replaces (for every model vLLM builds in the process afterwards; RMSNorm and SiluAndMul through
+vLLM's ``CustomOp.register_oot``, the rest as class patches listed in ``_patched_classes()``):
 
-- ``RMSNorm.forward`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
-- ``SiluAndMul.forward`` -> ``aligned::silu_and_mul``
+- ``RMSNorm`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
+- ``SiluAndMul`` -> ``aligned::silu_and_mul``
 - ``RotaryEmbedding`` (plain, llama3, yarn, linear, dynamic NTK) -> ``aligned::rotary_embedding`` with the table
   of ``aligned_ops.rope.cos_sin_cache`` (the same builder and spec the trainer uses), built when vLLM
   constructs the module
@@ -17,7 +18,7 @@ What it replaces (class-level, for every model vLLM builds in the process afterw
   -> ``aligned::linear``; their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
   and ``load_weights`` (refit) keeps working
 - tensor parallelism (TP = 2, 4, 8): ``RowParallelLinear.forward`` (o_proj, down_proj) -> each rank's
-  8-lane sub-tree (``aligned::linear_partial``) finished by ``aligned_ops.collective.tree_all_reduce``, bias
+  8-lane sub-tree (``aligned::linear_partial``) finished by ``aligned_ops.ops.collective.tree_all_reduce``, bias
   once after; ``VocabParallelEmbedding.forward`` -> an exact owner-copy combine that keeps -0.0; vLLM's own
   TP all-reduce (shared memory on CPU) raises if anything else reaches it
 - the attention backend -> :class:`~aligned_ops.integrations.vllm_attention.AlignedAttentionBackend`
@@ -57,8 +58,9 @@ import os
 import torch
 
 import aligned_ops
-import aligned_ops.collective
+import aligned_ops.ops.collective
 
+from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
@@ -190,7 +192,7 @@ def _rotary_forward(self, positions, query, key=None):
 
 
 def _linear_apply(self, layer, x, bias=None):
-    # ALIGNED_OPS_LINEAR=fma|exact, the same switch the trainer patch reads (aligned_ops._exact).
+    # ALIGNED_OPS_LINEAR=fma|exact, the same switch the trainer patch reads (aligned_ops.ops.linear_exact).
     return aligned_ops.profile_linear(x, layer.weight, bias)
 
 
@@ -233,7 +235,7 @@ def _sequential_lane_combine(x, weight, group_coordinator):
     """Negative control: the same lane sums combined left to right (((l0+l1)+l2)+...) instead of the tree."""
     t = group_coordinator.world_size
     k = weight.shape[-1]
-    lanes = aligned_ops.collective.LINEAR_LANES // t
+    lanes = aligned_ops.ops.collective.LINEAR_LANES // t
     sums = []
     for j in range(lanes):
         lo, hi = (j * k) // lanes, ((j + 1) * k) // lanes
@@ -265,7 +267,7 @@ def _row_parallel_forward(self, input_):
             out = out + bias.to(torch.float32)
         out = out.to(input_.dtype)
     else:
-        out = aligned_ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
+        out = aligned_ops.ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
                                                          in_features=self.input_size)
     if not self.return_bias:
         return out
@@ -285,7 +287,7 @@ def _vocab_embedding_forward(self, input_):
     if not self.reduce_results:
         return local.masked_fill(not_owned.unsqueeze(-1), 0)
     group = self.parallel_group if self.parallel_group is not None else _tp_group()
-    return aligned_ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
+    return aligned_ops.ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
 
 
 def _stock_all_reduce(self, input_):
@@ -439,7 +441,7 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         # All-greedy batch (vLLM passes no temperatures) or a call outside sampling (prompt log-probs).
         return aligned_ops.log_softmax(logits, 1.0)
     temp = temp.to(device=logits.device, dtype=torch.float32)
-    temp = torch.where(temp < 1e-5, torch.ones_like(temp), temp)  # greedy rows are scored at tau = 1
+    temp = effective_temperature(temp)  # greedy rows are scored at tau = 1
     return aligned_ops.log_softmax(logits, temp.contiguous())
 
 
@@ -467,7 +469,7 @@ def validate_vllm_config(vllm_config) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append("speculative decoding is not covered")
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size not in aligned_ops.collective.TP_DEGREES:
+    if pc.tensor_parallel_size not in aligned_ops.ops.collective.TP_DEGREES:
         reasons.append(
             f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
             "row-parallel layer must hold whole lanes of the 8-lane linear tree)"
@@ -505,10 +507,55 @@ def _create_engine_config(self, *args, **kwargs):
 
 
 def _patch(cls, name, new, key=None):
+    if cls.__name__ not in _patched_classes():
+        raise AssertionError(f"aligned_ops: {cls.__name__} is patched but not listed in _patched_classes()")
     key = key or f"{cls.__name__}.{name}"
     if key not in _originals:
         _originals[key] = cls.__dict__.get(name, _MISSING)  # _MISSING: inherited, delete on uninstall
     setattr(cls, name, new)
+
+
+def _register_oot(base, forward) -> None:
+    """Hook a vLLM ``CustomOp`` the way vLLM offers: ``base.register_oot`` of a subclass whose ``forward`` is
+    ours, so every ``base(...)`` vLLM builds afterwards is that subclass (``CustomOp.__new__``). ``forward`` is
+    overridden (not ``forward_cpu``): the op must run whatever vLLM's custom-op enablement says."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if base.__name__ in _oot_registered:
+        return
+    if base.__name__ in op_registry_oot:
+        raise RuntimeError(f"aligned_ops vLLM plugin: {base.__name__} already has an out-of-tree replacement "
+                           f"({op_registry_oot[base.__name__]}); two plugins cannot both own it")
+    hooked = type(f"Aligned{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+    base.register_oot(hooked)
+    _oot_registered.append(base.__name__)
+
+
+_oot_registered: list = []
+
+
+def _patched_classes() -> dict:
+    """Every vLLM class install() patches (by name), for uninstall(); RMSNorm and SiluAndMul are not among
+    them: they are hooked through ``CustomOp.register_oot`` (_register_oot). The rest are patched because vLLM
+    0.32 gives them no out-of-tree hook: RotaryEmbedding (the table is built for every RoPE subclass vLLM
+    builds, and unsupported variants must raise: register_oot goes by exact class name), the linear/embedding/
+    fused-MoE quant methods, MoERunner, GateLinear, RowParallelLinear, VocabParallelEmbedding (TP), the
+    sampler pieces, GroupCoordinator.all_reduce (the TP guard), EngineArgs (start-up refusals)."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    return {c.__name__: c for c in (EngineArgs, UnquantizedLinearMethod, RotaryEmbedding, UnquantizedEmbeddingMethod,
+                                    Sampler, RowParallelLinear, VocabParallelEmbedding, GroupCoordinator, MoERunner,
+                                    GateLinear, UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler)}
 
 
 def install() -> None:
@@ -532,8 +579,8 @@ def install() -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
 
-    _patch(RMSNorm, "forward", _rms_norm_forward)
-    _patch(SiluAndMul, "forward", _silu_and_mul_forward)
+    for base, forward in ((RMSNorm, _rms_norm_forward), (SiluAndMul, _silu_and_mul_forward)):
+        _register_oot(base, forward)
     _patch(RotaryEmbedding, "forward", _rotary_forward)
     _patch(RotaryEmbedding, "__init__", _rotary_init)
     _patch(UnquantizedLinearMethod, "apply", _linear_apply)
@@ -582,28 +629,12 @@ def uninstall() -> None:
     """Restore vLLM's original classes (engines built while installed keep their aligned layers)."""
     global _installed
     uninstall_gpu_attention_selection()
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.custom_op import op_registry_oot
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from vllm.distributed.parallel_state import GroupCoordinator
-    from vllm.model_executor.layers.linear import RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    classes = {c.__name__: c for c in (EngineArgs, SiluAndMul, RMSNorm, UnquantizedLinearMethod, RotaryEmbedding,
-                                       UnquantizedEmbeddingMethod, Sampler, RowParallelLinear,
-                                       VocabParallelEmbedding, GroupCoordinator, MoERunner, GateLinear,
-                                       UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler)}
+    classes = _patched_classes()
+    while _oot_registered:
+        op_registry_oot.pop(_oot_registered.pop(), None)
     for key, orig in list(_originals.items()):
         if key == "backend.CPU_ATTN":
             register_backend(AttentionBackendEnum.CPU_ATTN, orig)

@@ -95,7 +95,7 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, setup_context=_varlen_setup)
 
-from ._dense import register_no_backward  # noqa: E402
+from ._registry import register_no_backward  # noqa: E402
 
 register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")

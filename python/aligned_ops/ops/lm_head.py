@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ._dense import _temperature_args, register_no_backward
+from ._registry import register_no_backward
+from .logits import _temperature_args
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -210,6 +211,6 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     logits. ``hidden [T, K]``, ``weight [V, K]`` (same dtype), ``token_ids [T]``; ``temperature`` a float or a
     per-token fp32 tensor ``[T]``. ``token_chunk`` rows (forward, d hidden) and ``vocab_chunk`` vocabulary rows
     (d weight) per tile; 0 picks tiles of about 16 MiB. Chunk sizes never change a bit (module docstring)."""
-    t, ts = _temperature_args(temperature)
+    t, ts = _temperature_args(temperature, hidden.shape[0])
     lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
     return lp

@@ -160,7 +160,7 @@ def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 # Ops autograd must not differentiate silently (torch's default would return zeros with a warning):
 # linear_exact_packed is differentiated through _LinearExactCached above; the reference is a test hook.
-from ._dense import register_no_backward  # noqa: E402
+from ._registry import register_no_backward  # noqa: E402
 
 register_no_backward("linear_exact_packed", "call aligned_ops.linear_exact, whose autograd wraps it")
 register_no_backward("_linear_exact_reference", "a test hook: the scalar int128 model of the exact profile")

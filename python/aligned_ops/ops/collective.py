@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._linear_lanes import finish_linear, linear_partial, linear_tp_slices, tree_combine
+from .linear import finish_linear, linear_partial, linear_tp_slices, tree_combine
 
 __all__ = [
     "LINEAR_LANES",

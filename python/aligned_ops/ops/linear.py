@@ -1,5 +1,6 @@
-"""The lane structure of the ``fma`` linear profile, for tensor parallelism: ``aligned::linear_partial``
-(fake impl, no-backward rule, wrapper) and the Python reference of how rank partials combine.
+"""The linear family, ``fma`` profile: ``aligned::linear`` (fake impls, autograd, wrapper) and its lane
+structure for tensor parallelism: ``aligned::linear_partial`` (fake impl, no-backward rule, wrapper) and the
+Python reference of how rank partials combine. (The ``exact`` profile: ``linear_exact.py``.)
 
 The contract (csrc/common/contract.h, ``fma`` profile): ``linear`` cuts K into 8 lanes of contiguous
 elements, lane ``l`` = ``[floor(l*K/8), floor((l+1)*K/8))``, runs one fp32 fma chain per lane, and combines
@@ -18,7 +19,11 @@ from __future__ import annotations
 
 import torch
 
-ops = torch.ops.aligned
+from ._registry import LIB as _lib
+from ._registry import ops, register_no_backward
+from ._registry import reg_fake as _reg_fake
+from ._registry import same_device as _same_device
+
 LINEAR_LANES = 8
 _LANES = (1, 2, 4, 8)
 
@@ -113,6 +118,54 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, lanes: int) -> torch.T
     return ops.linear_partial(x, weight, lanes)
 
 
-from ._dense import register_no_backward  # noqa: E402
-
 register_no_backward("_linear_partial_reference", "a test hook: contract.h's scalar linear_partial_dot")
+
+
+# ---- aligned::linear (the fma profile's full tree + bias, one rounding): fake impls, autograd, wrapper -------
+
+@_reg_fake("linear")
+def _(x, weight, bias=None):
+    _same_device("linear", x, weight, bias)
+    torch._check(x.dim() >= 1, lambda: "aligned::linear: x must have at least one dimension")
+    torch._check(weight.dim() == 2, lambda: "aligned::linear: weight must be 2-D")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "aligned::linear: in_features mismatch")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_reg_fake("linear_backward")
+def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
+    _same_device("linear_backward", grad_out, x, weight)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x_grad else None
+    dw = weight.new_empty(weight.shape) if needs_w_grad else None
+    db = x.new_empty((weight.shape[0],)) if needs_b_grad else None
+    return dx, dw, db
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = ops.linear_backward(
+        grad.contiguous(),
+        x,
+        weight,
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        ctx.has_bias and ctx.needs_input_grad[2],
+    )
+    return dx, dw, db
+
+
+torch.library.register_autograd(_lib + "linear", _linear_backward, setup_context=_linear_setup)
+
+register_no_backward("linear_backward", "it is a backward op; double backward is not implemented")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, the ``fma`` profile: 8 lanes of K, one fp32 fma chain each, a fixed tree, + bias
+    once (csrc/common/contract.h) — batch-, thread-, backend- and TP-degree-invariant."""
+    return ops.linear(x, weight, bias)

@@ -225,7 +225,7 @@ def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=T
     return out
 
 
-from ._dense import register_no_backward  # noqa: E402
+from ._registry import register_no_backward  # noqa: E402
 
 for _name in ("moe_routing_backward", "moe_experts_backward"):
     register_no_backward(_name, "it is a backward op; double backward is not implemented")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-from .cli import KERNEL_SETS, print_table, run_child, temp_dir
+from .common import KERNEL_SETS, print_table, run_child, temp_dir
+from .trainer import is_moe_model, pad_batch, routing_pair, trainer_logprobs, trainer_model
 
 # Prompt lengths: short and long mixed in one batch, the longest well past one chunked-prefill step.
 PROMPT_LENGTHS = (300, 7, 120, 33, 260, 1, 64, 190, 15, 280, 90, 45)
@@ -34,98 +35,10 @@ def make_prompts(vocab_size: int, n: int, seed: int, eos_id: int) -> list[list[i
     return prompts
 
 
-def stock_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """What a trainer without aligned_ops computes: fp32 log_softmax of the model's logits, gathered."""
-    import torch
-
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = lp
-    return out * completion_mask
-
-
-def pad_batch(sequences: list[list[int]], completion_starts: list[int], pad_id: int):
-    """Right-padded ``input_ids``, ``attention_mask`` and ``completion_mask`` tensors."""
-    import torch
-
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(sequences), width), dtype=torch.long)
-    comp = torch.zeros((len(sequences), width), dtype=torch.float32)
-    for b, (s, c) in enumerate(zip(sequences, completion_starts)):
-        ids[b, : len(s)] = torch.tensor(s)
-        attn[b, : len(s)] = 1
-        comp[b, c : len(s)] = 1
-    return ids, attn, comp
-
-
-def trainer_model(model_dir: str, dtype: str, aligned: bool):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model.eval()
-    if aligned:
-        from .integrations import hf
-
-        hf.patch_model(model)
-    return model
-
-
-def trainer_logprobs(model, aligned: bool, sequences, completion_starts, pad_id, temperature=1.0):
-    import torch
-
-    ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
-    with torch.no_grad():
-        if aligned:
-            from .integrations import hf
-
-            lp = hf.completion_logprobs(model, ids, comp, attention_mask=attn, temperature=temperature)
-        else:
-            lp = stock_completion_logprobs(model, ids, attn, comp, temperature)
-    return lp, comp
-
-
-def is_moe_model(model_dir: str) -> bool:
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    # transformers 5 writes num_local_experts; older configs num_experts
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
-
-
-def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id):
-    """Both sides' expert choices ``[B, S, L, k]`` (-1 where nothing is scored), entry ``[b, p]`` being the
-    experts of position p-1 — the hidden state that scores token p, like the log-prob tensors."""
-    import torch
-
-    from .integrations.routing_capture import capture_hf_routing, vllm_teacher_forced_routing
-
-    ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
-    B, S = ids.shape
-    with torch.no_grad():
-        if aligned:
-            per_pos = model(ids, attention_mask=attn, return_logits=False, return_routing=True).routed_experts
-        else:
-            with capture_hf_routing(model) as rec:
-                model(input_ids=ids, attention_mask=attn)
-            per_pos = torch.stack([r.view(B, S, -1) for r in rec], dim=2)
-    L, k = per_pos.shape[-2:]
-    trainer = torch.full((B, S, L, k), -1, dtype=torch.int64)
-    rollout = torch.full((B, S, L, k), -1, dtype=torch.int64)
-    for b, seq in enumerate(sequences):
-        n = len(seq)
-        trainer[b, 1:n] = per_pos[b, : n - 1]
-        rollout[b, 1:n] = vllm_teacher_forced_routing(llm, seq, L)[: n - 1]
-    return trainer, rollout
-
-
 def check_profiles(model) -> str:
     """The linear profile both sides ran (ALIGNED_OPS_LINEAR); refuses a mismatch between them."""
-    from . import linear_profile
-    from .integrations import vllm_plugin
+    from .. import linear_profile
+    from ..integrations import vllm_plugin
 
     now = linear_profile()
     engine = vllm_plugin.installed_linear_profile or now  # None: the plugin ran in another process
@@ -140,8 +53,8 @@ def child(args) -> dict:
     """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
 
-    from .diagnostics import mismatch_metrics
-    from .integrations import rollout
+    from ..diagnostics import mismatch_metrics
+    from ..integrations import rollout
 
     aligned = args.kernels == "aligned"
     t0 = time.time()
@@ -191,20 +104,20 @@ def main(args) -> int:
     if model is None and getattr(args, "moe", False):
         import torch
 
-        from .integrations.tiny_model import build_tiny_moe
+        from ..testing.tiny_model import build_tiny_moe
 
         model = build_tiny_moe(os.path.join(work, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen3-MoE (8 experts, top-2; {args.dtype}) in {model}", flush=True)
     if model is None:
         import torch
 
-        from .integrations.tiny_model import build_tiny_qwen2
+        from ..testing.tiny_model import build_tiny_qwen2
 
         model = build_tiny_qwen2(os.path.join(work, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen2 ({args.dtype}) in {model}", flush=True)
     if getattr(args, "linear", None):
         os.environ["ALIGNED_OPS_LINEAR"] = args.linear  # the children inherit it: both sides, one profile
-    from . import linear_profile
+    from .. import linear_profile
 
     profile = linear_profile()
     argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),

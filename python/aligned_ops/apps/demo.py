@@ -14,7 +14,7 @@ Each step logs, per kernel set:
 The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
 Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
 x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
-grad-norm, the stock trainer: AVX2 vs AVX-512 code), pinned by the CLI (cli.REPRODUCIBLE_ENV) unless
+grad-norm, the stock trainer: AVX2 vs AVX-512 code), pinned by the CLI (common.REPRODUCIBLE_ENV) unless
 ATEN_CPU_CAPABILITY is set, and the stock engine's oneDNN path (AMX or not), which is not pinned: the
 standard column can still differ between CPUs with and without AMX.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 
-from .cli import KERNEL_SETS, print_table, run_child
+from .common import KERNEL_SETS, print_table, run_child
 
 DIGITS = "0123456789"
 
@@ -68,7 +68,7 @@ class Trainer:
     def __init__(self, model_dir: str, dtype: str, aligned: bool, lr: float, freeze=lambda name: False):
         import torch
 
-        from .verify import trainer_model
+        from .trainer import trainer_model
 
         self.aligned = aligned
         self.model = trainer_model(model_dir, dtype, aligned)
@@ -81,11 +81,11 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     def logprobs(self, sequences, starts, pad_id):
-        from .verify import pad_batch, stock_completion_logprobs
+        from .trainer import pad_batch, stock_completion_logprobs
 
         ids, attn, comp = pad_batch(sequences, starts, pad_id)
         if self.aligned:
-            from .integrations import hf
+            from ..integrations import hf
 
             return hf.completion_logprobs(self.model, ids, comp, attention_mask=attn), comp
         return stock_completion_logprobs(self.model, ids, attn, comp), comp
@@ -155,10 +155,10 @@ def child(args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from .diagnostics import MismatchTracker, mismatch_metrics
-    from .integrations import rollout
-    from .rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
-    from .verify import is_moe_model, routing_pair
+    from ..diagnostics import MismatchTracker, mismatch_metrics
+    from ..integrations import rollout
+    from ..rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
+    from .trainer import is_moe_model, routing_pair
 
     torch.manual_seed(args.seed)
     aligned = args.kernels == "aligned"
@@ -258,7 +258,7 @@ def main(args) -> int:
     """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
     import torch
 
-    from .integrations.tiny_model import build_tiny_moe, build_tiny_qwen2
+    from ..testing.tiny_model import build_tiny_moe, build_tiny_qwen2
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -3,7 +3,7 @@
     aligned-ops verify [--model DIR] [--dtype bfloat16]   rollout vs trainer mismatch, standard vs aligned kernels
     aligned-ops demo   [--steps N] [--lag K] ...            small async RL run (REINFORCE Zero), both kernel sets
 
-Each kernel set runs in its own child process: the vLLM plugin patches vLLM's layers process-wide, so
+Each kernel set runs in its own child process (apps/common.py): the vLLM plugin patches vLLM's layers process-wide, so
 "standard" and "aligned" must not share an interpreter. The parent collects the children's JSON and prints
 the side-by-side tables.
 """
@@ -13,69 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-KERNEL_SETS = ("standard", "aligned")
-
-# What makes `aligned-ops demo` differ between machines of one kind (issue 8): torch's own CPU kernels
-# (AdamW's lerp/addcdiv, clip_grad_norm_'s vector_norm, the stock HF trainer of the warm-up) are picked per
-# CPU capability (AVX2 vs AVX-512: fma use and reduction widths differ), and the stock engine's oneDNN
-# matmuls take the AMX path on CPUs that have it. The demo pins torch's level to AVX2 (an explicit setting
-# in the environment wins). oneDNN is NOT pinned: ONEDNN_MAX_CPU_ISA=AVX2 crashes vLLM-CPU's bf16 engine
-# (c10::Error at the first step), so the standard column still depends on AMX; the aligned ops never
-# depend on the CPU. Thread count still matters
-# for torch's reductions: pass --threads for the same table on machines with different core counts.
-REPRODUCIBLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2"}
-
-
-def pin_reproducible_env() -> None:
-    """Set REPRODUCIBLE_ENV (unless already set): before the first torch CPU kernel runs, since torch and
-    oneDNN read these once, lazily; child processes inherit them."""
-    for key, value in REPRODUCIBLE_ENV.items():
-        os.environ.setdefault(key, value)
-
-
-def child_env(kernels: str) -> dict:
-    env = dict(os.environ)
-    env["ALIGNED_OPS_VLLM"] = "1" if kernels == "aligned" else "0"
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    return env
-
-
-def run_child(kernels: str, argv: list[str], result_path: str) -> dict:
-    """Run ``python -m aligned_ops.cli <argv> --kernels K --result PATH`` and load its JSON result."""
-    cmd = [sys.executable, "-m", "aligned_ops.cli", *argv, "--kernels", kernels, "--result", result_path]
-    proc = subprocess.run(cmd, env=child_env(kernels))
-    if proc.returncode != 0:
-        raise SystemExit(f"aligned-ops: the {kernels!r} run failed (exit {proc.returncode}); its output is above")
-    with open(result_path) as f:
-        return json.load(f)
-
-
-def _fmt(v, spec=".3g"):
-    if isinstance(v, str):
-        return v
-    if v != v:
-        return "nan"
-    return format(v, spec)
-
-
-def print_table(title: str, columns: list[str], rows: list[tuple[str, list]]) -> str:
-    """A plain-text table (also valid Markdown), printed and returned."""
-    head = ["metric", *columns]
-    body = [[name, *[_fmt(v) for v in vals]] for name, vals in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    out = [f"\n{title}\n", line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)]
-    text = "\n".join(out)
-    print(text, flush=True)
-    return text
-
+from .common import KERNEL_SETS, pin_reproducible_env
 
 class UsageError(Exception):
     """A bad flag or model folder: reported as one line, exit status 2, before any engine starts."""
@@ -98,7 +38,7 @@ def check_model_dir(path: str) -> None:
     from the JSON alone (no torch, no transformers, no engine), so a wrong folder fails in well under a second."""
     from types import SimpleNamespace
 
-    from .integrations import check_hf_config
+    from ..integrations import check_hf_config
 
     if not os.path.isdir(path):
         raise UsageError(f"--model {path}: no such directory (pass a local checkpoint folder)")
@@ -241,10 +181,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(job.child(args), f)
         return 0
     return job.main(args)
-
-
-def temp_dir(prefix: str) -> str:
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 if __name__ == "__main__":

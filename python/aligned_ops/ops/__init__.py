@@ -1,0 +1,25 @@
+"""The op families' Python side, one module each: fake (meta) impls for torch.compile, autograd formulas,
+documented wrappers. Schemas and checks live in C++ (csrc/torch_bindings.cpp, csrc/op_checks.h).
+
+- :mod:`.dense`        norms, activation, rotary;
+- :mod:`.linear`       the ``fma`` profile: ``linear``, its 8 lanes (``linear_partial``, TP helpers, ``tree_combine``);
+- :mod:`.linear_exact` the ``exact`` profile (integer-MMA linear), its packed-weight cache, ``profile_linear``;
+- :mod:`.logits`       log_softmax, logsumexp, token_logprobs (fp32, at a temperature);
+- :mod:`.lm_head`      the fused LM-head log-prob (no [T, V] logits, the unfused bits);
+- :mod:`.attention`    varlen / paged attention, cache write;
+- :mod:`.moe`          routing and experts;
+- :mod:`.collective`   the tree all-reduce that finishes the linear tree across TP ranks (Python, no kernel).
+- :mod:`.device_errors` the GPU ops' in-kernel value checks, read back outside the hot path.
+
+Importing this package registers all of them; ``_registry`` holds what they share (``register_no_backward``).
+"""
+
+from . import dense  # noqa: F401
+from . import linear  # noqa: F401
+from . import logits  # noqa: F401
+from . import collective  # noqa: F401
+from . import linear_exact  # noqa: F401
+from . import attention  # noqa: F401
+from . import moe  # noqa: F401
+from . import device_errors  # noqa: F401
+from . import lm_head  # noqa: F401

@@ -1,0 +1,41 @@
+"""The in-kernel value checks of the GPU ops, read back outside the hot path.
+
+On a GPU the ops never read device data on the host (no sync on the decode path, CUDA-graph safe): a bad value
+(position, token id, temperature) makes that row NaN and sets its word in a per-device error buffer.
+:func:`check_device_errors` reads the words (one host sync: call it outside the hot path, e.g. once per engine
+step or batch) and raises the error the CPU glue raises at the call itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import ops
+from ._registry import reg_fake as _reg_fake
+
+# csrc/gpu/dense_api.h DeviceError, same order.
+DEVICE_ERRORS = (
+    "aligned::rotary_embedding: positions must lie in [0, max_position) (cos_sin_cache rows)",
+    "aligned::log_softmax/logsumexp/token_logprobs: every temperature must be finite and > 0, and a normal float32 "
+    "value",
+    "aligned::token_logprobs: token_ids must lie in [0, vocab)",
+)
+
+
+@_reg_fake("_device_error_flags")
+def _(like):
+    return like.new_empty((len(DEVICE_ERRORS),), dtype=torch.int32)
+
+
+def check_device_errors(device="cuda") -> None:
+    """Raise ``RuntimeError`` if a GPU op met a bad input value since the last check (and clear the words).
+
+    ``device``: a device, device string or a tensor on it. On the CPU backend every value is checked at the call
+    (this returns at once); under ``aligned_ops.emulate`` it reads the emulated GPU glue's words."""
+    like = device if isinstance(device, torch.Tensor) else torch.empty(0, device=device)
+    flags = ops._device_error_flags(like)
+    seen = flags.to("cpu", copy=True)  # the one host read, outside the hot path
+    if bool(seen.any()):
+        flags.zero_()
+        found = [msg for msg, hit in zip(DEVICE_ERRORS, seen.tolist()) if hit]
+        raise RuntimeError("; ".join(found) + " -- reported by the in-kernel check (the affected rows are NaN)")
