@@ -22,6 +22,13 @@ FORBIDDEN = {
     "tensor-core / matrix instruction": re.compile(r"\b(wmma|mma\.sync|wgmma|__builtin_amdgcn_mfma\w*)\b"),
 }
 
+# The `exact` profile's integer MMA (int8 x int8 -> int32, exact on every unit) is the one matrix instruction
+# allowed, and only in its wrapper header: floating-point MMA (whose rounding differs between vendors) stays
+# forbidden everywhere, int_mma.cuh included.
+INTEGER_MMA_HEADER = "int_mma.cuh"
+INTEGER_MMA = re.compile(r"mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col\.s32\.s8\.s8\.s32|"
+                         r"__builtin_amdgcn_mfma_i32_\w+_i8\b")
+
 
 def _code(text: str) -> str:
     """Source without // and /* */ comments (comments may name forbidden things to explain why)."""
@@ -29,8 +36,10 @@ def _code(text: str) -> str:
     return re.sub(r"//[^\n]*", "", text)
 
 
-def violations(text: str) -> list[str]:
+def violations(text: str, integer_mma_allowed: bool = False) -> list[str]:
     code = _code(text)
+    if integer_mma_allowed:
+        code = INTEGER_MMA.sub("", code)
     return [what for what, rx in FORBIDDEN.items() if rx.search(code)]
 
 
@@ -40,7 +49,8 @@ def test_sources_exist():
 
 
 def test_no_forbidden_constructs():
-    bad = {str(p.relative_to(ROOT)): v for p in GPU_SOURCES if (v := violations(p.read_text()))}
+    bad = {str(p.relative_to(ROOT)): v for p in GPU_SOURCES
+           if (v := violations(p.read_text(), integer_mma_allowed=p.name == INTEGER_MMA_HEADER))}
     assert not bad, bad
 
 
@@ -50,6 +60,15 @@ def test_scanner_detects_violations():
     assert violations("y = __expf(x);") == ["vendor exp/log"]
     assert violations("y = __fmul_rz(a, b);") == ["fast/unrounded intrinsic"]
     assert violations("// atomicAdd( is forbidden\n/* __expf( */ y = exp_f32(x);") == []
+    # integer MMA: refused outside its header; inside it, only the s8 forms pass, a bf16/f16 MMA still fires
+    s8 = 'asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 ...");'
+    assert violations(s8) == ["tensor-core / matrix instruction"]
+    assert violations(s8, integer_mma_allowed=True) == []
+    assert violations("acc = __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, acc, 0, 0, 0);", integer_mma_allowed=True) == []
+    bf16 = 'asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 ...");'
+    assert violations(bf16, integer_mma_allowed=True) == ["tensor-core / matrix instruction"]
+    assert violations("c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);",
+                      integer_mma_allowed=True) == ["tensor-core / matrix instruction"]
 
 
 def test_exact_numerics_flags_everywhere():
