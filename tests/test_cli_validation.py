@@ -77,7 +77,7 @@ def test_validation_accepts_the_defaults(command):
 
 
 def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
-    from aligned_ops import cli
+    from aligned_ops.apps import cli
 
     dense = cli.build_parser().parse_args(["demo"])
     cli.validate_args(dense)
@@ -107,7 +107,7 @@ def test_demo_pins_torch_and_onednn_isa_levels():
 def test_moe_folder_written_by_transformers_is_accepted(tmp_path):
     # transformers 5 saves Qwen3-MoE's expert count as num_local_experts: the demo's own warm checkpoint was
     # refused ("got 2/0") before check_moe_config read that name. Negative control: no expert count at all.
-    from aligned_ops import cli
+    from aligned_ops.apps import cli
 
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 1,

@@ -58,8 +58,19 @@ def _calls(src: str, name: str):
         yield src[m.end():i - 1]
 
 
+# Glue functions that run once per weight version (load, refit), never per step: a host read there is allowed
+# (the packed weight's digit count sizes its output tensor).
+OFF_DECODE_PATH = ("linear_exact_pack_weight",)
+
+
+def _drop_functions(src: str, names) -> str:
+    for name in names:
+        src = re.sub(r"\n[^\n]*\b" + name + r"\([^;{]*\)\s*\{.*?\n\}\n", "\n", src, flags=re.S)
+    return src
+
+
 def scan_glue(src: str) -> list:
-    src = _strip_comments(src)
+    src = _drop_functions(_strip_comments(src), OFF_DECODE_PATH)
     found = [f"{kind}: {m.group(0)}" for kind, pat in CXX_FORBIDDEN.items() for m in re.finditer(pat, src)]
     for name in VALUE_CHECKS:
         for args in _calls(src, name):
@@ -87,6 +98,8 @@ def test_cuda_glue_has_no_host_read():
     "  auto a = check_rotary<DType>(positions, x, cache, rot, op);",
     "  auto t = aligned::check_logits<DType>(logits, temperature, temperatures, op);",
     "  a.ids = check_token_ids(ids, a.p.T, a.p.V, op);",
+    # a host read in an off-path function's name-alike is still caught (only the listed function is exempt)
+    "at::Tensor linear_exact_pack_weight_twice(const at::Tensor& w) {\n  int s = w.max().item<int8_t>();\n}\n",
 ])
 def test_scan_negative_control(planted):
     src = GLUE.read_text().replace("void check_launch(", planted + "\nvoid check_launch(", 1)
