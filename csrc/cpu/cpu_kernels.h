@@ -11,22 +11,13 @@
 
 #include <stdint.h>
 
+#include "../common/dtype.h"
 #include "../common/numerics.h"
 
 namespace aligned::cpu {
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
-
-// Calls fn with a typed null pointer for the storage type named by dt (float, bf16_t, f16_t): the one place
-// kernels turn the run-time dtype into a template argument.
-template <typename Fn>
-inline void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((aligned::bf16_t*)nullptr); break;
-    case DType::F16: fn((aligned::f16_t*)nullptr); break;
-  }
-}
+using aligned::DType;      // common/dtype.h: the storage dtypes, shared with the GPU kernels
+using aligned::with_type;  // the one place kernels turn the run-time dtype into a template argument
 
 // Which backward of the log-prob family a logits_backward call computes (contract.h).
 enum class LogitsGrad : int { kTokenLogprobs = 0, kLogsumexp = 1, kLogSoftmax = 2 };

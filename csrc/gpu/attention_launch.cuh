@@ -9,19 +9,6 @@
 namespace aligned::gpu {
 namespace {
 
-template <typename Fn>
-void attn_with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
-
-const char* attn_last_error() {
-  gpu_error_t e = gpu_last_error();
-  return gpu_ok(e) ? nullptr : gpu_error_string(e);
-}
 
 }  // namespace
 
@@ -29,20 +16,20 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
   if (p.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
-  attn_with_type(p.dt, [&](auto* tp) {
+  with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     // splits first, then the merge: same stream, so the merge sees every partial
     if (p.n_items > 0)
       ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, 0, (gpu_stream_t)stream, attention_split_kernel<T>)(p);
     ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_merge_kernel<T>)(p);
   });
-  return attn_last_error();
+  return last_error();
 }
 
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
   if (p.f.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
   if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";
-  attn_with_type(p.f.dt, [&](auto* tp) {
+  with_type(p.f.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     if (p.rows > 0) {
       int64_t blocks = (p.rows + 255) / 256;
@@ -55,7 +42,7 @@ const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
     if (p.n_tiles > 0)
       ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T>)(p);
   });
-  return attn_last_error();
+  return last_error();
 }
 
 const char* launch_cache_write(const CacheWriteParams& p, void* stream) {
@@ -63,11 +50,11 @@ const char* launch_cache_write(const CacheWriteParams& p, void* stream) {
   if (n == 0) return nullptr;
   int64_t blocks = (n + 255) / 256;
   if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
-  attn_with_type(p.dt, [&](auto* tp) {
+  with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, cache_write_kernel<T>)(p);
   });
-  return attn_last_error();
+  return last_error();
 }
 
 }  // namespace aligned::gpu

@@ -64,6 +64,11 @@ inline gpu_error_t gpu_last_error() { return cudaGetLastError(); }
 inline bool gpu_ok(gpu_error_t e) { return e == cudaSuccess; }
 inline const char* gpu_error_string(gpu_error_t e) { return cudaGetErrorString(e); }
 #endif
+// What every launcher returns: nullptr, or the runtime's message for the last launch error.
+inline const char* last_error() {
+  gpu_error_t e = gpu_last_error();
+  return gpu_ok(e) ? nullptr : gpu_error_string(e);
+}
 
 // Lanes of one reduction group (reduce.h: kReduceLanes). A CUDA warp, or half an AMD wave64.
 constexpr int kGroupLanes = 32;

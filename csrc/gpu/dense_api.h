@@ -11,9 +11,11 @@
 
 #include <stdint.h>
 
+#include "../common/dtype.h"
+
 namespace aligned::gpu {
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+using aligned::DType;  // common/dtype.h, shared with the CPU backend
 
 // Data-value checks on the GPU run in the kernel, not on the host (a host check of device data is a
 // synchronisation on every decode step and breaks CUDA-graph capture). A kernel that meets a bad value

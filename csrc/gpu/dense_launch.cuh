@@ -14,22 +14,9 @@
 namespace aligned::gpu {
 namespace {
 
-// Calls fn with a typed null pointer for the storage type named by dt (as the CPU backend does).
-template <typename Fn>
-void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
 template <typename T>
 using Elem = typename std::remove_pointer<T>::type;
 
-const char* last_error() {
-  gpu_error_t e = gpu_last_error();
-  return gpu_ok(e) ? nullptr : gpu_error_string(e);
-}
 
 // Row kernels: 2-group blocks for small batches (decode: spread the rows over the SMs), 8 groups otherwise.
 // A row's result never depends on the block size (one group per row, rows independent).

@@ -10,19 +10,6 @@
 namespace aligned::gpu {
 namespace {
 
-template <typename Fn>
-void exact_with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::F32: fn((float*)nullptr); break;
-    case DType::BF16: fn((bf16_t*)nullptr); break;
-    case DType::F16: fn((f16_t*)nullptr); break;
-  }
-}
-
-const char* exact_last_error() {
-  gpu_error_t e = gpu_last_error();
-  return gpu_ok(e) ? nullptr : gpu_error_string(e);
-}
 
 unsigned exact_blocks(int64_t threads_needed, int per_block) {
   const int64_t b = (threads_needed + per_block - 1) / per_block;
@@ -33,19 +20,19 @@ unsigned exact_blocks(int64_t threads_needed, int per_block) {
 
 const char* launch_exact_row_forms(const ExactFormsParams& p, void* stream) {
   if (p.rows == 0) return nullptr;
-  exact_with_type(p.dt, [&](auto* tp) {
+  with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     ALIGNED_LAUNCH(exact_blocks(p.rows * kGroupLanes, kExactFormThreads), kExactFormThreads, 0, (gpu_stream_t)stream,
                    exact_row_forms_kernel<T>)((const T*)p.v, p.rows, p.K, p.E, p.S, p.bad);
   });
-  return exact_last_error();
+  return last_error();
 }
 
 const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream) {
   if (p.rows == 0 || p.K == 0) return nullptr;
   if (p.weight_layout && (p.fixed_digits < 1 || p.fixed_digits > exact::kMaxDigits))
     return "aligned exact pack: the weight's digit count must be 1..4";
-  exact_with_type(p.dt, [&](auto* tp) {
+  with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     const unsigned blocks = exact_blocks(p.rows * p.K, kExactPackThreads);
     if (p.weight_layout)
@@ -55,7 +42,7 @@ const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream) {
       ALIGNED_LAUNCH(blocks, kExactPackThreads, 0, (gpu_stream_t)stream, exact_pack_digits_kernel<T, false>)(
           (const T*)p.v, p.rows, p.K, p.Kp, p.plane, p.E, p.S, p.fixed_digits, p.out);
   });
-  return exact_last_error();
+  return last_error();
 }
 
 const char* launch_exact_gemm(const ExactGemmParams& p, void* stream) {
@@ -66,13 +53,13 @@ const char* launch_exact_gemm(const ExactGemmParams& p, void* stream) {
   const int64_t gx = (p.N + kExactTileN - 1) / kExactTileN, gy = (p.M + kExactTileM - 1) / kExactTileM;
   if (gx > 0x7fffffff || gy > 65535) return "aligned exact gemm: problem too large for one grid";
   const dim3 grid((unsigned)gx, (unsigned)gy, 1);
-  exact_with_type(p.dt, [&](auto* tp) {
+  with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     ALIGNED_LAUNCH(grid, kExactGemmThreads, 0, (gpu_stream_t)stream, exact_gemm_kernel<T>)(
         p.xd, p.x_plane, p.x_exp, p.x_digits, p.x_bad, p.wd, p.w_plane, p.w_exp, p.w_bad, p.w_digits,
         (const T*)p.bias, (T*)p.out, p.M, p.N, p.Kp, p.chunk_k);
   });
-  return exact_last_error();
+  return last_error();
 }
 
 }  // namespace aligned::gpu
