@@ -27,6 +27,7 @@ import aligned_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GLUE = ROOT / "csrc" / "cuda" / "ops_cuda.cpp"
+ATTENTION_GLUE = ROOT / "csrc" / "cuda" / "ops_attention_cuda.cpp"
 
 # Host reads of device data / synchronisations, as they are spelled in C++ glue.
 CXX_FORBIDDEN = {
@@ -77,6 +78,12 @@ def scan_glue(src: str) -> list:
             if "ValueChecks::kInKernel" not in args:
                 found.append(f"{name}({args.strip()[:60]}...) without ValueChecks::kInKernel")
     return found
+
+
+def test_cuda_attention_glue_has_no_host_read():
+    # The attention glue takes its metadata (cu_seqlens, block tables, seq lens) as host tensors and plans on
+    # the host (csrc/common/attention_plan.h): no device tensor is read back.
+    assert scan_glue(ATTENTION_GLUE.read_text()) == []
 
 
 def test_cuda_glue_has_no_host_read():
