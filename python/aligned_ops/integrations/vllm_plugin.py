@@ -46,7 +46,7 @@ eager), chunked prefill.
 At engine start-up (``EngineArgs.create_engine_config``) it refuses, with one ``ValueError`` listing every
 reason, configurations it cannot keep aligned: other architectures or RoPE variants (and partial rotary),
 quantization, a non-``auto`` KV-cache dtype, speculative decoding, a tensor-parallel size other than 1, 2,
-4 or 8, pipeline parallelism, compiled mode together with TP > 1 (pass ``enforce_eager=True``), and
+4 or 8, pipeline parallelism, and
 ``logprobs_mode`` ``raw_logits`` / ``processed_logits``.
 """
 
@@ -477,12 +477,10 @@ def validate_vllm_config(vllm_config) -> None:
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
                        "data-parallel replicas are fine)")
-    # Compiled mode (enforce_eager=False) is allowed on one rank, dense or MoE: every arithmetic op of the
-    # model is an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested
-    # bitwise against eager and the trainer: test_vllm_rl_features.py dense, test_vllm_moe_compiled.py MoE).
-    # Not proven with the TP tree all-reduce (point-to-point inside the graph): that stays eager-only.
-    if not mc.enforce_eager and pc.tensor_parallel_size != 1:
-        reasons.append("compiled mode with tensor_parallel_size > 1 is not covered; pass enforce_eager=True")
+    # Compiled mode (enforce_eager=False) is allowed, dense, MoE and TP 2: every arithmetic op of the model is
+    # an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested bitwise
+    # against eager and the trainer: test_vllm_rl_features.py dense, test_vllm_moe_compiled.py MoE,
+    # test_vllm_tp_compiled.py TP = 2 with the tree all-reduce).
     mode = str(getattr(mc, "logprobs_mode", "raw_logprobs"))
     if mode not in SUPPORTED_LOGPROBS_MODES:
         reasons.append(f"logprobs_mode {mode!r} is not supported (use 'raw_logprobs', the default, or "
