@@ -7,6 +7,7 @@
 // reports the launch error, if any. Zero-size problems enqueue nothing.
 #pragma once
 
+#include "compat.cuh"  // first: the vendor runtime before common/ (dense_api.h includes common/dtype.h)
 #include "dense_api.h"
 #include "dense_kernels.cuh"
 #include "gemm_fp32.cuh"

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "compat.cuh"  // first: the vendor runtime before common/ (via exact_api.h -> dense_api.h)
 #include "exact_api.h"
 #include "exact_linear_kernels.cuh"
 
