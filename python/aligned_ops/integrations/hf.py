@@ -11,6 +11,10 @@ the exact op sequence the vLLM plugin runs:
                 fused_add_rms_norm -> gate/up linear -> silu_and_mul -> down linear
     final fused_add_rms_norm -> LM head linear (tied or not) -> token_logprobs (fp32, temperature)
 
+Which op each layer kind runs, on which dtype (norm ops and residual fusion, rotary style, activation, linear
+profile, attention scale, LM-head dtype) is read from :mod:`aligned_ops.model_spec` (``rules_for(arch)``, at
+call time), the same rules the vLLM plugin's hooks read.
+
 Every op is row-invariant, so a sequence's log-probs do not depend on what else is in the batch, on padding,
 on packing or on the micro-batch size. Padded batches (``attention_mask``, left or right padding) are
 packed internally; packed batches pass ``cu_seqlens``.
@@ -31,6 +35,7 @@ import torch
 
 import aligned_ops
 
+from ..model_spec import rules_for
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
@@ -123,9 +128,9 @@ def _cos_sin_cache(model, device):
     return cache
 
 
-def _lin(module, x):
-    # The linear numerics profile (ALIGNED_OPS_LINEAR=fma|exact), the same switch the vLLM plugin reads.
-    return aligned_ops.profile_linear(x, module.weight, module.bias)
+def _rules(module):
+    # The architecture patch_model recorded on the model and each decoder layer (model_spec.rules_for).
+    return rules_for(getattr(module, "_aligned_arch", None))
 
 
 # ---- patched forwards ----------------------------------------------------------------------------------
@@ -133,35 +138,39 @@ def _lin(module, x):
 
 def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache):
     """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM."""
-    attention_varlen = aligned_ops.attention_varlen
+    rules = _rules(self)
+
+    def lin(module, x):
+        return rules.linear(x, module.weight, module.bias)
+
     eps = self.input_layernorm.variance_epsilon
     if residual is None:
         residual = hidden
-        x = aligned_ops.rms_norm(hidden, self.input_layernorm.weight, eps)
+        x = rules.apply_norm(hidden, self.input_layernorm.weight, eps)
     else:
-        x, residual = aligned_ops.fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
+        x, residual = rules.apply_norm(hidden, self.input_layernorm.weight, eps, residual)
     attn = self.self_attn
     T = x.shape[0]
     D = attn.head_dim
     # Head counts from the weights, not view(T, -1, D): a batch with no real token has T = 0.
-    q = _lin(attn.q_proj, x).view(T, attn.q_proj.weight.shape[0] // D, D)
-    k = _lin(attn.k_proj, x).view(T, attn.k_proj.weight.shape[0] // D, D)
-    v = _lin(attn.v_proj, x).view(T, attn.v_proj.weight.shape[0] // D, D)
+    q = lin(attn.q_proj, x).view(T, attn.q_proj.weight.shape[0] // D, D)
+    k = lin(attn.k_proj, x).view(T, attn.k_proj.weight.shape[0] // D, D)
+    v = lin(attn.v_proj, x).view(T, attn.v_proj.weight.shape[0] // D, D)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
-        q = aligned_ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-        k = aligned_ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q = rules.apply_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        k = rules.apply_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
     R = cos_sin_cache.shape[-1]  # rotary_dim (the table's width)
-    q = aligned_ops.rotary_embedding(positions, q, cos_sin_cache, R, True)
-    k = aligned_ops.rotary_embedding(positions, k, cos_sin_cache, R, True)
-    o, _ = attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, float(attn.scaling), True)
-    h = _lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
-    x, residual = aligned_ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                                 self.post_attention_layernorm.variance_epsilon)
+    q = rules.rotary(positions, q, cos_sin_cache, R)
+    k = rules.rotary(positions, k, cos_sin_cache, R)
+    o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, rules.scale(D), True)
+    h = lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
+    x, residual = rules.apply_norm(h, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.variance_epsilon, residual)
     mlp = self.mlp
     if hf_moe.is_moe_block(mlp):  # Qwen3-MoE / Qwen2-MoE sparse block: aligned::moe_routing + moe_experts
-        return hf_moe.moe_block_forward(mlp, x), residual
-    gate_up = torch.cat([_lin(mlp.gate_proj, x), _lin(mlp.up_proj, x)], dim=-1)
-    return _lin(mlp.down_proj, aligned_ops.silu_and_mul(gate_up)), residual
+        return hf_moe.moe_block_forward(mlp, x, rules), residual
+    gate_up = torch.cat([lin(mlp.gate_proj, x), lin(mlp.up_proj, x)], dim=-1)
+    return lin(mlp.down_proj, rules.activate(gate_up)), residual
 
 
 def _model_forward(
@@ -201,7 +210,8 @@ def _model_forward(
     with hf_moe.RoutingRecorder() as routing:
         for layer in inner.layers:
             hidden, residual = layer(hidden, residual, positions, cu, cache)
-    hidden, _ = aligned_ops.fused_add_rms_norm(hidden, residual, inner.norm.weight, inner.norm.variance_epsilon)
+    rules = _rules(self)
+    hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
     head = self.lm_head
 
     out = AlignedCausalLMOutput()
@@ -213,7 +223,7 @@ def _model_forward(
         full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
         out.routed_experts = full.index_copy(0, flat, rids).view(*input_ids.shape, *rids.shape[1:])
     if return_logits:
-        logits = _lin(head, hidden)
+        logits = rules.head_logits(hidden, head.weight, head.bias)
         full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
         full = full.index_copy(0, flat, logits)
         out.logits = full.view(*input_ids.shape, logits.shape[-1])
@@ -236,11 +246,11 @@ def _model_forward(
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
         if fused_lm_head:
-            lp = _fused_head_logprobs(head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p)
+            lp = _fused_head_logprobs(head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p, rules)
         elif top_k is None and top_p is None and min_p is None:
-            lp = aligned_ops.token_logprobs(_lin(head, head_in), target_ids, temps)
+            lp = aligned_ops.token_logprobs(rules.head_logits(head_in, head.weight, head.bias), target_ids, temps)
         else:
-            logits = _lin(head, head_in)
+            logits = rules.head_logits(head_in, head.weight, head.bias)
             # The distribution vLLM sampled from with logprobs_mode="processed_logprobs" and the plugin:
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits
@@ -259,16 +269,16 @@ def _model_forward(
     return out
 
 
-def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, min_p):
+def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules):
     """completion_logprobs(fused_lm_head=...): aligned_ops.fused_token_logprobs, the same bits as the unfused
     LM head linear -> token_logprobs without the [tokens, vocab] logits. ``option`` is True or a dict of chunk
     sizes (token_chunk=, vocab_chunk=)."""
     if top_k is not None or top_p is not None or min_p is not None:
         raise ValueError("completion_logprobs: fused_lm_head does not score truncated distributions (top_k / top_p "
                          "/ min_p need each row's full sorted logits); use fused_lm_head=False")
-    if aligned_ops.linear_profile() != "fma":
+    if rules.profile() != "fma" or rules.logits_dtype is not None:
         raise ValueError(f"completion_logprobs: fused_lm_head needs the fma linear profile, not "
-                         f"ALIGNED_OPS_LINEAR={aligned_ops.linear_profile()}")
+                         f"ALIGNED_OPS_LINEAR={rules.profile()} (and model-dtype logits)")
     chunks = option if isinstance(option, dict) else {}
     unknown = set(chunks) - {"token_chunk", "vocab_chunk"}
     if unknown:
@@ -337,11 +347,18 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     for layer in model.model.layers:
         if hf_moe.is_moe_block(getattr(layer, "mlp", None)):
             hf_moe.check_moe_block(layer.mlp, "patch_model")
+    arch = known[0] if known else (named[0] if named else type(model).__name__)
+    rules = rules_for(arch)
     for layer in model.model.layers:
+        attn = layer.self_attn
+        rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")
+    for layer in model.model.layers:
+        layer._aligned_arch = arch  # the layer's rules are looked up per call (model_spec.rules_for)
         layer.forward = types.MethodType(_layer_forward, layer)
+    model._aligned_arch = arch
     model.forward = types.MethodType(_model_forward, model)
     model._aligned_patched = True
-    model._aligned_linear_profile = aligned_ops.linear_profile()  # read by `aligned-ops verify`
+    model._aligned_linear_profile = rules.profile()  # read by `aligned-ops verify`
     return model
 
 
@@ -351,7 +368,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for layer in model.model.layers:
         layer.__dict__.pop("forward", None)
+        layer.__dict__.pop("_aligned_arch", None)
     model.__dict__.pop("forward", None)
+    model.__dict__.pop("_aligned_arch", None)
     model.__dict__.pop("_aligned_cos_sin_cache", None)
     model._aligned_patched = False
     return model

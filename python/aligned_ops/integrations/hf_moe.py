@@ -2,7 +2,7 @@
 
 The op sequence is the one the vLLM plugin runs for the same block (``vllm_plugin._moe_runner_forward``):
 
-    router_logits = aligned::linear(x, gate.weight)                        (model dtype)
+    router_logits = aligned::linear(x, gate.weight)  (model dtype; LayerRules.router_profile, fma)
     w, ids, scores = aligned::moe_routing(router_logits, top_k, "softmax", norm_topk_prob)   (fp32)
     out = aligned::moe_experts(x, w, ids, experts.gate_up_proj, experts.down_proj,
                                [shared gate_proj|up_proj, shared down_proj, shared_expert_gate])
@@ -61,10 +61,14 @@ def _shared_weights(mlp):
     return w13, shared.down_proj.weight, (gate.weight if gate is not None else None)
 
 
-def moe_block_forward(mlp, x: torch.Tensor) -> torch.Tensor:
-    """One HF sparse MoE block on packed tokens ``x [T, H]`` (differentiable)."""
+def moe_block_forward(mlp, x: torch.Tensor, rules=None) -> torch.Tensor:
+    """One HF sparse MoE block on packed tokens ``x [T, H]`` (differentiable); ``rules``: the model's
+    :class:`aligned_ops.model_spec.LayerRules` (the router projection's profile)."""
+    from ..model_spec import rules_for
+
+    rules = rules or rules_for(None)
     router = mlp.gate
-    logits = aligned_ops.linear(x, router.weight)
+    logits = rules.router_linear(x, router.weight)
     w, ids, scores = aligned_ops.moe_routing(logits, router.top_k, "softmax", bool(router.norm_topk_prob))
     rec = _recorder.get()
     if rec is not None:

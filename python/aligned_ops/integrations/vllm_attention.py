@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 import aligned_ops
 
+from .vllm_plugin import layer_rules, record_architecture
+
 
 class AlignedAttentionBackend(AttentionBackend):
     """Batch-invariant paged attention (``torch.ops.aligned.paged_attention``)."""
@@ -150,6 +152,8 @@ class AlignedAttentionImpl(AttentionImpl):
             unsupported.append("KV sharing")
         if unsupported:
             raise NotImplementedError("aligned_ops attention does not support: " + ", ".join(unsupported))
+        record_architecture(self)  # the scale is the model spec's (LayerRules.scale), read per call
+        layer_rules(self).check_attention_scale(head_size, scale, "vLLM attention")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -189,7 +193,7 @@ class AlignedAttentionImpl(AttentionImpl):
             attn_metadata.block_table,
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
-            self.scale,
+            layer_rules(self).scale(self.head_size),
         )
         output[:n].copy_(out.view(output[:n].shape))
         return output

@@ -6,8 +6,12 @@ aligned_ops.integrations.vllm_plugin:register``. vLLM calls :func:`register` in 
 environment. (``aligned_ops.integrations.rollout.make_llm(aligned=True)`` sets it and calls
 :func:`install` directly, which also works where the package is not pip-installed.)
 
-What it replaces (for every model vLLM builds in the process afterwards; RMSNorm and SiluAndMul through
-vLLM's ``CustomOp.register_oot``, the rest as class patches listed in ``_patched_classes()``):
+What it replaces (for every model vLLM builds in the process afterwards). Where vLLM 0.32 offers an
+out-of-tree hook the layer is replaced through it (``register_oot`` of a ``CustomOp`` or ``PluggableLayer``:
+RMSNorm, SiluAndMul, RowParallelLinear, VocabParallelEmbedding, GateLinear, MoERunner,
+UnquantizedFusedMoEMethod); the rest are class patches, each listed with the reason in ``_patched_classes()``.
+Every hook applies the layer rules of :mod:`aligned_ops.model_spec` (``rules_for(arch)``, looked up per call
+for the architecture recorded when vLLM built the layer): the same rules the trainer patch applies.
 
 - ``RMSNorm`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
 - ``SiluAndMul`` -> ``aligned::silu_and_mul``
@@ -60,6 +64,7 @@ import torch
 import aligned_ops
 import aligned_ops.ops.collective
 
+from ..model_spec import architecture_of, rules_for
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
@@ -104,16 +109,29 @@ def check_vllm_version() -> str:
 # ---- layer hooks ---------------------------------------------------------------------------------------
 
 
+def record_architecture(layer) -> None:
+    """Remember, on a layer vLLM is building, which architecture's rules it runs (model_spec.rules_for)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    hf = getattr(getattr(cfg, "model_config", None), "hf_config", None)
+    if hf is not None:
+        layer._aligned_arch = architecture_of(hf)
+
+
+def layer_rules(layer):
+    """The :class:`aligned_ops.model_spec.LayerRules` of a hooked layer, looked up now (not cached)."""
+    return rules_for(getattr(layer, "_aligned_arch", None))
+
+
 def _rms_norm_forward(self, x, residual=None):
     if not getattr(self, "has_weight", True) or getattr(self, "variance_size_override", None) is not None:
         raise NotImplementedError("aligned_ops: RMSNorm without weight or with var_hidden_size is not supported")
-    if residual is None:
-        return aligned_ops.rms_norm(x, self.weight.data, self.variance_epsilon)
-    return aligned_ops.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
+    return layer_rules(self).apply_norm(x, self.weight.data, self.variance_epsilon, residual)
 
 
 def _silu_and_mul_forward(self, x):
-    return aligned_ops.silu_and_mul(x)
+    return layer_rules(self).activate(x)
 
 
 def rope_spec_from_vllm(rot):
@@ -163,10 +181,15 @@ def _rotary_init(self, *args, **kwargs):
     _originals["RotaryEmbedding.__init__"](self, *args, **kwargs)
     from ..rope import cos_sin_cache
 
+    record_architecture(self)
     try:
         spec = rope_spec_from_vllm(self)
     except NotImplementedError as e:
         self._aligned_unsupported = str(e)
+        return
+    if bool(self.is_neox_style) != layer_rules(self).rotary_neox:
+        self._aligned_unsupported = (f"aligned_ops: rotary is_neox_style={self.is_neox_style} is not the model "
+                                     "spec's rotary style")
         return
     self._aligned_unsupported = None
     self.register_buffer("_aligned_cos_sin_cache", cos_sin_cache(spec), persistent=False)
@@ -182,18 +205,34 @@ def _rotary_forward(self, positions, query, key=None):
     positions = positions.flatten().to(torch.int64)
     T = positions.shape[0]
 
+    rules = layer_rules(self)
+
     def rot(x):
         shape = x.shape
-        y = aligned_ops.rotary_embedding(positions, x.reshape(T, -1, self.head_size).contiguous(), cache,
-                                         self.rotary_dim, self.is_neox_style)
+        y = rules.rotary(positions, x.reshape(T, -1, self.head_size).contiguous(), cache, self.rotary_dim)
         return y.view(shape)
 
     return rot(query), (rot(key) if key is not None else None)
 
 
 def _linear_apply(self, layer, x, bias=None):
-    # ALIGNED_OPS_LINEAR=fma|exact, the same switch the trainer patch reads (aligned_ops.ops.linear_exact).
-    return aligned_ops.profile_linear(x, layer.weight, bias)
+    # The rules' linear profile (fma|exact; ALIGNED_OPS_LINEAR unless the spec names one), as in the trainer.
+    return layer_rules(layer).linear(x, layer.weight, bias)
+
+
+def _lm_head_apply(self, layer, x, bias=None):
+    # UnquantizedEmbeddingMethod.apply is the LM head's logits (LogitsProcessor); the rules' head dtype.
+    return layer_rules(layer).head_logits(x, layer.weight, bias)
+
+
+def _make_create_weights(key):
+    def create_weights(self, layer, *args, **kwargs):
+        """vLLM's own, then record the model architecture on the layer (its rules are looked up per call)."""
+        out = _originals[key](self, layer, *args, **kwargs)
+        record_architecture(layer)
+        return out
+
+    return create_weights
 
 
 # ---- tensor parallelism (TP = 1, 2, 4, 8) ----------------------------------------------------------------
@@ -252,7 +291,7 @@ def _sequential_lane_combine(x, weight, group_coordinator):
 
 def _row_parallel_forward(self, input_):
     if self.tp_size == 1:
-        return _originals["RowParallelLinear.forward"](self, input_)
+        return self._aligned_base.forward(self, input_)
     if not self.reduce_results:
         raise NotImplementedError("aligned_ops: a row-parallel layer without reduce_results is not supported")
     if not self.input_is_parallel:
@@ -276,7 +315,7 @@ def _row_parallel_forward(self, input_):
 
 def _vocab_embedding_forward(self, input_):
     if self.tp_size == 1:
-        return _originals["VocabParallelEmbedding.forward"](self, input_)
+        return self._aligned_base.forward(self, input_)
     from vllm.model_executor.layers.vocab_parallel_embedding import get_masked_input_and_mask
 
     si = self.shard_indices
@@ -300,7 +339,7 @@ def _stock_all_reduce(self, input_):
     return _originals["GroupCoordinator.all_reduce"](self, input_)
 
 
-def _keep_weight_after_loading(self, layer):
+def _keep_weight_after_loading(self, layer, *args, **kwargs):
     # Skip vLLM's CPU GEMM dispatch: it may re-pack or delete layer.weight (oneDNN / sgl / zentorch);
     # aligned::linear reads the plain [N, K] weight, and refit (load_weights) needs it in place.
     # A (re)load may have rewritten weights in place: the exact profile's packed digits are redone.
@@ -309,8 +348,9 @@ def _keep_weight_after_loading(self, layer):
 
 
 def _gate_linear_forward(self, x):
-    # GateLinear (the MoE router projection): aligned::linear in the model dtype, whatever tier vLLM picked.
-    out = aligned_ops.linear(x, self.weight, getattr(self, "bias", None))
+    # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
+    # picked.
+    out = layer_rules(self).router_linear(x, self.weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
 
@@ -338,7 +378,7 @@ def _moe_layer_spec(runner):
         reasons.append(f"scoring_func {scoring!r}")
     re = runner.routed_experts
     qm = type(re.quant_method).__name__
-    if qm != "UnquantizedFusedMoEMethod":
+    if qm not in ("UnquantizedFusedMoEMethod", "AlignedUnquantizedFusedMoEMethod"):
         reasons.append(f"quantized experts ({qm})")
     if getattr(re, "routed_scaling_factor", 1.0) != 1.0 or getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
         reasons.append("routed_scaling_factor != 1")
@@ -380,7 +420,7 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
     top_k, scoring, renormalize = _moe_layer_spec(self)
     x = hidden_states.contiguous()
     if self.gate is not None:  # Qwen3-MoE hands the router to the runner (router_logits is the hidden state)
-        router_logits = aligned_ops.linear(x, self.gate.weight)
+        router_logits = layer_rules(self).router_linear(x, self.gate.weight)
     w, ids, _ = aligned_ops.moe_routing(router_logits.contiguous(), top_k, scoring, renormalize)
     capture = getattr(self.router, "capture_fn", None)
     if capture is not None:  # vLLM's routed-experts output (enable_return_routed_experts)
@@ -508,10 +548,12 @@ def _patch(cls, name, new, key=None):
     setattr(cls, name, new)
 
 
-def _register_oot(base, forward) -> None:
-    """Hook a vLLM ``CustomOp`` the way vLLM offers: ``base.register_oot`` of a subclass whose ``forward`` is
-    ours, so every ``base(...)`` vLLM builds afterwards is that subclass (``CustomOp.__new__``). ``forward`` is
-    overridden (not ``forward_cpu``): the op must run whatever vLLM's custom-op enablement says."""
+def _register_oot(base, **methods) -> None:
+    """Hook a vLLM ``CustomOp`` or ``PluggableLayer`` the way vLLM offers: ``base.register_oot`` of a subclass
+    with our ``methods``, so every ``base(...)`` vLLM builds afterwards is that subclass (their ``__new__``
+    looks the exact class name up in ``op_registry_oot``). A ``forward`` is overridden (not ``forward_cpu``):
+    the op must run whatever vLLM's custom-op enablement says. The subclass's ``__init__`` runs vLLM's, then
+    records the model's architecture (the layer's rules are model_spec's); ``_aligned_base`` is vLLM's class."""
     from vllm.model_executor.custom_op import op_registry_oot
 
     if base.__name__ in _oot_registered:
@@ -519,7 +561,13 @@ def _register_oot(base, forward) -> None:
     if base.__name__ in op_registry_oot:
         raise RuntimeError(f"aligned_ops vLLM plugin: {base.__name__} already has an out-of-tree replacement "
                            f"({op_registry_oot[base.__name__]}); two plugins cannot both own it")
-    hooked = type(f"Aligned{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        record_architecture(self)
+
+    body = {"__init__": __init__, "_aligned_base": base, "__module__": __name__, **methods}
+    hooked = type(f"Aligned{base.__name__}", (base,), body)
     base.register_oot(hooked)
     _oot_registered.append(base.__name__)
 
@@ -527,28 +575,50 @@ def _register_oot(base, forward) -> None:
 _oot_registered: list = []
 
 
-def _patched_classes() -> dict:
-    """Every vLLM class install() patches (by name), for uninstall(); RMSNorm and SiluAndMul are not among
-    them: they are hooked through ``CustomOp.register_oot`` (_register_oot). The rest are patched because vLLM
-    0.32 gives them no out-of-tree hook: RotaryEmbedding (the table is built for every RoPE subclass vLLM
-    builds, and unsupported variants must raise: register_oot goes by exact class name), the linear/embedding/
-    fused-MoE quant methods, MoERunner, GateLinear, RowParallelLinear, VocabParallelEmbedding (TP), the
-    sampler pieces, GroupCoordinator.all_reduce (the TP guard), EngineArgs (start-up refusals)."""
-    from vllm.distributed.parallel_state import GroupCoordinator
-    from vllm.engine.arg_utils import EngineArgs
+def _oot_hooks() -> dict:
+    """The layers hooked through vLLM's own out-of-tree registry (``register_oot``), with our methods."""
+    from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return {
+        RMSNorm: dict(forward=_rms_norm_forward),                          # CustomOp
+        SiluAndMul: dict(forward=_silu_and_mul_forward),                   # CustomOp
+        RowParallelLinear: dict(forward=_row_parallel_forward),            # PluggableLayer (TP tree)
+        VocabParallelEmbedding: dict(forward=_vocab_embedding_forward),    # PluggableLayer (TP exact copy)
+        GateLinear: dict(forward=_gate_linear_forward),                    # PluggableLayer (MoE router)
+        MoERunner: dict(forward=_moe_runner_forward),                      # PluggableLayer (FusedMoE's runner)
+        UnquantizedFusedMoEMethod: dict(process_weights_after_loading=_keep_weight_after_loading),  # CustomOp
+    }
+
+
+def _patched_classes() -> dict:
+    """Every vLLM class install() patches (by name), for uninstall(): only those vLLM 0.32 offers no
+    out-of-tree hook for (the others: ``_oot_hooks``). One reason each:"""
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
 
-    return {c.__name__: c for c in (EngineArgs, UnquantizedLinearMethod, RotaryEmbedding, UnquantizedEmbeddingMethod,
-                                    Sampler, RowParallelLinear, VocabParallelEmbedding, GroupCoordinator, MoERunner,
-                                    GateLinear, UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler)}
+    return {c.__name__: c for c in (
+        EngineArgs,                  # start-up refusals: a config object, no hook
+        UnquantizedLinearMethod,     # a QuantizeMethodBase, not a CustomOp: no registry (every Linear's apply)
+        UnquantizedEmbeddingMethod,  # the same, for the embedding / LM head
+        RotaryEmbedding,             # a CustomOp, but register_oot matches the exact class name: the llama3/
+                                     # yarn/linear/NTK subclasses inherit this patch, and unsupported ones raise
+        Sampler,                     # plain nn.Module (the temperature reaches compute_logprobs through it)
+        MinPLogitsProcessor,         # a logits processor class, no hook
+        TopKTopPSampler,             # plain nn.Module
+        GroupCoordinator,            # not a layer: the stock TP all-reduce guard
+    )}
 
 
 def install() -> None:
@@ -561,8 +631,6 @@ def install() -> None:
         raise ValueError(f"{TP_COMBINE_ENV} must be one of {TP_COMBINES}, got {combine!r}")
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -572,14 +640,14 @@ def install() -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
 
-    for base, forward in ((RMSNorm, _rms_norm_forward), (SiluAndMul, _silu_and_mul_forward)):
-        _register_oot(base, forward)
+    for base, methods in _oot_hooks().items():
+        _register_oot(base, **methods)
     _patch(RotaryEmbedding, "forward", _rotary_forward)
     _patch(RotaryEmbedding, "__init__", _rotary_init)
-    _patch(UnquantizedLinearMethod, "apply", _linear_apply)
-    _patch(UnquantizedLinearMethod, "process_weights_after_loading", _keep_weight_after_loading)
-    _patch(UnquantizedEmbeddingMethod, "apply", _linear_apply)
-    _patch(UnquantizedEmbeddingMethod, "process_weights_after_loading", _keep_weight_after_loading)
+    for cls, apply in ((UnquantizedLinearMethod, _linear_apply), (UnquantizedEmbeddingMethod, _lm_head_apply)):
+        _patch(cls, "apply", apply)
+        _patch(cls, "create_weights", _make_create_weights(f"{cls.__name__}.create_weights"))
+        _patch(cls, "process_weights_after_loading", _keep_weight_after_loading)
     _patch(Sampler, "forward", _sampler_forward)
     _patch(Sampler, "compute_logprobs", staticmethod(_compute_logprobs))
     _patch(MinPLogitsProcessor, "apply", _min_p_apply)
@@ -587,20 +655,9 @@ def install() -> None:
         _patch(TopKTopPSampler, name, _make_topk_topp_forward(name))
     _patch(EngineArgs, "create_engine_config", _create_engine_config)
     from vllm.distributed.parallel_state import GroupCoordinator
-    from vllm.model_executor.layers.linear import RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     _tp_combine = combine
-    _patch(RowParallelLinear, "forward", _row_parallel_forward)
-    _patch(VocabParallelEmbedding, "forward", _vocab_embedding_forward)
     _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    _patch(MoERunner, "forward", _moe_runner_forward)
-    _patch(GateLinear, "forward", _gate_linear_forward)
-    _patch(UnquantizedFusedMoEMethod, "process_weights_after_loading", _keep_weight_after_loading)
 
     path = "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
     if current_platform.is_cpu():
@@ -610,7 +667,7 @@ def install() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, path)
         install_gpu_attention_selection(current_platform)
     global installed_linear_profile
-    installed_linear_profile = aligned_ops.linear_profile()
+    installed_linear_profile = rules_for(None).profile()
     _installed = True
 
 

@@ -23,6 +23,7 @@ class OpCall:
     dtypes: tuple               # their dtypes
     x_ptr: int | None           # data_ptr of the first tensor argument (to group projections of one input)
     has_bias: bool = False
+    scalars: tuple = ()         # the non-tensor arguments (eps, rotary_dim, is_neox, scale, ...), in order
 
 
 def _vllm_python_bodies():
@@ -51,32 +52,50 @@ class trace_aligned_ops(TorchDispatchMode):
         name = f"{func.namespace}::{func._opname}"
         if func.namespace == "aligned":
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            bias = name == "aligned::linear" and len(args) > 2 and isinstance(args[2], torch.Tensor)
+            bias = _linear_bias(name, args)
+            scalars = tuple(a for a in args if a is not None and not isinstance(a, torch.Tensor))
             self.calls.append(OpCall(name, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
-                                     tensors[0].data_ptr() if tensors else None, bias))
+                                     tensors[0].data_ptr() if tensors else None, bias, scalars))
         elif name in self._bodies:
             with self:
                 return self._bodies[name](*args, **kwargs)
         return func(*args, **kwargs)
 
 
+def _linear_bias(name, args) -> bool:
+    # aligned::linear / linear_exact (x, weight, bias); linear_exact_packed (x, digits, exponents, nonfinite, N, bias)
+    at = {"aligned::linear": 2, "aligned::linear_exact": 2, "aligned::linear_exact_packed": 5}.get(name)
+    return at is not None and len(args) > at and isinstance(args[at], torch.Tensor)
+
+
+def _linear_kn(op, c: OpCall):
+    """(logical op, K, N) of a linear call: ``linear`` / ``linear_exact`` read the weight's shape; the packed
+    exact form reads K from x and N from its per-row ``nonfinite`` flags."""
+    if op == "linear_exact_packed":
+        return "linear_exact", c.shapes[0][-1], c.shapes[3][0]
+    return op, c.shapes[1][1], c.shapes[1][0]
+
+
 def logical_steps(calls: list[OpCall]) -> list[tuple]:
     """Reduce a trace to (op, k, n, bias) tuples in the vocabulary of :mod:`aligned_ops.model_spec`.
 
-    Consecutive linears of the same input tensor are one logical projection (N summed); ``attention_varlen``
-    and ``paged_attention`` are ``attention`` (``reshape_and_cache`` is its cache write, folded in);
-    ``token_logprobs`` and ``log_softmax`` are ``logprobs``."""
+    Consecutive linears of the same input tensor are one logical projection (N summed); the exact profile's
+    ``linear_exact`` / ``linear_exact_packed`` are ``linear_exact`` (its weight packing, cached per weight, is
+    not a step); ``attention_varlen`` and ``paged_attention`` are ``attention`` (``reshape_and_cache`` is its
+    cache write, folded in); ``token_logprobs`` and ``log_softmax`` are ``logprobs``."""
     out: list[tuple] = []
     last_linear_x = None
     for c in calls:
         op = c.name.split("::", 1)[1]
-        if op == "linear":
-            k, n = c.shapes[1][1], c.shapes[1][0]
-            if last_linear_x is not None and c.x_ptr == last_linear_x and out and out[-1][0] == "linear":
+        if op == "linear_exact_pack_weight":
+            continue
+        if op in ("linear", "linear_exact", "linear_exact_packed"):
+            op, k, n = _linear_kn(op, c)
+            if last_linear_x is not None and c.x_ptr == last_linear_x and out and out[-1][0] == op:
                 _, k0, n0, b0 = out[-1]
-                out[-1] = ("linear", k0, n0 + n, b0 or c.has_bias)
+                out[-1] = (op, k0, n0 + n, b0 or c.has_bias)
             else:
-                out.append(("linear", k, n, c.has_bias))
+                out.append((op, k, n, c.has_bias))
             last_linear_x = c.x_ptr
             continue
         last_linear_x = None
@@ -95,6 +114,12 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
         else:
             out.append((op, None, None, False))
     return out
+
+
+def op_scalars(calls: list[OpCall], name: str) -> set:
+    """The distinct non-tensor arguments of every call of ``aligned::<name>`` (e.g. rotary's
+    ``(rotary_dim, is_neox)``, attention's scale) — what a spec rule sets without changing any shape."""
+    return {c.scalars for c in calls if c.name == f"aligned::{name}"}
 
 
 def spec_steps(spec) -> list[tuple]:
