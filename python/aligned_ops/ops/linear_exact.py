@@ -18,6 +18,8 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._registry import linear_grads, register_linear_autograd, save_linear_inputs
+
 ops = torch.ops.aligned
 _lib = "aligned::"
 
@@ -74,22 +76,8 @@ def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _exact_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _exact_backward(ctx, grad):
-    # The fma profile's deterministic backward (contract.h chains); see the module docstring.
-    x, weight = ctx.saved_tensors
-    return ops.linear_backward(
-        grad.contiguous(), x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-        ctx.has_bias and ctx.needs_input_grad[2],
-    )
-
-
-torch.library.register_autograd(_lib + "linear_exact", _exact_backward, setup_context=_exact_setup)
+# The fma profile's deterministic backward (contract.h chains; see the module docstring), shared with linear.
+register_linear_autograd("linear_exact")
 
 
 # ---- packed-weight cache: one packing per weight version --------------------------------------------------
@@ -130,13 +118,12 @@ class _LinearExactCached(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         wd, we, wb = packed_weight(weight)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        save_linear_inputs(ctx, (x, weight, bias), None)
         return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exact_backward(ctx, grad)
+        return linear_grads(ctx, grad)
 
 
 def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

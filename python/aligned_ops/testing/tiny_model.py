@@ -78,18 +78,18 @@ def build_tiny_qwen2(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     os.makedirs(path, exist_ok=True)
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(overrides)
+    tokenizer, eos, config = _tokenizer_and_config(Qwen2Config, cfg)
+    return _save_random(Qwen2ForCausalLM(config), tokenizer, path, dtype, seed, eos)
+
+
+def _tokenizer_and_config(config_cls, cfg):
+    """The tiny tokenizer, its eos id, and a ``config_cls`` of ``cfg`` with the fields every tiny checkpoint
+    fixes: silu, eos as bos/pad, no sliding window, no attention dropout."""
     tokenizer = build_tokenizer(cfg["vocab_size"])
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
-        **cfg,
-        hidden_act="silu",
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-    )
-    return _save_random(Qwen2ForCausalLM(config), tokenizer, path, dtype, seed, eos)
+    config = config_cls(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                        use_sliding_window=False, attention_dropout=0.0)
+    return tokenizer, eos, config
 
 
 # ---- tiny mixture-of-experts checkpoints -------------------------------------------------------------------
@@ -135,19 +135,9 @@ def build_tiny_moe(
         cfg.update(shared_expert_intermediate_size=64, qkv_bias=True)
         cfg.pop("head_dim")
     cfg.update(overrides)
-    tokenizer = build_tokenizer(cfg["vocab_size"])
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if arch == "qwen3_moe" else (Qwen2MoeConfig,
                                                                                               Qwen2MoeForCausalLM)
-    config = config_cls(
-        **cfg,
-        hidden_act="silu",
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-    )
+    tokenizer, eos, config = _tokenizer_and_config(config_cls, cfg)
     return _save_random(model_cls(config), tokenizer, path, dtype, seed, eos, router_scale=router_scale)
 
 
