@@ -215,3 +215,28 @@ def test_stock_tp_all_reduce_raises_while_installed():
     single = types.SimpleNamespace(world_size=1, unique_name="tp:0")
     x = torch.zeros(3)
     assert GroupCoordinator.all_reduce(single, x) is x  # TP = 1: vLLM's bypass, unchanged
+
+
+def test_layers_vllm_offers_a_hook_for_are_replaced_through_it():
+    """Every layer vLLM 0.32 lets an out-of-tree plugin replace (``register_oot`` of a CustomOp or a
+    PluggableLayer) is hooked that way: vLLM's own ``__new__`` builds our subclass, the in-tree class keeps
+    its methods. What is still class-patched is listed in ``_patched_classes()`` and offers no such hook
+    (RotaryEmbedding: register_oot matches its exact name only, its RoPE subclasses must follow the patch).
+    Negative control: a class nobody registered (QKVParallelLinear) is built as itself."""
+    vllm_plugin.install()
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer, op_registry_oot
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    hooks = vllm_plugin._oot_hooks()
+    assert {b.__name__ for b in hooks} == {"RMSNorm", "SiluAndMul", "RowParallelLinear", "VocabParallelEmbedding",
+                                           "GateLinear", "MoERunner", "UnquantizedFusedMoEMethod"}
+    for base, methods in hooks.items():
+        hooked = op_registry_oot[base.__name__]
+        assert issubclass(hooked, base) and hooked is not base and hooked._aligned_base is base
+        for name, fn in methods.items():
+            assert hooked.__dict__[name] is fn and base.__dict__.get(name) is not fn, (base.__name__, name)
+        assert type(base.__new__(base)) is hooked, base.__name__  # vLLM's dispatch picks our subclass
+    assert type(QKVParallelLinear.__new__(QKVParallelLinear)) is QKVParallelLinear
+    patched = vllm_plugin._patched_classes()
+    assert not set(patched) & {b.__name__ for b in hooks}
+    assert [n for n, c in patched.items() if issubclass(c, (CustomOp, PluggableLayer))] == ["RotaryEmbedding"]

@@ -7,8 +7,8 @@
   ``ALIGNED_OPS_VLLM=1``; routes vLLM's layers, attention backend and returned log-probs through the same ops.
 - :mod:`aligned_ops.integrations.rollout` — ``make_llm`` / ``generate_with_logprobs`` / ``refit`` helpers.
 
-Both sides share one definition of the model's arithmetic (``model_spec``): which op runs, in which order,
-on which dtype. See ``docs/integrations.md``.
+Both sides share one definition of the model's arithmetic (:mod:`aligned_ops.model_spec`): which op runs, in
+which order, on which dtype; both apply its per-architecture ``LayerRules``. See ``docs/integrations.md``.
 """
 
 from __future__ import annotations
