@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import aligned_ops
+from .ops.linear_exact import PROFILES, linear_profile
+
 
 @dataclass(frozen=True)
 class Step:
@@ -79,8 +82,6 @@ class LayerRules:
 
     def profile(self) -> str:
         """The linear numerics profile these rules run (``fma`` | ``exact``)."""
-        from .ops.linear_exact import PROFILES, linear_profile
-
         if self.linear_profile is None:
             return linear_profile()
         if self.linear_profile not in PROFILES:
@@ -92,8 +93,6 @@ class LayerRules:
 
     def apply_norm(self, x, weight, eps, residual=None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` with the residual fused."""
-        import aligned_ops
-
         w = self.norm_weight(weight)
         if residual is None:
             return getattr(aligned_ops, self.norm)(x, w, eps)
@@ -101,8 +100,6 @@ class LayerRules:
 
     def linear(self, x, weight, bias=None, profile: str | None = None):
         """``x @ weight.T (+ bias)`` under the rules' profile (or ``profile``)."""
-        import aligned_ops
-
         if (profile or self.profile()) == "exact":
             return aligned_ops.linear_exact(x, weight, bias)
         return aligned_ops.linear(x, weight, bias)
@@ -112,13 +109,9 @@ class LayerRules:
         return self.linear(x, weight, bias, profile=self.router_profile)
 
     def rotary(self, positions, x, cos_sin_cache, rotary_dim: int):
-        import aligned_ops
-
         return aligned_ops.rotary_embedding(positions, x, cos_sin_cache, rotary_dim, self.rotary_neox)
 
     def activate(self, gate_up):
-        import aligned_ops
-
         return getattr(aligned_ops, self.activation)(gate_up)
 
     def scale(self, head_dim: int) -> float:
@@ -156,6 +149,12 @@ def rules_for(architecture: str | None) -> LayerRules:
         return RULES[architecture]
     except KeyError:
         raise ValueError(f"aligned_ops.model_spec: no layer rules for architecture {architecture!r}") from None
+
+
+def rules_of(layer) -> LayerRules:
+    """The rules of a layer (a patched trainer module or a hooked vLLM layer), looked up now from the
+    architecture recorded on it (``_aligned_arch``; none recorded: the decoder rules)."""
+    return rules_for(getattr(layer, "_aligned_arch", None))
 
 
 def architecture_of(config) -> str:

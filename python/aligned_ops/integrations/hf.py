@@ -35,7 +35,7 @@ import torch
 
 import aligned_ops
 
-from ..model_spec import rules_for
+from ..model_spec import rules_for, rules_of
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
@@ -128,17 +128,12 @@ def _cos_sin_cache(model, device):
     return cache
 
 
-def _rules(module):
-    # The architecture patch_model recorded on the model and each decoder layer (model_spec.rules_for).
-    return rules_for(getattr(module, "_aligned_arch", None))
-
-
 # ---- patched forwards ----------------------------------------------------------------------------------
 
 
 def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache):
     """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM."""
-    rules = _rules(self)
+    rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
 
     def lin(module, x):
         return rules.linear(x, module.weight, module.bias)
@@ -210,7 +205,7 @@ def _model_forward(
     with hf_moe.RoutingRecorder() as routing:
         for layer in inner.layers:
             hidden, residual = layer(hidden, residual, positions, cu, cache)
-    rules = _rules(self)
+    rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
     hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
     head = self.lm_head
 

@@ -32,7 +32,19 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 import aligned_ops
 
-from .vllm_plugin import layer_rules, record_architecture
+from ..model_spec import architecture_of, rules_of
+
+
+def record_architecture(layer) -> None:
+    """Remember, on a layer vLLM is building, which architecture's rules it runs (``model_spec.rules_of``
+    reads it per call). A module vLLM shares between models (get_rope caches rotary modules by their
+    parameters) keeps the architecture of the first; the rules of every supported architecture agree."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    hf = getattr(getattr(cfg, "model_config", None), "hf_config", None)
+    if hf is not None:
+        layer._aligned_arch = architecture_of(hf)
 
 
 class AlignedAttentionBackend(AttentionBackend):
@@ -153,7 +165,7 @@ class AlignedAttentionImpl(AttentionImpl):
         if unsupported:
             raise NotImplementedError("aligned_ops attention does not support: " + ", ".join(unsupported))
         record_architecture(self)  # the scale is the model spec's (LayerRules.scale), read per call
-        layer_rules(self).check_attention_scale(head_size, scale, "vLLM attention")
+        rules_of(self).check_attention_scale(head_size, scale, "vLLM attention")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -193,7 +205,7 @@ class AlignedAttentionImpl(AttentionImpl):
             attn_metadata.block_table,
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
-            layer_rules(self).scale(self.head_size),
+            rules_of(self).scale(self.head_size),
         )
         output[:n].copy_(out.view(output[:n].shape))
         return output

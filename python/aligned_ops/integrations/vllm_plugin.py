@@ -64,7 +64,7 @@ import torch
 import aligned_ops
 import aligned_ops.ops.collective
 
-from ..model_spec import architecture_of, rules_for
+from ..model_spec import rules_for, rules_of
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
@@ -110,18 +110,13 @@ def check_vllm_version() -> str:
 
 
 def record_architecture(layer) -> None:
-    """Remember, on a layer vLLM is building, which architecture's rules it runs (model_spec.rules_for)."""
-    from vllm.config import get_current_vllm_config_or_none
+    # vllm_attention.record_architecture (that module imports vLLM; this one only when a hook runs)
+    from .vllm_attention import record_architecture as record
 
-    cfg = get_current_vllm_config_or_none()
-    hf = getattr(getattr(cfg, "model_config", None), "hf_config", None)
-    if hf is not None:
-        layer._aligned_arch = architecture_of(hf)
+    record(layer)
 
 
-def layer_rules(layer):
-    """The :class:`aligned_ops.model_spec.LayerRules` of a hooked layer, looked up now (not cached)."""
-    return rules_for(getattr(layer, "_aligned_arch", None))
+layer_rules = rules_of  # a hooked layer's model_spec.LayerRules, looked up per call (not cached)
 
 
 def _rms_norm_forward(self, x, residual=None):
