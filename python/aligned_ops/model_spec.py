@@ -38,8 +38,8 @@ from .ops.linear_exact import PROFILES, linear_profile
 
 @dataclass(frozen=True)
 class Step:
-    """One logical aligned op. ``op``: embed-free op name (rms_norm, fused_add_rms_norm, linear, rotary,
-    attention, silu_and_mul, logprobs); ``role``: where it sits ("L0.qkv_proj", "final_norm", ...);
+    """One logical aligned op. ``op``: embed-free op name (rms_norm, fused_add_rms_norm, linear — linear_exact
+    under the exact profile —, rotary, attention, silu_and_mul, logprobs; the names come from LayerRules); ``role``: where it sits ("L0.qkv_proj", "final_norm", ...);
     ``k``/``n``: contraction and output width of a linear, the normalised width of a norm, the head dim of
     rotary/attention, the vocabulary of the log-prob head; ``bias``: whether a linear adds one."""
 
