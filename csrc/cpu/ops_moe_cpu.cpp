@@ -1,5 +1,6 @@
 // ops_moe_cpu.cpp — torch glue of the moe family on the CPU: argument checks, the grouping of tokens by
-// expert, and the thread split. Arithmetic: csrc/common/moe.h (routing, combine) via moe_kernels.cpp, and the
+// expert, the params structs (csrc/common/params_moe.h, filled by ../op_params.h), and the thread split.
+// Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via moe_kernels.cpp, and the
 // expert projections through cpu_kernels().gemm — the kernel of aligned::linear, i.e. the linear contract.
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "../common/moe.h"
+#include "../op_params.h"
 #include "glue_checks.h"
 #include "moe_kernels.h"
 
@@ -27,9 +29,9 @@ namespace aligned::cpu {
 
 namespace {
 
-int scoring_of(const std::string& s, const char* op) {
-  if (s == "softmax") return 0;
-  if (s == "sigmoid") return 1;
+MoeScoring scoring_of(const std::string& s, const char* op) {
+  if (s == "softmax") return MoeScoring::Softmax;
+  if (s == "sigmoid") return MoeScoring::Sigmoid;
   TORCH_CHECK(false, "aligned::", op, ": scoring must be 'softmax' or 'sigmoid', got '", s, "'");
 }
 
@@ -45,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& log
                                                            c10::string_view scoring, bool renormalize) {
   const char* op = "moe_routing";
   check_logits_2d(logits, op);
-  const int sc = scoring_of(std::string(scoring), op);
+  const MoeScoring sc = scoring_of(std::string(scoring), op);
   const int64_t T = logits.size(0), E = logits.size(1);
   TORCH_CHECK(E >= 1, "aligned::", op, ": router_logits must have at least one expert column");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "aligned::", op, ": top_k must be in [1, ", E, "], got ", top_k);
@@ -55,11 +57,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& log
   auto w = at::empty({T, top_k}, f32);
   auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
   const DType dt = dtype_of<DType>(z, op, "router_logits");
+  const auto p = make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {});
   const auto& k = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) {
-    k.routing(dt, z.data_ptr(), E, top_k, sc, renormalize, scores.data_ptr<float>(), ids.data_ptr<int64_t>(),
-              w.data_ptr<float>(), b, e);
-  });
+  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
   return {w, ids, scores};
 }
 
@@ -83,7 +83,7 @@ at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at
                                 bool renormalize) {
   const char* op = "moe_routing_backward";
   check_logits_2d(logits, op);
-  const int sc = scoring_of(std::string(scoring), op);
+  const MoeScoring sc = scoring_of(std::string(scoring), op);
   const int64_t T = logits.size(0), E = logits.size(1);
   auto idc = check_ids(ids, T, E, op);
   const int64_t k = idc.size(1);
@@ -101,17 +101,16 @@ at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at
   auto z = logits.contiguous();
   auto dz = at::empty_like(z);
   const DType dt = dtype_of<DType>(z, op, "router_logits");
+  const auto p = make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz);
   const auto& kk = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) {
-    kk.routing_backward(dt, gw.data_ptr<float>(), gs.defined() ? gs.data_ptr<float>() : nullptr, z.data_ptr(),
-                        idc.data_ptr<int64_t>(), E, k, sc, renormalize, dz.data_ptr(), b, e);
-  });
+  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
   return dz;
 }
 
 // C[M, N] (cdt) = gemm(A [M, K] row-major, B [N, K] row-major), threads over 32-column panels and row chunks;
 // tiles only choose which chains a thread runs (contract.h: linear).
-void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64_t M, int64_t N, int64_t K) {
+void gemm_rows(const GemmParams& p) {
+  const int64_t M = p.M, N = p.N, K = p.K;
   if (M <= 0 || N <= 0) return;
   constexpr int64_t kPanel = 32;
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -123,9 +122,9 @@ void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64
   const auto& k = cpu_kernels();
   at::parallel_for(0, mt * panels, std::max<int64_t>(1, (1 << 18) / per), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const int64_t mi = t / panels, p = t % panels;
-      k.gemm(dt, A, K, 1, dt, B, K, 1, nullptr, cdt, C, N, K, kLinearLanes, mi * mchunk, std::min(M, (mi + 1) * mchunk), p * kPanel,
-             std::min(N, (p + 1) * kPanel));
+      const int64_t mi = t / panels;
+      const int64_t q = t % panels;
+      k.gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), q * kPanel, std::min(N, (q + 1) * kPanel));
     }
   });
 }
@@ -134,10 +133,11 @@ void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64
 void expert_mlp(DType dt, const void* x, const void* w13, const void* w2, int64_t M, int64_t H, int64_t I, void* h,
                 void* a, float* y) {
   if (M == 0) return;
-  gemm_rows(dt, x, dt, h, w13, M, 2 * I, H);
+  gemm_rows(row_major_gemm_params(dt, x, w13, dt, h, M, 2 * I, H, kLinearLanes));
+  const auto act = silu_and_mul_rows_params(dt, h, a, M, I);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(dt, h, a, I, b, e); });
-  gemm_rows(dt, a, DType::F32, y, w2, M, H, I);
+  at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(act, b, e); });
+  gemm_rows(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes));
 }
 
 struct ExpertsArgs {
@@ -255,9 +255,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
         char* xe = xg0 + r0 * H * es;
         char* he = h0 + r0 * 2 * I * es;
         char* ae = a0 + r0 * I * es;
-        ck.gemm(a.dt, xe, H, 1, a.dt, w13p + e * 2 * I * H * es, H, 1, nullptr, a.dt, he, 2 * I, H, kLinearLanes, 0, m, 0, 2 * I);
-        ck.silu_and_mul(a.dt, he, ae, I, 0, m);
-        ck.gemm(a.dt, ae, I, 1, a.dt, w2p + e * H * I * es, I, 1, nullptr, DType::F32, y0 + r0 * H, H, I, kLinearLanes, 0, m, 0, H);
+        ck.gemm(row_major_gemm_params(a.dt, xe, w13p + e * 2 * I * H * es, a.dt, he, m, 2 * I, H, kLinearLanes), 0, m,
+                0, 2 * I);
+        ck.silu_and_mul(silu_and_mul_rows_params(a.dt, he, ae, m, I), 0, m);
+        ck.gemm(row_major_gemm_params(a.dt, ae, w2p + e * H * I * es, DType::F32, y0 + r0 * H, m, H, I, kLinearLanes),
+                0, m, 0, H);
       }
     });
   }
@@ -270,17 +272,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
                ys.data_ptr<float>());
     if (a.sgate.defined()) {
       g = at::empty({T}, opts.dtype(at::kFloat));
-      gemm_rows(a.dt, a.x.data_ptr(), DType::F32, g.data_ptr(), a.sgate.data_ptr(), T, 1, H);
-      float* gp = g.data_ptr<float>();
-      for (int64_t t = 0; t < T; ++t) gp[t] = aligned::moe_shared_gate(gp[t]);
+      gemm_rows(row_major_gemm_params(a.dt, a.x.data_ptr(), a.sgate.data_ptr(), DType::F32, g.data_ptr(), T, 1, H,
+                                      kLinearLanes));  // the gate's logit; combine applies moe_shared_gate
     }
   }
   // 4. combine, per token
+  const auto cp = make_moe_combine_params(a.dt, y, pos, a.w, ys, g, out);
   const auto& mk = moe_kernels();
-  at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) {
-    mk.combine(a.dt, y.data_ptr<float>(), ps, a.w.data_ptr<float>(), k, ys.defined() ? ys.data_ptr<float>() : nullptr,
-               g.defined() ? g.data_ptr<float>() : nullptr, out.data_ptr(), H, b, e);
-  });
+  at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) { mk.combine(cp, b, e); });
   return out;
 }
 
@@ -289,13 +288,9 @@ at::Tensor moe_experts_reference(const at::Tensor& x, const at::Tensor& tw, cons
                                  const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
   const auto a = check_experts(x, tw, ids, w13, w2, sw13, sw2, sgate, "_moe_experts_reference");
   auto out = at::empty({a.T, a.H}, a.x.options());
+  const auto p = make_moe_experts_params(a.dt, a.x, a.w, a.ids, a.w13, a.w2, a.sw13, a.sw2, a.sgate, out);
   const auto& mk = moe_kernels();
-  at::parallel_for(0, a.T, 1, [&](int64_t b, int64_t e) {
-    mk.experts_reference(a.dt, a.x.data_ptr(), a.w.data_ptr<float>(), a.ids.data_ptr<int64_t>(), a.k,
-                         a.w13.data_ptr(), a.w2.data_ptr(), a.H, a.I, a.sw13.defined() ? a.sw13.data_ptr() : nullptr,
-                         a.sw2.defined() ? a.sw2.data_ptr() : nullptr, a.sgate.defined() ? a.sgate.data_ptr() : nullptr,
-                         a.Is, out.data_ptr(), b, e);
-  });
+  at::parallel_for(0, a.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
   return out;
 }
 
