@@ -1,4 +1,5 @@
-// ops_moe_cpu.cpp — torch glue of the moe family on the CPU: argument checks, the grouping of tokens by
+// ops_moe_cpu.cpp — torch glue of the moe family on the CPU: device checks, then the family's argument checks
+// (../moe_checks.h, shared with any backend), the grouping of tokens by
 // expert, the params structs (csrc/common/params_moe.h, filled by ../op_params.h), and the thread split.
 // Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via moe_kernels.cpp, and the
 // expert projections through cpu_kernels().gemm — the kernel of aligned::linear, i.e. the linear contract.
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "../common/moe.h"
+#include "../moe_checks.h"
 #include "../op_params.h"
 #include "glue_checks.h"
 #include "moe_kernels.h"
@@ -29,78 +31,43 @@ namespace aligned::cpu {
 
 namespace {
 
-MoeScoring scoring_of(const std::string& s, const char* op) {
-  if (s == "softmax") return MoeScoring::Softmax;
-  if (s == "sigmoid") return MoeScoring::Sigmoid;
-  TORCH_CHECK(false, "aligned::", op, ": scoring must be 'softmax' or 'sigmoid', got '", s, "'");
-}
-
 int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work_per_row, 1)); }
-
-void check_logits_2d(const at::Tensor& z, const char* op) {
-  check_cpu(z, op, "router_logits");
-  TORCH_CHECK(z.dim() == 2, "aligned::", op, ": router_logits must be 2-D [tokens, experts], got ", z.sizes());
-  (void)dtype_of<DType>(z, op, "router_logits");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& logits, int64_t top_k,
                                                            c10::string_view scoring, bool renormalize) {
   const char* op = "moe_routing";
-  check_logits_2d(logits, op);
-  const MoeScoring sc = scoring_of(std::string(scoring), op);
+  check_cpu(logits, op, "router_logits");
+  const DType dt = check_moe_routing<DType>(logits, top_k, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
   const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(E >= 1, "aligned::", op, ": router_logits must have at least one expert column");
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "aligned::", op, ": top_k must be in [1, ", E, "], got ", top_k);
   auto z = logits.contiguous();
   auto f32 = z.options().dtype(at::kFloat);
   auto scores = at::empty({T, E}, f32);
   auto w = at::empty({T, top_k}, f32);
   auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
-  const DType dt = dtype_of<DType>(z, op, "router_logits");
   const auto p = make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {});
   const auto& k = moe_kernels();
   at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
   return {w, ids, scores};
 }
 
-at::Tensor check_ids(const at::Tensor& ids, int64_t T, int64_t E, const char* op) {
-  check_cpu(ids, op, "topk_ids");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "aligned::", op, ": topk_ids must be [", T, ", k], got ",
-              ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
-              ": topk_ids must be int64 or int32, got ", ids.scalar_type());
-  auto idc = ids.to(at::kLong).contiguous();
-  if (idc.numel() > 0) {
-    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < E, "aligned::", op, ": topk_ids must lie in [0, ", E, "), got range [", lo, ", ", hi,
-                "]");
-  }
-  return idc;
-}
-
 at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
                                 const at::Tensor& logits, const at::Tensor& ids, c10::string_view scoring,
                                 bool renormalize) {
   const char* op = "moe_routing_backward";
-  check_logits_2d(logits, op);
-  const MoeScoring sc = scoring_of(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto idc = check_ids(ids, T, E, op);
-  const int64_t k = idc.size(1);
+  check_cpu(logits, op, "router_logits");
+  check_cpu(ids, op, "topk_ids");
   check_cpu(grad_w, op, "grad_weights");
-  TORCH_CHECK(grad_w.dim() == 2 && grad_w.size(0) == T && grad_w.size(1) == k, "aligned::", op,
-              ": grad_weights must be [", T, ", ", k, "], got ", grad_w.sizes());
-  auto gw = grad_w.to(at::kFloat).contiguous();
-  at::Tensor gs;
-  if (grad_scores.has_value() && grad_scores->defined()) {
-    check_cpu(*grad_scores, op, "grad_scores");
-    TORCH_CHECK(grad_scores->sizes() == logits.sizes(), "aligned::", op, ": grad_scores must be [", T, ", ", E,
-                "], got ", grad_scores->sizes());
-    gs = grad_scores->to(at::kFloat).contiguous();
-  }
+  if (grad_scores.has_value() && grad_scores->defined()) check_cpu(*grad_scores, op, "grad_scores");
+  const DType dt = check_router_logits<DType>(logits, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto idc = check_topk_ids(ids, T, E, op);
+  const int64_t k = idc.size(1);
+  auto gw = check_moe_grad_weights(grad_w, T, k, op);
+  auto gs = check_moe_grad_scores(grad_scores, logits, op);
   auto z = logits.contiguous();
   auto dz = at::empty_like(z);
-  const DType dt = dtype_of<DType>(z, op, "router_logits");
   const auto p = make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz);
   const auto& kk = moe_kernels();
   at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
@@ -140,67 +107,21 @@ void expert_mlp(DType dt, const void* x, const void* w13, const void* w2, int64_
   gemm_rows(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes));
 }
 
-struct ExpertsArgs {
-  DType dt;
-  int64_t T, H, k, E, I, Is;
-  at::Tensor x, w, ids, w13, w2, sw13, sw2, sgate;
-};
+using ExpertsArgs = MoeExpertsArgs<DType>;
 
 ExpertsArgs check_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
                           const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
                           const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate,
                           const char* op) {
-  ExpertsArgs a;
   check_cpu(x, op, "x");
   check_cpu(tw, op, "topk_weights");
+  check_cpu(ids, op, "topk_ids");
   check_cpu(w13, op, "w13");
   check_cpu(w2, op, "w2");
-  TORCH_CHECK(x.dim() == 2, "aligned::", op, ": x must be 2-D [tokens, hidden], got ", x.sizes());
-  a.dt = dtype_of<DType>(x, op, "x");
-  a.T = x.size(0);
-  a.H = x.size(1);
-  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == a.H && w13.size(1) % 2 == 0, "aligned::", op,
-              ": w13 must be [experts, 2 * intermediate, ", a.H, "], got ", w13.sizes());
-  a.E = w13.size(0);
-  a.I = w13.size(1) / 2;
-  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == a.E && w2.size(1) == a.H && w2.size(2) == a.I, "aligned::", op,
-              ": w2 must be [", a.E, ", ", a.H, ", ", a.I, "], got ", w2.sizes());
-  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "aligned::", op,
-              ": w13 and w2 must have x's dtype ", x.scalar_type(), ", got ", w13.scalar_type(), " and ",
-              w2.scalar_type());
-  a.ids = check_ids(ids, a.T, a.E, op);
-  a.k = a.ids.size(1);
-  TORCH_CHECK(tw.dim() == 2 && tw.size(0) == a.T && tw.size(1) == a.k && tw.scalar_type() == at::kFloat,
-              "aligned::", op, ": topk_weights must be float32 [", a.T, ", ", a.k, "], got ", tw.scalar_type(), " ",
-              tw.sizes());
-  a.x = x.contiguous();
-  a.w = tw.contiguous();
-  a.w13 = w13.contiguous();
-  a.w2 = w2.contiguous();
-  a.Is = 0;
-  const bool has13 = sw13.has_value() && sw13->defined(), has2 = sw2.has_value() && sw2->defined();
-  TORCH_CHECK(has13 == has2, "aligned::", op, ": shared_w13 and shared_w2 must be given together");
-  if (has13) {
-    check_cpu(*sw13, op, "shared_w13");
-    check_cpu(*sw2, op, "shared_w2");
-    TORCH_CHECK(sw13->dim() == 2 && sw13->size(1) == a.H && sw13->size(0) % 2 == 0, "aligned::", op,
-                ": shared_w13 must be [2 * shared_intermediate, ", a.H, "], got ", sw13->sizes());
-    a.Is = sw13->size(0) / 2;
-    TORCH_CHECK(sw2->dim() == 2 && sw2->size(0) == a.H && sw2->size(1) == a.Is, "aligned::", op,
-                ": shared_w2 must be [", a.H, ", ", a.Is, "], got ", sw2->sizes());
-    TORCH_CHECK(sw13->scalar_type() == x.scalar_type() && sw2->scalar_type() == x.scalar_type(), "aligned::", op,
-                ": shared_w13 and shared_w2 must have x's dtype");
-    a.sw13 = sw13->contiguous();
-    a.sw2 = sw2->contiguous();
-  }
-  if (sgate.has_value() && sgate->defined()) {
-    TORCH_CHECK(has13, "aligned::", op, ": shared_gate needs a shared expert (shared_w13, shared_w2)");
-    check_cpu(*sgate, op, "shared_gate");
-    TORCH_CHECK(sgate->numel() == a.H && sgate->scalar_type() == x.scalar_type(), "aligned::", op,
-                ": shared_gate must be [1, ", a.H, "] with x's dtype, got ", sgate->sizes(), " ", sgate->scalar_type());
-    a.sgate = sgate->reshape({1, a.H}).contiguous();
-  }
-  return a;
+  if (sw13.has_value() && sw13->defined()) check_cpu(*sw13, op, "shared_w13");
+  if (sw2.has_value() && sw2->defined()) check_cpu(*sw2, op, "shared_w2");
+  if (sgate.has_value() && sgate->defined()) check_cpu(*sgate, op, "shared_gate");
+  return check_moe_experts<DType>(x, tw, ids, w13, w2, sw13, sw2, sgate, op);
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
