@@ -35,8 +35,12 @@ using aligned::f16_t;
 namespace simd = aligned::cpu::ALIGNED_ISA::simd;
 using simd::VecF32;  // this level's fp32 vector (simd.h): F32x16, F32x8 or F32x1
 
-static void rms_norm(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
-                     int64_t r0, int64_t r1) {
+static void rms_norm(const RmsNormParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt, wdt = p.wdt;
+  const void *x = p.x, *w = p.w;
+  void* out = p.out;
+  const int64_t H = p.H;
+  const float eps = p.eps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     with_type(wdt, [&](auto* wp) {
@@ -47,8 +51,12 @@ static void rms_norm(DType dt, DType wdt, const void* x, const void* w, void* ou
   });
 }
 
-static void fused_add_rms_norm(DType dt, DType wdt, const void* x, const void* res, const void* w, void* out,
-                               void* res_out, int64_t H, float eps, int64_t r0, int64_t r1) {
+static void fused_add_rms_norm(const RmsNormParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt, wdt = p.wdt;
+  const void *x = p.x, *res = p.residual, *w = p.w;
+  void *out = p.out, *res_out = p.residual_out;
+  const int64_t H = p.H;
+  const float eps = p.eps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     with_type(wdt, [&](auto* wp) {
@@ -60,8 +68,12 @@ static void fused_add_rms_norm(DType dt, DType wdt, const void* x, const void* r
   });
 }
 
-static void rms_norm_backward_dx(DType dt, DType wdt, const void* g, const void* x, const void* w, void* dx,
-                                 int64_t H, float eps, int64_t r0, int64_t r1) {
+static void rms_norm_backward_dx(const RmsNormBackwardParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt, wdt = p.wdt;
+  const void *g = p.g, *x = p.x, *w = p.w;
+  void* dx = p.dx;
+  const int64_t H = p.H;
+  const float eps = p.eps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     with_type(wdt, [&](auto* wp) {
@@ -72,7 +84,12 @@ static void rms_norm_backward_dx(DType dt, DType wdt, const void* g, const void*
   });
 }
 
-static void rms_inv_rows(DType dt, const void* x, float* inv, int64_t H, float eps, int64_t r0, int64_t r1) {
+static void rms_inv_rows(const RmsNormBackwardParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt;
+  const void* x = p.x;
+  float* inv = p.inv;
+  const int64_t H = p.H;
+  const float eps = p.eps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) inv[r] = rms_inv((const T*)x + r * H, H, eps);
@@ -80,9 +97,12 @@ static void rms_inv_rows(DType dt, const void* x, float* inv, int64_t H, float e
 }
 
 // dw[k] = chain over rows r = 0..rows-1 of (. + g[r,k] * (x[r,k] * inv[r])), columns [c0, c1).
-static void rms_norm_backward_dw(DType dt, const void* g, const void* x, float* dw, int64_t rows, int64_t H,
-                                 float eps, const float* inv, int64_t c0, int64_t c1) {
-  (void)eps;
+static void rms_norm_backward_dw(const RmsNormBackwardParams& p, int64_t c0, int64_t c1) {
+  const DType dt = p.dt;
+  const void *g = p.g, *x = p.x;
+  float* dw = p.dw;
+  const float* inv = p.inv;
+  const int64_t rows = p.rows, H = p.H;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const T* gt = (const T*)g;
@@ -111,7 +131,11 @@ static void silu_mul_range(const T* __restrict__ a, const T* __restrict__ b, T* 
   for (; i < c1; ++i) o[i] = from_f32<T>(silu_mul(to_f32(a[i]), to_f32(b[i])));
 }
 
-static void silu_and_mul(DType dt, const void* x, void* out, int64_t d, int64_t r0, int64_t r1) {
+static void silu_and_mul(const SiluMulParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt;
+  const void* x = p.x;
+  void* out = p.out;
+  const int64_t d = p.d;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
@@ -121,8 +145,11 @@ static void silu_and_mul(DType dt, const void* x, void* out, int64_t d, int64_t 
   });
 }
 
-static void silu_and_mul_backward(DType dt, const void* g, const void* x, void* dx, int64_t d, int64_t r0,
-                                  int64_t r1) {
+static void silu_and_mul_backward(const SiluMulParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt;
+  const void *g = p.g, *x = p.x;
+  void* dx = p.out;
+  const int64_t d = p.d;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
@@ -165,8 +192,14 @@ static void rotary_rows(const int64_t* positions, const T* x, T* out, const floa
   }
 }
 
-static void rotary(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
-                   int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t r0, int64_t r1) {
+static void rotary(const RotaryParams& p, int64_t r0, int64_t r1) {
+  const DType dt = p.dt;
+  const int64_t* positions = p.positions;
+  const void* x = p.x;
+  void* out = p.out;
+  const float* cache = p.cache;
+  const int64_t heads = p.heads, head_dim = p.head_dim, rot = p.rot;
+  const bool is_neox = p.is_neox, inverse = p.inverse;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const T* xt = (const T*)x;
@@ -238,6 +271,17 @@ static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int
   for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
+// The one fold of partial maxima and flags (lse_max_merge over n parts, in part order; the max is exact, so
+// the order only matters for the sign of a zero, see above): the 32 lane maxima of a row here, the per-thread
+// maxima of a shared row in the split kernels.
+static void merge_maxima(const float* mx, const int32_t* fl, int64_t n, float* max, int32_t* flags) {
+  float m = -float_of(0x7f800000u);
+  int32_t any = 0;
+  for (int64_t j = 0; j < n; ++j) lse_max_merge(mx[j], fl[j], &m, &any);
+  *max = m;
+  *flags = any;
+}
+
 // s_v = z_v / tau for v < n (written to s), the row maximum of s (order-free) and the OR of logit_flags
 // over the row. The one scale-and-max pass of the log-prob ops, for a whole row or a shared row's v range.
 template <typename T>
@@ -253,11 +297,7 @@ static void scale_and_max(const T* z, float* s, int64_t n, float tau, float* max
     scale_row<T, true>(z, s, n, tau, mx, fl);
   else
     scale_row<T, false>(z, s, n, tau, mx, fl);
-  float m = -inf;
-  int32_t any = 0;
-  for (int j = 0; j < kReduceLanes; ++j) lse_max_merge(mx[j], fl[j], &m, &any);
-  *max = m;
-  *flags = any;
+  merge_maxima(mx, fl, kReduceLanes, max, flags);
 }
 
 // The row's (m, L) pair; leaves s = z / tau in `s`.
@@ -285,23 +325,36 @@ static float* scratch_row(int64_t V) {
   return buf.get();
 }
 
-static void logsumexp_pairs(DType dt, const void* z, float* pairs, int64_t V, float tau, const float* temps,
-                            int64_t r0, int64_t r1) {
+// Row r's pair into pairs[2r..2r+1], and its logsumexp m + L into lse[r] when the op asks for it.
+static void store_pair(const LogitsParams& p, int64_t r, LsePair pair) {
+  p.pairs[2 * r] = pair.m;
+  p.pairs[2 * r + 1] = pair.L;
+  if (p.lse) p.lse[r] = lse_value(pair);
+}
+
+static void logsumexp_pairs(const LogitsParams& prm, int64_t r0, int64_t r1) {
+  const DType dt = prm.dt;
+  const void* z = prm.z;
+  const int64_t V = prm.V;
+  const float tau = prm.tau;
+  const float* temps = prm.temps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     float* s = scratch_row(V);
-    for (int64_t r = r0; r < r1; ++r) {
-      const LsePair p = row_lse_pair((const T*)z + r * V, s, V, temps ? temps[r] : tau);
-      pairs[2 * r] = p.m;
-      pairs[2 * r + 1] = p.L;
-    }
+    for (int64_t r = r0; r < r1; ++r) store_pair(prm, r, row_lse_pair((const T*)z + r * V, s, V, temps ? temps[r] : tau));
   });
 }
 
 // log_softmax: logp_v = (s_v - m) - L. With pairs == nullptr the row's pair is computed here, with s written
 // straight into the output row (one read of the logits, no second division); otherwise pairs[2r..2r+1].
-static void log_softmax(DType dt, const void* z, const float* pairs, float* out, int64_t V, float tau,
-                        const float* temps, int64_t r0, int64_t r1) {
+static void log_softmax(const LogitsParams& prm, int64_t r0, int64_t r1) {
+  const DType dt = prm.dt;
+  const void* z = prm.z;
+  const float* pairs = prm.pairs;
+  float* out = prm.out_f32;
+  const int64_t V = prm.V;
+  const float tau = prm.tau;
+  const float* temps = prm.temps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
@@ -315,6 +368,19 @@ static void log_softmax(DType dt, const void* z, const float* pairs, float* out,
         const LsePair p{pairs[2 * r], pairs[2 * r + 1]};
         for (int64_t v = 0; v < V; ++v) o[v] = logp_value(div_f32(to_f32(zr[v]), t), p);
       }
+    }
+  });
+}
+
+// token_logprobs from known pairs: logp_id = logp_value(z_id / tau, pair), the expression log_softmax evaluates
+// for that one column (division by tau == 1 is exact either way).
+static void token_logprobs(const LogitsParams& prm, int64_t r0, int64_t r1) {
+  with_type(prm.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float t = prm.temps ? prm.temps[r] : prm.tau;
+      const LsePair p{prm.pairs[2 * r], prm.pairs[2 * r + 1]};
+      prm.out_f32[r] = logp_value(div_f32(to_f32(((const T*)prm.z)[r * prm.V + prm.ids[r]]), t), p);
     }
   });
 }
@@ -362,9 +428,17 @@ static void logits_backward_rows(const float* g, const T* z, const int64_t* ids,
   }
 }
 
-static void logits_backward(LogitsGrad mode, DType dt, const float* g, const void* z, const int64_t* ids,
-                            const float* pairs, void* dz, int64_t V, float tau, const float* temps, int64_t r0,
-                            int64_t r1) {
+static void logits_backward(const LogitsParams& prm, int64_t r0, int64_t r1) {
+  const LogitsGrad mode = prm.mode;
+  const DType dt = prm.dt;
+  const float* g = prm.g;
+  const void* z = prm.z;
+  const int64_t* ids = prm.ids;
+  const float* pairs = prm.pairs;
+  void* dz = prm.dz;
+  const int64_t V = prm.V;
+  const float tau = prm.tau;
+  const float* temps = prm.temps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const T* zt = (const T*)z;
@@ -385,9 +459,16 @@ static void logits_backward(LogitsGrad mode, DType dt, const float* g, const voi
 
 // token_logprobs backward on a column tile (cpu_kernels.h): the expression logits_backward_rows evaluates
 // with given pairs (s = z / tau, then contract.h's token_logprobs_grad), for columns v0 .. v0 + n - 1 only.
-static void token_logprobs_backward_cols(DType dt, const float* g, const void* z, const int64_t* ids,
-                                         const float* pairs, void* dz, int64_t v0, int64_t n, float tau,
-                                         const float* temps, int64_t r0, int64_t r1) {
+static void token_logprobs_backward_cols(const LogitsParams& prm, int64_t r0, int64_t r1) {
+  const DType dt = prm.dt;
+  const float* g = prm.g;
+  const void* z = prm.z;
+  const int64_t* ids = prm.ids;
+  const float* pairs = prm.pairs;
+  void* dz = prm.dz;
+  const int64_t v0 = prm.v0, n = prm.V;
+  const float tau = prm.tau;
+  const float* temps = prm.temps;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = r0; r < r1; ++r) {
@@ -404,7 +485,11 @@ static void token_logprobs_backward_cols(DType dt, const float* g, const void* z
 }
 
 // ---- intra-row splits (dense_split_kernels.h) ------------------------------------------------------------
-static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int64_t row, int64_t c0, int64_t c1) {
+static void silu_and_mul_cols(const SiluMulParams& p, int64_t row, int64_t c0, int64_t c1) {
+  const DType dt = p.dt;
+  const void* x = p.x;
+  void* out = p.out;
+  const int64_t d = p.d;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const T* a = (const T*)x + row * 2 * d;
@@ -412,12 +497,27 @@ static void silu_and_mul_cols(DType dt, const void* x, void* out, int64_t d, int
   });
 }
 
-static void scale_max(DType dt, const void* z_row, float* s_row, int64_t v0, int64_t v1, float tau, float* max,
+static void scale_max(const LogitsParams& p, int64_t row, float* s_row, int64_t v0, int64_t v1, float* max,
                       int32_t* flags) {
-  with_type(dt, [&](auto* tp) {
+  const float tau = p.temps ? p.temps[row] : p.tau;
+  with_type(p.dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    scale_and_max((const T*)z_row + v0, s_row + v0, v1 - v0, tau, max, flags);
+    scale_and_max((const T*)p.z + row * p.V + v0, s_row + v0, v1 - v0, tau, max, flags);
   });
+}
+
+static bool merge_max(const float* part_max, const int32_t* part_flags, int64_t parts, float* m, LsePair* special) {
+  int32_t any;
+  merge_maxima(part_max, part_flags, parts, m, &any);
+  return lse_special_row(*m, any, special);
+}
+
+static LsePair pair_of_lanes(float m, float* lanes) { return lse_pair_of_sum(m, fold_lanes(lanes)); }
+
+// log_softmax of a shared row whose s = z / tau the split pass left in out_f32's row: columns [v0, v1).
+static void logp_cols(const LogitsParams& p, int64_t row, LsePair pair, int64_t v0, int64_t v1) {
+  float* o = p.out_f32 + row * p.V;
+  for (int64_t v = v0; v < v1; ++v) o[v] = logp_value(o[v], pair);
 }
 
 static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, float* lanes) {
@@ -431,15 +531,24 @@ static void lane_exp_sums(const float* s, int64_t V, float m, int j0, int j1, fl
 }
 
 extern const DenseSplitKernels kDenseSplit;
-const DenseSplitKernels kDenseSplit = {silu_and_mul_cols, scale_max, lane_exp_sums};
+const DenseSplitKernels kDenseSplit = {
+    .silu_and_mul_cols = silu_and_mul_cols,
+    .scale_max = scale_max,
+    .merge_max = merge_max,
+    .lane_exp_sums = lane_exp_sums,
+    .pair_of_lanes = pair_of_lanes,
+    .store_pair = store_pair,
+    .logp_cols = logp_cols,
+};
 
 // GEMM (linear and its backward): gemm_kernels.cpp, compiled per ISA level like this file.
-void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
-          int64_t n1);
+void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
 
-static void column_sum(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,
-                       int64_t n1) {
+static void column_sum(const ColumnSumParams& p, int64_t n0, int64_t n1) {
+  const DType dt = p.dt, out_dt = p.out_dt;
+  const void* g = p.g;
+  void* out = p.out;
+  const int64_t rows = p.rows, cols = p.cols;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     with_type(out_dt, [&](auto* op) {
@@ -454,30 +563,35 @@ static void column_sum(DType dt, const void* g, int64_t rows, int64_t cols, DTyp
   });
 }
 
-static float exp_scalar(float x) { return exp_f32(x); }
-static float log_scalar(float x) { return log_f32(x); }
+static void exp_range(const ElementwiseParams& p, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) p.out[i] = exp_f32(p.x[i]);
+}
+static void log_range(const ElementwiseParams& p, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) p.out[i] = log_f32(p.x[i]);
+}
 
 extern const KernelTable kTable;
 const KernelTable kTable = {
 #define ALIGNED_STR2(x) #x
 #define ALIGNED_STR(x) ALIGNED_STR2(x)
-    ALIGNED_STR(ALIGNED_ISA),
-    rms_norm,
-    fused_add_rms_norm,
-    rms_norm_backward_dx,
-    rms_norm_backward_dw,
-    rms_inv_rows,
-    silu_and_mul,
-    silu_and_mul_backward,
-    rotary,
-    logsumexp_pairs,
-    log_softmax,
-    logits_backward,
-    token_logprobs_backward_cols,
-    gemm,
-    column_sum,
-    exp_scalar,
-    log_scalar,
+    .isa = ALIGNED_STR(ALIGNED_ISA),
+    .rms_norm = rms_norm,
+    .fused_add_rms_norm = fused_add_rms_norm,
+    .rms_inv_rows = rms_inv_rows,
+    .rms_norm_backward_dx = rms_norm_backward_dx,
+    .rms_norm_backward_dw = rms_norm_backward_dw,
+    .silu_and_mul = silu_and_mul,
+    .silu_and_mul_backward = silu_and_mul_backward,
+    .rotary = rotary,
+    .logsumexp_pairs = logsumexp_pairs,
+    .log_softmax = log_softmax,
+    .token_logprobs = token_logprobs,
+    .logits_backward = logits_backward,
+    .token_logprobs_backward_cols = token_logprobs_backward_cols,
+    .gemm = gemm,
+    .column_sum = column_sum,
+    .exp_f32 = exp_range,
+    .log_f32 = log_range,
 };
 
 }  // namespace aligned::cpu::ALIGNED_ISA

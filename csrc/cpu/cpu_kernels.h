@@ -1,7 +1,8 @@
 // cpu_kernels.h — the torch-free entry points of the CPU backend.
 //
-// Every function computes a half-open range of rows [row_begin, row_end) so that the torch glue can hand
-// disjoint row ranges to threads (at::parallel_for). Threads only ever split *rows* (or output tiles);
+// Every function takes its op's params struct (csrc/common/params_*.h, shared with the GPU backend) and
+// computes a half-open range of rows [row_begin, row_end) so that the torch glue can hand disjoint row ranges
+// to threads (at::parallel_for). Threads only ever split *rows* (or output tiles);
 // the reduction inside a row follows csrc/common/contract.h, so thread count cannot change bits.
 //
 // The kernels are compiled once per ISA level (generic x86-64, AVX2+FMA, AVX-512) into namespaces of
@@ -13,66 +14,60 @@
 
 #include "../common/dtype.h"
 #include "../common/numerics.h"
+#include "../common/params_dense.h"
+#include "../common/params_linear.h"
+#include "../common/params_logits.h"
 
 namespace aligned::cpu {
 
 using aligned::DType;      // common/dtype.h: the storage dtypes, shared with the GPU kernels
 using aligned::with_type;  // the one place kernels turn the run-time dtype into a template argument
 
-// Which backward of the log-prob family a logits_backward call computes (contract.h).
-enum class LogitsGrad : int { kTokenLogprobs = 0, kLogsumexp = 1, kLogSoftmax = 2 };
+using aligned::LogitsGrad;  // common/params_logits.h: which backward a logits_backward call computes
 
+// Every entry takes its family's params struct (csrc/common/params_*.h, the same struct the GPU launchers
+// take, filled by csrc/op_params.h) and the range of rows (or columns) this call computes; the glue splits
+// ranges across threads, never a reduction.
 struct KernelTable {
   const char* isa;
-  // rows of x [rows, H]; weight [H] in dtype wdt (== dt or F32)
-  void (*rms_norm)(DType dt, DType wdt, const void* x, const void* w, void* out, int64_t H, float eps,
-                   int64_t row_begin, int64_t row_end);
-  void (*fused_add_rms_norm)(DType dt, DType wdt, const void* x, const void* res, const void* w, void* out,
-                             void* res_out, int64_t H, float eps, int64_t row_begin, int64_t row_end);
-  void (*rms_norm_backward_dx)(DType dt, DType wdt, const void* g, const void* x, const void* w, void* dx,
-                               int64_t H, float eps, int64_t row_begin, int64_t row_end);
-  // dw[col] for col in [col_begin, col_end): chain over all rows in order; writes fp32 partial-free result
-  void (*rms_norm_backward_dw)(DType dt, const void* g, const void* x, float* dw, int64_t rows, int64_t H,
-                               float eps, const float* inv_per_row, int64_t col_begin, int64_t col_end);
-  void (*rms_inv_rows)(DType dt, const void* x, float* inv, int64_t H, float eps, int64_t row_begin,
-                       int64_t row_end);
-  // x [rows, 2d] -> out [rows, d]
-  void (*silu_and_mul)(DType dt, const void* x, void* out, int64_t d, int64_t row_begin, int64_t row_end);
-  void (*silu_and_mul_backward)(DType dt, const void* g, const void* x, void* dx, int64_t d, int64_t row_begin,
-                                int64_t row_end);
-  // x [T, heads, head_dim] rows = tokens; cache [max_pos, rot] fp32
-  void (*rotary)(DType dt, const int64_t* positions, const void* x, void* out, const float* cache, int64_t heads,
-                 int64_t head_dim, int64_t rot, bool is_neox, bool inverse, int64_t row_begin, int64_t row_end);
-  // logits [T, V]; tau per row (temps[t]) or the scalar when temps == nullptr. A row's statistics are the
-  // contract's pair (m, L) (contract.h LsePair), stored as pairs[2t], pairs[2t + 1].
-  void (*logsumexp_pairs)(DType dt, const void* z, float* pairs, int64_t V, float tau, const float* temps,
-                          int64_t row_begin, int64_t row_end);
-  // pairs == nullptr: each row's pair is computed in the same pass
-  void (*log_softmax)(DType dt, const void* z, const float* pairs, float* out, int64_t V, float tau,
-                      const float* temps, int64_t row_begin, int64_t row_end);
-  // dz [T, V] in the logits dtype; g is [T] (token_logprobs, logsumexp) or [T, V] (log_softmax), fp32;
-  // ids only for token_logprobs; pairs == nullptr: computed here
-  void (*logits_backward)(LogitsGrad mode, DType dt, const float* g, const void* z, const int64_t* ids,
-                          const float* pairs, void* dz, int64_t V, float tau, const float* temps,
-                          int64_t row_begin, int64_t row_end);
-  // token_logprobs backward on the column tile [v0, v0 + n) of rows whose pairs are known (the fused LM head's
-  // weight-gradient sweep, python/aligned_ops/lm_head.py): z and dz are [rows, n] (row stride n), ids are
-  // absolute vocabulary indices (a row whose id is outside the tile has no "1" term there). The elements equal
+  // rows [r0, r1) of x [rows, H]
+  void (*rms_norm)(const RmsNormParams& p, int64_t r0, int64_t r1);
+  void (*fused_add_rms_norm)(const RmsNormParams& p, int64_t r0, int64_t r1);
+  // rows [r0, r1): inv[r] = 1/rms of x row r (rms_inv_rows), dx (rms_norm_backward_dx)
+  void (*rms_inv_rows)(const RmsNormBackwardParams& p, int64_t r0, int64_t r1);
+  void (*rms_norm_backward_dx)(const RmsNormBackwardParams& p, int64_t r0, int64_t r1);
+  // dw[col] for col in [c0, c1): one chain over all rows in order, reading p.inv (after rms_inv_rows)
+  void (*rms_norm_backward_dw)(const RmsNormBackwardParams& p, int64_t c0, int64_t c1);
+  // rows [r0, r1): x [rows, 2d] -> out [rows, d] (backward: g [rows, d], x -> dx [rows, 2d] in p.out)
+  void (*silu_and_mul)(const SiluMulParams& p, int64_t r0, int64_t r1);
+  void (*silu_and_mul_backward)(const SiluMulParams& p, int64_t r0, int64_t r1);
+  // tokens [t0, t1) of x [T, heads, head_dim]; cache [max_pos, rot] fp32
+  void (*rotary)(const RotaryParams& p, int64_t t0, int64_t t1);
+  // The log-prob family, rows [r0, r1) of logits [T, V]; tau per row (temps[t]) or the scalar. A row's
+  // statistics are the contract's pair (m, L) (contract.h LsePair), stored as pairs[2t], pairs[2t + 1].
+  // logsumexp_pairs writes p.pairs (and p.lse[t] = m + L when p.lse is set).
+  void (*logsumexp_pairs)(const LogitsParams& p, int64_t r0, int64_t r1);
+  // out_f32 [T, V]; p.pairs == nullptr: each row's pair is computed in the same pass
+  void (*log_softmax)(const LogitsParams& p, int64_t r0, int64_t r1);
+  // out_f32[t] = logp of column ids[t] from the given pairs: the expression log_softmax evaluates there
+  void (*token_logprobs)(const LogitsParams& p, int64_t r0, int64_t r1);
+  // dz [T, V] in the logits dtype for p.mode; g is [T] (token_logprobs, logsumexp) or [T, V] (log_softmax),
+  // fp32; ids only for token_logprobs; p.pairs == nullptr: computed here
+  void (*logits_backward)(const LogitsParams& p, int64_t r0, int64_t r1);
+  // token_logprobs backward on the column tile [v0, v0 + V) of rows whose pairs are known (the fused LM head's
+  // weight-gradient sweep, python/aligned_ops/lm_head.py): z and dz are [T, V] (the tile), ids are absolute
+  // vocabulary indices (a row whose id is outside the tile has no "1" term there). The elements equal
   // logits_backward(kTokenLogprobs)'s for those columns bit for bit (same helper, same operands).
-  void (*token_logprobs_backward_cols)(DType dt, const float* g, const void* z, const int64_t* ids,
-                                       const float* pairs, void* dz, int64_t v0, int64_t n, float tau,
-                                       const float* temps, int64_t row_begin, int64_t row_end);
-  // C[m, n] = round(linear_lane_fold over `lanes` lanes (1, 2, 4, 8) of the fma chains of A[m, :] * B[n, :]
-  // (+ bias[n])) — contract.h, `fma` profile — element strides given; adt == bdt, cdt == adt or F32.
-  // Computes the output tile rows [m0, m1) x cols [n0, n1).
-  void (*gemm)(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn,
-               int64_t b_sk, const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0,
-               int64_t m1, int64_t n0, int64_t n1);
-  // db[n] = chain over m of (. + g[m, n]) for n in [n0, n1)
-  void (*column_sum)(DType dt, const void* g, int64_t rows, int64_t cols, DType out_dt, void* out, int64_t n0,
-                     int64_t n1);
-  float (*exp_f32)(float);  // the contract's scalar exp/log (numerics.h), for tests
-  float (*log_f32)(float);
+  void (*token_logprobs_backward_cols)(const LogitsParams& p, int64_t r0, int64_t r1);
+  // C[m, n] = round(linear_lane_fold over p.lanes lanes (1, 2, 4, 8) of the fma chains of A[m, :] * B[n, :]
+  // (+ bias[n])) — contract.h, `fma` profile. Computes the output tile rows [m0, m1) x cols [n0, n1): the one
+  // entry with a 2-D range (threads take output tiles; every element is still one tree over all of K).
+  void (*gemm)(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+  // out[n] = chain over m of (. + g[m, n]) for n in [n0, n1)
+  void (*column_sum)(const ColumnSumParams& p, int64_t n0, int64_t n1);
+  // out[i] = the contract's scalar exp / log (numerics.h) for i in [i0, i1), for the tests
+  void (*exp_f32)(const ElementwiseParams& p, int64_t i0, int64_t i1);
+  void (*log_f32)(const ElementwiseParams& p, int64_t i0, int64_t i1);
 };
 
 const KernelTable& cpu_kernels();

@@ -49,9 +49,7 @@
 
 namespace aligned::cpu::ALIGNED_ISA {
 
-void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
-          int64_t n1);
+void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
 
 namespace {
 
@@ -440,10 +438,13 @@ static void gemm_typed(const TA* a, int64_t a_sm, int64_t a_sk, const TB* b, int
 // C[m, n] = round(tree over `lanes` lanes of the chains of A[m, :] * B[n, :] (+ bias[n])) for rows [m0, m1) x
 // columns [n0, n1), element strides. One storage type T for A and B; C is T (linear, backward) or fp32
 // (linear_partial): the 5 instantiations that are used, not 27.
-void gemm(DType adt, const void* A, int64_t a_sm, int64_t a_sk, DType bdt, const void* B, int64_t b_sn, int64_t b_sk,
-          const void* bias, DType cdt, void* C, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0,
-          int64_t n1) {
-  if (bdt != adt || (cdt != adt && cdt != DType::F32)) abort();  // callers (ops_cpu.cpp) only make these
+void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const DType adt = p.adt, bdt = p.bdt, cdt = p.cdt;
+  const void *A = p.A, *B = p.B, *bias = p.bias;
+  void* C = p.C;
+  const int64_t a_sm = p.a_sm, a_sk = p.a_sk, b_sn = p.b_sn, b_sk = p.b_sk, c_sm = p.c_sm, K = p.K;
+  const int lanes = p.lanes;
+  if (bdt != adt || (cdt != adt && cdt != DType::F32)) abort();  // callers (op_params.h) only make these
   with_type(adt, [&](auto* ap) {
     using T = std::remove_pointer_t<decltype(ap)>;
     if (cdt == adt)

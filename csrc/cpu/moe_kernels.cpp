@@ -18,37 +18,55 @@ namespace aligned::cpu::ALIGNED_ISA {
 
 namespace {
 
-void routing(DType dt, const void* z, int64_t E, int64_t k, int scoring, bool renormalize, float* scores,
-             int64_t* ids, float* w, int64_t row_begin, int64_t row_end) {
+void routing(const MoeRoutingParams& prm, int64_t row_begin, int64_t row_end) {
+  const DType dt = prm.dt;
+  const void* z = prm.z;
+  const int64_t E = prm.E, k = prm.k;
+  const MoeScoring scoring = prm.scoring;
+  const bool renormalize = prm.renormalize;
+  float* scores = prm.scores;
+  int64_t* ids = prm.ids;
+  float* w = prm.w;
   std::vector<unsigned char> taken(E);
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const T* zt = (const T*)z;
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* p = scores + r * E;
-      moe_scores_row(zt + r * E, E, (MoeScoring)scoring, p);
+      moe_scores_row(zt + r * E, E, scoring, p);
       moe_topk_row(p, E, k, renormalize, taken.data(), ids + r * k, w + r * k);
     }
   });
 }
 
-void routing_backward(DType dt, const float* gw, const float* gs, const void* z, const int64_t* ids, int64_t E,
-                      int64_t k, int scoring, bool renormalize, void* dz, int64_t row_begin, int64_t row_end) {
+void routing_backward(const MoeRoutingParams& prm, int64_t row_begin, int64_t row_end) {
+  const DType dt = prm.dt;
+  const float *gw = prm.gw, *gs = prm.gs;
+  const void* z = prm.z;
+  const int64_t* ids = prm.ids;
+  const int64_t E = prm.E, k = prm.k;
+  const MoeScoring scoring = prm.scoring;
+  const bool renormalize = prm.renormalize;
+  void* dz = prm.dz;
   std::vector<float> scratch(3 * E);
   float *p = scratch.data(), *gp = p + E, *d = gp + E;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = row_begin; r < row_end; ++r) {
       moe_routing_backward_row((const float*)gw + r * k, gs ? gs + r * E : nullptr, (const T*)z + r * E, ids + r * k,
-                               E, k, (MoeScoring)scoring, renormalize, p, gp, d);
+                               E, k, scoring, renormalize, p, gp, d);
       T* out = (T*)dz + r * E;
       for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(d[i]);
     }
   });
 }
 
-void combine(DType dt, const float* y, const int64_t* pos, const float* w, int64_t k, const float* ys, const float* g,
-             void* out, int64_t H, int64_t row_begin, int64_t row_end) {
+void combine(const MoeCombineParams& prm, int64_t row_begin, int64_t row_end) {
+  const DType dt = prm.dt;
+  const float *y = prm.y, *w = prm.w, *ys = prm.ys, *g = prm.gate_logit;
+  const int64_t* pos = prm.pos;
+  void* out = prm.out;
+  const int64_t k = prm.k, H = prm.H;
   std::vector<float> acc(H);
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
@@ -62,7 +80,7 @@ void combine(DType dt, const float* y, const int64_t* pos, const float* w, int64
         for (int64_t n = 0; n < H; ++n) a[n] = a[n] + wr * yr[n];
       }
       if (ys) {
-        const float gt = g ? g[t] : 1.0f;
+        const float gt = g ? moe_shared_gate(g[t]) : 1.0f;  // moe.h: the gate of the logit
         const float* yst = ys + t * H;
         for (int64_t n = 0; n < H; ++n) a[n] = a[n] + gt * yst[n];
       }
@@ -72,9 +90,13 @@ void combine(DType dt, const float* y, const int64_t* pos, const float* w, int64
   });
 }
 
-void experts_reference(DType dt, const void* x, const float* w, const int64_t* ids, int64_t k, const void* w13,
-                       const void* w2, int64_t H, int64_t I, const void* sw13, const void* sw2, const void* sgate,
-                       int64_t Is, void* out, int64_t row_begin, int64_t row_end) {
+void experts_reference(const MoeExpertsParams& prm, int64_t row_begin, int64_t row_end) {
+  const DType dt = prm.dt;
+  const void *x = prm.x, *w13 = prm.w13, *w2 = prm.w2, *sw13 = prm.sw13, *sw2 = prm.sw2, *sgate = prm.sgate;
+  const float* w = prm.w;
+  const int64_t* ids = prm.ids;
+  const int64_t k = prm.k, H = prm.H, I = prm.I, Is = prm.Is;
+  void* out = prm.out;
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     const int64_t Imax = I > Is ? I : Is;
@@ -104,6 +126,11 @@ void experts_reference(DType dt, const void* x, const float* w, const int64_t* i
 }  // namespace
 
 extern const MoeKernels kMoe;
-const MoeKernels kMoe = {routing, routing_backward, combine, experts_reference};
+const MoeKernels kMoe = {
+    .routing = routing,
+    .routing_backward = routing_backward,
+    .combine = combine,
+    .experts_reference = experts_reference,
+};
 
 }  // namespace aligned::cpu::ALIGNED_ISA

@@ -1,5 +1,7 @@
-// ops_cpu.cpp — torch glue for the dense ops on the CPU: argument checks, output allocation, and the split
-// of rows (or output tiles) across torch's intra-op threads. The arithmetic is in cpu_kernels.cpp.
+// ops_cpu.cpp — torch glue for the dense, logits and linear families on the CPU: device checks, then the
+// shared argument checks (../op_checks.h), output allocation, the params struct (../op_params.h, the same
+// struct the GPU glue fills), and the split of row / column ranges (or output tiles) across torch's intra-op
+// threads. No arithmetic: the kernels (cpu_kernels.cpp, gemm_kernels.cpp) hold every formula and fold.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,6 +14,7 @@
 #include "../common/contract.h"
 #include "../common/reduce.h"
 #include "cpu_backend.h"
+#include "../op_params.h"
 #include "glue_checks.h"
 #include "dense_split_kernels.h"
 #include "emulation_hook.h"
@@ -34,13 +37,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
   const auto a = check_rms_norm<DType>(x, weight, eps);
-  auto xc = x.contiguous();
-  auto wc = weight.contiguous();
+  auto xc = x.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc);
+  const auto p = make_rms_norm_params(a, xc, wc, out, eps);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) {
-    k.rms_norm(a.dt, a.wdt, xc.data_ptr(), wc.data_ptr(), out.data_ptr(), a.H, (float)eps, b, e);
-  });
+  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) { k.rms_norm(p, b, e); });
   return out;
 }
 
@@ -53,11 +54,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   const auto a = check_fused_add_rms_norm<DType>(x, residual, weight, eps);
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
+  const auto p = make_rms_norm_params(a, xc, wc, out, eps, rc, res_out);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) {
-    k.fused_add_rms_norm(a.dt, a.wdt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), out.data_ptr(), res_out.data_ptr(),
-                         a.H, (float)eps, b, e);
-  });
+  at::parallel_for(0, a.rows, grain(a.H), [&](int64_t b, int64_t e) { k.fused_add_rms_norm(p, b, e); });
   return {out, res_out};
 }
 
@@ -68,22 +67,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
   const auto a = check_rms_norm_backward<DType>(grad, x, weight, eps);
-  const DType dt = a.dt, wdt = a.wdt;
-  const int64_t H = a.H, rows = a.rows;
   auto gc = grad.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
   auto dx = at::empty_like(xc);
-  auto inv = at::empty({rows}, x.options().dtype(at::kFloat));
-  auto dw = at::empty({H}, x.options().dtype(at::kFloat));
+  auto inv = at::empty({a.rows}, x.options().dtype(at::kFloat));
+  auto dw = at::empty({a.H}, x.options().dtype(at::kFloat));
+  const auto p = make_rms_norm_backward_params(a, gc, xc, wc, dx, inv, dw, eps);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, rows, grain(2 * H), [&](int64_t b, int64_t e) {
-    k.rms_inv_rows(dt, xc.data_ptr(), inv.data_ptr<float>(), H, (float)eps, b, e);
-    k.rms_norm_backward_dx(dt, wdt, gc.data_ptr(), xc.data_ptr(), wc.data_ptr(), dx.data_ptr(), H, (float)eps, b, e);
+  at::parallel_for(0, a.rows, grain(2 * a.H), [&](int64_t b, int64_t e) {
+    k.rms_inv_rows(p, b, e);
+    k.rms_norm_backward_dx(p, b, e);
   });
   // dw: columns split across threads, each column sums the rows in order.
-  at::parallel_for(0, H, 16, [&](int64_t b, int64_t e) {
-    k.rms_norm_backward_dw(dt, gc.data_ptr(), xc.data_ptr(), dw.data_ptr<float>(), rows, H, (float)eps,
-                           inv.data_ptr<float>(), b, e);
-  });
+  at::parallel_for(0, a.H, 16, [&](int64_t b, int64_t e) { k.rms_norm_backward_dw(p, b, e); });
   return {dx, dw.to(weight.scalar_type())};
 }
 
@@ -91,13 +86,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const char* op = "silu_and_mul";
   check_cpu(x, op, "x");
   const auto a = check_silu_and_mul<DType>(x);
-  const DType dt = a.dt;
   const int64_t d = a.d, rows = a.rows;
   auto xc = x.contiguous();
   auto sizes = xc.sizes().vec();
   sizes.back() = d;
   auto out = at::empty(sizes, xc.options());
-  const auto& k = cpu_kernels();
+  const auto p = make_silu_and_mul_params(a, xc, out);
   constexpr int64_t kCols = 2048;  // elementwise: any column cut gives the same bits
   if (rows > 0 && split_rows(rows, d, 2 * kCols)) {
     const int64_t chunks = (d + kCols - 1) / kCols;
@@ -105,14 +99,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const int64_t r = t / chunks, c0 = (t % chunks) * kCols;
-        sk.silu_and_mul_cols(dt, xc.data_ptr(), out.data_ptr(), d, r, c0, std::min(d, c0 + kCols));
+        sk.silu_and_mul_cols(p, r, c0, std::min(d, c0 + kCols));
       }
     });
     return out;
   }
-  at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) {
-    k.silu_and_mul(dt, xc.data_ptr(), out.data_ptr(), d, b, e);
-  });
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) { k.silu_and_mul(p, b, e); });
   return out;
 }
 
@@ -123,10 +116,9 @@ at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
   const auto a = check_silu_and_mul_backward<DType>(grad, x);
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
+  const auto p = make_silu_and_mul_params(a, xc, dx, gc);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.rows, grain(16 * a.d), [&](int64_t b, int64_t e) {
-    k.silu_and_mul_backward(a.dt, gc.data_ptr(), xc.data_ptr(), dx.data_ptr(), a.d, b, e);
-  });
+  at::parallel_for(0, a.rows, grain(16 * a.d), [&](int64_t b, int64_t e) { k.silu_and_mul_backward(p, b, e); });
   return dx;
 }
 
@@ -138,11 +130,9 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   const auto a = check_rotary<DType>(positions, x, cache, rot, op);
   auto xc = x.contiguous(), cc = cache.contiguous();
   auto out = at::empty_like(xc);
+  const auto p = make_rotary_params(a, xc, cc, out, rot, is_neox, inverse, nullptr);  // positions checked on the host
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.T, grain(a.heads * a.head_dim * 4), [&](int64_t b, int64_t e) {
-    k.rotary(a.dt, a.positions.data_ptr<int64_t>(), xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), a.heads,
-             a.head_dim, rot, is_neox, inverse, b, e);
-  });
+  at::parallel_for(0, a.T, grain(a.heads * a.head_dim * 4), [&](int64_t b, int64_t e) { k.rotary(p, b, e); });
   return out;
 }
 
@@ -173,121 +163,99 @@ at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op)
 // Rows shorter than this never share threads (the fork/join would cost more than it saves).
 constexpr int64_t kSplitMinVocab = 8192;
 
-// The (m, L) pair of row r with all threads on the one row: s = z / tau into s_row (v ranges in parallel,
-// maxima and flags combined exactly), then the 32 lane sums of reduce.h in lane groups, folded here by the
-// same tree.
-LsePair lse_pair_split(const LogitsArgs& a, int64_t r, float* s_row) {
+// The (m, L) pair of row r with all threads on the one row (dense_split_kernels.h): s = z / tau into s_row
+// (v ranges in parallel), the parts' maxima folded, then the 32 lane sums of reduce.h in lane groups, folded.
+LsePair lse_pair_split(const LogitsParams& p, int64_t r, float* s_row) {
   const auto& sk = dense_split_kernels();
-  const float inf = std::numeric_limits<float>::infinity();
-  const float tau = a.temps.defined() ? a.temps_ptr()[r] : a.tau;
-  const void* zr = (const char*)a.z.data_ptr() + r * a.V * a.z.element_size();
   const int64_t parts = at::get_num_threads();
-  const int64_t part = ((a.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
-  std::vector<float> mx(parts, -inf);
+  const int64_t part = ((p.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+  std::vector<float> mx(parts, -std::numeric_limits<float>::infinity());  // an empty part: the fold's identity
   std::vector<int32_t> flags(parts, 0);
   at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) {
-      const int64_t v0 = p * part, v1 = std::min(a.V, v0 + part);
-      if (v0 < v1) sk.scale_max(a.dt, zr, s_row, v0, v1, tau, &mx[p], &flags[p]);
+    for (int64_t q = b; q < e; ++q) {
+      const int64_t v0 = q * part, v1 = std::min(p.V, v0 + part);
+      if (v0 < v1) sk.scale_max(p, r, s_row, v0, v1, &mx[q], &flags[q]);
     }
   });
-  float m = -inf;
-  int32_t any = 0;
-  for (int64_t p = 0; p < parts; ++p) lse_max_merge(mx[p], flags[p], &m, &any);
-  LsePair pair;
-  if (lse_special_row(m, any, &pair)) return pair;
+  float m;
+  LsePair special;
+  if (sk.merge_max(mx.data(), flags.data(), parts, &m, &special)) return special;
   float lanes[kReduceLanes];
   const int groups = parts >= 4 ? 4 : 2, width = kReduceLanes / groups;
   at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, a.V, m, (int)g * width, (int)(g + 1) * width, lanes);
+    for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, p.V, m, (int)g * width, (int)(g + 1) * width, lanes);
   });
-  return lse_pair_of_sum(m, fold_lanes(lanes));
+  return sk.pair_of_lanes(m, lanes);
 }
 
-// Every row's (m, L) pair, fp32 [T, 2].
-at::Tensor lse_pairs_of(const LogitsArgs& a) {
-  auto pairs = at::empty({a.T, 2}, a.z.options().dtype(at::kFloat));
-  float* pp = pairs.data_ptr<float>();
-  if (split_rows(a.T, a.V, kSplitMinVocab)) {
-    auto s = at::empty({a.V}, pairs.options());
-    for (int64_t r = 0; r < a.T; ++r) {
-      const LsePair p = lse_pair_split(a, r, s.data_ptr<float>());
-      pp[2 * r] = p.m;
-      pp[2 * r + 1] = p.L;
-    }
-    return pairs;
+// Every row's (m, L) pair into p.pairs (fp32 [T, 2]), and its logsumexp into p.lse when set.
+void lse_pairs_of(const LogitsParams& p) {
+  if (split_rows(p.T, p.V, kSplitMinVocab)) {
+    const auto& sk = dense_split_kernels();
+    std::vector<float> s((size_t)p.V);
+    for (int64_t r = 0; r < p.T; ++r) sk.store_pair(p, r, lse_pair_split(p, r, s.data()));
+    return;
   }
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.logsumexp_pairs(a.dt, a.z.data_ptr(), pp, a.V, a.tau, a.temps_ptr(), b, e);
-  });
-  return pairs;
+  at::parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.logsumexp_pairs(p, b, e); });
 }
+
+at::Tensor new_pairs(const LogitsArgs& a) { return at::empty({a.T, 2}, a.z.options().dtype(at::kFloat)); }
 
 at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "logsumexp");
-  auto pairs = lse_pairs_of(a);
-  auto lse = at::empty({a.T}, pairs.options());
-  const float* pp = pairs.data_ptr<float>();
-  float* l = lse.data_ptr<float>();
-  for (int64_t r = 0; r < a.T; ++r) l[r] = lse_value(LsePair{pp[2 * r], pp[2 * r + 1]});
-  return lse;
+  LogitsTensors t;
+  t.pairs = new_pairs(a);
+  t.lse = at::empty({a.T}, t.pairs.options());
+  lse_pairs_of(make_logits_params(a, t));
+  return t.lse;
 }
 
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   auto a = check_logits(logits, temperature, temperatures, "log_softmax");
-  auto out = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  LogitsTensors t;
+  t.out_f32 = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  const auto p = make_logits_params(a, t);
   if (split_rows(a.T, a.V, kSplitMinVocab)) {
-    float* o = out.data_ptr<float>();
+    const auto& sk = dense_split_kernels();
     for (int64_t r = 0; r < a.T; ++r) {
-      float* orow = o + r * a.V;
-      const LsePair p = lse_pair_split(a, r, orow);  // leaves s = z / tau in the output row
-      at::parallel_for(0, a.V, 8192, [&](int64_t b, int64_t e) {
-        for (int64_t v = b; v < e; ++v) orow[v] = logp_value(orow[v], p);
-      });
+      const LsePair pair = lse_pair_split(p, r, p.out_f32 + r * a.V);  // leaves s = z / tau in the output row
+      at::parallel_for(0, a.V, 8192, [&](int64_t b, int64_t e) { sk.logp_cols(p, r, pair, b, e); });
     }
-    return out;
+    return t.out_f32;
   }
   const auto& k = cpu_kernels();
   // pairs == nullptr: the kernel computes each row's pair itself, writing z / tau into the output row first.
-  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.log_softmax(a.dt, a.z.data_ptr(), nullptr, out.data_ptr<float>(), a.V, a.tau, a.temps_ptr(), b, e);
-  });
-  return out;
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) { k.log_softmax(p, b, e); });
+  return t.out_f32;
 }
 
-// logp_id = (z_id / tau - m) - L: the same expression log_softmax evaluates, for one column.
-at::Tensor token_logprobs_from_pairs(const LogitsArgs& a, const at::Tensor& idc, const at::Tensor& pairs) {
-  auto out = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+// token_logprobs and the rows' (m, L) pairs [T, 2] (the fused LM head keeps the pairs for its backward).
+std::tuple<at::Tensor, at::Tensor> token_logprobs_and_pairs(const at::Tensor& logits, const at::Tensor& ids,
+                                                            double temperature,
+                                                            const std::optional<at::Tensor>& temperatures,
+                                                            const char* op) {
+  auto a = check_logits(logits, temperature, temperatures, op);
+  LogitsTensors t;
+  t.ids = check_ids(ids, a, op);
+  t.pairs = new_pairs(a);
+  t.out_f32 = at::empty({a.T}, t.pairs.options());
+  const auto p = make_logits_params(a, t);
+  lse_pairs_of(p);
   const auto& k = cpu_kernels();
-  const int64_t* id = idc.data_ptr<int64_t>();
-  at::parallel_for(0, a.T, 1024, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      float lp;
-      k.log_softmax(a.dt, (const char*)a.z.data_ptr() + (t * a.V + id[t]) * a.z.element_size(),
-                    pairs.data_ptr<float>() + 2 * t, &lp, 1, a.tau, a.temps.defined() ? a.temps_ptr() + t : nullptr,
-                    0, 1);
-      out.data_ptr<float>()[t] = lp;
-    }
-  });
-  return out;
+  at::parallel_for(0, a.T, 1024, [&](int64_t b, int64_t e) { k.token_logprobs(p, b, e); });
+  return {t.out_f32, t.pairs};
 }
 
 at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature,
                           const std::optional<at::Tensor>& temperatures) {
-  auto a = check_logits(logits, temperature, temperatures, "token_logprobs");
-  auto idc = check_ids(ids, a, "token_logprobs");
-  return token_logprobs_from_pairs(a, idc, lse_pairs_of(a));
+  return std::get<0>(token_logprobs_and_pairs(logits, ids, temperature, temperatures, "token_logprobs"));
 }
 
-// token_logprobs and the rows' (m, L) pairs [T, 2] (the fused LM head keeps the pairs for its backward).
 std::tuple<at::Tensor, at::Tensor> token_logprobs_pairs(const at::Tensor& logits, const at::Tensor& ids,
                                                         double temperature,
                                                         const std::optional<at::Tensor>& temperatures) {
-  auto a = check_logits(logits, temperature, temperatures, "token_logprobs_pairs");
-  auto idc = check_ids(ids, a, "token_logprobs_pairs");
-  auto pairs = lse_pairs_of(a);
-  return {token_logprobs_from_pairs(a, idc, pairs), pairs};
+  return token_logprobs_and_pairs(logits, ids, temperature, temperatures, "token_logprobs_pairs");
 }
 
 // The three backward ops are one path that differs only in the mode (contract.h: which gradient), whether
@@ -298,19 +266,16 @@ at::Tensor logits_backward(LogitsGrad mode, const char* op, const at::Tensor& gr
                            const at::Tensor* ids, double temperature, const std::optional<at::Tensor>& temperatures) {
   check_cpu(grad, op, "grad");
   auto a = check_logits(logits, temperature, temperatures, op);
-  at::Tensor idc;
-  if (ids) idc = check_ids(*ids, a, op);
-  auto g = check_logits_grad(grad, a.T, a.V, mode == LogitsGrad::kLogSoftmax, op);
-  auto dz = at::empty({a.T, a.V}, a.z.options());
+  LogitsTensors t;
+  if (ids) t.ids = check_ids(*ids, a, op);
+  t.g = check_logits_grad(grad, a.T, a.V, mode == LogitsGrad::kLogSoftmax, op);
+  t.dz = at::empty({a.T, a.V}, a.z.options());
+  if (split_rows(a.T, a.V, kSplitMinVocab)) t.pairs = new_pairs(a);
+  const auto p = make_logits_params(a, t, mode);
+  if (p.pairs) lse_pairs_of(p);
   const auto& k = cpu_kernels();
-  at::Tensor pairs;
-  if (split_rows(a.T, a.V, kSplitMinVocab)) pairs = lse_pairs_of(a);
-  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.logits_backward(mode, a.dt, g.data_ptr<float>(), a.z.data_ptr(), ids ? idc.data_ptr<int64_t>() : nullptr,
-                      pairs.defined() ? pairs.data_ptr<float>() : nullptr, dz.data_ptr(), a.V, a.tau, a.temps_ptr(),
-                      b, e);
-  });
-  return dz;
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) { k.logits_backward(p, b, e); });
+  return t.dz;
 }
 
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
@@ -332,21 +297,19 @@ at::Tensor token_logprobs_backward_cols(const at::Tensor& grad, const at::Tensor
   TORCH_CHECK(vocab_start >= 0 && vocab_start + a.V <= vocab_size, "aligned::", op, ": the tile [", vocab_start,
               ", ", vocab_start + a.V, ") must lie in the vocabulary [0, ", vocab_size, ")");
   check_cpu(ids, op, "token_ids");
-  auto idc = check_token_ids(ids, a.T, vocab_size, op);
+  LogitsTensors t;
+  t.ids = check_token_ids(ids, a.T, vocab_size, op);
   TORCH_CHECK(lse_pairs.scalar_type() == at::kFloat && lse_pairs.dim() == 2 && lse_pairs.size(0) == a.T &&
                   lse_pairs.size(1) == 2,
               "aligned::", op, ": lse_pairs must be float32 [", a.T, ", 2], got ", lse_pairs.scalar_type(), " ",
               lse_pairs.sizes());
-  auto pairs = lse_pairs.contiguous();
-  auto g = check_logits_grad(grad, a.T, a.V, false, op);
-  auto dz = at::empty({a.T, a.V}, a.z.options());
+  t.pairs = lse_pairs.contiguous();
+  t.g = check_logits_grad(grad, a.T, a.V, false, op);
+  t.dz = at::empty({a.T, a.V}, a.z.options());
+  const auto p = make_logits_params(a, t, LogitsGrad::kTokenLogprobs, vocab_start);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) {
-    k.token_logprobs_backward_cols(a.dt, g.data_ptr<float>(), a.z.data_ptr(), idc.data_ptr<int64_t>(),
-                                   pairs.data_ptr<float>(), dz.data_ptr(), vocab_start, a.V, a.tau, a.temps_ptr(),
-                                   b, e);
-  });
-  return dz;
+  at::parallel_for(0, a.T, grain(a.V * 4), [&](int64_t b, int64_t e) { k.token_logprobs_backward_cols(p, b, e); });
+  return t.dz;
 }
 
 at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
@@ -367,24 +330,22 @@ at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits
 // well. Tiles only choose which fma chains a thread runs (contract.h: linear), never how one is summed.
 constexpr int64_t kPanelN = 32;
 
-void run_gemm(DType adt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, DType bdt, const at::Tensor& B, int64_t b_sn,
-              int64_t b_sk, const at::Tensor* bias, DType cdt, at::Tensor& C, int64_t M, int64_t N, int64_t K,
-              int lanes) {
+void run_gemm(const GemmParams& p) {
+  const int64_t M = p.M, N = p.N, K = p.K;
+  if (M <= 0 || N <= 0) return;
   const int64_t panels = (N + kPanelN - 1) / kPanelN;
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
   int64_t mchunk = M;
   if (panels < 2 * nt && M > 16) mchunk = std::max<int64_t>(16, ((M + 2 * nt - 1) / (2 * nt) + 7) / 8 * 8);
   const int64_t mt = (M + mchunk - 1) / mchunk;
   const auto& k = cpu_kernels();
-  const void* bias_ptr = bias ? bias->data_ptr() : nullptr;
   // Enough work per task that threading pays: ~2^18 fma per task at least.
   const int64_t per_panel = std::max<int64_t>(1, std::min(M, mchunk) * kPanelN * std::max<int64_t>(K, 1));
   const int64_t grain_tasks = std::max<int64_t>(1, (1 << 18) / per_panel);
   at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e;) {
       const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
-      k.gemm(adt, A.data_ptr(), a_sm, a_sk, bdt, B.data_ptr(), b_sn, b_sk, bias_ptr, cdt, C.data_ptr(), N, K, lanes,
-             mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
+      k.gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
       t += p1 - p0;
     }
   });
@@ -396,16 +357,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   check_cpu(weight, op, "weight");
   if (bias.has_value() && bias->defined()) check_cpu(*bias, op, "bias");
   const auto a = check_linear<DType>(x, weight, bias);
-  const DType dt = a.dt;
-  const int64_t M = a.M, K = a.K, N = a.N;
-  const at::Tensor& b = a.bias;
-  auto xc = x.reshape({M, K}).contiguous();
+  auto xc = x.reshape({a.M, a.K}).contiguous();
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0)
-    run_gemm(dt, xc, K, 1, dt, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, dt, out, M, N, K,
-             kLinearLanes);
+  sizes.back() = a.N;
+  auto out = at::empty({a.M, a.N}, x.options());
+  run_gemm(make_linear_params(a, xc, weight, out, a.dt, kLinearLanes));
   return out.view(sizes);
 }
 
@@ -415,14 +371,11 @@ at::Tensor linear_partial(const at::Tensor& x, const at::Tensor& weight, int64_t
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
   const auto a = check_linear_partial<DType>(x, weight, lanes);
-  const int64_t M = a.M, K = a.K, N = a.N;
-  auto xc = x.reshape({M, K}).contiguous();
+  auto xc = x.reshape({a.M, a.K}).contiguous();
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0)
-    run_gemm(a.dt, xc, K, 1, a.dt, weight, weight.stride(0), weight.stride(1), nullptr, DType::F32, out, M, N, K,
-             (int)lanes);
+  sizes.back() = a.N;
+  auto out = at::empty({a.M, a.N}, x.options().dtype(at::kFloat));
+  run_gemm(make_linear_params(a, xc, weight, out, DType::F32, (int)lanes));
   return out.view(sizes);
 }
 
@@ -434,41 +387,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
   const auto a = check_linear_backward<DType>(grad, x, weight);
-  const DType dt = a.dt;
   const int64_t M = a.M, K = a.K, N = a.N;  // K or N may be 0
   auto g = grad.reshape({M, N}).contiguous();
   auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
   at::Tensor dx, dw, db;
-  if (needs_x) {
-    // dx[m, k] = chain over n of g[m, n] * w[n, k]
+  if (needs_x) {  // dx[m, k] = chain over n of g[m, n] * w[n, k]
     dx = at::empty({M, K}, x.options());
-    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, dt, wc, 1, K, nullptr, dt, dx, M, K, N, 1);  // one chain: 1 lane
+    run_gemm(make_linear_dx_params(a, g, wc, dx));
     dx = dx.view(x.sizes());
   }
-  if (needs_w) {
-    // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
+  if (needs_w) {  // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
     dw = at::empty({N, K}, weight.options());
-    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, dt, xc, 1, K, nullptr, dt, dw, N, K, M, 1);
+    run_gemm(make_linear_dw_params(a, g, xc, dw));
   }
   if (needs_b) {
     db = at::empty({N}, x.options());
+    const auto p = make_column_sum_params(a, g, db);
     const auto& k = cpu_kernels();
-    at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) { k.column_sum(dt, g.data_ptr(), M, N, dt, db.data_ptr(), b, e); });
+    at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) { k.column_sum(p, b, e); });
   }
   return {dx, dw, db};
 }
 
-at::Tensor elementwise_f32(const at::Tensor& x, float (*fn)(float), const char* op) {
+at::Tensor elementwise_f32(const at::Tensor& x, bool is_log, const char* op) {
   check_cpu(x, op, "x");
   check_elementwise_f32(x, op);
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
-  const float* src = xc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, xc.numel(), 1 << 14, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = fn(src[i]);
-  });
+  const auto p = make_elementwise_params(xc, out);
+  const auto& k = cpu_kernels();
+  at::parallel_for(0, p.n, 1 << 14, [&](int64_t b, int64_t e) { (is_log ? k.log_f32 : k.exp_f32)(p, b, e); });
   return out;
 }
 // _linear_partial_reference: contract.h's scalar linear_partial_dot, one call per output, for the conformance
@@ -494,8 +443,8 @@ at::Tensor linear_partial_reference(const at::Tensor& x, const at::Tensor& weigh
   return out.view(sizes);
 }
 
-at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().exp_f32, "_exp_f32"); }
-at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, cpu_kernels().log_f32, "_log_f32"); }
+at::Tensor exp_f32(const at::Tensor& x) { return elementwise_f32(x, false, "_exp_f32"); }
+at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, true, "_log_f32"); }
 
 // The CPU glue checks data values on the host and raises at once: no error is ever deferred (zeros).
 // Under aligned_ops.emulate the GPU glue's own persistent words are returned instead (emulation_hook.h).

@@ -1,5 +1,7 @@
-// ops_moe_cpu.cpp — torch glue of the moe family on the CPU: argument checks, the grouping of tokens by
-// expert, and the thread split. Arithmetic: csrc/common/moe.h (routing, combine) via moe_kernels.cpp, and the
+// ops_moe_cpu.cpp — torch glue of the moe family on the CPU: device checks, then the family's argument checks
+// (../moe_checks.h, shared with any backend), the grouping of tokens by
+// expert, the params structs (csrc/common/params_moe.h, filled by ../op_params.h), and the thread split.
+// Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via moe_kernels.cpp, and the
 // expert projections through cpu_kernels().gemm — the kernel of aligned::linear, i.e. the linear contract.
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
@@ -19,6 +21,8 @@
 #include <vector>
 
 #include "../common/moe.h"
+#include "../moe_checks.h"
+#include "../op_params.h"
 #include "glue_checks.h"
 #include "moe_kernels.h"
 
@@ -27,91 +31,53 @@ namespace aligned::cpu {
 
 namespace {
 
-int scoring_of(const std::string& s, const char* op) {
-  if (s == "softmax") return 0;
-  if (s == "sigmoid") return 1;
-  TORCH_CHECK(false, "aligned::", op, ": scoring must be 'softmax' or 'sigmoid', got '", s, "'");
-}
-
 int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work_per_row, 1)); }
-
-void check_logits_2d(const at::Tensor& z, const char* op) {
-  check_cpu(z, op, "router_logits");
-  TORCH_CHECK(z.dim() == 2, "aligned::", op, ": router_logits must be 2-D [tokens, experts], got ", z.sizes());
-  (void)dtype_of<DType>(z, op, "router_logits");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& logits, int64_t top_k,
                                                            c10::string_view scoring, bool renormalize) {
   const char* op = "moe_routing";
-  check_logits_2d(logits, op);
-  const int sc = scoring_of(std::string(scoring), op);
+  check_cpu(logits, op, "router_logits");
+  const DType dt = check_moe_routing<DType>(logits, top_k, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
   const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(E >= 1, "aligned::", op, ": router_logits must have at least one expert column");
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "aligned::", op, ": top_k must be in [1, ", E, "], got ", top_k);
   auto z = logits.contiguous();
   auto f32 = z.options().dtype(at::kFloat);
   auto scores = at::empty({T, E}, f32);
   auto w = at::empty({T, top_k}, f32);
   auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
-  const DType dt = dtype_of<DType>(z, op, "router_logits");
+  const auto p = make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {});
   const auto& k = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) {
-    k.routing(dt, z.data_ptr(), E, top_k, sc, renormalize, scores.data_ptr<float>(), ids.data_ptr<int64_t>(),
-              w.data_ptr<float>(), b, e);
-  });
+  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
   return {w, ids, scores};
-}
-
-at::Tensor check_ids(const at::Tensor& ids, int64_t T, int64_t E, const char* op) {
-  check_cpu(ids, op, "topk_ids");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "aligned::", op, ": topk_ids must be [", T, ", k], got ",
-              ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
-              ": topk_ids must be int64 or int32, got ", ids.scalar_type());
-  auto idc = ids.to(at::kLong).contiguous();
-  if (idc.numel() > 0) {
-    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < E, "aligned::", op, ": topk_ids must lie in [0, ", E, "), got range [", lo, ", ", hi,
-                "]");
-  }
-  return idc;
 }
 
 at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
                                 const at::Tensor& logits, const at::Tensor& ids, c10::string_view scoring,
                                 bool renormalize) {
   const char* op = "moe_routing_backward";
-  check_logits_2d(logits, op);
-  const int sc = scoring_of(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto idc = check_ids(ids, T, E, op);
-  const int64_t k = idc.size(1);
+  check_cpu(logits, op, "router_logits");
+  check_cpu(ids, op, "topk_ids");
   check_cpu(grad_w, op, "grad_weights");
-  TORCH_CHECK(grad_w.dim() == 2 && grad_w.size(0) == T && grad_w.size(1) == k, "aligned::", op,
-              ": grad_weights must be [", T, ", ", k, "], got ", grad_w.sizes());
-  auto gw = grad_w.to(at::kFloat).contiguous();
-  at::Tensor gs;
-  if (grad_scores.has_value() && grad_scores->defined()) {
-    check_cpu(*grad_scores, op, "grad_scores");
-    TORCH_CHECK(grad_scores->sizes() == logits.sizes(), "aligned::", op, ": grad_scores must be [", T, ", ", E,
-                "], got ", grad_scores->sizes());
-    gs = grad_scores->to(at::kFloat).contiguous();
-  }
+  if (grad_scores.has_value() && grad_scores->defined()) check_cpu(*grad_scores, op, "grad_scores");
+  const DType dt = check_router_logits<DType>(logits, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto idc = check_topk_ids(ids, T, E, op);
+  const int64_t k = idc.size(1);
+  auto gw = check_moe_grad_weights(grad_w, T, k, op);
+  auto gs = check_moe_grad_scores(grad_scores, logits, op);
   auto z = logits.contiguous();
   auto dz = at::empty_like(z);
-  const DType dt = dtype_of<DType>(z, op, "router_logits");
+  const auto p = make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz);
   const auto& kk = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) {
-    kk.routing_backward(dt, gw.data_ptr<float>(), gs.defined() ? gs.data_ptr<float>() : nullptr, z.data_ptr(),
-                        idc.data_ptr<int64_t>(), E, k, sc, renormalize, dz.data_ptr(), b, e);
-  });
+  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
   return dz;
 }
 
 // C[M, N] (cdt) = gemm(A [M, K] row-major, B [N, K] row-major), threads over 32-column panels and row chunks;
 // tiles only choose which chains a thread runs (contract.h: linear).
-void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64_t M, int64_t N, int64_t K) {
+void gemm_rows(const GemmParams& p) {
+  const int64_t M = p.M, N = p.N, K = p.K;
   if (M <= 0 || N <= 0) return;
   constexpr int64_t kPanel = 32;
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -123,9 +89,9 @@ void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64
   const auto& k = cpu_kernels();
   at::parallel_for(0, mt * panels, std::max<int64_t>(1, (1 << 18) / per), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const int64_t mi = t / panels, p = t % panels;
-      k.gemm(dt, A, K, 1, dt, B, K, 1, nullptr, cdt, C, N, K, kLinearLanes, mi * mchunk, std::min(M, (mi + 1) * mchunk), p * kPanel,
-             std::min(N, (p + 1) * kPanel));
+      const int64_t mi = t / panels;
+      const int64_t q = t % panels;
+      k.gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), q * kPanel, std::min(N, (q + 1) * kPanel));
     }
   });
 }
@@ -134,73 +100,28 @@ void gemm_rows(DType dt, const void* A, DType cdt, void* C, const void* B, int64
 void expert_mlp(DType dt, const void* x, const void* w13, const void* w2, int64_t M, int64_t H, int64_t I, void* h,
                 void* a, float* y) {
   if (M == 0) return;
-  gemm_rows(dt, x, dt, h, w13, M, 2 * I, H);
+  gemm_rows(row_major_gemm_params(dt, x, w13, dt, h, M, 2 * I, H, kLinearLanes));
+  const auto act = silu_and_mul_rows_params(dt, h, a, M, I);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(dt, h, a, I, b, e); });
-  gemm_rows(dt, a, DType::F32, y, w2, M, H, I);
+  at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(act, b, e); });
+  gemm_rows(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes));
 }
 
-struct ExpertsArgs {
-  DType dt;
-  int64_t T, H, k, E, I, Is;
-  at::Tensor x, w, ids, w13, w2, sw13, sw2, sgate;
-};
+using ExpertsArgs = MoeExpertsArgs<DType>;
 
 ExpertsArgs check_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
                           const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
                           const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate,
                           const char* op) {
-  ExpertsArgs a;
   check_cpu(x, op, "x");
   check_cpu(tw, op, "topk_weights");
+  check_cpu(ids, op, "topk_ids");
   check_cpu(w13, op, "w13");
   check_cpu(w2, op, "w2");
-  TORCH_CHECK(x.dim() == 2, "aligned::", op, ": x must be 2-D [tokens, hidden], got ", x.sizes());
-  a.dt = dtype_of<DType>(x, op, "x");
-  a.T = x.size(0);
-  a.H = x.size(1);
-  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == a.H && w13.size(1) % 2 == 0, "aligned::", op,
-              ": w13 must be [experts, 2 * intermediate, ", a.H, "], got ", w13.sizes());
-  a.E = w13.size(0);
-  a.I = w13.size(1) / 2;
-  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == a.E && w2.size(1) == a.H && w2.size(2) == a.I, "aligned::", op,
-              ": w2 must be [", a.E, ", ", a.H, ", ", a.I, "], got ", w2.sizes());
-  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "aligned::", op,
-              ": w13 and w2 must have x's dtype ", x.scalar_type(), ", got ", w13.scalar_type(), " and ",
-              w2.scalar_type());
-  a.ids = check_ids(ids, a.T, a.E, op);
-  a.k = a.ids.size(1);
-  TORCH_CHECK(tw.dim() == 2 && tw.size(0) == a.T && tw.size(1) == a.k && tw.scalar_type() == at::kFloat,
-              "aligned::", op, ": topk_weights must be float32 [", a.T, ", ", a.k, "], got ", tw.scalar_type(), " ",
-              tw.sizes());
-  a.x = x.contiguous();
-  a.w = tw.contiguous();
-  a.w13 = w13.contiguous();
-  a.w2 = w2.contiguous();
-  a.Is = 0;
-  const bool has13 = sw13.has_value() && sw13->defined(), has2 = sw2.has_value() && sw2->defined();
-  TORCH_CHECK(has13 == has2, "aligned::", op, ": shared_w13 and shared_w2 must be given together");
-  if (has13) {
-    check_cpu(*sw13, op, "shared_w13");
-    check_cpu(*sw2, op, "shared_w2");
-    TORCH_CHECK(sw13->dim() == 2 && sw13->size(1) == a.H && sw13->size(0) % 2 == 0, "aligned::", op,
-                ": shared_w13 must be [2 * shared_intermediate, ", a.H, "], got ", sw13->sizes());
-    a.Is = sw13->size(0) / 2;
-    TORCH_CHECK(sw2->dim() == 2 && sw2->size(0) == a.H && sw2->size(1) == a.Is, "aligned::", op,
-                ": shared_w2 must be [", a.H, ", ", a.Is, "], got ", sw2->sizes());
-    TORCH_CHECK(sw13->scalar_type() == x.scalar_type() && sw2->scalar_type() == x.scalar_type(), "aligned::", op,
-                ": shared_w13 and shared_w2 must have x's dtype");
-    a.sw13 = sw13->contiguous();
-    a.sw2 = sw2->contiguous();
-  }
-  if (sgate.has_value() && sgate->defined()) {
-    TORCH_CHECK(has13, "aligned::", op, ": shared_gate needs a shared expert (shared_w13, shared_w2)");
-    check_cpu(*sgate, op, "shared_gate");
-    TORCH_CHECK(sgate->numel() == a.H && sgate->scalar_type() == x.scalar_type(), "aligned::", op,
-                ": shared_gate must be [1, ", a.H, "] with x's dtype, got ", sgate->sizes(), " ", sgate->scalar_type());
-    a.sgate = sgate->reshape({1, a.H}).contiguous();
-  }
-  return a;
+  if (sw13.has_value() && sw13->defined()) check_cpu(*sw13, op, "shared_w13");
+  if (sw2.has_value() && sw2->defined()) check_cpu(*sw2, op, "shared_w2");
+  if (sgate.has_value() && sgate->defined()) check_cpu(*sgate, op, "shared_gate");
+  return check_moe_experts<DType>(x, tw, ids, w13, w2, sw13, sw2, sgate, op);
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
@@ -255,9 +176,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
         char* xe = xg0 + r0 * H * es;
         char* he = h0 + r0 * 2 * I * es;
         char* ae = a0 + r0 * I * es;
-        ck.gemm(a.dt, xe, H, 1, a.dt, w13p + e * 2 * I * H * es, H, 1, nullptr, a.dt, he, 2 * I, H, kLinearLanes, 0, m, 0, 2 * I);
-        ck.silu_and_mul(a.dt, he, ae, I, 0, m);
-        ck.gemm(a.dt, ae, I, 1, a.dt, w2p + e * H * I * es, I, 1, nullptr, DType::F32, y0 + r0 * H, H, I, kLinearLanes, 0, m, 0, H);
+        ck.gemm(row_major_gemm_params(a.dt, xe, w13p + e * 2 * I * H * es, a.dt, he, m, 2 * I, H, kLinearLanes), 0, m,
+                0, 2 * I);
+        ck.silu_and_mul(silu_and_mul_rows_params(a.dt, he, ae, m, I), 0, m);
+        ck.gemm(row_major_gemm_params(a.dt, ae, w2p + e * H * I * es, DType::F32, y0 + r0 * H, m, H, I, kLinearLanes),
+                0, m, 0, H);
       }
     });
   }
@@ -270,17 +193,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
                ys.data_ptr<float>());
     if (a.sgate.defined()) {
       g = at::empty({T}, opts.dtype(at::kFloat));
-      gemm_rows(a.dt, a.x.data_ptr(), DType::F32, g.data_ptr(), a.sgate.data_ptr(), T, 1, H);
-      float* gp = g.data_ptr<float>();
-      for (int64_t t = 0; t < T; ++t) gp[t] = aligned::moe_shared_gate(gp[t]);
+      gemm_rows(row_major_gemm_params(a.dt, a.x.data_ptr(), a.sgate.data_ptr(), DType::F32, g.data_ptr(), T, 1, H,
+                                      kLinearLanes));  // the gate's logit; combine applies moe_shared_gate
     }
   }
   // 4. combine, per token
+  const auto cp = make_moe_combine_params(a.dt, y, pos, a.w, ys, g, out);
   const auto& mk = moe_kernels();
-  at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) {
-    mk.combine(a.dt, y.data_ptr<float>(), ps, a.w.data_ptr<float>(), k, ys.defined() ? ys.data_ptr<float>() : nullptr,
-               g.defined() ? g.data_ptr<float>() : nullptr, out.data_ptr(), H, b, e);
-  });
+  at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) { mk.combine(cp, b, e); });
   return out;
 }
 
@@ -289,13 +209,9 @@ at::Tensor moe_experts_reference(const at::Tensor& x, const at::Tensor& tw, cons
                                  const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
   const auto a = check_experts(x, tw, ids, w13, w2, sw13, sw2, sgate, "_moe_experts_reference");
   auto out = at::empty({a.T, a.H}, a.x.options());
+  const auto p = make_moe_experts_params(a.dt, a.x, a.w, a.ids, a.w13, a.w2, a.sw13, a.sw2, a.sgate, out);
   const auto& mk = moe_kernels();
-  at::parallel_for(0, a.T, 1, [&](int64_t b, int64_t e) {
-    mk.experts_reference(a.dt, a.x.data_ptr(), a.w.data_ptr<float>(), a.ids.data_ptr<int64_t>(), a.k,
-                         a.w13.data_ptr(), a.w2.data_ptr(), a.H, a.I, a.sw13.defined() ? a.sw13.data_ptr() : nullptr,
-                         a.sw2.defined() ? a.sw2.data_ptr() : nullptr, a.sgate.defined() ? a.sgate.data_ptr() : nullptr,
-                         a.Is, out.data_ptr(), b, e);
-  });
+  at::parallel_for(0, a.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
   return out;
 }
 

@@ -21,15 +21,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#if defined(ALIGNED_EMULATED_GLUE)
-// Compiled a second time for the emulation target (csrc/emu/ops_emulated_*.cpp): CPU tensors, the emulated
-// launchers, no stream, and a registry instead of the CUDA dispatch key (csrc/emu/emulation.h).
-#include "../emu/emulation.h"
-#elif defined(ALIGNED_ROCM)
-#include <c10/hip/HIPStream.h>
-#else
-#include <c10/cuda/CUDAStream.h>
-#endif
+// Compiled a second time for the emulation target (csrc/emu/ops_emulated_*.cpp, ALIGNED_EMULATED_GLUE): CPU
+// tensors, the emulated launchers, no stream, and a registry instead of the CUDA dispatch key
+// (csrc/emu/emulation.h); the stream and device helpers of each build are glue_common.h.
 
 #include <algorithm>
 #include <cmath>
@@ -41,40 +35,16 @@
 #include "../common/exact_linear.h"
 #include "../gpu/dense_api.h"
 #include "../gpu/exact_api.h"
-#include "../op_checks.h"
+#include "../op_params.h"
+#include "glue_common.h"
 
 namespace aligned::cuda {
 namespace {
 
 using gpu::DType;
-
-void* current_stream(const at::Tensor& t) {
-#if defined(ALIGNED_EMULATED_GLUE)
-  (void)t;
-  return nullptr;  // emulated launches are synchronous
-#elif defined(ALIGNED_ROCM)
-  return (void*)c10::hip::getCurrentHIPStream(t.device().index()).stream();
-#else
-  return (void*)c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-#endif
-}
-
-void check_launch(const char* err, const char* op) {
-  TORCH_CHECK(err == nullptr, "aligned::", op, ": kernel launch failed: ", err ? err : "");
-}
-
-// t must live on the same CUDA device as ref (ref itself must be a CUDA tensor).
-void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
-#if defined(ALIGNED_EMULATED_GLUE)
-  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
-              " must be a CPU tensor under aligned_ops.emulate, got device ", t.device());
-  (void)ref;
-#else
-  TORCH_CHECK(t.device().is_cuda(), "aligned::", op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), "aligned::", op, ": ", name, " is on ", t.device(), " but the inputs are on ",
-              ref.device(), " (all tensors must be on the same device)");
-#endif
-}
+using cuda_glue::check_cuda;
+using cuda_glue::check_launch;
+using cuda_glue::current_stream;
 
 // The per-device error words of the in-kernel value checks (dense_api.h DeviceError), allocated once per
 // device on first use (zeros: an async memset, no sync; vLLM's eager warm-up runs before graph capture) and
@@ -107,16 +77,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = at::empty_like(xc);
-  gpu::RmsNormParams p{};
-  p.dt = a.dt;
-  p.wdt = a.wdt;
-  p.x = xc.data_ptr();
-  p.w = wc.data_ptr();
-  p.out = out.data_ptr();
-  p.H = a.H;
-  p.rows = a.rows;
-  p.eps = (float)eps;
-  check_launch(gpu::launch_rms_norm(p, current_stream(x)), op);
+  check_launch(gpu::launch_rms_norm(make_rms_norm_params(a, xc, wc, out, eps), current_stream(x)), op);
   return out;
 }
 
@@ -130,17 +91,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc), res_out = at::empty_like(xc);
-  gpu::RmsNormParams p{};
-  p.dt = a.dt;
-  p.wdt = a.wdt;
-  p.x = xc.data_ptr();
-  p.residual = rc.data_ptr();
-  p.w = wc.data_ptr();
-  p.out = out.data_ptr();
-  p.residual_out = res_out.data_ptr();
-  p.H = a.H;
-  p.rows = a.rows;
-  p.eps = (float)eps;
+  const auto p = make_rms_norm_params(a, xc, wc, out, eps, rc, res_out);
   check_launch(gpu::launch_fused_add_rms_norm(p, current_stream(x)), op);
   return {out, res_out};
 }
@@ -157,18 +108,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   auto dx = at::empty_like(xc);
   auto inv = at::empty({a.rows}, x.options().dtype(at::kFloat));
   auto dw = at::empty({a.H}, x.options().dtype(at::kFloat));
-  gpu::RmsNormBackwardParams p{};
-  p.dt = a.dt;
-  p.wdt = a.wdt;
-  p.g = gc.data_ptr();
-  p.x = xc.data_ptr();
-  p.w = wc.data_ptr();
-  p.dx = dx.data_ptr();
-  p.inv = inv.data_ptr<float>();
-  p.dw = dw.data_ptr<float>();
-  p.rows = a.rows;
-  p.H = a.H;
-  p.eps = (float)eps;
+  const auto p = make_rms_norm_backward_params(a, gc, xc, wc, dx, inv, dw, eps);
   check_launch(gpu::launch_rms_norm_backward(p, current_stream(x)), op);
   return {dx, dw.to(weight.scalar_type())};
 }
@@ -182,13 +122,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto sizes = xc.sizes().vec();
   sizes.back() = a.d;
   auto out = at::empty(sizes, xc.options());
-  gpu::SiluMulParams p{};
-  p.dt = a.dt;
-  p.x = xc.data_ptr();
-  p.out = out.data_ptr();
-  p.d = a.d;
-  p.rows = a.rows;
-  check_launch(gpu::launch_silu_and_mul(p, current_stream(x)), op);
+  check_launch(gpu::launch_silu_and_mul(make_silu_and_mul_params(a, xc, out), current_stream(x)), op);
   return out;
 }
 
@@ -200,14 +134,7 @@ at::Tensor silu_and_mul_backward(const at::Tensor& grad, const at::Tensor& x) {
   c10::DeviceGuard guard(x.device());
   auto gc = grad.contiguous(), xc = x.contiguous();
   auto dx = at::empty_like(xc);
-  gpu::SiluMulParams p{};
-  p.dt = a.dt;
-  p.g = gc.data_ptr();
-  p.x = xc.data_ptr();
-  p.out = dx.data_ptr();
-  p.d = a.d;
-  p.rows = a.rows;
-  check_launch(gpu::launch_silu_and_mul_backward(p, current_stream(x)), op);
+  check_launch(gpu::launch_silu_and_mul_backward(make_silu_and_mul_params(a, xc, dx, gc), current_stream(x)), op);
   return dx;
 }
 
@@ -220,20 +147,7 @@ at::Tensor rotary_impl(const at::Tensor& positions, const at::Tensor& x, const a
   const auto a = check_rotary<DType>(positions, x, cache, rot, op, ValueChecks::kInKernel);
   auto xc = x.contiguous(), cc = cache.contiguous();
   auto out = at::empty_like(xc);
-  gpu::RotaryParams p{};
-  p.dt = a.dt;
-  p.positions = a.positions.data_ptr<int64_t>();
-  p.x = xc.data_ptr();
-  p.out = out.data_ptr();
-  p.cache = cc.data_ptr<float>();
-  p.T = a.T;
-  p.heads = a.heads;
-  p.head_dim = a.head_dim;
-  p.rot = rot;
-  p.is_neox = is_neox;
-  p.inverse = inverse;
-  p.max_pos = cc.size(0);
-  p.error_flags = device_error_flags(x);
+  const auto p = make_rotary_params(a, xc, cc, out, rot, is_neox, inverse, device_error_flags(x));
   check_launch(gpu::launch_rotary(p, current_stream(x)), op);
   return out;
 }
@@ -247,131 +161,103 @@ at::Tensor rotary_embedding_backward(const at::Tensor& positions, const at::Tens
   return rotary_impl(positions, grad, cache, rot, is_neox, true, "rotary_embedding_backward");
 }
 
-// The log-prob family's arguments (op_checks.h) after this glue's device checks, with the launch params
-// filled in from them.
-struct LogitsArgs {
-  at::Tensor z, temps, ids;
-  gpu::LogitsParams p{};
-};
+// The log-prob family: the glue's device checks, the shared checks (op_checks.h, values checked in the
+// kernels), then the params (op_params.h) with this device's error words.
+using LogitsArgs = aligned::LogitsArgs<DType>;
 
 LogitsArgs check_logits(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures,
                         const char* op) {
   check_cuda(logits, logits, op, "logits");
   if (temperatures.has_value() && temperatures->defined()) check_cuda(*temperatures, logits, op, "temperatures");
-  auto checked = aligned::check_logits<DType>(logits, temperature, temperatures, op, ValueChecks::kInKernel);
-  LogitsArgs a;
-  a.z = checked.z;
-  a.temps = checked.temps;
-  a.p.dt = checked.dt;
-  a.p.T = checked.T;
-  a.p.V = checked.V;
-  a.p.tau = checked.tau;
-  a.p.temps = checked.temps_ptr();
-  a.p.z = a.z.data_ptr();
-  a.p.error_flags = device_error_flags(logits);
-  return a;
+  return aligned::check_logits<DType>(logits, temperature, temperatures, op, ValueChecks::kInKernel);
 }
 
-void check_ids(const at::Tensor& ids, LogitsArgs& a, const char* op) {
+at::Tensor check_ids(const at::Tensor& ids, const LogitsArgs& a, const char* op) {
   check_cuda(ids, a.z, op, "token_ids");
-  a.ids = check_token_ids(ids, a.p.T, a.p.V, op, ValueChecks::kInKernel);
-  a.p.ids = a.ids.data_ptr<int64_t>();
+  return check_token_ids(ids, a.T, a.V, op, ValueChecks::kInKernel);
+}
+
+LogitsParams logits_params(const LogitsArgs& a, const LogitsTensors& t, const at::Tensor& logits) {
+  return make_logits_params(a, t, LogitsGrad::kTokenLogprobs, 0, device_error_flags(logits));
 }
 
 at::Tensor logsumexp(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   const char* op = "logsumexp";
   auto a = check_logits(logits, temperature, temperatures, op);
   c10::DeviceGuard guard(logits.device());
-  auto lse = at::empty({a.p.T}, a.z.options().dtype(at::kFloat));
-  a.p.lse = lse.data_ptr<float>();
-  check_launch(gpu::launch_logsumexp(a.p, current_stream(logits)), op);
-  return lse;
+  LogitsTensors t;
+  t.lse = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  check_launch(gpu::launch_logsumexp(logits_params(a, t, logits), current_stream(logits)), op);
+  return t.lse;
 }
 
 at::Tensor log_softmax(const at::Tensor& logits, double temperature, const std::optional<at::Tensor>& temperatures) {
   const char* op = "log_softmax";
   auto a = check_logits(logits, temperature, temperatures, op);
   c10::DeviceGuard guard(logits.device());
-  auto out = at::empty({a.p.T, a.p.V}, a.z.options().dtype(at::kFloat));
-  a.p.out_f32 = out.data_ptr<float>();
-  check_launch(gpu::launch_log_softmax(a.p, current_stream(logits)), op);
-  return out;
+  LogitsTensors t;
+  t.out_f32 = at::empty({a.T, a.V}, a.z.options().dtype(at::kFloat));
+  check_launch(gpu::launch_log_softmax(logits_params(a, t, logits), current_stream(logits)), op);
+  return t.out_f32;
 }
 
 at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature,
                           const std::optional<at::Tensor>& temperatures) {
   const char* op = "token_logprobs";
   auto a = check_logits(logits, temperature, temperatures, op);
-  check_ids(ids, a, op);
+  LogitsTensors t;
+  t.ids = check_ids(ids, a, op);
   c10::DeviceGuard guard(logits.device());
-  auto out = at::empty({a.p.T}, a.z.options().dtype(at::kFloat));
-  a.p.out_f32 = out.data_ptr<float>();
-  check_launch(gpu::launch_token_logprobs(a.p, current_stream(logits)), op);
-  return out;
+  t.out_f32 = at::empty({a.T}, a.z.options().dtype(at::kFloat));
+  check_launch(gpu::launch_token_logprobs(logits_params(a, t, logits), current_stream(logits)), op);
+  return t.out_f32;
 }
 
 // The backward ops of the family: grad [T] (token_logprobs, logsumexp) or [T, V] (log_softmax).
-at::Tensor logits_backward(const at::Tensor& grad, LogitsArgs& a, const at::Tensor& logits, bool per_logit,
-                           const char* (*launch)(const gpu::LogitsParams&, void*), const char* op) {
+at::Tensor logits_backward(const at::Tensor& grad, const LogitsArgs& a, LogitsTensors& t, const at::Tensor& logits,
+                           bool per_logit, const char* (*launch)(const LogitsParams&, void*), const char* op) {
   check_cuda(grad, logits, op, "grad");
   c10::DeviceGuard guard(logits.device());
-  auto g = check_logits_grad(grad, a.p.T, a.p.V, per_logit, op);
-  auto dz = at::empty({a.p.T, a.p.V}, a.z.options());
-  a.p.g = g.data_ptr<float>();
-  a.p.dz = dz.data_ptr();
-  check_launch(launch(a.p, current_stream(logits)), op);
-  return dz;
+  t.g = check_logits_grad(grad, a.T, a.V, per_logit, op);
+  t.dz = at::empty({a.T, a.V}, a.z.options());
+  check_launch(launch(logits_params(a, t, logits), current_stream(logits)), op);
+  return t.dz;
 }
 
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ids,
                                    double temperature, const std::optional<at::Tensor>& temperatures) {
   const char* op = "token_logprobs_backward";
   auto a = check_logits(logits, temperature, temperatures, op);
-  check_ids(ids, a, op);
-  return logits_backward(grad, a, logits, false, gpu::launch_token_logprobs_backward, op);
+  LogitsTensors t;
+  t.ids = check_ids(ids, a, op);
+  return logits_backward(grad, a, t, logits, false, gpu::launch_token_logprobs_backward, op);
 }
 
 at::Tensor logsumexp_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
                               const std::optional<at::Tensor>& temperatures) {
   const char* op = "logsumexp_backward";
   auto a = check_logits(logits, temperature, temperatures, op);
-  return logits_backward(grad, a, logits, false, gpu::launch_logsumexp_backward, op);
+  LogitsTensors t;
+  return logits_backward(grad, a, t, logits, false, gpu::launch_logsumexp_backward, op);
 }
 
 at::Tensor log_softmax_backward(const at::Tensor& grad, const at::Tensor& logits, double temperature,
                                 const std::optional<at::Tensor>& temperatures) {
   const char* op = "log_softmax_backward";
   auto a = check_logits(logits, temperature, temperatures, op);
-  return logits_backward(grad, a, logits, true, gpu::launch_log_softmax_backward, op);
+  LogitsTensors t;
+  return logits_backward(grad, a, t, logits, true, gpu::launch_log_softmax_backward, op);
 }
 
 // ---- linear --------------------------------------------------------------------------------------------
 // lanes > 1 (linear, linear_partial): the lane sums go through an fp32 workspace [lanes, ws_rows, N]
-// (gemm_fp32.cuh).
-void run_gemm(DType dt, const at::Tensor& A, int64_t a_sm, int64_t a_sk, const at::Tensor& B, int64_t b_sn,
-              int64_t b_sk, const at::Tensor* bias, at::Tensor& C, DType cdt, int64_t M, int64_t N, int64_t K,
-              int lanes, const char* op) {
-  gpu::GemmParams p{};
-  p.adt = p.bdt = dt;
-  p.cdt = cdt;
-  p.A = A.data_ptr();
-  p.a_sm = a_sm;
-  p.a_sk = a_sk;
-  p.B = B.data_ptr();
-  p.b_sn = b_sn;
-  p.b_sk = b_sk;
-  p.bias = bias ? bias->data_ptr() : nullptr;
-  p.C = C.data_ptr();
-  p.c_sm = N;
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.lanes = lanes;
+// (gemm_fp32.cuh), sized by params_linear.h's gemm_workspace_rows.
+void run_gemm(GemmParams p, const at::Tensor& C, const char* op) {
+  if (p.M <= 0 || p.N <= 0) return;
   at::Tensor ws;
-  if (lanes > 1) {  // at most ~64 MiB of lane sums at a time (M runs in chunks of whole 128-row tiles)
-    const int64_t budget_rows = ((int64_t)64 << 20) / ((int64_t)lanes * N * 4) / 128 * 128;
-    p.ws_rows = std::min<int64_t>(M, std::max<int64_t>(128, budget_rows));
-    ws = at::empty({lanes, p.ws_rows, N}, C.options().dtype(at::kFloat));
+  if (p.lanes > 1) {
+    p.ws_rows = gemm_workspace_rows(p.M, p.N, p.lanes);
+    ws = at::empty({p.lanes, p.ws_rows, p.N}, C.options().dtype(at::kFloat));
     p.lane_ws = ws.data_ptr<float>();
   }
   check_launch(gpu::launch_gemm(p, current_stream(C)), op);  // ws is stream-ordered by the caching allocator
@@ -384,16 +270,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   if (bias.has_value() && bias->defined()) check_cuda(*bias, x, op, "bias");
   c10::DeviceGuard guard(x.device());
   const auto a = check_linear<DType>(x, weight, bias);
-  const DType dt = a.dt;
-  const int64_t M = a.M, K = a.K, N = a.N;  // M from the leading dims: reshape({-1, 0}) is ambiguous when K == 0
-  const at::Tensor& b = a.bias;
-  auto xc = x.reshape({M, K}).contiguous();
+  // M from the leading dims: reshape({-1, 0}) is ambiguous when K == 0
+  auto xc = x.reshape({a.M, a.K}).contiguous();
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0)
-    run_gemm(dt, xc, K, 1, weight, weight.stride(0), weight.stride(1), b.defined() ? &b : nullptr, out, dt, M, N, K,
-             kLinearLanes, op);
+  sizes.back() = a.N;
+  auto out = at::empty({a.M, a.N}, x.options());
+  run_gemm(make_linear_params(a, xc, weight, out, a.dt, kLinearLanes), out, op);
   return out.view(sizes);
 }
 
@@ -403,14 +285,11 @@ at::Tensor linear_partial(const at::Tensor& x, const at::Tensor& weight, int64_t
   check_cuda(weight, x, op, "weight");
   c10::DeviceGuard guard(x.device());
   const auto a = check_linear_partial<DType>(x, weight, lanes);
-  const int64_t M = a.M, K = a.K, N = a.N;
-  auto xc = x.reshape({M, K}).contiguous();
+  auto xc = x.reshape({a.M, a.K}).contiguous();
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0)
-    run_gemm(a.dt, xc, K, 1, weight, weight.stride(0), weight.stride(1), nullptr, out, DType::F32, M, N, K, (int)lanes,
-             op);
+  sizes.back() = a.N;
+  auto out = at::empty({a.M, a.N}, x.options().dtype(at::kFloat));
+  run_gemm(make_linear_params(a, xc, weight, out, DType::F32, (int)lanes), out, op);
   return out.view(sizes);
 }
 
@@ -422,33 +301,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor&
   check_cuda(grad, x, op, "grad_out");
   check_cuda(weight, x, op, "weight");
   const auto a = check_linear_backward<DType>(grad, x, weight);
-  const DType dt = a.dt;
   const int64_t M = a.M, K = a.K, N = a.N;
   c10::DeviceGuard guard(x.device());
   auto g = grad.reshape({M, N}).contiguous();
   auto xc = x.reshape({M, K}).contiguous();
   auto wc = weight.contiguous();
   at::Tensor dx, dw, db;
-  if (needs_x) {
-    // dx[m, k] = chain over n of g[m, n] * w[n, k]
+  if (needs_x) {  // dx[m, k] = chain over n of g[m, n] * w[n, k]
     dx = at::empty({M, K}, x.options());
-    if (M > 0 && K > 0) run_gemm(dt, g, N, 1, wc, 1, K, nullptr, dx, dt, M, K, N, 1, op);  // one chain: 1 lane
+    run_gemm(make_linear_dx_params(a, g, wc, dx), dx, op);
     dx = dx.view(x.sizes());
   }
-  if (needs_w) {
-    // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
+  if (needs_w) {  // dw[n, k] = chain over m (token order) of g[m, n] * x[m, k]
     dw = at::empty({N, K}, weight.options());
-    if (N > 0 && K > 0) run_gemm(dt, g, 1, N, xc, 1, K, nullptr, dw, dt, N, K, M, 1, op);
+    run_gemm(make_linear_dw_params(a, g, xc, dw), dw, op);
   }
   if (needs_b) {
     db = at::empty({N}, x.options());
-    gpu::ColumnSumParams p{};
-    p.dt = p.out_dt = dt;
-    p.g = g.data_ptr();
-    p.out = db.data_ptr();
-    p.rows = M;
-    p.cols = N;
-    check_launch(gpu::launch_column_sum(p, current_stream(x)), op);
+    check_launch(gpu::launch_column_sum(make_column_sum_params(a, g, db), current_stream(x)), op);
   }
   return {dx, dw, db};
 }
@@ -459,7 +329,7 @@ at::Tensor elementwise_f32(const at::Tensor& x, bool is_log, const char* op) {
   c10::DeviceGuard guard(x.device());
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
-  gpu::ElementwiseParams p{xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel()};
+  const auto p = make_elementwise_params(xc, out);
   check_launch(is_log ? gpu::launch_log_f32(p, current_stream(x)) : gpu::launch_exp_f32(p, current_stream(x)), op);
   return out;
 }

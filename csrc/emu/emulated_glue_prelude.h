@@ -16,6 +16,7 @@
 
 #include "../attention_checks.h"
 #include "../op_checks.h"
+#include "../op_params.h"
 #include "emulation.h"
 
 #define ALIGNED_EMULATED_GLUE 1

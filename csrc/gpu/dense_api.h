@@ -1,8 +1,8 @@
 // dense_api.h — the torch-free host interface of the GPU dense kernels (CUDA and HIP).
 //
-// The torch glue (csrc/cuda/ops_cuda.cpp) fills one params struct per op with raw device pointers and
-// calls the launcher; the launchers are defined once in csrc/gpu/dense_launch.cuh and compiled by nvcc
-// (csrc/cuda/dense.cu) or hip-clang (csrc/hip/dense.hip). This header includes no vendor header, so the
+// The torch glue (csrc/cuda/ops_cuda.cpp) gets one params struct per op (csrc/common/params_*.h, filled by
+// csrc/op_params.h: raw device pointers) and calls the launcher; the launchers are defined once in
+// csrc/gpu/dense_launch.cuh and compiled by nvcc (csrc/cuda/dense.cu) or hip-clang (csrc/hip/dense.hip). This header includes no vendor header, so the
 // glue compiles as plain C++ and the stream travels as an opaque pointer (cudaStream_t / hipStream_t).
 //
 // Every launcher enqueues its kernels on `stream` and returns nullptr, or the runtime's error string
@@ -12,6 +12,9 @@
 #include <stdint.h>
 
 #include "../common/dtype.h"
+#include "../common/params_dense.h"
+#include "../common/params_linear.h"
+#include "../common/params_logits.h"
 
 namespace aligned::gpu {
 
@@ -29,94 +32,17 @@ enum DeviceError : int {
   kNumDeviceErrors = 3,
 };
 
-struct RmsNormParams {
-  DType dt, wdt;           // x/out dtype; weight dtype (== dt or F32)
-  const void* x;           // [rows, H]
-  const void* residual;    // fused_add_rms_norm only: [rows, H], else nullptr
-  const void* w;           // [H]
-  void* out;               // [rows, H]
-  void* residual_out;      // fused_add_rms_norm only: [rows, H], else nullptr
-  int64_t rows, H;
-  float eps;
-};
-
-struct RmsNormBackwardParams {
-  DType dt, wdt;
-  const void* g;   // [rows, H]
-  const void* x;   // [rows, H]
-  const void* w;   // [H]
-  void* dx;        // [rows, H]
-  float* inv;      // [rows] scratch: 1/rms per row (written by the dx pass, read by the dw pass)
-  float* dw;       // [H] fp32
-  int64_t rows, H;
-  float eps;
-};
-
-struct SiluMulParams {
-  DType dt;
-  const void* g;   // backward only: [rows, d], else nullptr
-  const void* x;   // [rows, 2d]
-  void* out;       // forward: [rows, d]; backward: dx [rows, 2d]
-  int64_t rows, d;
-};
-
-struct RotaryParams {
-  DType dt;
-  const int64_t* positions;  // [T]; an entry outside [0, max_pos) gives NaN and error_flags[kErrRotaryPosition]
-  const void* x;             // [T, heads, head_dim]
-  void* out;                 // [T, heads, head_dim]
-  const float* cache;        // [max_pos, rot]
-  int64_t T, heads, head_dim, rot;
-  bool is_neox, inverse;
-  int64_t max_pos;           // rows of cache
-  int32_t* error_flags;      // [kNumDeviceErrors] device words, or nullptr (values checked on the host)
-};
-
-// The log-prob family: logits [T, V]; temperature per row (temps) or the scalar tau.
-struct LogitsParams {
-  DType dt;
-  const void* z;
-  int64_t T, V;
-  float tau;
-  const float* temps;     // [T] or nullptr; an entry not finite or < FLT_MIN: NaN row + kErrTemperature
-  const int64_t* ids;     // [T] (token_logprobs / backward); outside [0, V): NaN row + kErrTokenId
-  const float* g;         // backward: [T] (token_logprobs, logsumexp) or [T, V] (log_softmax), fp32
-  float* lse;             // [T] out (logsumexp), or nullptr
-  float* out_f32;         // log_softmax [T, V] / token_logprobs [T], or nullptr
-  void* dz;               // backward [T, V] in dt, or nullptr
-  int32_t* error_flags;   // [kNumDeviceErrors] device words, or nullptr (values checked on the host)
-};
-
-// C[m, n] = round_TC(linear_lane_fold over `lanes` lanes of the fma chains of A[m, :] * B[n, :] (+ bias[n]))
-// (contract.h, `fma` profile), element strides. adt == bdt; cdt == adt, or F32 (linear_partial).
-struct GemmParams {
-  DType adt, bdt, cdt;
-  const void* A;
-  int64_t a_sm, a_sk;
-  const void* B;
-  int64_t b_sn, b_sk;
-  const void* bias;  // [N] in cdt, or nullptr
-  void* C;           // [M, N] contiguous (row stride c_sm)
-  int64_t c_sm;
-  int64_t M, N, K;
-  int lanes;         // 1, 2, 4 or 8 (8: linear; 1: backward chains)
-  float* lane_ws;    // [lanes, ws_rows, N] fp32 scratch, required when lanes > 1
-  int64_t ws_rows;   // rows the workspace holds: M is run in chunks of ws_rows rows (bounds its memory)
-};
-
-// out[n] = round(chain over m = 0..rows-1 of (. + g[m, n])), g [rows, cols] contiguous.
-struct ColumnSumParams {
-  DType dt, out_dt;
-  const void* g;
-  void* out;
-  int64_t rows, cols;
-};
-
-struct ElementwiseParams {
-  const float* x;
-  float* out;
-  int64_t n;
-};
+// The params structs are the families' own, shared with the CPU backend (csrc/common/params_*.h); the
+// glue fills them once from tensors (csrc/op_params.h). Fields a GPU launcher ignores: LogitsParams::pairs,
+// v0 and mode (the CPU's kernel table reads them).
+using aligned::ColumnSumParams;
+using aligned::ElementwiseParams;
+using aligned::GemmParams;
+using aligned::LogitsParams;
+using aligned::RmsNormBackwardParams;
+using aligned::RmsNormParams;
+using aligned::RotaryParams;
+using aligned::SiluMulParams;
 
 const char* launch_rms_norm(const RmsNormParams& p, void* stream);
 const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream);

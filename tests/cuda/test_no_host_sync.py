@@ -28,6 +28,9 @@ import aligned_ops
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GLUE = ROOT / "csrc" / "cuda" / "ops_cuda.cpp"
 ATTENTION_GLUE = ROOT / "csrc" / "cuda" / "ops_attention_cuda.cpp"
+GLUE_COMMON = ROOT / "csrc" / "cuda" / "glue_common.h"  # the stream / launch / device helpers ops_cuda.cpp uses
+# Where the negative controls plant a violation: a glue function every build of ops_cuda.cpp has.
+PLANT_BEFORE = "int32_t* device_error_flags("
 
 # Host reads of device data / synchronisations, as they are spelled in C++ glue.
 CXX_FORBIDDEN = {
@@ -89,6 +92,7 @@ def test_cuda_attention_glue_has_no_host_read():
 def test_cuda_glue_has_no_host_read():
     src = GLUE.read_text()
     assert scan_glue(src) == []
+    assert scan_glue(GLUE_COMMON.read_text()) == []
     # The value checks are really called there (the scan is not vacuous).
     stripped = _strip_comments(src)
     for name in VALUE_CHECKS:
@@ -109,7 +113,9 @@ def test_cuda_glue_has_no_host_read():
     "at::Tensor linear_exact_pack_weight_twice(const at::Tensor& w) {\n  int s = w.max().item<int8_t>();\n}\n",
 ])
 def test_scan_negative_control(planted):
-    src = GLUE.read_text().replace("void check_launch(", planted + "\nvoid check_launch(", 1)
+    clean = GLUE.read_text()
+    assert PLANT_BEFORE in clean
+    src = clean.replace(PLANT_BEFORE, planted + "\n" + PLANT_BEFORE, 1)
     assert scan_glue(src), planted
 
 

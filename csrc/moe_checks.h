@@ -1,0 +1,135 @@
+// moe_checks.h — argument validation of the moe family (moe_routing(_backward), moe_experts and its plain
+// reference), written once for every backend's torch glue (today csrc/cpu/ops_moe_cpu.cpp; a GPU glue calls the
+// same functions with ValueChecks::kInKernel). Each glue checks devices first (check_cpu / check_cuda), then
+// calls these; they return what the glue needs to allocate and fill the params (csrc/op_params.h).
+//
+// Device-independent (ATen only). The one data-value check (top-k ids in [0, E)) reads the ids on the host
+// only under ValueChecks::kHost, like op_checks.h's.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "common/moe.h"
+#include "op_checks.h"
+
+namespace aligned {
+
+inline MoeScoring check_moe_scoring(const std::string& s, const char* op) {
+  if (s == "softmax") return MoeScoring::Softmax;
+  if (s == "sigmoid") return MoeScoring::Sigmoid;
+  TORCH_CHECK(false, "aligned::", op, ": scoring must be 'softmax' or 'sigmoid', got '", s, "'");
+}
+
+// router_logits [T, E], any float dtype; returns its dtype.
+template <class DTypeEnum>
+DTypeEnum check_router_logits(const at::Tensor& z, const char* op) {
+  TORCH_CHECK(z.dim() == 2, "aligned::", op, ": router_logits must be 2-D [tokens, experts], got ", z.sizes());
+  return dtype_of<DTypeEnum>(z, op, "router_logits");
+}
+
+// moe_routing: top_k in [1, E].
+template <class DTypeEnum>
+DTypeEnum check_moe_routing(const at::Tensor& z, int64_t top_k, const char* op) {
+  const DTypeEnum dt = check_router_logits<DTypeEnum>(z, op);
+  const int64_t E = z.size(1);
+  TORCH_CHECK(E >= 1, "aligned::", op, ": router_logits must have at least one expert column");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "aligned::", op, ": top_k must be in [1, ", E, "], got ", top_k);
+  return dt;
+}
+
+// topk_ids [T, k], int64 or int32, every id in [0, E) (read under ValueChecks::kHost). Returns int64, contiguous.
+inline at::Tensor check_topk_ids(const at::Tensor& ids, int64_t T, int64_t E, const char* op,
+                                 ValueChecks values = ValueChecks::kHost) {
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "aligned::", op, ": topk_ids must be [", T, ", k], got ",
+              ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "aligned::", op,
+              ": topk_ids must be int64 or int32, got ", ids.scalar_type());
+  auto idc = ids.to(at::kLong).contiguous();
+  if (idc.numel() > 0 && values == ValueChecks::kHost) {
+    const int64_t lo = idc.min().item<int64_t>(), hi = idc.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < E, "aligned::", op, ": topk_ids must lie in [0, ", E, "), got range [", lo, ", ", hi,
+                "]");
+  }
+  return idc;
+}
+
+// moe_routing_backward's gradients: grad_weights [T, k] and grad_scores [T, E] (optional), as fp32 contiguous.
+inline at::Tensor check_moe_grad_weights(const at::Tensor& grad_w, int64_t T, int64_t k, const char* op) {
+  TORCH_CHECK(grad_w.dim() == 2 && grad_w.size(0) == T && grad_w.size(1) == k, "aligned::", op,
+              ": grad_weights must be [", T, ", ", k, "], got ", grad_w.sizes());
+  return grad_w.to(at::kFloat).contiguous();
+}
+inline at::Tensor check_moe_grad_scores(const std::optional<at::Tensor>& grad_scores, const at::Tensor& z,
+                                        const char* op) {
+  if (!grad_scores.has_value() || !grad_scores->defined()) return at::Tensor();
+  TORCH_CHECK(grad_scores->sizes() == z.sizes(), "aligned::", op, ": grad_scores must be [", z.size(0), ", ",
+              z.size(1), "], got ", grad_scores->sizes());
+  return grad_scores->to(at::kFloat).contiguous();
+}
+
+// moe_experts (and its reference): x [T, H], topk_weights fp32 [T, k], topk_ids [T, k], w13 [E, 2I, H],
+// w2 [E, H, I], an optional shared expert (shared_w13 [2Is, H], shared_w2 [H, Is]) and its optional gate [1, H].
+template <class DTypeEnum>
+struct MoeExpertsArgs {
+  DTypeEnum dt;
+  int64_t T, H, k, E, I, Is;                 // Is = 0 without a shared expert
+  at::Tensor x, w, ids, w13, w2, sw13, sw2, sgate;  // contiguous; ids int64; the shared ones may be undefined
+};
+
+template <class DTypeEnum>
+MoeExpertsArgs<DTypeEnum> check_moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids,
+                                            const at::Tensor& w13, const at::Tensor& w2,
+                                            const std::optional<at::Tensor>& sw13,
+                                            const std::optional<at::Tensor>& sw2,
+                                            const std::optional<at::Tensor>& sgate, const char* op,
+                                            ValueChecks values = ValueChecks::kHost) {
+  MoeExpertsArgs<DTypeEnum> a;
+  TORCH_CHECK(x.dim() == 2, "aligned::", op, ": x must be 2-D [tokens, hidden], got ", x.sizes());
+  a.dt = dtype_of<DTypeEnum>(x, op, "x");
+  a.T = x.size(0);
+  a.H = x.size(1);
+  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == a.H && w13.size(1) % 2 == 0, "aligned::", op,
+              ": w13 must be [experts, 2 * intermediate, ", a.H, "], got ", w13.sizes());
+  a.E = w13.size(0);
+  a.I = w13.size(1) / 2;
+  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == a.E && w2.size(1) == a.H && w2.size(2) == a.I, "aligned::", op,
+              ": w2 must be [", a.E, ", ", a.H, ", ", a.I, "], got ", w2.sizes());
+  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "aligned::", op,
+              ": w13 and w2 must have x's dtype ", x.scalar_type(), ", got ", w13.scalar_type(), " and ",
+              w2.scalar_type());
+  a.ids = check_topk_ids(ids, a.T, a.E, op, values);
+  a.k = a.ids.size(1);
+  TORCH_CHECK(tw.dim() == 2 && tw.size(0) == a.T && tw.size(1) == a.k && tw.scalar_type() == at::kFloat,
+              "aligned::", op, ": topk_weights must be float32 [", a.T, ", ", a.k, "], got ", tw.scalar_type(), " ",
+              tw.sizes());
+  a.x = x.contiguous();
+  a.w = tw.contiguous();
+  a.w13 = w13.contiguous();
+  a.w2 = w2.contiguous();
+  a.Is = 0;
+  const bool has13 = sw13.has_value() && sw13->defined(), has2 = sw2.has_value() && sw2->defined();
+  TORCH_CHECK(has13 == has2, "aligned::", op, ": shared_w13 and shared_w2 must be given together");
+  if (has13) {
+    TORCH_CHECK(sw13->dim() == 2 && sw13->size(1) == a.H && sw13->size(0) % 2 == 0, "aligned::", op,
+                ": shared_w13 must be [2 * shared_intermediate, ", a.H, "], got ", sw13->sizes());
+    a.Is = sw13->size(0) / 2;
+    TORCH_CHECK(sw2->dim() == 2 && sw2->size(0) == a.H && sw2->size(1) == a.Is, "aligned::", op,
+                ": shared_w2 must be [", a.H, ", ", a.Is, "], got ", sw2->sizes());
+    TORCH_CHECK(sw13->scalar_type() == x.scalar_type() && sw2->scalar_type() == x.scalar_type(), "aligned::", op,
+                ": shared_w13 and shared_w2 must have x's dtype");
+    a.sw13 = sw13->contiguous();
+    a.sw2 = sw2->contiguous();
+  }
+  if (sgate.has_value() && sgate->defined()) {
+    TORCH_CHECK(has13, "aligned::", op, ": shared_gate needs a shared expert (shared_w13, shared_w2)");
+    TORCH_CHECK(sgate->numel() == a.H && sgate->scalar_type() == x.scalar_type(), "aligned::", op,
+                ": shared_gate must be [1, ", a.H, "] with x's dtype, got ", sgate->sizes(), " ", sgate->scalar_type());
+    a.sgate = sgate->reshape({1, a.H}).contiguous();
+  }
+  return a;
+}
+
+}  // namespace aligned

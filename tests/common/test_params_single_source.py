@@ -1,0 +1,130 @@
+"""One params struct per op family, shared by every backend (issue 9 item 1): the dense, logits, linear (`fma`)
+and moe families' params structs are each defined exactly once, in csrc/common/params_*.h (torch-free); no
+backend header or glue file defines its own copy; no glue file fills one field by field (they call
+csrc/op_params.h's make_*_params); and every CPU kernel-table entry of these families takes the struct, not a
+positional argument list. A source scan, checked against planted sources (negative controls)."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
+
+# The families this rule covers (attention and the exact linear have their own params headers and owners).
+FAMILY_PARAMS = {
+    "RmsNormParams", "RmsNormBackwardParams", "SiluMulParams", "RotaryParams", "ElementwiseParams",
+    "LogitsParams", "GemmParams", "ColumnSumParams", "MoeRoutingParams", "MoeCombineParams", "MoeExpertsParams",
+}
+# The CPU kernel tables of these families (csrc/cpu): every function-pointer entry takes a params struct.
+TABLE_HEADERS = ("cpu/cpu_kernels.h", "cpu/dense_split_kernels.h", "cpu/moe_kernels.h")
+TABLE_STRUCTS = ("KernelTable", "DenseSplitKernels", "MoeKernels")
+# DenseSplitKernels' fold steps take the parts' partial results, not an op's tensors.
+TABLE_EXEMPT = {"merge_max", "lane_exp_sums", "pair_of_lanes"}
+
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_STRING = re.compile(r'"(?:\\.|[^"\\])*"')
+_STRUCT_DEF = re.compile(r"\bstruct\s+(\w+Params)\s*(?::[^{;]*)?\{")
+# A glue file building a family struct itself: `RmsNormParams p{}` / `gpu::GemmParams p;` / `GemmParams p = {`.
+_LOCAL_STRUCT = re.compile(r"\b(?:\w+::)*(\w+Params)\s+\w+\s*(?:\{|;|=\s*\{)")
+_ENTRY = re.compile(r"\(\s*\*\s*(\w+)\s*\)\s*\(([^)]*)\)")
+
+
+def code_of(path: pathlib.Path) -> str:
+    return _STRING.sub('""', _COMMENT.sub(" ", path.read_text(errors="replace")))
+
+
+def sources(root: pathlib.Path):
+    return [p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in SOURCE_SUFFIXES]
+
+
+def struct_definitions(root: pathlib.Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path in sources(root):
+        for m in _STRUCT_DEF.finditer(code_of(path)):
+            if m.group(1) in FAMILY_PARAMS:
+                out.setdefault(m.group(1), []).append(str(path.relative_to(root)))
+    return out
+
+
+def glue_files(root: pathlib.Path):
+    return [p for p in sources(root) if p.parent.name in ("cpu", "cuda", "emu") and p.name.startswith("ops_")]
+
+
+def glue_fillings(root: pathlib.Path) -> dict[str, list[str]]:
+    out = {}
+    for path in glue_files(root):
+        hits = [m.group(1) for m in _LOCAL_STRUCT.finditer(code_of(path)) if m.group(1) in FAMILY_PARAMS]
+        if hits:
+            out[str(path.relative_to(root))] = hits
+    return out
+
+
+def positional_entries(root: pathlib.Path) -> dict[str, list[str]]:
+    out = {}
+    for rel, struct in zip(TABLE_HEADERS, TABLE_STRUCTS):
+        code = code_of(root / rel)
+        body = re.search(r"\bstruct\s+" + struct + r"\s*\{(.*?)\};", code, re.S)
+        assert body, f"{rel}: struct {struct} not found"
+        bad = []
+        for name, args in _ENTRY.findall(body.group(1)):
+            if name in TABLE_EXEMPT:
+                continue
+            first = args.split(",")[0].strip()
+            if not re.fullmatch(r"const\s+(\w+Params)\s*&\s*\w*", first) or \
+                    re.fullmatch(r"const\s+(\w+)\s*&\s*\w*", first).group(1) not in FAMILY_PARAMS:
+                bad.append(name)
+        if bad:
+            out[rel] = bad
+    return out
+
+
+def test_each_family_params_struct_defined_once_in_common():
+    defs = struct_definitions(CSRC)
+    assert set(defs) == FAMILY_PARAMS, sorted(FAMILY_PARAMS - set(defs))
+    for name, files in defs.items():
+        assert len(files) == 1 and re.fullmatch(r"common/params_\w+\.h", files[0]), (name, files)
+
+
+def test_params_headers_are_torch_free():
+    for path in sorted((CSRC / "common").glob("params_*.h")):
+        includes = re.findall(r'#include\s+[<"]([^>"]+)[>"]', path.read_text())
+        assert all(not i.startswith(("ATen", "torch", "c10", "cuda", "hip")) for i in includes), (path, includes)
+
+
+def test_no_glue_file_fills_a_params_struct():
+    assert glue_files(CSRC), "no glue files found"
+    assert glue_fillings(CSRC) == {}
+
+
+def test_cpu_kernel_tables_take_params_structs():
+    assert positional_entries(CSRC) == {}
+
+
+def test_scanner_negative_controls(tmp_path):
+    root = tmp_path / "csrc"
+    for d in ("common", "cpu", "cuda", "gpu"):
+        (root / d).mkdir(parents=True)
+    body = "".join(f"struct {n} {{ int x; }};\n" for n in sorted(FAMILY_PARAMS))
+    (root / "common" / "params_all.h").write_text(body)
+    # A backend header redefining one struct: two definitions, one outside common.
+    (root / "gpu" / "dense_api.h").write_text("namespace g {\nstruct RmsNormParams {\n  int dt;\n};\n}\n")
+    defs = struct_definitions(root)
+    assert defs["RmsNormParams"] == ["common/params_all.h", "gpu/dense_api.h"]
+    assert defs["GemmParams"] == ["common/params_all.h"]
+    # Glue filling a struct itself is caught; the same words in a comment or a call to make_*_params are not.
+    (root / "cuda" / "ops_cuda.cpp").write_text(
+        "void f() {\n  gpu::GemmParams p{};\n  p.M = 1;\n}\n// SiluMulParams q{};\n"
+        "void g() { const auto p = make_rms_norm_params(a); launch(p); }\n")
+    (root / "cpu" / "ops_cpu.cpp").write_text("void h() { LogitsParams lp;\n lp.T = 2; }\n")
+    assert glue_fillings(root) == {"cpu/ops_cpu.cpp": ["LogitsParams"], "cuda/ops_cuda.cpp": ["GemmParams"]}
+    # A kernel table entry with a positional list is caught; a params entry is not.
+    (root / "cpu" / "cpu_kernels.h").write_text(
+        "struct KernelTable {\n  const char* isa;\n  void (*rms_norm)(const RmsNormParams& p, int64_t r0, int64_t r1);\n"
+        "  void (*silu_and_mul)(DType dt, const void* x, void* out, int64_t d, int64_t r0, int64_t r1);\n"
+        "  void (*rotary)(const OtherThing& p, int64_t r0, int64_t r1);\n};\n")
+    (root / "cpu" / "dense_split_kernels.h").write_text(
+        "struct DenseSplitKernels {\n  void (*merge_max)(const float* m, int64_t n);\n};\n")
+    (root / "cpu" / "moe_kernels.h").write_text(
+        "struct MoeKernels {\n  void (*routing)(const MoeRoutingParams& p, int64_t r0, int64_t r1);\n};\n")
+    assert positional_entries(root) == {"cpu/cpu_kernels.h": ["silu_and_mul", "rotary"]}
