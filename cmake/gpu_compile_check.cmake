@@ -162,12 +162,15 @@ if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
   foreach(d IN LISTS TORCH_INCLUDE_DIRS Python_INCLUDE_DIRS)
     list(APPEND _inc_flags "-I${d}")
   endforeach()
+  file(GLOB _gc_params_headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/params_*.h")
   set(_ok "${_gc_dir}/ops_cuda.syntax.ok")
   add_custom_command(OUTPUT "${_ok}"
     COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
             "-I${_cuda_inc}" "${_glue}"
     COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
     DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_checks.h"
+            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_params.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/glue_common.h"
+            ${_gc_params_headers}
     COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
   list(APPEND _gc_outputs "${_ok}")
   list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_cuda.cpp")

@@ -95,6 +95,11 @@ def test_params_headers_are_torch_free():
 def test_no_glue_file_fills_a_params_struct():
     assert glue_files(CSRC), "no glue files found"
     assert glue_fillings(CSRC) == {}
+    # ... and the families' glue really takes its params from op_params.h (the scan is not vacuous).
+    for rel in ("cpu/ops_cpu.cpp", "cpu/ops_moe_cpu.cpp", "cuda/ops_cuda.cpp"):
+        code = code_of(CSRC / rel)
+        assert '#include "../op_params.h"' in (CSRC / rel).read_text(), rel
+        assert len(re.findall(r"\bmake_\w+_params\s*\(", code)) >= 3, rel
 
 
 def test_cpu_kernel_tables_take_params_structs():
