@@ -139,9 +139,10 @@ F64Mode f64_mode() {
   if (strcmp(e, "all") == 0) return F64Mode::kAll;
   TORCH_CHECK(false, "aligned::linear_exact_packed: ALIGNED_EXACT_F64 must be auto, all or off, got '", e, "'");
 }
-// Measured (bench/RESULTS.md, "exact linear: the fp64 path"): up to this many rows per call the fp64 kernel
-// beats the digit kernels.
-constexpr int64_t kF64MaxRows = 64;
+// Measured (bench/RESULTS.md, "exact linear: the fp64 path"; shared 2-vCPU AMX VM): the fp64 path beats the
+// AMX digit kernel at M = 1 (memory-bound: it streams 2 bytes per weight element, the digits 4) and loses from
+// M = 2 on (its fp64 FMA rate, plus the digit-path recomputation of the pairs failing the bound).
+constexpr int64_t kF64MaxRows = 1;
 
 // b (exact_linear.h) of every row of v [R, K] (contiguous) and its NaN / inf flag.
 void row_bounds(const at::Tensor& v, DType dt, std::vector<int32_t>& bound, std::vector<uint8_t>& bad) {

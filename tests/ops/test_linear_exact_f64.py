@@ -152,8 +152,8 @@ def test_bound_edge():
 
 
 def test_rows_invariant_across_batches_and_paths():
-    # M = 1 ... 300: a row's bits alone == in any batch, where ALIGNED_EXACT_F64=auto switches the whole call
-    # to the digit path above 64 rows and some rows (wide range, NaN) take it in every batch
+    # M = 1 ... 300: a row's bits alone == in any batch, where ALIGNED_EXACT_F64=auto takes the fp64 path for
+    # single rows only (and "all" at every M), and some rows (wide range, NaN) take the digit path in every batch
     g = _g(4)
     M, K, N = 300, 100, 37
     x = torch.randn(M, K, generator=g).bfloat16()
@@ -166,9 +166,12 @@ def test_rows_invariant_across_batches_and_paths():
     assert p.all(1).sum() > 200 and (~p.any(1)).sum() > 30
     wd, we, wb = ops.linear_exact_pack_weight(w)
     bounds = ops.linear_exact_f64_bounds(w)
+    for mode in ("auto", "all"):
+        with f64_mode(mode):
+            for m in (1, 2, 3, 5, 16, 17, 63, 64, 65, 127, 255, 300):
+                got = ops.linear_exact_packed(x[:m], wd, we, wb, N, None, 1, w, bounds)
+                assert_bitwise_equal(got, ref[:m], f"{mode} M={m}")
     with f64_mode("auto"):
-        for m in (1, 2, 3, 5, 16, 17, 63, 64, 65, 127, 255, 300):
-            assert_bitwise_equal(ops.linear_exact_packed(x[:m], wd, we, wb, N, None, 1, w, bounds), ref[:m], f"M={m}")
         for r in range(M):
             assert_bitwise_equal(ops.linear_exact_packed(x[r:r + 1], wd, we, wb, N, None, 1, w, bounds), ref[r:r + 1])
         old = torch.get_num_threads()
