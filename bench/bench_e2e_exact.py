@@ -6,6 +6,8 @@ the configurations are interleaved over --rounds and the median generated tokens
 ratio to stock in the same run.
 
     PYTHONPATH=python python3 bench/bench_e2e_exact.py [--rounds 2] [--threads 2] [--configs stock,exact,fma]
+
+(config exact-f64all: the exact profile with ALIGNED_EXACT_F64=all, its fp64 path wherever the bound holds.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import time
 
 
 def child(model, config, threads, out):
-    os.environ["ALIGNED_OPS_LINEAR"] = "exact" if config == "exact" else "fma"
+    os.environ["ALIGNED_OPS_LINEAR"] = "exact" if config.startswith("exact") else "fma"
+    if config == "exact-f64all":  # the exact profile with its fp64 path at every M (same bits)
+        os.environ["ALIGNED_EXACT_F64"] = "all"
     import torch
 
     torch.set_num_threads(threads)

@@ -55,38 +55,49 @@ def run(args):
         w = (torch.randn(N, K, generator=g) * 0.02).bfloat16()
         x = torch.randn(M, K, generator=g).bfloat16()
         packed = ops.linear_exact_pack_weight(w)
+        bounds = ops.linear_exact_f64_bounds(w)  # the fp64 path's per-row bounds (once per weight, as packed)
         inner = max(1, int(2e8 / (M * K * N)))  # calls per sample, so small shapes are not timer-bound
 
         def many(f):
             return lambda: [f() for _ in range(inner)]
 
-        fe = many(lambda: ops.linear_exact_packed(x, *packed, N))
+        def exact(mode):
+            def f():
+                os.environ["ALIGNED_EXACT_F64"] = mode  # read per call: auto = the op's own choice
+                return ops.linear_exact_packed(x, *packed, N, None, 1, w, bounds)
+            return f
+
+        fe = many(exact(args.f64))
+        fd = many(exact("off"))
         ft = many(lambda: F.linear(x, w))
         ff = many(lambda: ops.linear(x, w))
-        re, rf, te_all, tt_all, tf_all = [], [], [], [], []
-        for _ in range(args.repeats):  # interleaved: the machine's load hits all three alike
-            te, tt, tf = timed(fe, 3) / inner, timed(ft, 3) / inner, timed(ff, 3) / inner
+        re, rf, rd, td_all, te_all, tt_all, tf_all = [], [], [], [], [], [], []
+        for _ in range(args.repeats):  # interleaved: the machine's load hits all alike
+            te, tt, tf, td = timed(fe, 3) / inner, timed(ft, 3) / inner, timed(ff, 3) / inner, timed(fd, 3) / inner
             re.append(tt / te)
             rf.append(tt / tf)
+            rd.append(tt / td)
+            td_all.append(td)
             te_all.append(te)
             tt_all.append(tt)
             tf_all.append(tf)
         sw = packed[0].shape[0]
         mem = sum(t.numel() * t.element_size() for t in packed)
         rows.append((M, K, N, sw, mem, statistics.median(te_all), statistics.median(tt_all), statistics.median(tf_all),
-                     statistics.median(re), statistics.median(rf)))
+                     statistics.median(re), statistics.median(rf), statistics.median(td_all), statistics.median(rd)))
         print(f"  M={M} K={K} N={N}: exact {rows[-1][5]*1e3:.3f} ms, torch {rows[-1][6]*1e3:.3f} ms, "
               f"ratio {rows[-1][8]:.2f} (fma {rows[-1][9]:.2f})", file=sys.stderr, flush=True)
     torch_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "default (AMX)")
-    print(f"\n### linear_exact, unit {unit}, torch oneDNN ISA {torch_isa}, {args.threads} threads, "
+    print(f"\n### linear_exact (ALIGNED_EXACT_F64={args.f64}), unit {unit}, torch oneDNN ISA {torch_isa}, "
+          f"{args.threads} threads, "
           f"{'single-thread CPU time (time.thread_time)' if args.cpu_time else 'wall clock'}, "
           f"median of {args.repeats} interleaved repeats\n")
-    print("| M | K | N | weight digits | packed weight (MiB) | exact (ms) | torch bf16 (ms) | fma (ms) | "
-          "exact ratio (torch/exact) | fma ratio (torch/fma) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for M, K, N, sw, mem, te, tt, tf, r, rf in rows:
-        print(f"| {M} | {K} | {N} | {sw} | {mem / 2**20:.1f} | {te*1e3:.3f} | {tt*1e3:.3f} | {tf*1e3:.3f} | "
-              f"{r:.2f} | {rf:.2f} |")
+    print("| M | K | N | weight digits | packed weight (MiB) | exact (ms) | digit path only (ms) | torch bf16 (ms) | "
+          "fma (ms) | exact ratio (torch/exact) | digit-only ratio | fma ratio (torch/fma) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for M, K, N, sw, mem, te, tt, tf, r, rf, td, rd in rows:
+        print(f"| {M} | {K} | {N} | {sw} | {mem / 2**20:.1f} | {te*1e3:.3f} | {td*1e3:.3f} | {tt*1e3:.3f} | "
+              f"{tf*1e3:.3f} | {r:.2f} | {rd:.2f} | {rf:.2f} |")
     sys.stdout.flush()
 
 
@@ -97,6 +108,9 @@ def main():
     p.add_argument("--matrix", action="store_true")
     p.add_argument("--cpu-time", action="store_true")
     p.add_argument("--shapes", default="")
+    p.add_argument("--f64", default="auto", choices=("auto", "all", "off"),
+                   help="ALIGNED_EXACT_F64 for the exact op: auto (its choice), all (fp64 path wherever the bound "
+                        "holds), off (digit path only)")
     args = p.parse_args()
     if not args.matrix:
         return run(args)
@@ -114,6 +128,7 @@ def main():
                 cmd.append("--cpu-time")
             if args.shapes:
                 cmd += ["--shapes", args.shapes]
+            cmd += ["--f64", args.f64]
             subprocess.run(cmd, env=env, check=True)
 
 

@@ -106,8 +106,13 @@ TORCH_LIBRARY(aligned, m) {
   m.def("linear_exact_pack_weight(Tensor weight) -> (Tensor, Tensor, Tensor)");
   m.def(
       "linear_exact_packed(Tensor x, Tensor weight_digits, Tensor weight_exponents, Tensor weight_nonfinite, "
-      "int out_features, Tensor? bias=None, int k_parts=1) -> Tensor");
+      "int out_features, Tensor? bias=None, int k_parts=1, Tensor? weight=None, Tensor? weight_f64_bounds=None) -> Tensor");
   m.def("_linear_exact_reference(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // the CPU fp64 path (exact_linear.h): per weight row its bound b (int32 [N], once per weight version, like the
+  // digits); linear_exact_packed given the weight and these takes the path for row pairs meeting bx + bw <= 53
+  m.def("linear_exact_f64_bounds(Tensor weight) -> Tensor");
+  // test hook: which (x row, weight row) pairs meet that bound (bool [M, N])
+  m.def("_linear_exact_f64_pairs(Tensor x, Tensor weight_f64_bounds) -> Tensor");
 
   // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
   m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");

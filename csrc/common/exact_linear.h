@@ -253,6 +253,90 @@ ALIGNED_HD float exact_output_f32(int64_t hi, int64_t lo, int Ex, int Ew, bool b
   return bad ? float_of(0x7fc00000u) : round_split_f32(hi, lo, combine_q(Ex, Ew));
 }
 
+// ---- the fp64 path: the same exact sum in double arithmetic (CPU kernels: gemm_exact_kernels.cpp) -------
+//
+// The digit path above is one way to compute the exact sum P = sum_k x_k w_k of a row pair; where the sum
+// provably fits a double, fp64 arithmetic computes the same P, hence the same bits. Per row v (x rows at each
+// call, weight rows once per weight version: linear_exact_f64_bounds) an integer bound
+//     b(v) = nb(v) - lsb(v)   with   ||v||_2 < 2^nb(v)                     (f64_row_bound below)
+// and for a row pair the condition
+//     b(x) + b(w) <= 53.                                                                          (B)
+// Claim: if (B) holds, both rows are finite and both canonical forms are exact (E - lsb <= kMaxExactRange =
+// 8 kMaxDigits - 3 = 29, so V_k 2^q == v_k and P is the definition's sum), then EVERY fp64 evaluation of P
+// made of exact products and additions / FMAs — any lane split, any number of accumulators, any order or tree
+// of the horizontal sums — returns P exactly, and one RNE conversion double -> fp32 is round_f32(P), the value
+// the definition rounds (the epilogue after it — non-finite flag, bias add, rounding to T — is the digit
+// path's).
+// Proof. Let u = 2^(lsb(x) + lsb(w)). (1) Products: a bf16 (fp16, fp32) significand has at most 8 (11, 24)
+// bits, so x_k w_k has at most 16 (22, 48) <= 53 significant bits: it is an exact double, and a multiple of u
+// (each factor is a multiple of its row's lsb). (2) Every partial sum Q of any subset S of the K products (each
+// addition or FMA of any evaluation order adds two partial sums of disjoint subsets, or a product to one)
+// is, if all operations before it were exact, an integer multiple n u with, by Cauchy-Schwarz,
+// |Q| <= sum_S |x_k w_k| <= ||x||_2 ||w||_2 < 2^(nb(x) + nb(w)), so |n| < 2^(b(x) + b(w)) <= 2^53 by (B).
+// (3) An integer multiple n u with |n| <= 2^53 is a double: n fits the 53-bit significand, and u >= 2^-298
+// (the fp32 / bf16 lowest bit is 2^-149, fp16's 2^-24) is far above the double subnormal range (2^-1074),
+// |Q| < 2^(2 * 129 + 17) far below overflow. A correctly rounded operation whose exact result is representable
+// returns it (an FMA rounds a*b + c once), so by induction every operation is exact. (4) Subnormal inputs:
+// bf16 / fp16 / fp32 subnormals are exact doubles (cvtps2pd is exact unless DAZ is set — the CPU glue runs
+// every task of the exact linear with the IEEE MXCSR: no FTZ / DAZ, round to nearest even); a subnormal fp32
+// result of the final conversion is kept (no FTZ), as round_i128_f32 keeps it. (5) Signed zero: the
+// definition gives +0 for an exact zero sum (round_split_f32(0, 0, q) = (float)(+0.0 * 2^q) = +0;
+// round_i128_f32(0) = +0), whatever the signs of the zero products. In the fp64 path every accumulator starts
+// at +0.0, and under round-to-nearest x + y is -0 only when both are -0 (an exact cancellation x + (-x) is
+// +0), so by induction no accumulator, lane or horizontal sum is ever -0: an exact zero sum gives +0, and a
+// nonzero P rounds with its own sign (an fp32 underflow to zero keeps the sign, as round_i128_f32 does).
+// (6) Non-finite: a row of x holding NaN / inf takes the digit path (its outputs are NaN by the definition);
+// a weight row holding NaN / inf makes its output column NaN in both paths (the fp64 kernel's value is
+// overridden by the flag). (7) A zero row (no finite nonzero element) makes P = +0 whatever the other row:
+// b = kF64Zero makes (B) hold. A row whose canonical form rounds (range > 29) gets b = kF64Never: (B) fails
+// for every partner that is not zero, and the digit path computes it.
+// nb is computed in integers (order-free, so a pure function of the row): with e_k = floor(log2 |v_k|) and
+// E = max e_k, ||v||^2 < sum_k 4^(e_k + 1) <= 4^(E + 1 - kNormBins) I, I = sum_k (d_k <= kNormBins ?
+// 4^(kNormBins - d_k) : 1), d_k = E - e_k (an integer < 2^57 for K <= 2^17), so nb = E + 1 - kNormBins +
+// ceil(ceil_log2(I) / 2). The bound is tight for rows of equal magnitudes (Cauchy-Schwarz is then an
+// equality): tests/ops/test_linear_exact_f64.py builds a pair AT (B), which the fp64 path computes, and one
+// bit past it, whose exact sum needs 54 bits (the fp64 sum is inexact: it must, and does, take the digit
+// path). Typical rows: a Gaussian bf16 row of 1536 has ||v|| ~ 2^5.3 sigma and lsb ~ 2^-17 sigma, b ~ 24, so
+// (B) holds with ~5 bits to spare; a weight row holding one element 2^-20 below its max fails (B) and its
+// output column takes the digit path.
+constexpr int kMaxExactRange = 8 * kMaxDigits - 3;  // a row's E - lsb for which its canonical form is exact
+constexpr int kF64Bits = 53;
+constexpr int kF64Never = 1 << 20;    // b of a row whose canonical form rounds
+constexpr int kF64Zero = -(1 << 20);  // b of a row without finite nonzero elements
+constexpr int kNormBins = 20;
+
+ALIGNED_HD int ceil_log2_u64(uint64_t v) {  // v >= 1
+  return v <= 1 ? 0 : 64 - clz64(v - 1);
+}
+// The norm term of element f (finite, nonzero) for a row of max exponent E.
+ALIGNED_HD uint64_t f64_norm_term(int e, int E) {
+  const int d = E - e;
+  return d <= kNormBins ? (uint64_t)1 << (2 * (kNormBins - d)) : 1;
+}
+// b of a row from its scan (E = emax, lsb = lmin) and its norm sum I (over finite nonzero elements).
+ALIGNED_HD int f64_row_bound(const RowScan& s, uint64_t I) {
+  if (s.lmin == 100000) return kF64Zero;
+  if (s.emax - s.lmin > kMaxExactRange) return kF64Never;
+  const int nb = s.emax + 1 - kNormBins + (ceil_log2_u64(I) + 1) / 2;
+  return nb - s.lmin;
+}
+// The scalar form (tests, generic rows): two passes over the row.
+template <typename T>
+ALIGNED_HD int f64_row_bound(const T* v, int64_t K, bool* bad) {
+  RowScan s = row_scan_init();
+  for (int64_t k = 0; k < K; ++k) row_scan_add(s, to_f32(v[k]));
+  uint64_t I = 0;
+  if (s.lmin != 100000)
+    for (int64_t k = 0; k < K; ++k) {
+      const float f = to_f32(v[k]);
+      if (f != 0.0f && is_finite_bits(f)) I += f64_norm_term(ilog2_abs(f), s.emax);
+    }
+  *bad = s.bad;
+  return f64_row_bound(s, I);
+}
+// (B) for a pair of finite rows.
+ALIGNED_HD bool f64_sum_exact(int bx, int bw) { return (int64_t)bx + bw <= kF64Bits; }
+
 // The scalar definition: one output from the canonical integers (no digits), for tests and the generic path.
 inline __int128 exact_dot_ref(const int32_t* X, const int32_t* W, int64_t K) {
   __int128 acc = 0;

@@ -41,6 +41,24 @@ struct ExactGemmParams {
   bool use_amx;  // avx512 level only: AMX-INT8 tiles instead of VNNI (same integers)
 };
 
+// The fp64 path (exact_linear.h, "the fp64 path"): rows[i], i < R, of x (converted: x64 [R, ldx] doubles,
+// ldx = 8 ceil(K / 8), zero padded) against weight rows [n0, n1) of w [N, K] in dt; out[rows[i], n] in dt.
+// Only for row pairs meeting bound (B) (the glue checks; other outputs the glue recomputes on the digit path):
+// then the sums are the digit path's exact sums.
+struct ExactF64Params {
+  DType dt;
+  const double* x64;
+  int64_t ldx;
+  const int64_t* rows;
+  int64_t R;
+  const void* w;
+  const uint8_t* w_bad;
+  const void* bias;  // [N] in dt, or null
+  void* out;         // [M, N] row-major in dt
+  int64_t N, K;
+  int64_t n0, n1;
+};
+
 struct ExactKernels {
   const char* isa;
   // rows [r0, r1) of x [M, K] (dtype dt): forms + digits into the packed buffers (xd planes hold
@@ -56,6 +74,12 @@ struct ExactKernels {
   void (*gemm)(const ExactGemmParams& p);
   // which integer unit gemm would use here ("amx", "avx512-vnni", "avx512bw", "avx2", "generic")
   const char* (*unit)(bool use_amx);
+  // the fp64 path: rows [r0, r1) of v [., K]: the bound b of exact_linear.h (f64_row_bound) and the NaN/inf flag
+  void (*row_bounds)(DType dt, const void* v, int64_t K, int32_t* bound, uint8_t* bad, int64_t r0, int64_t r1);
+  // x64[i] = row rows[i] of x as doubles (zero padded to ldx), i in [i0, i1)
+  void (*f64_convert_rows)(DType dt, const void* x, int64_t K, int64_t ldx, const int64_t* rows, double* x64,
+                           int64_t i0, int64_t i1);
+  void (*f64_gemm)(const ExactF64Params& p);
 };
 
 // The table for the process's ISA level (same choice as cpu_kernels()).

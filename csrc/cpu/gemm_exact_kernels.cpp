@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <vector>
 #include <type_traits>
 
 #if defined(__x86_64__)
@@ -551,6 +552,240 @@ void gemm(const ExactGemmParams& p) {
   }
 }
 
+// ---- the fp64 path (exact_linear.h, "the fp64 path": for row pairs meeting bound (B) every fp64 sum of the
+// exact products is exact, so this computes the digit path's numbers) ------------------------------------
+// Rows of x arrive as doubles (x64, rows padded to ldx = 8 ceil(K/8) with zeros); the weight is read in its
+// own dtype [N, K] (2 bytes per element for bf16 / fp16) and converted on the fly (bf16 -> fp32 -> fp64 and
+// fp16 -> fp32 -> fp64 are exact). A tile of RM rows x CN columns keeps RM * CN accumulators of W lanes
+// (FMAs: each one exact); lanes are summed in a fixed order (any order is exact), the k tail (< 8) is added
+// scalar, then one RNE conversion to fp32 and the digit path's epilogue (non-finite flag, bias, dtype).
+
+// b of each row [r0, r1) (exact_linear.h, f64_row_bound) and its NaN / inf flag.
+void row_bounds(DType dt, const void* v, int64_t K, int32_t* bound, uint8_t* bad, int64_t r0, int64_t r1) {
+  if (dt == DType::BF16) {  // the bf16 bit tricks of pack_x_bf16: exponents and lowest bits from the bits
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = (const uint16_t*)v + r * K;
+      ex::RowScan sc = ex::row_scan_init();
+      uint16_t fmax = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint16_t mag = row[k] & 0x7fff;
+        if (mag >= 0x7f80) {
+          sc.bad = true;
+          continue;
+        }
+        if (mag == 0) continue;
+        fmax = mag > fmax ? mag : fmax;
+        const int be = mag >> 7, man = mag & 0x7f;
+        const int m = be ? (man | 0x80) : man;
+        const int l = (be ? be : 1) - 134 + __builtin_ctz((unsigned)m);
+        sc.lmin = l < sc.lmin ? l : sc.lmin;
+      }
+      bad[r] = sc.bad;
+      uint64_t I = 0;
+      if (fmax != 0) {
+        sc.emax = ex::ilog2_abs(to_f32(bf16_t{fmax}));
+        for (int64_t k = 0; k < K; ++k) {
+          const uint16_t mag = row[k] & 0x7fff;
+          if (mag == 0 || mag >= 0x7f80) continue;
+          const int be = mag >> 7;
+          const int e = be ? be - 127 : -133 + 31 - __builtin_clz((unsigned)(mag & 0x7f));
+          I += ex::f64_norm_term(e, sc.emax);
+        }
+      }
+      bound[r] = ex::f64_row_bound(sc, I);
+    }
+    return;
+  }
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = r0; r < r1; ++r) {
+      bool b = false;
+      bound[r] = ex::f64_row_bound((const T*)v + r * K, K, &b);
+      bad[r] = b;
+    }
+  });
+}
+
+void f64_convert_rows(DType dt, const void* x, int64_t K, int64_t ldx, const int64_t* rows, double* x64, int64_t i0,
+                      int64_t i1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* row = (const T*)x + rows[i] * K;
+      double* o = x64 + i * ldx;
+      for (int64_t k = 0; k < K; ++k) o[k] = (double)to_f32(row[k]);
+      for (int64_t k = K; k < ldx; ++k) o[k] = 0.0;
+    }
+  });
+}
+
+// The lane type of this level: W doubles, an exact fused multiply-add, a fixed-order lane sum, and loads of 8
+// consecutive weight elements converted exactly to W-lane groups (8 / W registers).
+#if defined(__AVX512F__)
+struct F64Lanes {
+  using R = __m512d;
+  static constexpr int W = 8;
+  static R zero() { return _mm512_setzero_pd(); }
+  static R load(const double* p) { return _mm512_loadu_pd(p); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_pd(a, b, c); }
+  static double sum(R v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): exact in any order
+    const __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+  }
+  static void load8(const bf16_t* p, R* out) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    out[0] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+  }
+  static void load8(const f16_t* p, R* out) { out[0] = _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))); }
+  static void load8(const float* p, R* out) { out[0] = _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+};
+#elif defined(__AVX2__)
+struct F64Lanes {
+  using R = __m256d;
+  static constexpr int W = 4;
+  static R zero() { return _mm256_setzero_pd(); }
+  static R load(const double* p) { return _mm256_loadu_pd(p); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_pd(a, b, c); }
+  static double sum(R v) {
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+  }
+  static void load8(const bf16_t* p, R* out) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+    out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+  }
+  static void load8(const f16_t* p, R* out) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+  }
+  static void load8(const float* p, R* out) {
+    out[0] = _mm256_cvtps_pd(_mm_loadu_ps(p));
+    out[1] = _mm256_cvtps_pd(_mm_loadu_ps(p + 4));
+  }
+};
+#else
+struct F64Lanes {  // scalar: one lane; a * b + c is two exact operations (-ffp-contract=off: not fused)
+  using R = double;
+  static constexpr int W = 1;
+  static R zero() { return 0.0; }
+  static R load(const double* p) { return *p; }
+  static R fma(R a, R b, R c) { return c + a * b; }
+  static double sum(R v) { return v; }
+  template <typename T>
+  static void load8(const T* p, R* out) {
+    for (int i = 0; i < 8; ++i) out[i] = (double)to_f32(p[i]);
+  }
+};
+#endif
+
+// sums[r * ls + c] += sum_{k in [k0, k1)} x64[r][k] * w[c][k] for RM rows and CN weight rows, exactly
+// (k1 - k0 a multiple of 8 except at k1 == K; every partial sum is exact, so adding chunks is exact too).
+template <typename T, int RM, int CN>
+__attribute__((flatten)) void f64_tile(const double* const* xr, const T* const* wr, int64_t k0, int64_t k1, int64_t K,
+                                       double* sums, int64_t ls) {
+  using L = F64Lanes;
+  constexpr int G = 8 / L::W;  // lane groups per 8 k
+  typename L::R acc[RM][CN][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < RM; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c)
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) acc[r][c][g] = L::zero();
+  const int64_t kv = k1 == K ? k0 + ((k1 - k0) & ~(int64_t)7) : k1;
+  for (int64_t k = k0; k < kv; k += 8) {
+    typename L::R w[CN][G];
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c) L::load8(wr[c] + k, w[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < RM; ++r)
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const typename L::R xv = L::load(xr[r] + k + g * L::W);
+#pragma GCC unroll 8
+        for (int c = 0; c < CN; ++c) acc[r][c][g] = L::fma(xv, w[c][g], acc[r][c][g]);
+      }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < CN; ++c) {
+      double s = L::sum(acc[r][c][0]);
+      for (int g = 1; g < G; ++g) s = s + L::sum(acc[r][c][g]);
+      for (int64_t k = kv; k < k1; ++k) s = s + xr[r][k] * (double)to_f32(wr[c][k]);
+      sums[r * ls + c] = sums[r * ls + c] + s;
+    }
+}
+
+// accumulator registers RM * CN * (8 / W): 16 of AVX-512's 32 registers, 8 of AVX2's 16; at most 8 weight streams
+#if defined(__AVX512F__)
+constexpr int kF64Acc = 16;
+#else
+constexpr int kF64Acc = 8;
+#endif
+template <int RM>
+constexpr int f64_cols() {
+  constexpr int c = kF64Acc / (RM * (8 / F64Lanes::W));
+  return c < 1 ? 1 : (c > 8 ? 8 : c);
+}
+
+// Rows [i0, i0 + RM) of the call, columns [n0, n1), k chunk [k0, k1): into sums [R][ls] (column n0 at 0).
+template <typename T, int RM>
+void f64_rows(const ExactF64Params& p, int64_t i0, int64_t n0, int64_t n1, int64_t k0, int64_t k1, double* sums,
+              int64_t ls) {
+  constexpr int CN = f64_cols<RM>();
+  const double* xr[RM];
+  for (int r = 0; r < RM; ++r) xr[r] = p.x64 + (i0 + r) * p.ldx;
+  const T* w = (const T*)p.w;
+  for (int64_t n = n0; n < n1; n += CN) {
+    const int cn = (int)std::min<int64_t>(CN, n1 - n);
+    const T* wr[CN];
+    for (int c = 0; c < CN; ++c) wr[c] = w + (n + (c < cn ? c : 0)) * p.K;  // a tail repeats a live row
+    if (cn == CN) {
+      f64_tile<T, RM, CN>(xr, wr, k0, k1, p.K, sums + i0 * ls + (n - n0), ls);
+    } else {
+      double tmp[RM * CN] = {};
+      f64_tile<T, RM, CN>(xr, wr, k0, k1, p.K, tmp, CN);
+      for (int r = 0; r < RM; ++r)
+        for (int c = 0; c < cn; ++c) sums[(i0 + r) * ls + (n - n0) + c] += tmp[r * CN + c];
+    }
+  }
+}
+
+void f64_gemm(const ExactF64Params& p) {
+  with_type(p.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* bias = (const T*)p.bias;
+    T* out = (T*)p.out;
+    // column blocks of 64 outermost, then k chunks of 256 (a 4-row x tile: 8 KiB in L1; the block's weight
+    // chunk: 32 KiB), then row tiles; chunk sums add exactly into `sums`
+    constexpr int64_t kColBlock = 64, kChunk = 256;
+    std::vector<double> sums((size_t)(p.R * kColBlock));
+    for (int64_t nb = p.n0; nb < p.n1; nb += kColBlock) {
+      const int64_t ne = std::min(p.n1, nb + kColBlock);
+      std::fill(sums.begin(), sums.end(), 0.0);  // +0: no sum is ever -0 (exact_linear.h, (5))
+      for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
+        const int64_t k1 = std::min(p.K, k0 + kChunk);
+        int64_t i = 0;
+        for (; i + 4 <= p.R; i += 4) f64_rows<T, 4>(p, i, nb, ne, k0, k1, sums.data(), kColBlock);
+        for (; i + 2 <= p.R; i += 2) f64_rows<T, 2>(p, i, nb, ne, k0, k1, sums.data(), kColBlock);
+        for (; i < p.R; ++i) f64_rows<T, 1>(p, i, nb, ne, k0, k1, sums.data(), kColBlock);
+      }
+      for (int64_t i = 0; i < p.R; ++i) {
+        const int64_t m = p.rows[i];
+        for (int64_t n = nb; n < ne; ++n) {
+          float y = (float)sums[i * kColBlock + (n - nb)];  // the one rounding: RNE (IEEE MXCSR, set by the glue)
+          if (p.w_bad[n]) y = float_of(0x7fc00000u);
+          if (bias) y = y + to_f32(bias[n]);
+          out[m * p.N + n] = from_f32<T>(y);
+        }
+      }
+    }
+  });
+}
+
 const char* unit(bool use_amx) {
 #if defined(__AVX512F__)
   if (use_amx) return "amx";
@@ -569,6 +804,7 @@ const char* unit(bool use_amx) {
 
 #define ALIGNED_STR2(x) #x
 #define ALIGNED_STR(x) ALIGNED_STR2(x)
-extern const ExactKernels kExact = {ALIGNED_STR(ALIGNED_ISA), &pack_x, &w_forms, &pack_w, &gemm, &unit};
+extern const ExactKernels kExact = {ALIGNED_STR(ALIGNED_ISA), &pack_x, &w_forms, &pack_w, &gemm, &unit,
+                                    &row_bounds, &f64_convert_rows, &f64_gemm};
 
 }  // namespace aligned::cpu::ALIGNED_ISA

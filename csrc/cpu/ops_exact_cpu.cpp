@@ -12,6 +12,10 @@
 
 #include <vector>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "cpu_backend.h"
 #include "emulation_hook.h"
 #include "glue_checks.h"
@@ -50,23 +54,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
   return {wd, we, wb};
 }
 
-at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
-                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
-                               int64_t k_parts) {
-  const char* op = "linear_exact_packed";
-  check_cpu(x, op, "x");
-  check_cpu(wd, op, "weight_digits");
-  if (bias.has_value() && bias->defined()) check_cpu(*bias, op, "bias");
-  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts);
-  const int64_t M = a.M, K = a.K, Mp = ceil_to(M, 16), Kp = ceil_to(K, 64);
-  auto xc = x.reshape({M, K}).contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.view(sizes);
+// The IEEE floating-point environment for one task of the exact linear: no flush-to-zero, no
+// denormals-are-zero, round to nearest even (restored after). The fp64 path's conversions (fp32 -> fp64 of
+// subnormal inputs, the final double -> fp32) and the digit path's epilogue depend on it; setting it makes
+// the bits independent of a caller's FTZ / DAZ (torch.set_flush_denormal).
+struct IeeeFpEnv {
+#if defined(__x86_64__)
+  unsigned saved;
+  IeeeFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8040u | 0x6000u)); }  // FTZ | DAZ, rounding
+  ~IeeeFpEnv() { _mm_setcsr(saved); }
+#endif
+};
+
+// The digit path for every row of xc [M, K] (contiguous) into out [M, N]: every column, or only the 16-column
+// panels listed (the fp64 path's leftovers).
+void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at::Tensor& w_exp,
+                  const at::Tensor& w_bad, int64_t N, const at::Tensor& bias, int64_t k_parts, at::Tensor& out,
+                  const std::vector<int64_t>* panels = nullptr) {
+  const int64_t M = xc.size(0), K = xc.size(1), Mp = ceil_to(M, 16), Kp = ceil_to(K, 64);
   const auto& k = exact_kernels();
   const int maxd = exact::kMaxDigits;
-  auto opts = x.options();
+  auto opts = xc.options();
   auto xd = at::empty({maxd, Mp, Kp}, opts.dtype(at::kChar));
   auto xe = at::zeros({Mp}, opts.dtype(at::kInt));
   auto xs = at::zeros({Mp}, opts.dtype(at::kChar));
@@ -75,7 +83,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     for (int t = 0; t < maxd; ++t) memset(xd.data_ptr<int8_t>() + (t * Mp + M) * Kp, 0, (size_t)((Mp - M) * Kp));
   }
   at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
-    k.pack_x(a.dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
+    k.pack_x(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
              xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
   });
   ExactGemmParams p{};
@@ -89,8 +97,8 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   p.w_exp = w_exp.data_ptr<int32_t>();
   p.w_bad = w_bad.data_ptr<uint8_t>();
   p.w_digits = (int)wd.size(0);
-  p.bias = a.bias.defined() ? a.bias.data_ptr() : nullptr;
-  p.dt = a.dt;
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.dt = dt;
   p.out = out.data_ptr();
   p.M = M;
   p.N = N;
@@ -102,21 +110,201 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   // share the group's weight digits (the kernel keeps each 16-column panel in cache while its row tiles
   // pass). AMX takes up to 256 rows per task (its tile configuration is loaded once per task); the vector
   // levels 16.
-  constexpr int64_t kCols = 64;
+  const int64_t kCols = panels ? 16 : 64;
   const int64_t rows_per_task = p.use_amx ? 256 : 16;
-  const int64_t mt = (M + rows_per_task - 1) / rows_per_task, ng = (N + kCols - 1) / kCols;
+  const int64_t mt = (M + rows_per_task - 1) / rows_per_task;
+  const int64_t ng = panels ? (int64_t)panels->size() : (N + kCols - 1) / kCols;
   at::parallel_for(0, mt * ng, 1, [&](int64_t b, int64_t e) {
+    IeeeFpEnv fenv;
     for (int64_t task = b; task < e; ++task) {
       ExactGemmParams q = p;
       const int64_t g = task / mt, i = task % mt;
       q.m0 = i * rows_per_task;
       q.m1 = std::min(M, q.m0 + rows_per_task);
-      q.n0 = g * kCols;
+      q.n0 = (panels ? (*panels)[g] : g) * kCols;
       q.n1 = std::min(N, q.n0 + kCols);
       k.gemm(q);
     }
   });
+}
+
+// The fp64 path's mode (ALIGNED_EXACT_F64, read per call): "auto" (default) — row pairs meeting bound (B) take
+// it when the call has at most kF64MaxRows rows; "all" — at any M; "off" — never (the digit path everywhere).
+// Bits cannot depend on it (both paths compute the same exact sum): tests force each to show it.
+enum class F64Mode { kOff, kAuto, kAll };
+F64Mode f64_mode() {
+  const char* e = getenv("ALIGNED_EXACT_F64");
+  if (e == nullptr || *e == 0 || strcmp(e, "auto") == 0) return F64Mode::kAuto;
+  if (strcmp(e, "off") == 0) return F64Mode::kOff;
+  if (strcmp(e, "all") == 0) return F64Mode::kAll;
+  TORCH_CHECK(false, "aligned::linear_exact_packed: ALIGNED_EXACT_F64 must be auto, all or off, got '", e, "'");
+}
+// Measured (bench/RESULTS.md, "exact linear: the fp64 path"; shared 2-vCPU AMX VM): the fp64 path beats the
+// AMX digit kernel at M = 1 (memory-bound: it streams 2 bytes per weight element, the digits 4) and loses from
+// M = 2 on (its fp64 FMA rate, plus the digit-path recomputation of the pairs failing the bound).
+constexpr int64_t kF64MaxRows = 1;
+
+// b (exact_linear.h) of every row of v [R, K] (contiguous) and its NaN / inf flag.
+void row_bounds(const at::Tensor& v, DType dt, std::vector<int32_t>& bound, std::vector<uint8_t>& bad) {
+  const int64_t R = v.size(0), K = v.size(1);
+  bound.assign((size_t)R, 0);
+  bad.assign((size_t)R, 0);
+  const auto& k = exact_kernels();
+  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+    k.row_bounds(dt, v.data_ptr(), K, bound.data(), bad.data(), b, e);
+  });
+}
+
+// Once per weight version (the Python cache keeps it beside the digits): b of every weight row, int32 [N].
+at::Tensor linear_exact_f64_bounds(const at::Tensor& weight) {
+  const char* op = "linear_exact_f64_bounds";
+  check_cpu(weight, op, "weight");
+  const DType dt = check_linear_exact_weight<DType>(weight, op);
+  auto wc = weight.contiguous();
+  std::vector<int32_t> bound;
+  std::vector<uint8_t> bad;
+  row_bounds(wc, dt, bound, bad);
+  auto out = at::empty({wc.size(0)}, weight.options().dtype(at::kInt));
+  for (int64_t n = 0; n < wc.size(0); ++n) out.data_ptr<int32_t>()[n] = bad[n] ? exact::kF64Zero : bound[n];
+  return out;  // a NaN / inf weight row: its column is NaN on both paths, any value may be computed first
+}
+
+void check_f64_bounds(const at::Tensor& wb, int64_t N, const char* op) {
+  check_cpu(wb, op, "weight_f64_bounds");
+  TORCH_CHECK(wb.scalar_type() == at::kInt && wb.dim() == 1 && wb.size(0) == N && wb.is_contiguous(), "aligned::", op,
+              ": weight_f64_bounds must be contiguous int32 [", N, "] (from linear_exact_f64_bounds), got ",
+              wb.scalar_type(), " ", wb.sizes());
+}
+
+at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
+                               int64_t k_parts, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& weight_f64_bounds) {
+  const char* op = "linear_exact_packed";
+  check_cpu(x, op, "x");
+  check_cpu(wd, op, "weight_digits");
+  if (bias.has_value() && bias->defined()) check_cpu(*bias, op, "bias");
+  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts);
+  const int64_t M = a.M, K = a.K;
+  auto xc = x.reshape({M, K}).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.view(sizes);
+  const bool has_w = weight.has_value() && weight->defined();
+  const bool has_b = weight_f64_bounds.has_value() && weight_f64_bounds->defined();
+  TORCH_CHECK(has_w == has_b, "aligned::", op, ": weight and weight_f64_bounds go together (the fp64 path)");
+  if (has_w) {
+    check_cpu(*weight, op, "weight");
+    TORCH_CHECK(weight->scalar_type() == x.scalar_type() && weight->dim() == 2 && weight->size(0) == N &&
+                    weight->size(1) == K,
+                "aligned::", op, ": weight must be the packed weight itself, [", N, ", ", K, "] in x's dtype ",
+                x.scalar_type(), ", got ", weight->scalar_type(), " ", weight->sizes());
+    check_f64_bounds(*weight_f64_bounds, N, op);
+  }
+  const F64Mode mode = has_w ? f64_mode() : F64Mode::kOff;
+  if (mode == F64Mode::kOff || (mode == F64Mode::kAuto && M > kF64MaxRows)) {
+    digit_linear(xc, a.dt, wd, w_exp, w_bad, N, a.bias, k_parts, out);
+    return out.view(sizes);
+  }
+  // Route: the fp64 path computes every output of the finite rows; outputs whose pair fails (B) are then
+  // recomputed on the digit path (their 16-column panels, for the rows concerned), rows with NaN / inf
+  // entirely on the digit path. Either path gives the same bits wherever both may run.
+  std::vector<int32_t> bx;
+  std::vector<uint8_t> xbad;
+  row_bounds(xc, a.dt, bx, xbad);
+  const int32_t* bw = weight_f64_bounds->data_ptr<int32_t>();
+  const int64_t npanels = (N + 15) / 16;
+  std::vector<int64_t> f64_rows, bad_rows, mixed_rows;
+  std::vector<uint8_t> panel_needed((size_t)npanels, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    if (xbad[m]) {
+      bad_rows.push_back(m);
+      continue;
+    }
+    f64_rows.push_back(m);
+    bool mixed = false;
+    for (int64_t n = 0; n < N; ++n)
+      if (!exact::f64_sum_exact(bx[m], bw[n])) {
+        panel_needed[n / 16] = 1;
+        mixed = true;
+      }
+    if (mixed) mixed_rows.push_back(m);
+  }
+  if (!f64_rows.empty()) {
+    auto wc = weight->contiguous();
+    const auto& k = exact_kernels();
+    const int64_t R = (int64_t)f64_rows.size(), ldx = ceil_to(K, 8);
+    auto x64 = at::empty({R, ldx}, x.options().dtype(at::kDouble));
+    at::parallel_for(0, R, 4, [&](int64_t b, int64_t e) {
+      k.f64_convert_rows(a.dt, xc.data_ptr(), K, ldx, f64_rows.data(), x64.data_ptr<double>(), b, e);
+    });
+    ExactF64Params p{};
+    p.dt = a.dt;
+    p.x64 = x64.data_ptr<double>();
+    p.ldx = ldx;
+    p.rows = f64_rows.data();
+    p.R = R;
+    p.w = wc.data_ptr();
+    p.w_bad = w_bad.data_ptr<uint8_t>();
+    p.bias = a.bias.defined() ? a.bias.data_ptr() : nullptr;
+    p.out = out.data_ptr();
+    p.N = N;
+    p.K = K;
+    // Threads split the N columns (each streams its own weight rows once).
+    at::parallel_for(0, npanels, 1, [&](int64_t b, int64_t e) {
+      IeeeFpEnv fenv;
+      ExactF64Params q = p;
+      q.n0 = b * 16;
+      q.n1 = std::min(N, e * 16);
+      k.f64_gemm(q);
+    });
+  }
+  auto redo = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>* panels) {
+    if (rows.empty() || (panels && panels->empty())) return;
+    auto idx = at::from_blob((void*)rows.data(), {(int64_t)rows.size()}, at::TensorOptions().dtype(at::kLong)).clone();
+    auto xs = xc.index_select(0, idx);
+    auto od = at::empty({xs.size(0), N}, x.options());
+    digit_linear(xs, a.dt, wd, w_exp, w_bad, N, a.bias, k_parts, od, panels);
+    const int64_t es = out.element_size();
+    char* o = (char*)out.data_ptr();
+    const char* d = (const char*)od.data_ptr();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (!panels) {
+        memcpy(o + rows[i] * N * es, d + (int64_t)i * N * es, (size_t)(N * es));
+        continue;
+      }
+      for (int64_t pn : *panels) {
+        const int64_t c0 = pn * 16, nc = std::min<int64_t>(16, N - c0);
+        memcpy(o + (rows[i] * N + c0) * es, d + ((int64_t)i * N + c0) * es, (size_t)(nc * es));
+      }
+    }
+  };
+  std::vector<int64_t> panels;
+  for (int64_t pn = 0; pn < npanels; ++pn)
+    if (panel_needed[pn]) panels.push_back(pn);
+  redo(bad_rows, nullptr);
+  redo(mixed_rows, &panels);
   return out.view(sizes);
+}
+
+// Test hook: per (x row, weight row) whether the pair meets the fp64 path's bound (B) (bool [M, N]; rows with
+// NaN / inf: false).
+at::Tensor linear_exact_f64_pairs(const at::Tensor& x, const at::Tensor& weight_f64_bounds) {
+  const char* op = "_linear_exact_f64_pairs";
+  check_cpu(x, op, "x");
+  const DType dt = dtype_enum(x, op, "x");
+  const int64_t N = weight_f64_bounds.dim() == 1 ? weight_f64_bounds.size(0) : -1;
+  check_f64_bounds(weight_f64_bounds, N, op);
+  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
+  std::vector<int32_t> bx;
+  std::vector<uint8_t> xbad;
+  row_bounds(xc, dt, bx, xbad);
+  auto r = at::empty({xc.size(0), N}, x.options().dtype(at::kBool));
+  const int32_t* bw = weight_f64_bounds.data_ptr<int32_t>();
+  for (int64_t m = 0; m < xc.size(0); ++m)
+    for (int64_t n = 0; n < N; ++n) r.data_ptr<bool>()[m * N + n] = !xbad[m] && exact::f64_sum_exact(bx[m], bw[n]);
+  return r;
 }
 
 at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -129,7 +317,10 @@ at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "aligned::linear_exact: x has ",
               x.dim() >= 1 ? x.size(-1) : 0, " input features but weight is ", weight.sizes());
   auto [wd, we, wb] = linear_exact_pack_weight(weight);
-  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1);
+  std::optional<at::Tensor> bounds;
+  if (f64_mode() != F64Mode::kOff) bounds = linear_exact_f64_bounds(weight);
+  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1, bounds ? std::optional<at::Tensor>(weight)
+                                                                          : std::nullopt, bounds);
 }
 
 // The scalar definition (exact_linear.h: canonical integers, one int128 sum, one rounding): for tests.
@@ -194,7 +385,9 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   m.impl("linear_exact", &linear_exact);
   m.impl("linear_exact_pack_weight", &linear_exact_pack_weight);
   m.impl("linear_exact_packed", &linear_exact_packed);
+  lib.impl("linear_exact_f64_bounds", &linear_exact_f64_bounds);
   lib.impl("_linear_exact_reference", &linear_exact_reference);
+  lib.impl("_linear_exact_f64_pairs", &linear_exact_f64_pairs);
 }
 
 // No tensor arguments: a catch-all kernel (schema in torch_bindings.cpp).

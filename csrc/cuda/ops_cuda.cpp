@@ -393,8 +393,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
 
 at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
                                const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
-                               int64_t k_parts) {
+                               int64_t k_parts, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& weight_f64_bounds) {
   const char* op = "linear_exact_packed";
+  // The CPU's fp64 path takes these; on a device every row takes the integer-MMA path (the same bits).
+  (void)weight;
+  (void)weight_f64_bounds;
   check_cuda(x, x, op, "x");
   check_cuda(wd, x, op, "weight_digits");
   check_cuda(w_exp, x, op, "weight_exponents");
@@ -449,7 +453,7 @@ at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "aligned::linear_exact: x has ",
               x.dim() >= 1 ? x.size(-1) : 0, " input features but weight is ", weight.sizes());
   auto [wd, we, wb] = linear_exact_pack_weight(weight);
-  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1);
+  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1, std::nullopt, std::nullopt);
 }
 
 }  // namespace

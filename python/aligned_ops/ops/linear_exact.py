@@ -53,7 +53,8 @@ def _(x, weight, bias=None):
 
 
 @torch.library.register_fake(_lib + "linear_exact_packed")
-def _(x, weight_digits, weight_exponents, weight_nonfinite, out_features, bias=None, k_parts=1):
+def _(x, weight_digits, weight_exponents, weight_nonfinite, out_features, bias=None, k_parts=1, weight=None,
+      weight_f64_bounds=None):
     _same_device("linear_exact_packed", x, weight_digits, bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -71,6 +72,16 @@ def _(weight):
     )
 
 
+@torch.library.register_fake(_lib + "linear_exact_f64_bounds")
+def _(weight):
+    return weight.new_empty((weight.shape[0],), dtype=torch.int32)
+
+
+@torch.library.register_fake(_lib + "_linear_exact_f64_pairs")
+def _(x, weight_f64_bounds):
+    return x.new_empty((x.shape[:-1].numel(), weight_f64_bounds.shape[0]), dtype=torch.bool)
+
+
 @torch.library.register_fake(_lib + "_linear_exact_reference")
 def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -84,7 +95,8 @@ register_linear_autograd("linear_exact")
 # Keyed by the weight tensor (weakly) and validated by (data_ptr, version, shape, dtype). A refit that writes
 # through ``param.data`` does not bump the version counter: call clear_exact_weight_cache() after it (the
 # vLLM plugin does after weight loading). Memory: S bytes per weight element (S = 1..4 digits, 4 for
-# ordinary random-init weights) + 5 bytes per output row, padded to 16 rows x 64 columns.
+# ordinary random-init weights) + 5 bytes per output row, padded to 16 rows x 64 columns. The cache keeps the
+# weight itself referenced (the key): the CPU's fp64 path (rows meeting exact_linear.h's bound) streams it.
 _cache = WeakIdKeyDictionary()  # tensors compare elementwise, so key them by identity
 
 
@@ -99,27 +111,42 @@ def clear_exact_weight_cache() -> None:
     _cache.clear()
 
 
-def packed_weight(weight: torch.Tensor):
+def _packed(weight: torch.Tensor):
     key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype)
     hit = _cache.get(weight)
     if hit is not None and hit[0] == key:
-        return hit[1]
+        return hit
     with torch.no_grad():
-        packed = ops.linear_exact_pack_weight(weight.detach())
-    _cache[weight] = (key, packed)
-    return packed
+        w = weight.detach()
+        packed = ops.linear_exact_pack_weight(w)
+        # the CPU fp64 path's per-row bounds (exact_linear.h): 4 bytes per output row; the path streams the
+        # weight itself (bf16 / fp16: 2 bytes per element) for row pairs meeting the bound
+        bounds = ops.linear_exact_f64_bounds(w) if w.device.type == "cpu" else None
+    _cache[weight] = hit = (key, packed, bounds)
+    return hit
+
+
+def packed_weight(weight: torch.Tensor):
+    return _packed(weight)[1]
 
 
 def exact_weight_cache_bytes() -> int:
-    return sum(sum(t.numel() * t.element_size() for t in v[1]) for v in _cache.values())
+    return sum(sum(t.numel() * t.element_size() for t in (*v[1], *(() if v[2] is None else (v[2],))))
+               for v in _cache.values())
+
+
+def _run_packed(x, weight, bias):
+    _, (wd, we, wb), bounds = _packed(weight)
+    if bounds is None:
+        return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias, 1)
+    return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias, 1, weight.detach(), bounds)
 
 
 class _LinearExactCached(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        wd, we, wb = packed_weight(weight)
         save_linear_inputs(ctx, (x, weight, bias), None)
-        return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias)
+        return _run_packed(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,8 +161,7 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return ops.linear_exact(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearExactCached.apply(x, weight, bias)
-    wd, we, wb = packed_weight(weight)
-    return ops.linear_exact_packed(x, wd, we, wb, weight.shape[0], bias)
+    return _run_packed(x, weight, bias)
 
 
 def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
