@@ -87,7 +87,7 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
     last_linear_x = None
     for c in calls:
         op = c.name.split("::", 1)[1]
-        if op == "linear_exact_pack_weight":
+        if op in ("linear_exact_pack_weight", "linear_exact_f64_bounds"):  # per-weight caches, not steps
             continue
         if op in ("linear", "linear_exact", "linear_exact_packed"):
             op, k, n = _linear_kn(op, c)
