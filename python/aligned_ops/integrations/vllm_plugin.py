@@ -499,6 +499,12 @@ def _create_engine_config(self, *args, **kwargs):
 # ---- install / uninstall ---------------------------------------------------------------------------------
 
 
+def _block_table_get_device_tensor(self, num_reqs):
+    from .vllm_attention import tag_host_block_table
+
+    return tag_host_block_table(self, _originals["BlockTable.get_device_tensor"](self, num_reqs), num_reqs)
+
+
 def _patch(cls, name, new, key=None):
     if cls.__name__ not in _patched_classes():
         raise AssertionError(f"aligned_ops: {cls.__name__} is patched but not listed in _patched_classes()")
@@ -545,10 +551,12 @@ def _patched_classes() -> dict:
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.block_table import BlockTable
 
     return {c.__name__: c for c in (EngineArgs, UnquantizedLinearMethod, RotaryEmbedding, UnquantizedEmbeddingMethod,
                                     Sampler, RowParallelLinear, VocabParallelEmbedding, GroupCoordinator, MoERunner,
-                                    GateLinear, UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler)}
+                                    GateLinear, UnquantizedFusedMoEMethod, MinPLogitsProcessor, TopKTopPSampler,
+                                    BlockTable)}
 
 
 def install() -> None:
@@ -602,6 +610,11 @@ def install() -> None:
     _patch(GateLinear, "forward", _gate_linear_forward)
     _patch(UnquantizedFusedMoEMethod, "process_weights_after_loading", _keep_weight_after_loading)
 
+    # The attention metadata builder plans from host metadata: the block table's device view carries its CPU
+    # mirror (vllm_attention.tag_host_block_table).
+    from vllm.v1.worker.block_table import BlockTable
+
+    _patch(BlockTable, "get_device_tensor", _block_table_get_device_tensor)
     path = "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
     if current_platform.is_cpu():
         _originals.setdefault("backend.CPU_ATTN", AttentionBackendEnum.CPU_ATTN.get_path())
