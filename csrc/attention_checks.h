@@ -10,9 +10,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "common/attention_plan.h"
 #include "op_checks.h"
@@ -67,6 +70,9 @@ inline void check_caches_disjoint(const at::Tensor& k_cache, const at::Tensor& v
 }
 
 }  // namespace attn_detail
+
+// A planner's verdict as a torch error (the planner itself is torch-free).
+inline void check_plan(const std::string& err) { TORCH_CHECK(err.empty(), err); }
 
 template <class DTypeEnum>
 struct AttnCheck {
@@ -133,12 +139,21 @@ DTypeEnum check_reshape_and_cache(const at::Tensor& k, const at::Tensor& v, cons
   return dt;
 }
 
+// Planner metadata (offsets, seq_lens, block tables) must be host tensors on every backend: the planner
+// reads their values, and the GPU glue never reads device memory back (pass the engine's host copy: vLLM's
+// *_cpu buffers, a trainer's host cu_seqlens). One refusal, one message, for the CPU and the GPU glue.
+inline void check_attention_metadata_host(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
+              " must be a CPU (host) tensor: the planner validates it on the host and no attention op reads device "
+              "memory back (pass the engine's host copy), got device ",
+              t.device());
+}
+
+// q and the paged caches (shared by paged_attention and paged_attention_planned).
 template <class DTypeEnum>
-AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                           const at::Tensor& qsl, double scale) {
+AttnCheck<DTypeEnum> check_paged_q_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         double scale, const char* op) {
   using namespace attn_detail;
-  const char* op = "paged_attention";
   DTypeEnum dt = dtype_of<DTypeEnum>(q, op, "q");
   TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, head_dim], got shape ", q.sizes());
   check_cache(k_cache, q, "q", op, "k_cache");
@@ -151,6 +166,12 @@ AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor
   check_heads(Hq, Hkv, D, op);
   TORCH_CHECK(k_cache.size(1) >= 1, "aligned::", op, ": block_size must be >= 1");
   check_scale(scale, op);
+  return {dt, AttnShape{Hq, Hkv, D, true}};
+}
+
+inline void check_paged_metadata(const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
+                                 const char* op) {
+  using namespace attn_detail;
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "aligned::", op,
               ": block_table must be int32 [batch, max_blocks], got ", block_table.scalar_type(), " ",
               block_table.sizes());
@@ -161,10 +182,120 @@ AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(seq_lens.size(0) == B && block_table.size(0) == B, "aligned::", op,
               ": seq_lens and block_table must have batch = len(query_start_loc) - 1 = ", B, " rows, got ",
               seq_lens.size(0), " and ", block_table.size(0));
-  return {dt, AttnShape{Hq, Hkv, D, true}};
 }
 
-// A planner's verdict as a torch error (the planner itself is torch-free).
-inline void check_plan(const std::string& err) { TORCH_CHECK(err.empty(), err); }
+template <class DTypeEnum>
+AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                           const at::Tensor& qsl, double scale) {
+  const char* op = "paged_attention";
+  const auto c = check_paged_q_cache<DTypeEnum>(q, k_cache, v_cache, scale, op);
+  check_paged_metadata(block_table, seq_lens, qsl, op);
+  return c;
+}
+
+// ---- plan/run form (attention_plan.h "the plan buffer") ---------------------------------------------------
+// The buffers' metadata: plan int64 [2 + 2C, kAttnWorkFields], table int32 [n], contiguous; the capacity of the
+// split partials (workspace_floats) a size, never a data value.
+inline void check_plan_buffers(const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
+                               const char* op) {
+  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == kAttnWorkFields &&
+                  plan.size(0) >= kAttnPlanHeaderRows && plan.is_contiguous(),
+              "aligned::", op, ": plan must be a contiguous int64 [", kAttnPlanHeaderRows, " + 2 * capacity, ",
+              kAttnWorkFields, "] tensor (aligned_ops.AttentionPlan), got ", plan.scalar_type(), " ", plan.sizes());
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.is_contiguous(), "aligned::", op,
+              ": plan_table must be a contiguous int32 1-D tensor, got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK(workspace_floats >= 0, "aligned::", op, ": workspace_floats must be >= 0, got ", workspace_floats);
+}
+
+// attention_plan's host half, the same for every backend: metadata checks and the planner. block_table
+// absent: a packed (varlen) plan, query_start_loc = cu_seqlens_q, kv_lens = cu_seqlens_k; present: a paged
+// plan, kv_lens = seq_lens, block ids checked against num_cache_blocks x block_size. The plan's sequences
+// point into *table_keepalive (the contiguous block table), which must outlive the packing.
+struct HostAttnPlan {
+  AttnPlan plan;
+  AttnShape shape;
+  AttnPlanDims dims;
+  std::optional<at::Tensor> table_keepalive;
+};
+inline HostAttnPlan plan_from_host_metadata(const at::Tensor& qsl, const at::Tensor& kv_lens,
+                                            const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
+                                            int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size,
+                                            const char* op) {
+  using namespace attn_detail;
+  check_heads(Hq, Hkv, D, op);
+  const bool paged = block_table.has_value();
+  check_attention_metadata_host(qsl, op, "query_start_loc");
+  check_attention_metadata_host(kv_lens, op, "kv_lens");
+  check_offsets_meta(qsl, op, "query_start_loc");
+  HostAttnPlan h;
+  h.shape = AttnShape{Hq, Hkv, D, causal};
+  const auto ql = qsl.contiguous();
+  const int64_t Tq = ql.data_ptr<int32_t>()[ql.size(0) - 1];
+  h.dims = AttnPlanDims{Tq, 0, 0};
+  if (!paged) {
+    check_offsets_meta(kv_lens, op, "kv_lens (cu_seqlens_k)");
+    TORCH_CHECK(kv_lens.size(0) == qsl.size(0), "aligned::", op,
+                ": cu_seqlens_q and cu_seqlens_k must have the same length, got ", qsl.size(0), " and ",
+                kv_lens.size(0));
+    const auto ck = kv_lens.contiguous();
+    h.dims.n_kv = ck.data_ptr<int32_t>()[ck.size(0) - 1];
+    check_plan(plan_varlen(ql.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), ql.size(0), Tq, h.dims.n_kv, h.shape,
+                           false, op, &h.plan));
+  } else {
+    check_attention_metadata_host(*block_table, op, "block_table");
+    check_paged_metadata(*block_table, kv_lens, qsl, op);
+    TORCH_CHECK(num_cache_blocks >= 0 && block_size >= 1, "aligned::", op,
+                ": a paged plan needs num_cache_blocks >= 0 and block_size >= 1, got ", num_cache_blocks, " and ",
+                block_size);
+    TORCH_CHECK(causal, "aligned::", op, ": paged attention is causal (causal must be True)");
+    h.table_keepalive = block_table->contiguous();
+    const auto sl = kv_lens.contiguous();
+    h.dims.n_kv = num_cache_blocks;
+    h.dims.block_size = block_size;
+    check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), h.table_keepalive->data_ptr<int32_t>(),
+                          sl.size(0), h.table_keepalive->size(1), num_cache_blocks, block_size, Tq, h.shape, op,
+                          &h.plan));
+  }
+  return h;
+}
+
+// attention_plan_size: what a plan of this metadata needs — {records (the capacity), table entries, workspace
+// floats} — so a caller can size (or grow, outside graph capture) its persistent buffers.
+inline std::vector<int64_t> attention_plan_size(const at::Tensor& qsl, const at::Tensor& kv_lens,
+                                                const std::optional<at::Tensor>& block_table, int64_t Hq,
+                                                int64_t Hkv, int64_t D, bool causal, int64_t num_cache_blocks,
+                                                int64_t block_size) {
+  const HostAttnPlan h = plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks,
+                                                 block_size, "attention_plan_size");
+  int64_t table = 0;
+  for (const AttnSeq& s : h.plan.seqs)
+    if (s.blocks) table += (s.n_ctx + block_size - 1) / block_size;
+  const int64_t records = (int64_t)std::max(h.plan.items.size(), h.plan.blocks.size());
+  return {records, table, h.plan.part_floats};
+}
+
+// attention_plan's host half: the plan in the buffer format, checked against the buffers' capacities; the
+// glue then copies it into plan / plan_table (the plan op's one host-to-device step; the run has none).
+inline AttnPackedPlan plan_attention_host(const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
+                                          const at::Tensor& qsl, const at::Tensor& kv_lens,
+                                          const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
+                                          int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size) {
+  const char* op = "attention_plan";
+  check_plan_buffers(plan, table, workspace_floats, op);
+  const HostAttnPlan h =
+      plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks, block_size, op);
+  AttnPackedPlan packed;
+  check_plan(attn_pack_plan(h.plan, h.shape, h.dims, attn_plan_capacity(plan.size(0)), table.numel(),
+                            workspace_floats, op, &packed));
+  return packed;
+}
+
+// The run form's host-side view of a plan buffer's dimensions (metadata only: shapes, never values).
+inline AttnRunDims planned_run_dims(const AttnShape& sh, int64_t q_rows, int64_t kv_rows, int64_t block_size,
+                                    const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats) {
+  return AttnRunDims{sh.Hq, sh.Hkv, sh.D, sh.causal, q_rows, kv_rows, block_size,
+                     attn_plan_capacity(plan.size(0)), table.numel(), workspace_floats};
+}
 
 }  // namespace aligned

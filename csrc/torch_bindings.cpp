@@ -74,6 +74,27 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
+  // Plan/run form (CUDA-graph safe; attention_plan.h "the plan buffer"; aligned_ops.AttentionPlan). attention_plan
+  // plans once from HOST metadata (block_table None: packed, query_start_loc = cu_seqlens_q, kv_lens =
+  // cu_seqlens_k; else paged, kv_lens = seq_lens) into caller-owned buffers on the run's device: plan int64
+  // [2 + 2 * capacity, 11], plan_table int32. The run forms read only those buffers (no host-to-device copy, no
+  // host read, fixed grids; their split partials take workspace_floats, a capacity, never a data value) and equal
+  // the per-call forms bit for bit.
+  // attention_varlen_planned takes the host cu_seqlens for its backward only (which replans from them).
+  m.def(
+      "attention_plan(Tensor(a!) plan, Tensor(b!) plan_table, Tensor query_start_loc, Tensor kv_lens, "
+      "Tensor? block_table, int num_heads, int num_kv_heads, int head_dim, bool causal=True, int num_cache_blocks=0, "
+      "int block_size=0, int workspace_floats=0) -> ()");
+  // What such a plan needs, [capacity (records), table entries, workspace floats] (host; CPU kernel only).
+  m.def(
+      "attention_plan_size(Tensor query_start_loc, Tensor kv_lens, Tensor? block_table, int num_heads, "
+      "int num_kv_heads, int head_dim, bool causal=True, int num_cache_blocks=0, int block_size=0) -> int[]");
+  m.def(
+      "attention_varlen_planned(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor plan, "
+      "int workspace_floats, float scale, bool causal=True) -> (Tensor out, Tensor lse)");
+  m.def(
+      "paged_attention_planned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, Tensor plan_table, "
+      "int workspace_floats, float scale) -> Tensor");
   // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");

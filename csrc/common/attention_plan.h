@@ -167,4 +167,166 @@ inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots,
   return "";
 }
 
+// One work record: a (row block, split) forward item, or a row block for the merge (split = 0).
+enum AttnWorkField : int {
+  kWqBegin = 0,   // first query row of the sequence (packed q)
+  kWqLen,         // new rows of the sequence
+  kWnCtx,         // keys of the sequence
+  kWkBegin,       // packed K/V: first key row of the sequence
+  kWtableRow,     // paged: offset (int32 elements) of the sequence's block-table row; -1: packed
+  kWg,            // KV head
+  kWr0,           // first row of the block (relative to the sequence's first new row)
+  kWnr,           // rows in the block
+  kWnSplits,      // the block's partial stride in splits
+  kWpartOffset,   // offset (floats) of the block's partials
+  kWsplit,        // the item's split
+  kAttnWorkFields
+};
+
+// ---- the plan buffer (plan/run form: CUDA-graph safe) ---------------------------------------------------
+// FlashInfer's plan()/run() split at the op level. aligned::attention_plan builds the plan from HOST metadata
+// (the planner above validates it there) and copies it, stream-ordered, into caller-owned persistent device
+// buffers; the run ops (attention_varlen_planned, paged_attention_planned) then read only device memory:
+// no host-to-device copy, no host read, no allocation sized by data values, and a grid fixed by the buffer's
+// capacity C (every launch identical for every metadata of that capacity, so a captured CUDA graph replays
+// the plan written before the replay, at the same address).
+//   plan  int64 [kAttnPlanHeaderRows + 2 C, kAttnWorkFields]: the header rows, then C forward-item records
+//         (rows 2 .. 2 + C), then C row-block records (rows 2 + C .. 2 + 2 C); unused rows are never read.
+//   table int32 [any]: the block-table entries the plan uses, compacted (sequence b's entries at the offset
+//         its records carry in kWtableRow); empty for packed plans.
+//   workspace fp32 [any]: the split partials (the header's part_floats must fit).
+// The kernels check the header against the run's tensors before reading any record; a plan that does not
+// fit (another shape, more rows than q, a smaller workspace) sets DeviceError kErrAttentionPlan and the run
+// writes NaN instead of touching memory out of bounds.
+constexpr int64_t kAttnPlanHeaderRows = 2;
+constexpr int64_t kAttnPlanMagic = 0x4e414c5041544e41LL;  // "ANTAPLAN"
+enum AttnPlanField : int {
+  kPMagic = 0,
+  kPnItems,       // forward (block, split) items
+  kPnBlocks,      // row blocks
+  kPHq,
+  kPHkv,
+  kPD,
+  kPCausal,
+  kPTq,           // query rows the plan addresses (<= q.size(0) at the run)
+  kPnKv,          // packed: key rows (<= k.size(0)); paged: cache blocks the ids were checked against
+  kPBlockSize,    // 0: packed
+  kPPartFloats,   // workspace floats the plan needs
+  kPTableElems,   // table entries the plan uses
+  kAttnPlanFields
+};
+static_assert(kAttnPlanFields <= kAttnPlanHeaderRows * kAttnWorkFields, "the header must fit its rows");
+
+// Records per region of a plan buffer with `rows` rows (the capacity C).
+inline int64_t attn_plan_capacity(int64_t rows) { return rows < kAttnPlanHeaderRows ? 0 : (rows - kAttnPlanHeaderRows) / 2; }
+
+struct AttnPlanDims {
+  int64_t Tq, n_kv, block_size;  // as kPTq, kPnKv, kPBlockSize
+};
+
+// A plan in the buffer format, compact on the host: `head` = header rows + the item records, `blocks` = the
+// row-block records, `table` = the compacted block table. The glue copies head to plan rows [0, 2 + n_items)
+// and blocks to rows [2 + C, 2 + C + n_blocks). Returns "" or an error naming the op and what does not fit.
+struct AttnPackedPlan {
+  std::vector<int64_t> head, blocks;
+  std::vector<int32_t> table;
+};
+inline std::string attn_pack_plan(const AttnPlan& plan, const AttnShape& sh, const AttnPlanDims& dims,
+                                  int64_t capacity, int64_t table_capacity, int64_t workspace_floats, const char* op,
+                                  AttnPackedPlan* out) {
+  const std::string pre = std::string("aligned::") + op + ": ";
+  const int64_t ni = (int64_t)plan.items.size(), nb = (int64_t)plan.blocks.size();
+  if (ni > capacity || nb > capacity)
+    return pre + "the plan needs " + std::to_string(ni > nb ? ni : nb) + " work records but the plan buffer holds " +
+           std::to_string(capacity) + " (allocate it with a larger capacity)";
+  if (plan.part_floats > workspace_floats)
+    return pre + "the plan needs a workspace of " + std::to_string(plan.part_floats) + " floats but it has " +
+           std::to_string(workspace_floats) + " (allocate a larger workspace)";
+  std::vector<int64_t> table_offset(plan.seqs.size(), -1);
+  out->table.clear();
+  for (size_t b = 0; b < plan.seqs.size(); ++b) {
+    const AttnSeq& s = plan.seqs[b];
+    if (!s.blocks) continue;
+    table_offset[b] = (int64_t)out->table.size();
+    const int64_t used = dims.block_size > 0 ? (s.n_ctx + dims.block_size - 1) / dims.block_size : 0;
+    out->table.insert(out->table.end(), s.blocks, s.blocks + used);
+  }
+  if ((int64_t)out->table.size() > table_capacity)
+    return pre + "the plan uses " + std::to_string(out->table.size()) + " block-table entries but the plan's table "
+           "holds " + std::to_string(table_capacity) + " (allocate a larger table)";
+  out->head.assign(kAttnPlanHeaderRows * kAttnWorkFields, 0);
+  int64_t* h = out->head.data();
+  h[kPMagic] = kAttnPlanMagic;
+  h[kPnItems] = ni;
+  h[kPnBlocks] = nb;
+  h[kPHq] = sh.Hq;
+  h[kPHkv] = sh.Hkv;
+  h[kPD] = sh.D;
+  h[kPCausal] = sh.causal ? 1 : 0;
+  h[kPTq] = dims.Tq;
+  h[kPnKv] = dims.n_kv;
+  h[kPBlockSize] = dims.block_size;
+  h[kPPartFloats] = plan.part_floats;
+  h[kPTableElems] = (int64_t)out->table.size();
+  auto put = [&](std::vector<int64_t>& w, const AttnBlock& b, int64_t split) {
+    const AttnSeq& s = plan.seqs[b.seq];
+    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin, table_offset[b.seq],
+                                          b.g, b.r0, b.nr, b.n_splits, b.part_offset, split};
+    w.insert(w.end(), rec, rec + kAttnWorkFields);
+  };
+  out->head.reserve(out->head.size() + ni * kAttnWorkFields);
+  for (const AttnItem& it : plan.items) put(out->head, plan.blocks[it.block], it.split);
+  out->blocks.clear();
+  out->blocks.reserve(nb * kAttnWorkFields);
+  for (const AttnBlock& b : plan.blocks) put(out->blocks, b, 0);
+  return "";
+}
+
+// The run's side of the header check, shared by the CPU glue (host plan: a TORCH_CHECK with this message)
+// and the GPU kernels (device plan: the error flag). 0 when the plan fits, else which field does not.
+struct AttnRunDims {
+  int64_t Hq, Hkv, D;
+  bool causal;
+  int64_t q_rows, kv_rows;   // q.size(0); packed: k.size(0), paged: cache blocks
+  int64_t block_size;        // 0: packed
+  int64_t capacity, table_elems, workspace_floats;
+};
+ALIGNED_HD int attn_plan_mismatch(const int64_t* h, const AttnRunDims& r) {
+  if (h[kPMagic] != kAttnPlanMagic) return 1;
+  if (h[kPHq] != r.Hq || h[kPHkv] != r.Hkv || h[kPD] != r.D || h[kPCausal] != (r.causal ? 1 : 0)) return 2;
+  if (h[kPBlockSize] != r.block_size) return 3;
+  if (h[kPTq] > r.q_rows || h[kPnKv] > r.kv_rows) return 4;
+  if (h[kPnItems] > r.capacity || h[kPnBlocks] > r.capacity || h[kPnItems] < 0 || h[kPnBlocks] < 0) return 5;
+  if (h[kPTableElems] > r.table_elems || h[kPPartFloats] > r.workspace_floats) return 6;
+  return 0;
+}
+inline const char* attn_plan_mismatch_text(int code) {
+  switch (code) {
+    case 1: return "plan is not an attention plan (never planned, or not written by aligned::attention_plan)";
+    case 2: return "plan was made for other heads / head_dim / causal than this call";
+    case 3: return "plan was made for another kind (packed vs paged) or block_size";
+    case 4: return "plan addresses more query or key rows than this call's tensors have";
+    case 5: return "plan holds more records than its buffer's capacity";
+    case 6: return "plan needs a larger table or workspace than this call passes";
+    default: return "plan fits";
+  }
+}
+
+// Host side (CPU backend): a plan buffer back into the planner's structures: one AttnSeq per row block
+// (seqs[i] = block i's sequence; the table pointer into the compact table) and the items block-major,
+// splits ascending — the list attn_pack_plan was given, so the run computes the same bits.
+inline void attn_unpack_plan(const int64_t* plan, int64_t capacity, const int32_t* table, AttnPlan* out) {
+  *out = AttnPlan{};
+  const int64_t nb = plan[kPnBlocks];
+  const int64_t* blocks = plan + (kAttnPlanHeaderRows + capacity) * kAttnWorkFields;
+  for (int64_t i = 0; i < nb; ++i) {
+    const int64_t* w = blocks + i * kAttnWorkFields;
+    out->seqs.push_back(AttnSeq{w[kWqBegin], w[kWqLen], w[kWnCtx], w[kWkBegin],
+                                w[kWtableRow] >= 0 ? table + w[kWtableRow] : nullptr});
+    out->blocks.push_back(AttnBlock{i, w[kWg], w[kWr0], w[kWnr], w[kWnSplits], w[kWpartOffset]});
+    for (int64_t s = 0; s < w[kWnSplits]; ++s) out->items.push_back(AttnItem{i, s});
+  }
+  out->part_floats = plan[kPPartFloats];
+}
+
 }  // namespace aligned

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "../attention_checks.h"
@@ -67,8 +69,8 @@ VarlenInputs prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::
   check_cpu(q, op, "q");
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");
-  check_cpu(cu_q, op, "cu_seqlens_q");
-  check_cpu(cu_k, op, "cu_seqlens_k");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
   const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
   VarlenInputs in;
@@ -151,9 +153,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   check_cpu(q, op, "q");
   check_cpu(k_cache, op, "k_cache");
   check_cpu(v_cache, op, "v_cache");
-  check_cpu(block_table, op, "block_table");
-  check_cpu(seq_lens, op, "seq_lens");
-  check_cpu(qsl, op, "query_start_loc");
+  check_attention_metadata_host(block_table, op, "block_table");
+  check_attention_metadata_host(seq_lens, op, "seq_lens");
+  check_attention_metadata_host(qsl, op, "query_start_loc");
   const auto c = check_paged_attention<DType>(q, k_cache, v_cache, block_table, seq_lens, qsl, scale);
   auto bt = block_table.contiguous(), sl = seq_lens.contiguous(), ql = qsl.contiguous();
   AttnPlan plan;
@@ -168,6 +170,79 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// ---- plan/run form (CPU: the buffers are host tensors; same plan, same run_forward, same bits) ----------
+void attention_plan(const at::Tensor& plan, const at::Tensor& table, const at::Tensor& qsl, const at::Tensor& kv_lens,
+                    const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv, int64_t D, bool causal,
+                    int64_t num_cache_blocks, int64_t block_size, int64_t workspace_floats) {
+  const char* op = "attention_plan";
+  check_cpu(plan, op, "plan");
+  check_cpu(table, op, "plan_table");
+  const AttnPackedPlan packed = plan_attention_host(plan, table, workspace_floats, qsl, kv_lens, block_table, Hq, Hkv, D,
+                                                    causal, num_cache_blocks, block_size);
+  int64_t* w = plan.data_ptr<int64_t>();
+  std::copy(packed.head.begin(), packed.head.end(), w);
+  std::copy(packed.blocks.begin(), packed.blocks.end(),
+            w + (kAttnPlanHeaderRows + attn_plan_capacity(plan.size(0))) * kAttnWorkFields);
+  std::copy(packed.table.begin(), packed.table.end(), table.data_ptr<int32_t>());
+}
+
+// The host plan buffer checked against the call (the GPU kernels' check, here as a clear error) and unpacked.
+AttnPlan unpack_checked(const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
+                        const AttnRunDims& dims, const char* op) {
+  check_cpu(plan, op, "plan");
+  check_cpu(table, op, "plan_table");
+  check_plan_buffers(plan, table, workspace_floats, op);
+  const int bad = attn_plan_mismatch(plan.data_ptr<int64_t>(), dims);
+  TORCH_CHECK(bad == 0, "aligned::", op, ": ", attn_plan_mismatch_text(bad));
+  AttnPlan out;
+  attn_unpack_plan(plan.data_ptr<int64_t>(), dims.capacity, table.data_ptr<int32_t>(), &out);
+  return out;
+}
+
+// workspace_floats: the GPU run's partial capacity; the CPU run sizes its own (run_forward), it is only checked.
+std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& cu_q,
+                                                            const at::Tensor& cu_k, const at::Tensor& plan,
+                                                            int64_t workspace_floats, double scale, bool causal) {
+  const char* op = "attention_varlen_planned";
+  check_cpu(q, op, "q");
+  check_cpu(k, op, "k");
+  check_cpu(v, op, "v");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
+  const AttnPlan pl = unpack_checked(plan, no_table, workspace_floats,
+                                     planned_run_dims(c.shape, q.size(0), k.size(0), 0, plan, no_table, workspace_floats), op);
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  AttnArgs a{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, causal, qc.data_ptr(), kc.data_ptr(),
+             vc.data_ptr(), 0, pl.seqs.data()};
+  run_forward(a, pl, out.data_ptr(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
+                                   double scale) {
+  const char* op = "paged_attention_planned";
+  check_cpu(q, op, "q");
+  check_cpu(k_cache, op, "k_cache");
+  check_cpu(v_cache, op, "v_cache");
+  const auto c = check_paged_q_cache<DType>(q, k_cache, v_cache, scale, op);
+  const AttnPlan pl = unpack_checked(
+      plan, table, workspace_floats,
+      planned_run_dims(c.shape, q.size(0), k_cache.size(0), k_cache.size(1), plan, table, workspace_floats), op);
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  AttnArgs a{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, true, qc.data_ptr(), k_cache.data_ptr(),
+             v_cache.data_ptr(), k_cache.size(1), pl.seqs.data()};
+  run_forward(a, pl, out.data_ptr(), lse.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 }  // namespace aligned::cpu
 
@@ -177,4 +252,8 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   m.impl("attention_varlen_backward", &aligned::cpu::attention_varlen_backward);
   m.impl("reshape_and_cache", &aligned::cpu::reshape_and_cache);
   m.impl("paged_attention", &aligned::cpu::paged_attention);
+  m.impl("attention_plan", &aligned::cpu::attention_plan);
+  lib.impl("attention_plan_size", &aligned::attention_plan_size);  // host metadata only: same on every target
+  m.impl("attention_varlen_planned", &aligned::cpu::attention_varlen_planned);
+  m.impl("paged_attention_planned", &aligned::cpu::paged_attention_planned);
 }

@@ -448,7 +448,7 @@ at::Tensor log_f32(const at::Tensor& x) { return elementwise_f32(x, true, "_log_
 
 // The CPU glue checks data values on the host and raises at once: no error is ever deferred (zeros).
 // Under aligned_ops.emulate the GPU glue's own persistent words are returned instead (emulation_hook.h).
-at::Tensor device_error_flags(const at::Tensor& like) { return at::zeros({3}, like.options().dtype(at::kInt)); }
+at::Tensor device_error_flags(const at::Tensor& like) { return at::zeros({4}, like.options().dtype(at::kInt)); }  // dense_api.h kNumDeviceErrors
 
 }  // namespace
 

@@ -3,8 +3,14 @@
 //
 // Order of work, the same as the CPU glue (csrc/cpu/ops_attention_cpu.cpp): device checks, the family's
 // metadata checks (csrc/attention_checks.h), the host planner (csrc/common/attention_plan.h), then the run —
-// here: pack the plan's work list (csrc/gpu/attention_api.h), upload it with one host-to-device copy from
-// pinned memory (stream-ordered, no synchronisation), launch (csrc/gpu/attention_launch.cuh).
+// here: pack the plan into the plan-buffer format (attention_plan.h), upload it with one host-to-device copy
+// from pinned memory (stream-ordered, no synchronisation), launch (csrc/gpu/attention_launch.cuh).
+//
+// Plan/run form (CUDA-graph safe; FlashInfer's plan()/run() at the op level): attention_plan does the
+// planning and that one upload into caller-owned persistent buffers, once per step (its metadata are the
+// same for every layer); attention_varlen_planned / paged_attention_planned then only launch: no copy, no
+// host read, no allocation but the outputs (sized by q), and a grid set by the plan buffer's capacity, so
+// a captured graph replays whatever plan was written into the same buffers before the replay.
 //
 // Host metadata: the planner needs the values of the offsets, sequence lengths and block table, so on the
 // GPU these arguments are host (CPU) tensors — the copies the engine already keeps (vLLM: the *_cpu
@@ -27,8 +33,14 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "../attention_checks.h"
 #include "../gpu/attention_api.h"
@@ -66,18 +78,41 @@ void check_device(const at::Tensor& t, const at::Tensor& ref, const char* op, co
 #endif
 }
 
-// Planner metadata: a host tensor (see the header comment).
-void check_host(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
-              " must be a CPU (host) tensor on the GPU path: the planner validates it on the host and the glue "
-              "never reads device memory back (pass the engine's host copy), got device ",
-              t.device());
+// Planner metadata: a host tensor (attention_checks.h, the CPU glue's refusal too).
+void check_host(const at::Tensor& t, const char* op, const char* name) { check_attention_metadata_host(t, op, name); }
+
+// The device's persistent error words (ops_cuda.cpp's buffer, reached through the dispatcher: that glue is
+// another translation unit). The pointer never changes, so it is cached per device: no dispatch per call.
+int32_t* device_error_words(const at::Tensor& ref) {
+  static std::atomic<int32_t*> cached[64];
+  const int idx = ref.device().is_cpu() ? 0 : ref.device().index();
+  TORCH_CHECK(idx >= 0 && idx < 64, "aligned: device index ", idx, " out of range for the error flags");
+  int32_t* w = cached[idx].load(std::memory_order_acquire);
+  if (!w) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("aligned::_device_error_flags", "")
+                               .typed<at::Tensor(const at::Tensor&)>();
+    w = op.call(ref).data_ptr<int32_t>();
+    cached[idx].store(w, std::memory_order_release);
+  }
+  return w;
+}
+
+// Every host-to-device copy of the attention glue goes through here (upload, copy_into); under emulation it
+// is recorded beside the launches, so a test can prove the run form makes none.
+void note_host_copy(int64_t bytes) {
+#if defined(ALIGNED_EMULATED_GLUE)
+  emu::record_host_copy((size_t)bytes);
+#else
+  (void)bytes;
+#endif
 }
 
 // A host buffer on ref's device: one asynchronous copy from pinned memory (the caching host allocator keeps
 // the pinned block alive until the copy has run). Under emulation the host buffer is the device buffer.
 at::Tensor upload(const void* data, int64_t n, at::ScalarType st, const at::Tensor& ref) {
   const int64_t es = (int64_t)c10::elementSize(st);
+  note_host_copy(n * es);
 #if defined(ALIGNED_EMULATED_GLUE)
   auto h = at::empty({n}, at::TensorOptions().dtype(st));
   if (n > 0) memcpy(h.data_ptr(), data, (size_t)(n * es));
@@ -90,21 +125,79 @@ at::Tensor upload(const void* data, int64_t n, at::ScalarType st, const at::Tens
 #endif
 }
 
-// Runs a plan's forward: out [Tq, Hq, D] (q dtype), lse [Tq, Hq] fp32.
-void run_forward(gpu::AttnFwdParams p, const AttnPlan& plan, const at::Tensor& ref, int64_t table_stride,
-                 const char* op) {
-  p.n_items = (int64_t)plan.items.size();
-  p.n_blocks = (int64_t)plan.blocks.size();
-  if (p.n_blocks == 0) return;
+// n host values into dst's first n elements (dst on the device): one stream-ordered copy from pinned memory.
+template <class E>
+void copy_into(const at::Tensor& dst, int64_t offset, const std::vector<E>& src) {
+  if (src.empty()) return;
+  note_host_copy((int64_t)(src.size() * sizeof(E)));
+  auto slice = dst.view({-1}).narrow(0, offset, (int64_t)src.size());
+#if defined(ALIGNED_EMULATED_GLUE)
+  memcpy(slice.data_ptr(), src.data(), src.size() * sizeof(E));
+#else
+  auto h = at::empty({(int64_t)src.size()}, at::TensorOptions().dtype(slice.scalar_type()).pinned_memory(true));
+  memcpy(h.data_ptr(), src.data(), src.size() * sizeof(E));
+  slice.copy_(h, /*non_blocking=*/true);
+#endif
+}
+
+// Launches a forward over a plan buffer already on the device: out [Tq, Hq, D] (q dtype), lse [Tq, Hq] fp32.
+// grid_items / grid_blocks: the planned form passes the capacity (fixed launches), the per-call form the
+// counts it knows from its own plan.
+void launch_forward(gpu::AttnFwdParams p, const int64_t* plan, const int32_t* table, float* part,
+                    int64_t grid_items, int64_t grid_blocks, const at::Tensor& ref, const char* op) {
   TORCH_CHECK(p.D <= gpu::kGpuAttnMaxD, "aligned::", op, ": head_dim must be <= ", gpu::kGpuAttnMaxD,
               " on the GPU, got ", p.D);
-  const std::vector<int64_t> work = gpu::attn_pack_work(plan, table_stride);
-  auto dwork = upload(work.data(), (int64_t)work.size(), at::kLong, ref);
+  const int64_t C = p.run.capacity;
+  p.plan_header = plan;
+  p.items = plan + kAttnPlanHeaderRows * kAttnWorkFields;
+  p.blocks = plan + (kAttnPlanHeaderRows + C) * kAttnWorkFields;
+  p.block_tables = table;
+  p.part = part;
+  p.n_items = grid_items;
+  p.n_blocks = grid_blocks;
+  p.error_flags = device_error_words(ref);
+  check_launch(gpu::launch_attention_forward(p, stream_of(ref)), op);
+}
+
+// The per-call form: plan here, upload the plan buffer (and the paged table), launch. One or two copies.
+void run_forward_per_call(gpu::AttnFwdParams p, const AttnPlan& plan, const AttnPlanDims& dims,
+                          const at::Tensor& ref, const char* op) {
+  if (plan.blocks.empty()) return;
+  const AttnShape sh{p.Hq, p.Hkv, p.D, p.causal};
+  const int64_t C = std::max(plan.items.size(), plan.blocks.size());
+  AttnPackedPlan packed;
+  check_plan(attn_pack_plan(plan, sh, dims, C, std::numeric_limits<int64_t>::max(), plan.part_floats, op, &packed));
+  std::vector<int64_t> buf((kAttnPlanHeaderRows + 2 * C) * kAttnWorkFields, 0);
+  std::copy(packed.head.begin(), packed.head.end(), buf.begin());
+  std::copy(packed.blocks.begin(), packed.blocks.end(), buf.begin() + (kAttnPlanHeaderRows + C) * kAttnWorkFields);
+  auto dplan = upload(buf.data(), (int64_t)buf.size(), at::kLong, ref);
+  at::Tensor dtable;
+  if (!packed.table.empty()) dtable = upload(packed.table.data(), (int64_t)packed.table.size(), at::kInt, ref);
   auto part = at::empty({std::max<int64_t>(1, plan.part_floats)}, ref.options().dtype(at::kFloat));
-  p.items = dwork.data_ptr<int64_t>();
-  p.blocks = p.items + p.n_items * gpu::kAttnWorkFields;
-  p.part = part.data_ptr<float>();
-  check_launch(gpu::launch_attention_forward(p, stream_of(ref)), op);  // part, dwork: stream-ordered frees
+  p.run.capacity = C;
+  p.run.table_elems = (int64_t)packed.table.size();
+  p.run.workspace_floats = plan.part_floats;
+  launch_forward(p, dplan.data_ptr<int64_t>(), dtable.defined() ? dtable.data_ptr<int32_t>() : nullptr,
+                 part.data_ptr<float>(), (int64_t)plan.items.size(), (int64_t)plan.blocks.size(), ref, op);
+  // dplan, dtable, part: stream-ordered frees
+}
+
+gpu::AttnFwdParams forward_params(DType dt, const AttnShape& sh, double scale, const void* q, const void* k,
+                                  const void* v, int64_t block_size, void* out, float* lse) {
+  gpu::AttnFwdParams p{};
+  p.dt = dt;
+  p.Hq = sh.Hq;
+  p.Hkv = sh.Hkv;
+  p.D = sh.D;
+  p.scale = (float)scale;
+  p.causal = sh.causal;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.block_size = block_size;
+  p.out = out;
+  p.lse = lse;
+  return p;
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -125,21 +218,10 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q, const a
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  gpu::AttnFwdParams p{};
-  p.dt = c.dt;
-  p.Hq = c.shape.Hq;
-  p.Hkv = c.shape.Hkv;
-  p.D = c.shape.D;
-  p.scale = (float)scale;
-  p.causal = causal;
-  p.q = qc.data_ptr();
-  p.k = kc.data_ptr();
-  p.v = vc.data_ptr();
-  p.block_size = 0;
-  p.block_tables = nullptr;
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  run_forward(p, plan, q, 0, op);
+  auto p = forward_params(c.dt, c.shape, scale, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0, out.data_ptr(),
+                          lse.data_ptr<float>());
+  p.run = AttnRunDims{c.shape.Hq, c.shape.Hkv, c.shape.D, causal, q.size(0), k.size(0), 0, 0, 0, 0};
+  run_forward_per_call(p, plan, AttnPlanDims{q.size(0), k.size(0), 0}, q, op);
   return {out, lse};
 }
 
@@ -182,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   p.f.v = vc.data_ptr();
   p.f.n_blocks = (int64_t)plan.blocks.size();
   p.f.blocks = dwork.data_ptr<int64_t>();
-  p.tiles = p.f.blocks + p.f.n_blocks * gpu::kAttnWorkFields;
+  p.tiles = p.f.blocks + p.f.n_blocks * kAttnWorkFields;
   p.n_tiles = (int64_t)plan.key_tiles.size();
   p.dout = go.data_ptr();
   p.out = oc.data_ptr();
@@ -215,22 +297,88 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  auto dtable = upload(bt.data_ptr<int32_t>(), bt.numel(), at::kInt, q);
-  gpu::AttnFwdParams p{};
-  p.dt = c.dt;
-  p.Hq = c.shape.Hq;
-  p.Hkv = c.shape.Hkv;
-  p.D = c.shape.D;
-  p.scale = (float)scale;
-  p.causal = true;
-  p.q = qc.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.v = v_cache.data_ptr();
-  p.block_size = k_cache.size(1);
-  p.block_tables = dtable.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  run_forward(p, plan, q, bt.size(1), op);
+  auto p = forward_params(c.dt, c.shape, scale, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          k_cache.size(1), out.data_ptr(), lse.data_ptr<float>());
+  p.run = AttnRunDims{c.shape.Hq, c.shape.Hkv, c.shape.D, true, q.size(0), k_cache.size(0), k_cache.size(1), 0, 0, 0};
+  run_forward_per_call(p, plan, AttnPlanDims{q.size(0), k_cache.size(0), k_cache.size(1)}, q, op);
+  return out;
+}
+
+// ---- plan/run form -----------------------------------------------------------------------------------------
+// attention_plan: host metadata in, the plan written into the device buffers (plan, plan_table), checked
+// against workspace_floats (the run's partial capacity). Two or three stream-ordered copies from pinned
+// memory, once per step — never in the run.
+void attention_plan(const at::Tensor& plan, const at::Tensor& table, const at::Tensor& qsl, const at::Tensor& kv_lens,
+                    const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv, int64_t D, bool causal,
+                    int64_t num_cache_blocks, int64_t block_size, int64_t workspace_floats) {
+  const char* op = "attention_plan";
+  check_device(plan, plan, op, "plan");
+  check_device(table, plan, op, "plan_table");
+  const AttnPackedPlan packed = plan_attention_host(plan, table, workspace_floats, qsl, kv_lens, block_table, Hq, Hkv, D,
+                                                    causal, num_cache_blocks, block_size);
+  c10::DeviceGuard guard(plan.device());
+  copy_into(plan, 0, packed.head);
+  copy_into(plan, (kAttnPlanHeaderRows + attn_plan_capacity(plan.size(0))) * kAttnWorkFields, packed.blocks);
+  copy_into(table, 0, packed.table);
+}
+
+void check_planned_buffers(const at::Tensor& ref, const at::Tensor& plan, const at::Tensor& table,
+                           int64_t workspace_floats, const char* op) {
+  check_device(plan, ref, op, "plan");
+  check_device(table, ref, op, "plan_table");
+  check_plan_buffers(plan, table, workspace_floats, op);
+}
+
+// The run forms: metadata checks only, then the launches over the plan buffers (grids = their capacity).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& cu_q,
+                                                            const at::Tensor& cu_k, const at::Tensor& plan,
+                                                            int64_t workspace_floats, double scale, bool causal) {
+  const char* op = "attention_varlen_planned";
+  check_device(q, q, op, "q");
+  check_device(k, q, op, "k");
+  check_device(v, q, op, "v");
+  check_host(cu_q, op, "cu_seqlens_q");  // not read here: the backward's metadata (it replans from them)
+  check_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
+  check_planned_buffers(q, plan, no_table, workspace_floats, op);
+  c10::DeviceGuard guard(q.device());
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const int64_t C = attn_plan_capacity(plan.size(0));
+  if (C == 0) return {out, lse};
+  auto p = forward_params(c.dt, c.shape, scale, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0, out.data_ptr(),
+                          lse.data_ptr<float>());
+  p.run = planned_run_dims(c.shape, q.size(0), k.size(0), 0, plan, no_table, workspace_floats);
+  // the split partials: a capacity-sized buffer (stream-ordered caching allocator; inside a graph capture, the
+  // graph's pool at a fixed address)
+  auto part = at::empty({std::max<int64_t>(1, workspace_floats)}, q.options().dtype(at::kFloat));
+  launch_forward(p, plan.data_ptr<int64_t>(), nullptr, part.data_ptr<float>(), C, C, q, op);
+  return {out, lse};
+}
+
+at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
+                                   double scale) {
+  const char* op = "paged_attention_planned";
+  check_device(q, q, op, "q");
+  check_device(k_cache, q, op, "k_cache");
+  check_device(v_cache, q, op, "v_cache");
+  const auto c = check_paged_q_cache<DType>(q, k_cache, v_cache, scale, op);
+  check_planned_buffers(q, plan, table, workspace_floats, op);
+  c10::DeviceGuard guard(q.device());
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  const int64_t C = attn_plan_capacity(plan.size(0));
+  if (C == 0) return out;
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  auto p = forward_params(c.dt, c.shape, scale, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          k_cache.size(1), out.data_ptr(), lse.data_ptr<float>());
+  p.run = planned_run_dims(c.shape, q.size(0), k_cache.size(0), k_cache.size(1), plan, table, workspace_floats);
+  auto part = at::empty({std::max<int64_t>(1, workspace_floats)}, q.options().dtype(at::kFloat));  // capacity-sized
+  launch_forward(p, plan.data_ptr<int64_t>(), table.data_ptr<int32_t>(), part.data_ptr<float>(), C, C, q, op);
   return out;
 }
 
@@ -278,6 +426,9 @@ void aligned_emulated_attention_glue_init(::aligned::emu::GlueRegistry& m) {
   m.impl("attention_varlen_backward", &aligned::cuda_attn::attention_varlen_backward);
   m.impl("paged_attention", &aligned::cuda_attn::paged_attention);
   m.impl("reshape_and_cache", &aligned::cuda_attn::reshape_and_cache);
+  m.impl("attention_plan", &aligned::cuda_attn::attention_plan);
+  m.impl("attention_varlen_planned", &aligned::cuda_attn::attention_varlen_planned);
+  m.impl("paged_attention_planned", &aligned::cuda_attn::paged_attention_planned);
 }
 const bool aligned_emulated_attention_glue_registered =
     (aligned_emulated_attention_glue_init(::aligned::emu::glue_registry(ALIGNED_EMULATED_VENDOR)), true);
@@ -288,5 +439,8 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   m.impl("attention_varlen_backward", &aligned::cuda_attn::attention_varlen_backward);
   m.impl("paged_attention", &aligned::cuda_attn::paged_attention);
   m.impl("reshape_and_cache", &aligned::cuda_attn::reshape_and_cache);
+  m.impl("attention_plan", &aligned::cuda_attn::attention_plan);
+  m.impl("attention_varlen_planned", &aligned::cuda_attn::attention_varlen_planned);
+  m.impl("paged_attention_planned", &aligned::cuda_attn::paged_attention_planned);
 }
 #endif

@@ -56,6 +56,11 @@ void enter(const Arch* arch, Fault fault);
 std::vector<LaunchRecord> exit();
 const Arch* active_arch();  // nullptr: the CPU backend runs
 Fault active_fault();
+// A host-to-device copy made by the emulated GPU glue (under emulation: a memcpy), recorded among the launches
+// as kernel kHostCopyRecord, grid = block = (1, 1, 1), shared_bytes = the bytes copied: so a test can prove a
+// run makes no copy (the CUDA-graph-safe attention run forms), with the per-call forms as negative control.
+constexpr const char* kHostCopyRecord = "<host-to-device copy>";
+void record_host_copy(size_t bytes);
 
 // ---- the registry of emulated GPU glue ----------------------------------------------------------------
 class GlueRegistry {

@@ -114,6 +114,11 @@ std::vector<LaunchRecord> exit() {
   return mine;
 }
 const Arch* active_arch() { return g_arch.load(std::memory_order_acquire); }
+void record_host_copy(size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  const Arch* arch = g_arch.load();
+  if (!g_scopes.empty() && arch) g_records.push_back(LaunchRecord{kHostCopyRecord, arch->name, {1, 1, 1}, {1, 1, 1}, bytes});
+}
 Fault active_fault() { return (Fault)g_fault.load(std::memory_order_relaxed); }
 
 GlueRegistry& glue_registry(Vendor vendor) {

@@ -22,22 +22,6 @@ namespace aligned::gpu {
 // D = 256) and every lane holds ceil(D / 32) <= 8 accumulators in registers.
 constexpr int64_t kGpuAttnMaxD = 256;
 
-// One work record: a (row block, split) forward item, or a row block for the merge (split = 0).
-enum AttnWorkField : int {
-  kWqBegin = 0,   // first query row of the sequence (packed q)
-  kWqLen,         // new rows of the sequence
-  kWnCtx,         // keys of the sequence
-  kWkBegin,       // packed K/V: first key row of the sequence
-  kWtableRow,     // paged: offset (int32 elements) of the sequence's block-table row; -1: packed
-  kWg,            // KV head
-  kWr0,           // first row of the block (relative to the sequence's first new row)
-  kWnr,           // rows in the block
-  kWnSplits,      // the block's partial stride in splits
-  kWpartOffset,   // offset (floats) of the block's partials
-  kWsplit,        // the item's split
-  kAttnWorkFields
-};
-
 struct AttnFwdParams {
   DType dt;
   int64_t Hq, Hkv, D;
@@ -55,6 +39,12 @@ struct AttnFwdParams {
   float* part;                  // the plan's partial buffer (part_floats)
   void* out;                    // [Tq, Hq, D], dtype dt
   float* lse;                   // [Tq, Hq]
+  // The plan buffer's header (both forms: the per-call form uploads a buffer of capacity = its own size).
+  // n_items / n_blocks above are the grids (the capacity in the planned form); the kernels take the real
+  // counts from the header and return at once in the blocks beyond them.
+  const int64_t* plan_header;
+  AttnRunDims run;              // what the header is checked against
+  int32_t* error_flags;         // [kNumDeviceErrors] device words (kErrAttentionPlan), or nullptr
 };
 
 struct CacheWriteParams {

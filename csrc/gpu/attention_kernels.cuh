@@ -53,10 +53,21 @@ __device__ __forceinline__ int64_t work_row_keys(const AttnFwdParams& p, const i
   return attn_row_keys(w[kWnCtx] - w[kWqLen] + w[kWr0] + r, w[kWnCtx], p.causal);
 }
 
-// One (row block, split) item: the split's partials of every (row, head) of the block.
+// The plan header against the run's tensors (attention_api.h attn_plan_mismatch): the same verdict in every
+// block and thread (the header is one buffer). A plan that does not fit sets the error word (block 0) and no
+// record is read.
+__device__ __forceinline__ bool attn_plan_fits(const AttnFwdParams& p) {
+  const bool ok = attn_plan_mismatch(p.plan_header, p.run) == 0;
+  if (!ok && blockIdx.x == 0 && threadIdx.x == 0 && p.error_flags) p.error_flags[kErrAttentionPlan] = 1;
+  return ok;
+}
+
+// One (row block, split) item: the split's partials of every (row, head) of the block. The grid is the plan
+// buffer's capacity; blocks past the header's item count return at once.
 template <typename T>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdParams p) {
   __shared__ float ktile[kAttnTile * kAttnKStride];
+  if (!attn_plan_fits(p) || (int64_t)blockIdx.x >= p.plan_header[kPnItems]) return;  // uniform over the block
   const int64_t* w = p.items + (int64_t)blockIdx.x * kAttnWorkFields;
   const int64_t D = p.D, G = p.Hq / p.Hkv, nr = w[kWnr], P = nr * G, sp = w[kWsplit], ns = w[kWnSplits];
   const int64_t key0 = sp * kAttnSplit, stride = D + 2;
@@ -133,6 +144,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
 // One row block: merge every (row, head)'s splits in split order into out and lse.
 template <typename T>
 __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdParams p) {
+  if (!attn_plan_fits(p)) {  // a plan for another call: NaN outputs (never stale bits), flag set above
+    const float nan = float_of(0x7fc00000u);
+    const int64_t n = p.run.q_rows * p.Hq;
+    for (int64_t i = global_thread_index(); i < n * p.D; i += global_thread_count()) ((T*)p.out)[i] = from_f32<T>(nan);
+    for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) p.lse[i] = nan;
+    return;
+  }
+  if ((int64_t)blockIdx.x >= p.plan_header[kPnBlocks]) return;
   const int64_t* w = p.blocks + (int64_t)blockIdx.x * kAttnWorkFields;
   const int64_t D = p.D, G = p.Hq / p.Hkv, P = w[kWnr] * G, ns_block = w[kWnSplits], stride = D + 2;
   const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);

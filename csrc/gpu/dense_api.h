@@ -29,7 +29,8 @@ enum DeviceError : int {
   kErrRotaryPosition = 0,     // rotary_embedding(_backward): a position outside [0, max_position)
   kErrTemperature = 1,        // the log-prob family: a per-row temperature not finite or < FLT_MIN
   kErrTokenId = 2,            // token_logprobs(_backward): a token id outside [0, V)
-  kNumDeviceErrors = 3,
+  kErrAttentionPlan = 3,      // attention_varlen_planned / paged_attention_planned: the plan does not fit the call
+  kNumDeviceErrors = 4,
 };
 
 // The params structs are the families' own, shared with the CPU backend (csrc/common/params_*.h); the

@@ -36,7 +36,13 @@ from .ops.logits import log_softmax, logsumexp, token_logprobs
 from .ops.collective import tree_all_reduce
 from .ops.device_errors import check_device_errors
 from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
-from .ops.attention import attention_varlen, paged_attention, reshape_and_cache
+from .ops.attention import (
+    AttentionPlan,
+    attention_plan_size,
+    attention_varlen,
+    paged_attention,
+    reshape_and_cache,
+)
 from .emulation import emulate
 from .ops.moe import moe_experts, moe_layer, moe_routing
 from .ops.lm_head import fused_token_logprobs
@@ -63,6 +69,8 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "token_logprobs",
+    "AttentionPlan",
+    "attention_plan_size",
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",

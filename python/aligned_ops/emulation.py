@@ -24,6 +24,7 @@ import torch
 
 ARCHS = ("sm_90", "sm_100", "gfx942", "gfx950")
 # Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
+_HOST_COPY_RECORD = "<host-to-device copy>"  # csrc/emu/emulation.h kHostCopyRecord
 _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3}
 
 
@@ -64,6 +65,9 @@ class Emulation:
         self.max_shared_bytes: int = info["max_shared_bytes"]
         self.matrix_model: str = info["matrix_model"]
         self.launches: list[Launch] = []
+        # Host-to-device copies made by the emulated GPU glue, in bytes, in order (csrc/emu/emulation.h
+        # record_host_copy; today the attention glue's uploads): the CUDA-graph-safe run forms make none.
+        self.host_copies: list[int] = []
         self._fault = _fault
         self._active = False
 
@@ -78,6 +82,9 @@ class Emulation:
         self._active = False
         for rec in torch.ops.aligned._emulate_exit():
             kernel, arch, grid, block, smem = rec.split("|")
+            if kernel == _HOST_COPY_RECORD:
+                self.host_copies.append(int(smem))
+                continue
             self.launches.append(
                 Launch(kernel, arch, tuple(int(v) for v in grid.split(",")), tuple(int(v) for v in block.split(",")), int(smem))
             )

@@ -223,3 +223,55 @@ def test_dispatch_mode_negative_control():
     with pytest.raises(AssertionError, match="host read on the decode path"):
         with ForbidHostReads():
             aligned_ops.log_softmax(torch.randn(2, 5), torch.tensor(0.5))  # CPU 0-d: float() = a host read
+
+
+# ---- the plan/run form of attention: the run path makes no copy at all (CUDA-graph safe) ---------------------
+# Beyond the host reads above, a captured graph must not contain a host-to-device copy (it would replay stale
+# host data): the run functions may call nothing that uploads. Emulated proof: tests/emulated/
+# test_emulated_attention_plan.py (copy records, identical launches).
+RUN_PATH = ("attention_varlen_planned", "paged_attention_planned", "launch_forward", "check_planned_buffers",
+            "forward_params", "device_error_words")
+COPIES = {
+    "upload": r"(?<![\w])upload\s*\(",
+    "copy_into": r"(?<![\w])copy_into\s*\(",
+    "copy_": r"\.copy_\s*\(",
+    "to": r"\.to\s*\(",
+    "pinned": r"pinned_memory",
+    "memcpy": r"(?<![\w])memcpy\s*\(",
+    "data_ptr_of_host_metadata": r"cu_q\.data_ptr|cu_k\.data_ptr",
+}
+
+
+def _function_body(src: str, name: str) -> str:
+    m = re.search(rf"\n[^\n;]*\b{re.escape(name)}\s*\([^;{{]*\)\s*\{{", src)
+    assert m, name
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        i += 1
+    return src[m.end():i - 1]
+
+
+def scan_run_path(src: str, names=RUN_PATH) -> list:
+    src = _strip_comments(src)
+    found = []
+    for name in names:
+        body = _function_body(src, name)
+        found += [f"{name}: {kind}: {m.group(0)}" for kind, pat in {**CXX_FORBIDDEN, **COPIES}.items()
+                  for m in re.finditer(pat, body)]
+    return found
+
+
+def test_attention_run_form_makes_no_copy():
+    assert scan_run_path(ATTENTION_GLUE.read_text()) == []
+
+
+def test_attention_run_form_scan_negative_control():
+    src = ATTENTION_GLUE.read_text()
+    # the per-call forms do upload (their work list, every call): the scan sees it
+    assert any("upload" in f for f in scan_run_path(src, ("run_forward_per_call",)))
+    assert any("copy_into" in f for f in scan_run_path(src, ("attention_plan",)))
+    planted = src.replace("  launch_forward(p, plan.data_ptr<int64_t>(), table.data_ptr<int32_t>()",
+                          "  auto h = plan.to(at::kCPU);\n  launch_forward(p, plan.data_ptr<int64_t>(), "
+                          "table.data_ptr<int32_t>()", 1)
+    assert planted != src and scan_run_path(planted)

@@ -74,6 +74,12 @@ DIFFERENTIABLE = {
     "attention_varlen": (lambda: (_rows(9, 4, 8), _rows(9, 2, 8, seed=1), _rows(9, 2, 8, seed=2)),
                          lambda q, k, v: ops.attention_varlen(q, k, v, CU, CU, 0.3, True)[0],
                          lambda q, k, v: _attn_ref(q, k, v, LENS, 0.3)),
+    # the plan/run form: the backward replans from the host cu_seqlens
+    "attention_varlen_planned": (lambda: (_rows(9, 4, 8), _rows(9, 2, 8, seed=1), _rows(9, 2, 8, seed=2)),
+                                 lambda q, k, v: aligned_ops.attention_varlen(
+                                     q, k, v, CU, CU, 0.3, True, plan=aligned_ops.AttentionPlan().plan_varlen(
+                                         CU, CU, 4, 2, 8))[0],
+                                 lambda q, k, v: _attn_ref(q, k, v, LENS, 0.3)),
 }
 
 
@@ -137,6 +143,11 @@ NO_BACKWARD = {
         x[:, :4].reshape(5, 1, 4), torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4),
         torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
         torch.tensor([0, 5], dtype=torch.int32), 0.5),
+    "paged_attention_planned": lambda x: aligned_ops.paged_attention(
+        x[:, :4].reshape(5, 1, 4), torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), scale=0.5,
+        plan=aligned_ops.AttentionPlan().plan_paged(
+            torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+            torch.tensor([[0, 1]], dtype=torch.int32), 1, 1, 4, 2, 4)),
 }
 
 _W3 = torch.randn(3, 5)
@@ -164,7 +175,8 @@ NO_BACKWARD.update({
 # packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
 NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_emulate_enter",
-                      "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags"}
+                      "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
+                      "attention_plan", "attention_plan_size"}  # host planning into int buffers
 
 
 def _registered_ops():

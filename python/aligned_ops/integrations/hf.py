@@ -131,8 +131,25 @@ def _cos_sin_cache(model, device):
 # ---- patched forwards ----------------------------------------------------------------------------------
 
 
-def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache):
-    """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM."""
+class _ForwardPlans:
+    """The attention plans of one trainer forward: planned once from the HOST cu_seqlens (per head shape: one
+    for every layer of an ordinary model) and reused by every layer, so no layer plans or uploads its work list
+    (aligned_ops.AttentionPlan; the backward replans from the same host cu_seqlens)."""
+
+    def __init__(self, cu_host, device):
+        self.cu_host, self.device, self.plans = cu_host, device, {}
+
+    def get(self, num_heads, num_kv_heads, head_dim):
+        key = (num_heads, num_kv_heads, head_dim)
+        if key not in self.plans:
+            self.plans[key] = aligned_ops.AttentionPlan(device=self.device).plan_varlen(
+                self.cu_host, self.cu_host, num_heads, num_kv_heads, head_dim, True)
+        return self.plans[key]
+
+
+def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache, plans=None):
+    """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM.
+    ``cu_seqlens``: host int32 offsets; ``plans``: the forward's :class:`_ForwardPlans` (None: plan per call)."""
     rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
 
     def lin(module, x):
@@ -157,7 +174,9 @@ def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache)
     R = cos_sin_cache.shape[-1]  # rotary_dim (the table's width)
     q = rules.rotary(positions, q, cos_sin_cache, R)
     k = rules.rotary(positions, k, cos_sin_cache, R)
-    o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, rules.scale(D), True)
+    plan = plans.get(q.shape[1], k.shape[1], D) if plans is not None else None
+    o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, rules.scale(D), True,
+                                        plan=plan)
     h = lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
     x, residual = rules.apply_norm(h, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.variance_epsilon, residual)
@@ -201,10 +220,14 @@ def _model_forward(
     inner = self.model
     hidden = inner.embed_tokens(ids)
     cache = _cos_sin_cache(self, hidden.device)
+    # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
+    # one host sync (a [B+1] int32 copy; _pack's checks read the same offsets); every layer then runs one plan.
+    cu_host = cu if cu.device.type == "cpu" else cu.cpu()
+    plans = _ForwardPlans(cu_host, hidden.device)
     residual = None
     with hf_moe.RoutingRecorder() as routing:
         for layer in inner.layers:
-            hidden, residual = layer(hidden, residual, positions, cu, cache)
+            hidden, residual = layer(hidden, residual, positions, cu_host, cache, plans)
     rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
     hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
     head = self.lm_head

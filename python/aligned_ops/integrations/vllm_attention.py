@@ -12,6 +12,15 @@ and asks for the ``LHBNC`` layout (slot outermost within a layer), so vLLM's per
 ``[num_blocks, 2, block_size, Hkv*D]`` with physical order ``[2, num_blocks, block_size, Hkv*D]``:
 ``kv_cache[:, 0]`` / ``kv_cache[:, 1]`` are then the two contiguous caches (viewed as 4-D), no copy.
 This is the same arrangement vLLM's ROCm backend uses.
+
+Plan once per step, run per layer (CUDA-graph safe; ``aligned_ops.AttentionPlan``): the metadata builder plans
+from vLLM's HOST copies of the step's metadata (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound`` — exact
+without speculative decoding, which the plugin refuses — and the block table's CPU mirror, which
+``BlockTable.get_device_tensor`` tags onto the device view it returns, see :func:`tag_host_block_table`) into
+persistent device buffers; every layer's forward then calls ``paged_attention`` with that plan: no host read, no
+host-to-device copy in the forward. The plan's upload is stream-ordered after the previous step's kernels, so an
+overlapping (async-scheduled) build never races the step still running. On the CPU platform the "device" is the
+host: same plan, same run, same bits as the per-call op.
 """
 
 from __future__ import annotations
@@ -101,11 +110,78 @@ class AlignedAttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
     causal: bool = True
+    plan: aligned_ops.AttentionPlan | None = None  # this step's plan, shared by every layer
+
+
+# ---- host copies of the step's metadata ------------------------------------------------------------------------
+_HOST_TABLE_ATTR = "_aligned_host_block_table"
+
+
+def tag_host_block_table(block_table, device_view: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """``BlockTable.get_device_tensor`` hook (installed by the plugin): the device view it returns carries its CPU
+    mirror (``block_table.block_table.cpu[:num_reqs]``, what ``commit_block_table`` copied to the device), so the
+    metadata builder plans from host memory."""
+    if device_view.device.type != "cpu":
+        setattr(device_view, _HOST_TABLE_ATTR, block_table.block_table.cpu[:num_reqs])
+    return device_view
+
+
+_warned_sync = set()
+
+
+def _host(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t on the host; a device tensor without a host mirror costs one sync per step here, in the builder
+    (never in the forward), and says so once."""
+    if t.device.type == "cpu":
+        return t
+    if what not in _warned_sync:
+        _warned_sync.add(what)
+        import warnings
+
+        warnings.warn(f"aligned_ops attention: vLLM gave no host copy of {what}; the metadata builder copies it "
+                      "back once per step (a sync outside the forward)", stacklevel=3)
+    return t.cpu()
+
+
+def host_metadata(m: CommonAttentionMetadata):
+    """(query_start_loc, seq_lens, block_table) of the step as host int32 tensors, from vLLM's host copies."""
+    qsl = m.query_start_loc_cpu if getattr(m, "query_start_loc_cpu", None) is not None else _host(
+        m.query_start_loc, "query_start_loc")
+    if m.seq_lens.device.type == "cpu":
+        seq_lens = m.seq_lens
+    elif getattr(m, "seq_lens_cpu_upper_bound", None) is not None:  # exact: speculative decoding is refused
+        seq_lens = m.seq_lens_cpu_upper_bound
+    else:
+        seq_lens = _host(m.seq_lens, "seq_lens")
+    bt = m.block_table_tensor
+    host_bt = getattr(bt, _HOST_TABLE_ATTR, None)
+    if bt.device.type == "cpu":
+        host_bt = bt
+    elif host_bt is None or tuple(host_bt.shape) != tuple(bt.shape):
+        host_bt = _host(bt, "the block table")
+    return qsl.to(torch.int32), seq_lens.to(torch.int32), host_bt.to(torch.int32)
 
 
 class AlignedAttentionMetadataBuilder(AttentionMetadataBuilder[AlignedAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self._cache_config = vllm_config.cache_config
+        # persistent plan buffers on the engine's device (grown, never shrunk; one plan per step)
+        self._plan = aligned_ops.AttentionPlan(device=device)
+        from vllm.platforms import current_platform
+
+        self._check_device_errors = not current_platform.is_cpu()
+
+    def _report_device_errors(self):
+        """The in-kernel error words of the previous step (aligned_ops.check_device_errors), read here: once per
+        engine step, outside the forward (one small device-to-host read; on the CPU every value is checked at
+        the call, so nothing is read)."""
+        try:
+            aligned_ops.check_device_errors(self.device)
+        except RuntimeError as e:
+            raise RuntimeError(f"aligned_ops vLLM plugin: a GPU op of the previous engine step met a bad input: {e}"
+                               ) from None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         m = common_attn_metadata
@@ -113,14 +189,25 @@ class AlignedAttentionMetadataBuilder(AttentionMetadataBuilder[AlignedAttentionM
             raise NotImplementedError("aligned_ops attention: only causal decoder attention is supported")
         if common_prefix_len:
             raise NotImplementedError("aligned_ops attention: cascade (common prefix) attention is not supported")
+        if self._check_device_errors:
+            self._report_device_errors()
+        spec = self.kv_cache_spec
+        num_blocks = self._cache_config.num_gpu_blocks
+        if not num_blocks:
+            raise RuntimeError("aligned_ops attention: the KV cache's block count is not known when the metadata "
+                               "is built (cache_config.num_gpu_blocks is unset)")
+        qsl, seq_lens, block_table = host_metadata(m)
+        plan = self._plan.plan_paged(qsl, seq_lens, block_table, self._num_heads, spec.num_kv_heads, spec.head_size,
+                                     num_blocks, spec.block_size)
         return AlignedAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
-            query_start_loc=m.query_start_loc.to(torch.int32),
+            query_start_loc=qsl,
             max_seq_len=m.max_seq_len,
-            seq_lens=m.seq_lens.to(torch.int32),
-            block_table=m.block_table_tensor.to(torch.int32),
+            seq_lens=seq_lens,
+            block_table=block_table,
             slot_mapping=m.slot_mapping.to(torch.int64),
+            plan=plan,
         )
 
 
@@ -198,14 +285,8 @@ class AlignedAttentionImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
-        out = self._paged_attention(
-            query[:n],
-            k_cache,
-            v_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            rules_of(self).scale(self.head_size),
-        )
+        # the step's plan (built once by the metadata builder from host metadata): no host work per layer
+        out = self._paged_attention(query[:n], k_cache, v_cache, scale=rules_of(self).scale(self.head_size),
+                                    plan=attn_metadata.plan)
         output[:n].copy_(out.view(output[:n].shape))
         return output

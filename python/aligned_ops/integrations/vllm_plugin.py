@@ -534,6 +534,12 @@ def _create_engine_config(self, *args, **kwargs):
 # ---- install / uninstall ---------------------------------------------------------------------------------
 
 
+def _block_table_get_device_tensor(self, num_reqs):
+    from .vllm_attention import tag_host_block_table
+
+    return tag_host_block_table(self, _originals["BlockTable.get_device_tensor"](self, num_reqs), num_reqs)
+
+
 def _patch(cls, name, new, key=None):
     if cls.__name__ not in _patched_classes():
         raise AssertionError(f"aligned_ops: {cls.__name__} is patched but not listed in _patched_classes()")
@@ -602,6 +608,7 @@ def _patched_classes() -> dict:
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.block_table import BlockTable
 
     return {c.__name__: c for c in (
         EngineArgs,                  # start-up refusals: a config object, no hook
@@ -613,6 +620,7 @@ def _patched_classes() -> dict:
         MinPLogitsProcessor,         # a logits processor class, no hook
         TopKTopPSampler,             # plain nn.Module
         GroupCoordinator,            # not a layer: the stock TP all-reduce guard
+        BlockTable,                  # not a layer: its device view carries the host mirror the planner reads
     )}
 
 
@@ -654,6 +662,11 @@ def install() -> None:
     _tp_combine = combine
     _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
 
+    # The attention metadata builder plans from host metadata: the block table's device view carries its CPU
+    # mirror (vllm_attention.tag_host_block_table).
+    from vllm.v1.worker.block_table import BlockTable
+
+    _patch(BlockTable, "get_device_tensor", _block_table_get_device_tensor)
     path = "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
     if current_platform.is_cpu():
         _originals.setdefault("backend.CPU_ATTN", AttentionBackendEnum.CPU_ATTN.get_path())

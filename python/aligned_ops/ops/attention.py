@@ -74,6 +74,30 @@ def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake(_lib + "attention_plan")
+def _(plan, plan_table, query_start_loc, kv_lens, block_table, num_heads, num_kv_heads, head_dim, causal=True,
+      num_cache_blocks=0, block_size=0, workspace_floats=0):
+    return None
+
+
+@torch.library.register_fake(_lib + "attention_varlen_planned")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, workspace_floats, scale, causal=True):
+    _check_same_device("attention_varlen_planned", q=q, k=k, v=v, plan=plan)
+    _check_host_or_same("attention_varlen_planned", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    torch._check(q.dim() == 3, lambda: "aligned::attention_varlen_planned: q must be [tokens, heads, head_dim]")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake(_lib + "paged_attention_planned")
+def _(q, k_cache, v_cache, plan, plan_table, workspace_floats, scale):
+    _check_same_device("paged_attention_planned", q=q, k_cache=k_cache, v_cache=v_cache, plan=plan,
+                       plan_table=plan_table)
+    torch._check(q.dim() == 3, lambda: "aligned::paged_attention_planned: q must be [tokens, heads, head_dim]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def _varlen_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, scale, causal = inputs
     out, lse = output
@@ -95,10 +119,26 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, setup_context=_varlen_setup)
 
+
+def _varlen_planned_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, _plan, _workspace_floats, scale, causal = inputs
+    _varlen_setup(ctx, (q, k, v, cu_q, cu_k, scale, causal), output)
+
+
+def _varlen_planned_backward(ctx, grad_out, grad_lse):
+    # The backward replans from the host cu_seqlens (the plan of the forward is the forward's list only).
+    dq, dk, dv = _varlen_backward(ctx, grad_out, grad_lse)[:3]
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_lib + "attention_varlen_planned", _varlen_planned_backward,
+                                setup_context=_varlen_planned_setup)
+
 from ._registry import register_no_backward  # noqa: E402
 
 register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
+register_no_backward("paged_attention_planned", "inference only: train through attention_varlen, its bitwise twin")
 
 
 def _default_scale(op, q):
@@ -109,13 +149,18 @@ def _default_scale(op, q):
     return q.shape[-1] ** -0.5
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True, plan=None):
     """Packed variable-length attention. q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [B+1].
 
     Returns (out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] fp32). Causal masks are bottom-right aligned when
-    seqlen_q < seqlen_k. ``scale`` defaults to 1/sqrt(D). Differentiable in q, k, v (not through lse)."""
+    seqlen_q < seqlen_k. ``scale`` defaults to 1/sqrt(D). Differentiable in q, k, v (not through lse).
+    ``plan``: an :class:`AttentionPlan` made by ``plan_varlen`` from these cu_seqlens (host tensors): the run form
+    (no copy, no host read; the backward replans from the host cu_seqlens), same bits."""
     if scale is None:
         scale = _default_scale("attention_varlen", q)
+    if plan is not None:
+        return ops.attention_varlen_planned(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.workspace_floats,
+                                            float(scale), causal)
     return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal)
 
 
@@ -125,10 +170,91 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None):
+def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_start_loc=None, scale=None,
+                    plan=None):
     """Causal attention of the new tokens of several sequences over a paged KV cache (which must already hold
     them). q [Tq, Hq, D]; block_table int32 [B, max_blocks]; seq_lens int32 [B] (context incl. new tokens);
-    query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens."""
+    query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens.
+    ``plan``: an :class:`AttentionPlan` made by ``plan_paged`` (the metadata arguments are then not needed): the
+    run form, no copy and no host read (CUDA-graph safe), same bits."""
     if scale is None:
         scale = _default_scale("paged_attention", q)
+    if plan is not None:
+        return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.workspace_floats,
+                                           float(scale))
     return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))
+
+
+# ---- plan/run form (CUDA-graph safe) -------------------------------------------------------------------------
+_PLAN_FIELDS = 11  # csrc/common/attention_plan.h kAttnWorkFields
+_PLAN_HEADER_ROWS = 2  # kAttnPlanHeaderRows
+
+
+class AttentionPlan:
+    """Persistent plan buffers of the plan/run form of the attention ops (FlashInfer's plan()/run() split).
+
+    ``plan_varlen`` / ``plan_paged`` plan once from HOST metadata (the planner validates it there) and copy the
+    work list into these buffers on ``device`` (stream-ordered, no sync); :func:`attention_varlen` and
+    :func:`paged_attention` given ``plan=`` then only launch: no host-to-device copy, no host read, launches fixed by
+    the capacity — CUDA-graph safe, and bitwise equal to the per-call form. A plan depends only on the metadata
+    and the head shape, so one plan serves every layer of a forward step.
+
+    Buffers: ``plan`` int64 [2 + 2 * capacity, 11], ``table`` int32 [table_capacity] (the block-table entries the
+    plan uses); ``workspace_floats``: the capacity of the run's split partials (the run allocates that many floats,
+    a size fixed by the capacity, never by data values). ``ensure`` grows them to fit a plan's
+    needs (:func:`attention_plan_size`); never grow while a CUDA graph that uses them is captured or replayed
+    (size them for the largest batch before capture)."""
+
+    def __init__(self, capacity=0, table_capacity=0, workspace_floats=0, device="cpu"):
+        self.device = torch.device(device)
+        self.capacity = self.table_capacity = self.workspace_floats = -1
+        self.ensure(capacity, table_capacity, workspace_floats)
+
+    def ensure(self, capacity, table_capacity=0, workspace_floats=0):
+        """Reallocate (geometric growth) any buffer smaller than asked; returns self."""
+        def grow(have, need):
+            return have if need <= have else max(need, 2 * have, 1)
+
+        c = grow(self.capacity, capacity)
+        if c != self.capacity:
+            self.plan = torch.zeros((_PLAN_HEADER_ROWS + 2 * c, _PLAN_FIELDS), dtype=torch.int64, device=self.device)
+            self.capacity = c
+        t = grow(self.table_capacity, table_capacity)
+        if t != self.table_capacity:
+            self.table = torch.zeros((t,), dtype=torch.int32, device=self.device)
+            self.table_capacity = t
+        self.workspace_floats = grow(self.workspace_floats, workspace_floats)
+        return self
+
+    def plan_varlen(self, cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, head_dim, causal=True, grow=True):
+        """Plan a packed batch (attention_varlen) from host int32 offsets; grows the buffers if ``grow``."""
+        if grow:
+            self.ensure(*attention_plan_size(cu_seqlens_q, cu_seqlens_k, None, num_heads, num_kv_heads, head_dim,
+                                             causal))
+        ops.attention_plan(self.plan, self.table, cu_seqlens_q, cu_seqlens_k, None, num_heads, num_kv_heads,
+                           head_dim, causal, 0, 0, self.workspace_floats)
+        self.kind, self.cu_seqlens_q, self.cu_seqlens_k, self.causal = "varlen", cu_seqlens_q, cu_seqlens_k, causal
+        return self
+
+    def plan_paged(self, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads, head_dim,
+                   num_cache_blocks, block_size, grow=True):
+        """Plan a paged batch (paged_attention) from host int32 query_start_loc [B+1], seq_lens [B], block_table
+        [B, max_blocks]; block ids are checked against ``num_cache_blocks``."""
+        if grow:
+            self.ensure(*attention_plan_size(query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
+                                             head_dim, True, num_cache_blocks, block_size))
+        ops.attention_plan(self.plan, self.table, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
+                           head_dim, True, num_cache_blocks, block_size, self.workspace_floats)
+        self.kind = "paged"
+        return self
+
+    def __repr__(self):
+        return (f"AttentionPlan(capacity={self.capacity}, table={self.table_capacity}, "
+                f"workspace={self.workspace_floats}, device={self.device})")
+
+
+def attention_plan_size(query_start_loc, kv_lens, block_table, num_heads, num_kv_heads, head_dim, causal=True,
+                        num_cache_blocks=0, block_size=0):
+    """(capacity, table entries, workspace floats) a plan of this host metadata needs (the planner, on the host)."""
+    return tuple(ops.attention_plan_size(query_start_loc, kv_lens, block_table, num_heads, num_kv_heads, head_dim,
+                                         causal, num_cache_blocks, block_size))

@@ -19,6 +19,9 @@ DEVICE_ERRORS = (
     "aligned::log_softmax/logsumexp/token_logprobs: every temperature must be finite and > 0, and a normal float32 "
     "value",
     "aligned::token_logprobs: token_ids must lie in [0, vocab)",
+    "aligned::attention_varlen_planned/paged_attention_planned: the attention plan does not fit the call (planned "
+    "for other heads/head_dim/block_size, more rows than q or the KV, or a larger workspace/table; the outputs are "
+    "NaN)",
 )
 
 
