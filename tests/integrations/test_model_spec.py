@@ -62,6 +62,8 @@ def _trainer_trace(model, n=5):
 def _follows_change(calls, spec, rotary_dim):
     """The trace runs what the (changed) spec says: its op sequence, GPT-J rotary, the changed scale."""
     scales = {s[0] for s in op_scalars(calls, "attention_varlen") | op_scalars(calls, "paged_attention")}
+    # the planned forms' scalars are (workspace_floats, scale, ...)
+    scales |= {s[1] for s in op_scalars(calls, "attention_varlen_planned") | op_scalars(calls, "paged_attention_planned")}
     return (logical_steps(calls) == spec_steps(spec) and op_scalars(calls, "rotary_embedding") == {(rotary_dim, False)}
             and scales == {CHANGED["attention_scale"]})
 

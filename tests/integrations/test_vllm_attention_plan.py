@@ -60,7 +60,7 @@ def _step(seed, tag=True):
 
 
 def _impl():
-    return va.AlignedAttentionImpl(HQ, D, 0.3, HKV, None, None, "auto")
+    return va.AlignedAttentionImpl(HQ, D, D ** -0.5, HKV, None, None, "auto")
 
 
 def test_plans_once_per_step_from_host_copies_and_layers_run_the_plan(cuda_platform, monkeypatch):
@@ -87,7 +87,7 @@ def test_plans_once_per_step_from_host_copies_and_layers_run_the_plan(cuda_platf
             out = torch.empty(6, HQ * D)
             impl.forward(None, q, None, None, kv, meta, out)
             k_cache, v_cache = va.split_kv_cache(kv, HKV, D)
-            ref = per_call(q, k_cache, v_cache, table, seq_lens, qsl, 0.3)
+            ref = per_call(q, k_cache, v_cache, table, seq_lens, qsl, D ** -0.5)
             assert_bitwise_equal(out, ref.view(6, HQ * D))
         assert len(plans) == step + 1  # no planning in the forward
     assert plans == [("cpu", "cpu", "cpu")] * 2

@@ -99,9 +99,9 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
             last_linear_x = c.x_ptr
             continue
         last_linear_x = None
-        if op == "reshape_and_cache":
+        if op in ("reshape_and_cache", "attention_plan", "attention_plan_size"):  # cache write; per-step plan
             continue
-        if op in ("attention_varlen", "paged_attention"):
+        if op in ("attention_varlen", "paged_attention", "attention_varlen_planned", "paged_attention_planned"):
             out.append(("attention", None, c.shapes[0][-1], False))
         elif op == "rotary_embedding":
             out.append(("rotary", None, c.shapes[1][-1], False))
