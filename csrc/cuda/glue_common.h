@@ -1,7 +1,6 @@
 // glue_common.h — what every GPU torch glue file needs around its launches, written once: the current stream
 // as the launchers' opaque pointer, the launch-error check, and the device check of a tensor argument. Used by
-// ops_cuda.cpp (dense, logits, linear families); the attention glue (ops_attention_cuda.cpp) still has its own
-// copies and can include this header instead.
+// ops_cuda.cpp (dense, logits, linear, moe, exact families) and ops_attention_cuda.cpp (attention).
 //
 // Three builds, chosen by the including TU's macros (as in ops_cuda.cpp): CUDA torch, ROCm torch
 // (ALIGNED_ROCM: HIP streams; ROCm torch reports HIP devices as "cuda"), and the emulation target

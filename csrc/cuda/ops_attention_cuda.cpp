@@ -25,14 +25,6 @@
 #include <torch/library.h>
 #include <string.h>
 
-#if defined(ALIGNED_EMULATED_GLUE)
-#include "../emu/emulation.h"
-#elif defined(ALIGNED_ROCM)
-#include <c10/hip/HIPStream.h>
-#else
-#include <c10/cuda/CUDAStream.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -44,38 +36,18 @@
 
 #include "../attention_checks.h"
 #include "../gpu/attention_api.h"
+#include "glue_common.h"
 
 namespace aligned::cuda_attn {
 namespace {
 
 using gpu::DType;
 
-void* stream_of(const at::Tensor& t) {
-#if defined(ALIGNED_EMULATED_GLUE)
-  (void)t;
-  return nullptr;  // emulated launches are synchronous
-#elif defined(ALIGNED_ROCM)
-  return (void*)c10::hip::getCurrentHIPStream(t.device().index()).stream();
-#else
-  return (void*)c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-#endif
-}
-
-void check_launch(const char* err, const char* op) {
-  TORCH_CHECK(err == nullptr, "aligned::", op, ": kernel launch failed: ", err ? err : "");
-}
-
-// A data tensor: on the device of ref (a CPU tensor under emulation).
-void check_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
-#if defined(ALIGNED_EMULATED_GLUE)
-  TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
-              " must be a CPU tensor under aligned_ops.emulate, got device ", t.device());
-  (void)ref;
-#else
-  TORCH_CHECK(t.device().is_cuda(), "aligned::", op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), "aligned::", op, ": ", name, " is on ", t.device(), " but the inputs are on ",
-              ref.device(), " (all tensors must be on the same device)");
-#endif
+// stream, launch-error and device checks: glue_common.h (shared with ops_cuda.cpp)
+using cuda_glue::check_launch;
+inline void* stream_of(const at::Tensor& t) { return cuda_glue::current_stream(t); }
+inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
+  cuda_glue::check_cuda(t, ref, op, name);
 }
 
 // Planner metadata: a host tensor (attention_checks.h, the CPU glue's refusal too).
