@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "common/params_dense.h"
+#include "common/params_exact.h"
 #include "common/params_linear.h"
 #include "common/params_logits.h"
 #include "common/params_moe.h"
@@ -251,6 +252,36 @@ inline MoeExpertsParams make_moe_experts_params(DType dt, const at::Tensor& x, c
   p.sgate = detail::cptr(sgate);
   p.Is = sw13.defined() ? sw13.size(0) / 2 : 0;
   p.out = out.data_ptr();
+  return p;
+}
+
+// ---- exact linear ----------------------------------------------------------------------------------------
+// The GEMM of packed x digits (xd [max digits, Mp, Kp], per-row E / S / non-finite flags) and the packed weight
+// (wd [Sw, Np * Kp] digits, per-row E / flags); out [M, N] in dt. The backend sets its own schedule fields
+// (CPU: tile range, k_parts, use_amx; GPU: chunk_k) — none can change a bit (the sum is exact).
+inline ExactGemmParams make_exact_gemm_params(DType dt, const at::Tensor& xd, int64_t Mp, const at::Tensor& x_exp,
+                                              const at::Tensor& x_digits, const at::Tensor& x_bad,
+                                              const at::Tensor& wd, const at::Tensor& w_exp, const at::Tensor& w_bad,
+                                              const at::Tensor& bias, const at::Tensor& out, int64_t M, int64_t N,
+                                              int64_t K, int64_t Kp) {
+  ExactGemmParams p{};
+  p.dt = dt;
+  p.xd = xd.data_ptr<int8_t>();
+  p.x_plane = Mp * Kp;
+  p.x_exp = x_exp.data_ptr<int32_t>();
+  p.x_digits = x_digits.data_ptr<int8_t>();
+  p.x_bad = x_bad.data_ptr<uint8_t>();
+  p.wd = wd.data_ptr<int8_t>();
+  p.w_plane = wd.size(1);
+  p.w_exp = w_exp.data_ptr<int32_t>();
+  p.w_bad = w_bad.data_ptr<uint8_t>();
+  p.w_digits = (int)wd.size(0);
+  p.bias = detail::cptr(bias);
+  p.out = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.Kp = Kp;
   return p;
 }
 

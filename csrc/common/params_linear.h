@@ -2,7 +2,7 @@
 // behind linear, linear_partial and linear_backward's dx/dw, and the column sum behind its bias gradient.
 // Shared by every backend (CPU kernel table: csrc/cpu/cpu_kernels.h, which also runs the moe family's
 // expert projections through it; GPU launchers: csrc/gpu/dense_api.h) and filled from tensors once
-// (csrc/op_params.h). The exact profile has its own structs (exact_linear.h, csrc/gpu/exact_api.h).
+// (csrc/op_params.h). The exact profile's GEMM params: params_exact.h.
 #pragma once
 
 #include <stdint.h>

@@ -12,34 +12,12 @@
 #include <stdint.h>
 
 #include "../common/exact_linear.h"
+#include "../common/params_exact.h"
 #include "cpu_kernels.h"
 
 namespace aligned::cpu {
 
-struct ExactGemmParams {
-  // activations (packed)
-  const int8_t* xd;
-  int64_t x_plane;  // Mp * Kp
-  const int32_t* x_exp;
-  const int8_t* x_digits;
-  const uint8_t* x_bad;
-  // weight (packed once per weight version)
-  const int8_t* wd;
-  int64_t w_plane;  // Np * Kp
-  const int32_t* w_exp;
-  const uint8_t* w_bad;
-  int w_digits;
-  // output
-  const void* bias;  // [N] in dt, or null
-  DType dt;
-  void* out;  // [M, N] row-major in dt
-  int64_t M, N, K, Kp;
-  // the tile range this call computes: rows [m0, m1) (m0 % 16 == 0), columns [n0, n1) (n0 % 16 == 0)
-  int64_t m0, m1, n0, n1;
-  int k_parts;   // >= 1: the 64-wide k blocks are cut into this many parts, each summed on its own and
-                 // combined exactly (the result cannot change: tests use it to show split-K invariance)
-  bool use_amx;  // avx512 level only: AMX-INT8 tiles instead of VNNI (same integers)
-};
+using aligned::ExactGemmParams;  // common/params_exact.h, shared with the GPU launcher
 
 // The fp64 path (exact_linear.h, "the fp64 path"): rows[i], i < R, of x (converted: x64 [R, ldx] doubles,
 // ldx = 8 ceil(K / 8), zero padded) against weight rows [n0, n1) of w [N, K] in dt; out[rows[i], n] in dt.

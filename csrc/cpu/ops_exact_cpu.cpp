@@ -18,6 +18,7 @@
 
 #include "cpu_backend.h"
 #include "emulation_hook.h"
+#include "../op_params.h"
 #include "glue_checks.h"
 
 namespace aligned::cpu {
@@ -86,24 +87,7 @@ void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at
     k.pack_x(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
              xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
   });
-  ExactGemmParams p{};
-  p.xd = xd.data_ptr<int8_t>();
-  p.x_plane = Mp * Kp;
-  p.x_exp = xe.data_ptr<int32_t>();
-  p.x_digits = xs.data_ptr<int8_t>();
-  p.x_bad = xb.data_ptr<uint8_t>();
-  p.wd = wd.data_ptr<int8_t>();
-  p.w_plane = wd.size(1);
-  p.w_exp = w_exp.data_ptr<int32_t>();
-  p.w_bad = w_bad.data_ptr<uint8_t>();
-  p.w_digits = (int)wd.size(0);
-  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  p.dt = dt;
-  p.out = out.data_ptr();
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.Kp = Kp;
+  ExactGemmParams p = make_exact_gemm_params(dt, xd, Mp, xe, xs, xb, wd, w_exp, w_bad, bias, out, M, N, K, Kp);
   p.k_parts = (int)std::min<int64_t>(k_parts, 1 << 20);
   p.use_amx = use_amx();
   // Tasks: blocks of rows x groups of 64 columns, column group outermost, so a thread's consecutive tasks

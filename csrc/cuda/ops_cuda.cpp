@@ -419,23 +419,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   auto xb = at::empty({M}, opts.dtype(at::kByte));
   exact_row_forms(a.dt, xc, M, K, xe, xs, xb, op);
   exact_pack(a.dt, xc, M, K, Kp, xe, &xs, 0, xd, op);
-  gpu::ExactGemmParams p{};
-  p.dt = a.dt;
-  p.xd = xd.data_ptr<int8_t>();
-  p.x_plane = Mp * Kp;
-  p.x_exp = xe.data_ptr<int32_t>();
-  p.x_digits = xs.data_ptr<int8_t>();
-  p.x_bad = xb.data_ptr<uint8_t>();
-  p.wd = wd.data_ptr<int8_t>();
-  p.w_plane = wd.size(1);
-  p.w_exp = w_exp.data_ptr<int32_t>();
-  p.w_bad = w_bad.data_ptr<uint8_t>();
-  p.w_digits = (int)wd.size(0);
-  p.bias = a.bias.defined() ? a.bias.data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.M = M;
-  p.N = N;
-  p.Kp = Kp;
+  gpu::ExactGemmParams p = make_exact_gemm_params(a.dt, xd, Mp, xe, xs, xb, wd, w_exp, w_bad, a.bias, out, M, N, K, Kp);
   // k_parts cuts K into parts summed on their own (exactly combined): here it sets the k per int32 level sum.
   const int64_t part = exact_ceil((Kp + std::min<int64_t>(k_parts, Kp) - 1) / std::min<int64_t>(k_parts, Kp), 32);
   p.chunk_k = std::max<int64_t>(32, std::min<int64_t>(8192, part));

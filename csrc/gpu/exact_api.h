@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "../common/params_exact.h"
 #include "dense_api.h"
 
 namespace aligned::gpu {
@@ -34,23 +35,7 @@ struct ExactPackParams {
 };
 
 // out [M, N] = the exact linear of packed x (xd [4, Mp, Kp]) and the packed weight (+ bias [N] in dt).
-struct ExactGemmParams {
-  DType dt;
-  const int8_t* xd;
-  int64_t x_plane;
-  const int32_t* x_exp;
-  const int8_t* x_digits;
-  const uint8_t* x_bad;
-  const int8_t* wd;
-  int64_t w_plane;
-  const int32_t* w_exp;
-  const uint8_t* w_bad;
-  int w_digits;
-  const void* bias;
-  void* out;
-  int64_t M, N, Kp;
-  int64_t chunk_k;  // k per int32 level sum: a multiple of 32, <= 8192 (k_parts picks it; bits cannot change)
-};
+using aligned::ExactGemmParams;  // common/params_exact.h, shared with the CPU backend
 
 const char* launch_exact_row_forms(const ExactFormsParams& p, void* stream);
 const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream);

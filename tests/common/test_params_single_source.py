@@ -15,6 +15,7 @@ SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
 FAMILY_PARAMS = {
     "RmsNormParams", "RmsNormBackwardParams", "SiluMulParams", "RotaryParams", "ElementwiseParams",
     "LogitsParams", "GemmParams", "ColumnSumParams", "MoeRoutingParams", "MoeCombineParams", "MoeExpertsParams",
+    "ExactGemmParams",
 }
 # The CPU kernel tables of these families (csrc/cpu): every function-pointer entry takes a params struct.
 TABLE_HEADERS = ("cpu/cpu_kernels.h", "cpu/dense_split_kernels.h", "cpu/moe_kernels.h")
