@@ -11,6 +11,9 @@ Each step logs, per kernel set:
                 quantity the IS ratio sees (weight lag + kernel mismatch);
   kernel Δ      max |Δlogp| between the trainer scoring the rollout with the *rollout's own weights* and vLLM:
                 pure kernel mismatch (0 with aligned kernels).
+With ``--moe`` the routing flips are counted in two kinds: kernel-made (trainer vs vLLM at the rollout's weights)
+and lag-made (the trainer at its current vs the rollout's weights); ``--train-scope head`` (the --moe default)
+trains only the weights after the last router, so a lag step cannot flip a route (README "The MoE demo").
 The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
 Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
 x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
@@ -283,8 +286,10 @@ def plot(results: dict, path: str) -> None:
     ax_r.set(title="reward (exact match)", xlabel="RL step")
     ax_d.set(title="D3 = mean k3(π ‖ μ) per step (weight lag + kernels)", xlabel="RL step")
     ax_k.set(title=f"kernel mismatch: max |Δlogp| at μ's weights (0 drawn at {floor:g})", xlabel="RL step")
+    lo, hi = ax_d.get_ylim()
+    ax_d.set_ylim(lo, hi * 30)  # head room on the log axis: the legend must not hide the peaks
     for ax in (ax_r, ax_d, ax_k):
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper right" if ax is ax_d else "best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
