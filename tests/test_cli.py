@@ -60,13 +60,18 @@ def test_moe_demo_prints_both_kernel_sets_d3_and_routing_flips(tmp_path):
                         "--samples", "2", "--layers", "1", "--out", str(tmp_path))
     assert code == 0, out[-4000:]
     assert "tiny Qwen3-MoE" in out and "2 logged steps after 1 unlogged" in out
-    for row in ("D3 peak-to-median", "routing flips (token·layer, all steps)", "kernel max abs Δlogp (any token)"):
+    assert "trains the head (after the last router)" in out  # the --moe default --train-scope
+    for row in ("D3 peak-to-median", "kernel-made routing flips (token·layer, all steps)",
+                "lag-made routing flips (token·layer, all steps)", "kernel max abs Δlogp (any token)"):
         assert len(table_row(out, row)) == 2
-    assert table_row(out, "routing flips (token·layer, all steps)")[1] == "0"
+    assert table_row(out, "kernel-made routing flips (token·layer, all steps)")[1] == "0"
+    # Training only the weights after the last router, a lag step cannot change a route, for either kernel set.
+    assert table_row(out, "lag-made routing flips (token·layer, all steps)") == ["0", "0"]
     assert "D3 peak-to-median: standard" in out and "columns: standard = stock vLLM" in out
     aligned = json.loads((tmp_path / "demo_aligned.json").read_text())
     assert aligned["moe"] and [r["step"] for r in aligned["steps"]] == [0, 1]
     assert all(r["routing_flips"] == 0 and r["kernel_abs_diff_max"] == 0.0 for r in aligned["steps"])
+    assert all(r["lag_routing_flips"] == 0 for r in aligned["steps"])
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 

@@ -37,6 +37,7 @@ CASES = [
     (["demo", "--sft-steps", "-2"], "--sft-steps must be >= 0"),
     (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
     (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
+    (["demo", "--train-scope", "head"], "--train-scope head needs --moe"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),
@@ -85,6 +86,7 @@ def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
     moe = cli.build_parser().parse_args(["demo", "--moe", "--lag", "3"])
     cli.validate_args(moe)
     assert moe.lag == 3 and moe.lr == cli.DEMO_MOE_DEFAULTS["lr"] and moe.freeze_router is True
+    assert dense.train_scope == "all" and moe.train_scope == "head"
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():

@@ -11,6 +11,9 @@ Each step logs, per kernel set:
                 quantity the IS ratio sees (weight lag + kernel mismatch);
   kernel Δ      max |Δlogp| between the trainer scoring the rollout with the *rollout's own weights* and vLLM:
                 pure kernel mismatch (0 with aligned kernels).
+With ``--moe`` the routing flips are counted in two kinds: kernel-made (trainer vs vLLM at the rollout's weights)
+and lag-made (the trainer at its current vs the rollout's weights); ``--train-scope head`` (the --moe default)
+trains only the weights after the last router, so a lag step cannot flip a route (README "The MoE demo").
 The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
 Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
 x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
@@ -118,6 +121,32 @@ def is_router(name: str) -> bool:
     return name.endswith("mlp.gate.weight")
 
 
+def num_layers(model_dir: str) -> int:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f)["num_hidden_layers"])
+
+
+def downstream_of_last_router(name: str, layers: int) -> bool:
+    """A parameter that acts after the last MoE router of the forward pass: the last layer's experts (and a
+    shared expert, if any), the final norm and an untied LM head. Training only these cannot change any
+    token's route — every router input is computed by frozen weights — so a weight-lag step cannot flip an
+    expert choice (``--train-scope head``)."""
+    last = f"model.layers.{layers - 1}.mlp."
+    return (name.startswith(last) and not is_router(name)) or name.startswith(("model.norm.", "lm_head."))
+
+
+def rl_freeze(args, moe: bool):
+    """Which parameters RL keeps fixed (a name -> bool predicate), from ``--train-scope`` and ``--freeze-router``."""
+    if moe and args.train_scope == "head":
+        layers = num_layers(args.model)
+        return lambda name: not downstream_of_last_router(name, layers)
+    if moe and args.freeze_router:
+        return is_router
+    return lambda name: False
+
+
 def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int,
                       freeze=lambda name: False) -> str:
     """Teach the task briefly (teacher-forced cross-entropy on the answers), save the checkpoint."""
@@ -158,12 +187,12 @@ def child(args) -> dict:
     from ..diagnostics import MismatchTracker, mismatch_metrics
     from ..integrations import rollout
     from ..rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
-    from .trainer import is_moe_model, routing_pair
+    from .trainer import is_moe_model, routing_pair, trainer_routing
 
     torch.manual_seed(args.seed)
     aligned = args.kernels == "aligned"
     moe = is_moe_model(args.model)
-    freeze = is_router if (moe and args.freeze_router) else (lambda name: False)
+    freeze = rl_freeze(args, moe)
     llm = rollout.make_llm(args.model, dtype=args.dtype, aligned=aligned, seed=args.seed)
     tok = llm.get_tokenizer()
     task = AdditionTask(tok)
@@ -205,6 +234,10 @@ def child(args) -> dict:
         with torch.no_grad():
             lp_behaviour, _ = scorer.logprobs(sequences, starts, task.eos)
         kernel = mismatch_metrics(lp_behaviour, lp_rollout, comp, **experts)
+        lag = {}
+        if logged and moe:  # lag-made flips: the trainer's routes at its current vs the rollout's weights
+            lag = mismatch_metrics(lp.detach(), lp_behaviour, comp, rollout_experts=experts["trainer_experts"],
+                                   trainer_experts=trainer_routing(trainer.model, aligned, sequences, starts, task.eos))
         grad_norm = trainer.step(loss)
         history.append(trainer.state_dict())
         history = history[-(args.lag + 2):] if len(history) > args.lag + 2 else history
@@ -217,12 +250,13 @@ def child(args) -> dict:
                    kernel_d3=kernel["kl_k3"], kernel_ratio_max=kernel["ratio_max"],
                    grad_norm=grad_norm, loss=loss.item())
         if moe:
-            rec.update(routing_flips=kernel["routing_flips"], tokens_routing_flipped=kernel["num_tokens_routing_flipped"],
+            rec.update(lag_routing_flips=lag["routing_flips"], lag_abs_diff_max_routing_flipped=lag["abs_diff_max_routing_flipped"],
+                       routing_flips=kernel["routing_flips"], tokens_routing_flipped=kernel["num_tokens_routing_flipped"],
                        kernel_abs_diff_max_routing_flipped=kernel["abs_diff_max_routing_flipped"],
                        kernel_abs_diff_max_routing_agreed=kernel["abs_diff_max_routing_agreed"])
         steps.append(rec)
         bar.set_postfix(reward=f"{rec['reward']:.2f}", D3=f"{rec['d3']:.2e}", kernelΔ=f"{rec['kernel_abs_diff_max']:.1e}",
-                        **({"flips": int(rec["routing_flips"])} if moe else {}))
+                        **({"flips": int(rec["routing_flips"]), "lag_flips": int(rec["lag_routing_flips"])} if moe else {}))
     return dict(kernels=args.kernels, moe=moe, steps=steps, summary=tracker.summary())
 
 
@@ -243,13 +277,19 @@ def plot(results: dict, path: str) -> None:
         flipped = [(r["step"], max(r["d3"], floor)) for r in s if r.get("routing_flips", 0) > 0]
         if flipped:
             ax_d.scatter(*zip(*flipped), marker="x", color=line.get_color(), zorder=3,
-                         label=f"{k}: step with a routing flip")
+                         label=f"{k}: step with a kernel-made routing flip")
+        lag_flipped = [(r["step"], max(r["d3"], floor)) for r in s if r.get("lag_routing_flips", 0) > 0]
+        if lag_flipped:
+            ax_d.scatter(*zip(*lag_flipped), marker="o", facecolors="none", edgecolors=line.get_color(), zorder=3,
+                         label=f"{k}: step with a lag-made routing flip")
         ax_k.semilogy(x, [max(r["kernel_abs_diff_max"], floor) for r in s], label=f"{k} kernels")
     ax_r.set(title="reward (exact match)", xlabel="RL step")
     ax_d.set(title="D3 = mean k3(π ‖ μ) per step (weight lag + kernels)", xlabel="RL step")
     ax_k.set(title=f"kernel mismatch: max |Δlogp| at μ's weights (0 drawn at {floor:g})", xlabel="RL step")
+    lo, hi = ax_d.get_ylim()
+    ax_d.set_ylim(lo, hi * 30)  # head room on the log axis: the legend must not hide the peaks
     for ax in (ax_r, ax_d, ax_k):
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper right" if ax is ax_d else "best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -272,13 +312,13 @@ def main(args) -> int:
                                 num_hidden_layers=args.layers)
     print(f"supervised warm-up: {args.sft_steps} steps ...", flush=True)
     moe = getattr(args, "moe", False)
-    freeze = is_router if (moe and args.freeze_router) else (lambda name: False)
+    freeze = is_router if (moe and (args.freeze_router or args.train_scope == "head")) else (lambda name: False)
     warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed,
                              freeze)
     argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),
             "--rl-warmup", str(args.rl_warmup), "--prompts", str(args.prompts), "--samples", str(args.samples),
             "--lr", str(args.lr), "--seed", str(args.seed),
-            "--freeze-router" if args.freeze_router else "--no-freeze-router"]
+            "--freeze-router" if args.freeze_router else "--no-freeze-router", "--train-scope", args.train_scope]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     results = {k: run_child(k, argv, os.path.join(args.out, f"demo_{k}.json")) for k in KERNEL_SETS}
@@ -305,20 +345,24 @@ def main(args) -> int:
     moe = all(results[k].get("moe") for k in KERNEL_SETS)
     if moe:
         rows += [
-            ("routing flips (token·layer, all steps)", [int(over_steps(k, "routing_flips", sum)) for k in KERNEL_SETS]),
-            ("steps with a routing flip", [sum(r["routing_flips"] > 0 for r in results[k]["steps"]) for k in KERNEL_SETS]),
+            ("kernel-made routing flips (token·layer, all steps)", [int(over_steps(k, "routing_flips", sum)) for k in KERNEL_SETS]),
+            ("steps with a kernel-made routing flip", [sum(r["routing_flips"] > 0 for r in results[k]["steps"]) for k in KERNEL_SETS]),
+            ("lag-made routing flips (token·layer, all steps)", [int(over_steps(k, "lag_routing_flips", sum)) for k in KERNEL_SETS]),
             ("kernel max abs Δlogp, routing flipped", [over_steps(k, "kernel_abs_diff_max_routing_flipped") for k in KERNEL_SETS]),
             ("kernel max abs Δlogp, routing agreed", [over_steps(k, "kernel_abs_diff_max_routing_agreed") for k in KERNEL_SETS]),
         ]
     model = "tiny Qwen3-MoE" if moe else "tiny Qwen2"
     print_table(f"async RL demo ({model}): {args.steps} logged steps after {args.rl_warmup} unlogged, lag {args.lag}, "
-                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step, {args.dtype}, REINFORCE Zero "
+                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step, {args.dtype}, "
+                + (f"trains {'the head (after the last router)' if args.train_scope == 'head' else 'all weights'}, " if moe else "")
+                + f"REINFORCE Zero "
                 f"(untruncated token IS)", list(KERNEL_SETS), rows)
     print("\ncolumns: standard = stock vLLM rollouts + stock Hugging Face trainer; aligned = vLLM with the aligned_ops "
           "plugin + the patched trainer.\nrows: D3 = per step, mean over the completion tokens of k3 = (ρ-1) - log ρ, "
           "ρ = π_trainer/μ_rollout (current vs lagged weights: lag + kernel mismatch); kernel-only rows compare the "
           "trainer at the rollout's own weights with vLLM (kernel mismatch alone)"
-          + ("; routing flips: (token, layer) pairs whose top-k expert set differs between the two, at the rollout's "
+          + ("; kernel-made routing flips: (token, layer) pairs whose top-k expert set differs between the trainer "
+             "and vLLM at the rollout's weights; lag-made: between the trainer at its current and at the rollout's "
              "weights." if moe else "."))
     ptm = {k: summary[k]["d3_peak_to_median"] for k in KERNEL_SETS}
     print(f"D3 peak-to-median: standard {ptm['standard']:.3g}, aligned {ptm['aligned']:.3g} "

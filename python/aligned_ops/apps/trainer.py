@@ -74,12 +74,12 @@ def is_moe_model(model_dir: str) -> bool:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
 
 
-def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id):
-    """Both sides' expert choices ``[B, S, L, k]`` (-1 where nothing is scored), entry ``[b, p]`` being the
+def trainer_routing(model, aligned: bool, sequences, completion_starts, pad_id):
+    """The trainer's expert choices ``[B, S, L, k]`` (-1 where nothing is scored), entry ``[b, p]`` being the
     experts of position p-1 — the hidden state that scores token p, like the log-prob tensors."""
     import torch
 
-    from ..integrations.routing_capture import capture_hf_routing, vllm_teacher_forced_routing
+    from ..integrations.routing_capture import capture_hf_routing
 
     ids, attn, comp = pad_batch(sequences, completion_starts, pad_id)
     B, S = ids.shape
@@ -92,9 +92,22 @@ def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id
             per_pos = torch.stack([r.view(B, S, -1) for r in rec], dim=2)
     L, k = per_pos.shape[-2:]
     trainer = torch.full((B, S, L, k), -1, dtype=torch.int64)
-    rollout = torch.full((B, S, L, k), -1, dtype=torch.int64)
+    for b, seq in enumerate(sequences):
+        trainer[b, 1 : len(seq)] = per_pos[b, : len(seq) - 1]
+    return trainer
+
+
+def routing_pair(llm, model, aligned: bool, sequences, completion_starts, pad_id):
+    """Both sides' expert choices ``[B, S, L, k]`` (-1 where nothing is scored), entry ``[b, p]`` being the
+    experts of position p-1 — the hidden state that scores token p, like the log-prob tensors."""
+    import torch
+
+    from ..integrations.routing_capture import vllm_teacher_forced_routing
+
+    trainer = trainer_routing(model, aligned, sequences, completion_starts, pad_id)
+    L = trainer.shape[2]
+    rollout = torch.full_like(trainer, -1)
     for b, seq in enumerate(sequences):
         n = len(seq)
-        trainer[b, 1:n] = per_pos[b, : n - 1]
         rollout[b, 1:n] = vllm_teacher_forced_routing(llm, seq, L)[: n - 1]
     return trainer, rollout
