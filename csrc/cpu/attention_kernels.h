@@ -10,22 +10,17 @@
 #include <stdint.h>
 
 #include "../common/attention_plan.h"
+#include "../common/params_attention.h"
 #include "cpu_kernels.h"
 
 namespace aligned::cpu {
 
 using aligned::AttnBlock;
+using aligned::AttnProblem;
 using aligned::AttnSeq;
 
-struct AttnArgs {
-  DType dt;
-  int64_t Hq, Hkv, D;
-  float scale;
-  bool causal;
-  const void* q;        // [Tq, Hq, D]
-  const void* k;        // packed [Tk, Hkv, D] or paged cache [num_blocks, block_size, Hkv, D]
-  const void* v;
-  int64_t block_size;   // 0: packed K/V
+// The problem (common/params_attention.h, shared with the GPU launchers) plus the plan's sequences.
+struct AttnArgs : AttnProblem {
   const AttnSeq* seqs;
 };
 

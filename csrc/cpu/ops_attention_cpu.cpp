@@ -79,8 +79,9 @@ VarlenInputs prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::
   in.q = q.contiguous();
   in.k = k.contiguous();
   in.v = v.contiguous();
-  in.args = AttnArgs{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, causal, in.q.data_ptr(), in.k.data_ptr(),
-                     in.v.data_ptr(), 0, in.plan.seqs.data()};
+  in.args = AttnArgs{make_attn_problem(c.dt, c.shape, scale, causal, in.q.data_ptr(), in.k.data_ptr(),
+                                       in.v.data_ptr(), 0),
+                     in.plan.seqs.data()};
   return in;
 }
 
@@ -164,8 +165,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  AttnArgs a{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, true, qc.data_ptr(), k_cache.data_ptr(),
-             v_cache.data_ptr(), k_cache.size(1), plan.seqs.data()};
+  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               k_cache.size(1)),
+             plan.seqs.data()};
   run_forward(a, plan, out.data_ptr(), lse.data_ptr<float>());
   return out;
 }
@@ -217,8 +219,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q,
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  AttnArgs a{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, causal, qc.data_ptr(), kc.data_ptr(),
-             vc.data_ptr(), 0, pl.seqs.data()};
+  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0),
+             pl.seqs.data()};
   run_forward(a, pl, out.data_ptr(), lse.data_ptr<float>());
   return {out, lse};
 }
@@ -237,8 +239,9 @@ at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cach
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  AttnArgs a{c.dt, c.shape.Hq, c.shape.Hkv, c.shape.D, (float)scale, true, qc.data_ptr(), k_cache.data_ptr(),
-             v_cache.data_ptr(), k_cache.size(1), pl.seqs.data()};
+  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               k_cache.size(1)),
+             pl.seqs.data()};
   run_forward(a, pl, out.data_ptr(), lse.data_ptr<float>());
   return out;
 }

@@ -157,16 +157,7 @@ void run_forward_per_call(gpu::AttnFwdParams p, const AttnPlan& plan, const Attn
 gpu::AttnFwdParams forward_params(DType dt, const AttnShape& sh, double scale, const void* q, const void* k,
                                   const void* v, int64_t block_size, void* out, float* lse) {
   gpu::AttnFwdParams p{};
-  p.dt = dt;
-  p.Hq = sh.Hq;
-  p.Hkv = sh.Hkv;
-  p.D = sh.D;
-  p.scale = (float)scale;
-  p.causal = sh.causal;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.block_size = block_size;
+  static_cast<AttnProblem&>(p) = make_attn_problem(dt, sh, scale, sh.causal, q, k, v, block_size);
   p.out = out;
   p.lse = lse;
   return p;

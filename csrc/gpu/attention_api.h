@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../common/attention_plan.h"
+#include "../common/params_attention.h"
 #include "dense_api.h"
 
 namespace aligned::gpu {
@@ -22,15 +23,8 @@ namespace aligned::gpu {
 // D = 256) and every lane holds ceil(D / 32) <= 8 accumulators in registers.
 constexpr int64_t kGpuAttnMaxD = 256;
 
-struct AttnFwdParams {
-  DType dt;
-  int64_t Hq, Hkv, D;
-  float scale;
-  bool causal;
-  const void* q;                // [Tq, Hq, D]
-  const void* k;                // packed [Tk, Hkv, D] or paged [num_blocks, block_size, Hkv, D]
-  const void* v;
-  int64_t block_size;           // 0: packed K/V
+// The problem (common/params_attention.h, shared with the CPU backend) plus the work list and the outputs.
+struct AttnFwdParams : AttnProblem {
   const int32_t* block_tables;  // paged: the block table [B, max_blocks] (device copy); else nullptr
   const int64_t* items;         // [n_items, kAttnWorkFields] forward items
   int64_t n_items;
