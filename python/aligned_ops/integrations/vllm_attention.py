@@ -46,8 +46,9 @@ from ..model_spec import architecture_of, rules_of
 
 def record_architecture(layer) -> None:
     """Remember, on a layer vLLM is building, which architecture's rules it runs (``model_spec.rules_of``
-    reads it per call). A module vLLM shares between models (get_rope caches rotary modules by their
-    parameters) keeps the architecture of the first; the rules of every supported architecture agree."""
+    reads it per call). vLLM's get_rope caches rotary modules by their shape parameters, not by model, so a
+    second engine in one process would reuse the first model's module and its recorded architecture: the
+    plugin clears that cache when it creates an engine config (``vllm_plugin._clear_rope_cache``)."""
     from vllm.config import get_current_vllm_config_or_none
 
     cfg = get_current_vllm_config_or_none()

@@ -64,7 +64,7 @@ import torch
 import aligned_ops
 import aligned_ops.ops.collective
 
-from ..model_spec import rules_for, rules_of
+from ..model_spec import architecture_of, rules_for, rules_of
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
@@ -525,9 +525,23 @@ def validate_vllm_config(vllm_config) -> None:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
 
 
+def _clear_rope_cache() -> None:
+    """Empty vLLM's get_rope cache (``_ROPE_DICT``): it is keyed by the rotary module's shape parameters, not by
+    model, so without this a second engine in one process would reuse the first model's rotary module and the
+    architecture recorded on it (whose rules the rotary hook reads)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
 def _create_engine_config(self, *args, **kwargs):
+    global installed_linear_profile
     config = _originals["EngineArgs.create_engine_config"](self, *args, **kwargs)
     validate_vllm_config(config)
+    _clear_rope_cache()
+    # The profile of the model this engine serves (`aligned-ops verify` compares it with the trainer's).
+    hf = getattr(getattr(config, "model_config", None), "hf_config", None)
+    installed_linear_profile = rules_for(architecture_of(hf) if hf is not None else None).profile()
     return config
 
 
@@ -674,12 +688,11 @@ def install() -> None:
     else:  # CUDA/ROCm: registered as CUSTOM and selected by the platform itself (or refused)
         register_backend(AttentionBackendEnum.CUSTOM, path)
         install_gpu_attention_selection(current_platform)
-    global installed_linear_profile
-    installed_linear_profile = rules_for(None).profile()
     _installed = True
 
 
-# The linear profile the hooks were installed under (`aligned-ops verify` compares it with the trainer's).
+# The linear profile of the model the last engine config was created for (set in _create_engine_config;
+# `aligned-ops verify` compares it with the trainer's). None: no engine created in this process.
 installed_linear_profile = None
 
 
