@@ -11,7 +11,8 @@ out-of-tree hook the layer is replaced through it (``register_oot`` of a ``Custo
 RMSNorm, SiluAndMul, RowParallelLinear, VocabParallelEmbedding, GateLinear, MoERunner,
 UnquantizedFusedMoEMethod); the rest are class patches, each listed with the reason in ``_patched_classes()``.
 Every hook applies the layer rules of :mod:`aligned_ops.model_spec` (``rules_for(arch)``, looked up per call
-for the architecture recorded when vLLM built the layer): the same rules the trainer patch applies.
+in eager mode — once, at tracing, in compiled mode — for the architecture recorded when vLLM built the layer):
+the same rules the trainer patch applies.
 
 - ``RMSNorm`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
 - ``SiluAndMul`` -> ``aligned::silu_and_mul``
@@ -591,7 +592,11 @@ _oot_registered: list = []
 
 
 def _oot_hooks() -> dict:
-    """The layers hooked through vLLM's own out-of-tree registry (``register_oot``), with our methods."""
+    """The layers hooked through vLLM's own out-of-tree registry (``register_oot``), with our methods.
+
+    ``register_oot`` matches the exact class name: a subclass of one of these is built stock (not hooked). None
+    is used by the supported architectures (RotaryEmbedding, whose variants are subclasses, is a class patch for
+    that reason, see ``_patched_classes``)."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
