@@ -32,7 +32,7 @@ shows both traces follow it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -182,7 +182,6 @@ class ModelSpec:
     qk_norm: bool
     eps: float
     steps: tuple[Step, ...]
-    rules: LayerRules = field(default=DECODER_RULES)
 
 
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
@@ -234,5 +233,4 @@ def model_spec(config) -> ModelSpec:
     steps.append(Step(res_norm, "final_norm", n=H))
     steps.append(Step(lin, "lm_head", k=H, n=V))
     steps.append(Step("logprobs", "logprobs", n=V))
-    return ModelSpec(arch, H, Hq, Hkv, D, inter, V, L, qkv_bias, qk_norm, float(config.rms_norm_eps), tuple(steps),
-                     rules)
+    return ModelSpec(arch, H, Hq, Hkv, D, inter, V, L, qkv_bias, qk_norm, float(config.rms_norm_eps), tuple(steps))

@@ -256,7 +256,7 @@ class AlignedAttentionImpl(AttentionImpl):
         rules_of(self).check_attention_scale(head_size, scale, "vLLM attention")
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = float(scale)
+        self.scale = float(scale)  # read by vLLM (Attention.extra_repr); the forward uses rules_of(self).scale
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type

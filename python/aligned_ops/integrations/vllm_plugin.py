@@ -117,17 +117,17 @@ def record_architecture(layer) -> None:
     record(layer)
 
 
-layer_rules = rules_of  # a hooked layer's model_spec.LayerRules, looked up per call (not cached)
+# Every hook reads its layer's rules with model_spec.rules_of (looked up per call; at tracing in compiled mode).
 
 
 def _rms_norm_forward(self, x, residual=None):
     if not getattr(self, "has_weight", True) or getattr(self, "variance_size_override", None) is not None:
         raise NotImplementedError("aligned_ops: RMSNorm without weight or with var_hidden_size is not supported")
-    return layer_rules(self).apply_norm(x, self.weight.data, self.variance_epsilon, residual)
+    return rules_of(self).apply_norm(x, self.weight.data, self.variance_epsilon, residual)
 
 
 def _silu_and_mul_forward(self, x):
-    return layer_rules(self).activate(x)
+    return rules_of(self).activate(x)
 
 
 def rope_spec_from_vllm(rot):
@@ -183,7 +183,7 @@ def _rotary_init(self, *args, **kwargs):
     except NotImplementedError as e:
         self._aligned_unsupported = str(e)
         return
-    if bool(self.is_neox_style) != layer_rules(self).rotary_neox:
+    if bool(self.is_neox_style) != rules_of(self).rotary_neox:
         self._aligned_unsupported = (f"aligned_ops: rotary is_neox_style={self.is_neox_style} is not the model "
                                      "spec's rotary style")
         return
@@ -201,7 +201,7 @@ def _rotary_forward(self, positions, query, key=None):
     positions = positions.flatten().to(torch.int64)
     T = positions.shape[0]
 
-    rules = layer_rules(self)
+    rules = rules_of(self)
 
     def rot(x):
         shape = x.shape
@@ -213,12 +213,12 @@ def _rotary_forward(self, positions, query, key=None):
 
 def _linear_apply(self, layer, x, bias=None):
     # The rules' linear profile (fma|exact; ALIGNED_OPS_LINEAR unless the spec names one), as in the trainer.
-    return layer_rules(layer).linear(x, layer.weight, bias)
+    return rules_of(layer).linear(x, layer.weight, bias)
 
 
 def _lm_head_apply(self, layer, x, bias=None):
     # UnquantizedEmbeddingMethod.apply is the LM head's logits (LogitsProcessor); the rules' head dtype.
-    return layer_rules(layer).head_logits(x, layer.weight, bias)
+    return rules_of(layer).head_logits(x, layer.weight, bias)
 
 
 def _make_create_weights(key):
@@ -346,7 +346,7 @@ def _keep_weight_after_loading(self, layer, *args, **kwargs):
 def _gate_linear_forward(self, x):
     # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
     # picked.
-    out = layer_rules(self).router_linear(x, self.weight, getattr(self, "bias", None))
+    out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
 
@@ -416,7 +416,7 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
     top_k, scoring, renormalize = _moe_layer_spec(self)
     x = hidden_states.contiguous()
     if self.gate is not None:  # Qwen3-MoE hands the router to the runner (router_logits is the hidden state)
-        router_logits = layer_rules(self).router_linear(x, self.gate.weight)
+        router_logits = rules_of(self).router_linear(x, self.gate.weight)
     w, ids, _ = aligned_ops.moe_routing(router_logits.contiguous(), top_k, scoring, renormalize)
     capture = getattr(self.router, "capture_fn", None)
     if capture is not None:  # vLLM's routed-experts output (enable_return_routed_experts)
