@@ -170,6 +170,7 @@ if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
     COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
     DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_checks.h"
             "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_params.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/glue_common.h"
+            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/moe.h"  # via params_moe.h
             ${_gc_params_headers}
     COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
   list(APPEND _gc_outputs "${_ok}")

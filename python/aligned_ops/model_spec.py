@@ -17,8 +17,12 @@ sequence, at the level where the two sides must agree:
 Both sides also *read* it: every per-layer decision (which norm op, residual fusion, norm weight dtype,
 rotary style, activation, linear profile, MoE router profile, attention scale, LM-head dtype) is a field
 of :class:`LayerRules`, looked up per architecture with :func:`rules_for` at call time, and applied through
-its methods (``norm``, ``linear``, ``rotary``, ...) by the trainer patch and by every vLLM hook. Neither
-side writes those choices itself.
+its methods (``norm``, ``linear``, ``rotary``, ...) by the trainer patch and by every vLLM hook; neither side
+writes *those* choices itself. "At call time" holds in eager mode: under vLLM's compiled mode (torch.compile /
+CUDA graphs) the lookup runs once, while the forward is traced, and a rule changed afterwards does not reach
+that engine. The rules do not cover the model's structure, which each side still follows from the model it
+runs: causal attention (the trainer passes ``causal=True``), whether q/k norms exist (the modules' presence),
+the gate/up order of the fused MLP projection, and the layer layout.
 
 ``tests/integrations/test_model_spec.py`` traces the aligned ops of one forward on each side
 (:func:`aligned_ops.testing.trace_aligned_ops`) and asserts both equal this spec, so a change on one side
@@ -28,7 +32,7 @@ shows both traces follow it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -133,7 +137,8 @@ class LayerRules:
 DECODER_RULES = LayerRules()
 
 # Per architecture (the keys of integrations.SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES); the dense and MoE
-# decoders share one set today. Looked up at call time by both sides, so a change here reaches both.
+# decoders share one set today. Looked up at call time by both sides (in vLLM's compiled mode: once, when the
+# forward is traced), so a change here reaches both.
 RULES: dict[str, LayerRules] = {
     arch: DECODER_RULES
     for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
@@ -153,7 +158,8 @@ def rules_for(architecture: str | None) -> LayerRules:
 
 def rules_of(layer) -> LayerRules:
     """The rules of a layer (a patched trainer module or a hooked vLLM layer), looked up now from the
-    architecture recorded on it (``_aligned_arch``; none recorded: the decoder rules)."""
+    architecture recorded on it (``_aligned_arch``; none recorded: the decoder rules). In vLLM's compiled mode
+    "now" is when the forward is traced, once."""
     return rules_for(getattr(layer, "_aligned_arch", None))
 
 
@@ -176,7 +182,6 @@ class ModelSpec:
     qk_norm: bool
     eps: float
     steps: tuple[Step, ...]
-    rules: LayerRules = field(default=DECODER_RULES)
 
 
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
@@ -228,5 +233,4 @@ def model_spec(config) -> ModelSpec:
     steps.append(Step(res_norm, "final_norm", n=H))
     steps.append(Step(lin, "lm_head", k=H, n=V))
     steps.append(Step("logprobs", "logprobs", n=V))
-    return ModelSpec(arch, H, Hq, Hkv, D, inter, V, L, qkv_bias, qk_norm, float(config.rms_norm_eps), tuple(steps),
-                     rules)
+    return ModelSpec(arch, H, Hq, Hkv, D, inter, V, L, qkv_bias, qk_norm, float(config.rms_norm_eps), tuple(steps))

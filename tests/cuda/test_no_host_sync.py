@@ -29,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 GLUE = ROOT / "csrc" / "cuda" / "ops_cuda.cpp"
 ATTENTION_GLUE = ROOT / "csrc" / "cuda" / "ops_attention_cuda.cpp"
 GLUE_COMMON = ROOT / "csrc" / "cuda" / "glue_common.h"  # the stream / launch / device helpers ops_cuda.cpp uses
+OP_PARAMS = ROOT / "csrc" / "op_params.h"  # tensors -> params structs, shared by the CPU and GPU glue
 # Where the negative controls plant a violation: a glue function every build of ops_cuda.cpp has.
 PLANT_BEFORE = "int32_t* device_error_flags("
 
@@ -93,6 +94,7 @@ def test_cuda_glue_has_no_host_read():
     src = GLUE.read_text()
     assert scan_glue(src) == []
     assert scan_glue(GLUE_COMMON.read_text()) == []
+    assert scan_glue(OP_PARAMS.read_text()) == []  # the params builders every backend's glue calls
     # The value checks are really called there (the scan is not vacuous).
     stripped = _strip_comments(src)
     for name in VALUE_CHECKS:
@@ -119,16 +121,41 @@ def test_scan_negative_control(planted):
     assert scan_glue(src), planted
 
 
-def test_host_value_checks_are_only_on_the_host_path():
-    # op_checks.h: every .item() read sits behind `values == ValueChecks::kHost`.
-    src = _strip_comments((ROOT / "csrc" / "op_checks.h").read_text())
-    for fn in ("check_rotary", "check_logits", "check_token_ids"):
+def unguarded_item_reads(src: str) -> list:
+    """Every ``.item`` read of a checks header that is not preceded, inside its function, by the
+    ``values == ValueChecks::kHost`` guard (a function ends at a column-0 ``}``)."""
+    src = _strip_comments(src)
+    found = []
+    for m in re.finditer(r"\.item\s*[<(]", src):
+        start = src.rfind("\n}\n", 0, m.start())
+        if "values == ValueChecks::kHost" not in src[start + 1:m.start()]:
+            found.append(src[src.rfind("\n", 0, m.start()) + 1:src.find("\n", m.start())].strip())
+    return found
+
+
+@pytest.mark.parametrize("header, fns", [
+    ("op_checks.h", ("check_rotary", "check_logits", "check_token_ids")),
+    ("moe_checks.h", ("check_topk_ids",)),
+])
+def test_host_value_checks_are_only_on_the_host_path(header, fns):
+    # Every .item() read of the checks header sits behind `values == ValueChecks::kHost`.
+    raw = (ROOT / "csrc" / header).read_text()
+    src = _strip_comments(raw)
+    for fn in fns:
         body = src[src.index(f" {fn}("):]
         body = body[:body.index("\n}\n")]
-        assert ".item<" in body, fn
-        guarded = body[body.index("values == ValueChecks::kHost"):]
+        assert ".item<" in body, fn  # the check really reads values on the host path (not vacuous)
         assert body.index("values == ValueChecks::kHost") < body.index(".item<"), fn
-        assert ".item<" in guarded
+    assert unguarded_item_reads(raw) == []
+
+
+def test_unguarded_item_read_negative_control():
+    raw = (ROOT / "csrc" / "moe_checks.h").read_text()
+    anchor = "inline at::Tensor check_moe_grad_weights("
+    assert anchor in raw
+    planted = raw.replace(anchor, "inline int64_t planted_read(const at::Tensor& t) {\n"
+                                  "  return t.max().item<int64_t>();\n}\n" + anchor, 1)
+    assert unguarded_item_reads(planted) == ["return t.max().item<int64_t>();"]
 
 
 # ---- the decode-path Python under a mode that forbids host reads ------------------------------------------------

@@ -163,6 +163,28 @@ def test_unsupported_models_refused():
         patch_model(m)
     with pytest.raises(ValueError, match="call aligned_ops.integrations.hf.patch_model"):
         completion_logprobs(Qwen2ForCausalLM(cfg), torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3))
+    m = Qwen2ForCausalLM(cfg)
+    m.model.layers[0].self_attn.scaling = 0.25  # not head_dim ** -0.5: a model the rules do not describe
+    with pytest.raises(ValueError, match=r"attention scale 0.25 is not head_dim \*\* -0.5"):
+        patch_model(m)
+
+
+def test_fused_lm_head_refusal_names_the_profile_and_its_source(model, monkeypatch):
+    from dataclasses import replace
+
+    from aligned_ops import model_spec
+
+    s = _seqs([9], 3)[0]
+    cm = torch.ones_like(s)
+    cm[0] = 0
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    with pytest.raises(ValueError, match=r"runs the 'exact' profile \(from ALIGNED_OPS_LINEAR\)"):
+        completion_logprobs(model, s[None], cm[None], fused_lm_head=True)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    arch = model._aligned_arch
+    monkeypatch.setitem(model_spec.RULES, arch, replace(model_spec.RULES[arch], linear_profile="exact"))
+    with pytest.raises(ValueError, match=r"runs the 'exact' profile \(from the model's model_spec.RULES entry"):
+        completion_logprobs(model, s[None], cm[None], fused_lm_head=True)
 
 
 # ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------

@@ -121,6 +121,7 @@ def test_vllm_hooks_read_the_rules(monkeypatch):
     arch = "Qwen2ForCausalLM"
     torch.manual_seed(0)
     x, w = torch.randn(3, 32), torch.randn(48, 32)
+    head_x = torch.randn(3, 32)  # the LM head's own input: its linear is a separate logical step, not merged
     D, R = 16, 16
     cache = aligned_ops_rope_cache(R)
     positions = torch.arange(3)
@@ -132,7 +133,7 @@ def test_vllm_hooks_read_the_rules(monkeypatch):
         norm = SimpleNamespace(weight=torch.ones(32), variance_epsilon=1e-6, **recorded)
         with trace_aligned_ops() as t, torch.no_grad():
             p._linear_apply(None, layer, x)
-            p._lm_head_apply(None, layer, x)
+            p._lm_head_apply(None, layer, head_x)
             p._rms_norm_forward(norm, x, x)
             p._rotary_forward(rot, positions, torch.randn(3, 2 * D), None)
             p._silu_and_mul_forward(layer, x)
@@ -141,10 +142,12 @@ def test_vllm_hooks_read_the_rules(monkeypatch):
     layer = SimpleNamespace(weight=w, _aligned_arch=arch)
     stray = SimpleNamespace(weight=w)  # negative control: built outside a model, no architecture recorded
     default = hook_calls(layer)
-    assert [c[0] for c in logical_steps(default)] == ["linear", "fused_add_rms_norm", "rotary", "silu_and_mul"]
+    assert [c[0] for c in logical_steps(default)] == ["linear", "linear", "fused_add_rms_norm", "rotary",
+                                                     "silu_and_mul"]
     _change_rules(monkeypatch, arch)
     changed, stray_calls = hook_calls(layer), hook_calls(stray)
-    assert [c[0] for c in logical_steps(changed)] == ["linear_exact", "fused_add_rms_norm", "rotary", "silu_and_mul"]
+    assert [c[0] for c in logical_steps(changed)] == ["linear_exact", "linear_exact", "fused_add_rms_norm", "rotary",
+                                                     "silu_and_mul"]
     assert op_scalars(changed, "rotary_embedding") == {(R, False)}
     assert logical_steps(stray_calls) == logical_steps(default)  # the stray layer did not follow: detected
     assert op_scalars(stray_calls, "rotary_embedding") == {(R, True)}

@@ -50,6 +50,32 @@ def test_supported_config_is_accepted(tiny_dir):
     vllm_plugin.validate_vllm_config(cfg)  # no exception
 
 
+def test_engine_config_clears_rope_cache_and_records_the_served_profile(tiny_dir, monkeypatch):
+    """get_rope caches rotary modules by shape, not model: an engine config empties that cache, so a second
+    engine in the process builds its own (with its own recorded architecture). The recorded linear profile is
+    the served architecture's rules' (negative control: another architecture's changed rules leave it)."""
+    import dataclasses
+
+    from vllm.model_executor.layers import rotary_embedding
+
+    from aligned_ops import model_spec
+
+    sentinel = object()
+    rotary_embedding._ROPE_DICT[("stale",)] = sentinel
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", None)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    _engine_config(tiny_dir)
+    assert ("stale",) not in rotary_embedding._ROPE_DICT
+    assert vllm_plugin.installed_linear_profile == "fma"
+    exact = dataclasses.replace(model_spec.RULES["Qwen2ForCausalLM"], linear_profile="exact")
+    monkeypatch.setitem(model_spec.RULES, "LlamaForCausalLM", exact)
+    _engine_config(tiny_dir)
+    assert vllm_plugin.installed_linear_profile == "fma"  # not the Llama rules: the served model's
+    monkeypatch.setitem(model_spec.RULES, "Qwen2ForCausalLM", exact)
+    _engine_config(tiny_dir)
+    assert vllm_plugin.installed_linear_profile == "exact"
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

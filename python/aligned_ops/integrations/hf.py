@@ -295,8 +295,11 @@ def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, 
         raise ValueError("completion_logprobs: fused_lm_head does not score truncated distributions (top_k / top_p "
                          "/ min_p need each row's full sorted logits); use fused_lm_head=False")
     if rules.profile() != "fma" or rules.logits_dtype is not None:
-        raise ValueError(f"completion_logprobs: fused_lm_head needs the fma linear profile, not "
-                         f"ALIGNED_OPS_LINEAR={rules.profile()} (and model-dtype logits)")
+        source = ("ALIGNED_OPS_LINEAR" if rules.linear_profile is None
+                  else "the model's model_spec.RULES entry (linear_profile)")
+        raise ValueError(f"completion_logprobs: fused_lm_head needs the fma linear profile and model-dtype logits; "
+                         f"this model runs the {rules.profile()!r} profile (from {source}) with logits_dtype "
+                         f"{rules.logits_dtype}")
     chunks = option if isinstance(option, dict) else {}
     unknown = set(chunks) - {"token_chunk", "vocab_chunk"}
     if unknown:
@@ -369,7 +372,10 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     rules = rules_for(arch)
     for layer in model.model.layers:
         attn = layer.self_attn
-        rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")
+        try:
+            rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")
+        except NotImplementedError as e:  # the trainer's refusals are ValueError (patch_model's contract)
+            raise ValueError(str(e)) from None
     for layer in model.model.layers:
         layer._aligned_arch = arch  # the layer's rules are looked up per call (model_spec.rules_for)
         layer.forward = types.MethodType(_layer_forward, layer)

@@ -46,8 +46,9 @@ from ..model_spec import architecture_of, rules_of
 
 def record_architecture(layer) -> None:
     """Remember, on a layer vLLM is building, which architecture's rules it runs (``model_spec.rules_of``
-    reads it per call). A module vLLM shares between models (get_rope caches rotary modules by their
-    parameters) keeps the architecture of the first; the rules of every supported architecture agree."""
+    reads it per call). vLLM's get_rope caches rotary modules by their shape parameters, not by model, so a
+    second engine in one process would reuse the first model's module and its recorded architecture: the
+    plugin clears that cache when it creates an engine config (``vllm_plugin._clear_rope_cache``)."""
     from vllm.config import get_current_vllm_config_or_none
 
     cfg = get_current_vllm_config_or_none()
@@ -255,7 +256,7 @@ class AlignedAttentionImpl(AttentionImpl):
         rules_of(self).check_attention_scale(head_size, scale, "vLLM attention")
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = float(scale)
+        self.scale = float(scale)  # read by vLLM (Attention.extra_repr); the forward uses rules_of(self).scale
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type

@@ -11,7 +11,8 @@ out-of-tree hook the layer is replaced through it (``register_oot`` of a ``Custo
 RMSNorm, SiluAndMul, RowParallelLinear, VocabParallelEmbedding, GateLinear, MoERunner,
 UnquantizedFusedMoEMethod); the rest are class patches, each listed with the reason in ``_patched_classes()``.
 Every hook applies the layer rules of :mod:`aligned_ops.model_spec` (``rules_for(arch)``, looked up per call
-for the architecture recorded when vLLM built the layer): the same rules the trainer patch applies.
+in eager mode — once, at tracing, in compiled mode — for the architecture recorded when vLLM built the layer):
+the same rules the trainer patch applies.
 
 - ``RMSNorm`` (plain and fused residual) -> ``aligned::rms_norm`` / ``aligned::fused_add_rms_norm``
 - ``SiluAndMul`` -> ``aligned::silu_and_mul``
@@ -64,7 +65,7 @@ import torch
 import aligned_ops
 import aligned_ops.ops.collective
 
-from ..model_spec import rules_for, rules_of
+from ..model_spec import architecture_of, rules_for, rules_of
 from ..sampling import effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_DTYPES, check_hf_config
 
@@ -116,17 +117,17 @@ def record_architecture(layer) -> None:
     record(layer)
 
 
-layer_rules = rules_of  # a hooked layer's model_spec.LayerRules, looked up per call (not cached)
+# Every hook reads its layer's rules with model_spec.rules_of (looked up per call; at tracing in compiled mode).
 
 
 def _rms_norm_forward(self, x, residual=None):
     if not getattr(self, "has_weight", True) or getattr(self, "variance_size_override", None) is not None:
         raise NotImplementedError("aligned_ops: RMSNorm without weight or with var_hidden_size is not supported")
-    return layer_rules(self).apply_norm(x, self.weight.data, self.variance_epsilon, residual)
+    return rules_of(self).apply_norm(x, self.weight.data, self.variance_epsilon, residual)
 
 
 def _silu_and_mul_forward(self, x):
-    return layer_rules(self).activate(x)
+    return rules_of(self).activate(x)
 
 
 def rope_spec_from_vllm(rot):
@@ -182,7 +183,7 @@ def _rotary_init(self, *args, **kwargs):
     except NotImplementedError as e:
         self._aligned_unsupported = str(e)
         return
-    if bool(self.is_neox_style) != layer_rules(self).rotary_neox:
+    if bool(self.is_neox_style) != rules_of(self).rotary_neox:
         self._aligned_unsupported = (f"aligned_ops: rotary is_neox_style={self.is_neox_style} is not the model "
                                      "spec's rotary style")
         return
@@ -200,7 +201,7 @@ def _rotary_forward(self, positions, query, key=None):
     positions = positions.flatten().to(torch.int64)
     T = positions.shape[0]
 
-    rules = layer_rules(self)
+    rules = rules_of(self)
 
     def rot(x):
         shape = x.shape
@@ -212,12 +213,12 @@ def _rotary_forward(self, positions, query, key=None):
 
 def _linear_apply(self, layer, x, bias=None):
     # The rules' linear profile (fma|exact; ALIGNED_OPS_LINEAR unless the spec names one), as in the trainer.
-    return layer_rules(layer).linear(x, layer.weight, bias)
+    return rules_of(layer).linear(x, layer.weight, bias)
 
 
 def _lm_head_apply(self, layer, x, bias=None):
     # UnquantizedEmbeddingMethod.apply is the LM head's logits (LogitsProcessor); the rules' head dtype.
-    return layer_rules(layer).head_logits(x, layer.weight, bias)
+    return rules_of(layer).head_logits(x, layer.weight, bias)
 
 
 def _make_create_weights(key):
@@ -345,7 +346,7 @@ def _keep_weight_after_loading(self, layer, *args, **kwargs):
 def _gate_linear_forward(self, x):
     # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
     # picked.
-    out = layer_rules(self).router_linear(x, self.weight, getattr(self, "bias", None))
+    out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
 
@@ -415,7 +416,7 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
     top_k, scoring, renormalize = _moe_layer_spec(self)
     x = hidden_states.contiguous()
     if self.gate is not None:  # Qwen3-MoE hands the router to the runner (router_logits is the hidden state)
-        router_logits = layer_rules(self).router_linear(x, self.gate.weight)
+        router_logits = rules_of(self).router_linear(x, self.gate.weight)
     w, ids, _ = aligned_ops.moe_routing(router_logits.contiguous(), top_k, scoring, renormalize)
     capture = getattr(self.router, "capture_fn", None)
     if capture is not None:  # vLLM's routed-experts output (enable_return_routed_experts)
@@ -525,9 +526,23 @@ def validate_vllm_config(vllm_config) -> None:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
 
 
+def _clear_rope_cache() -> None:
+    """Empty vLLM's get_rope cache (``_ROPE_DICT``): it is keyed by the rotary module's shape parameters, not by
+    model, so without this a second engine in one process would reuse the first model's rotary module and the
+    architecture recorded on it (whose rules the rotary hook reads)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
 def _create_engine_config(self, *args, **kwargs):
+    global installed_linear_profile
     config = _originals["EngineArgs.create_engine_config"](self, *args, **kwargs)
     validate_vllm_config(config)
+    _clear_rope_cache()
+    # The profile of the model this engine serves (`aligned-ops verify` compares it with the trainer's).
+    hf = getattr(getattr(config, "model_config", None), "hf_config", None)
+    installed_linear_profile = rules_for(architecture_of(hf) if hf is not None else None).profile()
     return config
 
 
@@ -577,7 +592,11 @@ _oot_registered: list = []
 
 
 def _oot_hooks() -> dict:
-    """The layers hooked through vLLM's own out-of-tree registry (``register_oot``), with our methods."""
+    """The layers hooked through vLLM's own out-of-tree registry (``register_oot``), with our methods.
+
+    ``register_oot`` matches the exact class name: a subclass of one of these is built stock (not hooked). None
+    is used by the supported architectures (RotaryEmbedding, whose variants are subclasses, is a class patch for
+    that reason, see ``_patched_classes``)."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
@@ -674,12 +693,11 @@ def install() -> None:
     else:  # CUDA/ROCm: registered as CUSTOM and selected by the platform itself (or refused)
         register_backend(AttentionBackendEnum.CUSTOM, path)
         install_gpu_attention_selection(current_platform)
-    global installed_linear_profile
-    installed_linear_profile = rules_for(None).profile()
     _installed = True
 
 
-# The linear profile the hooks were installed under (`aligned-ops verify` compares it with the trainer's).
+# The linear profile of the model the last engine config was created for (set in _create_engine_config;
+# `aligned-ops verify` compares it with the trainer's). None: no engine created in this process.
 installed_linear_profile = None
 
 
