@@ -303,6 +303,10 @@ def test_verify_refuses_a_profile_mismatch(monkeypatch):
     monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "fma")
     with pytest.raises(RuntimeError, match="linear profile mismatch: vLLM plugin 'fma', trainer 'exact'"):
         verify.check_profiles(model)
+    # both sides on the exact profile because the model's RULES entry pins it, the variable saying fma: agreed
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "exact")
+    assert verify.check_profiles(model) == "exact"
 
 
 @pytest.mark.slow

@@ -36,17 +36,18 @@ def make_prompts(vocab_size: int, n: int, seed: int, eos_id: int) -> list[list[i
 
 
 def check_profiles(model) -> str:
-    """The linear profile both sides ran (ALIGNED_OPS_LINEAR); refuses a mismatch between them."""
+    """The linear profile both sides ran (each side's model_spec rules for its model: ALIGNED_OPS_LINEAR unless
+    the architecture's RULES entry pins one); refuses a mismatch between them."""
     from .. import linear_profile
     from ..integrations import vllm_plugin
 
     now = linear_profile()
-    engine = vllm_plugin.installed_linear_profile or now  # None: the plugin ran in another process
-    trainer = getattr(model, "_aligned_linear_profile", now)
-    if not (engine == trainer == now):
-        raise RuntimeError(f"aligned-ops verify: linear profile mismatch: vLLM plugin {engine!r}, trainer {trainer!r}, "
-                           f"ALIGNED_OPS_LINEAR now {now!r}; both sides must run one profile")
-    return now
+    trainer = getattr(model, "_aligned_linear_profile", None) or now
+    engine = vllm_plugin.installed_linear_profile or trainer  # None: the plugin ran in another process
+    if engine != trainer:
+        raise RuntimeError(f"aligned-ops verify: linear profile mismatch: vLLM plugin {engine!r}, trainer {trainer!r} "
+                           f"(ALIGNED_OPS_LINEAR now {now!r}); both sides must run one profile")
+    return trainer
 
 
 def child(args) -> dict:
