@@ -147,6 +147,19 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   });
 }
 
+// The run of both paged forms (per call and planned): one plan, the same run_forward, the same bits.
+at::Tensor paged_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const AttnCheck<DType>& c, double scale, const AttnPlan& plan) {
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               k_cache.size(1)),
+             plan.seqs.data()};
+  run_forward(a, plan, out.data_ptr(), lse.data_ptr<float>());
+  return out;
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
                            double scale) {
@@ -162,14 +175,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AttnPlan plan;
   check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), sl.size(0),
                         bt.size(1), k_cache.size(0), k_cache.size(1), q.size(0), c.shape, op, &plan));
-  auto qc = q.contiguous();
-  auto out = at::empty_like(qc);
-  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                               k_cache.size(1)),
-             plan.seqs.data()};
-  run_forward(a, plan, out.data_ptr(), lse.data_ptr<float>());
-  return out;
+  return paged_forward(q, k_cache, v_cache, c, scale, plan);
 }
 
 // ---- plan/run form (CPU: the buffers are host tensors; same plan, same run_forward, same bits) ----------
@@ -236,14 +242,7 @@ at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cach
   const AttnPlan pl = unpack_checked(
       plan, table, workspace_floats,
       planned_run_dims(c.shape, q.size(0), k_cache.size(0), k_cache.size(1), plan, table, workspace_floats), op);
-  auto qc = q.contiguous();
-  auto out = at::empty_like(qc);
-  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  AttnArgs a{make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                               k_cache.size(1)),
-             pl.seqs.data()};
-  run_forward(a, pl, out.data_ptr(), lse.data_ptr<float>());
-  return out;
+  return paged_forward(q, k_cache, v_cache, c, scale, pl);
 }
 
 }  // namespace
