@@ -134,6 +134,8 @@ TORCH_LIBRARY(aligned, m) {
   m.def("linear_exact_f64_bounds(Tensor weight) -> Tensor");
   // test hook: which (x row, weight row) pairs meet that bound (bool [M, N])
   m.def("_linear_exact_f64_pairs(Tensor x, Tensor weight_f64_bounds) -> Tensor");
+  // test hook: the route of each output under ALIGNED_EXACT_F64=all (0 fp64 path, 1 split route, 2 digit path)
+  m.def("_linear_exact_f64_routes(Tensor x, Tensor weight, Tensor weight_f64_bounds) -> Tensor");
 
   // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
   m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");

@@ -206,22 +206,29 @@ ALIGNED_HD float round_i128_f32(__int128 acc, int q) {
 // Fast path when |hi|, |lo| < 2^53: both are exact doubles; their sum is formed exactly as a two-sum and
 // rounded to odd in double (53 >= 24 + 2 bits, so the following round to fp32 is the correct rounding of the
 // exact value); scaling by 2^q is exact in double for every q the canonical forms produce. Otherwise int128.
+// a + b (exact doubles) rounded to odd: the double nearest below or above whose last bit is 1 unless a + b is
+// itself a double. TwoSum gives the exact error (IEEE round to nearest, no contraction, no overflow); rounding
+// the result to fp32 (24 bits <= 53 - 2) is then the correct rounding of the exact a + b.
+ALIGNED_HD double sum_round_odd(double a, double b) {
+  double s = a + b;
+  const double bb = s - a;
+  const double err = (a - (s - bb)) + (b - bb);
+  if (err != 0.0) {
+    uint64_t u;
+    __builtin_memcpy(&u, &s, 8);
+    if ((u & 1) == 0) {  // step to the odd neighbour on err's side (|s| grows iff err has s's sign)
+      const bool away = (err > 0) == (s > 0);
+      u = away ? u + 1 : u - 1;
+      __builtin_memcpy(&s, &u, 8);
+    }
+  }
+  return s;
+}
+
 ALIGNED_HD float round_split_f32(int64_t hi, int64_t lo, int q) {
   constexpr int64_t lim = (int64_t)1 << 53;
   if (hi > -lim && hi < lim && lo > -lim && lo < lim && q > -900 && q < 900) {
-    const double a = (double)hi * 4294967296.0, b = (double)lo;
-    double s = a + b;
-    const double bb = s - a;
-    const double err = (a - (s - bb)) + (b - bb);
-    if (err != 0.0) {
-      uint64_t u;
-      __builtin_memcpy(&u, &s, 8);
-      if ((u & 1) == 0) {  // step to the odd neighbour on err's side (|s| grows iff err has s's sign)
-        const bool away = (err > 0) == (s > 0);
-        u = away ? u + 1 : u - 1;
-        __builtin_memcpy(&s, &u, 8);
-      }
-    }
+    const double s = sum_round_odd((double)hi * 4294967296.0, (double)lo);
     // s * 2^q exactly: two power-of-two factors, each a normal double
     const int q1 = q / 2, q2 = q - q1;
     uint64_t p1 = (uint64_t)(q1 + 1023) << 52, p2 = (uint64_t)(q2 + 1023) << 52;
@@ -336,6 +343,92 @@ ALIGNED_HD int f64_row_bound(const T* v, int64_t K, bool* bad) {
 }
 // (B) for a pair of finite rows.
 ALIGNED_HD bool f64_sum_exact(int bx, int bw) { return (int64_t)bx + bw <= kF64Bits; }
+
+// ---- the fp64 split route: a pair failing (B) whose x row splits into two halves that each meet it -------
+//
+// Most pairs failing (B) are rows a few bits too wide (b(x) + b(w) in 54..60 for Gaussian bf16 rows of a few
+// thousand elements: one small element lowers a row's lsb). For such a pair with both canonical forms exact
+// (b(x), b(w) != kF64Never), cut every element of x at the bit 2^tau:
+//     hi_k = v_k truncated toward zero to a multiple of 2^tau,   lo_k = v_k - hi_k,
+// both exact (each holds a subset of v_k's significand bits), so P = sum_k hi_k w_k + sum_k lo_k w_k = H + L.
+// Bounds without another pass over the row (f64_split_bounds): hi is a multiple of 2^tau with |hi_k| <= |v_k|,
+// so b(hi) <= nb(x) - tau; |lo_k| < 2^tau gives ||lo||_2 < 2^tau sqrt(K) <= 2^(tau + c), c = ceil(log2(K) / 2),
+// and lo is a multiple of 2^lsb(x), so b(lo) <= tau + c - lsb(x). (The claim above needs only ||v|| < 2^nb and
+// v a multiple of 2^lsb, so these upper bounds serve as b.) tau = ceil((nb + lsb - c) / 2) balances them. Where
+// b(hi) + b(w) <= 53 and b(lo) + b(w) <= 53, the claim makes H and L the exact sums in any fp64 evaluation; P
+// is then rounded to fp32 once from the pair (H, L) by round_f64_pair_f32 — the same value as round_f32(P),
+// the definition's rounding (a plain RN32(H + L) would round twice: 1 + 2^-24 + 2^-58 would give 1). Pairs that still fail take the digit path.
+
+// nb(v) and lsb(v) of a finite row from its scan and norm sum (the pieces of f64_row_bound; the row is not
+// zero: s.lmin != 100000).
+ALIGNED_HD int f64_row_nb(const RowScan& s, uint64_t I) { return s.emax + 1 - kNormBins + (ceil_log2_u64(I) + 1) / 2; }
+
+// nb(v) and lsb(v) of a finite nonzero row (scalar; the glue's split route, only rows with pairs failing (B)).
+template <typename T>
+ALIGNED_HD void f64_row_nb_lsb(const T* v, int64_t K, int* nb, int* lsb) {
+  RowScan s = row_scan_init();
+  for (int64_t k = 0; k < K; ++k) row_scan_add(s, to_f32(v[k]));
+  uint64_t I = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float f = to_f32(v[k]);
+    if (f != 0.0f && is_finite_bits(f)) I += f64_norm_term(ilog2_abs(f), s.emax);
+  }
+  *nb = f64_row_nb(s, I);
+  *lsb = s.lmin;
+}
+
+struct F64Split {
+  int tau;   // the cut: hi = bits at or above 2^tau
+  int b_hi;  // bound b of the hi half
+  int b_lo;  // bound b of the lo half
+};
+ALIGNED_HD F64Split f64_split_bounds(int nb, int lsb, int64_t K) {
+  const int c = (ceil_log2_u64((uint64_t)(K < 1 ? 1 : K)) + 1) / 2;  // ceil(log2(K) / 2) >= log2 sqrt(K)
+  const int t2 = nb + lsb - c;
+  const int tau = t2 >= 0 ? (t2 + 1) / 2 : -((-t2) / 2);  // ceil(t2 / 2)
+  return F64Split{tau, nb - tau, tau + c - lsb};
+}
+
+// P = h + l exactly (h, l: the split route's two exact fp64 sums) rounded to fp32 once: round to odd, then to
+// nearest even (sum_round_odd) — round_f32(P), the definition's rounding. An exact zero P gives +0 (h and l
+// are never -0, see (5)); a nonzero P keeps its sign through both roundings, as round_i128_f32 does.
+ALIGNED_HD float round_f64_pair_f32(double h, double l) { return (float)sum_round_odd(h, l); }
+
+// A row whose canonical form rounds (E - lsb > 29), replaced in place by the values the definition sums,
+// V_k 2^q (quantize with the row's own S = 4, as both the x packing and the weight packing — Sw = 4 once
+// any row rounds — use). Each is representable in T: rounding v_k to the coarser grid 2^q keeps at most v_k's
+// bits (or gives 0 or one grid step above v_k's lowest bit), and the row's max does not round (its bits
+// reach down to 2^(E - 23) at worst, above 2^q = 2^(E - 29)). The fp64 path's claim then covers the row.
+template <typename T>
+inline void canonical_row(T* v, int64_t K) {
+  const RowForm f = row_form(v, K);
+  if (f.bad || f.zero) return;
+  const int q = f.E + 3 - 8 * f.S;
+  const uint64_t pb = (uint64_t)(q + 1023) << 52;  // 2^q, a normal double (q in [-190, 130])
+  double p2;
+  __builtin_memcpy(&p2, &pb, 8);
+  for (int64_t k = 0; k < K; ++k) v[k] = from_f32<T>((float)((double)quantize(to_f32(v[k]), f.S, f.E) * p2));
+}
+
+// The two halves of a row cut at 2^tau, as doubles (exact: v * 2^-tau and back are exact scalings — |tau| is
+// far below the double exponent range — and trunc is exact), zero padded from K to ldx.
+template <typename T>
+inline void f64_split_row(const T* v, int64_t K, int64_t ldx, int tau, double* hi, double* lo) {
+  double down = 1.0, up = 1.0;  // 2^-tau and 2^tau, built by exact doublings / halvings
+  for (int i = 0; i < (tau < 0 ? -tau : tau); ++i) {
+    down = tau > 0 ? down * 0.5 : down * 2.0;
+    up = tau > 0 ? up * 2.0 : up * 0.5;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const double x = (double)to_f32(v[k]);
+    const double t = x * down;
+    const double h = (t < 0 ? -__builtin_floor(-t) : __builtin_floor(t)) * up;  // toward zero
+    hi[k] = h;
+    lo[k] = x - h;
+  }
+  for (int64_t k = K; k < ldx; ++k) hi[k] = lo[k] = 0.0;
+}
+
 
 // The scalar definition: one output from the canonical integers (no digits), for tests and the generic path.
 inline __int128 exact_dot_ref(const int32_t* X, const int32_t* W, int64_t K) {

@@ -37,6 +37,24 @@ struct ExactF64Params {
   int64_t n0, n1;
 };
 
+// The fp64 split route (exact_linear.h, "the fp64 split route"): one x row cut into its two halves (x64: row 0
+// = hi, row 1 = lo, [2, ldx] doubles, zero padded) against the listed output columns cols[j], j < ncols, whose
+// weight rows (K elements in dt) are w_rows[j] (the weight's row, or its canonical rounding for a row whose
+// form rounds); out_row[cols[j]] in dt (the row's [N] outputs). Only for columns whose pair the glue checked
+// (both halves meet (B) with the weight row).
+struct ExactF64SplitParams {
+  DType dt;
+  const double* x64;
+  int64_t ldx;
+  const void* const* w_rows;
+  const int64_t* cols;
+  int64_t ncols;
+  const uint8_t* w_bad;
+  const void* bias;  // [N] in dt, or null
+  void* out_row;     // [N] in dt
+  int64_t K;
+};
+
 struct ExactKernels {
   const char* isa;
   // rows [r0, r1) of x [M, K] (dtype dt): forms + digits into the packed buffers (xd planes hold
@@ -58,6 +76,7 @@ struct ExactKernels {
   void (*f64_convert_rows)(DType dt, const void* x, int64_t K, int64_t ldx, const int64_t* rows, double* x64,
                            int64_t i0, int64_t i1);
   void (*f64_gemm)(const ExactF64Params& p);
+  void (*f64_split_gemm)(const ExactF64SplitParams& p);
 };
 
 // The table for the process's ISA level (same choice as cpu_kernels()).

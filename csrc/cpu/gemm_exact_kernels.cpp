@@ -766,8 +766,11 @@ void f64_gemm(const ExactF64Params& p) {
     for (int64_t nb = p.n0; nb < p.n1; nb += kColBlock) {
       const int64_t ne = std::min(p.n1, nb + kColBlock);
       std::fill(sums.begin(), sums.end(), 0.0);  // +0: no sum is ever -0 (exact_linear.h, (5))
-      for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
-        const int64_t k1 = std::min(p.K, k0 + kChunk);
+      // one or two rows (decode): whole weight rows per tile, so each of the tile's weight streams is one long
+      // sequential read (the rows' doubles stay in L1/L2)
+      const int64_t chunk = p.R <= 2 ? p.K : kChunk;
+      for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
+        const int64_t k1 = std::min(p.K, k0 + chunk);
         int64_t i = 0;
         for (; i + 4 <= p.R; i += 4) f64_rows<T, 4>(p, i, nb, ne, k0, k1, sums.data(), kColBlock);
         for (; i + 2 <= p.R; i += 2) f64_rows<T, 2>(p, i, nb, ne, k0, k1, sums.data(), kColBlock);
@@ -781,6 +784,32 @@ void f64_gemm(const ExactF64Params& p) {
           if (bias) y = y + to_f32(bias[n]);
           out[m * p.N + n] = from_f32<T>(y);
         }
+      }
+    }
+  });
+}
+
+// The split route: H = hi . w_n and L = lo . w_n for the listed columns (both exact: the glue checked (B) for
+// each half), one rounding from the pair (exact_linear.h round_f64_pair_f32), then f64_gemm's epilogue.
+void f64_split_gemm(const ExactF64SplitParams& p) {
+  with_type(p.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    constexpr int CN = f64_cols<2>();
+    const double* xr[2] = {p.x64, p.x64 + p.ldx};
+    const T* bias = (const T*)p.bias;
+    T* out = (T*)p.out_row;
+    for (int64_t j = 0; j < p.ncols; j += CN) {
+      const int cn = (int)std::min<int64_t>(CN, p.ncols - j);
+      const T* wr[CN];
+      for (int c = 0; c < CN; ++c) wr[c] = (const T*)p.w_rows[j + (c < cn ? c : 0)];  // a tail repeats a live row
+      double sums[2 * CN] = {};  // +0 (exact_linear.h, (5))
+      f64_tile<T, 2, CN>(xr, wr, 0, p.K, p.K, sums, CN);
+      for (int c = 0; c < cn; ++c) {
+        const int64_t n = p.cols[j + c];
+        float y = ex::round_f64_pair_f32(sums[c], sums[CN + c]);
+        if (p.w_bad[n]) y = float_of(0x7fc00000u);
+        if (bias) y = y + to_f32(bias[n]);
+        out[n] = from_f32<T>(y);
       }
     }
   });
@@ -805,6 +834,7 @@ const char* unit(bool use_amx) {
 #define ALIGNED_STR2(x) #x
 #define ALIGNED_STR(x) ALIGNED_STR2(x)
 extern const ExactKernels kExact = {ALIGNED_STR(ALIGNED_ISA), &pack_x, &w_forms, &pack_w, &gemm, &unit,
-                                    &row_bounds, &f64_convert_rows, &f64_gemm};
+                                    &row_bounds, &f64_convert_rows, &f64_gemm,
+                                    &f64_split_gemm};
 
 }  // namespace aligned::cpu::ALIGNED_ISA

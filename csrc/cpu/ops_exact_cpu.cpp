@@ -160,6 +160,118 @@ void check_f64_bounds(const at::Tensor& wb, int64_t N, const char* op) {
               wb.scalar_type(), " ", wb.sizes());
 }
 
+// The fp64 routes of one call (linear_exact_packed with the weight and its bounds). A row of x whose
+// canonical form rounds (range > 29 bits: massive activations) is replaced, for the fp64 routes, by the values
+// the definition sums (exact_linear.h canonical_row), and so, per call, is a weight row whose form rounds (the
+// split route's substitutes). Then the fp64 path computes every output of the finite rows; outputs whose pair
+// fails (B) are recomputed by the split route where both halves of the x row meet (B) with the weight row,
+// else on the digit path (their 16-column panels, for the rows concerned); rows with NaN / inf entirely on the
+// digit path. Every route gives the same bits wherever it may run (tests/ops/test_linear_exact_f64.py forces
+// and checks each; _linear_exact_f64_routes reports which one each output takes).
+struct F64Plan {
+  at::Tensor xf;                      // x for the fp64 routes: rounding rows canonicalised
+  std::vector<int64_t> f64_rows;      // rows on the fp64 path
+  std::vector<int64_t> bad_rows;      // rows on the digit path entirely (NaN / inf)
+  std::vector<int64_t> mixed_rows;    // rows with some columns on the digit path
+  std::vector<uint8_t> panel_needed;  // [N/16] panels those columns lie in
+  struct SplitRow {
+    int64_t m;
+    int tau;
+    std::vector<int64_t> cols, slots;  // output columns; substitute slot of the weight row (-1: the row itself)
+  };
+  std::vector<SplitRow> splits;
+  std::vector<char> wsub;  // substitutes of rounding weight rows, K elements each
+};
+
+enum : int8_t { kRouteF64 = 0, kRouteSplit = 1, kRouteDigit = 2 };
+
+F64Plan plan_f64_routes(const at::Tensor& xc, DType dt, const at::Tensor& wc, const int32_t* bw,
+                        int8_t* routes /* [M, N] or null */) {
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  const int64_t es = xc.element_size();
+  F64Plan P;
+  std::vector<int32_t> bx;
+  std::vector<uint8_t> xbad;
+  row_bounds(xc, dt, bx, xbad);
+  P.xf = xc;
+  for (int64_t m = 0; m < M; ++m) {
+    if (xbad[m] || bx[m] != exact::kF64Never) continue;
+    if (P.xf.data_ptr() == xc.data_ptr()) P.xf = xc.clone();
+    with_type(dt, [&](auto* tp) {
+      using T = std::remove_pointer_t<decltype(tp)>;
+      T* row = (T*)P.xf.data_ptr() + m * K;
+      exact::canonical_row(row, K);
+      bool bad = false;
+      bx[m] = exact::f64_row_bound((const T*)row, K, &bad);
+    });
+  }
+  // Weight rows whose form rounds: their canonical rounding and its bound, built on first use in this call.
+  std::vector<int64_t> wsub_slot((size_t)N, -1);
+  std::vector<int32_t> wsub_bound;
+  auto weight_row = [&](int64_t n, int32_t* b) -> int64_t {
+    if (bw[n] != exact::kF64Never) {
+      *b = bw[n];
+      return -1;
+    }
+    if (wsub_slot[n] < 0) {
+      wsub_slot[n] = (int64_t)wsub_bound.size();
+      P.wsub.resize(P.wsub.size() + (size_t)(K * es));
+      char* dst = P.wsub.data() + wsub_slot[n] * K * es;
+      memcpy(dst, (const char*)wc.data_ptr() + n * K * es, (size_t)(K * es));
+      int32_t bn = 0;
+      with_type(dt, [&](auto* tp) {
+        using T = std::remove_pointer_t<decltype(tp)>;
+        exact::canonical_row((T*)dst, K);
+        bool bad = false;
+        bn = exact::f64_row_bound((const T*)dst, K, &bad);
+      });
+      wsub_bound.push_back(bn);
+    }
+    *b = wsub_bound[(size_t)wsub_slot[n]];
+    return wsub_slot[n];
+  };
+  P.panel_needed.assign((size_t)((N + 15) / 16), 0);
+  std::vector<int64_t> failing;
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* route = routes ? routes + m * N : nullptr;
+    if (xbad[m]) {
+      P.bad_rows.push_back(m);
+      if (route) memset(route, kRouteDigit, (size_t)N);
+      continue;
+    }
+    P.f64_rows.push_back(m);
+    if (route) memset(route, kRouteF64, (size_t)N);
+    failing.clear();
+    for (int64_t n = 0; n < N; ++n)
+      if (!exact::f64_sum_exact(bx[m], bw[n])) failing.push_back(n);
+    if (failing.empty()) continue;
+    int nb = 0, lsb = 0;
+    with_type(dt, [&](auto* tp) {
+      using T = std::remove_pointer_t<decltype(tp)>;
+      exact::f64_row_nb_lsb((const T*)P.xf.data_ptr() + m * K, K, &nb, &lsb);
+    });
+    const exact::F64Split sp = exact::f64_split_bounds(nb, lsb, K);
+    F64Plan::SplitRow sr{m, sp.tau, {}, {}};
+    bool mixed = false;
+    for (int64_t n : failing) {
+      int32_t b = 0;
+      const int64_t slot = weight_row(n, &b);
+      if (exact::f64_sum_exact(sp.b_hi, b) && exact::f64_sum_exact(sp.b_lo, b)) {
+        sr.cols.push_back(n);
+        sr.slots.push_back(slot);
+        if (route) route[n] = kRouteSplit;
+      } else {
+        P.panel_needed[(size_t)(n / 16)] = 1;
+        mixed = true;
+        if (route) route[n] = kRouteDigit;
+      }
+    }
+    if (!sr.cols.empty()) P.splits.push_back(std::move(sr));
+    if (mixed) P.mixed_rows.push_back(m);
+  }
+  return P;
+}
+
 at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
                                const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
                                int64_t k_parts, const std::optional<at::Tensor>& weight,
@@ -191,37 +303,20 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     digit_linear(xc, a.dt, wd, w_exp, w_bad, N, a.bias, k_parts, out);
     return out.view(sizes);
   }
-  // Route: the fp64 path computes every output of the finite rows; outputs whose pair fails (B) are then
-  // recomputed on the digit path (their 16-column panels, for the rows concerned), rows with NaN / inf
-  // entirely on the digit path. Either path gives the same bits wherever both may run.
-  std::vector<int32_t> bx;
-  std::vector<uint8_t> xbad;
-  row_bounds(xc, a.dt, bx, xbad);
-  const int32_t* bw = weight_f64_bounds->data_ptr<int32_t>();
+  auto wc = weight->contiguous();
+  const int64_t es = out.element_size();
+  F64Plan plan = plan_f64_routes(xc, a.dt, wc, weight_f64_bounds->data_ptr<int32_t>(), nullptr);
+  const at::Tensor& xf = plan.xf;
+  const auto& f64_rows = plan.f64_rows;
+  const auto& splits = plan.splits;
+  const auto& wsub = plan.wsub;
   const int64_t npanels = (N + 15) / 16;
-  std::vector<int64_t> f64_rows, bad_rows, mixed_rows;
-  std::vector<uint8_t> panel_needed((size_t)npanels, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    if (xbad[m]) {
-      bad_rows.push_back(m);
-      continue;
-    }
-    f64_rows.push_back(m);
-    bool mixed = false;
-    for (int64_t n = 0; n < N; ++n)
-      if (!exact::f64_sum_exact(bx[m], bw[n])) {
-        panel_needed[n / 16] = 1;
-        mixed = true;
-      }
-    if (mixed) mixed_rows.push_back(m);
-  }
   if (!f64_rows.empty()) {
-    auto wc = weight->contiguous();
     const auto& k = exact_kernels();
     const int64_t R = (int64_t)f64_rows.size(), ldx = ceil_to(K, 8);
     auto x64 = at::empty({R, ldx}, x.options().dtype(at::kDouble));
     at::parallel_for(0, R, 4, [&](int64_t b, int64_t e) {
-      k.f64_convert_rows(a.dt, xc.data_ptr(), K, ldx, f64_rows.data(), x64.data_ptr<double>(), b, e);
+      k.f64_convert_rows(a.dt, xf.data_ptr(), K, ldx, f64_rows.data(), x64.data_ptr<double>(), b, e);
     });
     ExactF64Params p{};
     p.dt = a.dt;
@@ -242,6 +337,37 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
       q.n0 = b * 16;
       q.n1 = std::min(N, e * 16);
       k.f64_gemm(q);
+    });
+    // The split route overwrites its columns of the rows above (a task per row; each row's two halves are
+    // its own buffer).
+    at::parallel_for(0, (int64_t)splits.size(), 1, [&](int64_t b, int64_t e) {
+      IeeeFpEnv fenv;
+      std::vector<double> halves((size_t)(2 * ldx));
+      std::vector<const void*> rows;
+      for (int64_t i = b; i < e; ++i) {
+        const F64Plan::SplitRow& sr = splits[(size_t)i];
+        with_type(a.dt, [&](auto* tp) {
+          using T = std::remove_pointer_t<decltype(tp)>;
+          exact::f64_split_row((const T*)xf.data_ptr() + sr.m * K, K, ldx, sr.tau, halves.data(),
+                               halves.data() + ldx);
+        });
+        rows.clear();
+        for (size_t j = 0; j < sr.cols.size(); ++j)
+          rows.push_back(sr.slots[j] < 0 ? (const void*)((const char*)wc.data_ptr() + sr.cols[j] * K * es)
+                                         : (const void*)(wsub.data() + sr.slots[j] * K * es));
+        ExactF64SplitParams q{};
+        q.dt = a.dt;
+        q.x64 = halves.data();
+        q.ldx = ldx;
+        q.w_rows = rows.data();
+        q.cols = sr.cols.data();
+        q.ncols = (int64_t)sr.cols.size();
+        q.w_bad = w_bad.data_ptr<uint8_t>();
+        q.bias = p.bias;
+        q.out_row = (char*)out.data_ptr() + sr.m * N * es;
+        q.K = K;
+        k.f64_split_gemm(q);
+      }
     });
   }
   auto redo = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>* panels) {
@@ -266,9 +392,9 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   };
   std::vector<int64_t> panels;
   for (int64_t pn = 0; pn < npanels; ++pn)
-    if (panel_needed[pn]) panels.push_back(pn);
-  redo(bad_rows, nullptr);
-  redo(mixed_rows, &panels);
+    if (plan.panel_needed[(size_t)pn]) panels.push_back(pn);
+  redo(plan.bad_rows, nullptr);
+  redo(plan.mixed_rows, &panels);
   return out.view(sizes);
 }
 
@@ -364,6 +490,24 @@ std::string exact_unit() { return exact_kernels().unit(use_amx()); }
 
 }  // namespace
 
+// Test hook: which route computes each output of linear_exact_packed(x, ..., weight, weight_f64_bounds) under
+// ALIGNED_EXACT_F64=all (int8 [M, N]: 0 the fp64 path, 1 the split route, 2 the digit path).
+at::Tensor linear_exact_f64_routes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_f64_bounds) {
+  const char* op = "_linear_exact_f64_routes";
+  check_cpu(x, op, "x");
+  check_cpu(weight, op, "weight");
+  const DType dt = dtype_enum(x, op, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 2 && x.dim() >= 1 &&
+                  weight.size(1) == x.size(-1),
+              "aligned::", op, ": weight must be [N, K] in x's dtype with K = x.size(-1), got ", weight.scalar_type(),
+              " ", weight.sizes(), " for x ", x.scalar_type(), " ", x.sizes());
+  check_f64_bounds(weight_f64_bounds, weight.size(0), op);
+  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
+  auto r = at::empty({xc.size(0), weight.size(0)}, x.options().dtype(at::kChar));
+  plan_f64_routes(xc, dt, weight.contiguous(), weight_f64_bounds.data_ptr<int32_t>(), r.data_ptr<int8_t>());
+  return r;
+}
+
 TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)
   m.impl("linear_exact", &linear_exact);
@@ -372,6 +516,7 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   lib.impl("linear_exact_f64_bounds", &linear_exact_f64_bounds);
   lib.impl("_linear_exact_reference", &linear_exact_reference);
   lib.impl("_linear_exact_f64_pairs", &linear_exact_f64_pairs);
+  lib.impl("_linear_exact_f64_routes", &linear_exact_f64_routes);
 }
 
 // No tensor arguments: a catch-all kernel (schema in torch_bindings.cpp).

@@ -200,6 +200,73 @@ def test_negative_control_fp32_accumulation_differs():
     assert not bitwise_equal(seq, ours)
 
 
+F64, SPLIT, DIGIT = 0, 1, 2  # _linear_exact_f64_routes: the route of each output under ALIGNED_EXACT_F64=all
+
+
+def routes(x, w):
+    return ops._linear_exact_f64_routes(x, w, ops.linear_exact_f64_bounds(w))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_split_route_takes_pairs_failing_the_bound(dtype):
+    # Gaussian rows of K = 4864 (a down_proj's K): most pairs fail (B) by a few bits (a row's smallest element
+    # lowers its lsb); the split route computes them in fp64, the same bits as the digit path and the definition
+    g = _g(11)
+    M, K, N = 4, 4864, 40
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * 0.02).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    r = routes(x, w)
+    p = pairs(x, w)
+    assert torch.equal(r == F64, p), "the fp64 path takes exactly the pairs meeting (B)"
+    if dtype != torch.float32:  # fp32 rows (24-bit significands) are too wide for two halves: the digit path
+        assert (r == SPLIT).float().mean() > 0.3, "the split route must be reached"
+    check_three_ways(x, w, b)
+
+
+def test_split_route_rounds_once_from_the_pair():
+    # exact sum 1 + 2^-24 + 2^-58: an fp32 midpoint plus a residue that a double cannot hold next to 1; the pair
+    # (H, L) = (1, 2^-24 + 2^-58) keeps it, and rounding once gives 1 + 2^-23 (the definition's value)
+    K = 16
+    x = torch.zeros(2, K, dtype=torch.float64)
+    w = torch.zeros(3, K, dtype=torch.float64)
+    x[0, :3] = torch.tensor([1.0, 2.0**-24, 2.0**-29], dtype=torch.float64)
+    w[0, :3] = torch.tensor([1.0, 1.0, 2.0**-29], dtype=torch.float64)
+    x[1, :3] = -x[0, :3]  # the mirror: -(1 + 2^-23)
+    w[1, :3] = torch.tensor([1.0, 1.0, -(2.0**-29)], dtype=torch.float64)  # exactly the midpoint minus: 1
+    w[2, :2] = 1.0  # 1 + 2^-24 exactly: a tie, to even (1)
+    x, w = x.float(), w.float()
+    r = routes(x, w)
+    assert r[0, 0] == SPLIT and r[0, 1] == SPLIT and r[1, 0] == SPLIT, r
+    out = run(x, w, None, "all")
+    assert_bitwise_equal(out, run(x, w, None, "off"), "split route vs digit path")
+    assert_bitwise_equal(out, ops._linear_exact_reference(x, w), "split route vs definition")
+    want = torch.tensor([[1 + 2.0**-23, 1.0, 1.0], [-(1 + 2.0**-23), -1.0, -1.0]])
+    assert_bitwise_equal(out, want)
+    # negative control: summing the pair in one double first rounds twice and lands on the even neighbour
+    h, l = 1.0, 2.0**-24 + 2.0**-58
+    assert torch.tensor(h + l, dtype=torch.float64).float().item() == 1.0
+
+
+def test_rounding_rows_take_the_fp64_routes_as_their_canonical_values():
+    # a weight row and an x row whose canonical forms round (range > 29 bits: one tiny element; a massive
+    # activation 2^31 above the rest): the fp64 routes sum the values the definition sums (canonical_row)
+    g = _g(12)
+    M, K, N = 6, 1536, 32
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.02
+    w[3, 10] = 2.0**-40  # weight row 3: its form rounds (its element 2^-40 to the row's 2^-35 grid)
+    w[4, 11] = 2.0**-36
+    x[2, 7] = 2.0**33  # x row 2: massive activation; the row's other elements lose their low bits
+    x[5, 8] = -(2.0**40)
+    x, w = x.bfloat16(), w.bfloat16()
+    assert ops.linear_exact_f64_bounds(w)[3].item() == 1 << 20, "row 3's form rounds (kF64Never)"
+    r = routes(x, w)
+    assert (r[:, 3] != DIGIT).all() and (r[:, 4] != DIGIT).all(), r[:, 3:5]
+    assert (r[2] != DIGIT).float().mean() > 0.9 and (r[5] != DIGIT).float().mean() > 0.9, r[[2, 5]]
+    check_three_ways(x, w)
+
+
 ISA_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch, aligned_ops
@@ -207,7 +274,7 @@ ISA_SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     out = {}
     for dt in (torch.bfloat16, torch.float16):
-        for (M, K, N) in ((1, 1536, 64), (5, 77, 33), (20, 130, 50)):
+        for (M, K, N) in ((1, 1536, 64), (5, 77, 33), (20, 130, 50), (2, 4864, 24)):
             x = torch.randn(M, K, generator=g).to(dt)
             w = (torch.randn(N, K, generator=g) * 0.05).to(dt)
             b = torch.randn(N, generator=g).to(dt)
@@ -218,6 +285,7 @@ ISA_SCRIPT = textwrap.dedent(
                 out[f"{mode}{dt}{M}"] = ops.linear_exact_packed(x, wd, we, wb, N, b, 1, w, bw)
             out[f"ref{dt}{M}"] = ops._linear_exact_reference(x, w, b)
             out[f"pairs{dt}{M}"] = ops._linear_exact_f64_pairs(x, bw)
+            out[f"routes{dt}{M}"] = ops._linear_exact_f64_routes(x, w, bw)
     torch.save(out, sys.argv[1])
     """
 )
@@ -234,6 +302,7 @@ def test_isa_levels_bit_identical(tmp_path):
         results[level] = torch.load(path)
     base = results["generic"]
     assert any(bool(v.any()) for k, v in base.items() if k.startswith("pairs")), "the fp64 path must be reached"
+    assert any(bool((v == SPLIT).any()) for k, v in base.items() if k.startswith("routes")), "and the split route"
     for level, res in results.items():
         for key, val in res.items():
             assert_bitwise_equal(val, base[key], f"{level} {key}")

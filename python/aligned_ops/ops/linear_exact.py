@@ -82,6 +82,11 @@ def _(x, weight_f64_bounds):
     return x.new_empty((x.shape[:-1].numel(), weight_f64_bounds.shape[0]), dtype=torch.bool)
 
 
+@torch.library.register_fake(_lib + "_linear_exact_f64_routes")
+def _(x, weight, weight_f64_bounds):
+    return x.new_empty((x.shape[:-1].numel(), weight.shape[0]), dtype=torch.int8)
+
+
 @torch.library.register_fake(_lib + "_linear_exact_reference")
 def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
