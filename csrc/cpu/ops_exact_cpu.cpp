@@ -239,11 +239,20 @@ F64Plan plan_f64_routes(const at::Tensor& xc, DType dt, const at::Tensor& wc, co
       if (route) memset(route, kRouteDigit, (size_t)N);
       continue;
     }
-    P.f64_rows.push_back(m);
-    if (route) memset(route, kRouteF64, (size_t)N);
     failing.clear();
     for (int64_t n = 0; n < N; ++n)
       if (!exact::f64_sum_exact(bx[m], bw[n])) failing.push_back(n);
+    // A row failing (B) with many columns (long K: b grows with it) takes the split route for every column:
+    // one pass over the weight with two x rows (hi, lo) instead of the fp64 path's pass plus a second one over
+    // the failing columns.
+    const bool whole = (int64_t)failing.size() * 8 > N;
+    if (whole) {
+      failing.resize((size_t)N);
+      for (int64_t n = 0; n < N; ++n) failing[(size_t)n] = n;
+    } else {
+      P.f64_rows.push_back(m);
+    }
+    if (route) memset(route, kRouteF64, (size_t)N);
     if (failing.empty()) continue;
     int nb = 0, lsb = 0;
     with_type(dt, [&](auto* tp) {
@@ -338,32 +347,47 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
       q.n1 = std::min(N, e * 16);
       k.f64_gemm(q);
     });
-    // The split route overwrites its columns of the rows above (a task per row; each row's two halves are
-    // its own buffer).
-    at::parallel_for(0, (int64_t)splits.size(), 1, [&](int64_t b, int64_t e) {
+  }
+  if (!splits.empty()) {
+    // The split route writes its columns of its rows (after the fp64 path: it overwrites the failing ones).
+    // Tasks: chunks of 128 listed columns of one row; each task cuts its row into halves in its own buffer.
+    const auto& k = exact_kernels();
+    const int64_t ldx = ceil_to(K, 8);
+    constexpr int64_t kSplitChunk = 128;
+    std::vector<std::pair<int64_t, int64_t>> tasks;  // (split row, first listed column)
+    for (size_t i = 0; i < splits.size(); ++i)
+      for (int64_t j = 0; j < (int64_t)splits[i].cols.size(); j += kSplitChunk) tasks.emplace_back((int64_t)i, j);
+    at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t b, int64_t e) {
       IeeeFpEnv fenv;
       std::vector<double> halves((size_t)(2 * ldx));
       std::vector<const void*> rows;
-      for (int64_t i = b; i < e; ++i) {
-        const F64Plan::SplitRow& sr = splits[(size_t)i];
-        with_type(a.dt, [&](auto* tp) {
-          using T = std::remove_pointer_t<decltype(tp)>;
-          exact::f64_split_row((const T*)xf.data_ptr() + sr.m * K, K, ldx, sr.tau, halves.data(),
-                               halves.data() + ldx);
-        });
+      int64_t cut = -1;  // the split row whose halves the buffer holds
+      for (int64_t t = b; t < e; ++t) {
+        const F64Plan::SplitRow& sr = splits[(size_t)tasks[(size_t)t].first];
+        const int64_t j0 = tasks[(size_t)t].second;
+        const int64_t nc = std::min<int64_t>(kSplitChunk, (int64_t)sr.cols.size() - j0);
+        if (cut != tasks[(size_t)t].first) {
+          with_type(a.dt, [&](auto* tp) {
+            using T = std::remove_pointer_t<decltype(tp)>;
+            exact::f64_split_row((const T*)xf.data_ptr() + sr.m * K, K, ldx, sr.tau, halves.data(),
+                                 halves.data() + ldx);
+          });
+          cut = tasks[(size_t)t].first;
+        }
         rows.clear();
-        for (size_t j = 0; j < sr.cols.size(); ++j)
-          rows.push_back(sr.slots[j] < 0 ? (const void*)((const char*)wc.data_ptr() + sr.cols[j] * K * es)
-                                         : (const void*)(wsub.data() + sr.slots[j] * K * es));
+        for (int64_t j = j0; j < j0 + nc; ++j)
+          rows.push_back(sr.slots[(size_t)j] < 0
+                             ? (const void*)((const char*)wc.data_ptr() + sr.cols[(size_t)j] * K * es)
+                             : (const void*)(wsub.data() + sr.slots[(size_t)j] * K * es));
         ExactF64SplitParams q{};
         q.dt = a.dt;
         q.x64 = halves.data();
         q.ldx = ldx;
         q.w_rows = rows.data();
-        q.cols = sr.cols.data();
-        q.ncols = (int64_t)sr.cols.size();
+        q.cols = sr.cols.data() + j0;
+        q.ncols = nc;
         q.w_bad = w_bad.data_ptr<uint8_t>();
-        q.bias = p.bias;
+        q.bias = a.bias.defined() ? a.bias.data_ptr() : nullptr;
         q.out_row = (char*)out.data_ptr() + sr.m * N * es;
         q.K = K;
         k.f64_split_gemm(q);
