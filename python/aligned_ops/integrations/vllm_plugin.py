@@ -285,9 +285,26 @@ def _sequential_lane_combine(x, weight, group_coordinator):
     return acc
 
 
+def check_row_parallel_profile(layer, tp_size: int) -> str:
+    """The linear profile a row-parallel layer runs at ``tp_size``; refuses a combination without an exact
+    cross-rank route (so no layer can silently run a different profile than the trainer)."""
+    profile = rules_of(layer).profile()
+    if tp_size > 1 and profile == "exact" and not EXACT_TP_SUPPORTED:
+        raise NotImplementedError(
+            f"aligned_ops vLLM plugin: the 'exact' linear profile (ALIGNED_OPS_LINEAR=exact) is not supported at "
+            f"tensor parallelism {tp_size} for row-parallel layers ({type(layer).__name__}): its cross-rank "
+            f"combine would run the 'fma' profile and the log-probs would differ from the exact trainer. Run the "
+            f"engine with tensor_parallel_size=1, or use ALIGNED_OPS_LINEAR=fma on both sides.")
+    return profile
+
+
+EXACT_TP_SUPPORTED = False  # the exact profile's row-parallel route (integer partials) is not built yet
+
+
 def _row_parallel_forward(self, input_):
     if self.tp_size == 1:
         return self._aligned_base.forward(self, input_)
+    check_row_parallel_profile(self, self.tp_size)
     if not self.reduce_results:
         raise NotImplementedError("aligned_ops: a row-parallel layer without reduce_results is not supported")
     if not self.input_is_parallel:
