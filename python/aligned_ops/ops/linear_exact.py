@@ -233,5 +233,5 @@ from ._registry import register_no_backward  # noqa: E402
 
 register_no_backward("linear_exact_packed", "call aligned_ops.linear_exact, whose autograd wraps it")
 register_no_backward("_linear_exact_reference", "a test hook: the scalar int128 model of the exact profile")
-for _name in ("linear_exact_partial", "linear_exact_finish"):
-    register_no_backward(_name, "the exact profile's TP forward (rollouts); training runs at TP = 1 / FSDP")
+# (linear_exact_partial's output is integer: nothing flows through it.)
+register_no_backward("linear_exact_finish", "the exact profile's TP forward (rollouts); training runs at TP = 1 / FSDP")
