@@ -71,6 +71,11 @@ def main():
     W3 = torch.cat([W[:, :64] * 3.0, W[:, 64:] * 3.0], dim=1).to(torch.bfloat16)
     after = collective.row_parallel_linear(xr, Wr, b, None)
     add("repacked_after_update", bool(torch.equal(bits(after), bits(aligned_ops.linear_exact(x, W3, b)))))
+    # ranks whose caches disagree (only rank 0 cleared its own) still run the same collectives: no hang, same bits
+    if rank == 0:
+        aligned_ops.clear_exact_weight_cache()
+    one_cleared = collective.row_parallel_linear(xr, Wr, b, None)
+    add("one_rank_cleared_same_bits", bool(torch.equal(bits(one_cleared), bits(after))))
     dist.barrier()
     print(json.dumps(rec))
     dist.destroy_process_group()

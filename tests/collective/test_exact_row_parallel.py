@@ -46,6 +46,7 @@ def test_exact_row_parallel_equals_linear_exact(records):
 def test_weight_packing_cached_and_redone_after_update(records):
     assert all(r["value"] is True for r in _select(records, "cached_same_bits"))
     assert all(r["value"] is True for r in _select(records, "repacked_after_update"))
+    assert all(r["value"] is True for r in _select(records, "one_rank_cleared_same_bits"))
 
 
 @pytest.mark.parametrize("check", ["fma_route_differs", "per_rank_exact_summed_differs"])

@@ -43,7 +43,7 @@ import torch.distributed as dist
 ops = torch.ops.aligned
 
 from .linear import finish_linear, linear_partial, linear_tp_slices, tree_combine
-from .linear_exact import linear_profile, packed_weight_slice
+from .linear_exact import cached_weight_slice, linear_profile, pack_weight_slice
 
 EXACT_MAX_K = 131072  # exact_linear.h kMaxK: the full K of a row-parallel layer (the int64 partial bound)
 
@@ -185,9 +185,10 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
     """A row-parallel ``aligned_ops.linear_exact``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (any
     split of K, uneven included); every rank returns the full ``linear_exact(x, weight, bias)``, bit for bit.
 
-    Exchanged: the x rows' scans (int32 [M, 3], all-reduce MAX) per call, the weight rows' scans (int32 [N, 3])
-    once per weight version, and the partials (int64 [M, N, 2], all-reduce SUM): 16 bytes per output element
-    (the ``fma`` tree: 4). CPU only (the digit path; the fp64 fast path does not take part).
+    Exchanged: the x rows' scans plus a "weight packing needed" row (int32 [M + 1, 3], all-reduce MAX) per
+    call, the weight rows' scans (int32 [N, 3]) once per weight version, and the partials (int64 [M, N, 2],
+    all-reduce SUM): 16 bytes per output element (the ``fma`` tree: 4). Every rank of ``group`` must call it
+    together (as any row-parallel layer). CPU only (the digit path; the fp64 fast path does not take part).
     """
     what = "exact_row_parallel_linear"
     t, r = _group_info(group, what)
@@ -206,8 +207,17 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
         raise ValueError(f"aligned_ops.{what}: K = {k_full} exceeds the exact profile's {EXACT_MAX_K} input features "
                          f"(the int64 partials' bound)")
     merge = _all_reduce_max(group)
-    w_scan, (wd, we, wb) = packed_weight_slice(weight, merge, tag=(group, t))
-    x_scan = merge(ops.linear_exact_row_scan(x))
+    tag = (group, t)
+    cached = cached_weight_slice(weight, tag)
+    # One all-reduce MAX per call carries the x rows' scans and one more row: whether any rank lacks the
+    # weight's packing for this version (then every rank packs it, together: no rank can skip a collective
+    # the others run, whatever its cache holds).
+    need = torch.tensor([[1 if cached is None else 0, 0, 0]], dtype=torch.int32)
+    merged = merge(torch.cat([ops.linear_exact_row_scan(x), need]))
+    x_scan = merged[:-1].contiguous()
+    if int(merged[-1, 0]) > 0:
+        cached = pack_weight_slice(weight, merge, tag)
+    _, (wd, we, wb) = cached
     partial = ops.linear_exact_partial(x, wd, we, wb, weight.shape[0], x_scan)
     if t > 1:
         dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)  # int64: exact in any order

@@ -165,20 +165,27 @@ def _packed(weight: torch.Tensor):
 _tp_cache = WeakIdKeyDictionary()
 
 
-def packed_weight_slice(weight: torch.Tensor, merge, tag=None):
-    """``(row_scan, (digits, exponents, nonfinite))`` of a row-parallel weight slice ``weight [N, K_r]``:
-    ``merge(local_scan)`` must return the elementwise MAX of every rank's scan (an all-reduce MAX); every rank
-    must call this together (the first call per weight version runs ``merge``). ``tag`` (e.g. the process
-    group) is part of the key."""
-    key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype, tag)
+def _slice_key(weight, tag):
+    return (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype, tag)
+
+
+def cached_weight_slice(weight: torch.Tensor, tag=None):
+    """The cached ``(row_scan, (digits, exponents, nonfinite))`` of a row-parallel weight slice for this weight
+    version, or None (then every rank must call :func:`pack_weight_slice` together)."""
     hit = _tp_cache.get(weight)
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == _slice_key(weight, tag):
         return hit[1], hit[2]
+    return None
+
+
+def pack_weight_slice(weight: torch.Tensor, merge, tag=None):
+    """Pack the slice ``weight [N, K_r]`` against its full rows' forms: ``merge(local_scan)`` must return the
+    elementwise MAX of every rank's scan (an all-reduce MAX; every rank calls this together). Cached."""
     with torch.no_grad():
         w = weight.detach()
         scan = merge(ops.linear_exact_row_scan(w))
         packed = ops.linear_exact_pack_weight_scanned(w, scan)
-    _tp_cache[weight] = (key, scan, packed)
+    _tp_cache[weight] = (_slice_key(weight, tag), scan, packed)
     return scan, packed
 
 
