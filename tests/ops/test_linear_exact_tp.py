@@ -180,3 +180,39 @@ def test_bad_inputs_name_the_op_and_argument():
         ops.linear_exact_finish(p, xs, we, wb, b.float(), torch.bfloat16)
     with pytest.raises(RuntimeError, match="linear_exact_finish: dtype must be float32, bfloat16 or float16"):
         ops.linear_exact_finish(p, xs, we, wb, None, torch.float64)
+
+
+_ISA_SCRIPT = """
+import sys, torch, aligned_ops
+ops = torch.ops.aligned
+g = torch.Generator().manual_seed(3)
+out = {"unit": ops._exact_unit()}
+for dt in (torch.bfloat16, torch.float32):
+    x = torch.randn(37, 300, generator=g).to(dt)
+    w = (torch.randn(40, 300, generator=g) * 0.05).to(dt)
+    x[5, 250] = 2e4
+    xs, ws = x[:, :130].contiguous(), w[:, :130].contiguous()  # one rank's slice, against the full rows' scans
+    wd, we, wb = ops.linear_exact_pack_weight_scanned(ws, ops.linear_exact_row_scan(w))
+    out[str(dt)] = ops.linear_exact_partial(xs, wd, we, wb, 40, ops.linear_exact_row_scan(x))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_partials_identical_on_every_isa_level(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    levels = ["generic"] + [lvl for lvl, f in (("avx2", " avx2 "), ("avx512", " avx512f "), ("amx", " amx_int8 "))
+                            if f in flags]
+    res = {}
+    for lvl in levels:
+        path = tmp_path / f"{lvl}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], check=True,
+                       env=dict(os.environ, ALIGNED_CPU_ISA=lvl), timeout=600)
+        res[lvl] = torch.load(path)
+    assert res["generic"]["unit"] == "generic"
+    for lvl, r in res.items():
+        for k in ("torch.bfloat16", "torch.float32"):
+            assert torch.equal(r[k], res["generic"][k]), (lvl, r["unit"], k)  # int64 partials: exact equality
