@@ -334,8 +334,8 @@ DTypeEnum check_linear_exact_weight(const at::Tensor& weight, const char* op) {
 template <class DTypeEnum>
 LinearArgs<DTypeEnum> check_linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
                                                 const at::Tensor& w_bad, int64_t N,
-                                                const std::optional<at::Tensor>& bias, int64_t k_parts) {
-  const char* op = "linear_exact_packed";
+                                                const std::optional<at::Tensor>& bias, int64_t k_parts,
+                                                const char* op = "linear_exact_packed") {
   LinearArgs<DTypeEnum> a;
   a.dt = dtype_of<DTypeEnum>(x, op, "x");
   TORCH_CHECK(x.dim() >= 1, "aligned::", op, ": x must have at least one dimension");

@@ -136,6 +136,17 @@ TORCH_LIBRARY(aligned, m) {
   m.def("_linear_exact_f64_pairs(Tensor x, Tensor weight_f64_bounds) -> Tensor");
   // test hook: the route of each output under ALIGNED_EXACT_F64=all (0 fp64 path, 1 split route, 2 digit path)
   m.def("_linear_exact_f64_routes(Tensor x, Tensor weight, Tensor weight_f64_bounds) -> Tensor");
+  // tensor parallelism (exact_linear.h, "tensor parallelism"): per-row scans of a K slice (int32 [R, 3], merged over
+  // ranks by an elementwise MAX), the weight slice packed against the merged scans, a rank's exact integer
+  // partials (int64 [.., N, 2]: summed over ranks by an integer SUM), and the one rounding + epilogue.
+  m.def("linear_exact_row_scan(Tensor v) -> Tensor");
+  m.def("linear_exact_pack_weight_scanned(Tensor weight, Tensor row_scan) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_exact_partial(Tensor x, Tensor weight_digits, Tensor weight_exponents, Tensor weight_nonfinite, "
+      "int out_features, Tensor x_scan) -> Tensor");
+  m.def(
+      "linear_exact_finish(Tensor partial, Tensor x_scan, Tensor weight_exponents, Tensor weight_nonfinite, "
+      "Tensor? bias, ScalarType dtype) -> Tensor");
 
   // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
   m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");

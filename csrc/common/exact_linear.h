@@ -260,6 +260,38 @@ ALIGNED_HD float exact_output_f32(int64_t hi, int64_t lo, int Ex, int Ew, bool b
   return bad ? float_of(0x7fc00000u) : round_split_f32(hi, lo, combine_q(Ex, Ew));
 }
 
+// One output's epilogue from its split accumulator: the single rounding (or NaN), then the bias as one fp32
+// add (bias == nullptr: none); the caller rounds the result once to T. The single-device kernels' scalar
+// epilogue and the TP finish (linear_exact_finish) both call this.
+ALIGNED_HD float exact_epilogue_f32(int64_t hi, int64_t lo, int Ex, int Ew, bool bad, const float* bias) {
+  float y = exact_output_f32(hi, lo, Ex, Ew, bad);
+  if (bias != nullptr) y = y + *bias;
+  return y;
+}
+
+// ---- tensor parallelism: K split over ranks (docs/exact_linear.md, "TP") ----------------------------------
+//
+// A row-parallel layer gives rank r the slice K_r of every x row and every weight row. The definition above
+// needs the canonical forms of the FULL rows: a form computed from a slice has another E (another unit of
+// the integers) and, where the full row spans more than kMaxExactRange bits, another rounding of V. The scan
+// of a row is an order-free merge (row_scan_merge: max, min, or), so the full row's scan is the merge of its
+// slices' scans. Stored as three int32 (emax, -lmin, bad) so ONE elementwise integer MAX (an all-reduce MAX)
+// merges them: scans of x rows per call, of weight rows once per weight version (Sw, the max of the merged
+// rows' S, is then the same on every rank).
+// With the merged forms every rank packs the same digits for its slice, and its split accumulator (hi, lo)
+// over K_r (the kernels' `combine`) is an exact integer partial: the unsplit op's (hi, lo) is the
+// elementwise integer sum of the parts' (hi, lo), whatever the order. Bounds: a part over K_r elements has
+// |hi| < 3 * 2^30 K_r and |lo| < 4 * 2^38 K_r, so the sum over any number of parts with sum K_r <= kMaxK is
+// bounded as one part over K: it fits int64 (an int64 SUM all-reduce is exact and cannot overflow), and
+// exact_epilogue_f32 on the sum gives the unsplit op's bits.
+constexpr int kScanInts = 3;
+ALIGNED_HD void row_scan_store(const RowScan& s, int32_t* out) {
+  out[0] = s.emax;
+  out[1] = -s.lmin;
+  out[2] = s.bad ? 1 : 0;
+}
+ALIGNED_HD RowScan row_scan_load(const int32_t* in) { return RowScan{in[0], -in[1], in[2] != 0}; }
+
 // ---- the fp64 path: the same exact sum in double arithmetic (CPU kernels: gemm_exact_kernels.cpp) -------
 //
 // The digit path above is one way to compute the exact sum P = sum_k x_k w_k of a row pair; where the sum

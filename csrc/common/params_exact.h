@@ -35,6 +35,9 @@ struct ExactGemmParams {
                          // and combined exactly (tests use it to show split-K invariance)
   bool use_amx;          // CPU, avx512 level only: AMX-INT8 tiles instead of VNNI (same integers)
   int64_t chunk_k;       // GPU: k per int32 level sum, a multiple of 32, <= 8192 (set from k_parts)
+  int64_t* partial;      // CPU: when set, each output's split accumulator (hi, lo) goes to partial[(m N + n) 2 +
+                         // {0, 1}] unrounded (linear_exact_partial: exact_linear.h, "tensor parallelism"),
+                         // nothing to out
 };
 
 }  // namespace aligned

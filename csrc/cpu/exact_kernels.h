@@ -77,6 +77,12 @@ struct ExactKernels {
                            int64_t i0, int64_t i1);
   void (*f64_gemm)(const ExactF64Params& p);
   void (*f64_split_gemm)(const ExactF64SplitParams& p);
+  // TP (exact_linear.h, "tensor parallelism"): rows [r0, r1) of v [., K]: their scans, int32 (emax, -lmin, bad)
+  void (*row_scans)(DType dt, const void* v, int64_t K, int32_t* scans, int64_t r0, int64_t r1);
+  // rows [r0, r1) of x packed as pack_x does, but against the given scans of the full rows
+  void (*pack_x_scanned)(DType dt, const void* x, int64_t K, int64_t Kp, int64_t x_plane, int max_digits,
+                         const int32_t* scans, int8_t* xd, int32_t* x_exp, int8_t* x_digits, uint8_t* x_bad,
+                         int64_t r0, int64_t r1);
 };
 
 // The table for the process's ISA level (same choice as cpu_kernels()).

@@ -44,10 +44,11 @@ constexpr int kTileC = 16 * 16;
 
 template <typename T>
 void pack_x_typed(const T* x, int64_t K, int64_t Kp, int64_t plane, int maxd, int8_t* xd, int32_t* xe, int8_t* xs,
-                  uint8_t* xbad, int64_t r0, int64_t r1) {
+                  uint8_t* xbad, int64_t r0, int64_t r1, const int32_t* scans = nullptr) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* row = x + r * K;
-    const ex::RowForm f = ex::row_form(row, K);
+    // scans given (TP): the forms of the full rows this slice belongs to (exact_linear.h, "tensor parallelism")
+    const ex::RowForm f = scans ? ex::row_scan_form(ex::row_scan_load(scans + r * ex::kScanInts)) : ex::row_form(row, K);
     xe[r] = f.E;
     xs[r] = (int8_t)f.S;
     xbad[r] = f.bad;
@@ -143,6 +144,29 @@ void pack_x(DType dt, const void* x, int64_t K, int64_t Kp, int64_t plane, int m
   });
 }
 
+// TP: rows [r0, r1) of x packed against the given scans of their full rows (generic decomposition; the same
+// numbers as pack_x for the same forms).
+void pack_x_scanned(DType dt, const void* x, int64_t K, int64_t Kp, int64_t plane, int maxd, const int32_t* scans,
+                    int8_t* xd, int32_t* xe, int8_t* xs, uint8_t* xbad, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    pack_x_typed((const T*)x, K, Kp, plane, maxd, xd, xe, xs, xbad, r0, r1, scans);
+  });
+}
+
+// The scan (emax, -lmin, bad) of rows [r0, r1) of v [., K] (exact_linear.h, row_scan_store).
+void row_scans(DType dt, const void* v, int64_t K, int32_t* scans, int64_t r0, int64_t r1) {
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = (const T*)v + r * K;
+      ex::RowScan sc = ex::row_scan_init();
+      for (int64_t k = 0; k < K; ++k) ex::row_scan_add(sc, to_f32(row[k]));
+      ex::row_scan_store(sc, scans + r * ex::kScanInts);
+    }
+  });
+}
+
 void w_forms(DType dt, const void* w, int64_t K, ex::RowForm* forms, int64_t r0, int64_t r1) {
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
@@ -232,6 +256,18 @@ void pairs_avx2(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, in
     }
 }
 #endif
+
+// TP (params.partial set): the tile's split accumulators, unrounded, instead of the epilogue.
+void store_partial(const ExactGemmParams& p, int64_t m0, int64_t panel, const int64_t* hi, const int64_t* lo) {
+  const int64_t nb = panel * 16;
+  const int64_t rows = std::min<int64_t>(16, p.M - m0), cols = std::min<int64_t>(16, p.N - nb);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      int64_t* o = p.partial + ((m0 + r) * p.N + nb + j) * 2;
+      o[0] = hi[r * 16 + j];
+      o[1] = lo[r * 16 + j];
+    }
+}
 
 #if defined(__AVX512F__)
 __attribute__((target("avx512vnni"))) void pairs_vnni(const ExactGemmParams& p, int64_t m0, int64_t panel,
@@ -456,6 +492,10 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_amx(const ExactGemmParams
           }
         }
       }
+      if (p.partial) {
+        store_partial(p, m0, panel, hi, lo);
+        continue;
+      }
       with_type(p.dt, [&](auto* tp) {
         using T = std::remove_pointer_t<decltype(tp)>;
         epilogue_avx512<T>(p, m0, panel, hi, lo);
@@ -490,13 +530,9 @@ void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, cons
     const int64_t m = m0 + r;
     for (int64_t j = 0; j < cols; ++j) {
       const int64_t n = nb + j;
-      float y;
-      if (p.x_bad[m] || p.w_bad[n]) {
-        y = float_of(0x7fc00000u);
-      } else {
-        y = ex::round_split_f32(hi[r * 16 + j], lo[r * 16 + j], ex::combine_q(p.x_exp[m], p.w_exp[n]));
-      }
-      if (bias) y = y + to_f32(bias[n]);
+      const float b = bias ? to_f32(bias[n]) : 0.0f;
+      const float y = ex::exact_epilogue_f32(hi[r * 16 + j], lo[r * 16 + j], p.x_exp[m], p.w_exp[n],
+                                             p.x_bad[m] || p.w_bad[n], bias ? &b : nullptr);
       out[m * p.N + n] = from_f32<T>(y);
     }
   }
@@ -539,6 +575,10 @@ void gemm(const ExactGemmParams& p) {
         const int64_t kb0 = nkb * part / parts, kb1 = nkb * (part + 1) / parts;
         pairs_best(p, m0, panel, sxt, kb0, kb1, C);
         combine(p, sxt, C, hi, lo);
+      }
+      if (p.partial) {
+        store_partial(p, m0, panel, hi, lo);
+        continue;
       }
       with_type(p.dt, [&](auto* tp) {
         using T = std::remove_pointer_t<decltype(tp)>;
@@ -834,7 +874,7 @@ const char* unit(bool use_amx) {
 #define ALIGNED_STR2(x) #x
 #define ALIGNED_STR(x) ALIGNED_STR2(x)
 extern const ExactKernels kExact = {ALIGNED_STR(ALIGNED_ISA), &pack_x, &w_forms, &pack_w, &gemm, &unit,
-                                    &row_bounds, &f64_convert_rows, &f64_gemm,
-                                    &f64_split_gemm};
+                                    &row_bounds, &f64_convert_rows, &f64_gemm, &f64_split_gemm, &row_scans,
+                                    &pack_x_scanned};
 
 }  // namespace aligned::cpu::ALIGNED_ISA

@@ -32,15 +32,13 @@ bool use_amx() { return cpu_backend().amx_int8; }
 
 constexpr int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at::Tensor& weight) {
-  const char* op = "linear_exact_pack_weight";
-  check_cpu(weight, op, "weight");
-  const DType dt = check_linear_exact_weight<DType>(weight, op);
-  auto wc = weight.contiguous();
+// The weight's digits against the canonical forms `forms` (its rows', or, TP, the full rows' its slices
+// belong to).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight_with_forms(const at::Tensor& weight, const at::Tensor& wc,
+                                                                      DType dt,
+                                                                      const std::vector<exact::RowForm>& forms) {
   const int64_t N = wc.size(0), K = wc.size(1), Np = ceil_to(N, 16), Kp = ceil_to(K, 64);
   const auto& k = exact_kernels();
-  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
   int sw = 1;
   for (int64_t n = 0; n < N; ++n) sw = std::max(sw, forms[n].S);
   auto opts = weight.options();
@@ -53,6 +51,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
              wb.data_ptr<uint8_t>(), b, e);
   });
   return {wd, we, wb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at::Tensor& weight) {
+  const char* op = "linear_exact_pack_weight";
+  check_cpu(weight, op, "weight");
+  const DType dt = check_linear_exact_weight<DType>(weight, op);
+  auto wc = weight.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  const auto& k = exact_kernels();
+  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
+  return pack_weight_with_forms(weight, wc, dt, forms);
+}
+
+// ---- tensor parallelism (exact_linear.h, "tensor parallelism"; docs/exact_linear.md, "TP") ----------------
+// A rank holds a K slice of every row. linear_exact_row_scan gives its slice's scans; an elementwise integer
+// MAX over the ranks (all-reduce MAX) gives the full rows' scans; the weight is packed against them once per
+// weight version (linear_exact_pack_weight_scanned), x per call inside linear_exact_partial, which returns
+// the exact integer partials (hi, lo). An int64 SUM over the ranks, then linear_exact_finish: the one rounding
+// and the epilogue. The digit path only (the fp64 path does not take part: same bits, it would only be a
+// speed-up at M = 1).
+
+// The scans (emax, -lmin, bad) of every row of v [R, K] (contiguous).
+std::vector<int32_t> scans_of(const at::Tensor& vc, DType dt) {
+  const int64_t R = vc.size(0), K = vc.size(1);
+  std::vector<int32_t> s((size_t)std::max<int64_t>(R, 1) * exact::kScanInts);
+  const auto& k = exact_kernels();
+  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) { k.row_scans(dt, vc.data_ptr(), K, s.data(), b, e); });
+  return s;
+}
+
+void check_scan(const at::Tensor& s, int64_t R, const char* op, const char* name) {
+  check_cpu(s, op, name);
+  TORCH_CHECK(s.scalar_type() == at::kInt && s.dim() == 2 && s.size(0) == R && s.size(1) == exact::kScanInts &&
+                  s.is_contiguous(),
+              "aligned::", op, ": ", name, " must be contiguous int32 [", R, ", ", exact::kScanInts,
+              "] (linear_exact_row_scan of the rows' slices, merged over the ranks by an elementwise MAX), got ",
+              s.scalar_type(), " ", s.sizes());
+}
+
+// The given scans must cover this rank's slices (merging a slice's own scan into them changes nothing): a
+// scan of another tensor, or not merged over every rank, is refused rather than packed against.
+void check_scan_covers(const at::Tensor& given, const std::vector<int32_t>& local, int64_t R, const char* op,
+                       const char* name) {
+  const int32_t* g = given.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R * exact::kScanInts; ++r)
+    TORCH_CHECK(local[r] <= g[r], "aligned::", op, ": ", name, " row ", r / exact::kScanInts,
+                " does not cover this rank's slice of that row (", name,
+                " must be the MAX-merge of every rank's linear_exact_row_scan of the same rows)");
+}
+
+at::Tensor linear_exact_row_scan(const at::Tensor& v) {
+  const char* op = "linear_exact_row_scan";
+  check_cpu(v, op, "v");
+  const DType dt = dtype_enum(v, op, "v");
+  TORCH_CHECK(v.dim() >= 1, "aligned::", op, ": v must have at least one dimension");
+  const int64_t K = v.size(-1);
+  auto vc = v.reshape({-1, K}).contiguous();
+  auto s = scans_of(vc, dt);
+  auto out = at::empty({vc.size(0), exact::kScanInts}, v.options().dtype(at::kInt));
+  if (vc.size(0) > 0) memcpy(out.data_ptr<int32_t>(), s.data(), (size_t)out.numel() * 4);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight_scanned(const at::Tensor& weight,
+                                                                                const at::Tensor& row_scan) {
+  const char* op = "linear_exact_pack_weight_scanned";
+  check_cpu(weight, op, "weight");
+  const DType dt = check_linear_exact_weight<DType>(weight, op);
+  auto wc = weight.contiguous();
+  const int64_t N = wc.size(0);
+  check_scan(row_scan, N, op, "row_scan");
+  check_scan_covers(row_scan, scans_of(wc, dt), N, op, "row_scan");
+  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
+  const int32_t* g = row_scan.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) forms[n] = exact::row_scan_form(exact::row_scan_load(g + n * exact::kScanInts));
+  return pack_weight_with_forms(weight, wc, dt, forms);
 }
 
 // The IEEE floating-point environment for one task of the exact linear: no flush-to-zero, no
@@ -71,7 +146,8 @@ struct IeeeFpEnv {
 // panels listed (the fp64 path's leftovers).
 void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at::Tensor& w_exp,
                   const at::Tensor& w_bad, int64_t N, const at::Tensor& bias, int64_t k_parts, at::Tensor& out,
-                  const std::vector<int64_t>* panels = nullptr) {
+                  const std::vector<int64_t>* panels = nullptr, const int32_t* scans = nullptr,
+                  int64_t* partial = nullptr) {
   const int64_t M = xc.size(0), K = xc.size(1), Mp = ceil_to(M, 16), Kp = ceil_to(K, 64);
   const auto& k = exact_kernels();
   const int maxd = exact::kMaxDigits;
@@ -84,10 +160,15 @@ void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at
     for (int t = 0; t < maxd; ++t) memset(xd.data_ptr<int8_t>() + (t * Mp + M) * Kp, 0, (size_t)((Mp - M) * Kp));
   }
   at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
-    k.pack_x(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
-             xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
+    if (scans)
+      k.pack_x_scanned(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, scans, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
+                       xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
+    else
+      k.pack_x(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
+               xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
   });
   ExactGemmParams p = make_exact_gemm_params(dt, xd, Mp, xe, xs, xb, wd, w_exp, w_bad, bias, out, M, N, K, Kp);
+  p.partial = partial;
   p.k_parts = (int)std::min<int64_t>(k_parts, 1 << 20);
   p.use_amx = use_amx();
   // Tasks: blocks of rows x groups of 64 columns, column group outermost, so a thread's consecutive tasks
@@ -422,6 +503,85 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   return out.view(sizes);
 }
 
+// TP: this rank's exact integer partials (hi, lo) of x [.., K_r] against the weight slice packed by
+// linear_exact_pack_weight_scanned; x_scan: the full rows' scans (MAX-merged over the ranks). int64 [.., N, 2].
+at::Tensor linear_exact_partial(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                                const at::Tensor& w_bad, int64_t N, const at::Tensor& x_scan) {
+  const char* op = "linear_exact_partial";
+  check_cpu(x, op, "x");
+  check_cpu(wd, op, "weight_digits");
+  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, std::nullopt, 1, op);
+  const int64_t M = a.M, K = a.K;
+  check_scan(x_scan, M, op, "x_scan");
+  auto xc = x.reshape({M, K}).contiguous();
+  check_scan_covers(x_scan, scans_of(xc, a.dt), M, op, "x_scan");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  sizes.push_back(2);
+  auto out = at::zeros({M, N, 2}, x.options().dtype(at::kLong));
+  if (M == 0 || N == 0) return out.view(sizes);
+  at::Tensor none;
+  digit_linear(xc, a.dt, wd, w_exp, w_bad, N, none, 1, out, nullptr, x_scan.data_ptr<int32_t>(),
+               out.data_ptr<int64_t>());
+  return out.view(sizes);
+}
+
+// TP: the integer sum of every rank's partials [.., N, 2] -> the exact profile's output in `dtype`: the one
+// rounding and the epilogue (exact_linear.h exact_epilogue_f32, as the single-device kernels).
+at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_scan, const at::Tensor& w_exp,
+                               const at::Tensor& w_bad, const std::optional<at::Tensor>& bias,
+                               at::ScalarType dtype) {
+  const char* op = "linear_exact_finish";
+  check_cpu(partial, op, "partial");
+  TORCH_CHECK(partial.scalar_type() == at::kLong && partial.dim() >= 2 && partial.size(-1) == 2, "aligned::", op,
+              ": partial must be int64 [..., out_features, 2] (the sum of the ranks' linear_exact_partial), got ",
+              partial.scalar_type(), " ", partial.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "aligned::", op,
+              ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t N = partial.size(-2);
+  const int64_t M = c10::multiply_integers(partial.sizes().begin(), partial.sizes().end() - 2);
+  check_scan(x_scan, M, op, "x_scan");
+  check_cpu(w_exp, op, "weight_exponents");
+  check_cpu(w_bad, op, "weight_nonfinite");
+  TORCH_CHECK(w_exp.scalar_type() == at::kInt && w_exp.dim() == 1 && w_exp.size(0) == N + 1 && w_exp.is_contiguous(),
+              "aligned::", op, ": weight_exponents must be contiguous int32 [", N + 1,
+              "] (from linear_exact_pack_weight_scanned), got ", w_exp.scalar_type(), " ", w_exp.sizes());
+  TORCH_CHECK(w_bad.scalar_type() == at::kByte && w_bad.dim() == 1 && w_bad.size(0) == N && w_bad.is_contiguous(),
+              "aligned::", op, ": weight_nonfinite must be contiguous uint8 [", N, "], got ", w_bad.scalar_type(), " ",
+              w_bad.sizes());
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "aligned::", op,
+                ": bias must be [", N, "] in dtype ", dtype, ", got ", bias->scalar_type(), " ", bias->sizes());
+    b32 = bias->to(at::kFloat).contiguous();  // exact widening
+  }
+  auto sizes = partial.sizes().vec();
+  sizes.pop_back();
+  auto out = at::empty({M, N}, partial.options().dtype(dtype));
+  const DType dt = dtype_enum(out, op, "dtype");
+  auto pc = partial.reshape({M, N, 2}).contiguous();
+  const int64_t* P = pc.data_ptr<int64_t>();
+  const int32_t* sc = x_scan.data_ptr<int32_t>();
+  const int32_t* we = w_exp.data_ptr<int32_t>();
+  const uint8_t* wb = w_bad.data_ptr<uint8_t>();
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  with_type(dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    T* o = (T*)out.data_ptr();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      IeeeFpEnv fenv;
+      for (int64_t m = b; m < e; ++m) {
+        const exact::RowForm f = exact::row_scan_form(exact::row_scan_load(sc + m * exact::kScanInts));
+        for (int64_t n = 0; n < N; ++n)
+          o[m * N + n] = from_f32<T>(exact::exact_epilogue_f32(P[(m * N + n) * 2], P[(m * N + n) * 2 + 1], f.E,
+                                                               we[n], f.bad || wb[n], bp ? bp + n : nullptr));
+      }
+    });
+  });
+  return out.view(sizes);
+}
+
 // Test hook: per (x row, weight row) whether the pair meets the fp64 path's bound (B) (bool [M, N]; rows with
 // NaN / inf: false).
 at::Tensor linear_exact_f64_pairs(const at::Tensor& x, const at::Tensor& weight_f64_bounds) {
@@ -541,6 +701,11 @@ TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
   lib.impl("_linear_exact_reference", &linear_exact_reference);
   lib.impl("_linear_exact_f64_pairs", &linear_exact_f64_pairs);
   lib.impl("_linear_exact_f64_routes", &linear_exact_f64_routes);
+  // TP (CPU only; the GPU glue does not register these: a device call fails naming the op)
+  lib.impl("linear_exact_row_scan", &linear_exact_row_scan);
+  lib.impl("linear_exact_pack_weight_scanned", &linear_exact_pack_weight_scanned);
+  lib.impl("linear_exact_partial", &linear_exact_partial);
+  lib.impl("linear_exact_finish", &linear_exact_finish);
 }
 
 // No tensor arguments: a catch-all kernel (schema in torch_bindings.cpp).

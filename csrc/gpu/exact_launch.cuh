@@ -49,6 +49,8 @@ const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream) {
 const char* launch_exact_gemm(const ExactGemmParams& p, void* stream) {
   if (p.M == 0 || p.N == 0) return nullptr;
   if (p.w_digits < 1 || p.w_digits > exact::kMaxDigits) return "aligned exact gemm: weight digits must be 1..4";
+  if (p.partial != nullptr)  // the TP partials (linear_exact_partial) have CPU kernels only
+    return "aligned exact gemm: unrounded partials (linear_exact_partial, exact TP) are not built for the GPU";
   if (p.chunk_k < 32 || p.chunk_k > kExactMaxChunkK || p.chunk_k % 32 != 0)
     return "aligned exact gemm: chunk_k must be a multiple of 32 in [32, 8192]";
   const int64_t gx = (p.N + kExactTileN - 1) / kExactTileN, gy = (p.M + kExactTileM - 1) / kExactTileM;

@@ -140,3 +140,34 @@ def test_negative_control_stock_vllm_tp2_differs_from_tp1(model_dirs):
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     print("stock vLLM TP=2 vs TP=1:", stats)
     assert stats["logprobs_differing"] + stats["prompts_diverged"] > 0, stats
+
+
+def test_exact_profile_tp2_rollouts_bitwise_equal_exact_trainer(model_dirs, monkeypatch):
+    """ALIGNED_OPS_LINEAR=exact on both sides: a TP = 2 engine (row-parallel layers on the integer-partial route)
+    vs the TP = 1 exact trainer, bitwise. Negative control: the same engine with its row-parallel layers on the
+    fma tree (the route the exact profile took at TP > 1 before it had its own) differs from the exact trainer.
+    fp32, where the two profiles' roundings show in the log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")  # the mp workers inherit it
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        ncpu = os.cpu_count() or 1
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % ncpu) for r in range(2)))
+    path = model_dirs["float32"]
+    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    llm = make_llm(path, dtype="float32", aligned=True, max_num_batched_tokens=128, max_model_len=512,
+                   tensor_parallel_size=2, distributed_executor_backend="mp")
+    prompts = random_prompts([3, 200, 17, 64], 5)
+    try:
+        sampled = generate_with_logprobs(llm, prompts, temperature=0.7, max_tokens=6)
+        _assert_bitwise(sampled, _teacher_forced(trainer, sampled, 0.7), "TP=1 exact trainer, sampled")
+        vllm_plugin.set_tp_combine(llm, "fma")
+        fma = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
+        vllm_plugin.set_tp_combine(llm, "tree")
+        lps = _teacher_forced(trainer, fma, 1.0)
+        n_diff = sum(int((bits(r.logprobs_tensor()) != bits(torch.as_tensor(lp))).sum()) for r, lp in zip(fma, lps))
+        print(f"[exact, TP=2] fma-route negative control: {n_diff} log-probs differ from the exact trainer")
+        assert n_diff > 0
+    finally:
+        shutdown(llm)
+        del llm

