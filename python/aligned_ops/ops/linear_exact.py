@@ -59,8 +59,7 @@ def _(x, weight_digits, weight_exponents, weight_nonfinite, out_features, bias=N
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.register_fake(_lib + "linear_exact_pack_weight")
-def _(weight):
+def _packed_weight_fake(weight):
     # The digit count is data-dependent (the fewest digits that hold every row exactly).
     ctx = torch.library.get_ctx()
     s = ctx.new_dynamic_size(min=1, max=4)
@@ -70,6 +69,11 @@ def _(weight):
         weight.new_empty((n + 1,), dtype=torch.int32),
         weight.new_empty((n,), dtype=torch.uint8),
     )
+
+
+@torch.library.register_fake(_lib + "linear_exact_pack_weight")
+def _(weight):
+    return _packed_weight_fake(weight)
 
 
 @torch.library.register_fake(_lib + "linear_exact_f64_bounds")
@@ -101,14 +105,7 @@ def _(v):
 
 @torch.library.register_fake(_lib + "linear_exact_pack_weight_scanned")
 def _(weight, row_scan):
-    ctx = torch.library.get_ctx()
-    s = ctx.new_dynamic_size(min=1, max=4)
-    n, k = weight.shape
-    return (
-        weight.new_empty((s, _ceil(n, 16) * _ceil(k, 64)), dtype=torch.int8),
-        weight.new_empty((n + 1,), dtype=torch.int32),
-        weight.new_empty((n,), dtype=torch.uint8),
-    )
+    return _packed_weight_fake(weight)
 
 
 @torch.library.register_fake(_lib + "linear_exact_partial")
