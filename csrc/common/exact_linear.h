@@ -281,7 +281,9 @@ ALIGNED_HD float exact_epilogue_f32(int64_t hi, int64_t lo, int Ex, int Ew, bool
 // With the merged forms every rank packs the same digits for its slice, and its split accumulator (hi, lo)
 // over K_r (the kernels' `combine`) is an exact integer partial: the unsplit op's (hi, lo) is the
 // elementwise integer sum of the parts' (hi, lo), whatever the order. Bounds: a part over K_r elements has
-// |hi| < 3 * 2^30 K_r and |lo| < 4 * 2^38 K_r, so the sum over any number of parts with sum K_r <= kMaxK is
+// |hi| < 3 * 2^30 K_r and |lo| < 4 * 2^38 K_r (the lo bound uses the top digit's |D_0| <= 64, from |V| <
+// 2^(8S-2); with |D| <= 128 in every digit it would be ~4.05 * 2^38 K_r, still far inside int64 at K = 2^17),
+// so the sum over any number of parts with sum K_r <= kMaxK is
 // bounded as one part over K: it fits int64 (an int64 SUM all-reduce is exact and cannot overflow), and
 // exact_epilogue_f32 on the sum gives the unsplit op's bits.
 constexpr int kScanInts = 3;

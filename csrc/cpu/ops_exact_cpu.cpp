@@ -32,6 +32,31 @@ bool use_amx() { return cpu_backend().amx_int8; }
 
 constexpr int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The IEEE floating-point environment for the exact linear (every op below sets it in the calling thread, and
+// ieee_parallel_for in every task): no flush-to-zero, no
+// denormals-are-zero, round to nearest even (restored after). The fp64 path's conversions (fp32 -> fp64 of
+// subnormal inputs, the final double -> fp32) and the digit path's epilogue depend on it; setting it makes
+// the bits independent of a caller's FTZ / DAZ (torch.set_flush_denormal).
+struct IeeeFpEnv {
+#if defined(__x86_64__)
+  unsigned saved;
+  IeeeFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8040u | 0x6000u)); }  // FTZ | DAZ, rounding
+  ~IeeeFpEnv() { _mm_setcsr(saved); }
+#endif
+};
+
+// at::parallel_for with every task under IeeeFpEnv (worker threads keep their own MXCSR: a caller's FTZ / DAZ
+// set with torch.set_flush_denormal reaches them too). Under DAZ a subnormal compares equal to zero, so even
+// the row scans (E, lsb, b) would change; every step of these ops, glue included, runs in this environment.
+template <typename F>
+void ieee_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    IeeeFpEnv fenv;
+    f(b, e);
+  });
+}
+
+
 // The weight's digits against the canonical forms `forms` (its rows', or, TP, the full rows' its slices
 // belong to).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight_with_forms(const at::Tensor& weight, const at::Tensor& wc,
@@ -46,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight_with_forms(const at::
   auto we = at::zeros({N + 1}, opts.dtype(at::kInt));
   we.data_ptr<int32_t>()[N] = (int32_t)K;  // the packed form's in_features
   auto wb = at::zeros({N}, opts.dtype(at::kByte));
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     k.pack_w(dt, wc.data_ptr(), K, Kp, Np * Kp, sw, forms.data(), wd.data_ptr<int8_t>(), we.data_ptr<int32_t>(),
              wb.data_ptr<uint8_t>(), b, e);
   });
@@ -54,6 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight_with_forms(const at::
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at::Tensor& weight) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_pack_weight";
   check_cpu(weight, op, "weight");
   const DType dt = check_linear_exact_weight<DType>(weight, op);
@@ -61,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
   const int64_t N = wc.size(0), K = wc.size(1);
   const auto& k = exact_kernels();
   std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
+  ieee_parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
   return pack_weight_with_forms(weight, wc, dt, forms);
 }
 
@@ -78,7 +104,7 @@ std::vector<int32_t> scans_of(const at::Tensor& vc, DType dt) {
   const int64_t R = vc.size(0), K = vc.size(1);
   std::vector<int32_t> s((size_t)std::max<int64_t>(R, 1) * exact::kScanInts);
   const auto& k = exact_kernels();
-  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) { k.row_scans(dt, vc.data_ptr(), K, s.data(), b, e); });
+  ieee_parallel_for(0, R, 16, [&](int64_t b, int64_t e) { k.row_scans(dt, vc.data_ptr(), K, s.data(), b, e); });
   return s;
 }
 
@@ -103,6 +129,7 @@ void check_scan_covers(const at::Tensor& given, const std::vector<int32_t>& loca
 }
 
 at::Tensor linear_exact_row_scan(const at::Tensor& v) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_row_scan";
   check_cpu(v, op, "v");
   const DType dt = dtype_enum(v, op, "v");
@@ -117,6 +144,7 @@ at::Tensor linear_exact_row_scan(const at::Tensor& v) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight_scanned(const at::Tensor& weight,
                                                                                 const at::Tensor& row_scan) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_pack_weight_scanned";
   check_cpu(weight, op, "weight");
   const DType dt = check_linear_exact_weight<DType>(weight, op);
@@ -130,17 +158,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight_scanned(
   return pack_weight_with_forms(weight, wc, dt, forms);
 }
 
-// The IEEE floating-point environment for one task of the exact linear: no flush-to-zero, no
-// denormals-are-zero, round to nearest even (restored after). The fp64 path's conversions (fp32 -> fp64 of
-// subnormal inputs, the final double -> fp32) and the digit path's epilogue depend on it; setting it makes
-// the bits independent of a caller's FTZ / DAZ (torch.set_flush_denormal).
-struct IeeeFpEnv {
-#if defined(__x86_64__)
-  unsigned saved;
-  IeeeFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8040u | 0x6000u)); }  // FTZ | DAZ, rounding
-  ~IeeeFpEnv() { _mm_setcsr(saved); }
-#endif
-};
 
 // The digit path for every row of xc [M, K] (contiguous) into out [M, N]: every column, or only the 16-column
 // panels listed (the fp64 path's leftovers).
@@ -159,7 +176,7 @@ void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at
   if (Mp > M) {  // padding rows of the last tile: zero digits
     for (int t = 0; t < maxd; ++t) memset(xd.data_ptr<int8_t>() + (t * Mp + M) * Kp, 0, (size_t)((Mp - M) * Kp));
   }
-  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
     if (scans)
       k.pack_x_scanned(dt, xc.data_ptr(), K, Kp, Mp * Kp, maxd, scans, xd.data_ptr<int8_t>(), xe.data_ptr<int32_t>(),
                        xs.data_ptr<int8_t>(), xb.data_ptr<uint8_t>(), b, e);
@@ -179,7 +196,7 @@ void digit_linear(const at::Tensor& xc, DType dt, const at::Tensor& wd, const at
   const int64_t rows_per_task = p.use_amx ? 256 : 16;
   const int64_t mt = (M + rows_per_task - 1) / rows_per_task;
   const int64_t ng = panels ? (int64_t)panels->size() : (N + kCols - 1) / kCols;
-  at::parallel_for(0, mt * ng, 1, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, mt * ng, 1, [&](int64_t b, int64_t e) {
     IeeeFpEnv fenv;
     for (int64_t task = b; task < e; ++task) {
       ExactGemmParams q = p;
@@ -215,13 +232,14 @@ void row_bounds(const at::Tensor& v, DType dt, std::vector<int32_t>& bound, std:
   bound.assign((size_t)R, 0);
   bad.assign((size_t)R, 0);
   const auto& k = exact_kernels();
-  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
     k.row_bounds(dt, v.data_ptr(), K, bound.data(), bad.data(), b, e);
   });
 }
 
 // Once per weight version (the Python cache keeps it beside the digits): b of every weight row, int32 [N].
 at::Tensor linear_exact_f64_bounds(const at::Tensor& weight) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_f64_bounds";
   check_cpu(weight, op, "weight");
   const DType dt = check_linear_exact_weight<DType>(weight, op);
@@ -366,6 +384,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
                                const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
                                int64_t k_parts, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& weight_f64_bounds) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_packed";
   check_cpu(x, op, "x");
   check_cpu(wd, op, "weight_digits");
@@ -405,7 +424,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     const auto& k = exact_kernels();
     const int64_t R = (int64_t)f64_rows.size(), ldx = ceil_to(K, 8);
     auto x64 = at::empty({R, ldx}, x.options().dtype(at::kDouble));
-    at::parallel_for(0, R, 4, [&](int64_t b, int64_t e) {
+    ieee_parallel_for(0, R, 4, [&](int64_t b, int64_t e) {
       k.f64_convert_rows(a.dt, xf.data_ptr(), K, ldx, f64_rows.data(), x64.data_ptr<double>(), b, e);
     });
     ExactF64Params p{};
@@ -421,7 +440,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     p.N = N;
     p.K = K;
     // Threads split the N columns (each streams its own weight rows once).
-    at::parallel_for(0, npanels, 1, [&](int64_t b, int64_t e) {
+    ieee_parallel_for(0, npanels, 1, [&](int64_t b, int64_t e) {
       IeeeFpEnv fenv;
       ExactF64Params q = p;
       q.n0 = b * 16;
@@ -438,7 +457,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     std::vector<std::pair<int64_t, int64_t>> tasks;  // (split row, first listed column)
     for (size_t i = 0; i < splits.size(); ++i)
       for (int64_t j = 0; j < (int64_t)splits[i].cols.size(); j += kSplitChunk) tasks.emplace_back((int64_t)i, j);
-    at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t b, int64_t e) {
+    ieee_parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t b, int64_t e) {
       IeeeFpEnv fenv;
       std::vector<double> halves((size_t)(2 * ldx));
       std::vector<const void*> rows;
@@ -507,6 +526,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
 // linear_exact_pack_weight_scanned; x_scan: the full rows' scans (MAX-merged over the ranks). int64 [.., N, 2].
 at::Tensor linear_exact_partial(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
                                 const at::Tensor& w_bad, int64_t N, const at::Tensor& x_scan) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_partial";
   check_cpu(x, op, "x");
   check_cpu(wd, op, "weight_digits");
@@ -531,6 +551,7 @@ at::Tensor linear_exact_partial(const at::Tensor& x, const at::Tensor& wd, const
 at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_scan, const at::Tensor& w_exp,
                                const at::Tensor& w_bad, const std::optional<at::Tensor>& bias,
                                at::ScalarType dtype) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact_finish";
   check_cpu(partial, op, "partial");
   TORCH_CHECK(partial.scalar_type() == at::kLong && partial.dim() >= 2 && partial.size(-1) == 2, "aligned::", op,
@@ -569,7 +590,7 @@ at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_sc
   with_type(dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     T* o = (T*)out.data_ptr();
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    ieee_parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       IeeeFpEnv fenv;
       for (int64_t m = b; m < e; ++m) {
         const exact::RowForm f = exact::row_scan_form(exact::row_scan_load(sc + m * exact::kScanInts));
@@ -585,6 +606,7 @@ at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_sc
 // Test hook: per (x row, weight row) whether the pair meets the fp64 path's bound (B) (bool [M, N]; rows with
 // NaN / inf: false).
 at::Tensor linear_exact_f64_pairs(const at::Tensor& x, const at::Tensor& weight_f64_bounds) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "_linear_exact_f64_pairs";
   check_cpu(x, op, "x");
   const DType dt = dtype_enum(x, op, "x");
@@ -602,6 +624,7 @@ at::Tensor linear_exact_f64_pairs(const at::Tensor& x, const at::Tensor& weight_
 }
 
 at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "linear_exact";
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
@@ -619,6 +642,7 @@ at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std
 
 // The scalar definition (exact_linear.h: canonical integers, one int128 sum, one rounding): for tests.
 at::Tensor linear_exact_reference(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "_linear_exact_reference";
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");
@@ -677,6 +701,7 @@ std::string exact_unit() { return exact_kernels().unit(use_amx()); }
 // Test hook: which route computes each output of linear_exact_packed(x, ..., weight, weight_f64_bounds) under
 // ALIGNED_EXACT_F64=all (int8 [M, N]: 0 the fp64 path, 1 the split route, 2 the digit path).
 at::Tensor linear_exact_f64_routes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_f64_bounds) {
+  IeeeFpEnv fenv;  // the glue's own scans and conversions too
   const char* op = "_linear_exact_f64_routes";
   check_cpu(x, op, "x");
   check_cpu(weight, op, "weight");

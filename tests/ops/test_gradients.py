@@ -177,7 +177,7 @@ NO_BACKWARD.update({
 # Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the
 # packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
 NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight",
-                      "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_emulate_enter",
+                      "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_linear_exact_f64_routes", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
                       "attention_plan", "attention_plan_size",  # host planning into int buffers
                       # exact TP: integer scans, packing and partials (int outputs; linear_exact_finish refuses)

@@ -123,6 +123,32 @@ def test_subnormal_results_ignore_flush_to_zero():
         torch.set_flush_denormal(False)
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_subnormal_inputs_and_rounding_rows_ignore_flush_to_zero(dtype):
+    # subnormal INPUTS (not only results): under a caller's DAZ a subnormal compares equal to zero, so the row
+    # scans (E, lsb, b), the canonical values and the conversions would change — every step of the op (glue,
+    # planning and every task) runs in the IEEE environment, on every route
+    g = _g(13)
+    M, K, N = 3, 64, 16
+    x = torch.randn(M, K, generator=g, dtype=torch.float64) * 2.0**-128  # fp32 / bf16 subnormals
+    x[1, 3] = 2.0**-100  # row 1: a normal element 2^28 above the rest: its form rounds (canonical_row)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * 2.0**100
+    w[:, 3] = 0
+    x, w = x.to(dtype), w.to(dtype)
+    ref = ops._linear_exact_reference(x, w)
+    r = routes(x, w)
+    assert (r != DIGIT).any(), "the fp64 routes must be reached"
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero control on this CPU")
+    try:
+        assert torch.tensor([2.0**-140]).mul(1.0).item() == 0.0, "FTZ/DAZ is on for the caller"
+        for mode in ("all", "off"):
+            assert_bitwise_equal(run(x, w, None, mode), ref, f"{mode} under the caller's FTZ/DAZ")
+        assert torch.equal(routes(x, w), r), "routes under FTZ/DAZ"
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_bound_edge():
     # K = 4^6 elements of equal magnitude (Cauchy-Schwarz is tight) plus one lowest-bit element: at (B) the
     # pair takes the fp64 path; one bit past, the exact sum needs 54 bits (odd, > 2^53): an fp64 sum cannot be

@@ -200,7 +200,12 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
         raise ValueError(f"aligned_ops.{what}: x {tuple(x.shape)} and weight {tuple(weight.shape)} must hold the "
                          f"same K slice (weight [out_features, K_r])")
     k_local = weight.shape[-1]
-    k_full = in_features if in_features is not None else k_local * t
+    if in_features is not None:
+        k_full = in_features
+    else:  # the unsplit K, agreed by every rank (a rank-local guess could make one rank raise while others wait)
+        kt = torch.tensor([k_local], dtype=torch.int64)
+        dist.all_reduce(kt, op=dist.ReduceOp.SUM, group=group)
+        k_full = int(kt.item())
     if in_features is not None and not (0 < k_local <= in_features):
         raise ValueError(f"aligned_ops.{what}: rank {r} holds {k_local} of K = {in_features} input features")
     if k_full > EXACT_MAX_K:
