@@ -250,10 +250,20 @@ TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma": NEGATIVE CONTR
 _tp_combine = "tree"
 
 
+def _warn_negative_control(mode):
+    if mode != "tree":
+        import warnings
+
+        warnings.warn(f"aligned_ops vLLM plugin: row-parallel combine {mode!r} is a NEGATIVE CONTROL: it breaks the "
+                      "contract (and overrides the exact profile's integer route); log-probs will differ from the "
+                      "trainer's", RuntimeWarning, stacklevel=3)
+
+
 def _set_tp_combine_in_worker(worker, mode):
     global _tp_combine
     if mode not in TP_COMBINES:
         raise ValueError(f"tp combine must be one of {TP_COMBINES}, got {mode!r}")
+    _warn_negative_control(mode)
     _tp_combine = mode
     return mode
 
@@ -702,6 +712,7 @@ def install() -> None:
     _patch(EngineArgs, "create_engine_config", _create_engine_config)
     from vllm.distributed.parallel_state import GroupCoordinator
 
+    _warn_negative_control(combine)
     _tp_combine = combine
     _patch(GroupCoordinator, "all_reduce", _stock_all_reduce)
 
