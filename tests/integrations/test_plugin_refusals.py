@@ -223,7 +223,7 @@ def test_tensor_parallel_degrees_accepted(tiny_dir, tp):
 def test_tp_combine_env_refused(monkeypatch):
     monkeypatch.setenv(vllm_plugin.TP_COMBINE_ENV, "ring")
     monkeypatch.setattr(vllm_plugin, "_installed", False)
-    with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential'\\), got 'ring'"):
+    with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential', 'fma'\\), got 'ring'"):
         vllm_plugin.install()
 
 
