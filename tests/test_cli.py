@@ -61,6 +61,7 @@ def test_moe_demo_prints_both_kernel_sets_d3_and_routing_flips(tmp_path):
     assert code == 0, out[-4000:]
     assert "tiny Qwen3-MoE" in out and "2 logged steps after 1 unlogged" in out
     assert "trains the head (after the last router)" in out  # the --moe default --train-scope
+    assert "of a+b (a < 1000)" in out  # the --moe default --a-range
     for row in ("D3 peak-to-median", "kernel-made routing flips (token·layer, all steps)",
                 "lag-made routing flips (token·layer, all steps)", "kernel max abs Δlogp (any token)"):
         assert len(table_row(out, row)) == 2

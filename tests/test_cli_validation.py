@@ -38,6 +38,8 @@ CASES = [
     (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
     (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
     (["demo", "--train-scope", "head"], "--train-scope head needs --moe"),
+    (["demo", "--moe", "--a-range", "0"], "--a-range must be >= 1, got 0"),
+    (["demo", "--a-range", "-5"], "--a-range must be >= 1, got -5"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),

@@ -36,12 +36,17 @@ DIGITS = "0123456789"
 
 
 class AdditionTask:
-    """Prompts "a+b=" (a < 100, b < 10), answers the digits of a+b followed by eos, as token ids."""
+    """Prompts "a+b=" (a < a_range, b < b_range), answers the digits of a+b followed by eos, as token ids.
 
-    MAX_ANSWER_TOKENS = 4  # up to three digits and eos
+    ``a_range`` sets how many distinct prompts there are (a_range * b_range). The --moe demo uses 1000: a model has
+    only a few near-tie routing contexts, and with 1000 prompts (100 x 10) they recur from step to step, so a run's
+    kernel-made flips are a handful of repeated draws (README "The MoE demo")."""
 
     def __init__(self, tokenizer, a_range: int = 100, b_range: int = 10):
+        if a_range < 1 or b_range < 1:
+            raise ValueError(f"AdditionTask: a_range and b_range must be >= 1, got {a_range}, {b_range}")
         self.a_range, self.b_range = a_range, b_range
+        self.max_answer_tokens = len(str(a_range + b_range - 2)) + 1  # the largest sum's digits and eos
         self.eos = tokenizer.eos_token_id
         ids = {c: tokenizer.convert_tokens_to_ids(c) for c in DIGITS + "+="}
         if any(v is None or v == tokenizer.unk_token_id for v in ids.values()):
@@ -148,13 +153,13 @@ def rl_freeze(args, moe: bool):
 
 
 def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int,
-                      freeze=lambda name: False) -> str:
+                      freeze=lambda name: False, a_range: int = 100) -> str:
     """Teach the task briefly (teacher-forced cross-entropy on the answers), save the checkpoint."""
     import torch
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    task = AdditionTask(tok)
+    task = AdditionTask(tok, a_range=a_range)
     trainer = Trainer(model_dir, dtype, aligned=False, lr=lr, freeze=freeze)
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
@@ -195,7 +200,7 @@ def child(args) -> dict:
     freeze = rl_freeze(args, moe)
     llm = rollout.make_llm(args.model, dtype=args.dtype, aligned=aligned, seed=args.seed)
     tok = llm.get_tokenizer()
-    task = AdditionTask(tok)
+    task = AdditionTask(tok, a_range=args.a_range)
     trainer = Trainer(args.model, args.dtype, aligned, args.lr, freeze)
     scorer = Trainer(args.model, args.dtype, aligned, args.lr)  # the trainer's forward at the rollout's weights
     history = [trainer.state_dict()]  # history[i] = weights after i steps
@@ -212,7 +217,7 @@ def child(args) -> dict:
         batch = task.sample(gen, args.prompts)
         prompts = [p for p, _ in batch for _ in range(args.samples)]
         answers = [a for _, a in batch for _ in range(args.samples)]
-        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=task.MAX_ANSWER_TOKENS, ignore_eos=False)
+        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=task.max_answer_tokens, ignore_eos=False)
         rewards = torch.tensor([task.reward(c.token_ids, a) for c, a in zip(completions, answers)])
         sequences = [p + list(c.token_ids) for p, c in zip(prompts, completions)]
         starts = [len(p) for p in prompts]
@@ -314,10 +319,10 @@ def main(args) -> int:
     moe = getattr(args, "moe", False)
     freeze = is_router if (moe and (args.freeze_router or args.train_scope == "head")) else (lambda name: False)
     warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed,
-                             freeze)
+                             freeze, args.a_range)
     argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),
             "--rl-warmup", str(args.rl_warmup), "--prompts", str(args.prompts), "--samples", str(args.samples),
-            "--lr", str(args.lr), "--seed", str(args.seed),
+            "--lr", str(args.lr), "--seed", str(args.seed), "--a-range", str(args.a_range),
             "--freeze-router" if args.freeze_router else "--no-freeze-router", "--train-scope", args.train_scope]
     if args.threads:
         argv += ["--threads", str(args.threads)]
@@ -353,7 +358,7 @@ def main(args) -> int:
         ]
     model = "tiny Qwen3-MoE" if moe else "tiny Qwen2"
     print_table(f"async RL demo ({model}): {args.steps} logged steps after {args.rl_warmup} unlogged, lag {args.lag}, "
-                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step, {args.dtype}, "
+                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step of a+b (a < {args.a_range}), {args.dtype}, "
                 + (f"trains {'the head (after the last router)' if args.train_scope == 'head' else 'all weights'}, " if moe else "")
                 + f"REINFORCE Zero "
                 f"(untruncated token IS)", list(KERNEL_SETS), rows)
