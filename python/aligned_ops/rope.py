@@ -24,17 +24,20 @@ Semantics (the formulas of Hugging Face ``modeling_rope_utils`` and vLLM ``rotar
   the op passes the other dims through (vLLM's semantics; HF's Llama/Qwen2 forward has no partial rotary).
 
 Arithmetic (fixed, device- and thread-independent): every scalar (inverse frequencies, attention factor) is
-computed in Python float64; angle ``= float64(position) * inv_freq[i]`` (one IEEE product); ``cos``/``sin``
-in float64, times the attention factor (float64), rounded once to float32. torch's float64 ``cos``/``sin``
-differ by an ulp between their vector and scalar paths (which one an element takes depends on the table
-size and thread count); that only matters when the float64 value lies within a few ulps of a float32
-rounding midpoint, so exactly those elements (about 1 in 10^7) are recomputed with Python's ``math.cos`` /
-``math.sin``. Each element therefore depends only on (position, i, spec), not on the table's length.
+computed in Python float64 (Python's ``**``, ``math.log``: the host's libm, correctly rounded or within an
+ulp — identical on one host); angle ``= float64(position) * inv_freq[i]`` (one IEEE product); each table
+element is ``RN32(cos(angle) * attention_factor)`` — the real cos (sin) of that float64 angle times the
+float64 factor, rounded once to float32 (:func:`cos_sin_f32`). It is evaluated with IEEE ``+ - *`` in
+float64 and, for the ~1e-7 of elements that evaluation cannot decide, in integer fixed point; torch's and
+libm's ``cos``/``sin`` are not used. Each element therefore depends only on (position, i, spec), not on
+the table's length, the thread count, torch's CPU dispatch or its vector math library.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from dataclasses import dataclass, replace
 
 import torch
@@ -199,35 +202,203 @@ def table_positions(spec: RopeSpec) -> int:
     return spec.max_position
 
 
-def _round_unambiguous(v64: torch.Tensor, exact) -> torch.Tensor:
-    """Round float64 ``v64`` to float32; elements too close to a float32 midpoint are recomputed by ``exact``."""
+# ---- the table's arithmetic: cos / sin of a float64 angle, correctly rounded to float32 -----------------------
+#
+# Every element is RN32(cos(a) * af) (resp. sin): the real cos of the float64 angle ``a``, times the float64
+# attention factor, rounded once to float32. That is a pure function of (a, af), so the table is the same on
+# every host, torch build, libm and thread count. It is evaluated in two tiers:
+#   1. a float64 evaluation from IEEE +, -, *, round only (no libm, no vendor vector math, no FMA: each torch
+#      elementwise op rounds once, on any CPU): Cody-Waite reduction by pi/2 in three parts and Taylor
+#      polynomials on |r| <= pi/4, error <= 4 float64 ulps wherever |r| >= 2^-24 and |k| < 2^23;
+#   2. an integer fixed-point evaluation (``_exact_f32``: 320+ bits, reduction and series exact to ~2^-300,
+#      rounding decided with an error bound) for the few elements tier 1 cannot decide: those within 16 float64
+#      ulps of a float32 rounding midpoint (~6e-8 of them), a tiny reduced angle (|r| < 2^-24: the reduction's
+#      absolute error would no longer be small relative to r) or a huge quotient (|k| >= 2^23).
+# torch's own float64 cos/sin are not used: their results depend on the vector path an element takes, the
+# CPU capability torch dispatches to and the build's vector math library, and a table built from them once
+# differed between two processes of the same test on the same machine.
+
+
+@functools.lru_cache(maxsize=8)
+def _pi_fixed(bits: int) -> int:
+    """floor(pi * 2^bits) (Machin's formula in integers, 64 guard bits)."""
+    scale = 1 << (bits + 64)
+
+    def arctan_inv(n: int) -> int:  # arctan(1/n) * scale, alternating series
+        total, term, k, n2 = 0, scale // n, 1, n * n
+        while term:
+            total += term // k if (k // 2) % 2 == 0 else -(term // k)
+            term //= n2
+            k += 2
+        return total
+
+    return (16 * arctan_inv(5) - 4 * arctan_inv(239)) >> 64
+
+
+def _split(value_fixed: int, bits: int, sig: int) -> tuple[float, int]:
+    """The float with ``sig`` leading bits of ``value_fixed / 2^bits`` (truncated) and the fixed-point rest."""
+    shift = max(value_fixed.bit_length() - sig, 0)
+    head = (value_fixed >> shift) << shift
+    return math.ldexp(head >> shift, shift - bits), value_fixed - head
+
+
+def _pio2_parts() -> tuple[float, float, float]:
+    """pi/2 = C1 + C2 + C3 + O(2^-112): C1 and C2 with 30 significant bits, so k*C1 and k*C2 are exact for
+    |k| < 2^23; C3 with 53."""
+    bits = 200
+    half_pi = _pi_fixed(bits) >> 1
+    c1, rest = _split(half_pi, bits, 30)
+    c2, rest = _split(rest, bits, 30)
+    c3 = math.ldexp(rest, -bits)  # one rounding
+    return c1, c2, c3
+
+
+_PIO2_C1, _PIO2_C2, _PIO2_C3 = _pio2_parts()
+_TWO_OVER_PI = 2.0 / math.pi  # any nearby value works: it only picks the quadrant k
+_MAX_K = float(1 << 23)
+_MIN_R = 2.0**-24
+# Taylor coefficients, highest degree first: sin(r) = r + r^3 * S(r^2), cos(r) = 1 + r^2 * C(r^2).
+_SIN_COEFFS = [(-1) ** n / math.factorial(2 * n + 1) for n in range(10, 0, -1)]
+_COS_COEFFS = [(-1) ** n / math.factorial(2 * n) for n in range(10, 0, -1)]
+
+
+def _horner(coeffs: list[float], r2: torch.Tensor) -> torch.Tensor:
+    p = torch.full_like(r2, coeffs[0])
+    for c in coeffs[1:]:
+        p = p * r2 + c  # two roundings: torch never contracts separate elementwise ops into an FMA
+    return p
+
+
+def _cos_sin_f64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tier 1: float64 (cos, sin) and the mask of elements it does not vouch for (tiny r, huge k)."""
+    k = torch.round(angle * _TWO_OVER_PI)
+    r = ((angle - k * _PIO2_C1) - k * _PIO2_C2) - k * _PIO2_C3  # first two products and difference exact
+    r2 = r * r
+    s = r + (r * r2) * _horner(_SIN_COEFFS, r2)
+    c = 1.0 + r2 * _horner(_COS_COEFFS, r2)
+    q = torch.remainder(k, 4.0)
+    cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    undecided = ((r.abs() < _MIN_R) & (angle != 0)) | (k.abs() >= _MAX_K)
+    return cos, sin, undecided
+
+
+def _round_fixed_to_f32(v: int, bits: int, err: int):
+    """RN32(v / 2^bits), or None when the true value, within ``err`` units of ``v``, may lie on either side of
+    a rounding midpoint."""
+    sign, x = (-1.0 if v < 0 else 1.0), abs(v)
+    if x <= err:
+        return None if x else 0.0
+    shift = max(x.bit_length() - 24, bits - 149)  # 24 significant bits, or the subnormal lsb 2^-149
+    if shift <= 0:
+        return sign * math.ldexp(x, -bits)  # representable
+    mant, rem = x >> shift, x & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if abs(rem - half) <= err:
+        return None
+    if rem > half:
+        mant += 1
+    return sign * math.ldexp(mant, shift - bits)
+
+
+def _exact_f32(angle: float, which: str, factor: float) -> float:
+    """Tier 2: RN32(cos(angle) * factor) (``which`` 'cos') or RN32(sin(angle) * factor), in integers."""
+    if angle == 0.0:  # cos 1, sin 0: exact
+        return struct.unpack("f", struct.pack("f", factor))[0] if which == "cos" else 0.0 * factor
+    bits = 320
+    while True:
+        num, den = angle.as_integer_ratio()  # den: a power of two
+        scale = 1 << bits
+        a = (num * scale) // den if den <= scale else 0  # |error| < 1 unit (angles below 2^-320: cos 1, sin a)
+        half_pi = _pi_fixed(bits) >> 1
+        k = (2 * a + half_pi) // (2 * half_pi)
+        r = a - k * half_pi  # |error| <= |k| + 2 units
+        r2 = (r * r) >> bits
+        # sin(r) = sum (-1)^n r^(2n+1)/(2n+1)!, cos(r) = sum (-1)^n r^(2n)/(2n)!, each term truncated
+        s_sum, term, n = 0, r, 0
+        while term:
+            s_sum += term
+            term = -((term * r2) >> bits) // ((2 * n + 2) * (2 * n + 3))
+            n += 1
+        terms = n
+        c_sum, term, n = 0, scale, 0
+        while term:
+            c_sum += term
+            term = -((term * r2) >> bits) // ((2 * n + 1) * (2 * n + 2))
+            n += 1
+        terms += n
+        quadrant = k % 4
+        if which == "cos":
+            v = (c_sum, -s_sum, -c_sum, s_sum)[quadrant]
+        else:
+            v = (s_sum, c_sum, -s_sum, -c_sum)[quadrant]
+        fnum, fden = float(factor).as_integer_ratio()
+        v = v * fnum // fden
+        err = (abs(k) + 4 + 2 * terms) * (abs(fnum) // fden + 2) + 2  # generous: a few units per step
+        out = _round_fixed_to_f32(v, bits, err)
+        if out is not None:
+            return out
+        bits *= 2  # undecided at this precision (a true midpoint cannot occur: cos, sin of a rational != 0)
+
+
+def _round_unambiguous(v64: torch.Tensor, exact, undecided: torch.Tensor | None = None) -> torch.Tensor:
+    """Round float64 ``v64`` (within a few ulps of the true value) to float32; the elements too close to a
+    float32 midpoint for that to be safe, and those in ``undecided``, are recomputed by ``exact(*index)``."""
     ulp = (torch.nextafter(v64, torch.full_like(v64, math.inf)) - v64).abs()
     delta = ulp * 16.0
     lo, hi = (v64 - delta).to(torch.float32), (v64 + delta).to(torch.float32)
     out = v64.to(torch.float32)
-    amb = (lo != hi).nonzero()
+    amb = lo != hi
+    if undecided is not None:
+        amb = amb | undecided
+    amb = amb.nonzero()
     if amb.numel():
-        fixed = torch.tensor([exact(*map(int, idx)) for idx in amb.tolist()], dtype=torch.float64)
-        out[tuple(amb.t())] = fixed.to(torch.float32)
+        fixed = torch.tensor([exact(*map(int, idx)) for idx in amb.tolist()], dtype=torch.float32)
+        out[tuple(amb.t())] = fixed
     return out
 
 
+def cos_sin_f32(angle: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RN32(cos(angle) * factor), RN32(sin(angle) * factor))`` for a float64 tensor of angles: the real
+    functions of each float64 value, rounded once to float32 (the two tiers above)."""
+    if angle.dtype != torch.float64:
+        raise TypeError(f"aligned_ops rope: cos_sin_f32 takes float64 angles, got {angle.dtype}")
+    if not bool(torch.isfinite(angle).all()):
+        raise ValueError("aligned_ops rope: cos_sin_f32 got a non-finite angle")
+    factor = float(factor)
+    cos, sin, undecided = _cos_sin_f64(angle)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    flat = angle.reshape(1, -1)  # one row: an element's index is (0, j)
+
+    def exact(which):
+        return lambda _, j: _exact_f32(float(flat[0, j]), which, factor)
+
+    undecided = undecided.reshape(1, -1)
+    cos32 = _round_unambiguous(cos.reshape(1, -1), exact("cos"), undecided)
+    sin32 = _round_unambiguous(sin.reshape(1, -1), exact("sin"), undecided)
+    return cos32.reshape(angle.shape), sin32.reshape(angle.shape)
+
+
+_CHUNK_ELEMENTS = 1 << 20  # elements per pass: bounds the float64 temporaries to ~100 MB
+
+
 def cos_sin_cache(spec: RopeSpec, num_positions: int | None = None) -> torch.Tensor:
-    """The fp32 ``[num_positions, rotary_dim]`` table ``[cos | sin]`` (``num_positions`` default: :func:`table_positions`)."""
+    """The fp32 ``[num_positions, rotary_dim]`` table ``[cos | sin]`` (``num_positions`` default: :func:`table_positions`).
+
+    Element ``[p, i]`` is ``RN32(cos(float64(p) * inv_freq[i]) * attention_factor)`` (``[p, R/2 + i]``: sin): the
+    real function of the float64 angle, rounded once, whatever the host, the torch build, the thread count or
+    the table's length (:func:`cos_sin_f32`)."""
     n = table_positions(spec) if num_positions is None else int(num_positions)
     freqs = torch.tensor(inv_freq(spec), dtype=torch.float64)
-    t = torch.arange(n, dtype=torch.float64)
-    angle = torch.outer(t, freqs)  # one IEEE float64 product per element
-    af = float(spec.attention_factor)
-    f_list = freqs.tolist()
-
-    def table(fn, mfn):
-        v = fn(angle)
-        if af != 1.0:
-            v = v * af
-        return _round_unambiguous(v, lambda p, i: mfn(float(p) * f_list[i]) * af if af != 1.0 else mfn(float(p) * f_list[i]))
-
-    return torch.cat([table(torch.cos, math.cos), table(torch.sin, math.sin)], dim=-1).contiguous()
+    half = freqs.numel()
+    out = torch.empty(n, 2 * half, dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMENTS // half)
+    for p0 in range(0, n, rows):
+        p1 = min(n, p0 + rows)
+        angle = torch.outer(torch.arange(p0, p1, dtype=torch.float64), freqs)  # one IEEE product per element
+        out[p0:p1, :half], out[p0:p1, half:] = cos_sin_f32(angle, spec.attention_factor)
+    return out
 
 
 def with_rotary_dim(spec: RopeSpec, rotary_dim: int) -> RopeSpec:

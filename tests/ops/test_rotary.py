@@ -47,7 +47,9 @@ def test_cache_matches_float64_angles(caches):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     ang = torch.arange(MAX_POS, dtype=torch.float64)[:, None] * inv_freq
     assert cache.dtype == torch.float32 and cache.shape == (MAX_POS, 64)
-    assert bitwise_equal(cache, torch.cat([ang.cos(), ang.sin()], -1).float())
+    # correctly rounded (bit for bit against mpmath: tests/test_rope_table.py): within half a float32 ulp
+    ref = torch.cat([ang.cos(), ang.sin()], -1)
+    assert bool(((cache.double() - ref).abs() <= ref.abs().clamp(min=2.0**-126) * (2.0**-24 + 2.0**-50)).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
