@@ -888,6 +888,15 @@ void f64_rows(const ExactF64Params& p, int64_t i0, int64_t n0, int64_t n1, int64
   }
 }
 
+// Both fp64 routes end here: a column whose weight row holds NaN / inf gives NaN (the digit path's rule), then
+// the bias (one fp32 add), then the output dtype.
+template <typename T>
+inline T f64_epilogue(float y, const uint8_t* w_bad, const T* bias, int64_t n) {
+  if (w_bad[n]) y = float_of(0x7fc00000u);
+  if (bias) y = y + to_f32(bias[n]);
+  return from_f32<T>(y);
+}
+
 void f64_gemm(const ExactF64Params& p_in) {
   with_type(p_in.dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
@@ -919,10 +928,8 @@ void f64_gemm(const ExactF64Params& p_in) {
       for (int64_t i = 0; i < p.R; ++i) {
         const int64_t m = p.rows[i];
         for (int64_t n = nb; n < ne; ++n) {
-          float y = (float)sums[i * kColBlock + (n - nb)];  // the one rounding: RNE (IEEE MXCSR, set by the glue)
-          if (p.w_bad[n]) y = float_of(0x7fc00000u);
-          if (bias) y = y + to_f32(bias[n]);
-          out[m * p.N + n] = from_f32<T>(y);
+          // the one rounding: RNE (IEEE MXCSR, set by the glue)
+          out[m * p.N + n] = f64_epilogue<T>((float)sums[i * kColBlock + (n - nb)], p.w_bad, bias, n);
         }
       }
     }
@@ -952,10 +959,7 @@ void f64_split_gemm(const ExactF64SplitParams& p) {
       f64_tile_any<T, 2, CN>(xr, wr, 0, p.K, p.K, sums, CN);
       for (int c = 0; c < cn; ++c) {
         const int64_t n = p.cols[j + c];
-        float y = ex::round_f64_pair_f32(sums[c], sums[CN + c]);
-        if (p.w_bad[n]) y = float_of(0x7fc00000u);
-        if (bias) y = y + to_f32(bias[n]);
-        out[n] = from_f32<T>(y);
+        out[n] = f64_epilogue<T>(ex::round_f64_pair_f32(sums[c], sums[CN + c]), p.w_bad, bias, n);
       }
     }
   });
