@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent(
     out["exp_bits"], out["exp_unif"] = ops._exp_f32(bits), ops._exp_f32(unif)
     out["log_bits"], out["log_unif"] = ops._log_f32(bits), ops._log_f32(unif.abs())
     cache = aligned_ops.rotary_cos_sin_cache(64, 512)
+    out["rope_cache"] = cache  # the table itself (once seen to differ between processes when torch's cos built it)
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         n = str(dt)
         for H in (1, 37, 1536, 1000):
