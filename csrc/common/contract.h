@@ -193,6 +193,8 @@ ALIGNED_HD void silu_mul_backward(V g, V a, V b, V* da, V* db) {
 
 // ---- rotary_embedding -----------------------------------------------------------------------------------
 // cos_sin_cache[pos] = [cos_0 .. cos_{R/2-1} | sin_0 .. sin_{R/2-1}] (fp32, R = rotary_dim).
+// The table is built once on the host (python/aligned_ops/rope.py): RN32 of the real cos / sin of each float64
+// angle, without libm, so both sides and every host hold the same bits.
 // Pair i (i < R/2) is (i, i + R/2) for neox style, (2i, 2i+1) for gpt-j style; dims >= R pass through.
 //   o1 = x1 * c - x2 * s ; o2 = x2 * c + x1 * s        (each product rounded, then one add/sub)
 // Backward is the rotation by -theta: g1' = g1 * c + g2 * s ; g2' = g2 * c - g1 * s.
