@@ -175,3 +175,46 @@ def test_bad_angles_refused():
         cos_sin_f32(torch.zeros(3))
     with pytest.raises(ValueError, match="non-finite angle"):
         cos_sin_f32(torch.tensor([1.0, math.inf], dtype=torch.float64))
+
+
+def nearest_double(x) -> float:
+    """The float64 nearest to the real ``x`` (600-bit mpmath), chosen among neighbours by distance, ties to even:
+    independent of mpmath's own rounding."""
+    f = float(x)
+    cands = [math.nextafter(f, -math.inf), f, math.nextafter(f, math.inf)]
+    return min(cands, key=lambda c: (abs(mpmath.mpf(c) - x), struct.unpack("<q", struct.pack("<d", c))[0] & 1))
+
+
+def test_inverse_frequencies_correctly_rounded():
+    """Powers are correctly rounded, not libm's: glibc's pow rounds 10000 ** (198 / 256) the other way (its
+    result is 0.5025 ulp off), which a host with another libm need not do."""
+    with mpmath.workprec(600):
+        for base in (10000.0, 500000.0, 1e6, 123456.789):
+            for R in (64, 96, 128, 256):
+                for i in range(0, R // 2, 3):
+                    assert rope._pow(base, 2 * i / R) == nearest_double(mpmath.power(mpmath.mpf(base),
+                                                                                      mpmath.mpf(2 * i / R)))
+        hard = mpmath.power(mpmath.mpf(10000.0), mpmath.mpf(198 / 256))
+        assert rope._pow(10000.0, 198 / 256) == nearest_double(hard) == 1240.9377607517197
+        assert rope._log(1e6) == nearest_double(mpmath.log(mpmath.mpf(1e6)))
+    spec = RopeSpec(rotary_dim=256, base=10000.0, max_position=16)
+    assert rope.inv_freq(spec)[99] == 1.0 / 1240.9377607517197
+
+
+def test_zero_tiny_and_huge_angles():
+    angles = [0.0, -0.0, 5e-324, -5e-324, 1e-300, 2.0**-40, 2.0**32 * math.pi, 6e9, 1e10 + 0.5, 3e15]
+    cos, sin = cos_sin_f32(torch.tensor(angles, dtype=torch.float64), 1.25)
+    for j, a in enumerate(angles):
+        want_c, want_s = ref(a, "cos", 1.25), ref(a, "sin", 1.25)
+        if a == 0.0:
+            want_s = 0.0  # sin(+-0) is +0 here (the real value has no sign)
+        assert struct.pack("f", float(cos[j])) == struct.pack("f", want_c), a
+        assert struct.pack("f", float(sin[j])) == struct.pack("f", want_s), a
+    assert bool(rope._cos_sin_f64(torch.tensor([1e10], dtype=torch.float64))[2][0])  # |k| >= 2^32: tier 2
+    assert not bool(rope._cos_sin_f64(torch.tensor([2.0**-40], dtype=torch.float64))[2][0])  # k = 0: exact r
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0, math.inf, math.nan])
+def test_bad_factor_refused(factor):
+    with pytest.raises(ValueError, match="cos_sin_f32 factor"):
+        cos_sin_f32(torch.tensor([1.0], dtype=torch.float64), factor)

@@ -24,8 +24,9 @@ Semantics (the formulas of Hugging Face ``modeling_rope_utils`` and vLLM ``rotar
   the op passes the other dims through (vLLM's semantics; HF's Llama/Qwen2 forward has no partial rotary).
 
 Arithmetic (fixed, device- and thread-independent): every scalar (inverse frequencies, attention factor) is
-computed in Python float64 (Python's ``**``, ``math.log``: the host's libm, correctly rounded or within an
-ulp — identical on one host); angle ``= float64(position) * inv_freq[i]`` (one IEEE product); each table
+computed in Python float64 — IEEE ``+ - * /`` and correctly rounded powers and logs (not the host's libm),
+so the same on every host; YaRN's attention factor uses ``math.log`` as vLLM does (the plugin reads vLLM's
+value); angle ``= float64(position) * inv_freq[i]`` (one IEEE product); each table
 element is ``RN32(cos(angle) * attention_factor)`` — the real cos (sin) of that float64 angle times the
 float64 factor, rounded once to float32 (:func:`cos_sin_f32`). It is evaluated with IEEE ``+ - *`` in
 float64 and, for the ~1e-7 of elements that evaluation cannot decide, in integer fixed point; torch's and
@@ -82,6 +83,8 @@ class RopeSpec:
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # math.log, as vLLM computes it: the plugin takes vLLM's own float (rot.mscale), so the trainer's must be
+    # the same expression on the same libm
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -142,12 +145,35 @@ def rope_spec_from_hf_config(config) -> RopeSpec:
     raise ValueError(f"aligned_ops rope: rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
+def _rn64(compute) -> float:
+    """RN64 of a real that ``compute(mpmath)`` evaluates at 256 bits (ties to even): the host's libm plays no
+    part, so every host gets the same float. (mpmath ships with torch, through sympy.)"""
+    import mpmath
+
+    with mpmath.workprec(256):
+        v = compute(mpmath)
+    with mpmath.workprec(53):
+        return float(+v)
+
+
+def _pow(x: float, y: float) -> float:
+    """``x ** y`` correctly rounded (glibc's pow is within ~0.52 ulp, not always correctly rounded, and its FMA
+    and non-FMA variants may differ)."""
+    return _rn64(lambda m: m.power(m.mpf(x), m.mpf(y)))
+
+
+def _log(x: float) -> float:
+    """``math.log(x)`` correctly rounded."""
+    return _rn64(lambda m: m.log(m.mpf(x)))
+
+
 def _default_inv_freq(base: float, R: int) -> list[float]:
-    return [1.0 / (base ** (2 * i / R)) for i in range(R // 2)]
+    return [1.0 / _pow(base, 2 * i / R) for i in range(R // 2)]
 
 
 def inv_freq(spec: RopeSpec) -> list[float]:
-    """The ``R/2`` inverse frequencies, Python float64, in the formulas of the module docstring."""
+    """The ``R/2`` inverse frequencies, Python float64, in the formulas of the module docstring (powers and logs
+    correctly rounded, every other step one IEEE operation)."""
     R = spec.rotary_dim
     if spec.rope_type == "default":
         return _default_inv_freq(spec.base, R)
@@ -156,7 +182,7 @@ def inv_freq(spec: RopeSpec) -> list[float]:
     if spec.rope_type == "dynamic":
         trained = spec.max_trained_positions or spec.max_position
         ratio = spec.factor * spec.max_position / trained - (spec.factor - 1)
-        return _default_inv_freq(spec.base * ratio ** (R / (R - 2)), R)
+        return _default_inv_freq(spec.base * _pow(ratio, R / (R - 2)), R)
     if spec.rope_type == "llama3":
         orig, lo, hi = spec.original_max_position, spec.low_freq_factor, spec.high_freq_factor
         low_wavelen, high_wavelen = orig / lo, orig / hi
@@ -174,7 +200,7 @@ def inv_freq(spec: RopeSpec) -> list[float]:
     if spec.rope_type == "yarn":
 
         def correction_dim(rot):
-            return (R * math.log(spec.original_max_position / (rot * 2 * math.pi))) / (2 * math.log(spec.base))
+            return (R * _log(spec.original_max_position / (rot * 2 * math.pi))) / (2 * _log(spec.base))
 
         low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
         if spec.truncate:
@@ -184,7 +210,7 @@ def inv_freq(spec: RopeSpec) -> list[float]:
             high += 0.001
         out = []
         for i in range(R // 2):
-            pos_freq = spec.base ** (2 * i / R)
+            pos_freq = _pow(spec.base, 2 * i / R)
             extrap, interp = 1.0 / pos_freq, 1.0 / (spec.factor * pos_freq)
             ramp = min(max((i - low) / (high - low), 0.0), 1.0)
             e = 1.0 - ramp
@@ -209,11 +235,11 @@ def table_positions(spec: RopeSpec) -> int:
 # every host, torch build, libm and thread count. It is evaluated in two tiers:
 #   1. a float64 evaluation from IEEE +, -, *, round only (no libm, no vendor vector math, no FMA: each torch
 #      elementwise op rounds once, on any CPU): Cody-Waite reduction by pi/2 in three parts and Taylor
-#      polynomials on |r| <= pi/4, error <= 4 float64 ulps wherever |r| >= 2^-24 and |k| < 2^23;
+#      polynomials on |r| <= pi/4, error <= 4 float64 ulps wherever k = 0, or |r| >= 2^-24 and |k| < 2^32;
 #   2. an integer fixed-point evaluation (``_exact_f32``: 320+ bits, reduction and series exact to ~2^-300,
 #      rounding decided with an error bound) for the few elements tier 1 cannot decide: those within 16 float64
-#      ulps of a float32 rounding midpoint (~6e-8 of them), a tiny reduced angle (|r| < 2^-24: the reduction's
-#      absolute error would no longer be small relative to r) or a huge quotient (|k| >= 2^23).
+#      ulps of a float32 rounding midpoint (~6e-8 of them), a tiny reduced angle (|r| < 2^-24, k != 0: the
+#      reduction's absolute error would no longer be small relative to r) or a huge quotient (|k| >= 2^32).
 # torch's own float64 cos/sin are not used: their results depend on the vector path an element takes, the
 # CPU capability torch dispatches to and the build's vector math library, and a table built from them once
 # differed between two processes of the same test on the same machine.
@@ -242,20 +268,21 @@ def _split(value_fixed: int, bits: int, sig: int) -> tuple[float, int]:
     return math.ldexp(head >> shift, shift - bits), value_fixed - head
 
 
-def _pio2_parts() -> tuple[float, float, float]:
-    """pi/2 = C1 + C2 + C3 + O(2^-112): C1 and C2 with 30 significant bits, so k*C1 and k*C2 are exact for
-    |k| < 2^23; C3 with 53."""
-    bits = 200
+def _pio2_parts() -> tuple[float, float, float, float]:
+    """pi/2 = C1 + C2 + C3 + C4 + O(2^-115): C1..C3 with at most 21 significant bits, so k*Ci is exact for
+    |k| < 2^32; C4 with 53."""
+    bits = 240
     half_pi = _pi_fixed(bits) >> 1
-    c1, rest = _split(half_pi, bits, 30)
-    c2, rest = _split(rest, bits, 30)
-    c3 = math.ldexp(rest, -bits)  # one rounding
-    return c1, c2, c3
+    c1, rest = _split(half_pi, bits, 21)
+    c2, rest = _split(rest, bits, 21)
+    c3, rest = _split(rest, bits, 21)
+    c4 = math.ldexp(rest, -bits)  # one rounding
+    return c1, c2, c3, c4
 
 
-_PIO2_C1, _PIO2_C2, _PIO2_C3 = _pio2_parts()
+_PIO2_C1, _PIO2_C2, _PIO2_C3, _PIO2_C4 = _pio2_parts()
 _TWO_OVER_PI = 2.0 / math.pi  # any nearby value works: it only picks the quadrant k
-_MAX_K = float(1 << 23)
+_MAX_K = float(1 << 32)
 _MIN_R = 2.0**-24
 # Taylor coefficients, highest degree first: sin(r) = r + r^3 * S(r^2), cos(r) = 1 + r^2 * C(r^2).
 _SIN_COEFFS = [(-1) ** n / math.factorial(2 * n + 1) for n in range(10, 0, -1)]
@@ -272,15 +299,21 @@ def _horner(coeffs: list[float], r2: torch.Tensor) -> torch.Tensor:
 def _cos_sin_f64(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tier 1: float64 (cos, sin) and the mask of elements it does not vouch for (tiny r, huge k)."""
     k = torch.round(angle * _TWO_OVER_PI)
-    r = ((angle - k * _PIO2_C1) - k * _PIO2_C2) - k * _PIO2_C3  # first two products and difference exact
+    # k*C1, k*C2, k*C3 and the first difference exact (Sterbenz); three roundings after it, ~2^-84 absolute
+    r = (((angle - k * _PIO2_C1) - k * _PIO2_C2) - k * _PIO2_C3) - k * _PIO2_C4
     r2 = r * r
     s = r + (r * r2) * _horner(_SIN_COEFFS, r2)
     c = 1.0 + r2 * _horner(_COS_COEFFS, r2)
     q = torch.remainder(k, 4.0)
     cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
     sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
-    undecided = ((r.abs() < _MIN_R) & (angle != 0)) | (k.abs() >= _MAX_K)
+    # a tiny r is exact when k = 0 (r = angle); otherwise the reduction's absolute error would matter
+    undecided = ((r.abs() < _MIN_R) & (k != 0)) | (k.abs() >= _MAX_K)
     return cos, sin, undecided
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]  # RN (the C cast); |x| < FLT_MAX here
 
 
 def _round_fixed_to_f32(v: int, bits: int, err: int):
@@ -288,7 +321,7 @@ def _round_fixed_to_f32(v: int, bits: int, err: int):
     a rounding midpoint."""
     sign, x = (-1.0 if v < 0 else 1.0), abs(v)
     if x <= err:
-        return None if x else 0.0
+        return None  # the sign is not settled yet (v is never exactly 0: factor > 0, angle != 0)
     shift = max(x.bit_length() - 24, bits - 149)  # 24 significant bits, or the subnormal lsb 2^-149
     if shift <= 0:
         return sign * math.ldexp(x, -bits)  # representable
@@ -303,13 +336,13 @@ def _round_fixed_to_f32(v: int, bits: int, err: int):
 
 def _exact_f32(angle: float, which: str, factor: float) -> float:
     """Tier 2: RN32(cos(angle) * factor) (``which`` 'cos') or RN32(sin(angle) * factor), in integers."""
-    if angle == 0.0:  # cos 1, sin 0: exact
-        return struct.unpack("f", struct.pack("f", factor))[0] if which == "cos" else 0.0 * factor
-    bits = 320
+    if angle == 0.0:  # cos 1, sin 0: exact (cos_sin_f32 passes +0 for -0)
+        return _f32(factor) if which == "cos" else 0.0
+    bits = max(320, 64 - 2 * math.frexp(angle)[1])  # enough that a tiny angle is not truncated to 0
     while True:
         num, den = angle.as_integer_ratio()  # den: a power of two
         scale = 1 << bits
-        a = (num * scale) // den if den <= scale else 0  # |error| < 1 unit (angles below 2^-320: cos 1, sin a)
+        a = (num * scale) // den  # |error| < 1 unit, a != 0
         half_pi = _pi_fixed(bits) >> 1
         k = (2 * a + half_pi) // (2 * half_pi)
         r = a - k * half_pi  # |error| <= |k| + 2 units
@@ -353,7 +386,8 @@ def _round_unambiguous(v64: torch.Tensor, exact, undecided: torch.Tensor | None 
         amb = amb | undecided
     amb = amb.nonzero()
     if amb.numel():
-        fixed = torch.tensor([exact(*map(int, idx)) for idx in amb.tolist()], dtype=torch.float32)
+        fixed = torch.tensor([exact(*map(int, idx)) for idx in amb.tolist()], dtype=torch.float32,
+                             device=out.device)
         out[tuple(amb.t())] = fixed
     return out
 
@@ -366,6 +400,10 @@ def cos_sin_f32(angle: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor,
     if not bool(torch.isfinite(angle).all()):
         raise ValueError("aligned_ops rope: cos_sin_f32 got a non-finite angle")
     factor = float(factor)
+    if not (math.isfinite(factor) and 0.0 < factor < 2.0**64):
+        raise ValueError(f"aligned_ops rope: cos_sin_f32 factor (the attention factor) must be finite and > 0, "
+                         f"got {factor}")
+    angle = angle + 0.0  # -0 -> +0: sin(+-0) is +0 in both tiers
     cos, sin, undecided = _cos_sin_f64(angle)
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
