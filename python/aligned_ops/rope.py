@@ -240,9 +240,9 @@ def table_positions(spec: RopeSpec) -> int:
 #      rounding decided with an error bound) for the few elements tier 1 cannot decide: those within 16 float64
 #      ulps of a float32 rounding midpoint (~6e-8 of them), a tiny reduced angle (|r| < 2^-24, k != 0: the
 #      reduction's absolute error would no longer be small relative to r) or a huge quotient (|k| >= 2^32).
-# torch's own float64 cos/sin are not used: their results depend on the vector path an element takes, the
-# CPU capability torch dispatches to and the build's vector math library, and a table built from them once
-# differed between two processes of the same test on the same machine.
+# torch's own float64 cos/sin are not used: their bits are whatever the build's vector math library (MKL VML,
+# Sleef, libm for tails) returns, and a table built from them once differed between two processes of the same
+# test on the same machine (tests/cpu/test_isa_levels.py, in CI).
 
 
 @functools.lru_cache(maxsize=8)
@@ -374,21 +374,16 @@ def _exact_f32(angle: float, which: str, factor: float) -> float:
         bits *= 2  # undecided at this precision (a true midpoint cannot occur: cos, sin of a rational != 0)
 
 
-def _round_unambiguous(v64: torch.Tensor, exact, undecided: torch.Tensor | None = None) -> torch.Tensor:
-    """Round float64 ``v64`` (within a few ulps of the true value) to float32; the elements too close to a
-    float32 midpoint for that to be safe, and those in ``undecided``, are recomputed by ``exact(*index)``."""
+def _round_unambiguous(v64: torch.Tensor, exact, undecided: torch.Tensor) -> torch.Tensor:
+    """Round the 1-D float64 ``v64`` (each within a few ulps of its true value) to float32; the elements too
+    close to a float32 midpoint for that to be safe, and those in ``undecided``, are ``exact(j)`` instead."""
     ulp = (torch.nextafter(v64, torch.full_like(v64, math.inf)) - v64).abs()
     delta = ulp * 16.0
     lo, hi = (v64 - delta).to(torch.float32), (v64 + delta).to(torch.float32)
     out = v64.to(torch.float32)
-    amb = lo != hi
-    if undecided is not None:
-        amb = amb | undecided
-    amb = amb.nonzero()
-    if amb.numel():
-        fixed = torch.tensor([exact(*map(int, idx)) for idx in amb.tolist()], dtype=torch.float32,
-                             device=out.device)
-        out[tuple(amb.t())] = fixed
+    redo = ((lo != hi) | undecided).nonzero().flatten()
+    if redo.numel():
+        out[redo] = torch.tensor([exact(j) for j in redo.tolist()], dtype=torch.float32, device=out.device)
     return out
 
 
@@ -407,14 +402,9 @@ def cos_sin_f32(angle: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor,
     cos, sin, undecided = _cos_sin_f64(angle)
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
-    flat = angle.reshape(1, -1)  # one row: an element's index is (0, j)
-
-    def exact(which):
-        return lambda _, j: _exact_f32(float(flat[0, j]), which, factor)
-
-    undecided = undecided.reshape(1, -1)
-    cos32 = _round_unambiguous(cos.reshape(1, -1), exact("cos"), undecided)
-    sin32 = _round_unambiguous(sin.reshape(1, -1), exact("sin"), undecided)
+    flat, undecided = angle.reshape(-1), undecided.reshape(-1)
+    cos32, sin32 = (_round_unambiguous(v.reshape(-1), lambda j, w=which: _exact_f32(float(flat[j]), w, factor),
+                                       undecided) for v, which in ((cos, "cos"), (sin, "sin")))
     return cos32.reshape(angle.shape), sin32.reshape(angle.shape)
 
 
