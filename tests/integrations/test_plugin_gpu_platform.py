@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.attention.selector import AttentionSelectorConfig, _cached_get_attn_backend  # noqa: E402
 
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
-from aligned_ops.integrations.vllm_attention import AlignedAttentionBackend  # noqa: E402
+from aligned_ops.integrations.vllm.attention import AlignedAttentionBackend  # noqa: E402
 
 FLASH_ATTN_PATH = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
 ROCM_ATTN_PATH = "vllm.v1.attention.backends.rocm_attn.RocmAttentionBackend"
@@ -186,7 +186,7 @@ def test_cpu_path_unchanged():
     try:
         assert not vllm_plugin._platform_originals  # the CPU selector is not replaced
         assert AttentionBackendEnum.CPU_ATTN.get_path() == \
-            "aligned_ops.integrations.vllm_attention.AlignedAttentionBackend"
+            "aligned_ops.integrations.vllm.attention.AlignedAttentionBackend"
     finally:
         if not was:
             vllm_plugin.uninstall()

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 import vllm.platforms  # noqa: E402
 
 import aligned_ops  # noqa: E402
-from aligned_ops.integrations import vllm_attention as va  # noqa: E402
+from aligned_ops.integrations.vllm import attention as va  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal  # noqa: E402
 
 from test_plugin_gpu_platform import MockCudaPlatform  # noqa: E402  (same folder: the mocked CUDA platform)

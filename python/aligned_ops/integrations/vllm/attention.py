@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 import aligned_ops
 
-from ..model_spec import architecture_of, rules_of
+from ...models.spec import architecture_of, rules_of
 
 
 def record_architecture(layer) -> None:

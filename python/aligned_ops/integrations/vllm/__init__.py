@@ -1,0 +1,1 @@
+"""The vLLM plugin, one module per concern (see ``install``)."""

@@ -1,0 +1,1 @@
+"""Model definitions shared by the trainer patch and the vLLM plugin."""
