@@ -35,7 +35,7 @@ from .ops.linear import linear, linear_lane_bounds, linear_partial, linear_tp_sl
 from .ops.logits import log_softmax, logsumexp, token_logprobs
 from .ops.collective import tree_all_reduce
 from .ops.device_errors import check_device_errors
-from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+from .ops.linear_exact import clear_exact_weight_cache, linear_exact
 from .ops.attention import (
     AttentionPlan,
     attention_plan_size,
@@ -46,6 +46,8 @@ from .ops.attention import (
 from .emulation import emulate
 from .ops.moe import moe_experts, moe_layer, moe_routing
 from .ops.lm_head import fused_token_logprobs
+from . import profiles  # noqa: F401  (the numerics profiles as objects; ALIGNED_OPS_LINEAR)
+from .profiles import linear_profile, profile_linear
 
 __version__ = "0.1.0"
 
@@ -60,6 +62,7 @@ __all__ = [
     "linear_exact",
     "linear_profile",
     "profile_linear",
+    "profiles",
     "clear_exact_weight_cache",
     "rms_norm",
     "fused_add_rms_norm",

@@ -3,7 +3,8 @@ documented wrappers. Schemas and checks live in C++ (csrc/torch_bindings.cpp, cs
 
 - :mod:`.dense`        norms, activation, rotary;
 - :mod:`.linear`       the ``fma`` profile: ``linear``, its 8 lanes (``linear_partial``, TP helpers, ``tree_combine``);
-- :mod:`.linear_exact` the ``exact`` profile (integer-MMA linear), its packed-weight cache, ``profile_linear``;
+- :mod:`.linear_exact` the ``exact`` profile (integer-MMA linear), its packed-weight cache (the profiles as objects:
+  :mod:`aligned_ops.profiles`);
 - :mod:`.logits`       log_softmax, logsumexp, token_logprobs (fp32, at a temperature);
 - :mod:`.lm_head`      the fused LM-head log-prob (no [T, V] logits, the unfused bits);
 - :mod:`.attention`    varlen / paged attention, cache write;

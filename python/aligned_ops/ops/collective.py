@@ -43,7 +43,7 @@ import torch.distributed as dist
 ops = torch.ops.aligned
 
 from .linear import finish_linear, linear_partial, linear_tp_slices, tree_combine
-from .linear_exact import cached_weight_slice, linear_profile, pack_weight_slice
+from .linear_exact import cached_weight_slice, pack_weight_slice
 
 EXACT_MAX_K = 131072  # exact_linear.h kMaxK: the full K of a row-parallel layer (the int64 partial bound)
 
@@ -230,24 +230,17 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
-                        *, in_features: int | None = None, algorithm: str = "auto",
-                        profile: str | None = None) -> torch.Tensor:
-    """A row-parallel aligned linear of ``profile`` (``fma`` | ``exact``; None: the process's
-    ``ALIGNED_OPS_LINEAR``; the vLLM plugin passes its layer's rules' profile): rank r holds ``x[..., K_r]``
-    and ``weight[:, K_r]`` (K_r its slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every
-    rank returns the full ``linear(x, weight, bias)`` (``exact``: ``linear_exact``), bit for bit.
+                        *, in_features: int | None = None, algorithm: str = "auto") -> torch.Tensor:
+    """The ``fma`` profile's row-parallel linear: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
+    slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
+    ``linear(x, weight, bias)``, bit for bit. (The ``exact`` profile's route: :func:`exact_row_parallel_linear`;
+    the route of a profile object: ``aligned_ops.profiles.<profile>.row_parallel_linear``.)
 
-    ``fma``: ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the
-    linear's epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K),
-    when given, is checked: the rank's slice must be whole lanes and K_r long. ``exact``:
-    :func:`exact_row_parallel_linear` (integer partials, an exact integer all-reduce).
+    ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
+    epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
+    given, is checked: the rank's slice must be whole lanes and K_r long.
     """
     what = "row_parallel_linear"
-    profile = linear_profile() if profile is None else profile
-    if profile == "exact":
-        return exact_row_parallel_linear(x, weight, bias, group, in_features=in_features)
-    if profile != "fma":
-        raise ValueError(f"aligned_ops.{what}: profile must be 'fma' or 'exact', got {profile!r}")
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
     k_local = weight.shape[-1]

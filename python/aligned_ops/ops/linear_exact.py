@@ -8,13 +8,12 @@ rounded once to fp32 and once to x's dtype. Its bits do not depend on batch, row
 Backward (training) uses the deterministic ``fma`` path (``aligned::linear_backward``): rollouts never need
 backward bits, and the trainer's forward still uses the exact kernel, so forward log-probs match the engine.
 
-Profile switch: ``ALIGNED_OPS_LINEAR=fma|exact`` (process-wide, read by the vLLM plugin and the trainer patch
-through :func:`linear_profile`; ``fma`` when unset).
+The profile as an object (its linear, TP route, capabilities) and the ``ALIGNED_OPS_LINEAR`` switch:
+:mod:`aligned_ops.profiles` (``EXACT``).
 """
 
 from __future__ import annotations
 
-import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -22,17 +21,6 @@ from ._registry import linear_grads, register_linear_autograd, save_linear_input
 
 ops = torch.ops.aligned
 _lib = "aligned::"
-
-PROFILES = ("fma", "exact")
-
-
-def linear_profile() -> str:
-    """The process-wide linear numerics profile from ``ALIGNED_OPS_LINEAR`` (``fma`` when unset)."""
-    p = os.environ.get("ALIGNED_OPS_LINEAR", "fma").strip().lower() or "fma"
-    if p not in PROFILES:
-        raise ValueError(f"ALIGNED_OPS_LINEAR must be one of {PROFILES}, got {p!r}")
-    return p
-
 
 def _same_device(op, *ts):
     devs = {t.device for t in ts if t is not None}
@@ -227,13 +215,6 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearExactCached.apply(x, weight, bias)
     return _run_packed(x, weight, bias)
-
-
-def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The aligned linear of the process's profile (``ALIGNED_OPS_LINEAR``)."""
-    if linear_profile() == "exact":
-        return linear_exact(x, weight, bias)
-    return ops.linear(x, weight, bias)
 
 
 # Ops autograd must not differentiate silently (torch's default would return zeros with a warning):

@@ -1,0 +1,256 @@
+"""Numerics profiles as objects: what a matrix product computes, and everything that follows from that choice.
+
+A *profile* names how every matrix product of a model is computed (DEVELOPERS.md, "The contract"). It is one
+object that carries, together:
+
+- ``linear(x, weight, bias)`` — the op itself (forward; autograd is registered on the op);
+- ``row_parallel_linear(...)`` — its tensor-parallel route for a row-parallel layer (o_proj, down_proj: each rank
+  holds a slice of K), which must give the single-device bits;
+- ``fused_token_logprobs(...)`` — the LM head's fused log-prob, where the profile has one;
+- ``backward`` — how its gradient is computed (a sentence; the formula is registered on the op);
+- ``capabilities`` — where it runs (devices, TP degrees, compiled mode, CUDA graphs), checked once by
+  :meth:`Profile.refusals` when a model is patched or an engine is configured;
+- ``invariant_to`` — what its bits do not depend on (the start-up log and the README print it);
+- ``op`` — the aligned op its linears run (the name a traced forward shows; ``aligned_ops.model_spec`` steps).
+
+Resolution, once. ``ALIGNED_OPS_LINEAR`` is the user's switch; :func:`resolve` reads it (unless a profile is
+given explicitly or an architecture's rules pin one) and returns the object. The trainer patch resolves once
+per model (``hf.patch_model(model, profile=None)``), the vLLM plugin once per engine (when the engine config is
+created; the name travels to every worker in ``vllm_config.additional_config``). Every patched layer then
+*carries* its profile (``layer._aligned_profile``, read by :func:`profile_of`): no hot path reads the
+environment or compares a profile name. Code outside this module never compares profile names: it calls the
+object, reads a capability, or compares objects (``profile is FMA``).
+
+Adding a profile (the ``mma`` profile, issue 27, goes here): subclass :class:`Profile`, implement ``linear`` and
+``row_parallel_linear`` (and ``fused_token_logprobs`` if it has a fused head), state ``capabilities``,
+``invariant_to``, ``backward`` and ``op``, and add one instance to :data:`REGISTRY` below (``register(...)``).
+Nothing else in the package names profiles: ``aligned-ops verify --linear NAME``, the plugin's start-up check,
+the trainer patch and the spec pick it up from the registry. A profile that cannot run somewhere says so in its
+capabilities (or overrides ``refusals``), and the model patch / engine start refuses with its reasons.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .ops import collective
+from .ops import linear as _fma
+from .ops import linear_exact as _exact
+from .ops import lm_head as _lm_head
+
+ENV_VAR = "ALIGNED_OPS_LINEAR"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Where a profile runs. Checked by :meth:`Profile.refusals` at model patch / engine start, never per call."""
+
+    devices: tuple[str, ...]        # device types its linear runs on ("cuda" also covers ROCm builds of torch)
+    tp_degrees: tuple[int, ...]     # tensor-parallel degrees its row-parallel route serves
+    tp_devices: tuple[str, ...]     # device types its row-parallel route (TP > 1) runs on
+    tp_traceable: bool              # that route inside a traced forward (torch.compile / vLLM compiled mode)
+    compile: bool                   # its linear inside torch.compile(fullgraph=True)
+    cuda_graphs: bool               # its linear inside a captured CUDA graph (no host read, nothing re-planned)
+    fused_lm_head: bool             # aligned_ops.fused_token_logprobs computes its LM head
+
+
+class Profile:
+    """One numerics profile (see the module docstring). Instances are singletons held by :data:`REGISTRY`;
+    compare them with ``is``."""
+
+    name: str
+    op: str
+    capabilities: Capabilities
+    invariant_to: str
+    backward: str
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None,
+                            algorithm: str = "auto") -> torch.Tensor:
+        """Rank r holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns ``linear(x, weight, bias)``."""
+        raise NotImplementedError
+
+    def fused_token_logprobs(self, hidden, weight, token_ids, temperature=1.0, bias=None, **chunks):
+        raise ValueError(f"aligned_ops: the {self.name!r} linear profile has no fused LM-head log-prob")
+
+    def refusals(self, *, device: str = "cpu", tp_size: int = 1, compiled: bool = False,
+                 cuda_graphs: bool = False) -> list[str]:
+        """Why this profile cannot serve the given setting (empty: it can). One sentence per reason."""
+        c, out = self.capabilities, []
+        if device not in c.devices:
+            out.append(f"the {self.name!r} linear profile does not run on {device} (it runs on "
+                       f"{', '.join(c.devices)})")
+        if tp_size > 1:
+            if tp_size not in c.tp_degrees:
+                out.append(f"the {self.name!r} linear profile serves tensor_parallel_size "
+                           f"{', '.join(map(str, c.tp_degrees))}, not {tp_size}")
+            if device not in c.tp_devices:
+                out.append(f"the {self.name!r} linear profile's tensor-parallel route runs on "
+                           f"{', '.join(c.tp_devices)} only, not {device}")
+            if compiled and not c.tp_traceable:
+                out.append(f"the {self.name!r} linear profile at tensor parallelism {tp_size} runs its row-parallel "
+                           "layers in eager mode only: use enforce_eager=True, tensor_parallel_size=1, or "
+                           f"{ENV_VAR}={DEFAULT.name} on both sides")
+        if compiled and not c.compile:
+            out.append(f"the {self.name!r} linear profile does not run under torch.compile")
+        if cuda_graphs and not c.cuda_graphs:
+            out.append(f"the {self.name!r} linear profile cannot run inside a captured CUDA graph: use "
+                       "enforce_eager=True")
+        return out
+
+    def describe(self) -> str:
+        """One paragraph for a start-up log or a README table."""
+        return f"linear profile {self.name!r} ({self.op}): invariant to {self.invariant_to} Backward: {self.backward}"
+
+    def __repr__(self) -> str:
+        return f"<aligned_ops linear profile {self.name!r}>"
+
+    # A profile is a registered singleton: copies (deepcopy of a patched model) and pickles (a worker process)
+    # are the registered object itself, so ``is`` comparisons hold everywhere.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (get, (self.name,))
+
+
+class FmaProfile(Profile):
+    """``fma``: portable fp32 chains (8 lanes of K, a fixed tree, one rounding; csrc/common/contract.h)."""
+
+    name = "fma"
+    op = "linear"
+    capabilities = Capabilities(devices=("cpu", "cuda"), tp_degrees=collective.TP_DEGREES,
+                                tp_devices=("cpu", "cuda"), tp_traceable=True, compile=True, cuda_graphs=True,
+                                fused_lm_head=True)
+    invariant_to = ("the batch (size, a row's position, the other rows), chunking, prefill vs decode, thread count, "
+                    "CPU ISA level, the device (CPU = CUDA = HIP, emulated GPUs included), the run, and the "
+                    "tensor-parallel degree 1, 2, 4 or 8 (each rank computes whole lanes of the 8-lane tree; "
+                    "aligned_ops.tree_all_reduce finishes it).")
+    backward = ("aligned::linear_backward: dx one fp32 chain over N, dW one chain over the tokens in batch order "
+                "(deterministic, batch-composition-dependent for dW like any sum over the batch).")
+
+    def linear(self, x, weight, bias=None):
+        return _fma.linear(x, weight, bias)
+
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto"):
+        # each rank's 8/t-lane sub-tree (linear_partial), finished by the tree all-reduce; bias once, one rounding
+        return collective.row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm)
+
+    def fused_token_logprobs(self, hidden, weight, token_ids, temperature=1.0, bias=None, **chunks):
+        return _lm_head.fused_token_logprobs(hidden, weight, token_ids, temperature, bias=bias, **chunks)
+
+
+class ExactProfile(Profile):
+    """``exact``: every output the exact integer dot product of the inputs' canonical fixed-point forms, rounded
+    once (csrc/common/exact_linear.h, docs/exact_linear.md)."""
+
+    name = "exact"
+    op = "linear_exact"
+    capabilities = Capabilities(devices=("cpu", "cuda"), tp_degrees=collective.TP_DEGREES, tp_devices=("cpu",),
+                                tp_traceable=False, compile=True, cuda_graphs=False, fused_lm_head=False)
+    invariant_to = ("everything fma is invariant to, and also how K is cut (any split, uneven tensor-parallel "
+                    "slices included) and which instruction computes it (AMX-INT8, AVX512-VNNI, AVX2, generic, "
+                    "GPU): the same bits everywhere. Slow; its bits are not fma's.")
+    backward = ("the fma profile's aligned::linear_backward (rollouts never need backward bits; the trainer's "
+                "forward still runs the exact kernel, so its log-probs match the engine's).")
+
+    def linear(self, x, weight, bias=None):
+        return _exact.linear_exact(x, weight, bias)
+
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto"):
+        # integer partials over the full rows' canonical forms, an exact int64 all-reduce, one rounding
+        return collective.exact_row_parallel_linear(x, weight, bias, group, in_features=in_features)
+
+
+FMA = FmaProfile()
+EXACT = ExactProfile()
+DEFAULT = FMA  # what an unset ALIGNED_OPS_LINEAR selects
+
+# The registry: every profile the package offers, by name. The one list (the `mma` profile is added here).
+REGISTRY: dict[str, Profile] = {}
+
+
+def register(profile: Profile) -> Profile:
+    """Offer ``profile`` under ``profile.name`` (resolution, ``aligned-ops verify --linear``, the plugin)."""
+    if profile.name in REGISTRY and REGISTRY[profile.name] is not profile:
+        raise ValueError(f"aligned_ops.profiles: a profile named {profile.name!r} is already registered")
+    REGISTRY[profile.name] = profile
+    return profile
+
+
+for _p in (FMA, EXACT):
+    register(_p)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def get(profile: str | Profile, what: str = "linear profile") -> Profile:
+    """The registered profile named ``profile`` (a :class:`Profile` is returned as is)."""
+    if isinstance(profile, Profile):
+        return profile
+    key = str(profile).strip().lower()
+    try:
+        return REGISTRY[key]
+    except KeyError:
+        raise ValueError(f"{what} must be one of {names()}, got {profile!r}") from None
+
+
+def from_env() -> Profile:
+    """The profile ``ALIGNED_OPS_LINEAR`` names (``fma`` when unset or empty), read now."""
+    return get(os.environ.get(ENV_VAR, "").strip() or DEFAULT.name, ENV_VAR)
+
+
+def resolve(requested: str | Profile | None = None, pinned: str | Profile | None = None) -> Profile:
+    """The profile a model or an engine runs, decided once: ``pinned`` (an architecture's rules name one) wins,
+    then ``requested`` (an explicit argument), then ``ALIGNED_OPS_LINEAR``."""
+    if pinned is not None:
+        return get(pinned, "LayerRules.linear_profile")
+    if requested is not None:
+        return get(requested)
+    return from_env()
+
+
+def profile_of(layer) -> Profile:
+    """The profile a patched layer carries (bound when the trainer patch or the vLLM engine built it). A layer
+    built outside both (a stand-in, a layer made by hand) is bound now, from ``ALIGNED_OPS_LINEAR``, once."""
+    p = getattr(layer, "_aligned_profile", None)
+    if p is None:
+        p = from_env()
+        try:
+            layer._aligned_profile = p
+        except AttributeError:  # pragma: no cover - an object that takes no attributes: resolved per call
+            pass
+    return p
+
+
+# ---- the process-level convenience API (aligned_ops.linear_profile / profile_linear) -------------------------
+
+
+def linear_profile() -> str:
+    """The name of the profile ``ALIGNED_OPS_LINEAR`` selects now (``fma`` when unset)."""
+    return from_env().name
+
+
+def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The aligned linear of the profile ``ALIGNED_OPS_LINEAR`` selects now (reads the variable per call: for
+    scripts; models carry their resolved profile instead)."""
+    return from_env().linear(x, weight, bias)
+
+
+def row_parallel_linear(x, weight, bias=None, group=None, *, in_features=None, algorithm: str = "auto",
+                        profile: str | Profile | None = None) -> torch.Tensor:
+    """A row-parallel aligned linear of ``profile`` (a name or object; None: ``ALIGNED_OPS_LINEAR`` now): rank r
+    holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns the full single-device linear of that
+    profile, bit for bit (``fma``: :func:`aligned_ops.ops.collective.row_parallel_linear`, the 8-lane tree;
+    ``exact``: :func:`aligned_ops.ops.collective.exact_row_parallel_linear`, integer partials)."""
+    return resolve(profile).row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm)
