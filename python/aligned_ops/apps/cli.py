@@ -87,6 +87,13 @@ def validate_args(args) -> None:
     _at_least(args, "--threads", 1)
     _at_least(args, "--seed", 0)
     if args.command == "verify":
+        if args.linear is not None:
+            from .. import profiles
+
+            try:
+                profiles.get(args.linear, "--linear")
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
         if not (0.0 < args.temperature < float("inf")):
@@ -130,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build a tiny mixture-of-experts model (Qwen3-MoE) instead of a dense one; with --model, "
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
 
-    v.add_argument("--linear", choices=["fma", "exact"], default=None,
-                   help="linear numerics profile of the aligned side (default: ALIGNED_OPS_LINEAR, else fma)")
+    v.add_argument("--linear", default=None, metavar="PROFILE",
+                   help="linear numerics profile of the aligned side, a name from aligned_ops.profiles (fma, exact; "
+                        "default: ALIGNED_OPS_LINEAR, else fma)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 

@@ -33,8 +33,11 @@ def pin_reproducible_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def child_env(kernels: str) -> dict:
+def child_env(kernels: str, overrides: dict | None = None) -> dict:
+    """The environment of a child process of kernel set ``kernels``; ``overrides`` (e.g. the resolved linear
+    profile, ``ALIGNED_OPS_LINEAR``) are set in it, never in this process's environment."""
     env = dict(os.environ)
+    env.update(overrides or {})
     env["ALIGNED_OPS_VLLM"] = "1" if kernels == "aligned" else "0"
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,10 +46,11 @@ def child_env(kernels: str) -> dict:
     return env
 
 
-def run_child(kernels: str, argv: list[str], result_path: str) -> dict:
-    """Run ``python -m aligned_ops.apps.cli <argv> --kernels K --result PATH`` and load its JSON result."""
+def run_child(kernels: str, argv: list[str], result_path: str, env: dict | None = None) -> dict:
+    """Run ``python -m aligned_ops.apps.cli <argv> --kernels K --result PATH`` (``env``: variables set in the
+    child only) and load its JSON result."""
     cmd = [sys.executable, "-m", "aligned_ops.apps.cli", *argv, "--kernels", kernels, "--result", result_path]
-    proc = subprocess.run(cmd, env=child_env(kernels))
+    proc = subprocess.run(cmd, env=child_env(kernels, env))
     if proc.returncode != 0:
         raise SystemExit(f"aligned-ops: the {kernels!r} run failed (exit {proc.returncode}); its output is above")
     with open(result_path) as f:

@@ -303,7 +303,7 @@ def main(args) -> int:
     """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
     import torch
 
-    from ..testing.tiny_model import build_tiny_moe, build_tiny_qwen2
+    from ..models.tiny import build_tiny_moe, build_tiny_qwen2
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -38,7 +38,9 @@ def pad_batch(sequences: list[list[int]], completion_starts: list[int], pad_id: 
     return ids, attn, comp
 
 
-def trainer_model(model_dir: str, dtype: str, aligned: bool):
+def trainer_model(model_dir: str, dtype: str, aligned: bool, profile=None):
+    """The HF model from ``model_dir``; ``aligned``: patched, running ``profile`` (an :mod:`aligned_ops.profiles`
+    name or object; None: ``ALIGNED_OPS_LINEAR``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -47,7 +49,7 @@ def trainer_model(model_dir: str, dtype: str, aligned: bool):
     if aligned:
         from ..integrations import hf
 
-        hf.patch_model(model)
+        hf.patch_model(model, profile=profile)
     return model
 
 

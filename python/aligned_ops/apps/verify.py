@@ -35,18 +35,18 @@ def make_prompts(vocab_size: int, n: int, seed: int, eos_id: int) -> list[list[i
     return prompts
 
 
-def check_profiles(model) -> str:
-    """The linear profile both sides ran (each side's model_spec rules for its model: ALIGNED_OPS_LINEAR unless
-    the architecture's RULES entry pins one); refuses a mismatch between them."""
-    from .. import linear_profile
-    from ..integrations import vllm_plugin
+def check_profiles(model):
+    """The linear profile (an :mod:`aligned_ops.profiles` object) both sides ran: the one the trainer patch
+    resolved for ``model`` and the one the vLLM plugin resolved for the engine it configured in this process
+    (none configured here: the trainer's); refuses a mismatch between them."""
+    from ..integrations.vllm import installed_profile
+    from ..profiles import profile_of
 
-    now = linear_profile()
-    trainer = getattr(model, "_aligned_linear_profile", None) or now
-    engine = vllm_plugin.installed_linear_profile or trainer  # None: the plugin ran in another process
-    if engine != trainer:
-        raise RuntimeError(f"aligned-ops verify: linear profile mismatch: vLLM plugin {engine!r}, trainer {trainer!r} "
-                           f"(ALIGNED_OPS_LINEAR now {now!r}); both sides must run one profile")
+    trainer = profile_of(model)
+    engine = installed_profile() or trainer  # None: the plugin ran in another process
+    if engine is not trainer:
+        raise RuntimeError(f"aligned-ops verify: linear profile mismatch: vLLM plugin {engine.name!r}, trainer "
+                           f"{trainer.name!r}; both sides must run one profile")
     return trainer
 
 
@@ -54,6 +54,7 @@ def child(args) -> dict:
     """One kernel set (``args.kernels``): generate with vLLM, score with the trainer, return the mismatch."""
     import torch
 
+    from .. import profiles
     from ..diagnostics import mismatch_metrics
     from ..integrations import rollout
 
@@ -69,7 +70,7 @@ def child(args) -> dict:
     t_gen = time.time() - t0
     sequences = [p + c.token_ids for p, c in zip(prompts, completions)]
     starts = [len(p) for p in prompts]
-    model = trainer_model(args.model, args.dtype, aligned)
+    model = trainer_model(args.model, args.dtype, aligned)  # the profile: ALIGNED_OPS_LINEAR, set by the parent
     t0 = time.time()
     lp_trainer, comp = trainer_logprobs(model, aligned, sequences, starts, tok.eos_token_id, args.temperature)
     t_train = time.time() - t0
@@ -81,18 +82,18 @@ def child(args) -> dict:
         experts = dict(zip(("trainer_experts", "rollout_experts"),
                            routing_pair(llm, model, aligned, sequences, starts, tok.eos_token_id)))
     m = mismatch_metrics(lp_trainer, lp_rollout, comp, **experts)
-    m["linear_profile"] = check_profiles(model) if aligned else "stock"
-    if aligned and m["linear_profile"] == "exact":
-        # How far the exact profile's log-probs are from the fma profile's (same tokens, trainer side).
-        old = os.environ.get("ALIGNED_OPS_LINEAR")
-        os.environ["ALIGNED_OPS_LINEAR"] = "fma"
-        try:
-            lp_fma, _ = trainer_logprobs(model, aligned, sequences, starts, tok.eos_token_id, args.temperature)
-        finally:
-            os.environ["ALIGNED_OPS_LINEAR"] = old
-        d = (lp_trainer - lp_fma).abs()[comp.bool()]
-        m["exact_vs_fma_abs_max"] = float(d.max()) if d.numel() else 0.0
-        m["exact_vs_fma_abs_mean"] = float(d.mean()) if d.numel() else 0.0
+    profile = check_profiles(model) if aligned else None
+    m["linear_profile"] = profile.name if aligned else "stock"
+    if aligned and profile is not profiles.DEFAULT:
+        # How far this profile's log-probs are from the default (fma) profile's (same tokens, trainer side).
+        from ..integrations import hf
+
+        hf.unpatch_model(model)
+        hf.patch_model(model, profile=profiles.DEFAULT)  # the same weights, patched to the default profile
+        lp_ref, _ = trainer_logprobs(model, aligned, sequences, starts, tok.eos_token_id, args.temperature)
+        d = (lp_trainer - lp_ref).abs()[comp.bool()]
+        m["vs_default_abs_max"] = float(d.max()) if d.numel() else 0.0
+        m["vs_default_abs_mean"] = float(d.mean()) if d.numel() else 0.0
     m.update(engine_start_s=t_engine, generate_s=t_gen, trainer_s=t_train, prompts=len(prompts),
              prompt_lengths=[len(p) for p in prompts])
     return m
@@ -105,27 +106,28 @@ def main(args) -> int:
     if model is None and getattr(args, "moe", False):
         import torch
 
-        from ..testing.tiny_model import build_tiny_moe
+        from ..models.tiny import build_tiny_moe
 
         model = build_tiny_moe(os.path.join(work, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen3-MoE (8 experts, top-2; {args.dtype}) in {model}", flush=True)
     if model is None:
         import torch
 
-        from ..testing.tiny_model import build_tiny_qwen2
+        from ..models.tiny import build_tiny_qwen2
 
         model = build_tiny_qwen2(os.path.join(work, "tiny-qwen2"), dtype=getattr(torch, args.dtype), seed=args.seed)
         print(f"built a tiny random-weight Qwen2 ({args.dtype}) in {model}", flush=True)
-    if getattr(args, "linear", None):
-        os.environ["ALIGNED_OPS_LINEAR"] = args.linear  # the children inherit it: both sides, one profile
-    from .. import linear_profile
+    from .. import profiles
 
-    profile = linear_profile()
+    # Resolved once, here (--linear, else ALIGNED_OPS_LINEAR); both children get it in their environment (the
+    # engine and the trainer each resolve it once), never through this process's environment.
+    profile = profiles.resolve(getattr(args, "linear", None))
+    child_env = {profiles.ENV_VAR: profile.name}
     argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),
             "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    results = {k: run_child(k, argv, os.path.join(work, f"verify_{k}.json")) for k in KERNEL_SETS}
+    results = {k: run_child(k, argv, os.path.join(work, f"verify_{k}.json"), env=child_env) for k in KERNEL_SETS}
     rows = [
         ("tokens compared", [results[k]["num_tokens"] for k in KERNEL_SETS]),
         ("bitwise equal (%)", [100.0 * results[k]["frac_bitwise_equal"] for k in KERNEL_SETS]),
@@ -145,15 +147,16 @@ def main(args) -> int:
             ("mean abs Δlogp, routing flipped", [results[k]["abs_diff_mean_routing_flipped"] for k in KERNEL_SETS]),
             ("max abs Δlogp, routing flipped", [results[k]["abs_diff_max_routing_flipped"] for k in KERNEL_SETS]),
         ]
-    if "exact_vs_fma_abs_max" in results["aligned"]:
+    if "vs_default_abs_max" in results["aligned"]:
+        vs = f"{profile.name} vs {profiles.DEFAULT.name}"
         rows += [
-            ("max abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_max"]]),
-            ("mean abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_mean"]]),
+            (f"max abs Δlogp {vs}", ["-", results["aligned"]["vs_default_abs_max"]]),
+            (f"mean abs Δlogp {vs}", ["-", results["aligned"]["vs_default_abs_mean"]]),
         ]
     print_table(
         f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "
         f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step), "
-        f"aligned linear profile {profile}",
+        f"aligned linear profile {profile.name}",
         list(KERNEL_SETS), rows)
     ok = results["aligned"]["frac_bitwise_equal"] == 1.0
     print("\naligned kernels: every sampled token's log-prob is bitwise equal" if ok else

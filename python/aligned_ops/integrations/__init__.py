@@ -1,21 +1,26 @@
 """Integrations: the same model, through the same ``torch.ops.aligned`` ops, in vLLM and in the trainer.
 
-- :mod:`aligned_ops.integrations.hf` — ``patch_model(model)`` turns a Hugging Face Qwen2/Qwen3/Llama causal LM
-  into one whose forward and backward run through ``torch.ops.aligned.*``; ``completion_logprobs`` gives the
-  teacher-forced per-token log-probs the RL loss needs.
-- :mod:`aligned_ops.integrations.vllm_plugin` — the ``vllm.general_plugins`` entry point, active when
-  ``ALIGNED_OPS_VLLM=1``; routes vLLM's layers, attention backend and returned log-probs through the same ops.
+- :mod:`aligned_ops.integrations.hf` — ``patch_model(model)`` turns a Hugging Face causal LM of a supported
+  architecture into one whose forward and backward run through ``torch.ops.aligned.*``; ``completion_logprobs``
+  gives the teacher-forced per-token log-probs the RL loss needs.
+- :mod:`aligned_ops.integrations.vllm` — the vLLM plugin (``vllm.general_plugins`` entry point
+  ``aligned_ops.integrations.vllm_plugin:register``, a compatibility name), active when ``ALIGNED_OPS_VLLM=1``;
+  routes vLLM's decoder layers, attention backend and returned log-probs through the same ops.
 - :mod:`aligned_ops.integrations.rollout` — ``make_llm`` / ``generate_with_logprobs`` / ``refit`` helpers.
 
-Both sides share one definition of the model's arithmetic (:mod:`aligned_ops.model_spec`): which op runs, in
-which order, on which dtype; both apply its per-architecture ``LayerRules``. See ``docs/integrations.md``.
+Both sides share one definition of each architecture (:mod:`aligned_ops.models`: the decoder layer's block
+function both call, its rules, its expected op sequence) and one resolved linear profile per model / engine
+(:mod:`aligned_ops.profiles`). See ``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
-# Mixture-of-experts architectures (routing + experts through aligned::moe_*; hf_moe.py, vllm_plugin.py).
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+from ..models import ARCHITECTURES
+
+# Derived from the one list in aligned_ops.models (kept under these names for callers that used them).
+SUPPORTED_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if not arch.moe)
+# Mixture-of-experts architectures (routing + experts through aligned::moe_*).
+MOE_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if arch.moe)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -36,17 +41,14 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
     ``architecture`` (the model class name, when a model object is at hand) is used when the config does not
     name one: a model built in memory (``Qwen2ForCausalLM(config)``) has ``config.architectures = None``.
     """
+    from ..models import registry
+
     archs = list(getattr(config, "architectures", None) or [])
     if architecture is not None:
         archs = [architecture]
     name = archs[0] if archs else type(config).__name__
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES:
-        raise ValueError(
-            f"aligned_ops ({where}): unsupported architecture {name!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES)}"
-        )
-    if archs[0] in MOE_ARCHITECTURES:
-        check_moe_config(config, where)
+    arch = registry.get(name, where)  # ValueError naming the supported architectures
+    arch.check_config(config, where)
     from ..rope import SUPPORTED_ROPE_TYPES, rope_spec_from_hf_config
 
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -77,12 +79,7 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
 
 
 def check_moe_config(config, where: str) -> None:
-    """MoE-specific refusals (Qwen3-MoE / Qwen2-MoE): only what aligned::moe_* reproduces."""
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an attribute_map alias): a raw
-    # config.json read by check_model_dir has only that name.
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-    top_k = getattr(config, "num_experts_per_tok", 0)
-    if not (1 <= top_k <= experts):
-        raise ValueError(f"aligned_ops ({where}): num_experts_per_tok must be in [1, num_experts], got {top_k}/{experts}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"aligned_ops ({where}): MoE experts need silu, got {config.hidden_act!r}")
+    """MoE-specific refusals of the Qwen-MoE family (:func:`aligned_ops.models.moe.check_qwen_moe_config`)."""
+    from ..models.moe import check_qwen_moe_config
+
+    check_qwen_moe_config(config, where)

@@ -1,19 +1,19 @@
-"""Trainer side: run a Hugging Face Qwen2/Qwen3/Llama causal LM through ``torch.ops.aligned.*``.
+"""Trainer side: run a Hugging Face causal LM of a supported architecture through ``torch.ops.aligned.*``.
 
 ``patch_model(model)`` replaces the forward of the model and of each decoder layer (instance attributes, the
 module tree and parameters are untouched, so ``state_dict``, optimisers and checkpoints keep working) with
 the exact op sequence the vLLM plugin runs:
 
     embedding gather
-    per layer:  rms_norm (layer 0) / fused_add_rms_norm (later layers; normalises the *rounded* sum)
-                q/k/v linear (+bias) -> [q_norm/k_norm for Qwen3] -> rotary (shared fp32 cos/sin table)
-                attention_varlen over packed sequences -> o_proj linear
-                fused_add_rms_norm -> gate/up linear -> silu_and_mul -> down linear
+    per layer:  the architecture's block function (aligned_ops.models: the one the vLLM plugin's decoder
+                layers call), with this module's side of it (:class:`TrainerSide`: HF's split projections
+                through the model's profile, attention_varlen over packed sequences, the model's RoPE table)
     final fused_add_rms_norm -> LM head linear (tied or not) -> token_logprobs (fp32, temperature)
 
-Which op each layer kind runs, on which dtype (norm ops and residual fusion, rotary style, activation, linear
-profile, attention scale, LM-head dtype) is read from :mod:`aligned_ops.model_spec` (``rules_for(arch)``, at
-call time), the same rules the vLLM plugin's hooks read.
+Which op each layer kind runs, on which dtype (norm ops and residual fusion, rotary style, activation, attention
+scale, LM-head dtype) is read from the architecture's rules (``aligned_ops.model_spec.rules_for(arch)``, at call
+time), the same rules the vLLM plugin's hooks read. The linear profile is resolved once, by ``patch_model``
+(``profile=``, else ``ALIGNED_OPS_LINEAR``; :mod:`aligned_ops.profiles`), and carried by the model and its layers.
 
 Every op is row-invariant, so a sequence's log-probs do not depend on what else is in the batch, on padding,
 on packing or on the micro-batch size. Padded batches (``attention_mask``, left or right padding) are
@@ -35,10 +35,13 @@ import torch
 
 import aligned_ops
 
-from ..model_spec import rules_for, rules_of
+from .. import profiles
+from ..models import ARCHITECTURES, Side, rules_for, rules_of
+from ..models import get as get_architecture
+from ..profiles import profile_of
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import effective_temperature
-from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
+from . import check_hf_config, hf_moe
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
@@ -147,44 +150,55 @@ class _ForwardPlans:
         return self.plans[key]
 
 
-def _layer_forward(self, hidden, residual, positions, cu_seqlens, cos_sin_cache, plans=None):
-    """One decoder layer on packed tokens ``hidden [T, H]``; returns ``(mlp_out, residual)`` like vLLM.
-    ``cu_seqlens``: host int32 offsets; ``plans``: the forward's :class:`_ForwardPlans` (None: plan per call)."""
-    rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
+@dataclass
+class _ForwardContext:
+    """What the trainer side of a block function needs for one forward: the packed tokens' positions, the host
+    cu_seqlens, the model's RoPE table, the forward's attention plans, the model's profile."""
 
-    def lin(module, x):
-        return rules.linear(x, module.weight, module.bias)
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    plans: _ForwardPlans | None
+    profile: profiles.Profile
 
-    eps = self.input_layernorm.variance_epsilon
-    if residual is None:
-        residual = hidden
-        x = rules.apply_norm(hidden, self.input_layernorm.weight, eps)
-    else:
-        x, residual = rules.apply_norm(hidden, self.input_layernorm.weight, eps, residual)
-    attn = self.self_attn
-    T = x.shape[0]
-    D = attn.head_dim
-    # Head counts from the weights, not view(T, -1, D): a batch with no real token has T = 0.
-    q = lin(attn.q_proj, x).view(T, attn.q_proj.weight.shape[0] // D, D)
-    k = lin(attn.k_proj, x).view(T, attn.k_proj.weight.shape[0] // D, D)
-    v = lin(attn.v_proj, x).view(T, attn.v_proj.weight.shape[0] // D, D)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
-        q = rules.apply_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-        k = rules.apply_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-    R = cos_sin_cache.shape[-1]  # rotary_dim (the table's width)
-    q = rules.rotary(positions, q, cos_sin_cache, R)
-    k = rules.rotary(positions, k, cos_sin_cache, R)
-    plan = plans.get(q.shape[1], k.shape[1], D) if plans is not None else None
-    o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), cu_seqlens, cu_seqlens, rules.scale(D), True,
-                                        plan=plan)
-    h = lin(attn.o_proj, o.reshape(T, q.shape[1] * D))
-    x, residual = rules.apply_norm(h, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.variance_epsilon, residual)
-    mlp = self.mlp
-    if hf_moe.is_moe_block(mlp):  # Qwen3-MoE / Qwen2-MoE sparse block: aligned::moe_routing + moe_experts
-        return hf_moe.moe_block_forward(mlp, x, rules), residual
-    gate_up = torch.cat([lin(mlp.gate_proj, x), lin(mlp.up_proj, x)], dim=-1)
-    return lin(mlp.down_proj, rules.activate(gate_up)), residual
+
+class TrainerSide(Side):
+    """The trainer's side of a block function (:class:`aligned_ops.models.Side`): HF's split projections
+    through the model's profile, ``attention_varlen`` over the packed sequences (one plan per head shape per
+    forward), the model-level RoPE table, HF sparse MoE blocks through ``models.moe.sparse_moe``."""
+
+    def parts(self, ctx, owner, projection, x):
+        lin = ctx.profile.linear
+        return tuple(lin(x, m.weight, m.bias) for m in (getattr(owner, name) for name in projection.parts))
+
+    def joined(self, ctx, owner, projection, x):
+        parts = self.parts(ctx, owner, projection, x)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def rope(self, ctx, attn):
+        return ctx.positions, ctx.cos_sin_cache
+
+    def attention(self, ctx, attn, q, k, v, scale):
+        plan = ctx.plans.get(q.shape[1], k.shape[1], q.shape[2]) if ctx.plans is not None else None
+        o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), ctx.cu_seqlens, ctx.cu_seqlens, scale, True,
+                                            plan=plan)
+        return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
+
+    def is_sparse(self, arch, mlp):
+        return hf_moe.is_moe_block(mlp)
+
+    def sparse_mlp(self, arch, ctx, mlp, x, rules):
+        return hf_moe.moe_block_forward(mlp, x, rules, weights=arch.hf_moe_weights(mlp))
+
+
+TRAINER_SIDE = TrainerSide()
+
+
+def _layer_forward(self, hidden, residual, ctx: _ForwardContext):
+    """One decoder layer on packed tokens ``hidden [T, H]``: the architecture's block function with the trainer's
+    side; returns ``(mlp_out, residual)`` like vLLM."""
+    arch = ARCHITECTURES[self._aligned_arch]  # recorded by patch_model; its rules are looked up per call
+    return arch.block(arch, TRAINER_SIDE, ctx, self, hidden, residual)
 
 
 def _model_forward(
@@ -223,11 +237,12 @@ def _model_forward(
     # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
     # one host sync (a [B+1] int32 copy; _pack's checks read the same offsets); every layer then runs one plan.
     cu_host = cu if cu.device.type == "cpu" else cu.cpu()
-    plans = _ForwardPlans(cu_host, hidden.device)
+    profile = profile_of(self)  # resolved once, by patch_model
+    ctx = _ForwardContext(positions, cu_host, cache, _ForwardPlans(cu_host, hidden.device), profile)
     residual = None
     with hf_moe.RoutingRecorder() as routing:
         for layer in inner.layers:
-            hidden, residual = layer(hidden, residual, positions, cu_host, cache, plans)
+            hidden, residual = layer(hidden, residual, ctx)
     rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
     hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
     head = self.lm_head
@@ -241,7 +256,7 @@ def _model_forward(
         full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
         out.routed_experts = full.index_copy(0, flat, rids).view(*input_ids.shape, *rids.shape[1:])
     if return_logits:
-        logits = rules.head_logits(hidden, head.weight, head.bias)
+        logits = rules.head_logits(profile, hidden, head.weight, head.bias)
         full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
         full = full.index_copy(0, flat, logits)
         out.logits = full.view(*input_ids.shape, logits.shape[-1])
@@ -264,11 +279,13 @@ def _model_forward(
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
         if fused_lm_head:
-            lp = _fused_head_logprobs(head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p, rules)
+            lp = _fused_head_logprobs(self, head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p,
+                                      rules, profile)
         elif top_k is None and top_p is None and min_p is None:
-            lp = aligned_ops.token_logprobs(rules.head_logits(head_in, head.weight, head.bias), target_ids, temps)
+            lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias), target_ids,
+                                            temps)
         else:
-            logits = rules.head_logits(head_in, head.weight, head.bias)
+            logits = rules.head_logits(profile, head_in, head.weight, head.bias)
             # The distribution vLLM sampled from with logprobs_mode="processed_logprobs" and the plugin:
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits
@@ -287,24 +304,24 @@ def _model_forward(
     return out
 
 
-def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules):
+def _fused_head_logprobs(model, head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules, profile):
     """completion_logprobs(fused_lm_head=...): aligned_ops.fused_token_logprobs, the same bits as the unfused
     LM head linear -> token_logprobs without the [tokens, vocab] logits. ``option`` is True or a dict of chunk
     sizes (token_chunk=, vocab_chunk=)."""
     if top_k is not None or top_p is not None or min_p is not None:
         raise ValueError("completion_logprobs: fused_lm_head does not score truncated distributions (top_k / top_p "
                          "/ min_p need each row's full sorted logits); use fused_lm_head=False")
-    if rules.profile() != "fma" or rules.logits_dtype is not None:
-        source = ("ALIGNED_OPS_LINEAR" if rules.linear_profile is None
-                  else "the model's model_spec.RULES entry (linear_profile)")
-        raise ValueError(f"completion_logprobs: fused_lm_head needs the fma linear profile and model-dtype logits; "
-                         f"this model runs the {rules.profile()!r} profile (from {source}) with logits_dtype "
-                         f"{rules.logits_dtype}")
+    if not profile.capabilities.fused_lm_head or rules.logits_dtype is not None:
+        source = getattr(model, "_aligned_profile_source", "patch_model")
+        raise ValueError(f"completion_logprobs: fused_lm_head needs a linear profile with a fused LM head "
+                         f"({', '.join(p.name for p in profiles.REGISTRY.values() if p.capabilities.fused_lm_head)}) "
+                         f"and model-dtype logits; this model runs the {profile.name!r} profile (from {source}) with "
+                         f"logits_dtype {rules.logits_dtype}")
     chunks = option if isinstance(option, dict) else {}
     unknown = set(chunks) - {"token_chunk", "vocab_chunk"}
     if unknown:
         raise ValueError(f"completion_logprobs: fused_lm_head keys must be token_chunk / vocab_chunk, got {unknown}")
-    return aligned_ops.fused_token_logprobs(hidden, head.weight, target_ids, temps, bias=head.bias, **chunks)
+    return profile.fused_token_logprobs(hidden, head.weight, target_ids, temps, bias=head.bias, **chunks)
 
 
 def _per_token_value(value, cu, targets, dtype, device):
@@ -345,44 +362,57 @@ def _per_token_temperature(temperature, input_ids, cu, flat, targets):
 # ---- public API ----------------------------------------------------------------------------------------
 
 
-def patch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Route ``model`` (a HF ``Qwen2/Qwen3/LlamaForCausalLM``) through ``torch.ops.aligned``; returns it.
+def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None) -> torch.nn.Module:
+    """Route ``model`` (a HF ``*ForCausalLM`` of a supported architecture, :mod:`aligned_ops.models`) through
+    ``torch.ops.aligned``; returns it.
 
-    In place and idempotent. Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding
-    window, quantization or dtype. ``unpatch_model`` restores the original forwards.
+    ``profile``: the linear numerics profile (a name or an :mod:`aligned_ops.profiles` object); None:
+    ``ALIGNED_OPS_LINEAR`` (read now, once). An architecture whose rules pin a profile runs that one. The model
+    and its layers carry the resolved profile (``aligned_ops.profiles.profile_of(model)``).
+
+    In place and idempotent (patching a patched model again changes nothing; :func:`unpatch_model` first to
+    change its profile). Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding window,
+    quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
     """
     if getattr(model, "_aligned_patched", False):
         return model
     # The model's own class (or a base class) names the architecture; config.architectures is None for a
     # model built in memory, and only consulted when the class is not one we know.
-    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES]
+    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in ARCHITECTURES]
     named = list(getattr(model.config, "architectures", None) or [])
-    check_hf_config(model.config, "patch_model",
-                    architecture=known[0] if known else (named[0] if named else type(model).__name__))
+    name = known[0] if known else (named[0] if named else type(model).__name__)
+    check_hf_config(model.config, "patch_model", architecture=name)
+    arch = get_architecture(name, "patch_model")
     dtypes = {p.dtype for p in model.parameters()}
     bad = dtypes - {torch.float32, torch.bfloat16, torch.float16}
     if bad:
         raise ValueError(f"aligned_ops (patch_model): unsupported parameter dtype(s) {sorted(map(str, bad))}")
     if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
-    for layer in model.model.layers:
-        if hf_moe.is_moe_block(getattr(layer, "mlp", None)):
-            hf_moe.check_moe_block(layer.mlp, "patch_model")
-    arch = known[0] if known else (named[0] if named else type(model).__name__)
-    rules = rules_for(arch)
+    arch.check_hf_model(model, "patch_model")
+    rules = rules_for(arch.name)
     for layer in model.model.layers:
         attn = layer.self_attn
         try:
             rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")
         except NotImplementedError as e:  # the trainer's refusals are ValueError (patch_model's contract)
             raise ValueError(str(e)) from None
+    resolved = rules.resolve_profile(profile)  # once per model; carried, never re-read
+    device = next(iter(model.parameters())).device.type
+    reasons = resolved.refusals(device=device)
+    if reasons:
+        raise ValueError(f"aligned_ops (patch_model): {'; '.join(reasons)}")
+    source = ("the model's model_spec.RULES entry (linear_profile)" if rules.linear_profile is not None
+              else "patch_model(profile=)" if profile is not None else profiles.ENV_VAR)
     for layer in model.model.layers:
-        layer._aligned_arch = arch  # the layer's rules are looked up per call (model_spec.rules_for)
+        layer._aligned_arch = arch.name  # the layer's rules are looked up per call (model_spec.rules_for)
+        layer._aligned_profile = resolved
         layer.forward = types.MethodType(_layer_forward, layer)
-    model._aligned_arch = arch
+    model._aligned_arch = arch.name
+    model._aligned_profile = resolved
+    model._aligned_profile_source = source
     model.forward = types.MethodType(_model_forward, model)
     model._aligned_patched = True
-    model._aligned_linear_profile = rules.profile()  # read by `aligned-ops verify`
     return model
 
 
@@ -391,10 +421,10 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if not getattr(model, "_aligned_patched", False):
         return model
     for layer in model.model.layers:
-        layer.__dict__.pop("forward", None)
-        layer.__dict__.pop("_aligned_arch", None)
-    model.__dict__.pop("forward", None)
-    model.__dict__.pop("_aligned_arch", None)
+        for key in ("forward", "_aligned_arch", "_aligned_profile"):
+            layer.__dict__.pop(key, None)
+    for key in ("forward", "_aligned_arch", "_aligned_profile", "_aligned_profile_source"):
+        model.__dict__.pop(key, None)
     model.__dict__.pop("_aligned_cos_sin_cache", None)
     model._aligned_patched = False
     return model

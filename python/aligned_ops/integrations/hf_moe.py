@@ -1,6 +1,7 @@
 """Trainer side of the MoE blocks: HF Qwen3-MoE / Qwen2-MoE sparse blocks through ``aligned::moe_*``.
 
-The op sequence is the one the vLLM plugin runs for the same block (``vllm_plugin._moe_runner_forward``):
+The op sequence is :func:`aligned_ops.models.moe.sparse_moe`, the one the vLLM plugin's ``MoERunner`` hook runs
+for the same block (:mod:`aligned_ops.integrations.vllm.moe`)::
 
     router_logits = aligned::linear(x, gate.weight)  (model dtype; LayerRules.router_profile, fma)
     w, ids, scores = aligned::moe_routing(router_logits, top_k, "softmax", norm_topk_prob)   (fp32)
@@ -18,7 +19,7 @@ import contextvars
 
 import torch
 
-import aligned_ops
+from ..models import moe as _moe
 
 _recorder: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_moe_recorder", default=None)
 
@@ -39,44 +40,26 @@ class RoutingRecorder:
         return False
 
 
-def is_moe_block(mlp) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and hasattr(mlp.experts, "gate_up_proj")
-
-
-def check_moe_block(mlp, where: str) -> None:
-    """Refuse MoE blocks whose arithmetic the ops do not reproduce."""
-    experts = mlp.experts
-    if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
-        raise ValueError(f"aligned_ops ({where}): MoE experts with biases are not supported")
-    if not hasattr(mlp.gate, "weight") or not hasattr(mlp.gate, "top_k"):
-        raise ValueError(f"aligned_ops ({where}): unsupported MoE router {type(mlp.gate).__name__}")
-
-
-def _shared_weights(mlp):
-    shared = getattr(mlp, "shared_expert", None)
-    if shared is None:
-        return None, None, None
-    w13 = torch.cat([shared.gate_proj.weight, shared.up_proj.weight], dim=0)
-    gate = getattr(mlp, "shared_expert_gate", None)
-    return w13, shared.down_proj.weight, (gate.weight if gate is not None else None)
-
-
-def moe_block_forward(mlp, x: torch.Tensor, rules=None) -> torch.Tensor:
-    """One HF sparse MoE block on packed tokens ``x [T, H]`` (differentiable); ``rules``: the model's
-    :class:`aligned_ops.model_spec.LayerRules` (the router projection's profile)."""
-    from ..model_spec import rules_for
-
-    rules = rules or rules_for(None)
-    router = mlp.gate
-    logits = rules.router_linear(x, router.weight)
-    w, ids, scores = aligned_ops.moe_routing(logits, router.top_k, "softmax", bool(router.norm_topk_prob))
+def record_routing(ids: torch.Tensor, scores: torch.Tensor) -> None:
+    """Append one MoE layer's choices to the active :class:`RoutingRecorder` (none active: nothing)."""
     rec = _recorder.get()
     if rec is not None:
         rec.records.append((ids, scores))
-    sw13, sw2, sgate = _shared_weights(mlp)
-    return aligned_ops.moe_experts(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, sw13, sw2, sgate)
 
 
+is_moe_block = _moe.is_hf_sparse_block
+check_moe_block = _moe.check_hf_sparse_block
+
+
+def moe_block_forward(mlp, x: torch.Tensor, rules=None, weights=None) -> torch.Tensor:
+    """One HF sparse MoE block on packed tokens ``x [T, H]`` (differentiable); ``rules``: the model's
+    :class:`aligned_ops.model_spec.LayerRules` (the router projection's profile); ``weights``: the block's
+    :class:`aligned_ops.models.moe.MoEWeights` (default: the Qwen-MoE layout)."""
+    from ..models.registry import rules_for
+
+    rules = rules or rules_for(None)
+    weights = weights if weights is not None else _moe.qwen_hf_moe_weights(mlp)
+    return _moe.sparse_moe(rules, x, weights, record=record_routing)
 def load_balancing_loss(records, num_experts: int, top_k: int) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (HF's ``load_balancing_loss_func``) from the routing's own fp32
     scores and expert choices; padding never enters (the patched model routes only real tokens).

@@ -1,9 +1,11 @@
-"""A tiny random-weight Qwen2 checkpoint and byte-level BPE tokenizer, built offline into a folder.
+"""Tiny random-weight checkpoints (Qwen2, Qwen3-MoE / Qwen2-MoE, Llama) and a byte-level BPE tokenizer, built
+offline into a folder.
 
-Used by the end-to-end tests, the CLI and the demo: no network, deterministic for a given seed, loadable by
-both Hugging Face ``transformers`` and vLLM. Default shape: hidden 128, intermediate 256, 2 layers, 4 query
-heads, 2 KV heads, head_dim 32, vocabulary 512 (a multiple of 64, so vLLM does not pad the LM head), tied
-embeddings like the small Qwen2 models.
+Used by the CLI (``aligned-ops verify`` / ``demo`` build their default model here), the end-to-end tests and
+the benchmarks (``aligned_ops.testing.tiny_model`` is this module under its former name): no network,
+deterministic for a given seed, loadable by both Hugging Face ``transformers`` and vLLM. Default shape: hidden
+128, intermediate 256, 2 layers, 4 query heads, 2 KV heads, head_dim 32, vocabulary 512 (a multiple of 64, so
+vLLM does not pad the LM head), tied embeddings like the small Qwen2 models.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ def build_tiny_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     biases) and its tokenizer; same shapes as :func:`build_tiny_qwen2` unless ``overrides`` change them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from .llama import ARCHITECTURE as LLAMA
+
     path = str(path)
     os.makedirs(path, exist_ok=True)
     cfg = dict(DEFAULT_CONFIG)
@@ -162,7 +166,7 @@ def build_tiny_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     config = LlamaConfig(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
                          attention_bias=False, mlp_bias=False,
                          rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [LLAMA.name]
     return _save_random(LlamaForCausalLM(config), tokenizer, path, dtype, seed, eos)
 
 

@@ -1,6 +1,14 @@
-"""Compatibility name of :mod:`aligned_ops.models.tiny`."""
-import sys
+"""The tiny checkpoint builders under their former name (tests, benchmarks): :mod:`aligned_ops.models.tiny`, which
+the shipped CLI uses, so that it imports no test fixture."""
 
-from ..models import tiny as _tiny
-
-sys.modules[__name__] = _tiny
+from ..models.tiny import (  # noqa: F401
+    DEFAULT_CONFIG,
+    DEFAULT_MOE_CONFIG,
+    LLAMA3_ROPE,
+    _save_random,
+    _tokenizer_and_config,
+    build_tiny_llama,
+    build_tiny_moe,
+    build_tiny_qwen2,
+    build_tokenizer,
+)

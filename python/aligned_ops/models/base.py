@@ -1,0 +1,103 @@
+"""What an architecture is, as an object, and what each side (trainer, engine) supplies to its block function.
+
+An :class:`Architecture` carries, for one ``*ForCausalLM`` architecture name:
+
+- ``block(arch, side, ctx, layer, hidden, residual) -> (hidden, residual)`` — the op sequence of ONE decoder layer
+  (norms, projections, q/k norms, rotary, attention, MLP or MoE, residuals) applying the layer's
+  :class:`~aligned_ops.models.spec.LayerRules`. The trainer patch (:mod:`aligned_ops.integrations.hf`) and the
+  vLLM plugin (:mod:`aligned_ops.integrations.vllm.decoders`) both call it: the sequence is written once.
+- ``projections`` — its logical linears (:class:`Projection`): the HF modules a logical projection is split
+  into, and the vLLM module that holds them fused;
+- ``spec(arch, config, rules, profile)`` — the expected logical op sequence of a whole forward (the test oracle
+  both sides' traces are compared with, ``tests/integrations/test_model_spec.py``);
+- ``vllm_decoder_layer`` — the vLLM class whose ``forward`` the plugin replaces by the block;
+- config checks (``check_config``) and HF-model checks (``check_hf_model``) for what the ops do not reproduce.
+
+What differs between the sides is supplied by a :class:`Side` (one object per side, shared by every
+architecture): how a logical projection is computed from the modules it has (split in the trainer, fused in
+the engine — the same bits, every output element being its own chain over K), where positions and the RoPE
+table come from, how attention runs (``attention_varlen`` over packed sequences in training;
+``reshape_and_cache`` + ``paged_attention`` through vLLM's attention layer in the engine), and how a sparse MoE
+block runs. Module names both sides share (``input_layernorm``, ``post_attention_layernorm``,
+``self_attn.q_norm`` ...) are read by the block directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .spec import DECODER_RULES, LayerRules
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One logical linear. ``parts``: the HF modules it is split into (the trainer runs each, in order);
+    ``fused``: the vLLM module holding them concatenated along N (None: one module of the same name on both
+    sides). The fused and the split forms give the same bits (every output element is one chain over K)."""
+
+    parts: tuple[str, ...]
+    fused: str | None = None
+
+    @property
+    def engine_module(self) -> str:
+        return self.fused or self.parts[0]
+
+
+class Side:
+    """What one side supplies to a block function (the trainer: ``integrations.hf``; the engine:
+    ``integrations.vllm.decoders``). ``ctx`` is the side's per-forward context, opaque to the block."""
+
+    def parts(self, ctx, owner, projection: Projection, x):
+        """The outputs of ``projection``'s parts (2-D ``[T, n_i]`` each, in ``projection.parts`` order)."""
+        raise NotImplementedError
+
+    def joined(self, ctx, owner, projection: Projection, x):
+        """The output of ``projection`` as one ``[T, sum n_i]`` tensor (its parts concatenated)."""
+        raise NotImplementedError
+
+    def rope(self, ctx, attn):
+        """``(positions [T] int64, cos_sin_cache [P, rotary_dim] fp32)`` for attention module ``attn``."""
+        raise NotImplementedError
+
+    def attention(self, ctx, attn, q, k, v, scale: float):
+        """Causal attention of ``q [T, Hq, D]`` over ``k``/``v [T, Hkv, D]`` at ``scale``: ``[T, Hq * D]``."""
+        raise NotImplementedError
+
+    def is_sparse(self, arch, mlp) -> bool:
+        """Whether the layer's MLP module is a sparse MoE block."""
+        raise NotImplementedError
+
+    def sparse_mlp(self, arch, ctx, mlp, x, rules):
+        """The sparse MoE block on ``x [T, H]`` (router, routing, experts: :func:`aligned_ops.models.moe.sparse_moe`)."""
+        raise NotImplementedError
+
+
+def _no_checks(*args, **kwargs) -> None:
+    return None
+
+
+def config_attention_biases(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) where both follow ``config.attention_bias`` (Llama, Qwen3, Qwen3-MoE)."""
+    b = bool(getattr(config, "attention_bias", False))
+    return b, b
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                               # config.architectures[0], e.g. "Qwen2ForCausalLM"
+    block: Callable                         # block(arch, side, ctx, layer, hidden, residual) -> (hidden, residual)
+    spec: Callable                          # spec(arch, config, rules, profile) -> list[Step]
+    vllm_decoder_layer: str                 # "module:Class" of vLLM's decoder layer (its forward becomes the block)
+    projections: dict = field(default_factory=dict)  # logical name -> Projection
+    qk_norm: bool = False                   # per-head RMSNorm of q and k before rotary (Qwen3)
+    moe: bool = False                       # has sparse MoE layers
+    attention_biases: Callable = config_attention_biases  # config -> (q/k/v bias, o_proj bias)
+    sparse_layers: Callable | None = None   # config -> tuple of the layer indices whose MLP is a sparse MoE block
+    hf_moe_weights: Callable | None = None  # HF sparse block -> aligned_ops.models.moe.MoEWeights
+    check_config: Callable = _no_checks     # (config, where) -> None; raises ValueError for what it cannot run
+    check_hf_model: Callable = _no_checks   # (model, where) -> None; raises ValueError (trainer patch)
+    rules: LayerRules = DECODER_RULES
+
+    def __repr__(self) -> str:
+        return f"<aligned_ops architecture {self.name}>"

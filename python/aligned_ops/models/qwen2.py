@@ -1,0 +1,26 @@
+"""Qwen2 (``Qwen2ForCausalLM``): the Llama-family decoder layer with biased q/k/v (always) and an unbiased o_proj."""
+
+from __future__ import annotations
+
+from . import decoder
+from .base import Architecture
+
+
+def attention_biases(config) -> tuple[bool, bool]:
+    return True, False  # HF Qwen2Attention: q/k/v always biased, o_proj never (attention_bias is not read)
+
+
+def check_config(config, where: str) -> None:
+    if getattr(config, "qk_norm", False):  # vLLM's Qwen2 honours it (BAGEL-style checkpoints); HF's Qwen2 does not
+        raise ValueError(f"aligned_ops ({where}): Qwen2 with qk_norm (a vLLM-only variant) is not supported")
+
+
+ARCHITECTURE = Architecture(
+    name="Qwen2ForCausalLM",
+    block=decoder.block,
+    spec=decoder.spec,
+    vllm_decoder_layer="vllm.model_executor.models.qwen2:Qwen2DecoderLayer",
+    projections=decoder.PROJECTIONS,
+    attention_biases=attention_biases,
+    check_config=check_config,
+)

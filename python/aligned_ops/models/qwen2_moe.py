@@ -1,0 +1,32 @@
+"""Qwen2-MoE (``Qwen2MoeForCausalLM``): Qwen2's attention (biased q/k/v per ``qkv_bias``) and sparse MoE MLPs
+with a shared expert behind a sigmoid gate (folded into ``moe_experts``)."""
+
+from __future__ import annotations
+
+from . import decoder, moe
+from .base import Architecture
+
+
+def attention_biases(config) -> tuple[bool, bool]:
+    return bool(getattr(config, "qkv_bias", True)), False  # HF Qwen2MoeAttention: bias=config.qkv_bias; o_proj none
+
+
+def check_config(config, where: str) -> None:
+    moe.check_qwen_moe_config(config, where)
+    if not getattr(config, "qkv_bias", True):  # vLLM's Qwen2-MoE always builds a q/k/v bias
+        raise ValueError(f"aligned_ops ({where}): Qwen2-MoE with qkv_bias=False is not supported (vLLM biases q/k/v)")
+
+
+ARCHITECTURE = Architecture(
+    name="Qwen2MoeForCausalLM",
+    block=decoder.block,
+    spec=decoder.spec,
+    vllm_decoder_layer="vllm.model_executor.models.qwen2_moe:Qwen2MoeDecoderLayer",
+    projections=decoder.PROJECTIONS,
+    moe=True,
+    attention_biases=attention_biases,
+    sparse_layers=moe.qwen_sparse_layers,
+    hf_moe_weights=moe.qwen_hf_moe_weights,
+    check_config=check_config,
+    check_hf_model=moe.check_hf_sparse_model,
+)

@@ -1,0 +1,21 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention (q/k norms) and sparse MoE MLPs (softmax top-k routing,
+optionally renormalised; dense MLP layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say so)."""
+
+from __future__ import annotations
+
+from . import decoder, moe
+from .base import Architecture
+
+ARCHITECTURE = Architecture(
+    name="Qwen3MoeForCausalLM",
+    block=decoder.block,
+    spec=decoder.spec,
+    vllm_decoder_layer="vllm.model_executor.models.qwen3_moe:Qwen3MoeDecoderLayer",
+    projections=decoder.PROJECTIONS,
+    qk_norm=True,
+    moe=True,
+    sparse_layers=moe.qwen_sparse_layers,
+    hf_moe_weights=moe.qwen_hf_moe_weights,
+    check_config=moe.check_qwen_moe_config,
+    check_hf_model=moe.check_hf_sparse_model,
+)
