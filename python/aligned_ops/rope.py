@@ -1,8 +1,8 @@
 """The one RoPE table builder both sides use: ``default``, ``linear``, ``dynamic``, ``llama3``, ``yarn``.
 
 The trainer patch (``integrations/hf.py``) describes its model's RoPE with :func:`rope_spec_from_hf_config`,
-the vLLM plugin describes the rotary module vLLM built with ``vllm_plugin.rope_spec_from_vllm``; both then
-call :func:`cos_sin_cache`, so the ``[positions, rotary_dim]`` fp32 table (cos half | sin half) that
+the vLLM plugin describes the rotary module vLLM built with ``rope_spec_from_vllm`` (``integrations/vllm/layers.py``);
+both then call :func:`cos_sin_cache`, so the ``[positions, rotary_dim]`` fp32 table (cos half | sin half) that
 ``aligned::rotary_embedding`` reads is the same tensor, bit for bit, on both sides.
 
 Semantics (the formulas of Hugging Face ``modeling_rope_utils`` and vLLM ``rotary_embedding/*``, which agree):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import vllm_plugin
+from . import vllm as plugin
 
 __all__ = ["make_llm", "generate_with_logprobs", "refit", "shutdown", "Rollout"]
 
@@ -58,9 +58,9 @@ def make_llm(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if aligned:
-        os.environ[vllm_plugin.ENV_VAR] = "1"
-        vllm_plugin.install()
-    elif vllm_plugin.is_installed():
+        os.environ[plugin.ENV_VAR] = "1"
+        plugin.install()
+    elif plugin.is_installed():
         raise RuntimeError(
             "make_llm(aligned=False): the aligned_ops plugin is installed in this process; start the stock "
             "engine in a separate process (unset ALIGNED_OPS_VLLM)"
@@ -167,7 +167,7 @@ def refit(llm, state_dict) -> None:
     in_process = _engine_in_process(llm)
     items = [(k, _weight_for_transport(v, dtype, in_process)) for k, v in state_dict.items()]
     llm.collective_rpc(_reload_on_engine_device, args=(items,))
-    if not vllm_plugin.is_installed():
+    if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         if not llm.reset_prefix_cache():

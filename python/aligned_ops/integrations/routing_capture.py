@@ -3,7 +3,7 @@
 vLLM 0.32's own routed-experts output (``enable_return_routed_experts``) needs Model Runner V2, which the CPU
 runner is not; so :func:`capture_vllm_routing` hooks the router instead: every MoE layer call appends its
 ``topk_ids`` (in layer order, step by step). It works for stock vLLM (``FusedMoERouter.select_experts``) and
-with the aligned plugin (``vllm_plugin._moe_runner_forward``). :func:`vllm_teacher_forced_routing` runs one
+with the aligned plugin (``integrations.vllm.moe._moe_runner_forward``). :func:`vllm_teacher_forced_routing` runs one
 sequence as a single prefill and returns ``[T, layers, k]``. :func:`capture_hf_routing` does the same for a
 stock HF model (forward hooks on the routers); a patched model returns ``routed_experts`` itself.
 """
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import vllm_plugin
+from .vllm import moe as vllm_moe
 
 
 @contextmanager
@@ -35,13 +35,13 @@ def capture_vllm_routing():
             records.append(item[1].detach().to(torch.int64).clone())
 
     FusedMoERouter.select_experts = select_experts
-    prev = vllm_plugin._moe_trace
-    vllm_plugin._moe_trace = _Trace()
+    prev = vllm_moe._moe_trace
+    vllm_moe._moe_trace = _Trace()
     try:
         yield records
     finally:
         FusedMoERouter.select_experts = orig
-        vllm_plugin._moe_trace = prev
+        vllm_moe._moe_trace = prev
 
 
 def vllm_teacher_forced_routing(llm, token_ids: list[int], num_moe_layers: int) -> torch.Tensor:

@@ -41,20 +41,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 import aligned_ops
 
-from ...models.spec import architecture_of, rules_of
-
-
-def record_architecture(layer) -> None:
-    """Remember, on a layer vLLM is building, which architecture's rules it runs (``model_spec.rules_of``
-    reads it per call). vLLM's get_rope caches rotary modules by their shape parameters, not by model, so a
-    second engine in one process would reuse the first model's module and its recorded architecture: the
-    plugin clears that cache when it creates an engine config (``vllm_plugin._clear_rope_cache``)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    cfg = get_current_vllm_config_or_none()
-    hf = getattr(getattr(cfg, "model_config", None), "hf_config", None)
-    if hf is not None:
-        layer._aligned_arch = architecture_of(hf)
+from ...models import rules_of
+from . import patches
+from .bind import record_architecture
 
 
 class AlignedAttentionBackend(AttentionBackend):
@@ -125,6 +114,30 @@ def tag_host_block_table(block_table, device_view: torch.Tensor, num_reqs: int) 
     if device_view.device.type != "cpu":
         setattr(device_view, _HOST_TABLE_ATTR, block_table.block_table.cpu[:num_reqs])
     return device_view
+
+
+def _block_table_get_device_tensor(self, num_reqs):
+    from vllm.v1.worker.block_table import BlockTable
+
+    return tag_host_block_table(self, patches.original(BlockTable, "get_device_tensor")(self, num_reqs), num_reqs)
+
+
+def install() -> None:
+    """Register this backend (the CPU platform's CPU_ATTN slot; CUSTOM elsewhere, where ``gpu_platform``
+    replaces the platform's selector) and tag the block table's device view with its host mirror."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker.block_table import BlockTable
+
+    patches.patch(BlockTable, "get_device_tensor", _block_table_get_device_tensor,
+                  "not a layer: its device view carries the host mirror the planner reads")
+    path = f"{__name__}.AlignedAttentionBackend"
+    if current_platform.is_cpu():
+        stock = AttentionBackendEnum.CPU_ATTN.get_path()
+        patches.on_restore("backend.CPU_ATTN", lambda: register_backend(AttentionBackendEnum.CPU_ATTN, stock))
+        register_backend(AttentionBackendEnum.CPU_ATTN, path)
+    else:  # CUDA/ROCm: registered as CUSTOM and selected by the platform itself (gpu_platform.py), or refused
+        register_backend(AttentionBackendEnum.CUSTOM, path)
 
 
 _warned_sync = set()

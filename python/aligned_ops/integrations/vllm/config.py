@@ -1,0 +1,124 @@
+"""Engine start-up: the configuration is validated, and the engine's linear profile resolved, once.
+
+At ``EngineArgs.create_engine_config`` the plugin refuses, with one ``ValueError`` listing every reason,
+configurations it cannot keep aligned: other architectures (the supported ones: :mod:`aligned_ops.models`) or
+RoPE variants (and partial rotary), quantization, a non-``auto`` KV-cache dtype, speculative decoding, a
+tensor-parallel size other than 1, 2, 4 or 8, pipeline parallelism, ``logprobs_mode`` ``raw_logits`` /
+``processed_logits``, a linear profile that cannot serve the setting (its capabilities: e.g. ``exact`` at TP > 1
+in compiled mode) and, on CUDA/ROCm, missing GPU kernels or a stock attention backend asked for.
+
+The engine's linear profile (:mod:`aligned_ops.profiles`: the architecture's pin, else
+``additional_config["aligned_ops_linear"]``, else ``ALIGNED_OPS_LINEAR``) is resolved here and written into
+``vllm_config.additional_config`` so that every worker process binds the same one (``bind.py``).
+"""
+
+from __future__ import annotations
+
+import aligned_ops.ops.collective
+
+from .. import SUPPORTED_DTYPES, check_hf_config
+from . import patches
+from .bind import PROFILE_KEY, engine_profile
+from .gpu_platform import gpu_platform_reasons
+
+SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+# The linear profile (an aligned_ops.profiles object) of the model the last engine config was created for in this
+# process (`aligned-ops verify` compares it with the trainer's). None: no engine created in this process.
+installed_linear_profile = None
+
+
+def _platform_device(platform=None) -> str:
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return "cpu" if platform.is_cpu() else "cuda"  # ROCm builds of torch use the cuda device type too
+
+
+def validate_vllm_config(vllm_config) -> None:
+    """Raise ``ValueError`` listing every reason the configuration cannot be kept aligned."""
+    reasons = []
+    mc = vllm_config.model_config
+    try:
+        check_hf_config(mc.hf_config, "vLLM plugin")
+    except ValueError as e:
+        reasons.append(str(e).split(": ", 1)[-1])
+    dtype = str(mc.dtype).replace("torch.", "")
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {dtype} is not supported ({', '.join(SUPPORTED_DTYPES)})")
+    if getattr(mc, "quantization", None) or getattr(vllm_config, "quant_config", None) is not None:
+        reasons.append(f"quantization ({mc.quantization}) is not supported")
+    cc = vllm_config.cache_config
+    # Prefix caching is allowed: a cache hit is one more chunk boundary for aligned::paged_attention, whose key
+    # tiles are aligned to absolute positions (tests/integrations/test_vllm_rl_features.py).
+    if str(getattr(cc, "cache_dtype", "auto")) != "auto":
+        reasons.append(f"kv_cache_dtype {cc.cache_dtype} is not supported (use 'auto')")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        reasons.append("speculative decoding is not covered")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size not in aligned_ops.ops.collective.TP_DEGREES:
+        reasons.append(
+            f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
+            "row-parallel layer must hold whole lanes of the 8-lane linear tree)"
+        )
+    if pc.pipeline_parallel_size != 1:
+        reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
+                       "data-parallel replicas are fine)")
+    # Compiled mode (enforce_eager=False) is allowed, dense, MoE and TP 2: every arithmetic op of the model is
+    # an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested bitwise
+    # against eager and the trainer: test_vllm_rl_features.py dense, test_vllm_moe_compiled.py MoE,
+    # test_vllm_tp_compiled.py TP = 2 with the tree all-reduce).
+    mode = str(getattr(mc, "logprobs_mode", "raw_logprobs"))
+    if mode not in SUPPORTED_LOGPROBS_MODES:
+        reasons.append(f"logprobs_mode {mode!r} is not supported (use 'raw_logprobs', the default, or "
+                       "'processed_logprobs')")
+    try:
+        profile = engine_profile(vllm_config)
+    except ValueError as e:
+        reasons.append(str(e))
+    else:
+        device = _platform_device()
+        compiled = not bool(getattr(mc, "enforce_eager", True))
+        cg = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+        cuda_graphs = compiled and device != "cpu" and cg is not None and getattr(cg, "name", str(cg)) != "NONE"
+        reasons.extend(profile.refusals(device=device, tp_size=pc.tensor_parallel_size, compiled=compiled,
+                                        cuda_graphs=cuda_graphs))
+    reasons.extend(gpu_platform_reasons(vllm_config))
+    if reasons:
+        raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
+
+
+def _clear_rope_cache() -> None:
+    """Empty vLLM's get_rope cache (``_ROPE_DICT``): it is keyed by the rotary module's shape parameters, not by
+    model, so without this a second engine in one process would reuse the first model's rotary module and the
+    architecture recorded on it (whose rules the rotary hook reads)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
+def _create_engine_config(self, *args, **kwargs):
+    global installed_linear_profile
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = patches.original(EngineArgs, "create_engine_config")(self, *args, **kwargs)
+    validate_vllm_config(config)
+    _clear_rope_cache()
+    # Resolved once for this engine; every worker binds the same profile from the config it receives.
+    profile = engine_profile(config)
+    if not isinstance(config.additional_config, dict):  # pragma: no cover - a user's SupportsHash object
+        raise ValueError("aligned_ops vLLM plugin: additional_config must be a dict (it carries the linear profile)")
+    config.additional_config[PROFILE_KEY] = profile.name
+    installed_linear_profile = profile
+    return config
+
+
+def installed_profile():
+    """The linear profile of the last engine configured in this process (None: none was)."""
+    return installed_linear_profile
+
+
+def install() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    patches.patch(EngineArgs, "create_engine_config", _create_engine_config,
+                  "a config object, no hook: the start-up refusals and the engine's profile")

@@ -1,0 +1,101 @@
+"""The decoder layers: vLLM's decoder-layer ``forward`` of every supported architecture is replaced by the
+architecture's block function (:mod:`aligned_ops.models`), the same one the trainer patch calls.
+
+Why override the decoder layer rather than keep only per-layer hooks: with hooks alone, the op *sequence* of a
+layer is vLLM's model code (``Qwen2Attention.forward``, ``Qwen2MLP.forward``, ...) and the trainer's is ours;
+they agree only as long as someone keeps two hand-written sequences in step (the spec test catches a drift,
+after the fact). Calling the block function makes the sequence one piece of code. A new architecture (DeepSeek-V3
+next: MLA in its expanded form, grouped routing, dense first layers) is then one ``models/<arch>.py`` — its block,
+its projections, the vLLM decoder class to override — plus its ops, instead of hook edits in several modules.
+What stays a per-layer hook is what the block reaches *through* vLLM's modules, for reasons vLLM owns: the
+projections (column-parallel shards, the row-parallel profile route at TP > 1, quantization refusals —
+``layers.py``, ``tp.py``), the attention layer (KV cache, paged attention — ``attention.py``) and the fused-MoE
+layer (``moe.py``); and what lies outside decoder layers (embedding, final norm, LM head, sampler).
+
+:class:`EngineSide` is the engine's side of a block function: a logical projection is vLLM's fused module
+(``qkv_proj``, ``gate_up_proj``) split into its parts by its own ``output_partition_sizes`` (this rank's shard),
+attention is the layer's vLLM ``Attention`` module (``reshape_and_cache`` + ``paged_attention`` in our backend,
+whose scale is read from the same rules), positions come from the forward's arguments and the RoPE table from
+the layer's rotary module (built by ``layers._rotary_init``), a sparse MoE block is vLLM's module (its runner
+is hooked, ``moe.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ...models import ARCHITECTURES, Side
+from . import patches
+from .bind import record_architecture
+from .layers import rotary_table
+
+
+class EngineSide(Side):
+    """The engine's side of a block function (module docstring); ``ctx`` is the forward's ``positions``."""
+
+    def parts(self, ctx, owner, projection, x):
+        module = getattr(owner, projection.engine_module)
+        out, _ = module(x)
+        if projection.fused is None:
+            return (out,)
+        return out.split(module.output_partition_sizes, dim=-1)
+
+    def joined(self, ctx, owner, projection, x):
+        out, _ = getattr(owner, projection.engine_module)(x)
+        return out
+
+    def rope(self, ctx, attn):
+        cache = rotary_table(attn.rotary_emb)
+        if cache.device != ctx.device:  # pragma: no cover - vLLM moves buffers with the module
+            cache = cache.to(ctx.device)
+        return ctx.flatten().to(torch.int64), cache
+
+    def attention(self, ctx, attn, q, k, v, scale):
+        # vLLM's Attention layer -> the aligned backend (attention.py), which applies the same rules' scale
+        T = q.shape[0]
+        return attn.attn(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1))
+
+    def is_sparse(self, arch, mlp):
+        return hasattr(mlp, "experts")  # vLLM's sparse blocks hold a FusedMoE layer; their dense MLPs do not
+
+    def sparse_mlp(self, arch, ctx, mlp, x, rules):
+        return mlp(x)  # the FusedMoE layer's runner is hooked: models.moe.sparse_moe (moe.py)
+
+
+ENGINE_SIDE = EngineSide()
+
+
+def vllm_class(path: str):
+    """The class ``"module:Class"`` names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _make_init(cls):
+    def __init__(self, *args, **kwargs):
+        patches.original(cls, "__init__")(self, *args, **kwargs)
+        record_architecture(self)  # the block looks the layer's rules up from it
+
+    return __init__
+
+
+def _make_forward(arch):
+    def forward(self, positions, hidden_states, residual):
+        return arch.block(arch, ENGINE_SIDE, positions, self, hidden_states, residual)
+
+    forward.__qualname__ = f"aligned_{arch.name}_decoder_forward"
+    return forward
+
+
+def decoder_classes() -> dict:
+    """``{vLLM decoder-layer class: its Architecture}`` of every supported architecture."""
+    return {vllm_class(arch.vllm_decoder_layer): arch for arch in ARCHITECTURES.values()}
+
+
+def install() -> None:
+    why = "a model's decoder layer (plain nn.Module, no hook): its forward becomes the architecture's block"
+    for cls, arch in decoder_classes().items():
+        patches.patch(cls, "__init__", _make_init(cls), why)
+        patches.patch(cls, "forward", _make_forward(arch), why)

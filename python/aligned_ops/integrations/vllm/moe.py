@@ -1,0 +1,129 @@
+"""MoE (Qwen3-MoE, Qwen2-MoE): the router projection and the fused-MoE layer through the shared op sequence.
+
+``MoERunner.forward`` (the ``FusedMoE`` layer, unquantized) -> :func:`aligned_ops.models.moe.sparse_moe`: router
+linear (the rules' router profile on the gate weight) -> ``aligned::moe_routing`` -> ``aligned::moe_experts``
+with the shared expert and its sigmoid gate folded in (the same function the trainer's HF blocks run);
+``GateLinear.forward`` -> the rules' router linear. The experts' CPU weight pre-packing is skipped
+(``w13_weight``/``w2_weight`` stay plain ``[E, 2I, H]`` / ``[E, H, I]``, so refit works). vLLM's routed-experts
+capture hook still sees the chosen ids. Anything else in a MoE layer (grouped top-k, score-correction bias,
+routed scaling, quantized experts, expert parallelism, other activations) raises ``NotImplementedError`` when
+the layer first runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...models import rules_of
+from ...models.moe import MoEWeights, sparse_moe
+from .layers import keep_weight_after_loading
+
+
+def _gate_linear_forward(self, x):
+    # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
+    # picked.
+    out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
+    return (out, None) if getattr(self, "return_bias", True) else out
+
+
+def _moe_layer_spec(runner):
+    """(top_k, scoring, renormalize) of a vLLM MoE runner, after checking we can reproduce it (cached)."""
+    spec = getattr(runner, "_aligned_moe_spec", None)
+    if spec is not None:
+        return spec
+    reasons = []
+    router = runner.router
+    if type(router).__name__ not in ("FusedTopKRouter", "CPURouter"):
+        reasons.append(f"router {type(router).__name__} (only plain top-k routing)")
+    if getattr(router, "use_grouped_topk", False):
+        reasons.append("grouped top-k")
+    if getattr(router, "custom_routing_function", None) is not None:
+        reasons.append("a custom routing function")
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        reasons.append("e_score_correction_bias")
+    if getattr(router, "routed_scaling_factor", 1.0) not in (None, 1.0):
+        reasons.append("routed_scaling_factor != 1")
+    if getattr(router, "_hash_indices_table", None) is not None:
+        reasons.append("hash routing")
+    scoring = getattr(router, "scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        reasons.append(f"scoring_func {scoring!r}")
+    re = runner.routed_experts
+    qm = type(re.quant_method).__name__
+    if qm not in ("UnquantizedFusedMoEMethod", "AlignedUnquantizedFusedMoEMethod"):
+        reasons.append(f"quantized experts ({qm})")
+    if getattr(re, "routed_scaling_factor", 1.0) != 1.0 or getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+        reasons.append("routed_scaling_factor != 1")
+    if getattr(re, "apply_router_weight_on_input", False):
+        reasons.append("apply_router_weight_on_input")
+    if getattr(re, "e_score_correction_bias", None) is not None:
+        reasons.append("e_score_correction_bias")
+    mc = runner.moe_config
+    if str(getattr(mc, "activation", "silu")).split(".")[-1].lower() not in ("silu",):
+        reasons.append(f"activation {mc.activation}")
+    if getattr(mc, "has_bias", False):
+        reasons.append("expert biases")
+    if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
+        reasons.append("routed input/output transforms")
+    if runner.shared_expert_gate is not None:
+        reasons.append("a runner-level shared_expert_gate")
+    if re.w13_weight.dim() != 3 or re.w2_weight.dim() != 3 or re.w13_weight.shape[1] != 2 * re.w2_weight.shape[2]:
+        reasons.append("padded or re-packed expert weights")
+    if getattr(mc, "ep_size", 1) != 1 or getattr(mc, "tp_size", 1) != 1 or getattr(mc, "dp_size", 1) != 1:
+        reasons.append("expert/tensor/data parallel MoE")
+    if reasons:
+        raise NotImplementedError("aligned_ops: this MoE layer cannot be kept aligned: " + "; ".join(reasons))
+    spec = (int(router.top_k), scoring, bool(getattr(router, "renormalize", True)))
+    runner._aligned_moe_spec = spec
+    return spec
+
+
+def _shared_expert_weights(runner):
+    shared = getattr(runner, "_shared_experts", None)
+    if shared is None:
+        return None, None, None
+    layer = shared._layer
+    gate = getattr(layer, "expert_gate", None)
+    return layer.gate_up_proj.weight, layer.down_proj.weight, (gate.weight if gate is not None else None)
+
+
+def runner_weights(runner) -> MoEWeights:
+    """A vLLM fused-MoE runner's routing and weights, after checking we can reproduce them."""
+    top_k, scoring, renormalize = _moe_layer_spec(runner)
+    sw13, sw2, sgate = _shared_expert_weights(runner)
+    re = runner.routed_experts
+    router = runner.gate.weight if runner.gate is not None else None
+    return MoEWeights(router, top_k, scoring, renormalize, re.w13_weight, re.w2_weight, sw13, sw2, sgate)
+
+
+_moe_trace: list | None = None
+
+
+def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
+    """FusedMoE through :func:`aligned_ops.models.moe.sparse_moe` (the op sequence the trainer's blocks run)."""
+    weights = runner_weights(self)
+    x = hidden_states.contiguous()
+    capture = getattr(self.router, "capture_fn", None)
+
+    def record(ids, scores):
+        if capture is not None:  # vLLM's routed-experts output (enable_return_routed_experts)
+            capture(ids.to(torch.int32))
+        if _moe_trace is not None:
+            _moe_trace.append((self.layer_name, ids))
+
+    # Qwen3-MoE hands the router to the runner (router_logits is then the hidden state): routed here;
+    # Qwen2-MoE runs its gate (GateLinear, hooked) before the layer and passes the logits in.
+    return sparse_moe(rules_of(self), x, weights, router_logits=None if self.gate is not None else router_logits,
+                      record=record)
+
+
+def oot_hooks() -> dict:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return {
+        GateLinear: dict(forward=_gate_linear_forward),                    # PluggableLayer (MoE router)
+        MoERunner: dict(forward=_moe_runner_forward),                      # PluggableLayer (FusedMoE's runner)
+        UnquantizedFusedMoEMethod: dict(process_weights_after_loading=keep_weight_after_loading),  # CustomOp
+    }

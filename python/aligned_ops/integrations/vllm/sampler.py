@@ -1,0 +1,93 @@
+"""The returned log-probs: vLLM's sampler scores through ``aligned::log_softmax``.
+
+- ``Sampler.compute_logprobs`` -> ``aligned::log_softmax`` over the full vocabulary in fp32 at the
+  request's sampling temperature (greedy / temperature 0 is scored at 1.0): the default
+  (``logprobs_mode="raw_logprobs"``) returns the log-prob of the *untruncated* tempered distribution.
+- with ``logprobs_mode="processed_logprobs"``: min-p (``MinPLogitsProcessor.apply``) and top-k/top-p
+  (``TopKTopPSampler``) use ``aligned_ops.sampling``'s recipe, vLLM samples from those truncated logits, and
+  the returned log-prob is ``aligned::log_softmax`` of them — the distribution actually sampled from;
+  ``hf.completion_logprobs(..., top_k=, top_p=, min_p=)`` gives the same bits.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+import aligned_ops
+
+from ...sampling import effective_temperature
+from . import patches
+
+_current_temperature: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_temperature", default=None)
+_processed_mode: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_processed_logprobs", default=False)
+
+
+def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
+    from vllm.v1.sample.sampler import Sampler
+
+    mode = kwargs.get("logprobs_mode_override") or self.logprobs_mode
+    token = _current_temperature.set(sampling_metadata.temperature)
+    token_p = _processed_mode.set(mode == "processed_logprobs")
+    try:
+        return patches.original(Sampler, "forward")(self, logits, sampling_metadata, *args, **kwargs)
+    finally:
+        _processed_mode.reset(token_p)
+        _current_temperature.reset(token)
+
+
+def _min_p_apply(self, logits):
+    """min-p of ``aligned_ops.sampling`` (contract probabilities) in processed_logprobs mode; stock otherwise."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    if not _processed_mode.get() or not self.min_p_count:
+        return patches.original(MinPLogitsProcessor, "apply")(self, logits)
+    from ...sampling import truncation_mask
+
+    keep = truncation_mask(logits, min_p=self.min_p.reshape(-1))
+    return logits.masked_fill_(~keep, float("-inf"))
+
+
+def _make_topk_topp_forward(name):
+    def forward(self, logits, generators, k, p):
+        """processed_logprobs: truncate with ``aligned_ops.sampling`` (top-k, then top-p), sample from the
+        truncated logits with vLLM's own sampler, return ``aligned::log_softmax`` of the truncated logits."""
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        original = patches.original(TopKTopPSampler, name)
+        if self.logprobs_mode != "processed_logprobs":
+            return original(self, logits, generators, k, p)
+        from ...sampling import truncate_logits
+
+        x = truncate_logits(logits.to(torch.float32).contiguous(), top_k=k, top_p=p)
+        sampled, _ = original(self, x, generators, None, None)  # no further truncation: x is final
+        return sampled, aligned_ops.log_softmax(x, 1.0)
+
+    forward.__name__ = name
+    return forward
+
+
+def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary fp32 log-softmax at the sampling temperature (per request row)."""
+    temp = _current_temperature.get()
+    logits = logits.contiguous()
+    if temp is None or temp.numel() != logits.shape[0]:
+        # All-greedy batch (vLLM passes no temperatures) or a call outside sampling (prompt log-probs).
+        return aligned_ops.log_softmax(logits, 1.0)
+    temp = temp.to(device=logits.device, dtype=torch.float32)
+    temp = effective_temperature(temp)  # greedy rows are scored at tau = 1
+    return aligned_ops.log_softmax(logits, temp.contiguous())
+
+
+def install() -> None:
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    why = "a plain nn.Module (the temperature reaches compute_logprobs through its forward)"
+    patches.patch(Sampler, "forward", _sampler_forward, why)
+    patches.patch(Sampler, "compute_logprobs", staticmethod(_compute_logprobs), why)
+    patches.patch(MinPLogitsProcessor, "apply", _min_p_apply, "a logits processor class: no hook")
+    for name in ("forward_native", "forward_cpu", "forward_cuda"):
+        patches.patch(TopKTopPSampler, name, _make_topk_topp_forward(name), "a plain nn.Module")
