@@ -1,6 +1,8 @@
 """The package has no import cycle: a static graph of every ``import`` in python/aligned_ops (module-level AND
 function-level — a lazy import still ties two modules together), checked for cycles, with negative controls
-(a synthetic package with a cycle, and the cli <-> verify edge the package used to have, both found).
+(a synthetic package with a cycle, the cli <-> verify edge the package used to have, and the edge that closes a
+cycle in the vLLM plugin package when its patch registry imports a concern module: all found).
+The shipped CLI (aligned_ops.apps) reaches no test fixture (aligned_ops.testing), with a negative control.
 A fresh interpreter then imports the apps in the order that used to need the cycle (verify before cli)."""
 
 from __future__ import annotations
@@ -87,9 +89,47 @@ def test_package_has_no_import_cycle():
     assert "aligned_ops.apps.common" in graph["aligned_ops.apps.verify"]
     assert "aligned_ops.apps.verify" in graph["aligned_ops.apps.cli"]  # lazy import counted
     assert "aligned_ops.ops.linear" in graph["aligned_ops.ops.collective"]
-    assert "aligned_ops.testing.tiny_model" in graph["aligned_ops.apps.demo"]
+    assert "aligned_ops.models.tiny" in graph["aligned_ops.apps.demo"]
+    # the vLLM plugin package, one module per concern, all in the graph; the patch registry imports none of them
+    plugin = {m for m in graph if m.startswith("aligned_ops.integrations.vllm.")}
+    assert {f"aligned_ops.integrations.vllm.{m}" for m in ("plugin", "patches", "bind", "config", "decoders", "layers",
+                                                          "tp", "moe", "sampler", "attention", "gpu_platform")} <= plugin
+    assert "aligned_ops.integrations.vllm.patches" in graph["aligned_ops.integrations.vllm.layers"]
+    assert not graph["aligned_ops.integrations.vllm.patches"] & plugin
+    assert "aligned_ops.integrations.vllm" in graph["aligned_ops.integrations.vllm_plugin"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for n in graph.get(m, ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def fixtures_reached_by_the_cli(graph) -> dict[str, set[str]]:
+    """{app module: the aligned_ops.testing modules it imports, directly or not}."""
+    out = {}
+    for m in graph:
+        if m.startswith("aligned_ops.apps"):
+            hit = {n for n in reachable(graph, m) if n == "aligned_ops.testing" or n.startswith("aligned_ops.testing.")}
+            if hit:
+                out[m] = hit
+    return out
+
+
+def test_the_shipped_cli_imports_no_test_fixture():
+    graph = import_graph(PKG_DIR, "aligned_ops")
+    assert "aligned_ops.models.tiny" in reachable(graph, "aligned_ops.apps.cli")  # the CLI's model builders
+    assert fixtures_reached_by_the_cli(graph) == {}
+    # negative control: the import the demo used to have is found
+    graph["aligned_ops.apps.demo"].add("aligned_ops.testing.tiny_model")
+    assert "aligned_ops.testing.tiny_model" in fixtures_reached_by_the_cli(graph)["aligned_ops.apps.cli"]
 
 
 def test_negative_control_cycles_are_found(tmp_path):
@@ -106,10 +146,19 @@ def test_negative_control_cycles_are_found(tmp_path):
     graph["aligned_ops.apps.verify"].add("aligned_ops.apps.cli")
     cycle = find_cycle(graph)
     assert cycle is not None and {"aligned_ops.apps.cli", "aligned_ops.apps.verify"} <= set(cycle)
+    # ... and the plugin package's registry importing a concern module (the naive split's cycle) is found
+    graph = import_graph(PKG_DIR, "aligned_ops")
+    graph["aligned_ops.integrations.vllm.patches"].add("aligned_ops.integrations.vllm.plugin")
+    cycle = find_cycle(graph)
+    assert cycle is not None and {"aligned_ops.integrations.vllm.patches", "aligned_ops.integrations.vllm.plugin"} \
+        <= set(cycle)
 
 
 def test_apps_import_in_any_order_in_a_fresh_interpreter():
     code = ("import aligned_ops.apps.verify, aligned_ops.apps.demo, aligned_ops.apps.trainer, "
-            "aligned_ops.apps.cli, aligned_ops.testing.tiny_model, aligned_ops.integrations.hf")
+            "aligned_ops.apps.cli, aligned_ops.testing.tiny_model, aligned_ops.integrations.hf, "
+            "aligned_ops.integrations.vllm_plugin, aligned_ops.integrations.vllm.moe, aligned_ops.model_spec, "
+            "aligned_ops.models.registry, aligned_ops.profiles; import sys; "
+            "assert 'vllm' not in sys.modules, 'importing the plugin package imported vLLM'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

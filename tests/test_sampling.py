@@ -118,7 +118,8 @@ def test_effective_temperature_is_the_one_greedy_rule():
     """Greedy (T < 1e-5, vLLM's eps) is scored at 1 — floats and tensors; the plugin, hf.py and scale_logits use it."""
     import inspect
 
-    from aligned_ops.integrations import hf, vllm_plugin
+    from aligned_ops.integrations import hf
+    from aligned_ops.integrations.vllm import config, decoders, layers, moe, sampler, tp
     from aligned_ops.sampling import GREEDY_TEMPERATURE_EPS, effective_temperature, scale_logits
 
     assert effective_temperature(0.0) == 1.0 and effective_temperature(9.9e-6) == 1.0
@@ -129,6 +130,6 @@ def test_effective_temperature_is_the_one_greedy_rule():
     assert torch.equal(scale_logits(x, torch.tensor([0.0, 0.5])), torch.stack([x[0], x[1] / 0.5]))
     # negative control: a threshold of 0 (greedy divided by itself) is not what scale_logits does
     assert not torch.isfinite(x[0] / torch.tensor(0.0)).all()
-    for mod in (hf, vllm_plugin):  # the threshold is written once: no copy of it left in the integrations
+    for mod in (hf, config, decoders, layers, moe, sampler, tp):  # the threshold is written once: no copy left
         assert "1e-5" not in inspect.getsource(mod).replace("< 1e-5 is greedy", "")
     assert GREEDY_TEMPERATURE_EPS == 1e-5

@@ -1,7 +1,8 @@
 """Worker for test_exact_row_parallel.py: one rank of a 2-process gloo world (launched by aligned_ops.testing).
 
-Runs row_parallel_linear under the exact profile on this rank's K slice and prints one JSON list of records
-{check, value}. The launcher sets ALIGNED_OPS_LINEAR=exact: the process profile is what picks the route.
+Runs aligned_ops.profiles.row_parallel_linear under the exact profile on this rank's K slice and prints one JSON
+list of records {check, value}. The launcher sets ALIGNED_OPS_LINEAR=exact: the profile the variable selects is
+what picks the route.
 """
 
 import json
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import aligned_ops
+from aligned_ops import profiles
 from aligned_ops.ops import collective
 from aligned_ops.testing import bits
 from aligned_ops.testing.distributed import init_from_env
@@ -48,12 +50,12 @@ def main():
             sl = slice(0, k0) if rank == 0 else slice(k0, K)
             xr, Wr = x[:, sl].contiguous(), W[:, sl].contiguous()
             for bias in (None, b):
-                got = collective.row_parallel_linear(xr, Wr, bias, None, in_features=K)  # profile: the env's
+                got = profiles.row_parallel_linear(xr, Wr, bias, None, in_features=K)  # profile: the env's
                 add(f"exact_equals_linear_exact[{dtype},K={K},bias={bias is not None}]",
                     bool(torch.equal(bits(got), bits(aligned_ops.linear_exact(x, W, bias)))))
             # negative controls: the fma route on the same slices; each rank's own exact linear, summed
             if K == 200:
-                fma = collective.row_parallel_linear(xr, Wr, None, None, in_features=K, profile="fma")
+                fma = profiles.row_parallel_linear(xr, Wr, None, None, in_features=K, profile="fma")
                 add(f"fma_route_differs[{dtype}]", int((bits(fma) != bits(aligned_ops.linear_exact(x, W))).sum()))
                 mine = aligned_ops.linear_exact(xr, Wr).float()
                 dist.all_reduce(mine, group=None)  # fp32 SUM of the ranks' rounded outputs
@@ -63,18 +65,18 @@ def main():
     x, W, b = inputs(torch.bfloat16, 4, 20, 128, g)
     sl = slice(0, 64) if rank == 0 else slice(64, 128)
     xr, Wr = x[:, sl].contiguous(), W[:, sl].contiguous()
-    first = collective.row_parallel_linear(xr, Wr, b, None)
-    again = collective.row_parallel_linear(xr, Wr, b, None)
+    first = profiles.row_parallel_linear(xr, Wr, b, None)
+    again = profiles.row_parallel_linear(xr, Wr, b, None)
     add("cached_same_bits", bool(torch.equal(bits(first), bits(again))))
     with torch.no_grad():
         Wr.mul_(3.0)  # bumps the version counter on both ranks
     W3 = torch.cat([W[:, :64] * 3.0, W[:, 64:] * 3.0], dim=1).to(torch.bfloat16)
-    after = collective.row_parallel_linear(xr, Wr, b, None)
+    after = profiles.row_parallel_linear(xr, Wr, b, None)
     add("repacked_after_update", bool(torch.equal(bits(after), bits(aligned_ops.linear_exact(x, W3, b)))))
     # ranks whose caches disagree (only rank 0 cleared its own) still run the same collectives: no hang, same bits
     if rank == 0:
         aligned_ops.clear_exact_weight_cache()
-    one_cleared = collective.row_parallel_linear(xr, Wr, b, None)
+    one_cleared = profiles.row_parallel_linear(xr, Wr, b, None)
     add("one_rank_cleared_same_bits", bool(torch.equal(bits(one_cleared), bits(after))))
     dist.barrier()
     print(json.dumps(rec))

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import aligned_ops
+from aligned_ops import profiles
 from aligned_ops.ops import collective
 from aligned_ops import tree_combine as lane_tree
 from aligned_ops.ops.collective import tree_all_reduce
@@ -70,7 +71,7 @@ def records_for(name, group, ranks, seed):
     rec += embedding_records(name, group, t, r, seed)
     if t == 2:  # K = 13 has no 2-way split into whole lanes (rank 1's 7 features cut 4 ways != global lanes)
         try:
-            collective.row_parallel_linear(torch.zeros(2, 7), torch.zeros(3, 7), None, group, in_features=13, profile="fma")
+            profiles.row_parallel_linear(torch.zeros(2, 7), torch.zeros(3, 7), None, group, in_features=13, profile="fma")
             add("refuse_lanes", "NO ERROR")
         except ValueError as e:
             add("refuse_lanes", str(e))
@@ -115,7 +116,7 @@ def linear_records(name, group, t, r, seed):
             xr, Wr = x[:, r * kr:(r + 1) * kr].contiguous(), W[:, r * kr:(r + 1) * kr].contiguous()
             for bias in (None, b):
                 want = aligned_ops.linear(x, W, bias)
-                got = collective.row_parallel_linear(xr, Wr, bias, group, in_features=K, profile="fma")
+                got = profiles.row_parallel_linear(xr, Wr, bias, group, in_features=K, profile="fma")
                 rec.append(dict(group=name, t=t, rank=r, check=f"row_parallel_equals_linear[{dtype},K={K},bias={bias is not None}]",
                                 value=bool(torch.equal(bits(got), bits(want)))))
             # The lane sums the engine's sequential negative control adds left to right are the linear's own:
@@ -170,7 +171,7 @@ def main():
     for check, fn, exc in [
         ("refuse_dtype", lambda: tree_all_reduce(torch.zeros(3, dtype=torch.bfloat16)), TypeError),
         ("refuse_algorithm", lambda: tree_all_reduce(torch.zeros(3), algorithm="ring"), ValueError),
-        ("refuse_slice", lambda: collective.row_parallel_linear(torch.zeros(2, 12), torch.zeros(3, 12), None,
+        ("refuse_slice", lambda: profiles.row_parallel_linear(torch.zeros(2, 12), torch.zeros(3, 12), None,
                                                                 in_features=200, profile="fma"), ValueError),
     ]:
         try:

@@ -228,19 +228,19 @@ def test_vllm_plugin_hooks_have_no_host_read():
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from aligned_ops.integrations import vllm_plugin
+    from aligned_ops.integrations.vllm import layers, sampler
 
     B, heads, D, V = 3, 2, 16, 50
     rot = SimpleNamespace(_aligned_unsupported=None, head_size=D, rotary_dim=D, is_neox_style=True,
                           _aligned_cos_sin_cache=torch.empty(64, D, dtype=torch.float32, device="meta"))
     with ForbidHostReads():
-        vllm_plugin._rotary_forward(rot, torch.empty(B, dtype=torch.int64, device="meta"), _meta(B, heads * D),
+        layers._rotary_forward(rot, torch.empty(B, dtype=torch.int64, device="meta"), _meta(B, heads * D),
                                     _meta(B, heads * D))
-        token = vllm_plugin._current_temperature.set(torch.empty(B, dtype=torch.float32, device="meta"))
+        token = sampler._current_temperature.set(torch.empty(B, dtype=torch.float32, device="meta"))
         try:
-            vllm_plugin._compute_logprobs(torch.empty(B, V, dtype=torch.float32, device="meta"))
+            sampler._compute_logprobs(torch.empty(B, V, dtype=torch.float32, device="meta"))
         finally:
-            vllm_plugin._current_temperature.reset(token)
+            sampler._current_temperature.reset(token)
 
 
 def test_dispatch_mode_negative_control():

@@ -170,21 +170,35 @@ def test_unsupported_models_refused():
 
 
 def test_fused_lm_head_refusal_names_the_profile_and_its_source(model, monkeypatch):
+    """The profile is resolved once, by patch_model, from the architecture's pin, the profile= argument or
+    ALIGNED_OPS_LINEAR, and the refusal names where it came from. The variable changed after patching does not
+    reach the model (negative control: the fma model still runs its fused head)."""
     from dataclasses import replace
 
-    from aligned_ops import model_spec
+    from aligned_ops import model_spec, profiles
+    from aligned_ops.integrations.hf import unpatch_model
 
     s = _seqs([9], 3)[0]
     cm = torch.ones_like(s)
     cm[0] = 0
+
+    def repatched(**kw):
+        return patch_model(unpatch_model(copy.deepcopy(model)), **kw)
+
+    assert profiles.profile_of(model) is profiles.FMA
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    completion_logprobs(model, s[None], cm[None], fused_lm_head=True)  # resolved at patch time: still fma
+    exact = repatched()
+    assert profiles.profile_of(exact) is profiles.EXACT
     with pytest.raises(ValueError, match=r"runs the 'exact' profile \(from ALIGNED_OPS_LINEAR\)"):
-        completion_logprobs(model, s[None], cm[None], fused_lm_head=True)
+        completion_logprobs(exact, s[None], cm[None], fused_lm_head=True)
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    with pytest.raises(ValueError, match=r"runs the 'exact' profile \(from patch_model\(profile=\)\)"):
+        completion_logprobs(repatched(profile="exact"), s[None], cm[None], fused_lm_head=True)
     arch = model._aligned_arch
     monkeypatch.setitem(model_spec.RULES, arch, replace(model_spec.RULES[arch], linear_profile="exact"))
     with pytest.raises(ValueError, match=r"runs the 'exact' profile \(from the model's model_spec.RULES entry"):
-        completion_logprobs(model, s[None], cm[None], fused_lm_head=True)
+        completion_logprobs(repatched(), s[None], cm[None], fused_lm_head=True)
 
 
 # ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------

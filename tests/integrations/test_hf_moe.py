@@ -120,13 +120,11 @@ def test_backward_deterministic_and_aux_loss_from_routing_scores(model):
             captured.append(r)
             return r
 
-        import aligned_ops.integrations.hf_moe as hm
-
-        hm.aligned_ops.moe_routing = spy
+        aligned_ops.moe_routing = spy  # the package attribute the MoE block (aligned_ops.models.moe) calls
         try:
             out = model(s, completion_mask=cm, return_logits=False, output_router_logits=True)
         finally:
-            hm.aligned_ops.moe_routing = orig
+            aligned_ops.moe_routing = orig
     for _, ids, scores in captured:
         counts += torch.bincount(ids.reshape(-1), minlength=E).float()
         probs += scores.sum(0)

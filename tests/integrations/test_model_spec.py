@@ -1,15 +1,17 @@
 """The shared model spec: the trainer patch and the vLLM plugin run the op sequence it names.
 
-Each side's forward is traced (``aligned_ops.testing.trace_aligned_ops``: every ``torch.ops.aligned`` call,
-including those inside vLLM's opaque attention ops), reduced to logical steps (fused q/k/v is one
-projection; varlen or paged attention is ``attention``) and compared with ``aligned_ops.model_spec``. The
-negative control shows the comparison sees a one-op change: an unpatched HF layer norm (torch's own) drops
-a step from the trainer's trace.
+Both sides call the architecture's block function (aligned_ops.models); what differs is each side's adapter
+(split vs fused projections, varlen vs paged attention, ...) and the vLLM hooks the block reaches through
+vLLM's modules. Each side's forward is traced (``aligned_ops.testing.trace_aligned_ops``: every
+``torch.ops.aligned`` call, including those inside vLLM's opaque attention ops), reduced to logical steps (fused
+q/k/v is one projection; varlen or paged attention is ``attention``) and compared with
+``aligned_ops.model_spec``. The negative controls show the comparison sees a one-op change: an unpatched norm
+(torch's own) drops a step, and so does a one-sided adapter change (the trainer's o_proj through torch).
 
-Both sides also *read* the spec: a changed ``model_spec.RULES`` entry (the linear profile, the rotary style,
-the attention scale) changes the trainer's trace and every vLLM hook's, at call time; a layer that does not
-look its rules up (no recorded architecture) or a change to another architecture's entry does not follow —
-the negative controls.
+Both sides also *read* the spec: a changed ``model_spec.RULES`` entry (the rotary style, the attention scale)
+changes the trainer's trace and every vLLM hook's, at call time; the linear profile an entry pins is resolved
+once, when a model is patched or an engine configured, and carried. A layer that does not look its rules up (no
+recorded architecture) or a change to another architecture's entry does not follow — the negative controls.
 """
 
 import os
@@ -25,23 +27,30 @@ from aligned_ops.model_spec import model_spec
 from aligned_ops.testing import bits
 from aligned_ops.testing.trace import logical_steps, op_scalars, spec_steps, trace_aligned_ops
 
-# A rule change every side must follow: another linear profile, GPT-J rotary, another attention scale.
-CHANGED = dict(linear_profile="exact", rotary_neox=False, attention_scale=0.125)
+# A rule change every side must follow at call time: GPT-J rotary, another attention scale.
+CHANGED = dict(rotary_neox=False, attention_scale=0.125)
+# A pinned profile: followed by a model patched / an engine configured afterwards (resolved once, carried).
+PINNED = dict(linear_profile="exact")
 
 
-def _change_rules(monkeypatch, arch):
-    monkeypatch.setitem(ms.RULES, arch, replace(ms.RULES[arch], **CHANGED))
+def _change_rules(monkeypatch, arch, **change):
+    monkeypatch.setitem(ms.RULES, arch, replace(ms.RULES[arch], **(change or CHANGED)))
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu")
+
+
+MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+EXTRA = {"Qwen3ForCausalLM": {"head_dim": 16},
+         "Qwen3MoeForCausalLM": dict(MOE, head_dim=16, mlp_only_layers=[1]),  # layer 1 dense: both kinds traced
+         "Qwen2MoeForCausalLM": dict(MOE, shared_expert_intermediate_size=48)}
 
 
 def _hf(arch):
     import transformers
 
     cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else {}
-    config = cfg_cls(**SMALL, **extra, architectures=[arch])
+    config = cfg_cls(**SMALL, **EXTRA.get(arch, {}), architectures=[arch])
     torch.manual_seed(0)
     return getattr(transformers, arch)(config).float().eval()
 
@@ -68,12 +77,15 @@ def _follows_change(calls, spec, rotary_dim):
             and scales == {CHANGED["attention_scale"]})
 
 
-@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
+                                  "Qwen2MoeForCausalLM"])
 def test_trainer_runs_the_spec(arch):
     model = patch_model(_hf(arch))
     spec = model_spec(model.config)
     assert _trainer_trace(model) == spec_steps(spec)
-    assert spec.qk_norm == (arch == "Qwen3ForCausalLM") and spec.qkv_bias == (arch == "Qwen2ForCausalLM")
+    assert spec.qk_norm == ("Qwen3" in arch) and spec.qkv_bias == ("Qwen2" in arch)
+    ops = [s.op for s in spec.steps]
+    assert ("moe_experts" in ops) == ("Moe" in arch) and ("silu_and_mul" in ops) != (arch == "Qwen2MoeForCausalLM")
 
 
 def test_trace_sees_a_one_op_change():
@@ -93,30 +105,59 @@ def test_trace_sees_a_one_op_change():
     assert changed != steps and len(changed) == len(steps) - 1
 
 
+def test_trace_sees_a_one_sided_adapter_change(monkeypatch):
+    """Negative control for the shared block: a change in ONE side's adapter (the trainer's o_proj through
+    torch's linear instead of the profile's) is a missing step in that side's trace, caught against the spec."""
+    from aligned_ops.integrations.hf import TrainerSide
+
+    model = patch_model(_hf("Qwen2ForCausalLM"))
+    steps = _trainer_trace(model)
+    parts = TrainerSide.parts
+
+    def torch_o_proj(self, ctx, owner, projection, x):
+        if projection.parts == ("o_proj",):
+            return (torch.nn.functional.linear(x, owner.o_proj.weight),)
+        return parts(self, ctx, owner, projection, x)
+
+    monkeypatch.setattr(TrainerSide, "parts", torch_o_proj)
+    changed = _trainer_trace(model)
+    assert steps == spec_steps(model_spec(model.config))
+    assert changed != steps and len(changed) == len(steps) - model.config.num_hidden_layers
+
+
 def test_trainer_reads_the_rules(monkeypatch):
-    """A changed RULES entry reaches the trainer at call time (no re-patching); the spec's own steps follow it
-    too (linear -> linear_exact). Negative control: the same change to another architecture's entry leaves
-    this model's trace as it was."""
+    """A changed RULES entry reaches the trainer at call time (no re-patching). A pinned linear profile is
+    resolved when the model is patched: a model patched afterwards runs it, and the spec's own steps follow it
+    (linear -> linear_exact); the model patched before keeps the profile it carries. Negative control: the same
+    change to another architecture's entry leaves this model's trace as it was."""
     arch = "Qwen2ForCausalLM"
     model = patch_model(_hf(arch))
     D = model.config.hidden_size // model.config.num_attention_heads
-    default = _trainer_trace(model)
+    default_calls = _trainer_calls(model)
+    default = logical_steps(default_calls)
     _change_rules(monkeypatch, "LlamaForCausalLM")
     assert _trainer_trace(model) == default  # negative control: not this model's rules
     assert not _follows_change(_trainer_calls(model), model_spec(model.config), D)
     _change_rules(monkeypatch, arch)
     calls = _trainer_calls(model)
     spec = model_spec(model.config)
-    assert _follows_change(calls, spec, D)
-    assert logical_steps(calls) != default and {s[0] for s in spec_steps(spec) if "linear" in s[0]} == {"linear_exact"}
+    assert _follows_change(calls, spec, D) and not _follows_change(default_calls, spec, D)
+    _change_rules(monkeypatch, arch, **CHANGED, **PINNED)
+    pinned = model_spec(model.config)
+    assert {s[0] for s in spec_steps(pinned) if "linear" in s[0]} == {"linear_exact"}
+    assert _trainer_trace(model) == spec_steps(spec)  # patched before the pin: carries the fma profile
+    repatched = patch_model(_hf(arch))
+    assert _follows_change(_trainer_calls(repatched), pinned, D)
 
 
 def test_vllm_hooks_read_the_rules(monkeypatch):
-    """The plugin's linear, LM-head, norm, rotary and activation hooks look their layer's rules up per call
-    (no engine: the hooks on layer stand-ins). Negative control: a layer with no recorded architecture (one
-    that does not read this model's spec) keeps the default rules, and the check sees it."""
+    """The plugin's linear, LM-head, norm, rotary and activation hooks look their layer's rules up per call, and
+    run the profile the layer carries (no engine: the hooks on layer stand-ins). Negative control: a layer with
+    no recorded architecture (one that does not read this model's spec) keeps the default rules, and the check
+    sees it."""
     pytest.importorskip("vllm")
-    from aligned_ops.integrations import vllm_plugin as p
+    from aligned_ops import profiles
+    from aligned_ops.integrations.vllm import layers as p
 
     arch = "Qwen2ForCausalLM"
     torch.manual_seed(0)
@@ -139,18 +180,19 @@ def test_vllm_hooks_read_the_rules(monkeypatch):
             p._silu_and_mul_forward(layer, x)
         return t.calls
 
-    layer = SimpleNamespace(weight=w, _aligned_arch=arch)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
+    layer = SimpleNamespace(weight=w, _aligned_arch=arch, _aligned_profile=profiles.EXACT)  # as an engine binds it
     stray = SimpleNamespace(weight=w)  # negative control: built outside a model, no architecture recorded
     default = hook_calls(layer)
-    assert [c[0] for c in logical_steps(default)] == ["linear", "linear", "fused_add_rms_norm", "rotary",
+    assert [c[0] for c in logical_steps(default)] == ["linear_exact", "linear_exact", "fused_add_rms_norm", "rotary",
                                                      "silu_and_mul"]
     _change_rules(monkeypatch, arch)
     changed, stray_calls = hook_calls(layer), hook_calls(stray)
     assert [c[0] for c in logical_steps(changed)] == ["linear_exact", "linear_exact", "fused_add_rms_norm", "rotary",
                                                      "silu_and_mul"]
+    assert [c[0] for c in logical_steps(stray_calls)][:2] == ["linear", "linear"]  # bound from the environment
     assert op_scalars(changed, "rotary_embedding") == {(R, False)}
-    assert logical_steps(stray_calls) == logical_steps(default)  # the stray layer did not follow: detected
-    assert op_scalars(stray_calls, "rotary_embedding") == {(R, True)}
+    assert op_scalars(stray_calls, "rotary_embedding") == {(R, True)}  # the stray layer did not follow: detected
 
 
 def aligned_ops_rope_cache(rotary_dim):
@@ -162,9 +204,10 @@ def aligned_ops_rope_cache(rotary_dim):
 @pytest.mark.slow
 def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
     """One prefill + one sampled token through real vLLM-CPU with the plugin, in process; the trace of the
-    prefill forward equals the spec, as does the trainer's. Then, in the same engine, a changed RULES entry:
-    both traces follow it, and the sampled token's log-prob still equals the trainer's bit for bit under the
-    changed rules — but not the trainer's under the default rules (negative control)."""
+    prefill forward (vLLM's decoder layers running the architecture's block with the engine's adapter) equals the
+    spec, as does the trainer's. Then, in the same engine, a changed RULES entry: both traces follow it, and the
+    sampled token's log-prob still equals the trainer's bit for bit under the changed rules — but not the
+    trainer's under the default rules (negative control)."""
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -19,7 +19,8 @@ from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum  #
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig, _cached_get_attn_backend  # noqa: E402
 
-from aligned_ops.integrations import vllm_plugin  # noqa: E402
+from aligned_ops.integrations import vllm as vllm_plugin  # noqa: E402
+from aligned_ops.integrations.vllm import gpu_platform as vgpu  # noqa: E402
 from aligned_ops.integrations.vllm.attention import AlignedAttentionBackend  # noqa: E402
 
 FLASH_ATTN_PATH = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
@@ -101,7 +102,7 @@ def test_negative_control_stock_selection_is_the_stock_backend(gpu_platform):
 
 
 def test_selects_the_aligned_backend_when_gpu_kernels_exist(gpu_platform, monkeypatch):
-    monkeypatch.setattr(vllm_plugin, "missing_gpu_kernels", lambda *a, **k: [])
+    monkeypatch.setattr(vgpu, "missing_gpu_kernels", lambda *a, **k: [])
     messages = _install_quiet()
     # The start-up warning names what was verified and how.
     assert any("NOT been verified on a real GPU" in m and "emulation" in m and "CPU backend end to end" in m
@@ -119,7 +120,7 @@ def test_selects_the_aligned_backend_when_gpu_kernels_exist(gpu_platform, monkey
 @pytest.mark.parametrize("backend", [AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.TRITON_ATTN,
                                      AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.ROCM_ATTN])
 def test_refuses_a_requested_stock_backend(gpu_platform, monkeypatch, backend):
-    monkeypatch.setattr(vllm_plugin, "missing_gpu_kernels", lambda *a, **k: [])
+    monkeypatch.setattr(vgpu, "missing_gpu_kernels", lambda *a, **k: [])
     _install_quiet()
     with pytest.raises(ValueError, match=f"refuses this attention layer.*attention_backend={backend.name} is not "
                                          "batch-invariant"):
@@ -131,7 +132,7 @@ def test_refuses_a_requested_stock_backend(gpu_platform, monkeypatch, backend):
                                                (dict(has_sink=True), "attention sinks not supported"),
                                                (dict(attn_type="encoder_only"), "attention type encoder_only")])
 def test_refuses_layers_the_aligned_backend_cannot_run(gpu_platform, monkeypatch, layer_kw, reason):
-    monkeypatch.setattr(vllm_plugin, "missing_gpu_kernels", lambda *a, **k: [])
+    monkeypatch.setattr(vgpu, "missing_gpu_kernels", lambda *a, **k: [])
     _install_quiet()
     with pytest.raises(ValueError, match=f"never falls back to a stock backend.*{reason}"):
         _select(**layer_kw)
@@ -164,7 +165,7 @@ def test_start_up_reasons_on_gpu(monkeypatch):
     cuda = MockCudaPlatform()
     cfg = _Cfg()
     assert any("no cuda kernels for aligned::" in r for r in vllm_plugin.gpu_platform_reasons(cfg, cuda))
-    monkeypatch.setattr(vllm_plugin, "missing_gpu_kernels", lambda *a, **k: [])
+    monkeypatch.setattr(vgpu, "missing_gpu_kernels", lambda *a, **k: [])
     assert vllm_plugin.gpu_platform_reasons(cfg, cuda) == []
     monkeypatch.setattr(cfg.attention_config, "backend", AttentionBackendEnum.FLASH_ATTN)
     monkeypatch.setattr(cfg.attention_config, "backend_per_kind", {"sliding_window": AttentionBackendEnum.FLASHINFER})
@@ -184,7 +185,7 @@ def test_cpu_path_unchanged():
     was = vllm_plugin.is_installed()
     vllm_plugin.install()
     try:
-        assert not vllm_plugin._platform_originals  # the CPU selector is not replaced
+        assert not vgpu._platform_originals  # the CPU selector is not replaced
         assert AttentionBackendEnum.CPU_ATTN.get_path() == \
             "aligned_ops.integrations.vllm.attention.AlignedAttentionBackend"
     finally:

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations import vllm_plugin  # noqa: E402
+from aligned_ops.integrations.vllm import moe as vllm_moe  # noqa: E402
 
 
 class CPURouter(SimpleNamespace):
@@ -35,9 +35,9 @@ def _runner(**router_kw):
 
 def test_plain_topk_accepted_and_cached():
     r = _runner()
-    assert vllm_plugin._moe_layer_spec(r) == (2, "softmax", True)
+    assert vllm_moe._moe_layer_spec(r) == (2, "softmax", True)
     assert r._aligned_moe_spec == (2, "softmax", True)
-    assert vllm_plugin._moe_layer_spec(_runner(scoring_func="sigmoid", renormalize=False)) == (2, "sigmoid", False)
+    assert vllm_moe._moe_layer_spec(_runner(scoring_func="sigmoid", renormalize=False)) == (2, "sigmoid", False)
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -49,19 +49,19 @@ def test_plain_topk_accepted_and_cached():
 ])
 def test_unsupported_routing_refused(change, reason):
     with pytest.raises(NotImplementedError, match="this MoE layer cannot be kept aligned: .*" + reason):
-        vllm_plugin._moe_layer_spec(_runner(**change))
+        vllm_moe._moe_layer_spec(_runner(**change))
 
 
 def test_quantized_or_padded_experts_refused():
     r = _runner()
     r.routed_experts.quant_method = object()
     with pytest.raises(NotImplementedError, match="quantized experts"):
-        vllm_plugin._moe_layer_spec(r)
+        vllm_moe._moe_layer_spec(r)
     r = _runner()
     r.routed_experts.w2_weight = torch.zeros(4, 8, 16)  # intermediate padded to 16 while w13 holds 2 x 8
     with pytest.raises(NotImplementedError, match="padded or re-packed expert weights"):
-        vllm_plugin._moe_layer_spec(r)
+        vllm_moe._moe_layer_spec(r)
     r = _runner()
     r.moe_config.activation = "gelu"
     with pytest.raises(NotImplementedError, match="activation gelu"):
-        vllm_plugin._moe_layer_spec(r)
+        vllm_moe._moe_layer_spec(r)

@@ -11,7 +11,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations import vllm_plugin  # noqa: E402
+from aligned_ops.integrations import vllm_plugin  # noqa: E402  (the former name: the public API re-exported)
+from aligned_ops.integrations.vllm import config as vconfig  # noqa: E402
+from aligned_ops.integrations.vllm import plugin as vinstall  # noqa: E402
+from aligned_ops.integrations.vllm import patches, tp  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,28 +55,55 @@ def test_supported_config_is_accepted(tiny_dir):
 
 def test_engine_config_clears_rope_cache_and_records_the_served_profile(tiny_dir, monkeypatch):
     """get_rope caches rotary modules by shape, not model: an engine config empties that cache, so a second
-    engine in the process builds its own (with its own recorded architecture). The recorded linear profile is
-    the served architecture's rules' (negative control: another architecture's changed rules leave it)."""
+    engine in the process builds its own (with its own recorded architecture). The engine's linear profile is
+    resolved once, at config creation, and written into the config for its workers: the served architecture's
+    rules' pin, else ALIGNED_OPS_LINEAR (negative control: another architecture's changed rules leave it); a
+    variable changed afterwards does not reach that config."""
     import dataclasses
 
     from vllm.model_executor.layers import rotary_embedding
 
-    from aligned_ops import model_spec
+    from aligned_ops import model_spec, profiles
+    from aligned_ops.integrations.vllm.bind import PROFILE_KEY, engine_profile
 
     sentinel = object()
     rotary_embedding._ROPE_DICT[("stale",)] = sentinel
-    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", None)
+    monkeypatch.setattr(vconfig, "installed_linear_profile", None)
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
-    _engine_config(tiny_dir)
+    cfg = _engine_config(tiny_dir)
     assert ("stale",) not in rotary_embedding._ROPE_DICT
-    assert vllm_plugin.installed_linear_profile == "fma"
+    assert vllm_plugin.installed_profile() is profiles.FMA and cfg.additional_config[PROFILE_KEY] == "fma"
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    assert engine_profile(cfg) is profiles.FMA  # carried by the config, not re-read from the environment
+    cfg = _engine_config(tiny_dir)
+    assert vllm_plugin.installed_profile() is profiles.EXACT and cfg.additional_config[PROFILE_KEY] == "exact"
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
     exact = dataclasses.replace(model_spec.RULES["Qwen2ForCausalLM"], linear_profile="exact")
     monkeypatch.setitem(model_spec.RULES, "LlamaForCausalLM", exact)
     _engine_config(tiny_dir)
-    assert vllm_plugin.installed_linear_profile == "fma"  # not the Llama rules: the served model's
+    assert vllm_plugin.installed_profile() is profiles.FMA  # not the Llama rules: the served model's
     monkeypatch.setitem(model_spec.RULES, "Qwen2ForCausalLM", exact)
     _engine_config(tiny_dir)
-    assert vllm_plugin.installed_linear_profile == "exact"
+    assert vllm_plugin.installed_profile() is profiles.EXACT
+
+
+def test_engine_profile_refusals_are_start_up_errors(tiny_dir, monkeypatch):
+    """The profile's capabilities are checked at start-up: the exact profile's TP route does not run in a traced
+    forward, so TP = 2 + compiled mode is refused by name before any model is built (eager is accepted)."""
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+    base = _engine_config(tiny_dir)
+    c = copy.copy(base)
+    c.parallel_config = copy.copy(base.parallel_config)
+    c.parallel_config.tensor_parallel_size = 2
+    vllm_plugin.validate_vllm_config(c)  # eager: the integer route runs
+    c.model_config = copy.copy(base.model_config)
+    c.model_config.enforce_eager = False
+    with pytest.raises(ValueError, match="the 'exact' linear profile at tensor parallelism 2 runs its row-parallel "
+                                         "layers in eager mode only"):
+        vllm_plugin.validate_vllm_config(c)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")  # negative control: the fma tree is traceable
+    c.additional_config = {}
+    vllm_plugin.validate_vllm_config(c)
 
 
 @pytest.mark.parametrize(
@@ -176,25 +206,29 @@ def test_entry_point_declared_and_inert_without_opt_in():
     """The entry point is declared (installed metadata if present, else pyproject) and does nothing unless opted in."""
     from importlib.metadata import entry_points
 
+    # pyproject names the plugin's home; a wheel installed before the move names the compatibility module, which
+    # must keep resolving (vLLM resolves the entry point through sys.path).
+    new, former = "aligned_ops.integrations.vllm:register", "aligned_ops.integrations.vllm_plugin:register"
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        assert f'aligned_ops = "{new}"' in f.read()
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "aligned_ops"]
     if eps:
-        assert eps[0].value == "aligned_ops.integrations.vllm_plugin:register"
-    else:
-        with open(os.path.join(REPO, "pyproject.toml")) as f:
-            text = f.read()
-        assert 'aligned_ops = "aligned_ops.integrations.vllm_plugin:register"' in text
+        assert eps[0].value in (new, former)
     code = (
-        "import os; from aligned_ops.integrations import vllm_plugin as p\n"
-        "os.environ.pop('ALIGNED_OPS_VLLM', None); p.register(); a = p.is_installed()\n"
-        "os.environ['ALIGNED_OPS_VLLM'] = '1'; p.register(); b = p.is_installed()\n"
+        "import os, importlib\n"
+        "from aligned_ops.integrations.vllm import layers, patches\n"
+        f"p = importlib.import_module({new.split(':')[0]!r}); q = importlib.import_module({former.split(':')[0]!r})\n"
+        "assert p.register is q.register and p.install is q.install  # the former name is the same plugin\n"
+        "os.environ.pop('ALIGNED_OPS_VLLM', None); q.register(); a = p.is_installed()\n"
+        "os.environ['ALIGNED_OPS_VLLM'] = '1'; q.register(); b = p.is_installed()\n"
         "from vllm.model_executor.layers.layernorm import RMSNorm\n"
         "from vllm.model_executor.custom_op import op_registry_oot as r\n"
         "h = r.get('RMSNorm')  # hooked through CustomOp.register_oot, the in-tree class left alone\n"
-        "hooked = h is not None and issubclass(h, RMSNorm) and h.forward is p._rms_norm_forward\n"
-        "hooked = hooked and RMSNorm.forward is not p._rms_norm_forward and set(p._patched_classes()) >= {\n"
-        "    k.split('.')[0] for k in p._originals if not k.startswith('backend.')}\n"
+        "hooked = h is not None and issubclass(h, RMSNorm) and h.forward is layers._rms_norm_forward\n"
+        "hooked = hooked and RMSNorm.forward is not layers._rms_norm_forward and len(patches.patched_classes()) > 3\n"
+        "hooked = hooked and set(patches.class_patch_reasons()) == set(patches.patched_classes())\n"
         "p.uninstall()\n"
-        "print(a, b, hooked, 'RMSNorm' not in r and 'SiluAndMul' not in r)\n"
+        "print(a, b, hooked, 'RMSNorm' not in r and 'SiluAndMul' not in r and not patches.patched_classes())\n"
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
@@ -222,7 +256,7 @@ def test_tensor_parallel_degrees_accepted(tiny_dir, tp):
 
 def test_tp_combine_env_refused(monkeypatch):
     monkeypatch.setenv(vllm_plugin.TP_COMBINE_ENV, "ring")
-    monkeypatch.setattr(vllm_plugin, "_installed", False)
+    monkeypatch.setattr(vinstall, "_installed", False)
     with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential', 'fma'\\), got 'ring'"):
         vllm_plugin.install()
 
@@ -234,10 +268,10 @@ def test_stock_tp_all_reduce_raises_while_installed():
     vllm_plugin.install()
     from vllm.distributed.parallel_state import GroupCoordinator
 
-    assert GroupCoordinator.all_reduce is vllm_plugin._stock_all_reduce
-    tp = types.SimpleNamespace(world_size=2, unique_name="tp:0")
+    assert GroupCoordinator.all_reduce is tp._stock_all_reduce
+    group = types.SimpleNamespace(world_size=2, unique_name="tp:0")
     with pytest.raises(RuntimeError, match="a stock tensor-parallel all-reduce .* was reached"):
-        vllm_plugin._stock_all_reduce(tp, torch.zeros(3))
+        tp._stock_all_reduce(group, torch.zeros(3))
     single = types.SimpleNamespace(world_size=1, unique_name="tp:0")
     x = torch.zeros(3)
     assert GroupCoordinator.all_reduce(single, x) is x  # TP = 1: vLLM's bypass, unchanged
@@ -246,14 +280,15 @@ def test_stock_tp_all_reduce_raises_while_installed():
 def test_layers_vllm_offers_a_hook_for_are_replaced_through_it():
     """Every layer vLLM 0.32 lets an out-of-tree plugin replace (``register_oot`` of a CustomOp or a
     PluggableLayer) is hooked that way: vLLM's own ``__new__`` builds our subclass, the in-tree class keeps
-    its methods. What is still class-patched is listed in ``_patched_classes()`` and offers no such hook
-    (RotaryEmbedding: register_oot matches its exact name only, its RoPE subclasses must follow the patch).
+    its methods. What is still class-patched is listed by the patch registry with its reason and offers no such
+    hook (RotaryEmbedding: register_oot matches its exact name only, its RoPE subclasses must follow the patch;
+    the supported decoder layers, plain nn.Modules whose forward becomes the architecture's block).
     Negative control: a class nobody registered (QKVParallelLinear) is built as itself."""
     vllm_plugin.install()
     from vllm.model_executor.custom_op import CustomOp, PluggableLayer, op_registry_oot
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
-    hooks = vllm_plugin._oot_hooks()
+    hooks = vinstall.oot_hooks()
     assert {b.__name__ for b in hooks} == {"RMSNorm", "SiluAndMul", "RowParallelLinear", "VocabParallelEmbedding",
                                            "GateLinear", "MoERunner", "UnquantizedFusedMoEMethod"}
     for base, methods in hooks.items():
@@ -263,6 +298,10 @@ def test_layers_vllm_offers_a_hook_for_are_replaced_through_it():
             assert hooked.__dict__[name] is fn and base.__dict__.get(name) is not fn, (base.__name__, name)
         assert type(base.__new__(base)) is hooked, base.__name__  # vLLM's dispatch picks our subclass
     assert type(QKVParallelLinear.__new__(QKVParallelLinear)) is QKVParallelLinear
-    patched = vllm_plugin._patched_classes()
+    patched = patches.patched_classes()
     assert not set(patched) & {b.__name__ for b in hooks}
+    from aligned_ops.integrations.vllm.decoders import decoder_classes
+
+    assert {c.__name__ for c in decoder_classes()} <= set(patched) and len(decoder_classes()) == 5
+    assert all(patches.class_patch_reasons()[name] for name in patched)
     assert [n for n, c in patched.items() if issubclass(c, (CustomOp, PluggableLayer))] == ["RotaryEmbedding"]

@@ -46,7 +46,7 @@ def _fake_llm(engine_dtype, param_device, core):
 
 
 def test_in_process_refit_never_touches_the_cpu(monkeypatch):
-    monkeypatch.setattr(rollout.vllm_plugin, "is_installed", lambda: True)
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
     llm, received, transported = _fake_llm(torch.bfloat16, "meta", InprocClient())
     sd = {"weight": torch.empty(3, 4, device="meta", dtype=torch.float32),
           "bias": torch.empty(3, device="meta", dtype=torch.float32)}
@@ -59,7 +59,7 @@ def test_in_process_refit_never_touches_the_cpu(monkeypatch):
 def test_refit_places_weights_on_the_engine_device_across_processes(monkeypatch):
     # An engine in other processes gets host bytes (collective_rpc serialises); its worker moves them to its
     # own device and dtype.
-    monkeypatch.setattr(rollout.vllm_plugin, "is_installed", lambda: True)
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
     llm, received, transported = _fake_llm(torch.float16, "meta", MPClient())
     rollout.refit(llm, {"weight": torch.randn(3, 4), "bias": torch.randn(3)})
     assert all(v.device.type == "cpu" and v.dtype == torch.float16 for _, v in transported)
@@ -67,7 +67,7 @@ def test_refit_places_weights_on_the_engine_device_across_processes(monkeypatch)
 
 
 def test_cpu_engine_values_are_the_cast_weights(monkeypatch):
-    monkeypatch.setattr(rollout.vllm_plugin, "is_installed", lambda: True)
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
     llm, received, _ = _fake_llm(torch.bfloat16, "cpu", InprocClient())
     w = torch.randn(3, 4)
     rollout.refit(llm, {"weight": w})

@@ -130,11 +130,14 @@ def test_cpu_platform_reads_no_device_errors(monkeypatch):
 def test_the_plugin_tags_the_block_table_device_view(monkeypatch):
     from vllm.v1.worker.block_table import BlockTable
 
-    from aligned_ops.integrations import vllm_plugin
+    from aligned_ops.integrations import vllm as plugin
+    from aligned_ops.integrations.vllm import patches
 
-    monkeypatch.setitem(vllm_plugin._originals, "BlockTable.get_device_tensor", lambda self, n: self.dev[:n])
+    plugin.install()
+    assert BlockTable.get_device_tensor is va._block_table_get_device_tensor
+    assert "BlockTable" in patches.patched_classes()
+    monkeypatch.setitem(patches._originals, (BlockTable, "get_device_tensor"), (None, lambda self, n: self.dev[:n]))
     owner = types.SimpleNamespace(block_table=types.SimpleNamespace(cpu=torch.arange(12, dtype=torch.int32).view(3, 4)),
                                   dev=torch.zeros(3, 4, dtype=torch.int32, device="meta"))
-    view = vllm_plugin._block_table_get_device_tensor(owner, 2)
+    view = va._block_table_get_device_tensor(owner, 2)
     assert_bitwise_equal(getattr(view, va._HOST_TABLE_ATTR), owner.block_table.cpu[:2])
-    assert "BlockTable" in vllm_plugin._patched_classes() and BlockTable.__name__ == "BlockTable"

@@ -293,20 +293,22 @@ def test_verify_refuses_a_profile_mismatch(monkeypatch):
     """aligned-ops verify compares the profile the vLLM plugin was installed under with the trainer patch's."""
     import types
 
+    from aligned_ops import profiles
     from aligned_ops.apps import verify
-    from aligned_ops.integrations import vllm_plugin
+    from aligned_ops.integrations.vllm import config
 
-    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
-    model = types.SimpleNamespace(_aligned_linear_profile="exact")
-    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "exact")
-    assert verify.check_profiles(model) == "exact"
-    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "fma")
+    model = types.SimpleNamespace(_aligned_profile=profiles.EXACT)  # what patch_model carries
+    monkeypatch.setattr(config, "installed_linear_profile", profiles.EXACT)
+    assert verify.check_profiles(model) is profiles.EXACT
+    monkeypatch.setattr(config, "installed_linear_profile", profiles.FMA)
     with pytest.raises(RuntimeError, match="linear profile mismatch: vLLM plugin 'fma', trainer 'exact'"):
         verify.check_profiles(model)
-    # both sides on the exact profile because the model's RULES entry pins it, the variable saying fma: agreed
+    # both sides resolved exact once (the variable changed since does not matter): agreed
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
-    monkeypatch.setattr(vllm_plugin, "installed_linear_profile", "exact")
-    assert verify.check_profiles(model) == "exact"
+    monkeypatch.setattr(config, "installed_linear_profile", profiles.EXACT)
+    assert verify.check_profiles(model) is profiles.EXACT
+    monkeypatch.setattr(config, "installed_linear_profile", None)  # the engine ran in another process
+    assert verify.check_profiles(model) is profiles.EXACT
 
 
 @pytest.mark.slow
