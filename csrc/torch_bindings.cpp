@@ -43,7 +43,7 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "log_softmax_backward(Tensor grad, Tensor logits, float temperature=1.0, Tensor? temperatures=None) -> "
       "Tensor");
-  // ---- fused LM head (python/aligned_ops/lm_head.py): the pieces and the op ----
+  // ---- fused LM head (python/aligned_ops/ops/lm_head.py): the pieces and the op ----
   // token_logprobs_pairs: token_logprobs plus the rows' (m, L) pairs (contract.h LsePair) as fp32 [T, 2].
   m.def(
       "token_logprobs_pairs(Tensor logits, Tensor token_ids, float temperature=1.0, Tensor? temperatures=None) -> "
@@ -102,7 +102,7 @@ TORCH_LIBRARY(aligned, m) {
   // The GPU ops check data values in the kernel (no host sync); their per-device error words, read and cleared
   // by aligned_ops.check_device_errors() (csrc/gpu/dense_api.h DeviceError). CPU: always zeros.
   m.def("_device_error_flags(Tensor like) -> Tensor");
-  // moe family (csrc/common/moe.h; CPU glue csrc/cpu/ops_moe_cpu.cpp; fakes + autograd python/aligned_ops/_moe.py)
+  // moe family (csrc/common/moe.h; CPU glue csrc/cpu/ops_moe_cpu.cpp; fakes + autograd python/aligned_ops/ops/moe.py)
   m.def(
       "moe_routing(Tensor router_logits, int top_k, str scoring=\"softmax\", bool renormalize=True) -> "
       "(Tensor, Tensor, Tensor)");
@@ -113,7 +113,7 @@ TORCH_LIBRARY(aligned, m) {
       "moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? shared_w13=None, "
       "Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
   // Gradients of moe_experts wrt (x, topk_weights, w13, w2, shared_w13, shared_w2, shared_gate); the shared ones
-  // are empty tensors without a shared expert / gate. Implemented from other aligned ops (python/aligned_ops/_moe.py).
+  // are empty tensors without a shared expert / gate. Implemented from other aligned ops (python/aligned_ops/ops/moe.py).
   m.def(
       "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
       "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> "

@@ -55,7 +55,7 @@ struct KernelTable {
   // fp32; ids only for token_logprobs; p.pairs == nullptr: computed here
   void (*logits_backward)(const LogitsParams& p, int64_t r0, int64_t r1);
   // token_logprobs backward on the column tile [v0, v0 + V) of rows whose pairs are known (the fused LM head's
-  // weight-gradient sweep, python/aligned_ops/lm_head.py): z and dz are [T, V] (the tile), ids are absolute
+  // weight-gradient sweep, python/aligned_ops/ops/lm_head.py): z and dz are [T, V] (the tile), ids are absolute
   // vocabulary indices (a row whose id is outside the tile has no "1" term there). The elements equal
   // logits_backward(kTokenLogprobs)'s for those columns bit for bit (same helper, same operands).
   void (*token_logprobs_backward_cols)(const LogitsParams& p, int64_t r0, int64_t r1);
