@@ -131,9 +131,10 @@ class FmaProfile(Profile):
                                 tp_devices=("cpu", "cuda"), tp_traceable=True, compile=True, cuda_graphs=True,
                                 fused_lm_head=True)
     invariant_to = ("the batch (size, a row's position, the other rows), chunking, prefill vs decode, thread count, "
-                    "CPU ISA level, the device (CPU = CUDA = HIP, emulated GPUs included), the run, and the "
-                    "tensor-parallel degree 1, 2, 4 or 8 (each rank computes whole lanes of the 8-lane tree; "
-                    "aligned_ops.tree_all_reduce finishes it).")
+                    "CPU ISA level, the run, the tensor-parallel degree 1, 2, 4 or 8 (each rank computes whole "
+                    "lanes of the 8-lane tree; aligned_ops.tree_all_reduce finishes it), and the device: the same "
+                    "fp32 chains on CPU, CUDA and HIP (tested: CPU = the emulated GPUs; a real GPU is checked by "
+                    ".ci/gpu_check.sh).")
     backward = ("aligned::linear_backward: dx one fp32 chain over N, dW one chain over the tokens in batch order "
                 "(deterministic, batch-composition-dependent for dW like any sum over the batch).")
 
@@ -157,8 +158,8 @@ class ExactProfile(Profile):
     capabilities = Capabilities(devices=("cpu", "cuda"), tp_degrees=collective.TP_DEGREES, tp_devices=("cpu",),
                                 tp_traceable=False, compile=True, cuda_graphs=False, fused_lm_head=False)
     invariant_to = ("everything fma is invariant to, and also how K is cut (any split, uneven tensor-parallel "
-                    "slices included) and which instruction computes it (AMX-INT8, AVX512-VNNI, AVX2, generic, "
-                    "GPU): the same bits everywhere. Slow; its bits are not fma's.")
+                    "slices included) and which instruction computes it (AMX-INT8, AVX512-VNNI, AVX2, generic; the "
+                    "GPU kernels, tested under emulation): the same bits everywhere. Slow; its bits are not fma's.")
     backward = ("the fma profile's aligned::linear_backward (rollouts never need backward bits; the trainer's "
                 "forward still runs the exact kernel, so its log-probs match the engine's).")
 

@@ -397,11 +397,9 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
             rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")
         except NotImplementedError as e:  # the trainer's refusals are ValueError (patch_model's contract)
             raise ValueError(str(e)) from None
-    resolved = rules.resolve_profile(profile)  # once per model; carried, never re-read
-    device = next(iter(model.parameters())).device.type
-    reasons = resolved.refusals(device=device)
-    if reasons:
-        raise ValueError(f"aligned_ops (patch_model): {'; '.join(reasons)}")
+    # Once per model; carried, never re-read. (Where it runs is the ops' concern: a model is often patched on one
+    # device and moved to another; FSDP shards it.)
+    resolved = rules.resolve_profile(profile)
     source = ("the model's model_spec.RULES entry (linear_profile)" if rules.linear_profile is not None
               else "patch_model(profile=)" if profile is not None else profiles.ENV_VAR)
     for layer in model.model.layers:

@@ -109,6 +109,9 @@ def _create_engine_config(self, *args, **kwargs):
         raise ValueError("aligned_ops vLLM plugin: additional_config must be a dict (it carries the linear profile)")
     config.additional_config[PROFILE_KEY] = profile.name
     installed_linear_profile = profile
+    import logging
+
+    logging.getLogger("aligned_ops").info("aligned_ops vLLM plugin: %s", profile.describe())
     return config
 
 

@@ -82,7 +82,12 @@ def _make_init(cls):
 
 
 def _make_forward(arch):
-    def forward(self, positions, hidden_states, residual):
+    def forward(self, positions, hidden_states, residual, *extra, **options):
+        # vLLM's decoder layers take (positions, hidden_states, residual); some add optional inputs (DeepSeek-V2's
+        # llama_4_scaling): the block covers none of them, so a layer called with one refuses.
+        if any(v is not None for v in extra) or any(v is not None for v in options.values()):
+            raise NotImplementedError(f"aligned_ops: {arch.name} decoder layer called with extra inputs "
+                                      f"{sorted(options) or len(extra)} the block does not cover")
         return arch.block(arch, ENGINE_SIDE, positions, self, hidden_states, residual)
 
     forward.__qualname__ = f"aligned_{arch.name}_decoder_forward"
