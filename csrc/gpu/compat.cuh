@@ -70,6 +70,56 @@ inline const char* last_error() {
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }
 
+// ---- dynamic shared memory ------------------------------------------------------------------------------
+// The block's dynamic shared memory (the launch's shared_bytes), 16-byte aligned. A launch above 48 KB on CUDA
+// needs allow_dynamic_shared(kernel, bytes) first (cudaFuncSetAttribute), up to max_dynamic_shared_bytes();
+// the emulator enforces both limits (csrc/emu/simt.h), so a launcher that forgets the opt-in fails in CI.
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+#if defined(ALIGNED_GPU_EMULATED)
+  return reinterpret_cast<T*>(::aligned::emu::dynamic_shared_memory());
+#else
+  extern __shared__ alignas(16) unsigned char aligned_dynamic_smem[];
+  return reinterpret_cast<T*>(aligned_dynamic_smem);
+#endif
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device: nullptr, or the runtime's error.
+// CUDA needs it above 48 KB; HIP accepts it (CDNA has no such step: a workgroup may use the whole LDS).
+template <typename K>
+inline const char* allow_dynamic_shared(K* kernel, size_t bytes) {
+#if defined(ALIGNED_GPU_HIP)
+  const gpu_error_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                            hipFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+#else
+  const gpu_error_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+#endif
+  return gpu_ok(e) ? nullptr : gpu_error_string(e);
+}
+
+// The most dynamic shared memory one block of the current device can get after the opt-in (sm_80 163 KB, sm_90 /
+// sm_100 227 KB, sm_120 99 KB, gfx942 64 KB, gfx950 160 KB); 0 if the query fails.
+inline size_t max_dynamic_shared_bytes() {
+  int dev = 0, v = 0;
+#if defined(ALIGNED_GPU_HIP)
+  if (!gpu_ok(hipGetDevice(&dev)) || !gpu_ok(hipDeviceGetAttribute(&v, hipDeviceAttributeMaxSharedMemoryPerBlock, dev)))
+    return 0;
+#else
+  if (!gpu_ok(cudaGetDevice(&dev)) || !gpu_ok(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)))
+    return 0;
+#endif
+  return v > 0 ? (size_t)v : 0;
+}
+
+// The warp's (CUDA) / wave's (HIP) execution barrier: orders the lanes' shared-memory accesses around it.
+__device__ __forceinline__ void warp_sync() {
+#if defined(ALIGNED_GPU_HIP)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
 // Lanes of one reduction group (reduce.h: kReduceLanes). A CUDA warp, or half an AMD wave64.
 constexpr int kGroupLanes = 32;
 static_assert(kGroupLanes == kReduceLanes, "a reduction group must be exactly the contract's 32 lanes");

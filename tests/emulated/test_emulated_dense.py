@@ -141,8 +141,8 @@ def test_scopes_nest_and_restore(gen):
 
 
 def test_bad_arch_is_refused():
-    with pytest.raises(ValueError, match="arch must be one of sm_90, sm_100, gfx942, gfx950"):
-        aligned_ops.emulate("sm_80")
+    with pytest.raises(ValueError, match="arch must be one of sm_80, sm_90, sm_100, sm_120, gfx942, gfx950"):
+        aligned_ops.emulate("sm_75")
     with pytest.raises(RuntimeError, match="arch must be one of"):
         ops._emulate_enter("gfx90a", 0)
 
