@@ -79,7 +79,7 @@ __device__ __forceinline__ T* dynamic_shared() {
 #if defined(ALIGNED_GPU_EMULATED)
   return reinterpret_cast<T*>(::aligned::emu::dynamic_shared_memory());
 #else
-  extern __shared__ alignas(16) unsigned char aligned_dynamic_smem[];
+  extern __shared__ __attribute__((aligned(16))) unsigned char aligned_dynamic_smem[];
   return reinterpret_cast<T*>(aligned_dynamic_smem);
 #endif
 }
