@@ -45,6 +45,7 @@
 #endif
 
 #include <stdint.h>
+#include <string.h>
 
 #include "../common/numerics.h"
 #include "../common/reduce.h"
@@ -123,6 +124,36 @@ __device__ __forceinline__ void warp_sync() {
 // Lanes of one reduction group (reduce.h: kReduceLanes). A CUDA warp, or half an AMD wave64.
 constexpr int kGroupLanes = 32;
 static_assert(kGroupLanes == kReduceLanes, "a reduction group must be exactly the contract's 32 lanes");
+// Lanes of the hardware's warp / wave: a block's threads [0, kWaveLanes) are its first warp (CUDA) or wave (HIP).
+#if defined(ALIGNED_GPU_HIP)
+constexpr int kWaveLanes = 64;
+#else
+constexpr int kWaveLanes = 32;
+#endif
+
+// ---- 16-byte vector access ---------------------------------------------------------------------------------
+// kVecElems<T> elements of T in 16 bytes (8 bf16 / fp16, 4 fp32). A vector access needs a 16-byte aligned address;
+// callers test it (is_vec_aligned) and fall back to element accesses: same values, so same bits.
+template <typename T>
+constexpr int kVecElems = (int)(16 / sizeof(T));
+template <typename T>
+__device__ __forceinline__ bool is_vec_aligned(const T* p) {
+  return ((uintptr_t)p & 15u) == 0;
+}
+template <typename T>
+__device__ __forceinline__ void load_vec_f32(const T* p, float* out) {  // kVecElems<T> elements, widened exactly
+  const int4 raw = *reinterpret_cast<const int4*>(p);
+  T v[kVecElems<T>];
+  memcpy(v, &raw, 16);
+#pragma unroll
+  for (int i = 0; i < kVecElems<T>; ++i) out[i] = to_f32(v[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const T* v) {  // kVecElems<T> elements
+  int4 raw;
+  memcpy(&raw, v, 16);
+  *reinterpret_cast<int4*>(p) = raw;
+}
 
 // v from lane (lane ^ mask) of the same 32-lane group. Every lane of the group must call it.
 __device__ __forceinline__ float shfl_xor32(float v, int mask) {
