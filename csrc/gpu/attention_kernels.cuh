@@ -36,15 +36,6 @@ constexpr int kAttnThreads = kAttnGroups * kGroupLanes;
 constexpr int kAttnChunks = (int)(kGpuAttnMaxD / kGroupLanes);  // accumulators per lane
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
 
-// v from lane src of the same 32-lane group (every lane of the group must call it).
-__device__ __forceinline__ float shfl_idx32(float v, int src) {
-#if defined(ALIGNED_GPU_HIP)
-  return __shfl(v, src, kGroupLanes);
-#else
-  return __shfl_sync(0xffffffffu, v, src, kGroupLanes);
-#endif
-}
-
 // The K/V row accessor of a work record (attention.h: KvRows, shared with the CPU backend).
 __device__ __forceinline__ KvRows work_kv_rows(const AttnFwdParams& p, const int64_t* w) {
   return KvRows{p.Hkv, p.D, p.block_size, w[kWkBegin], w[kWtableRow] >= 0 ? p.block_tables + w[kWtableRow] : nullptr};

@@ -171,6 +171,15 @@ __device__ __forceinline__ int shfl_xor32(int v, int mask) {
 #endif
 }
 
+// v from lane src (0..31) of the same 32-lane group (every lane of the group must call it).
+__device__ __forceinline__ float shfl_idx32(float v, int src) {
+#if defined(ALIGNED_GPU_HIP)
+  return __shfl(v, src, kGroupLanes);
+#else
+  return __shfl_sync(0xffffffffu, v, src, kGroupLanes);
+#endif
+}
+
 // The halving tree of reduce.h as a butterfly: after the xor steps 16, 8, 4, 2, 1 lane 0 holds
 // fold_lanes(lanes) exactly (step `w` adds lane i and lane i+w for i < w, as the tree does). Because fp32
 // addition is commutative (a + b == b + a bitwise), lanes i and i^w hold the same bits after step w, so

@@ -178,6 +178,20 @@ const char* launch_gemm(const GemmParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     const T* A = (const T*)p.A;
     const T* B = (const T*)p.B;
+    if (p.lanes == kLinearLanes && p.cdt == p.adt && p.M <= kSmallM) {  // decode: gemm_small_m_kernel
+      const dim3 sgrid((unsigned)((p.N + kSmallCols - 1) / kSmallCols));
+      auto small = [&](auto rows) {
+        constexpr int kM = decltype(rows)::value;
+        ALIGNED_LAUNCH(sgrid, kSmallThreads, 0, as_stream(stream), gemm_small_m_kernel<T, kM>)(
+            A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N, p.K);
+      };
+      if (p.M <= 1) small(std::integral_constant<int, 1>());
+      else if (p.M <= 2) small(std::integral_constant<int, 2>());
+      else if (p.M <= 4) small(std::integral_constant<int, 4>());
+      else if (p.M <= 8) small(std::integral_constant<int, 8>());
+      else small(std::integral_constant<int, 16>());
+      return;
+    }
     if (p.lanes == 1) {  // one chain per element, written straight to C
       if (p.cdt == p.adt)
         ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, T>)(

@@ -82,7 +82,8 @@ def run_every_op(gen):
     ops.log_softmax(x, 0.7, None)
     ops.token_logprobs(x, ids, 1.0, None)
     ops.token_logprobs_backward(torch.ones(5), x, ids, 1.0, None)
-    ops.linear(x, randn(11, 97, gen=gen), randn(11, gen=gen))
+    ops.linear(x, randn(11, 97, gen=gen), randn(11, gen=gen))  # M = 5: gemm_small_m_kernel
+    ops.linear(randn(20, 97, gen=gen), randn(11, 97, gen=gen), None)  # M = 20: the tiled kernel + lane_fold_kernel
     ops.linear_backward(randn(5, 11, gen=gen), x, randn(11, 97, gen=gen), True, True, True)
     ops._exp_f32(x)
     ops._log_f32(x.abs())
