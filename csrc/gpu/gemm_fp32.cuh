@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kGemmThreads)
 constexpr int kSmallM = 16;    // the launcher uses this kernel for M <= kSmallM (and lanes == 8)
 constexpr int kSmallCols = 16;  // output columns per block
 constexpr int kSmallThreads = kSmallCols * kLinearLanes;  // 128: 4 columns x 8 lanes per warp
-constexpr int kSmallPrefetch = 4;  // 16-byte vectors of W in flight per thread
+constexpr int kSmallPrefetch = 8;  // 16-byte vectors of W in flight per thread (128 B: ~4 MB over the chip)
 
 template <typename T, int kM>
 __global__ void __launch_bounds__(kSmallThreads)
@@ -151,18 +151,20 @@ __global__ void __launch_bounds__(kSmallThreads)
     if (vec) {
       for (; k < ke && k % kV != 0; ++k) link(k);  // head up to the first aligned k
       for (; k + kSmallPrefetch * kV <= ke; k += kSmallPrefetch * kV) {
-        float wv[kSmallPrefetch][kV];
+        int4 wraw[kSmallPrefetch];  // the raw vectors: kSmallPrefetch * 16 bytes in flight per thread
 #pragma unroll
-        for (int u = 0; u < kSmallPrefetch; ++u) load_vec_f32(w + k + u * kV, wv[u]);  // loads first ...
+        for (int u = 0; u < kSmallPrefetch; ++u) wraw[u] = *reinterpret_cast<const int4*>(w + k + u * kV);
 #pragma unroll
-        for (int m = 0; m < kM; ++m) {
-          if (m >= M) continue;
+        for (int u = 0; u < kSmallPrefetch; ++u) {  // ... then the fmas, k ascending for every row
+          T wt[kV];
+          memcpy(wt, &wraw[u], 16);
 #pragma unroll
-          for (int u = 0; u < kSmallPrefetch; ++u) {  // ... then the fmas, k ascending
+          for (int m = 0; m < kM; ++m) {
+            if (m >= M) continue;
             float xv[kV];
             load_vec_f32(A + m * a_sm + k + u * kV, xv);
 #pragma unroll
-            for (int i = 0; i < kV; ++i) acc[m] = fma_f32(xv[i], wv[u][i], acc[m]);
+            for (int i = 0; i < kV; ++i) acc[m] = fma_f32(xv[i], to_f32(wt[i]), acc[m]);
           }
         }
       }
