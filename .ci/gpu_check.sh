@@ -1,99 +1,270 @@
 #!/usr/bin/env bash
-# gpu_check.sh — the one prepared script for a lent GPU machine (NVIDIA H200, CUDA torch preinstalled).
+# gpu_check.sh — the one prepared script for a lent GPU machine: sized to finish inside one command of the
+# device tool (≤ 600 s) with room to spare, build included.
 #
-#   1. records the machine (nvidia-smi, torch, nvcc);
-#   2. builds the CUDA vendor wheel against the machine's torch (pip wheel --no-build-isolation; the CMake
-#      dev build when scikit-build-core is absent) and installs it into a private folder the tests use;
-#   3. runs tests/cuda (CPU == CUDA bit for bit, GPU batch invariance, opcheck, torch.compile, errors);
-#   4. runs bench/bench_dense.py and bench/bench_linear.py with --device cuda, where they exist;
-#   5. writes $OUT/summary.md (one Markdown table: step, status, seconds) and the logs.
-# Every step has a timeout; the whole script is sized to finish in about 8 minutes. Usage, from the
-# repository root:  OUT=/some/dir bash .ci/gpu_check.sh   (the device tool sets OUT).
+#   OUT=/some/dir bash .ci/gpu_check.sh [--quick] [--dry-run]     (the device tool sets OUT)
+#
+#   --dry-run   lists the steps and their timeouts (full and quick) and their sums, runs nothing
+#   --quick     the steps marked quick, with their quick timeouts (≤ 240 s in all)
+#
+# NVIDIA (CUDA torch, nvcc) or AMD (ROCm torch, hipcc / ROCm clang): the backend follows the installed torch.
+# Steps (the table STEPS below; every step runs under its own timeout, and the timeouts add up to ≤ 540 s):
+#   env       the machine, torch, compilers (no GPU needed)
+#   gpu       is there a GPU torch can use? If not: "no GPU", exit 3, nothing else runs
+#   build     the wheel (pip wheel --no-build-isolation) for THIS GPU's arch only (TORCH_CUDA_ARCH_LIST /
+#             PYTORCH_ROCM_ARCH), installed into a private folder; if it fails, the CMake dev build (what is
+#             left of the step's time); the ISA scan of the real flags runs inside either build
+#   test:*    one pytest process per GPU test file (a hang loses one file, not all), each with its own timeout
+#   sanitize:*  compute-sanitizer memcheck and racecheck over tests/cuda/sanitizer_probe.py (NVIDIA only)
+#   bench     bench/bench_gpu.py: the ceilings of this run (1 GiB device copy, 8192^3 bf16 matmul) and every
+#             op's achieved GB/s or TFLOP/s, its fraction of the ceiling and of the roofline, vs torch
+#   mma:*     RESERVED for the `mma` profile's hardware checks (another issue): see "mma profile" in STEPS
+#
+# $OUT receives (≤ 8 files, flat — the device tool returns at most 8 files, 2 folders deep):
+#   summary.md   one table: step, status, seconds, detail (pytest counts, sanitizer verdicts); then the bench table
+#   env.txt  build.log  tests.log  sanitizer.log  bench.log  bench.json
+# Exit status: 0 all steps ok, 1 a step failed or timed out, 3 no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+MODE=full
+DRY=0
+for a in "$@"; do
+  case "$a" in
+    --quick) MODE=quick ;;
+    --dry-run) DRY=1 ;;
+    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$a' (use --quick, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+
+BUDGET_FULL=540
+BUDGET_QUICK=240
+
+# ---- the steps ----------------------------------------------------------------------------------------------
+# name | full timeout (s) | quick timeout (s, 0 = not in --quick) | needs a GPU | function and arguments
+STEPS=(
+  "env|10|10|no|step_env"
+  "gpu|15|15|yes|step_gpu"
+  "build|230|150|yes|step_build"
+  "test:test_cuda_dense.py|55|25|yes|step_pytest tests/cuda/test_cuda_dense.py"
+  "test:test_cuda_realistic.py|30|15|yes|step_pytest tests/cuda/test_cuda_realistic.py"
+  "test:test_cuda_attention.py|25|0|yes|step_pytest tests/cuda/test_cuda_attention.py"
+  "test:test_cuda_exact_linear.py|20|0|yes|step_pytest tests/cuda/test_cuda_exact_linear.py"
+  "test:test_cuda_trainer.py|20|0|yes|step_pytest tests/cuda/test_cuda_trainer.py"
+  "sanitize:memcheck|30|0|yes|step_sanitize memcheck"
+  "sanitize:racecheck|30|0|yes|step_sanitize racecheck"
+  "bench|60|25|yes|step_bench"
+  # ---- mma profile: hardware checks (RESERVED; the matrix-unit issue fills these in) -------------------------
+  # Planned: (1) instruction vs emulator model agreement on 10^6 random dot products per MMA shape;
+  # (2) invariance of the mma profile on the hardware (batch / chunking / TP bits); (3) speed vs cuBLAS and
+  # FlashAttention. Budget kept free for them: 15 s in full mode. Replace the line below with real steps
+  # (same format, timeouts summing to ≤ 15 s, or take time from other steps so the total stays ≤ 540 s).
+  "mma:reserved|15|0|yes|step_reserved"
+)
+# The GPU test files of tests/cuda. The others there (test_gpu_isa_scan.py, test_gpu_sources.py,
+# test_no_host_sync.py) need no GPU and run in CI.
+
 OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 JOBS="$(nproc 2>/dev/null || echo 8)"
 export PYTHONUNBUFFERED=1
-SUMMARY="$OUT/summary.md"
-printf '| step | status | seconds |\n|---|---|---:|\n' >"$SUMMARY"
+START=$(date +%s)
+SCRATCH=$(mktemp -d)  # per-step scratch: $OUT holds only the files listed above
+trap 'rm -rf "$SCRATCH"' EXIT
+SITE=/tmp/aligned_site
+TEST_PATH=""
+VENDOR=""
+GPU_ARCH=""
 
-# step NAME TIMEOUT LOG COMMAND...: runs the command under `timeout`, appends a summary row, returns its status.
-step() {
-  local name="$1" limit="$2" log="$3"
-  shift 3
-  local t0 rc status
-  t0=$(date +%s)
-  echo "== $name (timeout ${limit}s) ==" | tee -a "$log"
-  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
-  rc=$?
-  case $rc in
-    0) status="ok" ;;
-    124 | 137) status="TIMEOUT" ;;
-    *) status="FAILED (rc=$rc)" ;;
+field() { echo "$1" | cut -d'|' -f"$2"; }
+timeout_of() { if [ "$MODE" = quick ]; then field "$1" 3; else field "$1" 2; fi; }
+
+if [ "$DRY" = 1 ]; then
+  printf '%-32s %8s %8s  %s\n' "step" "full(s)" "quick(s)" "needs GPU"
+  tf=0; tq=0
+  for s in "${STEPS[@]}"; do
+    f=$(field "$s" 2); q=$(field "$s" 3)
+    printf '%-32s %8s %8s  %s\n' "$(field "$s" 1)" "$f" "$([ "$q" = 0 ] && echo '-' || echo "$q")" "$(field "$s" 4)"
+    tf=$((tf + f)); tq=$((tq + q))
+  done
+  printf '%-32s %8s %8s\n' "total (timeouts)" "$tf" "$tq"
+  printf '%-32s %8s %8s\n' "budget" "$BUDGET_FULL" "$BUDGET_QUICK"
+  if [ "$tf" -gt "$BUDGET_FULL" ] || [ "$tq" -gt "$BUDGET_QUICK" ]; then
+    echo "gpu_check.sh: the step timeouts exceed the budget" >&2; exit 1
+  fi
+  exit 0
+fi
+
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.md"
+printf '# gpu_check (%s mode) — %s\n\n| step | status | seconds | timeout | detail |\n|---|---|---:|---:|---|\n' \
+  "$MODE" "$(git log --oneline -1 2>/dev/null || echo '?')" >"$SUMMARY"
+DETAIL=""
+
+# ---- steps ---------------------------------------------------------------------------------------------------
+step_env() {  # stdout goes to env.txt (the driver)
+  {
+    echo "date: $(date -u)"
+    echo "host: $(uname -a)"
+    echo "cpus: $JOBS"
+    command -v nvidia-smi >/dev/null && timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+    command -v rocm-smi >/dev/null && rocm-smi --showproductname 2>&1 | head -20
+    timeout 8 "$PY" -c "import torch, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', torch.version.hip)" 2>&1
+    command -v nvcc >/dev/null && nvcc --version 2>&1 | tail -1
+    command -v hipcc >/dev/null && hipcc --version 2>&1 | head -2
+    command -v compute-sanitizer >/dev/null && compute-sanitizer --version 2>&1 | tail -1
+    cmake --version 2>&1 | head -1
+    "$PY" -c "import scikit_build_core; print('scikit-build-core', scikit_build_core.__version__)" 2>&1 | tail -1
+    git log --oneline -1 2>&1
+  } 2>&1
+  return 0
+}
+
+step_gpu() {
+  local info
+  info=$(timeout 12 "$PY" - <<'PY' 2>&1
+import torch
+if not torch.cuda.is_available():
+    print("NOGPU")
+else:
+    p = torch.cuda.get_device_properties(0)
+    if torch.version.hip:
+        print("hip", p.gcnArchName.split(":")[0], torch.cuda.get_device_name(0).replace(" ", "_"))
+    else:
+        print("cuda", f"{p.major}.{p.minor}", torch.cuda.get_device_name(0).replace(" ", "_"))
+PY
+)
+  echo "$info"
+  case "$info" in
+    cuda\ * | hip\ *) ;;
+    *) return 3 ;;
   esac
-  echo "| $name | $status | $(($(date +%s) - t0)) |" >>"$SUMMARY"
-  echo "   -> $status" | tee -a "$log"
+  read -r VENDOR GPU_ARCH _ <<<"$(echo "$info" | tail -1)"
+  DETAIL="$VENDOR $GPU_ARCH $(echo "$info" | tail -1 | awk '{print $3}')"
+}
+
+step_build() {
+  local limit=$1 t0 rc left
+  t0=$(date +%s)
+  if [ "$VENDOR" = cuda ]; then
+    export TORCH_CUDA_ARCH_LIST="$GPU_ARCH"  # this GPU only (CMakeLists.txt / cmake/gpu_archs.cmake)
+  else
+    export PYTORCH_ROCM_ARCH="$GPU_ARCH"
+  fi
+  export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+  if "$PY" -c "import scikit_build_core" >/dev/null 2>&1; then
+    echo "== wheel build for $VENDOR $GPU_ARCH (timeout $((limit - 5))s)"
+    rm -rf "$SITE" build/gpu-wheel-dist
+    timeout --kill-after=5 $((limit - 5)) bash -c \
+      "$PY -m pip wheel -q --no-build-isolation --no-deps -w build/gpu-wheel-dist . && $PY -m pip install -q --no-deps --target $SITE build/gpu-wheel-dist/aligned_ops-*.whl && ls build/gpu-wheel-dist"
+    rc=$?
+    if [ $rc = 0 ]; then
+      TEST_PATH=$SITE; DETAIL="wheel $(ls build/gpu-wheel-dist | head -1)"; return 0
+    fi
+    echo "== wheel build failed (rc=$rc): falling back to the CMake dev build"
+  else
+    echo "== scikit-build-core absent: the CMake dev build"
+  fi
+  left=$((limit - ($(date +%s) - t0) - 5))
+  if [ "$left" -lt 20 ]; then
+    echo "== no time left for the CMake build ($left s)"; return 124
+  fi
+  timeout --kill-after=5 "$left" bash -c \
+    "cmake -S . -B build/gpu-device -G Ninja -DPython_EXECUTABLE=\"\$(command -v $PY)\" -DCMAKE_BUILD_TYPE=Release && cmake --build build/gpu-device -j $JOBS"
+  rc=$?
+  [ $rc = 0 ] && { TEST_PATH=$PWD/python; DETAIL="CMake dev build (wheel failed or absent)"; }
   return $rc
 }
 
-# 1. the machine
+step_pytest() {
+  local limit=$1 file=$2 rc last
+  echo "== $file"
+  timeout --kill-after=5 $((limit - 3)) env PYTHONPATH="$TEST_PATH" "$PY" -m pytest "$file" -q -rfEs -p no:cacheprovider \
+    --durations=5 --maxfail=10 2>&1 | tee "$SCRATCH/pytest_last"
+  rc=${PIPESTATUS[0]}
+  last=$(grep -E "[0-9]+ (passed|failed|error|skipped)" "$SCRATCH/pytest_last" | tail -1)
+  DETAIL="${last:-no pytest summary}"
+  return $rc
+}
+
+step_sanitize() {
+  local limit=$1 tool=$2 rc extra=""
+  if [ "$VENDOR" != cuda ]; then DETAIL="n/a on ROCm"; return 0; fi
+  if ! command -v compute-sanitizer >/dev/null; then DETAIL="compute-sanitizer not found"; return 1; fi
+  [ "$tool" = racecheck ] && extra="--racecheck-report hazard"
+  echo "== compute-sanitizer --tool $tool"
+  # memcheck: no caching allocator, so an out-of-bounds access cannot land in a neighbouring cached block
+  timeout --kill-after=5 $((limit - 3)) env PYTHONPATH="$TEST_PATH" PYTORCH_NO_CUDA_MEMORY_CACHING=$([ "$tool" = memcheck ] && echo 1 || echo 0) \
+    compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 50 --target-processes all \
+    "$PY" tests/cuda/sanitizer_probe.py 2>&1 | tee "$SCRATCH/san_last"
+  rc=${PIPESTATUS[0]}
+  DETAIL="$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$SCRATCH/san_last" | tail -1)"
+  return $rc
+}
+
+step_bench() {
+  local limit=$1 rc
+  timeout --kill-after=5 $((limit - 3)) env PYTHONPATH="$TEST_PATH" "$PY" bench/bench_gpu.py $([ "$MODE" = quick ] && echo --quick) \
+    --out "$SCRATCH/bench.md" --json "$OUT/bench.json"
+  rc=$?
+  DETAIL="$(grep -c '^| [a-z]' "$SCRATCH/bench.md" 2>/dev/null || echo 0) rows"
+  return $rc
+}
+
+step_reserved() { DETAIL="reserved for the mma profile's hardware checks (not yet present)"; return 0; }
+
+# ---- the driver ------------------------------------------------------------------------------------------------
+log_of() {
+  case "$1" in
+    env | gpu) echo "$OUT/env.txt" ;;
+    build) echo "$OUT/build.log" ;;
+    test:*) echo "$OUT/tests.log" ;;
+    sanitize:*) echo "$OUT/sanitizer.log" ;;
+    *) echo "$OUT/bench.log" ;;
+  esac
+}
+
+failed=0
+for s in "${STEPS[@]}"; do
+  name=$(field "$s" 1)
+  limit=$(timeout_of "$s")
+  needs_gpu=$(field "$s" 4)
+  read -r fn args <<<"$(field "$s" 5)"
+  if [ "$limit" = 0 ]; then continue; fi
+  if [ "$name" != env ] && [ "$name" != gpu ] && [ -z "$TEST_PATH" ] && [ "$name" != build ]; then
+    echo "| $name | skipped (no build) | 0 | $limit | |" >>"$SUMMARY"; continue
+  fi
+  log=$(log_of "$name")
+  DETAIL=""
+  t0=$(date +%s)
+  echo "== [$((t0 - START))s] $name (timeout ${limit}s)" | tee -a "$log"
+  # a step runs in this shell (it sets TEST_PATH, VENDOR, GPU_ARCH, DETAIL), each of its commands under `timeout`
+  $fn "$limit" $args >>"$log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - t0))
+  case $rc in
+    0) status=ok ;;
+    3) status="no GPU" ;;
+    124 | 137) status=TIMEOUT ;;
+    *) status="FAILED (rc=$rc)" ;;
+  esac
+  echo "| $name | $status | $secs | $limit | ${DETAIL//|/\/} |" >>"$SUMMARY"
+  echo "   -> $status ($secs s) $DETAIL"
+  if [ $rc = 3 ]; then
+    echo "gpu_check.sh: no GPU: torch sees no CUDA/ROCm device here; stopping before the first step that needs one."
+    cat "$SUMMARY"
+    exit 3
+  fi
+  [ $rc = 0 ] || failed=1
+  if [ "$name" = build ] && [ $rc != 0 ]; then tail -40 "$log"; fi
+done
+
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
-  "$PY" -c "import torch, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', torch.version.hip); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE')" 2>&1
-  nvcc --version 2>&1 | tail -1
-  cmake --version 2>&1 | head -1
-  git log --oneline -1 2>&1
-} >"$OUT/env.txt"
-cat "$OUT/env.txt"
-
-# 2. build: the CUDA vendor wheel (docs/wheels.md), installed into a private folder the tests import from.
-# Needs scikit-build-core (carry its wheel: docs/wheels.md); without it, the CMake dev build (.so into python/).
-SITE=/tmp/aligned_site
-if "$PY" -c "import scikit_build_core" >/dev/null 2>&1; then
-  if step "build CUDA wheel (pip wheel --no-build-isolation)" 360 "$OUT/build.log" \
-    bash -c "rm -rf dist $SITE && CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $PY -m pip wheel -q --no-build-isolation --no-deps -w dist . && $PY -m pip install -q --no-deps --target $SITE dist/aligned_ops-*.whl && ls dist"; then
-    built=1; TEST_PATH=$SITE
-    ls dist >>"$SUMMARY.tail"
-  else
-    built=0; tail -40 "$OUT/build.log"
-  fi
-else
-  BUILD_DIR=build/gpu-device
-  echo "| CUDA wheel | skipped: scikit-build-core absent, CMake dev build instead | 0 |" >>"$SUMMARY"
-  if step "build (cmake, CUDA torch)" 330 "$OUT/build.log" \
-    bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DPython_EXECUTABLE=\"\$(command -v $PY)\" -DCMAKE_BUILD_TYPE=Release && cmake --build $BUILD_DIR -j $JOBS"; then
-    built=1; TEST_PATH=python
-  else
-    built=0; tail -40 "$OUT/build.log"
-  fi
-fi
-
-# 3. the GPU tests
-if [ "$built" = 1 ]; then
-  step "pytest tests/cuda" 240 "$OUT/pytest_cuda.log" \
-    env PYTHONPATH=$TEST_PATH "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider --durations=8
-  tail -25 "$OUT/pytest_cuda.log"
-  grep -E "passed|failed|error" "$OUT/pytest_cuda.log" | tail -1 | sed 's/^/pytest: /' >>"$SUMMARY.tail" || true
-
-  # 4. benchmarks (present on other branches; --quick keeps each under a minute)
-  for b in bench/bench_dense.py bench/bench_linear.py bench/bench_attention_gpu.py; do
-    if [ -f "$b" ]; then
-      step "$(basename "$b") --device cuda" 90 "$OUT/bench.log" \
-        env PYTHONPATH=$TEST_PATH "$PY" "$b" --device cuda --quick --out "$OUT/bench.md"
-    else
-      echo "| $(basename "$b") | not present | 0 |" >>"$SUMMARY"
-    fi
-  done
-fi
-
-if [ -f "$SUMMARY.tail" ]; then
-  echo >>"$SUMMARY"
-  cat "$SUMMARY.tail" >>"$SUMMARY"
-  rm -f "$SUMMARY.tail"
-fi
+  echo
+  echo "total: $(($(date +%s) - START)) s ($MODE mode, budget $([ "$MODE" = quick ] && echo $BUDGET_QUICK || echo $BUDGET_FULL) s)"
+  if [ -f "$SCRATCH/bench.md" ]; then echo; cat "$SCRATCH/bench.md"; fi
+} >>"$SUMMARY"
 echo
 cat "$SUMMARY"
-[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
-exit 0
+exit $failed

@@ -2,11 +2,12 @@
 # gpu_compile_check.sh — CI check of the GPU backends on a machine without a GPU.
 #
 # Configures a separate build dir with -DALIGNED_GPU_COMPILE_CHECK=ON and builds the gpu_compile_check
-# target (cmake/gpu_compile_check.cmake): every csrc/cuda/*.cu with nvcc 13 for sm_90a and sm_100a, every
-# csrc/hip/*.hip with clang++-22 for gfx942 and gfx950, the emitted PTX / AMDGPU asm / device IR checked by
-# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction), and ops_cuda.cpp
-# syntax-checked against the installed torch's headers. Then a negative control proves the checker can
-# fail: a kernel that calls __expf must be rejected.
+# target (cmake/gpu_compile_check.cmake): every csrc/cuda/*.cu with nvcc 13 for the extension's CUDA targets
+# (CMakeLists.txt: sm_80, sm_90, sm_100, sm_120 cubins + compute_80 PTX, listed back from each object's fatbin),
+# every csrc/hip/*.hip with clang++-22 for gfx942 and gfx950, the emitted PTX / AMDGPU asm / device IR checked by
+# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction in f32 or f64), and ops_cuda.cpp
+# syntax-checked against the installed torch's headers. Then negative controls prove the checker can
+# fail: a kernel that calls __expf, and an f64 TwoSum built with --fmad=true, must be rejected.
 #
 # Usage: .ci/gpu_compile_check.sh [build-dir]   (default build/gpu-check). A few minutes on 2 cores.
 set -euo pipefail
@@ -34,6 +35,22 @@ if [ -x "$NVCC" ]; then
   if "$PY" cmake/gpu_isa_check.py ptx "$tmp/bad.ptx" "$tmp/bad.ok" 2>/dev/null; then
     echo "NEGATIVE CONTROL FAILED: the PTX checker accepted __expf"; control_ok=0
   fi
+  # the exact epilogue's TwoSum (csrc/common/exact_linear.h sum_round_odd) is correct only unfused: nvcc's default
+  # --fmad=true contracts its f64 arithmetic, and the scan must say so; --fmad=false (the extension's flag) passes
+  cat >"$tmp/twosum.cu" <<'CU'
+__global__ void two_sum(const double* a, const double* b, double* out) {
+  const int i = threadIdx.x;
+  const double s = a[i] + b[i], bb = s - a[i];
+  out[i] = (a[i] - (s - bb)) + (b[i] - bb) + a[i] * b[i] * 0.5;
+}
+CU
+  "$NVCC" -arch=sm_90 -ptx "$tmp/twosum.cu" -o "$tmp/twosum_fmad.ptx"
+  if "$PY" cmake/gpu_isa_check.py ptx "$tmp/twosum_fmad.ptx" "$tmp/tw.ok" 2>/dev/null; then
+    echo "NEGATIVE CONTROL FAILED: the PTX checker accepted contracted f64 arithmetic (--fmad=true)"; control_ok=0
+  fi
+  "$NVCC" -arch=sm_90 --fmad=false -ptx "$tmp/twosum.cu" -o "$tmp/twosum_exact.ptx"
+  "$PY" cmake/gpu_isa_check.py ptx "$tmp/twosum_exact.ptx" "$tmp/tw.ok" \
+    || { echo "POSITIVE CONTROL FAILED: the PTX checker rejected an unfused f64 TwoSum"; control_ok=0; }
 fi
 if command -v clang++-22 >/dev/null; then
   cat >"$tmp/bad.hip" <<'HIP'
@@ -53,10 +70,13 @@ echo "== GPU compile check summary ($(( $(date +%s) - start )) s) =="
 m="$BUILD/gpu_check/manifest.txt"
 cuda_files=$(grep -c '^cuda ' "$m" || true)
 hip_files=$(grep -c '^hip ' "$m" || true)
-echo "CUDA: $(grep '^cuda ' "$m" | awk '{print $3}' | sort -u | wc -l) file(s) x archs {$(grep '^cuda ' "$m" | awk '{print $2}' | sort -u | paste -sd, -)} = $cuda_files compiled + PTX checked"
+echo "CUDA: $(grep '^cuda ' "$m" | awk '{print $3}' | sort -u | wc -l) file(s) x targets {$(grep '^cuda ' "$m" | awk '{print $2}' | sort -uV | paste -sd, -)} = $cuda_files images + PTX checked"
+for f in "$BUILD"/gpu_check/cuda_*.fatbin.txt; do
+  [ -f "$f" ] && echo "  $(basename "$f" .fatbin.txt).o embeds: $(cat "$f")  (cubins;PTX, read from its .nv_fatbin)"
+done
 echo "HIP:  $(grep '^hip ' "$m" | awk '{print $3}' | sort -u | wc -l) file(s) x archs {$(grep '^hip ' "$m" | awk '{print $2}' | sort -u | paste -sd, -)} = $hip_files compiled + asm/IR checked"
 grep '^glue ' "$m" | sed 's/^/GLUE: /' || true
 if grep '^SKIPPED' "$m"; then
   echo "WARNING: some GPU targets were SKIPPED (see above)"
 fi
-echo "negative controls: checker rejects __expf (PTX$(command -v clang++-22 >/dev/null && echo ', AMDGPU asm'))"
+echo "negative controls: checker rejects __expf (PTX$(command -v clang++-22 >/dev/null && echo ', AMDGPU asm')) and f64 contracted by --fmad=true"

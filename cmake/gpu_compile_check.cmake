@@ -2,12 +2,16 @@
 # (CI), and check the emitted code against the numerics contract. Included by CMakeLists.txt when
 # -DALIGNED_GPU_COMPILE_CHECK=ON; driven by .ci/gpu_compile_check.sh. Nothing here is linked or run.
 #
-#   csrc/cuda/*.cu   x {sm_90a, sm_100a}: nvcc -c (object) and nvcc -ptx, with the exact-numerics flags;
-#                    the PTX is checked by cmake/gpu_isa_check.py (no .ftz, no ex2/lg2.approx, every f32
-#                    add/sub/mul rounded .rn so ptxas cannot contract it).
+#   csrc/cuda/*.cu   one nvcc -c per file for every entry of ALIGNED_CUDA_ARCHS (CMakeLists.txt: sm_80, sm_90,
+#                    sm_100, sm_120 cubins + compute_80 PTX), with the exact-numerics flags, --keep (the PTX of
+#                    every virtual arch, checked by cmake/gpu_isa_check.py: no .ftz, no ex2/lg2.approx, every
+#                    f32/f64 add/sub/mul rounded .rn so ptxas cannot contract it, no f64 fma) and -Xptxas -v
+#                    (registers, shared memory, spills per kernel and arch: cuda_<file>.resources.txt). The
+#                    object's fatbin is then listed (gpu_isa_check.py fatbin, cuobjdump's --list-elf/--list-ptx
+#                    without cuobjdump) and must hold exactly those cubins and PTX.
 #   csrc/hip/*.hip   x {gfx942, gfx950}: clang++-22 -x hip -c (one object for both archs, -fgpu-rdc), plus
 #                    device-only asm and LLVM IR per arch; checked for v_exp_f32/v_log_f32, denormal flushing,
-#                    llvm.fmuladd and fast-math flags.
+#                    llvm.fmuladd, f64 fma and fast-math flags.
 #   csrc/cuda/ops_cuda.cpp: -fsyntax-only against the installed torch's headers (the CPU wheel ships
 #                    c10/cuda headers; -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE stands in for CUDA torch's config).
 #
@@ -26,8 +30,9 @@ if(CMAKE_HIP_COMPILER)
 else()
   find_program(ALIGNED_HIP_CLANG NAMES clang++-22 clang++-19)
 endif()
-set(ALIGNED_CUDA_CHECK_ARCHS sm_90a sm_100a CACHE STRING "CUDA archs of the compile check")
-set(ALIGNED_HIP_CHECK_ARCHS gfx942 gfx950 CACHE STRING "AMD archs of the compile check")
+# The extension's own target lists (CMakeLists.txt "GPU targets"); a CUDA / ROCm build checks what it builds.
+set(ALIGNED_CUDA_CHECK_ARCHS "${ALIGNED_CUDA_ARCHS}")
+set(ALIGNED_HIP_CHECK_ARCHS ${ALIGNED_HIP_ARCHS})
 
 set(_gc_dir "${CMAKE_BINARY_DIR}/gpu_check")
 file(MAKE_DIRECTORY "${_gc_dir}")
@@ -58,23 +63,59 @@ if(EXISTS "${ALIGNED_NVCC}")
   endforeach()
   set(_nvcc_flags -std=c++17 -O3 ${_user_cuda} ${ALIGNED_CUDA_EXACT_FLAGS} -Xcompiler -ffp-contract=off
       ${ALIGNED_GPU_CHECK_EXTRA_FLAGS})
+  aligned_cuda_gencode_flags(_gencode "${ALIGNED_CUDA_CHECK_ARCHS}")
+  set(_elf)
+  set(_ptx_archs)
+  foreach(_a IN LISTS ALIGNED_CUDA_CHECK_ARCHS)
+    string(REGEX REPLACE "-(real|virtual)$" "" _n "${_a}")
+    if(NOT _a MATCHES "-virtual$")
+      list(APPEND _elf "sm_${_n}")
+    endif()
+    if(NOT _a MATCHES "-real$")
+      list(APPEND _ptx_archs "compute_${_n}")
+    endif()
+  endforeach()
+  # every virtual arch nvcc runs (one per distinct compute_NN): its PTX is kept and checked
+  set(_virtual)
+  foreach(_f IN LISTS _gencode)
+    string(REGEX MATCH "arch=compute_[0-9]+[af]?" _m "${_f}")
+    string(REPLACE "arch=" "" _m "${_m}")
+    list(APPEND _virtual "${_m}")
+  endforeach()
+  list(REMOVE_DUPLICATES _virtual)
+  string(REPLACE ";" "," _elf_csv "${_elf}")
+  string(REPLACE ";" "," _ptx_csv "${_ptx_archs}")
   foreach(src IN LISTS _gc_cu)
     get_filename_component(_name "${src}" NAME_WE)
-    foreach(arch IN LISTS ALIGNED_CUDA_CHECK_ARCHS)
-      set(_obj "${_gc_dir}/cuda_${_name}.${arch}.o")
-      set(_ptx "${_gc_dir}/cuda_${_name}.${arch}.ptx")
-      set(_ok "${_gc_dir}/cuda_${_name}.${arch}.ptx.ok")
-      add_custom_command(OUTPUT "${_obj}"
-        COMMAND "${ALIGNED_NVCC}" ${_nvcc_flags} -arch=${arch} -c "${src}" -o "${_obj}"
-        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "nvcc ${arch}: ${_name}.cu" VERBATIM)
-      add_custom_command(OUTPUT "${_ptx}"
-        COMMAND "${ALIGNED_NVCC}" ${_nvcc_flags} -arch=${arch} -ptx "${src}" -o "${_ptx}"
-        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "nvcc -ptx ${arch}: ${_name}.cu" VERBATIM)
+    set(_obj "${_gc_dir}/cuda_${_name}.o")
+    set(_keep "${_gc_dir}/cuda_${_name}.keep")
+    set(_res "${_gc_dir}/cuda_${_name}.resources.txt")
+    set(_ptxs)
+    foreach(_v IN LISTS _virtual)
+      list(APPEND _ptxs "${_keep}/${_name}.${_v}.ptx")
+    endforeach()
+    add_custom_command(OUTPUT "${_obj}" "${_res}" ${_ptxs}
+      COMMAND "${Python_EXECUTABLE}" "${_isa_check}" nvcc "${_res}" --
+              "${ALIGNED_NVCC}" ${_nvcc_flags} ${_gencode} -Xptxas -v --keep --keep-dir "${_keep}" -c "${src}" -o "${_obj}"
+      DEPENDS "${src}" ${_gc_gpu_headers} "${_isa_check}" COMMENT "nvcc ${ALIGNED_CUDA_CHECK_ARCHS}: ${_name}.cu" VERBATIM)
+    foreach(_v IN LISTS _virtual)
+      set(_ptx "${_keep}/${_name}.${_v}.ptx")
+      set(_ok "${_gc_dir}/cuda_${_name}.${_v}.ptx.ok")
       add_custom_command(OUTPUT "${_ok}"
         COMMAND "${Python_EXECUTABLE}" "${_isa_check}" ptx "${_ptx}" "${_ok}"
-        DEPENDS "${_ptx}" "${_isa_check}" COMMENT "numerics check (PTX) ${arch}: ${_name}.cu" VERBATIM)
-      list(APPEND _gc_outputs "${_obj}" "${_ok}")
-      list(APPEND _gc_manifest "cuda ${arch} csrc/cuda/${_name}.cu")
+        DEPENDS "${_obj}" "${_isa_check}" COMMENT "numerics check (PTX) ${_v}: ${_name}.cu" VERBATIM)
+      list(APPEND _gc_outputs "${_ok}")
+    endforeach()
+    set(_fat "${_gc_dir}/cuda_${_name}.fatbin.txt")
+    add_custom_command(OUTPUT "${_fat}"
+      COMMAND "${Python_EXECUTABLE}" "${_isa_check}" fatbin "${_obj}" "${_elf_csv}+${_ptx_csv}" "${_fat}"
+      DEPENDS "${_obj}" "${_isa_check}" COMMENT "fatbin of cuda_${_name}.o: ${_elf_csv} + PTX ${_ptx_csv}" VERBATIM)
+    list(APPEND _gc_outputs "${_obj}" "${_fat}")
+    foreach(_e IN LISTS _elf)
+      list(APPEND _gc_manifest "cuda ${_e} csrc/cuda/${_name}.cu")
+    endforeach()
+    foreach(_e IN LISTS _ptx_archs)
+      list(APPEND _gc_manifest "cuda ${_e}(PTX) csrc/cuda/${_name}.cu")
     endforeach()
   endforeach()
 else()

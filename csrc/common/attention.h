@@ -95,7 +95,10 @@ ALIGNED_HD float attn_dot(const TQ* q, const TK* k, int64_t D) {
 // arithmetic. (The lane-parallel l sum uses compat.cuh's group_sum_tree, which is fold_lanes exactly.)
 ALIGNED_HD float attn_tile_max(const float* s, int nv, float m) {  // m_new
   float mt = neg_inf_f32();
-  for (int j = 0; j < nv; ++j) mt = max_f32(mt, s[j]);
+  // j < nv ascending; written with the tile's constant trip count so that a GPU compiler unrolls it and keeps s[] in
+  // registers (a loop bounded by nv indexes s[] at run time, which puts it in local memory). Same operations.
+  for (int j = 0; j < kAttnTile; ++j)
+    if (j < nv) mt = max_f32(mt, s[j]);
   return max_f32(m, mt);
 }
 ALIGNED_HD float attn_shift(float m_new) { return m_new == neg_inf_f32() ? 0.0f : m_new; }  // mu

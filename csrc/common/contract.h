@@ -118,8 +118,12 @@ ALIGNED_HD TC linear_epilogue(float acc, const TC* bias, int64_t n) {
 // inv = 1 / sqrt(ss / H + eps)               (division, add, sqrt, division: each correctly rounded)
 // out_k = round_T((x_k * inv) * w_k)
 // The pieces (every backend's row loop calls these):
+// A lane's step is its term (a function of one element: any thread may compute it) added to the chain (the order
+// the contract fixes); the GPU's wide-row kernels compute terms on many warps and add them on one.
 template <typename V>
-ALIGNED_HD V rms_sq_step(V acc, V x) { return acc + x * x; }  // one lane's step of ss
+ALIGNED_HD V rms_sq_term(V x) { return x * x; }
+template <typename V>
+ALIGNED_HD V rms_sq_step(V acc, V x) { return acc + rms_sq_term(x); }  // one lane's step of ss
 ALIGNED_HD float rms_inv_of_sum(float ss, int64_t H, float eps) {
   return div_f32(1.0f, sqrt_f32(div_f32(ss, (float)H) + eps));
 }
@@ -271,7 +275,9 @@ ALIGNED_HD V logit_scale(V z, V tau) { return div_f32(z, tau); }  // s_v
 // One lane's step of the exp-sum. Only ordinary rows get here (no NaN, no +inf, m finite), so s - m is never
 // NaN (s = -inf gives -inf) and the exp needs no NaN fix-up.
 template <typename V>
-ALIGNED_HD V lse_sum_step(V acc, V s, V m) { return acc + exp_f32_not_nan(s - m); }
+ALIGNED_HD V lse_sum_term(V s, V m) { return exp_f32_not_nan(s - m); }
+template <typename V>
+ALIGNED_HD V lse_sum_step(V acc, V s, V m) { return acc + lse_sum_term(s, m); }
 // A part's (max, flags) merged into the row's: max is exact and order-free (see cpu_kernels.cpp for the sign
 // of a zero maximum, which reaches no output), flags are ORed.
 ALIGNED_HD void lse_max_merge(float part_m, int32_t part_flags, float* m, int32_t* flags) {

@@ -23,16 +23,21 @@ namespace aligned::emu {
 enum class Vendor : int { kCuda = 0, kHip = 1 };
 
 struct Arch {
-  const char* name;         // "sm_90", "sm_100", "gfx942", "gfx950"
+  const char* name;         // "sm_80", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950"
   Vendor vendor;            // which vendor spelling of csrc/gpu runs (compat.cuh's CUDA or HIP branch)
   int warp_size;            // 32 (CUDA) or 64 (CDNA wave64)
-  size_t max_shared_bytes;  // shared memory / LDS per block
+  size_t max_shared_bytes;  // the most dynamic shared memory / LDS one block can get (CUDA: after the opt-in)
+  // Dynamic shared memory a kernel may launch with before any opt-in: 48 KB on every CUDA arch (a larger
+  // launch fails until cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, n) raised
+  // the kernel's limit); HIP has no such step on CDNA, so there it is the whole LDS.
+  size_t default_dynamic_shared_bytes;
   const char* matrix_model; // the bit model of its MMA instructions (documentation: none is emulated yet)
 };
 
-// nullptr for an unknown name. known_archs(): "sm_90, sm_100, gfx942, gfx950".
+// nullptr for an unknown name. known_archs(): "sm_80, sm_90, sm_100, sm_120, gfx942, gfx950".
 const Arch* find_arch(const std::string& name);
 std::string known_archs();
+std::vector<const Arch*> all_archs();  // in known_archs() order
 
 // Negative controls: deliberate deviations of the runtime, so tests can prove that a comparison with the
 // CPU backend fails when the emulated kernels do not compute what the GPU would.

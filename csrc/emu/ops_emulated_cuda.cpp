@@ -55,8 +55,7 @@ std::vector<std::string> emulate_exit() {
 // "name|vendor|warp_size|max_shared_bytes|matrix model" per arch.
 std::vector<std::string> emulated_archs() {
   std::vector<std::string> out;
-  for (const char* n : {"sm_90", "sm_100", "gfx942", "gfx950"}) {
-    const Arch* a = find_arch(n);
+  for (const Arch* a : all_archs()) {
     out.push_back(std::string(a->name) + "|" + (a->vendor == Vendor::kHip ? "hip" : "cuda") + "|" +
                   std::to_string(a->warp_size) + "|" + std::to_string(a->max_shared_bytes) + "|" + a->matrix_model);
   }

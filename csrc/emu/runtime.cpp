@@ -2,19 +2,38 @@
 //
 // A launch runs every block of the grid to completion before it returns. Blocks are independent, so they
 // are spread over a few worker OS threads (ALIGNED_EMU_THREADS, default min(4, cores)); which worker runs a
-// block never changes a result, because a block's threads only share memory within the block.
+// block never changes a result of a correct kernel, because a block's threads only share memory within the block.
 //
 // Inside a block every GPU thread is a fiber with a small stack (64 KiB, 512 KiB under ASan, a guard page
-// below). The worker runs the runnable fibers in thread order, each until it blocks at __syncthreads or a
-// warp collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are
-// resolved (values exchanged, votes counted), then — if nothing else can run — the barrier is released once
-// every live thread waits at it; anything else is a deadlock and fails the launch with a description. The
-// order of everything is fixed, so runs are deterministic. Fibers are created once per worker and reused by
-// every block and launch (a finished fiber waits at the top of its loop for the next thread to run).
+// below). The worker runs the runnable fibers one at a time, each until it blocks at __syncthreads or a warp
+// collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are resolved (values
+// exchanged, votes counted), then — if nothing else can run — the barrier is released once every live thread
+// waits at it; anything else is a deadlock and fails the launch with a description. Fibers are created once per
+// worker and reused by every block and launch (a finished fiber waits at the top of its loop for the next thread).
+//
+// Schedules (ALIGNED_EMU_SCHEDULE, read at every launch): a GPU promises no order between the threads of a block
+// between two barriers, between the warps of a block, or between the blocks of a grid. A kernel whose result
+// depends on one (a missing __syncthreads / __syncwarp, a block reading another block's output) is wrong, but
+// one fixed order can hide it: in index order a reader of a lower thread's write always sees it. So the order
+// of each pass over the runnable threads, of the warps and of the blocks is a parameter:
+//   forward        thread, warp and block index order (the default);
+//   reverse        the reverse of each;
+//   random:SEED    per pass a permutation of the warps and, within each warp, of its lanes; the blocks in a
+//                  permuted order. Drawn from SEED, the kernel's name, the launch shape, the block and the pass
+//                  number, so a run is reproducible from the seed alone.
+// A correct kernel gives the same bits under every schedule (tests/emulated run under all of them); the planted
+// races of selftest_kernels.cuh give stale reads under reverse and random (tests/emulated/test_emulation_runtime.py).
+//
+// FP environment: every worker pins MXCSR to the IEEE default (round to nearest, no flush-to-zero, no
+// denormals-are-zero, exceptions masked) for the launch, and the x87 control word to its default, then restores
+// the caller's: a GPU kernel's arithmetic never depends on what the host thread set (torch.set_flush_denormal).
+//
+// Dynamic shared memory is modelled with the vendor's limits (emulation.h Arch): a launch above the kernel's limit
+// fails as on a GPU, and the limit rises only through set_max_dynamic_shared (cudaFuncSetAttribute).
 //
 // Context switches: a 6-register x86-64 switch (callee-saved registers + stack pointer; MXCSR and the x87
-// control word are never changed by kernels), ucontext elsewhere. Under ASan every switch is announced
-// with __sanitizer_start/finish_switch_fiber so stack checking follows the fibers.
+// control word are pinned for the whole launch, see above), ucontext elsewhere. Under ASan every switch is
+// announced with __sanitizer_start/finish_switch_fiber so stack checking follows the fibers.
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -23,10 +42,17 @@
 #include <ucontext.h>
 #endif
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#else
+#include <fenv.h>
+#endif
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -54,18 +80,27 @@ thread_local const ThreadCoords* tl_coords = nullptr;
 
 // ---- archs -----------------------------------------------------------------------------------------------
 namespace {
+constexpr size_t kCudaDefaultDynamicShared = 48 * 1024;  // every CUDA arch, before cudaFuncSetAttribute
+// max_shared_bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin of A100 (163 KB), H100/H200 and B200 (227 KB), RTX 50xx
+// (99 KB); the LDS of a CDNA3 (64 KB) and CDNA4 (160 KB) workgroup.
 const Arch kArchs[] = {
-    {"sm_90", Vendor::kCuda, 32, 227 * 1024,
+    {"sm_80", Vendor::kCuda, 32, 163 * 1024, kCudaDefaultDynamicShared,
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; bf16/fp16 mma.sync on "
+     "A100 would follow MMA-Sim's A100 model: k16 split into two k8 steps, 24 fractional bits"},
+    {"sm_90", Vendor::kCuda, 32, 227 * 1024, kCudaDefaultDynamicShared,
      "integer mma.sync m16n8k32 s8 (exact: int32 sums of int8 products, PTX fragment layout); no float MMA is "
      "emulated; bf16/fp16 wgmma would follow MMA-Sim's Hopper model: K=16 fused dot "
      "+ C, terms aligned to the largest exponent, truncated to 25 fractional bits, round toward zero"},
-    {"sm_100", Vendor::kCuda, 32, 227 * 1024,
+    {"sm_100", Vendor::kCuda, 32, 227 * 1024, kCudaDefaultDynamicShared,
      "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; bf16/fp16 tcgen05 would follow MMA-Sim's Blackwell model (as Hopper)"},
-    {"gfx942", Vendor::kHip, 64, 64 * 1024,
+    {"sm_120", Vendor::kCuda, 32, 99 * 1024, kCudaDefaultDynamicShared,
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; no published model of "
+     "the consumer Blackwell mma.sync"},
+    {"gfx942", Vendor::kHip, 64, 64 * 1024, 64 * 1024,
      "integer v_mfma_i32_16x16x32_i8 (exact: int32 sums of int8 products, CDNA3 fragment layout); no float "
      "MFMA is emulated; bf16/fp16 MFMA would follow MMA-Sim's CDNA3 model: groups of 8 "
      "products truncated to 24 bits, group sum floored to 31 bits, round to nearest even"},
-    {"gfx950", Vendor::kHip, 64, 160 * 1024,
+    {"gfx950", Vendor::kHip, 64, 160 * 1024, 160 * 1024,
      "integer v_mfma_i32_16x16x32_i8 (exact, CDNA3 fragment layout, kept on CDNA4); no float MFMA is emulated; "
      "MMA-Sim has no CDNA4 model"},
 };
@@ -75,6 +110,11 @@ const Arch* find_arch(const std::string& name) {
   for (const Arch& a : kArchs)
     if (name == a.name) return &a;
   return nullptr;
+}
+std::vector<const Arch*> all_archs() {
+  std::vector<const Arch*> v;
+  for (const Arch& a : kArchs) v.push_back(&a);
+  return v;
 }
 std::string known_archs() {
   std::string s;
@@ -241,11 +281,32 @@ struct Lane {
   Fiber* fiber = nullptr;
 };
 
+enum class ScheduleKind : int { kForward, kReverse, kRandom };
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::kForward;
+  uint64_t seed = 0;
+};
+
+// splitmix64: the schedule's random stream (deterministic, no global state).
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+struct Rng {
+  uint64_t state;
+  uint64_t next() { return mix64(state++); }
+  uint64_t below(uint64_t n) { return next() % n; }  // n small: the bias is irrelevant for a schedule
+};
+
 struct Job {
   const char* kernel;
   LaunchConfig cfg;
   const Arch* arch;
   Fault fault;
+  Schedule schedule;
+  uint64_t launch_key = 0;  // mixes the kernel's name and shape into the random schedule
   void (*thunk)(const void*);
   const void* args;
   uint64_t blocks;
@@ -269,6 +330,9 @@ struct Worker {
   Context sched;
   std::vector<std::unique_ptr<Fiber>> fibers;
   std::vector<Lane> lanes;
+  std::vector<int> order, warp_order, lane_order;  // the schedule's pass order (scratch)
+  std::vector<unsigned char> dyn_smem_store;       // the running block's dynamic shared memory (+ alignment slack)
+  unsigned char* dyn_smem = nullptr;
   Lane* current = nullptr;
   const Job* job = nullptr;
   std::string block_error;
@@ -676,6 +740,56 @@ void reset_block_fibers(Worker& w, int nthreads) {
   }
 }
 
+// The order of one pass over the block's threads (w.order) and of the warps (w.warp_order): see "Schedules" at
+// the top. Random: the warps in a random order, each warp's lanes in a random order (a fresh draw every pass).
+void schedule_pass(Worker& w, ScheduleKind kind, Rng& rng, int nthreads, int ws, int nwarps) {
+  w.order.resize(nthreads);
+  w.warp_order.resize(nwarps);
+  for (int i = 0; i < nwarps; ++i) w.warp_order[i] = kind == ScheduleKind::kReverse ? nwarps - 1 - i : i;
+  if (kind == ScheduleKind::kForward) {
+    for (int t = 0; t < nthreads; ++t) w.order[t] = t;
+    return;
+  }
+  if (kind == ScheduleKind::kReverse) {
+    for (int t = 0; t < nthreads; ++t) w.order[t] = nthreads - 1 - t;
+    return;
+  }
+  for (int i = nwarps - 1; i > 0; --i) std::swap(w.warp_order[i], w.warp_order[rng.below(i + 1)]);
+  int o = 0;
+  for (int i = 0; i < nwarps; ++i) {
+    const int first = w.warp_order[i] * ws, n = std::min(nthreads - first, ws);
+    w.lane_order.resize(n);
+    for (int l = 0; l < n; ++l) w.lane_order[l] = l;
+    for (int l = n - 1; l > 0; --l) std::swap(w.lane_order[l], w.lane_order[rng.below(l + 1)]);
+    for (int l = 0; l < n; ++l) w.order[o++] = first + w.lane_order[l];
+  }
+}
+
+// The block run as the c-th of `n` under the schedule: forward c, reverse n-1-c, random a bijection of [0, n)
+// (a 4-round Feistel network on the next power of two, cycle-walking back into [0, n)).
+uint64_t block_of_slot(const Job& job, uint64_t c) {
+  const uint64_t n = job.blocks;
+  if (job.schedule.kind == ScheduleKind::kForward) return c;
+  if (job.schedule.kind == ScheduleKind::kReverse) return n - 1 - c;
+  int bits = 2;
+  while ((1ull << bits) < n) ++bits;
+  if (bits & 1) ++bits;
+  const int half = bits / 2;
+  const uint64_t mask = (1ull << half) - 1;
+  uint64_t x = c;
+  do {
+    uint64_t l = x >> half, r = x & mask;
+    for (int round = 0; round < 4; ++round) {
+      const uint64_t f = mix64(job.schedule.seed ^ mix64(job.launch_key + (uint64_t)round) ^ r) & mask;
+      const uint64_t nl = r;
+      r = l ^ f;
+      l = nl;
+    }
+    x = (l << half) | r;
+  } while (x >= n);
+  return x;
+}
+
 // Runs block `b` of the job on this worker; returns false (and the message) on a broken rule.
 bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
   const dim3 g = job.cfg.grid, bd = job.cfg.block;
@@ -698,9 +812,17 @@ bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
   w.job = &job;
   w.block_error.clear();
   const int nwarps = (nthreads + ws - 1) / ws;
+  if (job.cfg.shared_bytes > 0) {  // fresh contents are undefined on a GPU: 0xff bytes (NaN) here
+    w.dyn_smem_store.assign(job.cfg.shared_bytes + 64, 0xff);
+    w.dyn_smem = (unsigned char*)(((uintptr_t)w.dyn_smem_store.data() + 63) & ~(uintptr_t)63);
+  } else {
+    w.dyn_smem = nullptr;
+  }
+  Rng rng{mix64(job.schedule.seed ^ mix64(job.launch_key ^ mix64(b)))};
   int live = nthreads;
   for (;;) {
-    for (int t = 0; t < nthreads; ++t) {
+    schedule_pass(w, job.schedule.kind, rng, nthreads, ws, nwarps);
+    for (int t : w.order) {
       Lane& l = w.lanes[t];
       if (l.state != LaneState::kRunnable) continue;
       resume(w, l);
@@ -714,7 +836,7 @@ bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
     }
     if (live == 0) return true;
     bool progressed = false;
-    for (int wi = 0; wi < nwarps && err.empty(); ++wi) progressed |= resolve_warp(w, wi, nthreads, err);
+    for (int i = 0; i < nwarps && err.empty(); ++i) progressed |= resolve_warp(w, w.warp_order[i], nthreads, err);
     if (!err.empty()) {
       reset_block_fibers(w, nthreads);
       return false;
@@ -737,13 +859,52 @@ bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
   }
 }
 
+// The IEEE default FP environment for the kernels of one launch on this OS thread (see "FP environment" at the
+// top); the destructor gives the host thread its own environment back.
+class PinnedFpEnvironment {
+ public:
+  PinnedFpEnvironment() {
+#if defined(__x86_64__)
+    saved_csr_ = _mm_getcsr();
+    _mm_setcsr(kDefaultCsr);
+    __asm__ volatile("fnstcw %0" : "=m"(saved_cw_));
+    const uint16_t cw = 0x037f;  // x87: all exceptions masked, 64-bit precision, round to nearest
+    __asm__ volatile("fldcw %0" : : "m"(cw));
+#else
+    fegetenv(&saved_);
+    fesetenv(FE_DFL_ENV);
+#endif
+  }
+  ~PinnedFpEnvironment() {
+#if defined(__x86_64__)
+    _mm_setcsr(saved_csr_);
+    __asm__ volatile("fldcw %0" : : "m"(saved_cw_));
+#else
+    fesetenv(&saved_);
+#endif
+  }
+#if defined(__x86_64__)
+  static constexpr unsigned kDefaultCsr = 0x1f80;  // exceptions masked, round to nearest, no FTZ, no DAZ
+#endif
+
+ private:
+#if defined(__x86_64__)
+  unsigned saved_csr_;
+  uint16_t saved_cw_;
+#else
+  fenv_t saved_;
+#endif
+};
+
 void run_blocks(Job& job) {
   Worker& w = tl_worker;
+  PinnedFpEnvironment fp_env;
   std::string err;
   for (;;) {
     if (job.failed.load(std::memory_order_relaxed)) return;
-    const uint64_t b = job.next.fetch_add(1);
-    if (b >= job.blocks) return;
+    const uint64_t slot = job.next.fetch_add(1);
+    if (slot >= job.blocks) return;
+    const uint64_t b = block_of_slot(job, slot);
     err.clear();
     if (!run_block(w, job, b, err)) {
       const dim3 g = job.cfg.grid;
@@ -820,13 +981,72 @@ void set_error(const std::string& what) {
   tl_error_pending = true;
 }
 
+// ALIGNED_EMU_SCHEDULE: "" or "forward", "reverse", "random:SEED" (SEED a decimal integer). false: malformed.
+bool parse_schedule(const char* text, Schedule* out) {
+  const std::string v = text ? text : "";
+  if (v.empty() || v == "forward") {
+    *out = Schedule{ScheduleKind::kForward, 0};
+    return true;
+  }
+  if (v == "reverse") {
+    *out = Schedule{ScheduleKind::kReverse, 0};
+    return true;
+  }
+  if (v.rfind("random:", 0) == 0 && v.size() > 7 && v.size() <= 7 + 19 &&
+      v.find_first_not_of("0123456789", 7) == std::string::npos) {
+    *out = Schedule{ScheduleKind::kRandom, std::stoull(v.substr(7))};
+    return true;
+  }
+  return false;
+}
+
+// Per (kernel, arch): the dynamic shared memory limit raised by set_max_dynamic_shared.
+std::mutex g_attr_mutex;
+std::map<std::pair<const void*, const Arch*>, size_t> g_dynamic_shared_limit;
+
+size_t dynamic_shared_limit(const void* kernel, const Arch* arch) {
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  auto it = g_dynamic_shared_limit.find({kernel, arch});
+  return it == g_dynamic_shared_limit.end() ? arch->default_dynamic_shared_bytes : it->second;
+}
+
 }  // namespace
 
-void launch(const char* kernel, const LaunchConfig& cfg, void (*thunk)(const void*), const void* args) {
+unsigned char* dynamic_shared_memory() {
+  running_lane("dynamic shared memory");
+  return tl_worker.dyn_smem;
+}
+
+const char* set_max_dynamic_shared(const void* kernel, long long bytes) {
+  const Arch* arch = active_arch();
+  if (!arch) return "set_max_dynamic_shared: no emulated arch is active (aligned_ops.emulate)";
+  if (bytes < 0 || (unsigned long long)bytes > arch->max_shared_bytes) {
+    static thread_local std::string msg;
+    msg = "cudaFuncSetAttribute(MaxDynamicSharedMemorySize, " + std::to_string(bytes) + "): invalid argument, " +
+          arch->name + " gives a block at most " + std::to_string(arch->max_shared_bytes) + " bytes";
+    return msg.c_str();
+  }
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  g_dynamic_shared_limit[{kernel, arch}] = (size_t)bytes;
+  return nullptr;
+}
+
+size_t max_dynamic_shared_optin() {
+  const Arch* arch = active_arch();
+  return arch ? arch->max_shared_bytes : 0;
+}
+
+void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg, void (*thunk)(const void*),
+            const void* args) {
   const Arch* arch = active_arch();
   const std::string where = std::string("emulated launch of ") + kernel;
   if (!arch) return set_error(where + ": no emulated arch is active (aligned_ops.emulate)");
   if (tl_worker.current) return set_error(where + ": launched from inside an emulated kernel");
+  Schedule schedule;
+  const char* sched_text = getenv("ALIGNED_EMU_SCHEDULE");
+  if (!parse_schedule(sched_text, &schedule))
+    return set_error(where + ": ALIGNED_EMU_SCHEDULE must be forward, reverse or random:SEED (SEED a decimal " +
+                     "integer), got '" + std::string(sched_text) + "'");
   const dim3 g = cfg.grid, b = cfg.block;
   const uint64_t threads = (uint64_t)b.x * b.y * b.z;
   if (threads == 0 || threads > 1024 || b.z > 64)
@@ -835,9 +1055,17 @@ void launch(const char* kernel, const LaunchConfig& cfg, void (*thunk)(const voi
   if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535)
     return set_error(where + ": invalid grid (" + std::to_string(g.x) + "," + std::to_string(g.y) + "," +
                      std::to_string(g.z) + ")");
-  if (cfg.shared_bytes > arch->max_shared_bytes)
-    return set_error(where + ": " + std::to_string(cfg.shared_bytes) + " bytes of dynamic shared memory exceed " +
-                     arch->name + "'s " + std::to_string(arch->max_shared_bytes));
+  const size_t smem_limit = dynamic_shared_limit(kernel_key, arch);
+  if (cfg.shared_bytes > smem_limit) {
+    const bool raisable = smem_limit < arch->max_shared_bytes && cfg.shared_bytes <= arch->max_shared_bytes;
+    return set_error(where + ": " + std::to_string(cfg.shared_bytes) + " bytes of dynamic shared memory exceed the " +
+                     "kernel's limit of " + std::to_string(smem_limit) + " on " + arch->name +
+                     (raisable ? " (raise it first: cudaFuncSetAttribute(kernel, "
+                                 "cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), compat.cuh "
+                                 "allow_dynamic_shared)"
+                               : std::string(" (the arch gives a block at most ") +
+                                     std::to_string(arch->max_shared_bytes) + ")"));
+  }
   {
     std::lock_guard<std::mutex> lock(g_state_mutex);
     if (!g_scopes.empty())
@@ -849,6 +1077,10 @@ void launch(const char* kernel, const LaunchConfig& cfg, void (*thunk)(const voi
   job.cfg = cfg;
   job.arch = arch;
   job.fault = active_fault();
+  job.schedule = schedule;
+  uint64_t key = mix64((uint64_t)g.x | ((uint64_t)g.y << 32)) ^ mix64((uint64_t)g.z | ((uint64_t)threads << 32));
+  for (const char* c = kernel; *c; ++c) key = mix64(key ^ (unsigned char)*c);
+  job.launch_key = key;
   job.thunk = thunk;
   job.args = args;
   job.blocks = (uint64_t)g.x * g.y * g.z;

@@ -7,6 +7,10 @@
 
 #include "../gpu/compat.cuh"
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 namespace aligned::gpu {
 
 #if defined(ALIGNED_GPU_HIP)
@@ -68,6 +72,59 @@ __global__ void selftest_async_copy(const int* src, long long* out) {
   }
 }
 
+// ---- planted races (the schedules of csrc/emu/runtime.cpp must expose them) ---------------------------------
+// Thread t publishes t + 1 in shared memory, then reads what thread t - 32 (the previous warp) published — threads
+// of the first warp read their own slot. Without the barrier the read races with the write: in index order the
+// writer always ran first (no stale read: the order hides the bug), in reverse order never, in a random order
+// sometimes. out[t] = the value read (0: stale).
+__global__ void selftest_race_syncthreads(long long* out, bool with_barrier) {
+  __shared__ int slot[128];
+  const int t = threadIdx.x;
+  slot[t] = 0;
+  __syncthreads();
+  slot[t] = t + 1;
+  if (with_barrier) __syncthreads();  // uniform: a kernel argument
+  out[t] = slot[t >= 32 ? t - 32 : t];
+}
+
+// The same within a warp: lane l reads what lane l - 1 of its own warp published (lane 0 its own slot). Without
+// warp_sync() (__syncwarp / the wave barrier) the lanes' shared-memory accesses are unordered.
+__global__ void selftest_race_syncwarp(long long* out, bool with_barrier) {
+  __shared__ int slot[128];
+  const int t = threadIdx.x, lane = t % kGroupLanes;
+  slot[t] = 0;
+  __syncthreads();
+  slot[t] = t + 1;
+  if (with_barrier) warp_sync();
+  out[t] = slot[lane > 0 ? t - 1 : t];
+}
+
+// ---- dynamic shared memory --------------------------------------------------------------------------------
+// Each thread writes its index into dynamic shared memory and reads its neighbour's; out[t] = the value read.
+__global__ void selftest_dynamic_shared(long long* out, int words) {
+  int* d = dynamic_shared<int>();
+  const int t = threadIdx.x;
+  out[t] = d[t] == -1 ? 1 : 0;  // fresh contents are 0xff bytes under emulation (undefined on a GPU)
+  for (int i = t; i < words; i += blockDim.x) d[i] = i;
+  __syncthreads();
+  out[blockDim.x + t] = d[words - 1 - t];
+}
+
+// ---- FP environment ----------------------------------------------------------------------------------------
+// out[0] = the MXCSR the kernel runs under; out[1] = the bits of a subnormal product (2^-130 * 1.5).
+__global__ void selftest_fp_environment(long long* out, const float* in) {
+  if (threadIdx.x != 0) return;
+#if defined(__x86_64__)
+  out[0] = (long long)_mm_getcsr();
+#else
+  out[0] = -1;
+#endif
+  const float y = in[0] * in[1];
+  unsigned u;
+  memcpy(&u, &y, 4);
+  out[1] = (long long)u;
+}
+
 // Runs the named self-test with 128 threads in one block; returns nullptr or the launch error.
 const char* run_selftest(const std::string& name, std::vector<long long>& out) {
   const int threads = 128;
@@ -78,7 +135,39 @@ const char* run_selftest(const std::string& name, std::vector<long long>& out) {
   else if (name == "barrier_vs_shuffle") ALIGNED_LAUNCH(1, threads, 0, nullptr, selftest_barrier_vs_shuffle)(out.data());
   else if (name == "async_copy") ALIGNED_LAUNCH(1, 32, 0, nullptr, selftest_async_copy)(src, out.data());
   else if (name == "too_many_threads") ALIGNED_LAUNCH(1, 2048, 0, nullptr, selftest_warp)(out.data());
-  else return "unknown self-test";
+  else if (name == "race_syncthreads" || name == "race_syncthreads_fixed")
+    ALIGNED_LAUNCH(1, threads, 0, nullptr, selftest_race_syncthreads)(out.data(), name != "race_syncthreads");
+  else if (name == "race_syncwarp" || name == "race_syncwarp_fixed")
+    ALIGNED_LAUNCH(1, threads, 0, nullptr, selftest_race_syncwarp)(out.data(), name != "race_syncwarp");
+  else if (name.rfind("dynamic_shared:", 0) == 0) {
+    // "dynamic_shared:BYTES" launches with BYTES of dynamic shared memory as it is; "dynamic_shared_optin:BYTES"
+    // raises the kernel's limit to BYTES first (allow_dynamic_shared), as a launcher must above 48 KB on CUDA.
+    const size_t bytes = std::stoul(name.substr(name.find(':') + 1));
+    ALIGNED_LAUNCH(1, threads, bytes, nullptr, selftest_dynamic_shared)(out.data(), (int)(bytes / 4));
+  } else if (name.rfind("dynamic_shared_optin:", 0) == 0) {
+    const size_t bytes = std::stoul(name.substr(name.find(':') + 1));
+    if (const char* e = allow_dynamic_shared(selftest_dynamic_shared, bytes)) return e;
+    ALIGNED_LAUNCH(1, threads, bytes, nullptr, selftest_dynamic_shared)(out.data(), (int)(bytes / 4));
+    out.push_back((long long)max_dynamic_shared_bytes());
+  } else if (name == "fp_environment") {
+    // The host thread asks for flush-to-zero, denormals-are-zero and round toward zero (as
+    // torch.set_flush_denormal(True) would for the first two); the kernel must not see any of it.
+    static const float in[2] = {1.1754944e-38f / 1024.0f /* 2^-136 */ * 64.0f, 1.5f};
+#if defined(__x86_64__)
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved | 0x8040u | 0x6000u);  // FTZ | DAZ | RC = toward zero
+    volatile float a = in[0], b = in[1];
+    const float host = a * b;  // the hostile environment itself (negative control): flushed to 0
+    ALIGNED_LAUNCH(1, 32, 0, nullptr, selftest_fp_environment)(out.data(), in);
+    out[2] = (long long)_mm_getcsr();  // the caller's environment is given back
+    _mm_setcsr(saved);
+    unsigned hu;
+    memcpy(&hu, &host, 4);
+    out[3] = (long long)hu;
+#else
+    ALIGNED_LAUNCH(1, 32, 0, nullptr, selftest_fp_environment)(out.data(), in);
+#endif
+  } else return "unknown self-test";
   gpu_error_t e = gpu_last_error();
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }

@@ -18,6 +18,10 @@
 //     and CDNA), __syncwarp, shuffles (xor / idx / up / down, any width that is a power of two <= warpSize;
 //     a lane reading outside its width segment gets its own value, as both vendors document), votes
 //     (ballot / any / all: 32-bit masks on CUDA, 64-bit on HIP);
+//   * dynamic shared memory (compat.cuh dynamic_shared<T>()) with the vendor's launch limits: 48 KB on CUDA until
+//     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, n) raises the kernel's limit (at
+//     most the arch's opt-in maximum, cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)); the whole
+//     LDS on HIP (hipFuncSetAttribute / hipDeviceGetAttribute(hipDeviceAttributeMaxSharedMemoryPerBlock));
 //   * async copies (__pipeline_memcpy_async / __pipeline_commit / __pipeline_wait_prior): the copy is
 //     performed, synchronously, when a wait retires its group — never earlier — so a kernel that reads
 //     the destination before waiting reads stale data here too;
@@ -98,12 +102,30 @@ inline void __pipeline_wait_prior(size_t n) { ::aligned::emu::async_wait_prior(n
 // ---- HIP spelling (wave64: masks are 64-bit, no _sync variants needed) ---------------------------------
 #define ALIGNED_GPU_HIP 1
 using hipStream_t = void*;
-enum hipError_t { hipSuccess = 0, hipErrorLaunchFailure = 719 };
+enum hipError_t { hipSuccess = 0, hipErrorInvalidValue = 1, hipErrorLaunchFailure = 719 };
 inline hipError_t hipGetLastError() {
   return ::aligned::emu::take_last_error() ? hipErrorLaunchFailure : hipSuccess;
 }
 inline const char* hipGetErrorString(hipError_t e) {
-  return e == hipSuccess ? "no error" : ::aligned::emu::last_error_message();
+  return e == hipSuccess ? "no error" : e == hipErrorInvalidValue ? "invalid argument" : ::aligned::emu::last_error_message();
+}
+enum hipFuncAttribute { hipFuncAttributeMaxDynamicSharedMemorySize = 8 };
+inline hipError_t hipFuncSetAttribute(const void* kernel, hipFuncAttribute, int value) {
+  return ::aligned::emu::set_max_dynamic_shared(kernel, value) ? hipErrorInvalidValue : hipSuccess;
+}
+enum hipDeviceAttribute_t { hipDeviceAttributeMaxSharedMemoryPerBlock = 74 };
+inline hipError_t hipGetDevice(int* device) {
+  *device = 0;
+  return hipSuccess;
+}
+inline hipError_t hipDeviceGetAttribute(int* value, hipDeviceAttribute_t, int) {
+  *value = (int)::aligned::emu::max_dynamic_shared_optin();
+  return hipSuccess;
+}
+// The wave's execution barrier (lanes of a CDNA wave run in lockstep on the hardware; the emulator's lanes do
+// not, so code that exchanges data through LDS within a wave needs it here as __syncwarp on CUDA).
+inline void __builtin_amdgcn_wave_barrier() {
+  ::aligned::emu::warp_collective(::aligned::emu::WarpOp::kSyncWarp, 0, 0, warpSize, ~0ull, false);
 }
 template <class T>
 inline T __shfl_xor(T v, int lane_mask, int width = warpSize) {
@@ -134,12 +156,27 @@ inline int __all(int pred) {
 // ---- CUDA spelling (warp of 32: masks are 32-bit) ---------------------------------------------------------
 #define ALIGNED_GPU_CUDA 1
 using cudaStream_t = void*;
-enum cudaError_t { cudaSuccess = 0, cudaErrorLaunchFailure = 719 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorLaunchFailure = 719 };
 inline cudaError_t cudaGetLastError() {
   return ::aligned::emu::take_last_error() ? cudaErrorLaunchFailure : cudaSuccess;
 }
 inline const char* cudaGetErrorString(cudaError_t e) {
-  return e == cudaSuccess ? "no error" : ::aligned::emu::last_error_message();
+  return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : ::aligned::emu::last_error_message();
+}
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class F>
+inline cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute, int value) {
+  return ::aligned::emu::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), value) ? cudaErrorInvalidValue
+                                                                                              : cudaSuccess;
+}
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+  *value = (int)::aligned::emu::max_dynamic_shared_optin();
+  return cudaSuccess;
 }
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {

@@ -60,6 +60,18 @@ void warp_matrix(MatrixOp op, MatrixFragment* lane_fragment, uint64_t mask, bool
 void async_copy(void* dst, const void* src, size_t bytes, size_t zero_fill);
 void async_commit();
 void async_wait_prior(size_t pending_groups);
+// The block's dynamic shared memory (`extern __shared__` on a GPU; compat.cuh dynamic_shared()): the launch's
+// shared_bytes, 16-byte aligned, filled with 0xff bytes (a NaN in every float format) when the block starts, so
+// a read of a byte no thread wrote shows, as the undefined contents of a GPU's shared memory would.
+unsigned char* dynamic_shared_memory();
+
+// ---- kernel attributes (the emulated cudaFuncSetAttribute / hipFuncSetAttribute) -------------------------------
+// The dynamic shared memory limit of one kernel (its address is the key) on the active arch: nullptr, or why the
+// value is refused (above the arch's max_shared_bytes, negative, or no arch active).
+const char* set_max_dynamic_shared(const void* kernel, long long bytes);
+// The active arch's most dynamic shared memory per block after the opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin,
+// hipDeviceAttributeMaxSharedMemoryPerBlock); 0 when no arch is active.
+size_t max_dynamic_shared_optin();
 
 template <class T>
 inline uint64_t to_bits(const T& v) {
@@ -87,7 +99,9 @@ struct LaunchConfig {
 };
 // Runs every block of the grid to completion (the launch is synchronous, like a launch followed by a stream
 // sync). A failure is kept as the sticky last error (cudaGetLastError / hipGetLastError below).
-void launch(const char* kernel_name, const LaunchConfig& cfg, void (*thunk)(const void* args), const void* args);
+// kernel: the kernel's address, the key of its attributes (set_max_dynamic_shared).
+void launch(const char* kernel_name, const void* kernel, const LaunchConfig& cfg, void (*thunk)(const void* args),
+            const void* args);
 const char* pretty_kernel_name(const char* pretty_function);  // interns the name (see kernel_name)
 
 // "rms_norm_kernel<float, float>" from the compiler's spelling of the template argument K.
@@ -109,7 +123,8 @@ struct Launch {
   void operator()(A&&... a) const {
     using Args = decltype(kernel_parameters(K));
     const Args args(std::forward<A>(a)...);
-    launch(kernel_name<K>(), cfg, [](const void* p) { std::apply(K, *static_cast<const Args*>(p)); }, &args);
+    launch(kernel_name<K>(), reinterpret_cast<const void*>(K), cfg,
+           [](const void* p) { std::apply(K, *static_cast<const Args*>(p)); }, &args);
   }
 };
 

@@ -35,15 +35,11 @@ constexpr int kAttnGroups = 8;  // reduction groups per block (256 threads); any
 constexpr int kAttnThreads = kAttnGroups * kGroupLanes;
 constexpr int kAttnChunks = (int)(kGpuAttnMaxD / kGroupLanes);  // accumulators per lane
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
-
-// v from lane src of the same 32-lane group (every lane of the group must call it).
-__device__ __forceinline__ float shfl_idx32(float v, int src) {
-#if defined(ALIGNED_GPU_HIP)
-  return __shfl(v, src, kGroupLanes);
-#else
-  return __shfl_sync(0xffffffffu, v, src, kGroupLanes);
-#endif
-}
+// The padded fp32 K row of a head_dim: D + 1 floats (lane j reads row j: consecutive lanes, consecutive banks).
+__host__ __device__ inline int64_t kAttnKStrideOf(int64_t D) { return D + 1; }
+// V row offset when V is not staged (the kernel's key_off holds the same values; recomputed here for the
+// unstaged variant, which is the previous kernel's access).
+__device__ __forceinline__ int64_t key_off_v(const KvRows& kv, int64_t j, int64_t g) { return kv.offset(j, g); }
 
 // The K/V row accessor of a work record (attention.h: KvRows, shared with the CPU backend).
 __device__ __forceinline__ KvRows work_kv_rows(const AttnFwdParams& p, const int64_t* w) {
@@ -62,15 +58,32 @@ __device__ __forceinline__ bool attn_plan_fits(const AttnFwdParams& p) {
   return ok;
 }
 
+// The shared memory of attention_split_kernel (dynamic): the K tile as fp32 [kAttnTile][D + 1] (padded: lane j reads
+// row j, conflict-free), then — kStageV — the V tile as fp32 [kAttnTile][D] (lane i reads columns i, i + 32, ...).
+// Widening to fp32 when staging is exact, so the dot and pv chains see the same values as from global memory.
+__host__ __device__ inline size_t attn_split_smem_bytes(int64_t D, bool stage_v) {
+  return (size_t)kAttnTile * (size_t)(D + 1) * 4 + (stage_v ? (size_t)kAttnTile * (size_t)D * 4 : 0);
+}
+// 16-byte vectors of K (and of V) per thread and tile held in registers by the prefetch: D = 256 fp32 is 8.
+constexpr int kAttnPrefetchVecs = (int)(kAttnTile * kGpuAttnMaxD * 4 / 16 / kAttnThreads);
+
 // One (row block, split) item: the split's partials of every (row, head) of the block. The grid is the plan
 // buffer's capacity; blocks past the header's item count return at once.
-template <typename T>
+// Per tile of 32 keys the block (1) computes the 32 keys' row offsets once (block table lookups: 32 divisions per
+// tile instead of one per element), (2) stages K — and with kStageV also V — in shared memory with 16-byte loads
+// when the rows allow (every group then reads V from shared memory instead of each re-reading it from L1/L2), and
+// (3) keeps the NEXT tile's vectors in flight in registers while the groups compute this one (prefetch). kStageV is
+// false only where the K and V tiles do not fit the device's shared memory (fp32, D > 224 on a 64 KB-LDS gfx942):
+// then V is read from global memory as before. The arithmetic per (row, head) is the same in both (attention.h).
+template <typename T, bool kStageV>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdParams p) {
-  __shared__ float ktile[kAttnTile * kAttnKStride];
+  float* const ktile = dynamic_shared<float>();
+  float* const vtile = ktile + kAttnTile * kAttnKStrideOf(p.D);
+  __shared__ int64_t key_off[kAttnTile];  // element offset of key j0 + j's row for KV head g (attention.h KvRows)
   if (!attn_plan_fits(p) || (int64_t)blockIdx.x >= p.plan_header[kPnItems]) return;  // uniform over the block
   const int64_t* w = p.items + (int64_t)blockIdx.x * kAttnWorkFields;
   const int64_t D = p.D, G = p.Hq / p.Hkv, nr = w[kWnr], P = nr * G, sp = w[kWsplit], ns = w[kWnSplits];
-  const int64_t key0 = sp * kAttnSplit, stride = D + 2;
+  const int64_t key0 = sp * kAttnSplit, stride = D + 2, kstride = kAttnKStrideOf(D);
   const KvRows kv = work_kv_rows(p, w);
   const T* K = (const T*)p.k;
   const T* V = (const T*)p.v;
@@ -81,6 +94,52 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     nk_max = n > nk_max ? n : nk_max;
   }
   const int64_t key_end = nk_max < key0 + kAttnSplit ? nk_max : key0 + kAttnSplit;
+  // 16-byte staging: every key row of K / V starts 16-byte aligned (base, Hkv * D and D multiples of a vector)
+  constexpr int kV = kVecElems<T>;
+  const bool vec = D % kV == 0 && (p.Hkv * D) % kV == 0 && is_vec_aligned(K) && is_vec_aligned(V) &&
+                   D / kV * kAttnTile <= (int64_t)kAttnPrefetchVecs * kAttnThreads;
+  const int vpr = (int)(D / kV);  // vectors per key row
+  int4 kpre[kAttnPrefetchVecs], vpre[kAttnPrefetchVecs];
+  // the tile's key offsets (thread j < 32), then its vectors into registers (all threads)
+  auto tile_offsets = [&](int64_t j0) {
+    if (threadIdx.x < kAttnTile) {
+      const int64_t j = j0 + threadIdx.x;
+      key_off[threadIdx.x] = j < key_end ? kv.offset(j, w[kWg]) : -1;
+    }
+  };
+  auto fetch = [&](int n_tile) {  // needs key_off of the tile (after a barrier)
+#pragma unroll
+    for (int u = 0; u < kAttnPrefetchVecs; ++u) {
+      const int idx = (int)threadIdx.x + u * kAttnThreads, j = idx / (vpr > 0 ? vpr : 1), c = idx - j * vpr;
+      if (vec && idx < kAttnTile * vpr && j < n_tile) {
+        kpre[u] = *reinterpret_cast<const int4*>(K + key_off[j] + c * kV);
+        if (kStageV) vpre[u] = *reinterpret_cast<const int4*>(V + key_off[j] + c * kV);
+      }
+    }
+  };
+  auto stage = [&](int n_tile) {  // registers (vec) or element loads -> shared memory, fp32; rows >= n_tile are 0
+    if (vec) {
+#pragma unroll
+      for (int u = 0; u < kAttnPrefetchVecs; ++u) {
+        const int idx = (int)threadIdx.x + u * kAttnThreads, j = idx / (vpr > 0 ? vpr : 1), c = idx - j * vpr;
+        if (idx >= kAttnTile * vpr) continue;
+        T kt[kV], vt[kV];
+        memcpy(kt, &kpre[u], 16);
+        if (kStageV) memcpy(vt, &vpre[u], 16);
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          ktile[j * kstride + c * kV + i] = j < n_tile ? to_f32(kt[i]) : 0.0f;
+          if (kStageV) vtile[j * D + c * kV + i] = j < n_tile ? to_f32(vt[i]) : 0.0f;
+        }
+      }
+    } else {
+      for (int e = (int)threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+        const int j = e / (int)D, d = e - j * (int)D;
+        ktile[j * kstride + d] = j < n_tile ? to_f32(K[key_off[j] + d]) : 0.0f;
+        if (kStageV) vtile[j * D + d] = j < n_tile ? to_f32(V[key_off[j] + d]) : 0.0f;
+      }
+    }
+  };
   for (int64_t round0 = 0; round0 < P; round0 += kAttnGroups) {
     const int64_t pr = round0 + grp;
     const int64_t r = pr / G, h = pr % G;
@@ -90,18 +149,26 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     float m = neg_inf_f32(), l = 0.0f, acc[kAttnChunks];
 #pragma unroll
     for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    if (key0 < key_end) {  // the first tile's offsets and vectors
+      __syncthreads();  // key_off / the tiles of the previous round are no longer read
+      tile_offsets(key0);
+      __syncthreads();
+      fetch((int)(key_end - key0 < kAttnTile ? key_end - key0 : kAttnTile));
+    }
     for (int64_t j0 = key0; j0 < key_end; j0 += kAttnTile) {
       const int n_tile = (int)(key_end - j0 < kAttnTile ? key_end - j0 : kAttnTile);
       __syncthreads();  // the previous tile's readers are done
-      for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
-        const int j = (int)(e / D);
-        const int64_t d = e % D;
-        ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
-      }
+      stage(n_tile);
       __syncthreads();
+      const int64_t j1 = j0 + kAttnTile;
+      if (j1 < key_end) {  // the next tile: offsets now, its vectors in flight during this tile's work
+        tile_offsets(j1);
+        __syncthreads();
+        fetch((int)(key_end - j1 < kAttnTile ? key_end - j1 : kAttnTile));
+      }
       if (!active || nk <= j0) continue;  // uniform over the group; barriers above are reached by all
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
-      const float s_lane = attn_dot((const T*)p.q + qrow, ktile + lane * kAttnKStride, D) * p.scale;
+      const float s_lane = attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale;
       float s[kAttnTile];
 #pragma unroll
       for (int j = 0; j < kAttnTile; ++j) s[j] = shfl_idx32(s_lane, j);
@@ -113,14 +180,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       float pv[kAttnChunks];
 #pragma unroll
       for (int i = 0; i < kAttnChunks; ++i) pv[i] = 0.0f;
+#pragma unroll 4
       for (int j = 0; j < kAttnTile; ++j) {
         const float pj = shfl_idx32(p_lane, j);  // every lane shuffles (uniform), only j < nv is used
         if (j >= nv) continue;
-        const T* vj = V + kv.offset(j0 + j, w[kWg]);
 #pragma unroll
         for (int i = 0; i < kAttnChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
-          if (d < D) pv[i] = attn_pv_step(pj, to_f32(vj[d]), pv[i]);
+          if (d < D) pv[i] = attn_pv_step(pj, kStageV ? vtile[j * D + d] : to_f32(V[key_off_v(kv, j0 + j, w[kWg]) + d]), pv[i]);
         }
       }
 #pragma unroll

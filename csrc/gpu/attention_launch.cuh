@@ -14,16 +14,33 @@ namespace {
 
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
+  const char* err = nullptr;
   if (p.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     // splits first, then the merge: same stream, so the merge sees every partial
-    if (p.n_items > 0)
-      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, 0, (gpu_stream_t)stream, attention_split_kernel<T>)(p);
+    if (p.n_items > 0) {
+      // K and V tiles staged in shared memory when both fit the device (all CUDA archs; gfx942's 64 KB LDS holds
+      // them up to D = 224 in fp32, every D in bf16/fp16); else K only, V from global memory. Above 48 KB the
+      // CUDA opt-in (allow_dynamic_shared) comes first. The variant never changes a bit (attention_kernels.cuh).
+      const size_t both = attn_split_smem_bytes(p.D, true), k_only = attn_split_smem_bytes(p.D, false);
+      const size_t limit = max_dynamic_shared_bytes();
+      if (both <= limit) {
+        if (both > 48 * 1024) {
+          if (const char* e = allow_dynamic_shared(attention_split_kernel<T, true>, both)) {
+            err = e;
+            return;
+          }
+        }
+        ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, both, (gpu_stream_t)stream, attention_split_kernel<T, true>)(p);
+      } else {
+        ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, k_only, (gpu_stream_t)stream, attention_split_kernel<T, false>)(p);
+      }
+    }
     ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_merge_kernel<T>)(p);
   });
-  return last_error();
+  return err ? err : last_error();
 }
 
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {

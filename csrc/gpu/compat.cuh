@@ -45,6 +45,7 @@
 #endif
 
 #include <stdint.h>
+#include <string.h>
 
 #include "../common/numerics.h"
 #include "../common/reduce.h"
@@ -70,9 +71,89 @@ inline const char* last_error() {
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }
 
+// ---- dynamic shared memory ------------------------------------------------------------------------------
+// The block's dynamic shared memory (the launch's shared_bytes), 16-byte aligned. A launch above 48 KB on CUDA
+// needs allow_dynamic_shared(kernel, bytes) first (cudaFuncSetAttribute), up to max_dynamic_shared_bytes();
+// the emulator enforces both limits (csrc/emu/simt.h), so a launcher that forgets the opt-in fails in CI.
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+#if defined(ALIGNED_GPU_EMULATED)
+  return reinterpret_cast<T*>(::aligned::emu::dynamic_shared_memory());
+#else
+  extern __shared__ __attribute__((aligned(16))) unsigned char aligned_dynamic_smem[];
+  return reinterpret_cast<T*>(aligned_dynamic_smem);
+#endif
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device: nullptr, or the runtime's error.
+// CUDA needs it above 48 KB; HIP accepts it (CDNA has no such step: a workgroup may use the whole LDS).
+template <typename K>
+inline const char* allow_dynamic_shared(K* kernel, size_t bytes) {
+#if defined(ALIGNED_GPU_HIP)
+  const gpu_error_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                            hipFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+#else
+  const gpu_error_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+#endif
+  return gpu_ok(e) ? nullptr : gpu_error_string(e);
+}
+
+// The most dynamic shared memory one block of the current device can get after the opt-in (sm_80 163 KB, sm_90 /
+// sm_100 227 KB, sm_120 99 KB, gfx942 64 KB, gfx950 160 KB); 0 if the query fails.
+inline size_t max_dynamic_shared_bytes() {
+  int dev = 0, v = 0;
+#if defined(ALIGNED_GPU_HIP)
+  if (!gpu_ok(hipGetDevice(&dev)) || !gpu_ok(hipDeviceGetAttribute(&v, hipDeviceAttributeMaxSharedMemoryPerBlock, dev)))
+    return 0;
+#else
+  if (!gpu_ok(cudaGetDevice(&dev)) || !gpu_ok(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)))
+    return 0;
+#endif
+  return v > 0 ? (size_t)v : 0;
+}
+
+// The warp's (CUDA) / wave's (HIP) execution barrier: orders the lanes' shared-memory accesses around it.
+__device__ __forceinline__ void warp_sync() {
+#if defined(ALIGNED_GPU_HIP)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
 // Lanes of one reduction group (reduce.h: kReduceLanes). A CUDA warp, or half an AMD wave64.
 constexpr int kGroupLanes = 32;
 static_assert(kGroupLanes == kReduceLanes, "a reduction group must be exactly the contract's 32 lanes");
+// Lanes of the hardware's warp / wave: a block's threads [0, kWaveLanes) are its first warp (CUDA) or wave (HIP).
+#if defined(ALIGNED_GPU_HIP)
+constexpr int kWaveLanes = 64;
+#else
+constexpr int kWaveLanes = 32;
+#endif
+
+// ---- 16-byte vector access ---------------------------------------------------------------------------------
+// kVecElems<T> elements of T in 16 bytes (8 bf16 / fp16, 4 fp32). A vector access needs a 16-byte aligned address;
+// callers test it (is_vec_aligned) and fall back to element accesses: same values, so same bits.
+template <typename T>
+constexpr int kVecElems = (int)(16 / sizeof(T));
+template <typename T>
+__device__ __forceinline__ bool is_vec_aligned(const T* p) {
+  return ((uintptr_t)p & 15u) == 0;
+}
+template <typename T>
+__device__ __forceinline__ void load_vec_f32(const T* p, float* out) {  // kVecElems<T> elements, widened exactly
+  const int4 raw = *reinterpret_cast<const int4*>(p);
+  T v[kVecElems<T>];
+  memcpy(v, &raw, 16);
+#pragma unroll
+  for (int i = 0; i < kVecElems<T>; ++i) out[i] = to_f32(v[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const T* v) {  // kVecElems<T> elements
+  int4 raw;
+  memcpy(&raw, v, 16);
+  *reinterpret_cast<int4*>(p) = raw;
+}
 
 // v from lane (lane ^ mask) of the same 32-lane group. Every lane of the group must call it.
 __device__ __forceinline__ float shfl_xor32(float v, int mask) {
@@ -87,6 +168,15 @@ __device__ __forceinline__ int shfl_xor32(int v, int mask) {
   return __shfl_xor(v, mask, kGroupLanes);
 #else
   return __shfl_xor_sync(0xffffffffu, v, mask, kGroupLanes);
+#endif
+}
+
+// v from lane src (0..31) of the same 32-lane group (every lane of the group must call it).
+__device__ __forceinline__ float shfl_idx32(float v, int src) {
+#if defined(ALIGNED_GPU_HIP)
+  return __shfl(v, src, kGroupLanes);
+#else
+  return __shfl_sync(0xffffffffu, v, src, kGroupLanes);
 #endif
 }
 

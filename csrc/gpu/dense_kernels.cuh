@@ -363,6 +363,259 @@ __global__ void logits_row_kernel(const T* __restrict__ z, int64_t T_, int64_t V
   }
 }
 
+// ---- wide rows: one block per row (small batches, long rows) --------------------------------------------
+// The contract fixes 32 lane chains per row (reduce.h): lane j adds the terms of k = j, j + 32, ... in increasing k
+// from +0, then the halving tree. A chain's adds are sequential, but its TERMS (x_k * x_k; exp(z_k / tau - m)) are
+// functions of one element each. So a block of kWideRowThreads threads runs one row: the first warp / wave is the
+// consumer — its first 32 lanes are the row's 32 chains, adding staged terms in their order — while every other
+// thread is a producer, computing the terms of the next chunk of kWideChunk elements (16-byte loads where the
+// address allows) into shared memory, one chunk ahead (double buffer). The consumer adds exactly the terms, in
+// exactly the order, of the one-group kernel above: same bits, checked in tests/emulated against the CPU backend
+// and against the one-group kernel (test_emulated_row_kernels.py). Elementwise passes (the max, the outputs) use
+// every thread with 16-byte accesses. At V = 151,936 one row costs ~4.7k dependent adds per lane (the contract's
+// floor, ~10 us) instead of ~150k instructions on one warp.
+constexpr int kWideRowThreads = 256;         // CUDA: consumer warp + 7 producer warps; HIP: 1 + 3 waves
+constexpr int kWideChunk = 32 * 64;          // terms per chunk: 64 per lane
+constexpr int64_t kWideRowMaxRows = 1024;    // the launcher uses one block per row below this many rows ...
+constexpr int64_t kWideRowMinLength = 2048;  // ... for rows at least this long (dense_launch.cuh)
+
+// Terms of elements [k0 + e) of a chunk into buf[e], e < n_elems; the producer threads (threadIdx.x >= kWaveLanes)
+// take 16-byte vectors in turn. elems(k, cnt, out): out[0..cnt) = the terms of elements k .. k + cnt - 1, where
+// cnt == kVecElems<T> only for a 16-byte aligned, complete vector (the functor may load it as one).
+template <typename T, typename Terms>
+__device__ __forceinline__ void wide_produce(int64_t k0, int n_elems, float* buf, const T* row, Terms elems) {
+  constexpr int kV = kVecElems<T>;
+  const int p = (int)threadIdx.x - kWaveLanes, P = (int)blockDim.x - kWaveLanes;
+  for (int e = p * kV; e < n_elems; e += P * kV) {
+    float t[kV];
+    const int cnt = n_elems - e < kV ? n_elems - e : kV;
+    if (cnt == kV && is_vec_aligned(row + k0 + e)) {
+      elems(k0 + e, kV, t);
+#pragma unroll
+      for (int i = 0; i < kV; ++i) buf[e + i] = t[i];
+    } else {
+      for (int i = 0; i < cnt; ++i) {
+        elems(k0 + e + i, 1, t);
+        buf[e + i] = t[0];
+      }
+    }
+  }
+}
+
+// The fold of the row's 32 lane chains over the terms of elements [0, n) (reduce.h lane_sum), returned to every
+// thread of the block. Every thread must call it (it has barriers); buf: 2 * kWideChunk floats of shared memory.
+template <typename T, typename Terms>
+__device__ __forceinline__ float wide_row_lane_sum(int64_t n, const T* row, float* buf, float* result, Terms elems) {
+  const bool consumer = threadIdx.x < kGroupLanes, producer = threadIdx.x >= kWaveLanes;
+  const int lane = (int)(threadIdx.x % kGroupLanes);
+  const int64_t n_chunks = (n + kWideChunk - 1) / kWideChunk;
+  auto chunk_len = [&](int64_t c) { return (int)(n - c * kWideChunk < kWideChunk ? n - c * kWideChunk : kWideChunk); };
+  if (producer && n_chunks > 0) wide_produce(0, chunk_len(0), buf, row, elems);
+  __syncthreads();
+  float acc = 0.0f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const float* b = buf + (c & 1) * kWideChunk;
+    if (consumer) {  // lane j: terms j, j + 32, ... of the chunk, in order (k0 is a multiple of 32)
+      const int len = chunk_len(c);
+      if (len == kWideChunk) {
+#pragma unroll 16
+        for (int i = 0; i < kWideChunk / kGroupLanes; ++i) acc = acc + b[i * kGroupLanes + lane];
+      } else {
+        for (int e = lane; e < len; e += kGroupLanes) acc = acc + b[e];
+      }
+    } else if (producer && c + 1 < n_chunks) {
+      wide_produce((c + 1) * kWideChunk, chunk_len(c + 1), buf + ((c + 1) & 1) * kWideChunk, row, elems);
+    }
+    __syncthreads();
+  }
+  if (consumer) {
+    const float s = group_sum_tree(acc);
+    if (lane == 0) *result = s;
+  }
+  __syncthreads();
+  const float r = *result;
+  __syncthreads();  // *result is reused by the next call
+  return r;
+}
+
+// out-of-place elementwise pass over a row with 16-byte accesses where aligned: f(k, cnt, ...) handles elements
+// k .. k + cnt - 1 (cnt == kVecElems<T> for an aligned complete vector of `row`, else 1). Every thread takes part.
+template <typename T, typename F>
+__device__ __forceinline__ void wide_row_elementwise(int64_t n, const T* row, F f) {
+  constexpr int kV = kVecElems<T>;
+  for (int64_t e = (int64_t)threadIdx.x * kV; e < n; e += (int64_t)blockDim.x * kV) {
+    if (n - e >= kV && is_vec_aligned(row + e)) {
+      f(e, kV);
+    } else {
+      for (int64_t k = e; k < n && k < e + kV; ++k) f(k, 1);
+    }
+  }
+}
+
+// Elements k .. k + cnt - 1 of row as fp32 (one 16-byte load when cnt == kVecElems<T>).
+template <typename T>
+__device__ __forceinline__ void load_elems(const T* row, int64_t k, int cnt, float* v) {
+  if (cnt == kVecElems<T>) {
+    load_vec_f32(row + k, v);
+  } else {
+    for (int i = 0; i < cnt; ++i) v[i] = to_f32(row[k + i]);
+  }
+}
+// Stores cnt outputs (one 16-byte store when cnt == kVecElems<TO> and the address is aligned).
+template <typename TO>
+__device__ __forceinline__ void store_elems(TO* row, int64_t k, int cnt, const float* v) {
+  TO o[kVecElems<TO> > 8 ? kVecElems<TO> : 8];
+  for (int i = 0; i < cnt; ++i) o[i] = from_f32<TO>(v[i]);
+  if (cnt == kVecElems<TO> && is_vec_aligned(row + k)) {
+    store_vec(row + k, o);
+  } else {
+    for (int i = 0; i < cnt; ++i) row[k + i] = o[i];
+  }
+}
+
+template <typename T, typename TW>
+__global__ void __launch_bounds__(kWideRowThreads)
+    rms_norm_wide_kernel(const T* __restrict__ x, const T* __restrict__ res, const TW* __restrict__ w,
+                         T* __restrict__ out, T* __restrict__ res_out, int64_t rows, int64_t H, float eps) {
+  __shared__ float buf[2 * kWideChunk];
+  __shared__ float result;
+  constexpr int kV = kVecElems<T>;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * H;
+    T* orow = out + r * H;
+    float inv;
+    if (res == nullptr) {  // rms_norm: the terms of x
+      inv = rms_inv_of_sum(wide_row_lane_sum(H, xr, buf, &result, [&](int64_t k, int cnt, float* t) {
+                             float v[kV];
+                             load_elems(xr, k, cnt, v);
+                             for (int i = 0; i < cnt; ++i) t[i] = rms_sq_term(v[i]);
+                           }), H, eps);
+    } else {  // fused_add_rms_norm: the producers also write the rounded residual r = round_T(x + res)
+      const T* rr = res + r * H;
+      T* ro = res_out + r * H;
+      inv = rms_inv_of_sum(wide_row_lane_sum(H, xr, buf, &result, [&](int64_t k, int cnt, float* t) {
+                             float a[kV], b[kV], s[kV];
+                             load_elems(xr, k, cnt, a);
+                             if (cnt == kV && is_vec_aligned(rr + k)) load_vec_f32(rr + k, b);
+                             else for (int i = 0; i < cnt; ++i) b[i] = to_f32(rr[k + i]);
+                             for (int i = 0; i < cnt; ++i) s[i] = to_f32(from_f32<T>(a[i] + b[i]));
+                             store_elems(ro, k, cnt, s);
+                             for (int i = 0; i < cnt; ++i) t[i] = rms_sq_term(s[i]);
+                           }), H, eps);
+      xr = ro;  // the norm is of the rounded residual, written above (visible to the block after its barriers)
+    }
+    wide_row_elementwise(H, xr, [&](int64_t k, int cnt) {
+      float v[kV], o[kV];
+      load_elems(xr, k, cnt, v);
+      for (int i = 0; i < cnt; ++i) o[i] = rms_scale(v[i], inv, to_f32(w[k + i]));
+      store_elems(orow, k, cnt, o);
+    });
+  }
+}
+
+// The logits row kernel of one block per row: the same modes and special rows as logits_row_kernel.
+template <typename T, LogitsMode kMode>
+__global__ void __launch_bounds__(kWideRowThreads)
+    logits_wide_kernel(const T* __restrict__ z, int64_t T_, int64_t V, float tau, const float* __restrict__ temps,
+                       const int64_t* __restrict__ ids, const float* __restrict__ g, float* __restrict__ lse_out,
+                       float* __restrict__ out, T* __restrict__ dz, int32_t* error_flags) {
+  constexpr bool kHasId = kMode == LogitsMode::kTokenLogprobs || kMode == LogitsMode::kTokenLogprobsBackward;
+  constexpr int kV = kVecElems<T>;
+  constexpr int kGroups = kWideRowThreads / kGroupLanes;
+  __shared__ float buf[2 * kWideChunk];
+  __shared__ float result;
+  __shared__ float group_m[kGroups];
+  __shared__ int group_flags[kGroups];
+  const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
+  const float nan = float_of(0x7fc00000u);
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
+    const T* zr = z + t * V;
+    const float tt = temps ? temps[t] : tau;
+    const bool bad_temp = temps && !(tt >= float_of(0x00800000u) && tt <= float_of(0x7f7fffffu));
+    const bool bad_id = kHasId && (ids[t] < 0 || ids[t] >= V);
+    if (bad_temp || bad_id) {  // uniform over the block (every thread reads the same temps[t] / ids[t])
+      if (threadIdx.x == 0 && error_flags) {
+        if (bad_temp) error_flags[kErrTemperature] = 1;
+        if (bad_id) error_flags[kErrTokenId] = 1;
+      }
+      if constexpr (kMode == LogitsMode::kLogsumexp || kMode == LogitsMode::kTokenLogprobs) {
+        if (threadIdx.x == 0) (kMode == LogitsMode::kLogsumexp ? lse_out : out)[t] = nan;
+      } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
+        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) out[t * V + v] = nan;
+      } else {
+        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dz[t * V + v] = from_f32<T>(nan);
+      }
+      continue;
+    }
+    // max pass (order-free, see group_max): every thread, then the groups, then the block
+    float m = -float_of(0x7f800000u);
+    int flags = 0;
+    wide_row_elementwise(V, zr, [&](int64_t k, int cnt) {
+      float v[kV];
+      load_elems(zr, k, cnt, v);
+      for (int i = 0; i < cnt; ++i) {
+        const float s = logit_scale(v[i], tt);
+        lse_max_merge(s, logit_flags(s), &m, &flags);
+      }
+    });
+    flags = group_or(flags);
+    m = group_max(m);
+    if (lane == 0) {
+      group_m[grp] = m;
+      group_flags[grp] = flags;
+    }
+    __syncthreads();
+    m = -float_of(0x7f800000u);
+    flags = 0;
+    for (int i = 0; i < kGroups; ++i) lse_max_merge(group_m[i], group_flags[i], &m, &flags);
+    LsePair p;
+    if (!lse_special_row(m, flags, &p)) {  // uniform
+      const float sum = wide_row_lane_sum(V, zr, buf, &result, [&](int64_t k, int cnt, float* term) {
+        float v[kV];
+        load_elems(zr, k, cnt, v);
+        for (int i = 0; i < cnt; ++i) term[i] = lse_sum_term(logit_scale(v[i], tt), m);
+      });
+      p = lse_pair_of_sum(m, sum);
+    }
+    if constexpr (kMode == LogitsMode::kLogsumexp) {
+      if (threadIdx.x == 0) lse_out[t] = lse_value(p);
+    } else if constexpr (kMode == LogitsMode::kTokenLogprobs) {
+      if (threadIdx.x == 0) out[t] = logp_value(div_f32(to_f32(zr[ids[t]]), tt), p);
+    } else if constexpr (kMode == LogitsMode::kLogSoftmax) {
+      float* o = out + t * V;
+      wide_row_elementwise(V, zr, [&](int64_t k, int cnt) {
+        float v[kV], r[kV];
+        load_elems(zr, k, cnt, v);
+        for (int i = 0; i < cnt; ++i) r[i] = logp_value(div_f32(v[i], tt), p);
+        store_elems(o, k, cnt, r);
+      });
+    } else {
+      float gsum = 0.0f;
+      if constexpr (kMode == LogitsMode::kLogSoftmaxBackward) {
+        const float* gr = g + t * V;
+        gsum = wide_row_lane_sum(V, gr, buf, &result, [&](int64_t k, int cnt, float* term) {
+          load_elems(gr, k, cnt, term);  // the terms are g_v themselves (fp32)
+        });
+      }
+      const int64_t id = kHasId ? ids[t] : -1;
+      const float gt = kMode == LogitsMode::kLogSoftmaxBackward ? 0.0f : g[t];
+      T* o = dz + t * V;
+      wide_row_elementwise(V, zr, [&](int64_t k, int cnt) {
+        float v[kV], r[kV];
+        load_elems(zr, k, cnt, v);
+        for (int i = 0; i < cnt; ++i) {
+          const float s = div_f32(v[i], tt);
+          if constexpr (kMode == LogitsMode::kTokenLogprobsBackward) r[i] = token_logprobs_grad(s, p, k + i == id, gt, tt);
+          else if constexpr (kMode == LogitsMode::kLogsumexpBackward) r[i] = logsumexp_grad(s, p, gt, tt);
+          else r[i] = log_softmax_grad(s, p, g[t * V + k + i], gsum, tt);
+        }
+        store_elems(o, k, cnt, r);
+      });
+    }
+    __syncthreads();  // group_m / group_flags are rewritten by the next row
+  }
+}
+
 // ---- column chains ----------------------------------------------------------------------------------------
 // out[n] = round_TO(chain over m = 0..rows-1 of (. + g[m, n])) — linear's bias gradient (contract.h).
 template <typename T, typename TO>

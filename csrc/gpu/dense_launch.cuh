@@ -32,6 +32,10 @@ unsigned col_blocks(int64_t cols) {
   int64_t b = (cols + kColTileCols - 1) / kColTileCols;
   return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
 }
+// One block per row (dense_kernels.cuh "wide rows") for small batches of long rows; rows are independent and both
+// kernels compute the contract's lane chains, so the choice never changes a bit.
+bool use_wide_rows(int64_t rows, int64_t n) { return rows < kWideRowMaxRows && n >= kWideRowMinLength; }
+unsigned wide_row_blocks(int64_t rows) { return (unsigned)(rows < kMaxBlocks ? rows : kMaxBlocks); }
 unsigned elem_blocks(int64_t n) {
   int64_t b = (n + kElemBlockThreads - 1) / kElemBlockThreads;
   return (unsigned)(b < kMaxBlocks ? b : kMaxBlocks);
@@ -46,8 +50,12 @@ const char* launch_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), rms_norm_kernel<T, TW>)(
-          (const T*)p.x, (const TW*)p.w, (T*)p.out, p.rows, p.H, p.eps);
+      if (use_wide_rows(p.rows, p.H))
+        ALIGNED_LAUNCH(wide_row_blocks(p.rows), kWideRowThreads, 0, as_stream(stream), rms_norm_wide_kernel<T, TW>)(
+            (const T*)p.x, (const T*)nullptr, (const TW*)p.w, (T*)p.out, (T*)nullptr, p.rows, p.H, p.eps);
+      else
+        ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), rms_norm_kernel<T, TW>)(
+            (const T*)p.x, (const TW*)p.w, (T*)p.out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
   });
@@ -60,8 +68,12 @@ const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     auto go = [&](auto* wp) {
       using TW = Elem<decltype(wp)>;
-      ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), fused_add_rms_norm_kernel<T, TW>)(
-          (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
+      if (use_wide_rows(p.rows, p.H))
+        ALIGNED_LAUNCH(wide_row_blocks(p.rows), kWideRowThreads, 0, as_stream(stream), rms_norm_wide_kernel<T, TW>)(
+            (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
+      else
+        ALIGNED_LAUNCH(row_blocks(p.rows), row_threads(p.rows), 0, as_stream(stream), fused_add_rms_norm_kernel<T, TW>)(
+            (const T*)p.x, (const T*)p.residual, (const TW*)p.w, (T*)p.out, (T*)p.residual_out, p.rows, p.H, p.eps);
     };
     if (p.wdt == DType::F32) go((float*)nullptr); else go((T*)nullptr);
   });
@@ -125,8 +137,12 @@ const char* launch_logits(const LogitsParams& p, void* stream) {
   if (p.T == 0) return nullptr;
   with_type(p.dt, [&](auto* tp) {
     using T = Elem<decltype(tp)>;
-    ALIGNED_LAUNCH(row_blocks(p.T), row_threads(p.T), 0, as_stream(stream), logits_row_kernel<T, kMode>)(
-        (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz, p.error_flags);
+    if (use_wide_rows(p.T, p.V))
+      ALIGNED_LAUNCH(wide_row_blocks(p.T), kWideRowThreads, 0, as_stream(stream), logits_wide_kernel<T, kMode>)(
+          (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz, p.error_flags);
+    else
+      ALIGNED_LAUNCH(row_blocks(p.T), row_threads(p.T), 0, as_stream(stream), logits_row_kernel<T, kMode>)(
+          (const T*)p.z, p.T, p.V, p.tau, p.temps, p.ids, p.g, p.lse, p.out_f32, (T*)p.dz, p.error_flags);
   });
   return last_error();
 }
@@ -162,6 +178,20 @@ const char* launch_gemm(const GemmParams& p, void* stream) {
     using T = Elem<decltype(tp)>;
     const T* A = (const T*)p.A;
     const T* B = (const T*)p.B;
+    if (p.lanes == kLinearLanes && p.cdt == p.adt && p.M <= kSmallM) {  // decode: gemm_small_m_kernel
+      const dim3 sgrid((unsigned)((p.N + kSmallCols - 1) / kSmallCols));
+      auto small = [&](auto rows) {
+        constexpr int kM = decltype(rows)::value;
+        ALIGNED_LAUNCH(sgrid, kSmallThreads, 0, as_stream(stream), gemm_small_m_kernel<T, kM>)(
+            A, p.a_sm, p.a_sk, B, p.b_sn, p.b_sk, (const T*)p.bias, (T*)p.C, p.c_sm, p.M, p.N, p.K);
+      };
+      if (p.M <= 1) small(std::integral_constant<int, 1>());
+      else if (p.M <= 2) small(std::integral_constant<int, 2>());
+      else if (p.M <= 4) small(std::integral_constant<int, 4>());
+      else if (p.M <= 8) small(std::integral_constant<int, 8>());
+      else small(std::integral_constant<int, 16>());
+      return;
+    }
     if (p.lanes == 1) {  // one chain per element, written straight to C
       if (p.cdt == p.adt)
         ALIGNED_LAUNCH(grid, kGemmThreads, 0, as_stream(stream), gemm_fp32_kernel<T, T, T>)(

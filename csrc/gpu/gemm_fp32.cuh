@@ -108,6 +108,81 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
+// ---- small M (decode): gemm_small_m_kernel ------------------------------------------------------------------
+// aligned::linear at M <= kSmallM rows (what a rollout's decode step runs). The tiled kernel above computes whole
+// 128-row tiles — at M = 1 it does 128x the work and stages W element by element — and needs the lane workspace
+// and a second launch for the tree. Here a block owns kSmallCols output columns and all 8 lanes of each: thread
+// (column c, lane l) runs the lane-l chains of c for every row, acc[m] = fma(x[m, k], w[c, k], acc[m]) over the lane's
+// k in increasing order (contract.h: the same single chain per (m, c, l)), streaming its slice of W with 16-byte
+// loads (kSmallPrefetch vectors ahead of their fmas); the 8 lane sums of a column sit in 8 adjacent threads of one
+// warp and are gathered by shuffles into linear_lane_fold — the contract's tree, the bias and the one rounding in
+// the same kernel (linear_epilogue). No workspace, one launch, W read exactly once.
+// Vector loads need contiguous rows of x and W and 16-byte aligned bases with row strides that keep every row
+// aligned; otherwise (and for each lane's unaligned head and its tail) the same chain runs on element loads.
+constexpr int kSmallM = 16;    // the launcher uses this kernel for M <= kSmallM (and lanes == 8)
+constexpr int kSmallCols = 16;  // output columns per block
+constexpr int kSmallThreads = kSmallCols * kLinearLanes;  // 128: 4 columns x 8 lanes per warp
+constexpr int kSmallPrefetch = 8;  // 16-byte vectors of W in flight per thread (128 B: ~4 MB over the chip)
+
+template <typename T, int kM>
+__global__ void __launch_bounds__(kSmallThreads)
+    gemm_small_m_kernel(const T* __restrict__ A, int64_t a_sm, int64_t a_sk, const T* __restrict__ B, int64_t b_sn,
+                        int64_t b_sk, const T* __restrict__ bias, T* __restrict__ C, int64_t c_sm, int64_t M, int64_t N,
+                        int64_t K) {
+  constexpr int kV = kVecElems<T>;
+  const int tid = threadIdx.x, l = tid % kLinearLanes;
+  const int64_t n = (int64_t)blockIdx.x * kSmallCols + tid / kLinearLanes;
+  const int64_t kb = linear_lane_begin(l, K, kLinearLanes), ke = linear_lane_begin(l + 1, K, kLinearLanes);
+  float acc[kM];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) acc[m] = 0.0f;
+  if (n < N) {  // threads past N still reach the shuffles below (with zero sums, never stored)
+    const T* w = B + n * b_sn;
+    auto link = [&](int64_t k) {  // one fma of every row's chain at k
+      const float wk = to_f32(w[k * b_sk]);
+#pragma unroll
+      for (int m = 0; m < kM; ++m)
+        if (m < M) acc[m] = fma_f32(to_f32(A[m * a_sm + k * a_sk]), wk, acc[m]);
+    };
+    // Vectors: every row of x and of W 16-byte aligned at k whenever k is a multiple of kV.
+    const bool vec = a_sk == 1 && b_sk == 1 && is_vec_aligned(A) && is_vec_aligned(B) && a_sm % kV == 0 &&
+                     b_sn % kV == 0;
+    int64_t k = kb;
+    if (vec) {
+      for (; k < ke && k % kV != 0; ++k) link(k);  // head up to the first aligned k
+      for (; k + kSmallPrefetch * kV <= ke; k += kSmallPrefetch * kV) {
+        int4 wraw[kSmallPrefetch];  // the raw vectors: kSmallPrefetch * 16 bytes in flight per thread
+#pragma unroll
+        for (int u = 0; u < kSmallPrefetch; ++u) wraw[u] = *reinterpret_cast<const int4*>(w + k + u * kV);
+#pragma unroll
+        for (int u = 0; u < kSmallPrefetch; ++u) {  // ... then the fmas, k ascending for every row
+          T wt[kV];
+          memcpy(wt, &wraw[u], 16);
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            if (m >= M) continue;
+            float xv[kV];
+            load_vec_f32(A + m * a_sm + k + u * kV, xv);
+#pragma unroll
+            for (int i = 0; i < kV; ++i) acc[m] = fma_f32(xv[i], to_f32(wt[i]), acc[m]);
+          }
+        }
+      }
+    }
+    for (; k < ke; ++k) link(k);  // tail (or every k without vectors)
+  }
+  // the 8 lane sums of column n: threads (tid & ~7) + j of this warp's 32-lane group
+  const int base = (tid % kGroupLanes) & ~(kLinearLanes - 1);
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    if (m >= M) break;  // uniform over the block
+    float s[kLinearLanes];
+#pragma unroll
+    for (int j = 0; j < kLinearLanes; ++j) s[j] = shfl_idx32(acc[m], base + j);
+    if (l == 0 && n < N) C[m * c_sm + n] = linear_epilogue(linear_lane_fold(s, kLinearLanes), bias, n);
+  }
+}
+
 // out[m, n] = linear_epilogue(linear_lane_fold(ws[0..lanes)[m, n]), bias, n): the contract's lane tree, the bias
 // once, one rounding. ws is [lanes, M, N] fp32 (the lane sums of gemm_fp32_kernel), out row stride c_sm.
 template <typename TC>

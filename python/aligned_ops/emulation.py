@@ -14,18 +14,37 @@ The integer matrix instructions of the exact linear are emulated (CUDA ``mma.syn
 ``v_mfma_i32_16x16x32_i8``): integer MMA is exact, so the model is the definition; what it checks is the
 vendors' fragment layouts (csrc/gpu/int_mma.cuh, csrc/emu/runtime.cpp). No float MMA is emulated (the fp32
 GEMM is fma on CUDA cores / VALU); ``emu.matrix_model`` says which published model one would follow.
+
+Schedules: a GPU runs the threads of a block, its warps and the blocks of a grid in no promised order. The
+runtime's order is ``ALIGNED_EMU_SCHEDULE`` (read at every launch): ``forward`` (index order, the default),
+``reverse``, or ``random:SEED``; ``emulate(arch, schedule=...)`` sets it for the scope. A correct kernel gives
+the same bits under every schedule; a missing ``__syncthreads`` / ``__syncwarp`` gives stale reads under
+``reverse`` and ``random`` that index order hides (csrc/emu/runtime.cpp). The runtime also pins the IEEE default
+FP environment for the kernels (no flush-to-zero, round to nearest) and enforces the vendors' dynamic shared
+memory limits (48 KB on CUDA until ``cudaFuncSetAttribute``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import torch
 
-ARCHS = ("sm_90", "sm_100", "gfx942", "gfx950")
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
 # Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
 _HOST_COPY_RECORD = "<host-to-device copy>"  # csrc/emu/emulation.h kHostCopyRecord
 _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3}
+SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"
+_SCHEDULE_RE = re.compile(r"forward|reverse|random:[0-9]{1,19}")
+
+
+def check_schedule(schedule: str) -> str:
+    """``schedule`` if it names a runtime schedule (forward, reverse, random:SEED), else ValueError."""
+    if not isinstance(schedule, str) or not _SCHEDULE_RE.fullmatch(schedule):
+        raise ValueError(f"aligned_ops.emulate: schedule must be forward, reverse or random:SEED, got {schedule!r}")
+    return schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +72,11 @@ def _archs() -> dict[str, dict]:
 class Emulation:
     """The context manager returned by :func:`emulate`; ``launches`` fills in when the block exits."""
 
-    def __init__(self, arch: str, _fault: str | None = None):
+    def __init__(self, arch: str, _fault: str | None = None, schedule: str | None = None):
         if arch not in ARCHS:
             raise ValueError(f"aligned_ops.emulate: arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        self.schedule = check_schedule(schedule) if schedule is not None else None
+        self._saved_schedule: str | None = None
         if _fault not in _FAULTS:
             raise ValueError(f"aligned_ops.emulate: unknown fault {_fault!r}")
         info = _archs()[arch]
@@ -74,12 +95,20 @@ class Emulation:
     def __enter__(self) -> "Emulation":
         if self._active:
             raise RuntimeError("aligned_ops.emulate: this scope is already active")
+        if self.schedule is not None:
+            self._saved_schedule = os.environ.get(SCHEDULE_ENV)
+            os.environ[SCHEDULE_ENV] = self.schedule
         torch.ops.aligned._emulate_enter(self.arch, _FAULTS[self._fault])
         self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
         self._active = False
+        if self.schedule is not None:
+            if self._saved_schedule is None:
+                os.environ.pop(SCHEDULE_ENV, None)
+            else:
+                os.environ[SCHEDULE_ENV] = self._saved_schedule
         for rec in torch.ops.aligned._emulate_exit():
             kernel, arch, grid, block, smem = rec.split("|")
             if kernel == _HOST_COPY_RECORD:
@@ -97,6 +126,8 @@ class Emulation:
         return f"Emulation(arch={self.arch!r}, warp_size={self.warp_size}, launches={len(self.launches)})"
 
 
-def emulate(arch: str, *, _fault: str | None = None) -> Emulation:
-    """Run the aligned ops on CPU tensors through the GPU kernel source of ``arch`` (see the module doc)."""
-    return Emulation(arch, _fault)
+def emulate(arch: str, *, schedule: str | None = None, _fault: str | None = None) -> Emulation:
+    """Run the aligned ops on CPU tensors through the GPU kernel source of ``arch`` (see the module doc).
+    ``schedule``: the runtime's thread/warp/block order for the scope (default: ``ALIGNED_EMU_SCHEDULE``, else
+    ``forward``)."""
+    return Emulation(arch, _fault, schedule)

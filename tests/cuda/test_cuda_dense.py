@@ -399,13 +399,28 @@ def test_bad_inputs_cuda(gen):
         ops.rms_norm(x.double(), torch.ones(8, dtype=torch.float64).cuda(), 1e-6)
     with pytest.raises(RuntimeError, match="weight must have shape"):
         ops.rms_norm(x, torch.ones(7).cuda(), 1e-6)
-    with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, 8\)"):
-        ops.token_logprobs(x, torch.tensor([0, 1, 8, 2]).cuda(), 1.0, None)
-    with pytest.raises(RuntimeError, match=r"token_ids must lie in"):
-        ops.token_logprobs(x, torch.tensor([0, -1, 2, 2]).cuda(), 1.0, None)
+    # Data values (token ids, positions, per-row temperatures) are checked in the kernel, not on the host (a host
+    # read of device data would sync every decode step): the call returns, the bad row is NaN, the other rows are
+    # exact, and aligned_ops.check_device_errors() raises with the CPU glue's words (csrc/gpu/dense_api.h).
+    aligned_ops.check_device_errors(x)  # clean before
+    good = ops.token_logprobs(x, torch.tensor([0, 1, 7, 2]).cuda(), 1.0, None)
+    for bad_ids, bad_row in (([0, 1, 8, 2], 2), ([0, -1, 2, 2], 1)):
+        out = ops.token_logprobs(x, torch.tensor(bad_ids).cuda(), 1.0, None)  # no raise at the call
+        with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, vocab\)"):
+            aligned_ops.check_device_errors(x)
+        assert torch.isnan(out[bad_row]).item()
+        keep = [r for r in range(4) if r != bad_row and bad_ids[r] == [0, 1, 7, 2][r]]
+        assert bits_equal(out[keep], good[keep])
     cache = aligned_ops.rotary_cos_sin_cache(8, 16).cuda()
-    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 16\)"):
-        ops.rotary_embedding(torch.tensor([0, 16]).cuda(), randn(2, 1, 8, gen=gen).cuda(), cache, 8, True)
+    xr = randn(2, 1, 8, gen=gen).cuda()
+    out = ops.rotary_embedding(torch.tensor([0, 16]).cuda(), xr, cache, 8, True)
+    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, max_position\)"):
+        aligned_ops.check_device_errors(x)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    aligned_ops.check_device_errors(x)  # reading cleared the words
+    # the CPU backend checks the same values at the call (negative control: these inputs are bad)
+    with pytest.raises(RuntimeError, match=r"token_ids must lie in"):
+        ops.token_logprobs(x.cpu(), torch.tensor([0, 1, 8, 2]), 1.0, None)
     with pytest.raises(RuntimeError, match="in_features|input features"):
         ops.linear(x, torch.ones(3, 7).cuda(), None)
     with pytest.raises(RuntimeError, match="temperature must be finite and > 0"):

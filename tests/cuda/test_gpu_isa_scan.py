@@ -169,6 +169,12 @@ def test_hip_scan_fails_on_planted_flag(tmp_path, bad):
     ("ll", "%3 = fdiv float %1, %2, !fpmath !7"), ("ll", "%3 = call float @llvm.sqrt.f32(float %1), !fpmath !8"),
     ("ll", "%3 = call float @llvm.amdgcn.rcp.f32(float %1)"), ("ll", "%3 = call float @llvm.amdgcn.sqrt.f32(float %1)"),
     ("ll", "%3 = call float @__ocml_native_sqrt_f32(float %1)"), ("ll", "%3 = fdiv arcp float %1, %2"),
+    # f64: the exact epilogue's TwoSum is correct only unfused (csrc/common/exact_linear.h sum_round_odd)
+    ("ptx", "add.f64 %fd3, %fd1, %fd2;"), ("ptx", "sub.f64 %fd3, %fd1, %fd2;"), ("ptx", "mul.f64 %fd3, %fd1, %fd2;"),
+    ("ptx", "fma.rn.f64 %fd4, %fd1, %fd2, %fd3;"), ("ptx", "mad.rn.f64 %fd4, %fd1, %fd2, %fd3;"),
+    ("ll", "%4 = call double @llvm.fmuladd.f64(double %1, double %2, double %3)"),
+    ("ll", "%4 = call double @llvm.fma.f64(double %1, double %2, double %3)"),
+    ("s", "v_fma_f64 v[0:1], v[2:3], v[4:5], v[6:7]"), ("s", "v_fmac_f64_e32 v[0:1], v[2:3], v[4:5]"),
 ])
 def test_scan_pattern_fires(tmp_path, kind, line):
     f = tmp_path / f"x.{kind}"
@@ -181,6 +187,7 @@ def test_scan_pattern_fires(tmp_path, kind, line):
 @pytest.mark.parametrize("kind,line", [
     ("ptx", "div.rn.f32 %f3, %f1, %f2;"), ("ptx", "sqrt.rn.f32 %f2, %f1;"), ("ptx", "rcp.rn.f32 %f2, %f1;"),
     ("ptx", "div.s64 %rd3, %rd1, %rd2;"), ("ptx", "fma.rn.f32 %f4, %f1, %f2, %f3;"),
+    ("ptx", "add.rn.f64 %fd3, %fd1, %fd2;"), ("ptx", "mul.rn.f64 %fd3, %fd1, %fd2;"), ("ll", "%3 = fadd double %1, %2"),
     ("ll", "%3 = fdiv float %1, %2"), ("ll", "%3 = call float @llvm.sqrt.f32(float %1)"),
     ("s", "v_div_fixup_f32 v1, v2, v3, v4\nv_rcp_f32_e32 v5, v6"),
 ])
@@ -189,3 +196,80 @@ def test_scan_pattern_accepts_correctly_rounded(tmp_path, kind, line):
     f.write_text(line + ("\n.amdhsa_float_denorm_mode_32 3\n" if kind == "s" else "\n"))
     rc, err = run_scan(kind, f)
     assert rc == 0, err
+
+
+# ---- f64: the TwoSum of the exact epilogue --------------------------------------------------------------------
+
+TWOSUM = """__global__ void two_sum(const double* a, const double* b, double* out) {
+  const int i = threadIdx.x;
+  const double s = a[i] + b[i], bb = s - a[i];
+  out[i] = (a[i] - (s - bb)) + (b[i] - bb) + a[i] * b[i] * 0.5;
+}
+"""
+
+
+def nvcc_ptx(tmp_path, source: str, flags: list[str]) -> tuple[int, str]:
+    src = tmp_path / "k.cu"
+    src.write_text(source)
+    ptx = tmp_path / "k.ptx"
+    subprocess.run([NVCC, "-std=c++17", "-O3", *flags, "-arch=sm_90", "-ptx", str(src), "-o", str(ptx)], check=True)
+    return run_scan("ptx", ptx)
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_f64_twosum_unfused_with_the_extension_flags_and_caught_when_contracted(tmp_path):
+    rc, err = nvcc_ptx(tmp_path, TWOSUM, cmake_list("ALIGNED_CUDA_EXACT_FLAGS"))
+    assert rc == 0, err
+    # negative control: nvcc's default --fmad=true fuses the f64 products and sums; the scan names it
+    rc, err = nvcc_ptx(tmp_path, TWOSUM, replace_flag(cmake_list("ALIGNED_CUDA_EXACT_FLAGS"), "--fmad=true"))
+    assert rc != 0 and "f64" in err, err
+
+
+# ---- the target list: written once, built, listed back from the objects ------------------------------------------
+
+
+def test_cuda_and_hip_targets_written_once():
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    check = (ROOT / "cmake/gpu_compile_check.cmake").read_text()
+    m = re.search(r'set\(ALIGNED_CUDA_ARCHS_DEFAULT "([^"]*)"\)', cmake)
+    assert m and m.group(1) == "80-real;90-real;100-real;120-real;80-virtual"
+    m = re.search(r'set\(ALIGNED_HIP_ARCHS_DEFAULT "([^"]*)"\)', cmake)
+    assert m and m.group(1) == "gfx942;gfx950"
+    assert "90a-real" not in cmake and "100a-real" not in cmake  # no arch-specific target without a kernel needing it
+    assert "set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)" in cmake
+    assert '"${ALIGNED_CUDA_ARCHS}"' in check and "${ALIGNED_HIP_ARCHS}" in check
+
+
+CMAKE = shutil.which("cmake")
+
+
+@pytest.mark.skipif(CMAKE is None, reason="needs cmake")
+@pytest.mark.parametrize("torch_list,expected", [
+    ("9.0", "90-real"), ("8.0 9.0 10.0 12.0+PTX", "80-real;90-real;100-real;120-real;120-virtual"),
+    ("9.0a;10.0a", "90a-real;100a-real"),
+])
+def test_torch_cuda_arch_list_translation(tmp_path, torch_list, expected):
+    script = tmp_path / "t.cmake"
+    script.write_text(f'include("{ROOT}/cmake/gpu_archs.cmake")\n'
+                      f'aligned_torch_arch_to_cmake(r "{torch_list}")\nmessage("RESULT=${{r}}")\n'
+                      'set(f "-O3 -gencode arch=compute_90,code=sm_90 -gencode=arch=compute_80,code=[sm_80,compute_80] -g")\n'
+                      'aligned_strip_gencode_flags(f)\nmessage("STRIPPED=${f}")\n')
+    p = subprocess.run([CMAKE, "-P", str(script)], capture_output=True, text=True)
+    assert f"RESULT={expected}" in p.stderr, p.stderr
+    assert "STRIPPED=-O3 -g" in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+def test_fatbin_listing_matches_the_gencode(tmp_path):
+    sys.path.insert(0, str(ROOT / "cmake"))
+    import gpu_isa_check
+
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n")
+    obj = tmp_path / "k.o"
+    subprocess.run([NVCC, "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                    "-gencode=arch=compute_80,code=compute_80", "-c", str(src), "-o", str(obj)], check=True)
+    assert sorted(gpu_isa_check.fatbin_entries(str(obj))) == [("elf", 80), ("elf", 90), ("ptx", 80)]
+    stamp = tmp_path / "s"
+    assert gpu_isa_check.check_fatbin(str(obj), "sm_80,sm_90+compute_80", str(stamp)) == 0
+    assert gpu_isa_check.check_fatbin(str(obj), "sm_80,sm_90,sm_100+compute_80", str(stamp)) == 1  # control

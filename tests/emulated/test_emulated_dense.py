@@ -82,10 +82,15 @@ def run_every_op(gen):
     ops.log_softmax(x, 0.7, None)
     ops.token_logprobs(x, ids, 1.0, None)
     ops.token_logprobs_backward(torch.ones(5), x, ids, 1.0, None)
-    ops.linear(x, randn(11, 97, gen=gen), randn(11, gen=gen))
+    ops.linear(x, randn(11, 97, gen=gen), randn(11, gen=gen))  # M = 5: gemm_small_m_kernel
+    ops.linear(randn(20, 97, gen=gen), randn(11, 97, gen=gen), None)  # M = 20: the tiled kernel + lane_fold_kernel
     ops.linear_backward(randn(5, 11, gen=gen), x, randn(11, 97, gen=gen), True, True, True)
     ops._exp_f32(x)
     ops._log_f32(x.abs())
+    # long rows in a small batch: one block per row (dense_kernels.cuh "wide rows")
+    xw = randn(2, 2100, gen=gen)
+    ops.rms_norm(xw, randn(2100, gen=gen), 1e-6)
+    ops.log_softmax(xw, 1.0, None)
     # attention (tests/emulated/test_emulated_attention.py has the invariance matrix)
     qa, ka = randn(5, 2, 8, gen=gen), randn(5, 1, 8, gen=gen)
     cu5 = torch.tensor([0, 5], dtype=torch.int32)
@@ -141,8 +146,8 @@ def test_scopes_nest_and_restore(gen):
 
 
 def test_bad_arch_is_refused():
-    with pytest.raises(ValueError, match="arch must be one of sm_90, sm_100, gfx942, gfx950"):
-        aligned_ops.emulate("sm_80")
+    with pytest.raises(ValueError, match="arch must be one of sm_80, sm_90, sm_100, sm_120, gfx942, gfx950"):
+        aligned_ops.emulate("sm_75")
     with pytest.raises(RuntimeError, match="arch must be one of"):
         ops._emulate_enter("gfx90a", 0)
 

@@ -61,3 +61,131 @@ def test_broken_gpu_rules_fail_the_launch(arch, case, msg):
 def test_selftest_needs_an_active_arch():
     with pytest.raises(RuntimeError, match="needs aligned_ops.emulate"):
         selftest("warp")
+
+
+# ---- schedules: the planted races (csrc/emu/selftest_kernels.cuh) -------------------------------------------
+
+RACE_ARCHS = ["sm_90", "gfx942"]  # the CUDA spelling (warp 32, __syncwarp) and the HIP one (wave64, wave barrier)
+
+
+def stale_reads(case: str, arch: str, schedule: str) -> int:
+    """Threads that read a slot before its writer wrote it (the kernel reads thread t - 32, or lane l - 1)."""
+    with aligned_ops.emulate(arch, schedule=schedule):
+        out = selftest(case)
+    stale = 0
+    for t in range(128):
+        src = (t - 32 if t >= 32 else t) if case.startswith("race_syncthreads") else (t - 1 if t % 32 else t)
+        assert out[t] in (0, src + 1), (t, out[t])
+        stale += out[t] == 0
+    return stale
+
+
+@pytest.mark.parametrize("arch", RACE_ARCHS)
+@pytest.mark.parametrize("race", ["race_syncthreads", "race_syncwarp"])
+@pytest.mark.parametrize("schedule", ["reverse", "random:1", "random:2"])
+def test_planted_race_is_caught(arch, race, schedule):
+    # the missing barrier gives stale reads ...
+    assert stale_reads(race, arch, schedule) > 0, f"{race} under {schedule} read no stale value"
+    # ... and the same kernel with the barrier none (the negative control: the comparison can pass)
+    assert stale_reads(race + "_fixed", arch, schedule) == 0
+
+
+@pytest.mark.parametrize("arch", RACE_ARCHS)
+@pytest.mark.parametrize("race", ["race_syncthreads", "race_syncwarp"])
+def test_index_order_hides_the_planted_race(arch, race):
+    """Why the schedules exist: in index order every writer runs before its reader, so forward sees nothing."""
+    assert stale_reads(race, arch, "forward") == 0
+
+
+def test_random_schedule_is_reproducible_and_seeded():
+    runs = {}
+    for seed in (1, 2, 1):
+        with aligned_ops.emulate("sm_90", schedule=f"random:{seed}"):
+            runs.setdefault(seed, []).append(selftest("race_syncthreads")[:128] + selftest("race_syncwarp")[:128])
+    assert runs[1][0] == runs[1][1]  # the same seed gives the same interleaving
+    assert runs[1][0] != runs[2][0]  # another seed another one
+
+
+def test_bad_schedule_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="schedule must be forward, reverse or random:SEED"):
+        aligned_ops.emulate("sm_90", schedule="sideways")
+    monkeypatch.setenv("ALIGNED_EMU_SCHEDULE", "random:x")
+    with aligned_ops.emulate("sm_90"):
+        with pytest.raises(RuntimeError, match=r"ALIGNED_EMU_SCHEDULE must be forward, reverse or random:SEED .*'random:x'"):
+            selftest("warp")
+
+
+def test_emulate_scope_restores_the_schedule(monkeypatch):
+    monkeypatch.setenv("ALIGNED_EMU_SCHEDULE", "random:7")
+    with aligned_ops.emulate("sm_90", schedule="reverse"):
+        import os
+
+        assert os.environ["ALIGNED_EMU_SCHEDULE"] == "reverse"
+    assert os.environ["ALIGNED_EMU_SCHEDULE"] == "random:7"
+
+
+# ---- dynamic shared memory limits -------------------------------------------------------------------------
+
+
+def test_dynamic_shared_memory_contents_and_limit_on_cuda():
+    with aligned_ops.emulate("sm_90"):
+        selftest("dynamic_shared_optin:49152")  # back to the default limit (attributes live for the process)
+        out = selftest("dynamic_shared:49152")  # 48 KB: no opt-in needed
+        assert out[:128] == [1] * 128  # fresh contents read as 0xff bytes (undefined on a GPU)
+        assert out[128:256] == [49152 // 4 - 1 - t for t in range(128)]
+        with pytest.raises(RuntimeError, match=r"49156 bytes of dynamic shared memory exceed the kernel's limit of 49152 "
+                                               r"on sm_90 \(raise it first: cudaFuncSetAttribute"):
+            selftest("dynamic_shared:49156")
+        out = selftest("dynamic_shared_optin:200000")  # with the opt-in, up to the arch's 227 KB
+        assert out[128:256] == [200000 // 4 - 1 - t for t in range(128)] and out[-1] == 227 * 1024
+        assert selftest("dynamic_shared:200000")[128] == 200000 // 4 - 1  # the raised limit stays with the kernel
+        with pytest.raises(RuntimeError, match=r"invalid argument"):
+            selftest("dynamic_shared_optin:240000")
+        selftest("dynamic_shared_optin:49152")
+    with aligned_ops.emulate("sm_120"):  # RTX 50xx: 99 KB after the opt-in
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            selftest("dynamic_shared_optin:110000")
+        assert selftest("dynamic_shared_optin:100000")[-1] == 99 * 1024
+
+
+@pytest.mark.parametrize("arch,lds", [("gfx942", 64 * 1024), ("gfx950", 160 * 1024)])
+def test_dynamic_shared_memory_limit_on_hip(arch, lds):
+    with aligned_ops.emulate(arch):
+        assert selftest(f"dynamic_shared:{lds}")[128] == lds // 4 - 1  # the whole LDS without an opt-in
+        with pytest.raises(RuntimeError, match=rf"the arch gives a block at most {lds}"):
+            selftest(f"dynamic_shared:{lds + 4}")
+
+
+# ---- FP environment -----------------------------------------------------------------------------------------
+
+
+def test_kernels_run_in_the_ieee_environment_whatever_the_host_thread_set():
+    import struct
+
+    with aligned_ops.emulate("sm_90"):
+        csr, product, host_csr, host_product = selftest("fp_environment")[:4]
+    assert csr == 0x1F80  # round to nearest, no FTZ, no DAZ, exceptions masked
+    expected = struct.unpack("<I", struct.pack("<f", 2.0**-130 * 1.5))[0]
+    assert product == expected and 0 < expected < 0x00800000  # a subnormal, kept
+    assert host_csr & 0xE040 == 0xE040  # the caller's hostile environment was given back ...
+    assert host_product == 0  # ... and it does flush (the negative control)
+
+
+def test_torch_flush_denormal_does_not_reach_emulated_kernels():
+    # a = 1 and b subnormal: silu(1) * b is subnormal; rms_norm's inputs are subnormal
+    x = torch.cat([torch.ones(3, 20), torch.full((3, 20), 3e-39)], 1)
+    w = torch.ones(40)
+    with aligned_ops.emulate("sm_90"):
+        ref = torch.ops.aligned.rms_norm(x, w, 1e-30)
+        sm = torch.ops.aligned.silu_and_mul(x)
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals"
+    try:
+        assert torch.equal(torch.tensor([3e-39]) * 1.0, torch.zeros(1))  # control: the host thread now flushes
+        with aligned_ops.emulate("sm_90"):
+            got = torch.ops.aligned.rms_norm(x, w, 1e-30)
+            got_sm = torch.ops.aligned.silu_and_mul(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(got_sm.view(torch.int32), sm.view(torch.int32))
+    assert (sm != 0).all() and (sm.abs() < 1.2e-38).all()  # subnormal results, kept
