@@ -191,13 +191,14 @@ def _isa_levels():
     return levels
 
 
-def test_isa_levels_bit_identical(tmp_path):
+ISA_FAMILIES = {"linear_exact": ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
+
+
+@pytest.mark.slow
+def test_isa_levels_bit_identical(isa_matrix):
     results = {}
     for level in _isa_levels():
-        path = tmp_path / f"{level}.pt"
-        env = dict(os.environ, ALIGNED_CPU_ISA=level)
-        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path)], check=True, env=env, timeout=600)
-        results[level] = torch.load(path)
+        results[level] = torch.load(isa_matrix.run(level, "linear_exact").path)
     units = {lvl: r.pop("unit") for lvl, r in results.items()}
     assert units["generic"] == "generic"
     if "amx" in units:
