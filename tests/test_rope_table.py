@@ -152,6 +152,7 @@ def _table_hash(capability, threads, nudge=False):
     return proc.stdout.strip()
 
 
+@pytest.mark.slow  # seven interpreter start-ups (torch dispatch level x threads, and the negative control)
 def test_table_same_across_torch_dispatch_threads_and_processes():
     """The table from processes with torch's CPU dispatch forced to default / AVX2 / AVX-512 and 1 or 2 threads,
     and from this process, is one set of bits. Negative control: the comparison sees one element one ulp off."""

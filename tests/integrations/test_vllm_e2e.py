@@ -20,7 +20,6 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 
@@ -34,11 +33,10 @@ def _prompts(seed=0):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_qwen2")
+def model_dirs(tiny_checkpoint):
     return {
-        "bfloat16": build_tiny_qwen2(root / "bf16", torch.bfloat16, seed=0),
-        "float32": build_tiny_qwen2(root / "fp32", torch.float32, seed=0),
+        "bfloat16": tiny_checkpoint("qwen2", torch.bfloat16, seed=0),
+        "float32": tiny_checkpoint("qwen2", torch.float32, seed=0),
     }
 
 

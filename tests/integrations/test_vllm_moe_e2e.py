@@ -36,11 +36,10 @@ def _prompts(seed=0, lens=PROMPT_LENS):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_moe")
+def model_dirs(tiny_checkpoint):
     return {
-        "bfloat16": build_tiny_moe(root / "bf16", torch.bfloat16, seed=0),
-        "float32": build_tiny_moe(root / "fp32", torch.float32, seed=0),
+        "bfloat16": tiny_checkpoint("moe", torch.bfloat16, seed=0),
+        "float32": tiny_checkpoint("moe", torch.float32, seed=0),
     }
 
 

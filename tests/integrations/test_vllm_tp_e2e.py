@@ -27,7 +27,6 @@ import aligned_ops  # noqa: E402
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.distributed import launch  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
