@@ -19,6 +19,7 @@ import torch
 
 import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
 
+from _background import _start_background_jobs, background  # noqa: F401  (fixtures: subprocess jobs, see there)
 from _isa_matrix import isa_matrix  # noqa: F401  (fixture: one worker process per CPU ISA level, see there)
 from _tiny_checkpoints import tiny_checkpoint  # noqa: F401  (fixture: tiny checkpoints built once per run)
 

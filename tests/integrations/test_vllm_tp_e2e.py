@@ -15,7 +15,6 @@ trainer scores the rollouts of every engine in one 2-process launch (``fsdp2_sco
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -188,15 +187,21 @@ def test_tp_rollouts_bitwise_equal_fsdp2_trainer(fsdp2_scores, dtype, tp):
         _assert_bitwise(rollouts, lps, "FSDP2 trainer")
 
 
-def test_negative_control_stock_vllm_tp2_differs_from_tp1(model_dirs):
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
     env = dict(os.environ)
     env.pop("ALIGNED_OPS_VLLM", None)
     env["VLLM_PLUGINS"] = ""
+    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")  # as for the engines here (integrations/conftest.py)
     src = os.path.dirname(os.path.dirname(os.path.abspath(aligned_ops.__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_tp_probe.py")
-    res = subprocess.run([sys.executable, probe, model_dirs["bfloat16"], "bfloat16"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    return {"stock_vllm_probe_tp": dict(
+        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=900)}
+
+
+def test_negative_control_stock_vllm_tp2_differs_from_tp1(background):
+    res = background.result("stock_vllm_probe_tp")
     assert res.returncode == 0, res.stderr[-3000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     print("stock vLLM TP=2 vs TP=1:", stats)
