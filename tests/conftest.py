@@ -7,6 +7,10 @@ Also the suite's hygiene rules, checked on every run:
 - a test that starts a vLLM engine in this process must be marked ``slow`` (it fails otherwise); tests that
   are not marked ``slow`` and took more than ``SLOW_SECONDS`` are listed at the end of the run;
 - the end of the run prints how many ``slow`` and ``emulated`` tests ran (CI reports the emulated count).
+
+Shared machinery (one module each): ``isa_matrix`` (tests/_isa_matrix.py: one worker process per CPU ISA level
+for the whole run), ``tiny_checkpoint`` (tests/_tiny_checkpoints.py: tiny checkpoints built once per run),
+``background`` (tests/_background.py: subprocess-only jobs started at the beginning of the run).
 """
 
 import importlib.abc
@@ -63,11 +67,13 @@ def _tear_down_default_group() -> None:
 def _module_leaves_no_process_state(request):
     """A test module may change process-wide state only for its own duration (so that the suite passes in any
     order and any selection). Seen before this check: tests/integrations/test_docs.py ran the README's snippets,
-    whose in-process engine was never shut down; vLLM's EngineCore gc.freeze()s at start-up, so not even the
-    garbage collector ran the engine's finaliser, and its default process group (gloo, world 1) stayed alive
-    until some later engine's shutdown happened to tear it down. A module run right after it that creates its
-    own group (tests/integrations/test_plugin_exact_tp.py) failed with "trying to initialize the default process
-    group twice"; one that checks the group is absent (tests/collective) silently skipped."""
+    whose in-process engine was never shut down. The engine outlived the test: the first vLLM import that
+    make_llm triggers leaves its importer frames referenced (importlib -> vllm_plugin.install -> make_llm -> the
+    snippet's module frame, whose globals hold ``llm``; gc.collect() frees nothing), so its default process
+    group (gloo, world 1) stayed until some later engine's shutdown
+    (EngineCore.shutdown -> cleanup_dist_env_and_memory) happened to tear it down. A module run right after it
+    that creates its own group (tests/integrations/test_plugin_exact_tp.py) failed with "trying to initialize the
+    default process group twice"; one that checks the group is absent (tests/collective) silently skipped."""
     env = dict(os.environ)
     group_before = _default_group_exists()
     yield
