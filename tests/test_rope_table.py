@@ -12,7 +12,6 @@ import math
 import os
 import random
 import struct
-import subprocess
 import sys
 import textwrap
 
@@ -144,23 +143,33 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _table_hash(capability, threads, nudge=False):
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(threads), "nudge" if nudge else "-"], env=env, capture_output=True,
-                          text=True, timeout=300)
+_PROCESSES = [(cap, th, False) for cap in ("default", "avx2", "avx512") for th in (1, 2)] + [("default", 1, True)]
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The table-building processes need nothing from this one: tests/_background.py starts them at the beginning
+    of the run."""
+    return {f"rope_table_{cap}_{th}{'_nudge' if nudge else ''}": dict(
+        argv=[sys.executable, "-c", SCRIPT, str(th), "nudge" if nudge else "-"],
+        env=dict(os.environ, ATEN_CPU_CAPABILITY=cap), timeout=300) for cap, th, nudge in _PROCESSES}
+
+
+def _table_hash(background, capability, threads, nudge=False):
+    proc = background.result(f"rope_table_{capability}_{threads}{'_nudge' if nudge else ''}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip()
 
 
-def test_table_same_across_torch_dispatch_threads_and_processes():
+@pytest.mark.slow  # seven interpreter start-ups (torch dispatch level x threads, and the negative control)
+def test_table_same_across_torch_dispatch_threads_and_processes(background):
     """The table from processes with torch's CPU dispatch forced to default / AVX2 / AVX-512 and 1 or 2 threads,
     and from this process, is one set of bits. Negative control: the comparison sees one element one ulp off."""
     spec = RopeSpec(rotary_dim=128, base=1e6, max_position=8192, rope_type="yarn", factor=4.0,
                     original_max_position=2048, attention_factor=1.1386)
     here = hashlib.sha256(cos_sin_cache(spec).view(torch.int32).numpy().tobytes()).hexdigest()
-    hashes = {(cap, th): _table_hash(cap, th) for cap in ("default", "avx2", "avx512") for th in (1, 2)}
+    hashes = {(cap, th): _table_hash(background, cap, th) for cap in ("default", "avx2", "avx512") for th in (1, 2)}
     assert set(hashes.values()) == {here}, hashes
-    assert _table_hash("default", 1, nudge=True) != here
+    assert _table_hash(background, "default", 1, nudge=True) != here
 
 
 def test_table_does_not_depend_on_chunking(monkeypatch):

@@ -1,12 +1,11 @@
 """Every CPU ISA level (generic x86-64, AVX2+FMA, AVX-512) computes identical bits for every dense op.
 
-The level is picked once per process (ALIGNED_CPU_ISA), so each level runs in its own subprocess and writes
-its outputs to a file; the files are compared through integer views. Shapes include odd lengths so that vector
+The level is picked once per process (ALIGNED_CPU_ISA), so each level runs in its own process (the shared
+per-level worker, tests/_isa_matrix.py) and writes its outputs to a file; the files are compared through
+integer views. Shapes include odd lengths so that vector
 tails, masked loads and the scalar remainder paths all run."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -84,6 +83,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
+ISA_FAMILIES = {"dense": SCRIPT}  # run on every level by tests/_isa_matrix.py
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch.equal on the raw bits: NaN == NaN (same payload), +0 != -0."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -104,20 +106,14 @@ def _supported_levels():
     return levels
 
 
-def test_every_isa_level_gives_identical_bits(tmp_path):
+@pytest.mark.slow
+def test_every_isa_level_gives_identical_bits(isa_matrix):
     levels = _supported_levels()
     if len(levels) < 2:
         pytest.skip("only the generic kernel level runs on this CPU")
-    script = tmp_path / "run_ops.py"
-    script.write_text(SCRIPT)
     results = {}
     for isa in levels:
-        path = tmp_path / f"{isa}.pt"
-        env = dict(os.environ, ALIGNED_CPU_ISA=isa)
-        proc = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[isa] = torch.load(path)
+        results[isa] = torch.load(isa_matrix.run(isa, "dense").path)
         assert results[isa].pop("isa") == isa  # the forced level really ran
     base = results["generic"]
     for isa in levels[1:]:

@@ -4,8 +4,9 @@
                                    backward twice (bitwise run to run); gradients vs one process (close)
   score MODEL_DIR DTYPE IN.pt OUT.pt
                                    teacher-force rollouts: IN.pt = list of jobs {"state_dict": path|None,
-                                   "rollouts": [(prompt_ids, token_ids)], "temperature": float}; rank r scores
-                                   rollouts r::2; OUT.pt (rank 0) = per job, per rollout, fp32 log-probs
+                                   "rollouts": [(prompt_ids, token_ids)], "temperature": float, and optionally
+                                   "model_dir", "dtype" (else MODEL_DIR, DTYPE)}; rank r scores rollouts r::2;
+                                   OUT.pt (rank 0) = per job, per rollout, fp32 log-probs
 """
 
 import json
@@ -123,7 +124,7 @@ def score(model_dir, dtype, in_path, out_path):
     results = []
     for job in jobs:
         sd = torch.load(job["state_dict"]) if job.get("state_dict") else None
-        model = shard_aligned(load(model_dir, dtype, sd))
+        model = shard_aligned(load(job.get("model_dir", model_dir), job.get("dtype", dtype), sd))
         seqs = job["rollouts"]
         mine = list(range(rank, len(seqs), world))
         ids, am, cm = batch([seqs[i] for i in mine])

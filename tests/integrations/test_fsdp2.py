@@ -14,18 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing.distributed import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fsdp2_worker.py")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, tiny_checkpoint):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     root = tmp_path_factory.mktemp("fsdp2")
-    specs = [f"{build_tiny_qwen2(root / dt, getattr(torch, dt), seed=3)}:{dt}" for dt in ("float32", "bfloat16")]
+    specs = [f"{tiny_checkpoint('qwen2', getattr(torch, dt), seed=3)}:{dt}" for dt in ("float32", "bfloat16")]
     out = root / "res.json"
     launch(WORKER, 2, ["check", out, *specs], timeout=900)  # one 2-process launch for both dtypes
     return json.loads(out.read_text())

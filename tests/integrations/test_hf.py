@@ -6,16 +6,15 @@ import pytest
 import torch
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
-from aligned_ops.testing.tiny_model import build_tiny_qwen2
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 from aligned_ops.testing.rollouts import padded_batch, random_sequences
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def model(request, tmp_path_factory):
+def model(request, tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    d = build_tiny_qwen2(tmp_path_factory.mktemp("hf") / "m", request.param, seed=3)
+    d = tiny_checkpoint("qwen2", request.param, seed=3)
     return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=request.param))
 
 

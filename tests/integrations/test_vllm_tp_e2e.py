@@ -8,11 +8,13 @@ weights and rollouts after it. Every sampled token's log-prob equals the TP = 1 
 trainer's. Negative controls: the same running engine with the row-parallel combine switched to a
 sequential sum of the same lane sums differs from the trainer (and is equal again once switched back);
 stock vLLM (no plugin) at TP = 2 vs TP = 1 differs (fresh process).
+
+Each engine runs once per module (``tp_runs``, on first use) and records what the tests then check; the FSDP2
+trainer scores the rollouts of every engine in one 2-process launch (``fsdp2_scores``).
 """
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +26,6 @@ import aligned_ops  # noqa: E402
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.distributed import launch  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
@@ -44,9 +45,8 @@ def _prompts(seed):
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_qwen2_tp")
-    return {dt: build_tiny_qwen2(root / dt, getattr(torch, dt), seed=0) for dt in ("bfloat16", "float32")}
+def model_dirs(tiny_checkpoint):
+    return {dt: tiny_checkpoint("qwen2", getattr(torch, dt), seed=0) for dt in ("bfloat16", "float32")}
 
 
 def _teacher_forced(trainer, rollouts, temperature):
@@ -61,81 +61,147 @@ def _same(a, b):
     return a.token_ids == b.token_ids and torch.equal(bits(a.logprobs_tensor()), bits(b.logprobs_tensor()))
 
 
+def _run_tp_engine(path, dtype, tp, tmp):
+    """One aligned TP engine's whole session: every rollout the tests below check, and the TP = 1 trainer's
+    teacher-forced log-probs of them (taken before / after the refit, as the engine had the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    r = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
+            ncpu = os.cpu_count() or 1
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % ncpu) for rank in range(tp)))
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512,
+                       tensor_parallel_size=tp, distributed_executor_backend="mp")
+        try:
+            r["tp_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+            # 1. sampled rollouts, batch of 8, chunked prefill
+            r["sampled"] = generate_with_logprobs(llm, _prompts(0), temperature=0.7, max_tokens=8)
+            r["sampled_trainer"] = _teacher_forced(trainer, r["sampled"], 0.7)
+            # 2. batch sizes 8 / 3 / 1 (greedy, scored at tau = 1)
+            prompts = _prompts(1)
+            r["full"] = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
+            r["sub"] = generate_with_logprobs(llm, [prompts[3], prompts[1], prompts[0]], temperature=0.0, max_tokens=6)
+            r["alone"] = generate_with_logprobs(llm, [prompts[5]], temperature=0.0, max_tokens=6)
+            r["full_trainer"] = _teacher_forced(trainer, r["full"], 1.0)
+            r["sub_trainer"] = _teacher_forced(trainer, r["sub"], 1.0)
+            # 3. negative control on the running engine: a sequential combine of the same lane sums
+            vllm_plugin.set_tp_combine(llm, "sequential")
+            r["sequential"] = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
+            vllm_plugin.set_tp_combine(llm, "tree")
+            r["again"] = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
+            # 4. refit with perturbed weights, then rollouts
+            g = torch.Generator().manual_seed(123)
+            with torch.no_grad():
+                for _, p in trainer.named_parameters():
+                    p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
+            refit(llm, trainer.state_dict())
+            r["after"] = generate_with_logprobs(llm, _prompts(2)[:5], temperature=1.0, max_tokens=6)
+            r["after_trainer"] = _teacher_forced(trainer, r["after"], 1.0)
+            sd_path = tmp / "refit.pt"
+            torch.save(trainer.state_dict(), sd_path)
+        finally:
+            shutdown(llm)
+            del llm
+    # 5. what the 2-rank FSDP2 trainer scores (each rank a different micro-batch)
+    r["fsdp2_jobs"] = [dict(model_dir=path, dtype=dtype, state_dict=None, temperature=0.7, rollouts=r["sampled"]),
+                       dict(model_dir=path, dtype=dtype, state_dict=None, temperature=1.0, rollouts=r["full"] + r["sub"]),
+                       dict(model_dir=path, dtype=dtype, state_dict=str(sd_path), temperature=1.0, rollouts=r["after"])]
+    return r
+
+
+@pytest.fixture(scope="module")
+def tp_runs(model_dirs, tmp_path_factory):
+    """``tp_runs(dtype, tp)``: that engine's session (run once per module, on first use; engines one at a time)."""
+    runs = {}
+
+    def get(dtype, tp):
+        if (dtype, tp) not in runs:
+            runs[(dtype, tp)] = _run_tp_engine(model_dirs[dtype], dtype, tp, tmp_path_factory.mktemp(f"tp{tp}_{dtype}"))
+        return runs[(dtype, tp)]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def fsdp2_scores(tp_runs, tmp_path_factory):
+    """The FSDP2 trainer's log-probs of every engine's rollouts: ONE 2-process launch for all dtypes and TP degrees
+    (each launch costs two fresh interpreters importing torch and transformers)."""
+    keys = [(dt, tp) for dt in ("bfloat16", "float32") for tp in TP_DEGREES]
+    jobs = [(k, j) for k in keys for j in tp_runs(*k)["fsdp2_jobs"]]
+    tmp = tmp_path_factory.mktemp("fsdp2_score")
+    job_file, out_file = tmp / "jobs.pt", tmp / "fsdp_lps.pt"
+    torch.save([dict(model_dir=j["model_dir"], dtype=j["dtype"], state_dict=j["state_dict"], temperature=j["temperature"],
+                     rollouts=[(r.prompt_token_ids, r.token_ids) for r in j["rollouts"]]) for _, j in jobs], job_file)
+    launch(FSDP_WORKER, 2, ["score", "-", "-", job_file, out_file], timeout=900)
+    scores = {}
+    for (k, j), lps in zip(jobs, torch.load(out_file)):
+        scores.setdefault(k, []).append((j["rollouts"], lps))
+    return scores
+
+
 @needs_lanes
 @pytest.mark.parametrize("tp", TP_DEGREES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, dtype, tp, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
-    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
-        ncpu = os.cpu_count() or 1
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % ncpu) for r in range(tp)))
-    path = model_dirs[dtype]
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512,
-                   tensor_parallel_size=tp, distributed_executor_backend="mp")
-    jobs = []
-    try:
-        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == tp
-        # 1. sampled rollouts, batch of 8, chunked prefill
-        sampled = generate_with_logprobs(llm, _prompts(0), temperature=0.7, max_tokens=8)
-        assert [len(r.prompt_token_ids) for r in sampled] == PROMPT_LENS
-        _assert_bitwise(sampled, _teacher_forced(trainer, sampled, 0.7), "TP=1 trainer, sampled")
-        jobs.append(dict(state_dict=None, temperature=0.7, rollouts=sampled))
-        # 2. batch sizes 8 / 3 / 1 (greedy, scored at tau = 1)
-        prompts = _prompts(1)
-        full = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
-        sub = generate_with_logprobs(llm, [prompts[3], prompts[1], prompts[0]], temperature=0.0, max_tokens=6)
-        alone = generate_with_logprobs(llm, [prompts[5]], temperature=0.0, max_tokens=6)
-        assert all(_same(a, b) for a, b in zip([full[3], full[1], full[0]], sub))
-        assert _same(full[5], alone[0])
-        _assert_bitwise(full, _teacher_forced(trainer, full, 1.0), "TP=1 trainer, greedy batch of 8")
-        _assert_bitwise(sub, _teacher_forced(trainer, sub, 1.0), "TP=1 trainer, greedy batch of 3")
-        jobs.append(dict(state_dict=None, temperature=1.0, rollouts=full + sub))
-        # 3. negative control on the running engine: a sequential combine of the same lane sums differs
-        vllm_plugin.set_tp_combine(llm, "sequential")
-        seq = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
-        vllm_plugin.set_tp_combine(llm, "tree")
-        n_seq = sum(int((bits(a.logprobs_tensor()) != bits(b.logprobs_tensor())).sum()) + (a.token_ids != b.token_ids)
-                    for a, b in zip(seq, full))
-        print(f"[{dtype}, TP={tp}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
-        assert n_seq > 0
-        again = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
-        assert all(_same(a, b) for a, b in zip(again, full))
-        # 4. refit with perturbed weights, then rollouts
-        g = torch.Generator().manual_seed(123)
-        with torch.no_grad():
-            for _, p in trainer.named_parameters():
-                p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
-        refit(llm, trainer.state_dict())
-        after = generate_with_logprobs(llm, _prompts(2)[:5], temperature=1.0, max_tokens=6)
-        _assert_bitwise(after, _teacher_forced(trainer, after, 1.0), "TP=1 trainer, after refit")
-        sd_path = tmp_path / "refit.pt"
-        torch.save(trainer.state_dict(), sd_path)
-        jobs.append(dict(state_dict=str(sd_path), temperature=1.0, rollouts=after))
-    finally:
-        shutdown(llm)
-        del llm
-    # 5. the same rollouts teacher-forced by a 2-rank FSDP2 trainer (each rank a different micro-batch)
-    job_file, out_file = tmp_path / "jobs.pt", tmp_path / "fsdp_lps.pt"
-    torch.save([dict(state_dict=j["state_dict"], temperature=j["temperature"],
-                     rollouts=[(r.prompt_token_ids, r.token_ids) for r in j["rollouts"]]) for j in jobs], job_file)
-    launch(FSDP_WORKER, 2, ["score", path, dtype, job_file, out_file], timeout=900)
-    fsdp = torch.load(out_file)
-    for j, lps in zip(jobs, fsdp):
-        _assert_bitwise(j["rollouts"], lps, "FSDP2 trainer")
+def test_tp_rollouts_bitwise_equal_tp1_trainer(tp_runs, dtype, tp):
+    r = tp_runs(dtype, tp)
+    assert r["tp_size"] == tp
+    # 1. sampled rollouts, batch of 8, chunked prefill
+    assert [len(x.prompt_token_ids) for x in r["sampled"]] == PROMPT_LENS
+    _assert_bitwise(r["sampled"], r["sampled_trainer"], "TP=1 trainer, sampled")
+    # 2. batch sizes 8 / 3 / 1: equal to each other and to the trainer
+    full, sub, alone = r["full"], r["sub"], r["alone"]
+    assert all(_same(a, b) for a, b in zip([full[3], full[1], full[0]], sub))
+    assert _same(full[5], alone[0])
+    _assert_bitwise(full, r["full_trainer"], "TP=1 trainer, greedy batch of 8")
+    _assert_bitwise(sub, r["sub_trainer"], "TP=1 trainer, greedy batch of 3")
+    # 4. after a refit with perturbed weights
+    _assert_bitwise(r["after"], r["after_trainer"], "TP=1 trainer, after refit")
 
 
-def test_negative_control_stock_vllm_tp2_differs_from_tp1(model_dirs):
+@needs_lanes
+@pytest.mark.parametrize("tp", TP_DEGREES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tp_negative_control_sequential_combine_differs(tp_runs, dtype, tp):
+    """The same running engine with the row-parallel combine switched to a sequential sum of the same lane sums
+    differs from the tree's rollouts, and is equal again once switched back."""
+    r = tp_runs(dtype, tp)
+    n_seq = sum(int((bits(a.logprobs_tensor()) != bits(b.logprobs_tensor())).sum()) + (a.token_ids != b.token_ids)
+                for a, b in zip(r["sequential"], r["full"]))
+    print(f"[{dtype}, TP={tp}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
+    assert n_seq > 0
+    assert all(_same(a, b) for a, b in zip(r["again"], r["full"]))
+
+
+@needs_lanes
+@pytest.mark.parametrize("tp", TP_DEGREES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tp_rollouts_bitwise_equal_fsdp2_trainer(fsdp2_scores, dtype, tp):
+    """The same rollouts (sampled, greedy batches of 8 and 3, after the refit) teacher-forced by a 2-rank FSDP2
+    trainer, each rank a different micro-batch."""
+    scored = fsdp2_scores[(dtype, tp)]
+    assert len(scored) == 3
+    for rollouts, lps in scored:
+        _assert_bitwise(rollouts, lps, "FSDP2 trainer")
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
     env = dict(os.environ)
     env.pop("ALIGNED_OPS_VLLM", None)
     env["VLLM_PLUGINS"] = ""
+    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")  # as for the engines here (integrations/conftest.py)
     src = os.path.dirname(os.path.dirname(os.path.abspath(aligned_ops.__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_tp_probe.py")
-    res = subprocess.run([sys.executable, probe, model_dirs["bfloat16"], "bfloat16"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    return {"stock_vllm_probe_tp": dict(
+        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=900)}
+
+
+def test_negative_control_stock_vllm_tp2_differs_from_tp1(background):
+    res = background.result("stock_vllm_probe_tp")
     assert res.returncode == 0, res.stderr[-3000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     print("stock vLLM TP=2 vs TP=1:", stats)

@@ -7,10 +7,6 @@ absolute position 0 and merged in split order, whatever the batch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,26 +222,26 @@ def test_batch_invariance_backward(dtype):
     assert bitwise_equal(dq1, dq[s]) and bitwise_equal(dk1, dk[s]) and bitwise_equal(dv1, dv[s])
 
 
-def test_isa_levels_identical(tmp_path):
+_ISA_SCRIPT = (
+    "import sys, torch, aligned_ops\n"
+    "from aligned_ops import _C\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "lens = [3, 530]; cu = torch.tensor([0, 3, 533], dtype=torch.int32)\n"
+    "q = torch.randn(533, 2, 32, generator=g).bfloat16(); k = torch.randn(533, 1, 32, generator=g).bfloat16()\n"
+    "v = torch.randn(533, 1, 32, generator=g).bfloat16()\n"
+    "o, l = torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.17, True)\n"
+    "gr = torch.ops.aligned.attention_varlen_backward(o, q, k, v, o, l, cu, cu, 0.17, True)\n"
+    "torch.save([o, l, *gr], sys.argv[1])\n"
+)
+ISA_FAMILIES = {"attention": _ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
+
+
+@pytest.mark.slow
+def test_isa_levels_identical(isa_matrix):
     """generic (scalar, libm fmaf), AVX2 and AVX-512 builds of the kernels produce the same bits."""
-    script = tmp_path / "isa.py"
-    script.write_text(
-        "import sys, torch, aligned_ops\n"
-        "from aligned_ops import _C\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "lens = [3, 530]; cu = torch.tensor([0, 3, 533], dtype=torch.int32)\n"
-        "q = torch.randn(533, 2, 32, generator=g).bfloat16(); k = torch.randn(533, 1, 32, generator=g).bfloat16()\n"
-        "v = torch.randn(533, 1, 32, generator=g).bfloat16()\n"
-        "o, l = torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.17, True)\n"
-        "gr = torch.ops.aligned.attention_varlen_backward(o, q, k, v, o, l, cu, cu, 0.17, True)\n"
-        "torch.save([o, l, *gr], sys.argv[1])\n"
-    )
     results = []
     for isa in ("generic", "avx2", "avx512"):
-        out = tmp_path / f"{isa}.pt"
-        env = dict(os.environ, ALIGNED_CPU_ISA=isa)
-        subprocess.run([sys.executable, str(script), str(out)], check=True, env=env)
-        results.append(torch.load(out))
+        results.append(torch.load(isa_matrix.run(isa, "attention").path))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert bitwise_equal(a, b)

@@ -14,9 +14,6 @@ negative control that proves the check can fail; opcheck, torch.compile, autogra
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import numpy as np
@@ -350,16 +347,14 @@ print(h.hexdigest())
 """
 
 
-def _isa_digest(isa: str) -> str:
-    env = dict(os.environ, ALIGNED_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return res.stdout.strip()
+ISA_FAMILIES = {"linear": _ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
 
 
-def test_isa_levels_compute_identical_bits():
+@pytest.mark.slow
+def test_isa_levels_compute_identical_bits(isa_matrix):
     """generic (scalar fma), AVX2 and AVX-512 kernels: same bits (the table is chosen once per process)."""
-    digests = {isa: _isa_digest(isa) for isa in ("generic", "avx2", "avx512")}
+    digests = {isa: isa_matrix.run(isa, "linear").stdout.strip() for isa in ("generic", "avx2", "avx512")}
+    assert all(digests.values()), digests  # every level printed its digest
     assert len(set(digests.values())) == 1, digests
 
 

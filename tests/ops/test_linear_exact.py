@@ -3,7 +3,6 @@ definition, invariant to batch / row position / threads / ISA level / K split (b
 against float64, with negative controls on torch's own GEMM."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -191,13 +190,14 @@ def _isa_levels():
     return levels
 
 
-def test_isa_levels_bit_identical(tmp_path):
+ISA_FAMILIES = {"linear_exact": ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
+
+
+@pytest.mark.slow
+def test_isa_levels_bit_identical(isa_matrix):
     results = {}
     for level in _isa_levels():
-        path = tmp_path / f"{level}.pt"
-        env = dict(os.environ, ALIGNED_CPU_ISA=level)
-        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path)], check=True, env=env, timeout=600)
-        results[level] = torch.load(path)
+        results[level] = torch.load(isa_matrix.run(level, "linear_exact").path)
     units = {lvl: r.pop("unit") for lvl, r in results.items()}
     assert units["generic"] == "generic"
     if "amx" in units:
@@ -311,14 +311,24 @@ def test_verify_refuses_a_profile_mismatch(monkeypatch):
     assert verify.check_profiles(model) is profiles.EXACT
 
 
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The CLI run needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return {"verify_linear_exact_cli": dict(
+        argv=[sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--linear", "exact", "--num-prompts", "4",
+              "--max-tokens", "8"], env=env, timeout=900)}
+
+
 @pytest.mark.slow
-def test_verify_exact_profile_is_bitwise():
+def test_verify_exact_profile_is_bitwise(background):
     """`aligned-ops verify --linear exact`: vLLM with the plugin and the patched trainer, both on the exact profile,
     agree bit for bit; the table states the profile and the distance to the fma profile (bf16 noise, not zero)."""
     pytest.importorskip("vllm")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--linear", "exact", "--num-prompts", "4",
-                           "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=900)
+    proc = background.result("verify_linear_exact_cli")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
 

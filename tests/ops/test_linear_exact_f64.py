@@ -4,8 +4,6 @@ definition give the same bits. Each path is forced (ALIGNED_EXACT_F64=all / off)
 checked (_linear_exact_f64_pairs), so every comparison below compares two different computations."""
 
 import os
-import subprocess
-import sys
 import textwrap
 from contextlib import contextmanager
 
@@ -318,15 +316,16 @@ ISA_SCRIPT = textwrap.dedent(
 )
 
 
-def test_isa_levels_bit_identical(tmp_path):
+ISA_FAMILIES = {"linear_exact_f64": ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
+
+
+@pytest.mark.slow
+def test_isa_levels_bit_identical(isa_matrix):
     from test_linear_exact import _isa_levels
 
     results = {}
     for level in _isa_levels():
-        path = tmp_path / f"{level}.pt"
-        env = dict(os.environ, ALIGNED_CPU_ISA=level)
-        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path)], check=True, env=env, timeout=600)
-        results[level] = torch.load(path)
+        results[level] = torch.load(isa_matrix.run(level, "linear_exact_f64").path)
     base = results["generic"]
     assert any(bool(v.any()) for k, v in base.items() if k.startswith("pairs")), "the fp64 path must be reached"
     assert any(bool((v == SPLIT).any()) for k, v in base.items() if k.startswith("routes")), "and the split route"

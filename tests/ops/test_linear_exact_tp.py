@@ -198,20 +198,19 @@ torch.save(out, sys.argv[1])
 """
 
 
-def test_partials_identical_on_every_isa_level(tmp_path):
+ISA_FAMILIES = {"linear_exact_tp": _ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
+
+
+@pytest.mark.slow
+def test_partials_identical_on_every_isa_level(isa_matrix):
     import os
-    import subprocess
-    import sys
 
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     levels = ["generic"] + [lvl for lvl, f in (("avx2", " avx2 "), ("avx512", " avx512f "), ("amx", " amx_int8 "))
                             if f in flags]
     res = {}
     for lvl in levels:
-        path = tmp_path / f"{lvl}.pt"
-        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], check=True,
-                       env=dict(os.environ, ALIGNED_CPU_ISA=lvl), timeout=600)
-        res[lvl] = torch.load(path)
+        res[lvl] = torch.load(isa_matrix.run(lvl, "linear_exact_tp").path)
     assert res["generic"]["unit"] == "generic"
     for lvl, r in res.items():
         for k in ("torch.bfloat16", "torch.float32"):

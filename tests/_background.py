@@ -1,0 +1,132 @@
+"""Subprocess work that needs nothing from the test process, started at the beginning of the run.
+
+Some tests only start a fresh interpreter and check what it prints (the stock-vLLM negative controls must run
+without the plugin, so never in this process; the CLI runs). The test process waits for them, and on 2 cores
+much of the suite runs one core busy: started from the first test of the run, one at a time, at a slightly
+lower priority (nice +5) than the test process, they use the core the in-process tests leave idle. A module
+declares its jobs with a function of the session's tiny checkpoints (tests/_tiny_checkpoints.py)::
+
+    def BACKGROUND_JOBS(tiny_checkpoint):
+        return {"stock_dense_probe": dict(argv=[sys.executable, PROBE, tiny_checkpoint("qwen2", torch.bfloat16)],
+                                          env={...}, timeout=300)}
+
+and its test asks for the result::
+
+    res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
+
+Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
+its environment and its timeout are the test's own, so it computes exactly what it computed when the test
+started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class Background:
+    def __init__(self, session, tiny_checkpoint):
+        self._jobs: dict[str, dict] = {}
+        seen = set()
+        for item in session.items:
+            mod = getattr(item, "module", None)
+            if mod is None or mod in seen or "background" not in getattr(item, "fixturenames", ()):
+                continue
+            seen.add(mod)
+            declare = getattr(mod, "BACKGROUND_JOBS", None)
+            if declare is None:
+                continue
+            for key, job in declare(tiny_checkpoint).items():
+                if key in self._jobs:
+                    raise pytest.UsageError(f"background job {key!r} declared twice")
+                self._jobs[key] = job
+        self._queue = list(self._jobs)
+        self._results: dict[str, JobResult] = {}
+        self._running: dict[str, subprocess.Popen] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = None
+        if self._queue and os.environ.get("ALIGNED_TEST_BACKGROUND", "1") != "0":
+            self._thread = threading.Thread(target=self._worker, name="aligned-test-background", daemon=True)
+            self._thread.start()
+
+    def _run(self, key: str, nice: int) -> JobResult:
+        job = self._jobs[key]
+        t0 = time.monotonic()
+        argv = (["nice", "-n", str(nice)] if nice else []) + list(job["argv"])  # (no preexec_fn: threads here)
+        proc = subprocess.Popen(argv, env=job.get("env"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with self._cv:
+            self._running[key] = proc
+        try:
+            out, err = proc.communicate(timeout=job.get("timeout", 600))
+            res = JobResult(proc.returncode, out, err, time.monotonic() - t0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            res = JobResult(-9, out, err + f"\n[timed out after {job.get('timeout', 600)} s]", time.monotonic() - t0)
+        with self._cv:
+            self._running.pop(key, None)
+            self._results[key] = res
+            self._cv.notify_all()
+        return res
+
+    def _worker(self):
+        while True:
+            with self._cv:
+                if self._closed or not self._queue:
+                    return
+                key = self._queue.pop(0)
+            self._run(key, nice=5)
+
+    def result(self, key: str) -> JobResult:
+        """The job's result; waits for it if it is running, runs it now (in the foreground) if it is queued."""
+        if key not in self._jobs:
+            raise KeyError(f"background job {key!r} is not declared by this test's module (BACKGROUND_JOBS)")
+        with self._cv:
+            queued = key in self._queue
+            if queued:
+                self._queue.remove(key)
+        if queued or (self._thread is None and key not in self._results):
+            return self._run(key, nice=0)
+        with self._cv:
+            while key not in self._results:
+                self._cv.wait()
+            return self._results[key]
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            running = list(self._running.values())
+        for p in running:  # a job no selected test still waits for (the run was interrupted)
+            p.kill()
+
+
+@pytest.fixture(scope="session")
+def background(request, tiny_checkpoint):
+    """Jobs of the collected modules' BACKGROUND_JOBS, started at the first test of the run (see above)."""
+    bg = Background(request.session, tiny_checkpoint)
+    yield bg
+    bg.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_jobs(request):
+    """Starts the background jobs at the first test of the run, if any selected test uses them."""
+    if any("background" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("background")
+    yield

@@ -1,0 +1,119 @@
+"""The CPU ISA-level matrix, one worker process per level for the whole test run.
+
+The kernel level is chosen once per process (ALIGNED_CPU_ISA, csrc/cpu/cpu_backend.h), so a test that proves
+"every level computes the same bits" must run each level in its own process. Each such test module declares its
+work as a script in a module-level dict::
+
+    ISA_FAMILIES = {"linear": SCRIPT}   # SCRIPT: python source; sys.argv[1] is a file path it may write
+
+and asks the session fixture for the result on one level::
+
+    res = isa_matrix.run("avx2", "linear")   # res.path: what the script wrote there; res.stdout: what it printed
+
+The first request for a level starts ONE process for that level which runs the scripts of every collected
+module in turn (instead of one process per test per level: 3 levels x 7 families, each paying for
+``import torch, aligned_ops``). Each script runs as if it were its own ``python -c`` process as far as it can
+tell: ``__name__ == "__main__"``, its own ``sys.argv``, the worker's original environment and torch thread
+count restored before it (a script that sets ALIGNED_EXACT_F64 cannot change the next one's results), stdout
+captured per script. A script that raises fails its own tests only (the traceback is in the failure); a worker
+that dies fails every test of that level with its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Per script, what a test allowed its own subprocess before (300-600 s); the worker runs them all.
+SCRIPT_TIMEOUT_S = 600
+
+_WORKER = r'''
+import contextlib, io, json, os, sys, traceback
+import torch
+import aligned_ops  # noqa: F401  (the level is chosen here, once for this process)
+
+spec = json.load(open(sys.argv[1]))
+env, threads, report = dict(os.environ), torch.get_num_threads(), {}
+for name, fam in spec["families"].items():
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    sys.argv = ["-c", fam["out"]]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(fam["script"], "<ISA family " + name + ">", "exec"), {"__name__": "__main__"})
+        report[name] = {"ok": True, "stdout": out.getvalue()}
+    except BaseException:  # noqa: BLE001  (SystemExit and assertions included: reported to that family's tests)
+        report[name] = {"ok": False, "stdout": out.getvalue(), "error": traceback.format_exc()}
+with open(spec["report"], "w") as f:
+    json.dump(report, f)
+'''
+
+
+@dataclass
+class IsaResult:
+    level: str
+    family: str
+    path: Path  # the file the script got as sys.argv[1]
+    stdout: str
+
+
+class IsaMatrix:
+    def __init__(self, session, root: Path):
+        self._root = root
+        self._families: dict[str, str] = {}
+        self._runs: dict[str, dict] = {}  # level -> report
+        for item in session.items:
+            for name, script in (getattr(getattr(item, "module", None), "ISA_FAMILIES", None) or {}).items():
+                if self._families.setdefault(name, script) != script:
+                    raise pytest.UsageError(f"two test modules declare ISA family {name!r} with different scripts")
+
+    def run(self, level: str, family: str) -> IsaResult:
+        if family not in self._families:
+            raise KeyError(f"ISA family {family!r} is not declared by a collected test module (ISA_FAMILIES)")
+        if "crash" not in self._runs.get(level, {}) and family not in self._runs.get(level, {}).get("families", {}):
+            # First request for this level (or a family that was not collected when the level ran): one worker
+            # for every family not yet run on this level.
+            todo = {n: s for n, s in self._families.items() if n not in self._runs.get(level, {}).get("families", {})}
+            self._start(level, todo)
+        rep = self._runs[level]
+        if "crash" in rep:
+            pytest.fail(f"the ISA worker for level {level!r} failed: {rep['crash']}", pytrace=False)
+        res = rep["families"][family]
+        if not res["ok"]:
+            pytest.fail(f"ISA family {family!r} on level {level!r} raised:\n{res['error']}", pytrace=False)
+        return IsaResult(level, family, self._root / level / f"{family}.out", res["stdout"])
+
+    def _start(self, level: str, families: dict[str, str]) -> None:
+        d = self._root / level
+        d.mkdir(exist_ok=True)
+        spec = {"report": str(d / f"report{len(self._runs.get(level, {}).get('runs', []))}.json"),
+                "families": {n: {"script": s, "out": str(d / f"{n}.out")} for n, s in families.items()}}
+        spec_path = Path(spec["report"]).with_suffix(".spec.json")
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, ALIGNED_CPU_ISA=level)
+        rep = self._runs.setdefault(level, {"families": {}, "runs": []})
+        rep["runs"].append(spec_path)
+        try:
+            proc = subprocess.run([sys.executable, "-c", _WORKER, str(spec_path)], env=env, capture_output=True,
+                                  text=True, timeout=SCRIPT_TIMEOUT_S * max(1, len(families)))
+        except subprocess.TimeoutExpired as e:
+            rep["crash"] = f"timed out after {e.timeout} s"
+            return
+        if proc.returncode != 0 or not Path(spec["report"]).exists():
+            rep["crash"] = f"exit code {proc.returncode}\n{proc.stderr[-3000:]}"
+            return
+        rep["families"].update(json.loads(Path(spec["report"]).read_text()))
+
+
+@pytest.fixture(scope="session")
+def isa_matrix(request, tmp_path_factory) -> IsaMatrix:
+    """One worker process per CPU ISA level, shared by every test module that declares ISA_FAMILIES."""
+    return IsaMatrix(request.session, tmp_path_factory.mktemp("isa_matrix"))

@@ -1,0 +1,57 @@
+"""Tiny random-weight checkpoints, built once per test run and shared by every test that asks for the same one.
+
+    path = tiny_checkpoint("qwen2", torch.bfloat16, seed=0)             # aligned_ops.testing.tiny_model builders
+    path = tiny_checkpoint("moe", torch.float32, seed=3, arch="qwen2_moe", num_hidden_layers=1)
+
+The same arguments give the same folder (under the session's pytest tmp dir) for the whole run; an override equal
+to the builder's default is the same checkpoint as no override. The folders are read-only by contract: each
+reuse checks that no file of the folder changed since it was built (a test that edits a checkpoint builds its
+own with the builder).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _builders():
+    from aligned_ops.testing import tiny_model as tm
+
+    return {
+        "qwen2": (tm.build_tiny_qwen2, tm.DEFAULT_CONFIG),
+        "moe": (tm.build_tiny_moe, {**tm.DEFAULT_MOE_CONFIG, "arch": "qwen3_moe", "router_scale": 0.08}),
+        "llama": (tm.build_tiny_llama, {}),
+    }
+
+
+def _fingerprint(path: str) -> list:
+    out = []
+    for d, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            st = os.stat(os.path.join(d, f))
+            out.append((os.path.relpath(os.path.join(d, f), path), st.st_size, st.st_mtime_ns))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(kind, dtype, seed=0, **overrides) -> str``: the folder of that tiny checkpoint, built on
+    first use in this run (kind: ``qwen2``, ``moe`` or ``llama``; see aligned_ops.testing.tiny_model)."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    built: dict = {}
+
+    def get(kind: str, dtype, seed: int = 0, **overrides) -> str:
+        builder, defaults = _builders()[kind]
+        overrides = {k: v for k, v in overrides.items() if k not in defaults or defaults[k] != v}
+        key = (kind, str(dtype), seed, repr(sorted(overrides.items())))
+        if key not in built:
+            path = builder(root / f"{kind}_{str(dtype).replace('torch.', '')}_seed{seed}_{len(built)}", dtype,
+                           seed=seed, **overrides)
+            built[key] = (path, _fingerprint(path))
+        path, fingerprint = built[key]
+        assert _fingerprint(path) == fingerprint, f"a test modified the shared tiny checkpoint {path}"
+        return path
+
+    return get
