@@ -4,8 +4,8 @@
 # Configures a separate build dir with -DALIGNED_GPU_COMPILE_CHECK=ON and builds the gpu_compile_check
 # target (cmake/gpu_compile_check.cmake): every csrc/cuda/*.cu with nvcc 13 for sm_90a and sm_100a, every
 # csrc/hip/*.hip with clang++-22 for gfx942 and gfx950, the emitted PTX / AMDGPU asm / device IR checked by
-# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction), and ops_cuda.cpp
-# syntax-checked against the installed torch's headers. Then a negative control proves the checker can
+# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction), and the CUDA key's torch
+# glue (csrc/torch/backends/cuda.cpp, register_cuda.cpp) syntax-checked against the installed torch's headers. Then a negative control proves the checker can
 # fail: a kernel that calls __expf must be rejected.
 #
 # Usage: .ci/gpu_compile_check.sh [build-dir]   (default build/gpu-check). A few minutes on 2 cores.

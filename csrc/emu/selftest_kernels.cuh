@@ -7,7 +7,7 @@
 
 #include "../gpu/compat.cuh"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 #if defined(ALIGNED_GPU_HIP)
 #define ST_SHFL(v, l, w) __shfl(v, l, w)
@@ -83,4 +83,4 @@ const char* run_selftest(const std::string& name, std::vector<long long>& out) {
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD
