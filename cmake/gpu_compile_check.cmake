@@ -12,8 +12,9 @@
 #   csrc/hip/*.hip   x {gfx942, gfx950}: clang++-22 -x hip -c (one object for both archs, -fgpu-rdc), plus
 #                    device-only asm and LLVM IR per arch; checked for v_exp_f32/v_log_f32, denormal flushing,
 #                    llvm.fmuladd, f64 fma and fast-math flags.
-#   csrc/cuda/ops_cuda.cpp: -fsyntax-only against the installed torch's headers (the CPU wheel ships
-#                    c10/cuda headers; -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE stands in for CUDA torch's config).
+#   csrc/torch/backends/cuda.cpp, csrc/torch/register_cuda.cpp (the CUDA key's glue): -fsyntax-only against the
+#                    installed torch's headers (the CPU wheel ships c10/cuda headers;
+#                    -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE stands in for CUDA torch's config).
 #
 # Target: gpu_compile_check (not part of `all`). A manifest of what was compiled is written to
 # ${CMAKE_BINARY_DIR}/gpu_check/manifest.txt for the summary.
@@ -187,7 +188,11 @@ else()
 endif()
 
 # ---- torch glue: syntax only, against the installed torch's headers ------------------------------------
-set(_glue "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/ops_cuda.cpp")
+# The CUDA key's glue: the device functions and every family's bodies instantiated for Gpu<CudaDevice>
+# (csrc/torch/backends/cuda.cpp) and its registration lines (register_cuda.cpp). -fsyntax-only instantiates the
+# explicit instantiations, so every glue body is checked as the CUDA build compiles it.
+set(_glue_sources "${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch/backends/cuda.cpp"
+                  "${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch/register_cuda.cpp")
 set(_cuda_inc "")
 if(EXISTS "${ALIGNED_NVCC}")
   get_filename_component(_nvcc_real "${ALIGNED_NVCC}" REALPATH)
@@ -198,37 +203,28 @@ if(EXISTS "${ALIGNED_NVCC}")
     endif()
   endforeach()
 endif()
-if(EXISTS "${_glue}" AND _cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
+if(_cuda_inc AND ALIGNED_BACKEND STREQUAL "cpu")
   set(_inc_flags)
   foreach(d IN LISTS TORCH_INCLUDE_DIRS Python_INCLUDE_DIRS)
     list(APPEND _inc_flags "-I${d}")
   endforeach()
-  file(GLOB _gc_params_headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/params_*.h")
-  set(_ok "${_gc_dir}/ops_cuda.syntax.ok")
-  add_custom_command(OUTPUT "${_ok}"
-    COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
-            "-I${_cuda_inc}" "${_glue}"
-    COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
-    DEPENDS "${_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/dense_api.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_checks.h"
-            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/op_params.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/glue_common.h"
-            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/moe.h"  # via params_moe.h
-            ${_gc_params_headers}
-    COMMENT "c++ -fsyntax-only (CPU torch headers): ops_cuda.cpp" VERBATIM)
-  list(APPEND _gc_outputs "${_ok}")
-  list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_cuda.cpp")
-  # the attention family's GPU glue, same check
-  set(_attn_glue "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/ops_attention_cuda.cpp")
-  set(_attn_ok "${_gc_dir}/ops_attention_cuda.syntax.ok")
-  add_custom_command(OUTPUT "${_attn_ok}"
-    COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
-            "-I${_cuda_inc}" "${_attn_glue}"
-    COMMAND "${CMAKE_COMMAND}" -E touch "${_attn_ok}"
-    DEPENDS "${_attn_glue}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/attention_api.h"
-            "${CMAKE_CURRENT_SOURCE_DIR}/csrc/attention_checks.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/attention_plan.h"
-    COMMENT "c++ -fsyntax-only (CPU torch headers): ops_attention_cuda.cpp" VERBATIM)
-  list(APPEND _gc_outputs "${_attn_ok}")
-  list(APPEND _gc_manifest "glue syntax csrc/cuda/ops_attention_cuda.cpp")
-elseif(EXISTS "${_glue}")
+  file(GLOB_RECURSE _gc_glue_headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch/*.h"
+       "${CMAKE_CURRENT_SOURCE_DIR}/csrc/common/*.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/*_api.h"
+       "${CMAKE_CURRENT_SOURCE_DIR}/csrc/gpu/launchers.h" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/emu/emulation.h")
+  foreach(_glue IN LISTS _glue_sources)
+    get_filename_component(_gname "${_glue}" NAME_WE)
+    set(_ok "${_gc_dir}/glue_${_gname}.syntax.ok")
+    add_custom_command(OUTPUT "${_ok}"
+      COMMAND "${CMAKE_CXX_COMPILER}" -std=c++20 -fsyntax-only -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE ${_inc_flags}
+              "-I${_cuda_inc}" "${_glue}"
+      COMMAND "${CMAKE_COMMAND}" -E touch "${_ok}"
+      DEPENDS "${_glue}" ${_gc_glue_headers}
+      COMMENT "c++ -fsyntax-only (CPU torch headers): ${_gname}.cpp" VERBATIM)
+    list(APPEND _gc_outputs "${_ok}")
+    file(RELATIVE_PATH _grel "${CMAKE_CURRENT_SOURCE_DIR}" "${_glue}")
+    list(APPEND _gc_manifest "glue syntax ${_grel}")
+  endforeach()
+else()
   list(APPEND _gc_manifest "SKIPPED glue syntax (needs a CPU torch and the CUDA headers)")
 endif()
 

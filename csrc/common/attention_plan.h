@@ -1,24 +1,38 @@
-// attention_plan.h — the host-side planner of every attention path (torch-free, host only).
+// attention_plan.h — the attention plan: ONE named structure, ONE serialisation, used by every attention path
+// (per-call and planned, forward and backward, CPU and GPU). Torch-free, host only (the header check is also
+// compiled for the GPU kernels).
 //
-// FlashInfer's split, applied to our contract: a *plan* turns the metadata the engine holds on the host
-// (query/key offsets, the context length of each sequence, its block-table row) into a work list, and
-// validates that metadata while doing so; the *run* (CPU threads today, GPU blocks tomorrow) only consumes
-// the list. Consequences:
-//   * every data-dependent check (offsets monotone, block ids in range, seq_lens within the table) happens
-//     here, once, on host memory — no kernel ever reads device data back to the host to validate it, and a
-//     bad table can never reach a kernel as an out-of-bounds address;
-//   * the work list is a pure function of the metadata: which (row block, KV head, split) items exist, in
-//     which order, and where each item's partials live. The arithmetic per (row, head) is attention.h's,
-//     and the split boundaries are absolute (attention.h), so how the list is cut over threads or blocks
-//     cannot change a bit.
+// FlashInfer's plan()/run() split, applied to our contract: the planner turns the metadata the engine holds on
+// the host (query/key offsets, each sequence's context length, its block-table row) into an AttnPlan, and
+// validates that metadata while doing so; a run only consumes the plan. Consequences:
+//   * every data-dependent check (offsets monotone, block ids in range, seq_lens within the table) happens once,
+//     here, on host memory — no kernel reads device data back, and a bad table never reaches a kernel;
+//   * the plan is a pure function of the metadata: which (row block, KV head, split) items exist, in which
+//     order, where each item's partials live. The arithmetic per (row, head) is attention.h's, and the split
+//     boundaries are absolute (attention.h), so how the items are spread over threads or blocks cannot change a
+//     bit.
 //
-// Work units (see attention.h for the arithmetic):
-//   * a row block = rows [r0, r0 + nr) (relative to the sequence's first new row) of one sequence, for one
-//     KV head g and all G = Hq / Hkv query heads that share it (K/V tiles are unpacked once per block);
-//   * a forward item = (row block, split s): it writes the split's partials (m, l, acc[D]) of every (row,
-//     head) of the block to the block's partial buffer, laid out [(r * G + h) * n_splits + s] * (D + 2);
-//     the block's merge (attn_merge per row) runs after all its splits.
-//   * a backward key tile = (sequence, KV head, tile t): dk, dv of keys [32t, 32t + 32).
+// The plan (AttnPlan):
+//   info       AttnPlanInfo — what the plan was made for (heads, head_dim, causal, packed or paged and the block
+//              size, the query rows it covers, the key rows / cache blocks, a fingerprint of its metadata) and
+//              what it holds (record counts, the partials it needs, the table entries it uses). FlashInfer's
+//              PlanInfo: to_vector() / from_vector() are its one serialisation, kept on the host by the caller
+//              (aligned_ops.AttentionPlan.info) and given back to every run, which checks the call against it
+//              before launching anything (check_plan_call: an error naming the op and the argument).
+//   items      the forward (row block, split) work records, block-major, splits ascending;
+//   blocks     the row-block records (the split merge; the backward's dq);
+//   key_tiles  backward plans only: the (sequence, KV head, 32-key tile) records of dk / dv;
+//   table      paged plans: the block-table entries the plan uses, compacted (a record's kWtableRow points here).
+// A record is kAttnWorkFields int64 (AttnWorkField): the same bytes on the host (the CPU runs read them in
+// place, through AttnPlanView: nothing is unpacked per layer) and on a device (the GPU kernels read them).
+//
+// The plan buffer (the plan/run form, CUDA-graph safe): plan int64 [kAttnPlanHeaderRows + 2 C, kAttnWorkFields]
+// = the info's vector in the header rows, then C item records (rows 2 .. 2 + C), then C block records (rows
+// 2 + C .. 2 + 2 C); plan_table int32 [>= table entries]. aligned::attention_plan writes it (stream-ordered on
+// a device) once per step; the run forms then read only these buffers (no copy, no host read, grids fixed by the
+// capacity C, so a captured graph replays whatever plan was written before the replay). The kernels check the
+// header against the run (attn_plan_mismatch) before reading a record; a plan that does not fit sets DeviceError
+// kErrAttentionPlan and the run writes NaN into every row — never stale or uninitialised bits.
 #pragma once
 
 #include <stdint.h>
@@ -30,44 +44,176 @@
 
 namespace aligned {
 
-struct AttnSeq {
-  int64_t q_begin;        // first query row of the sequence in q (packed)
-  int64_t q_len;          // number of query rows (new tokens)
-  int64_t n_ctx;          // number of keys of the sequence (context incl. the new tokens)
-  int64_t k_begin;        // packed K/V: first key row of the sequence
-  const int32_t* blocks;  // paged K/V: the sequence's block_table row (nullptr when packed)
-};
-
-struct AttnBlock {
-  int64_t seq, g, r0, nr;
-  int64_t n_splits;     // max splits over the block's rows (the partial layout's stride)
-  int64_t part_offset;  // offset (floats) of this block's partials in the plan's buffer
-};
-
-struct AttnItem {
-  int64_t block, split;
-};
-
-struct AttnKeyTile {
-  int64_t seq, g, t;
-};
-
 // Rows per row block. A scheduling constant, not part of the contract: any value gives the same bits.
 constexpr int64_t kAttnRowBlock = 16;
-
-struct AttnPlan {
-  std::vector<AttnSeq> seqs;
-  std::vector<AttnBlock> blocks;   // forward and backward row blocks
-  std::vector<AttnItem> items;     // forward (block, split) items, block-major, splits ascending
-  std::vector<AttnKeyTile> key_tiles;  // backward only
-  int64_t part_floats = 0;         // size of the forward partial buffer
-};
 
 // Problem shape shared by the planner and the kernels.
 struct AttnShape {
   int64_t Hq, Hkv, D;
   bool causal;
 };
+
+// ---- the work record ------------------------------------------------------------------------------------
+// A forward item (row block, split), a row block (split = 0), or a backward key tile (kWsplit = the tile).
+enum AttnWorkField : int {
+  kWqBegin = 0,   // first query row of the sequence (packed q)
+  kWqLen,         // new rows of the sequence
+  kWnCtx,         // keys of the sequence
+  kWkBegin,       // packed K/V: first key row of the sequence
+  kWtableRow,     // paged: offset (int32 elements) of the sequence's entries in the plan's table; -1: packed
+  kWg,            // KV head
+  kWr0,           // first row of the block (relative to the sequence's first new row)
+  kWnr,           // rows in the block
+  kWnSplits,      // the block's partial stride in splits
+  kWpartOffset,   // offset (floats) of the block's partials
+  kWsplit,        // the item's split (forward), or the key tile (backward)
+  kAttnWorkFields
+};
+
+// The CPU kernels' view of one record (csrc/cpu/attention_kernels.h): the sequence it belongs to and its block.
+struct AttnSeq {
+  int64_t q_begin;        // first query row of the sequence in q (packed)
+  int64_t q_len;          // number of query rows (new tokens)
+  int64_t n_ctx;          // number of keys of the sequence (context incl. the new tokens)
+  int64_t k_begin;        // packed K/V: first key row of the sequence
+  const int32_t* blocks;  // paged K/V: the sequence's block-table entries (nullptr when packed)
+};
+struct AttnBlock {
+  int64_t seq, g, r0, nr;
+  int64_t n_splits;     // max splits over the block's rows (the partial layout's stride)
+  int64_t part_offset;  // offset (floats) of this block's partials in the plan's partial buffer
+};
+inline AttnSeq attn_record_seq(const int64_t* w, const int32_t* table) {
+  return AttnSeq{w[kWqBegin], w[kWqLen], w[kWnCtx], w[kWkBegin], w[kWtableRow] >= 0 ? table + w[kWtableRow] : nullptr};
+}
+inline AttnBlock attn_record_block(const int64_t* w) {  // the block of sequence 0 (the record's own)
+  return AttnBlock{0, w[kWg], w[kWr0], w[kWnr], w[kWnSplits], w[kWpartOffset]};
+}
+
+// ---- the plan info (FlashInfer's PlanInfo) ----------------------------------------------------------------
+constexpr int64_t kAttnPlanHeaderRows = 2;
+constexpr int64_t kAttnPlanMagic = 0x4e414c5041544e41LL;  // "ANTAPLAN"
+enum AttnPlanField : int {
+  kPMagic = 0,
+  kPnItems,       // forward (block, split) items
+  kPnBlocks,      // row blocks
+  kPHq,
+  kPHkv,
+  kPD,
+  kPCausal,
+  kPTq,           // query rows the plan covers (== q.size(0) at the run)
+  kPnKv,          // packed: key rows (<= k.size(0)); paged: cache blocks the ids were checked against
+  kPBlockSize,    // 0: packed
+  kPPartFloats,   // workspace floats the plan needs
+  kPTableElems,   // table entries the plan uses
+  kPMetaHash,     // the fingerprint of the metadata the plan was made from (attn_metadata_hash)
+  kAttnPlanFields
+};
+static_assert(kAttnPlanFields <= kAttnPlanHeaderRows * kAttnWorkFields, "the header must fit its rows");
+
+struct AttnPlanInfo {
+  int64_t n_items = 0, n_blocks = 0;
+  int64_t Hq = 0, Hkv = 0, D = 0;
+  bool causal = true;
+  int64_t q_rows = 0, n_kv = 0, block_size = 0;
+  int64_t part_floats = 0, table_elems = 0;
+  int64_t metadata_hash = 0;
+
+  // The serialisation: kAttnPlanFields int64, magic first (the header rows of the plan buffer hold the same).
+  void to_vector(int64_t* v) const {
+    for (int i = 0; i < kAttnPlanFields; ++i) v[i] = 0;
+    v[kPMagic] = kAttnPlanMagic;
+    v[kPnItems] = n_items;
+    v[kPnBlocks] = n_blocks;
+    v[kPHq] = Hq;
+    v[kPHkv] = Hkv;
+    v[kPD] = D;
+    v[kPCausal] = causal ? 1 : 0;
+    v[kPTq] = q_rows;
+    v[kPnKv] = n_kv;
+    v[kPBlockSize] = block_size;
+    v[kPPartFloats] = part_floats;
+    v[kPTableElems] = table_elems;
+    v[kPMetaHash] = metadata_hash;
+  }
+  // false: v holds no plan (never planned, or not written by attention_plan).
+  static bool from_vector(const int64_t* v, AttnPlanInfo* out) {
+    if (v[kPMagic] != kAttnPlanMagic || v[kPnItems] < 0 || v[kPnBlocks] < 0) return false;
+    out->n_items = v[kPnItems];
+    out->n_blocks = v[kPnBlocks];
+    out->Hq = v[kPHq];
+    out->Hkv = v[kPHkv];
+    out->D = v[kPD];
+    out->causal = v[kPCausal] != 0;
+    out->q_rows = v[kPTq];
+    out->n_kv = v[kPnKv];
+    out->block_size = v[kPBlockSize];
+    out->part_floats = v[kPPartFloats];
+    out->table_elems = v[kPTableElems];
+    out->metadata_hash = v[kPMetaHash];
+    return true;
+  }
+  int64_t capacity() const { return n_items > n_blocks ? n_items : n_blocks; }  // records per buffer region
+};
+
+// ---- the plan -------------------------------------------------------------------------------------------
+struct AttnPlan {
+  AttnPlanInfo info;
+  std::vector<int64_t> items, blocks, key_tiles;  // records, kAttnWorkFields each
+  std::vector<int32_t> table;
+};
+
+// A plan as its runs read it: the info and where its records and table are (host vectors of an AttnPlan, or a
+// plan buffer).
+struct AttnPlanView {
+  AttnPlanInfo info;
+  const int64_t* items;
+  const int64_t* blocks;
+  const int32_t* table;
+};
+inline AttnPlanView attn_plan_view(const AttnPlan& p) {
+  return AttnPlanView{p.info, p.items.data(), p.blocks.data(), p.table.data()};
+}
+// Records per region of a plan buffer with `rows` rows (the capacity C), and where the regions start.
+inline int64_t attn_plan_capacity(int64_t rows) {
+  return rows < kAttnPlanHeaderRows ? 0 : (rows - kAttnPlanHeaderRows) / 2;
+}
+inline int64_t attn_plan_items_offset() { return kAttnPlanHeaderRows * kAttnWorkFields; }
+inline int64_t attn_plan_blocks_offset(int64_t capacity) { return (kAttnPlanHeaderRows + capacity) * kAttnWorkFields; }
+// The plan buffer's header rows: the info's vector, zero-padded.
+inline std::vector<int64_t> attn_plan_header(const AttnPlanInfo& info) {
+  std::vector<int64_t> h(kAttnPlanHeaderRows * kAttnWorkFields, 0);
+  info.to_vector(h.data());
+  return h;
+}
+inline AttnPlanView attn_plan_buffer_view(const AttnPlanInfo& info, const int64_t* plan, int64_t capacity,
+                                          const int32_t* table) {
+  return AttnPlanView{info, plan + attn_plan_items_offset(), plan + attn_plan_blocks_offset(capacity), table};
+}
+
+// ---- the fingerprint of a plan's metadata -----------------------------------------------------------------
+// FNV-1a over the int64 values that define the plan (the kind, the offsets, the context lengths, the table
+// entries used): the run forms compare it with the call's metadata (varlen) and with the plan buffer's header
+// (every run, in the kernels too), so a plan made from other metadata is refused, not silently computed.
+struct AttnMetaHash {
+  uint64_t h = 1469598103934665603ull;
+  void add(int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (uint64_t)((v >> (8 * i)) & 0xff);
+      h *= 1099511628211ull;
+    }
+  }
+  int64_t value() const { return (int64_t)h; }
+};
+// The varlen fingerprint: the offsets cu_q, cu_k (host int32 [n]).
+inline int64_t attn_varlen_metadata_hash(const int32_t* cu_q, const int32_t* cu_k, int64_t n) {
+  AttnMetaHash m;
+  m.add(1);  // packed
+  m.add(n);
+  for (int64_t i = 0; i < n; ++i) m.add(cu_q[i]);
+  for (int64_t i = 0; i < n; ++i) m.add(cu_k[i]);
+  return m.value();
+}
 
 namespace plan_detail {
 
@@ -86,50 +232,74 @@ inline std::string check_offsets(const int32_t* cu, int64_t n, int64_t total, co
   return "";
 }
 
-inline void add_forward_blocks(const AttnShape& sh, AttnPlan* plan) {
-  const int64_t G = sh.Hq / sh.Hkv, stride = sh.D + 2;
-  for (int64_t b = 0; b < (int64_t)plan->seqs.size(); ++b) {
-    const AttnSeq& s = plan->seqs[b];
-    for (int64_t g = 0; g < sh.Hkv; ++g)
-      for (int64_t r0 = 0; r0 < s.q_len; r0 += kAttnRowBlock) {
-        AttnBlock blk{b, g, r0, s.q_len - r0 < kAttnRowBlock ? s.q_len - r0 : kAttnRowBlock, 0, plan->part_floats};
-        for (int64_t r = 0; r < blk.nr; ++r) {
-          const int64_t ns = attn_num_splits(attn_row_keys(s.n_ctx - s.q_len + r0 + r, s.n_ctx, sh.causal));
-          if (ns > blk.n_splits) blk.n_splits = ns;
-        }
-        plan->part_floats += blk.nr * G * blk.n_splits * stride;
-        for (int64_t sp = 0; sp < blk.n_splits; ++sp) plan->items.push_back(AttnItem{(int64_t)plan->blocks.size(), sp});
-        plan->blocks.push_back(blk);
-      }
-  }
+inline void put(std::vector<int64_t>& w, const AttnSeq& s, int64_t table_row, int64_t g, int64_t r0, int64_t nr,
+                int64_t n_splits, int64_t part_offset, int64_t split) {
+  const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin, table_row, g, r0, nr, n_splits,
+                                        part_offset, split};
+  w.insert(w.end(), rec, rec + kAttnWorkFields);
 }
 
-inline void add_backward_tiles(const AttnShape& sh, AttnPlan* plan) {
-  for (int64_t b = 0; b < (int64_t)plan->seqs.size(); ++b)
+// The records of the sequences (their table rows already in plan->table): row blocks, their (block, split)
+// items block-major, and, for a backward plan, the key tiles; then the info's counts.
+inline void add_records(const AttnShape& sh, const std::vector<AttnSeq>& seqs, const std::vector<int64_t>& table_row,
+                        bool backward, AttnPlan* plan) {
+  const int64_t G = sh.Hq / sh.Hkv, stride = sh.D + 2;
+  int64_t part_floats = 0;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const AttnSeq& s = seqs[b];
     for (int64_t g = 0; g < sh.Hkv; ++g)
-      for (int64_t t = 0; t * kAttnTile < plan->seqs[b].n_ctx; ++t) plan->key_tiles.push_back(AttnKeyTile{b, g, t});
+      for (int64_t r0 = 0; r0 < s.q_len; r0 += kAttnRowBlock) {
+        const int64_t nr = s.q_len - r0 < kAttnRowBlock ? s.q_len - r0 : kAttnRowBlock;
+        int64_t n_splits = 0;
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t ns = attn_num_splits(attn_row_keys(s.n_ctx - s.q_len + r0 + r, s.n_ctx, sh.causal));
+          if (ns > n_splits) n_splits = ns;
+        }
+        for (int64_t sp = 0; sp < n_splits; ++sp)
+          put(plan->items, s, table_row[b], g, r0, nr, n_splits, part_floats, sp);
+        put(plan->blocks, s, table_row[b], g, r0, nr, n_splits, part_floats, 0);
+        part_floats += nr * G * n_splits * stride;
+      }
+  }
+  if (backward)
+    for (size_t b = 0; b < seqs.size(); ++b)
+      for (int64_t g = 0; g < sh.Hkv; ++g)
+        for (int64_t t = 0; t * kAttnTile < seqs[b].n_ctx; ++t)
+          put(plan->key_tiles, seqs[b], -1, g, 0, seqs[b].q_len, 0, 0, t);
+  AttnPlanInfo& i = plan->info;
+  i.n_items = (int64_t)plan->items.size() / kAttnWorkFields;
+  i.n_blocks = (int64_t)plan->blocks.size() / kAttnWorkFields;
+  i.Hq = sh.Hq;
+  i.Hkv = sh.Hkv;
+  i.D = sh.D;
+  i.causal = sh.causal;
+  i.part_floats = part_floats;
+  i.table_elems = (int64_t)plan->table.size();
 }
 
 }  // namespace plan_detail
 
-// Packed variable-length batch (training, one-shot prefill): cu_q, cu_k host int32 [n_offsets].
-// Returns "" and fills *plan, or an error message naming the op and the argument.
+// Packed variable-length batch (training, one-shot prefill): cu_q, cu_k host int32 [n_offsets]. `backward`: the
+// key tiles too. Returns "" and fills *plan, or an error message naming the op and the argument.
 inline std::string plan_varlen(const int32_t* cu_q, const int32_t* cu_k, int64_t n_offsets, int64_t Tq, int64_t Tk,
                                const AttnShape& sh, bool backward, const char* op, AttnPlan* plan) {
   std::string err = plan_detail::check_offsets(cu_q, n_offsets, Tq, op, "cu_seqlens_q");
   if (err.empty()) err = plan_detail::check_offsets(cu_k, n_offsets, Tk, op, "cu_seqlens_k");
   if (!err.empty()) return err;
   *plan = AttnPlan{};
+  std::vector<AttnSeq> seqs;
   for (int64_t b = 0; b + 1 < n_offsets; ++b)
-    plan->seqs.push_back(AttnSeq{cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], cu_k[b], nullptr});
-  plan_detail::add_forward_blocks(sh, plan);
-  if (backward) plan_detail::add_backward_tiles(sh, plan);
+    seqs.push_back(AttnSeq{cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], cu_k[b], nullptr});
+  plan_detail::add_records(sh, seqs, std::vector<int64_t>(seqs.size(), -1), backward, plan);
+  plan->info.q_rows = Tq;
+  plan->info.n_kv = Tk;
+  plan->info.block_size = 0;
+  plan->info.metadata_hash = attn_varlen_metadata_hash(cu_q, cu_k, n_offsets);
   return "";
 }
 
 // Paged KV cache (chunked prefill, decode): query_start_loc host int32 [B+1], seq_lens host int32 [B],
-// block_table host int32 [B, max_blocks] (row-major). The plan's sequences point into block_table, which
-// must outlive the run.
+// block_table host int32 [B, max_blocks] (row-major). The plan copies the entries it uses into its own table.
 inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_table,
                               int64_t B, int64_t max_blocks, int64_t num_blocks, int64_t block_size, int64_t Tq,
                               const AttnShape& sh, const char* op, AttnPlan* plan) {
@@ -137,6 +307,13 @@ inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq
   std::string err = plan_detail::check_offsets(query_start_loc, B + 1, Tq, op, "query_start_loc");
   if (!err.empty()) return err;
   *plan = AttnPlan{};
+  std::vector<AttnSeq> seqs;
+  std::vector<int64_t> table_row;
+  AttnMetaHash hash;
+  hash.add(2);  // paged
+  hash.add(B);
+  hash.add(block_size);
+  hash.add(num_blocks);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = seq_lens[b], ql = query_start_loc[b + 1] - query_start_loc[b];
     const std::string sb = std::to_string(b);
@@ -148,13 +325,24 @@ inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq
       return prefix(op) + "seq_lens[" + sb + "] = " + std::to_string(n) + " is longer than the block table allows (" +
              std::to_string(max_blocks) + " blocks x " + std::to_string(block_size) + ")";
     const int32_t* row = block_table + b * max_blocks;
-    for (int64_t i = 0; i < (n + block_size - 1) / block_size; ++i)
+    const int64_t used = (n + block_size - 1) / block_size;
+    for (int64_t i = 0; i < used; ++i)
       if (row[i] < 0 || row[i] >= num_blocks)
         return prefix(op) + "block_table[" + sb + ", " + std::to_string(i) + "] = " + std::to_string(row[i]) +
                " is out of range [0, " + std::to_string(num_blocks) + ")";
-    plan->seqs.push_back(AttnSeq{query_start_loc[b], ql, n, 0, row});
+    hash.add(query_start_loc[b]);
+    hash.add(n);
+    for (int64_t i = 0; i < used; ++i) hash.add(row[i]);
+    table_row.push_back((int64_t)plan->table.size());
+    plan->table.insert(plan->table.end(), row, row + used);
+    seqs.push_back(AttnSeq{query_start_loc[b], ql, n, 0, nullptr});
   }
-  plan_detail::add_forward_blocks(sh, plan);
+  hash.add(query_start_loc[B]);
+  plan_detail::add_records(sh, seqs, table_row, false, plan);
+  plan->info.q_rows = Tq;
+  plan->info.n_kv = num_blocks;
+  plan->info.block_size = block_size;
+  plan->info.metadata_hash = hash.value();
   return "";
 }
 
@@ -167,137 +355,28 @@ inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots,
   return "";
 }
 
-// One work record: a (row block, split) forward item, or a row block for the merge (split = 0).
-enum AttnWorkField : int {
-  kWqBegin = 0,   // first query row of the sequence (packed q)
-  kWqLen,         // new rows of the sequence
-  kWnCtx,         // keys of the sequence
-  kWkBegin,       // packed K/V: first key row of the sequence
-  kWtableRow,     // paged: offset (int32 elements) of the sequence's block-table row; -1: packed
-  kWg,            // KV head
-  kWr0,           // first row of the block (relative to the sequence's first new row)
-  kWnr,           // rows in the block
-  kWnSplits,      // the block's partial stride in splits
-  kWpartOffset,   // offset (floats) of the block's partials
-  kWsplit,        // the item's split
-  kAttnWorkFields
-};
-
-// ---- the plan buffer (plan/run form: CUDA-graph safe) ---------------------------------------------------
-// FlashInfer's plan()/run() split at the op level. aligned::attention_plan builds the plan from HOST metadata
-// (the planner above validates it there) and copies it, stream-ordered, into caller-owned persistent device
-// buffers; the run ops (attention_varlen_planned, paged_attention_planned) then read only device memory:
-// no host-to-device copy, no host read, no allocation sized by data values, and a grid fixed by the buffer's
-// capacity C (every launch identical for every metadata of that capacity, so a captured CUDA graph replays
-// the plan written before the replay, at the same address).
-//   plan  int64 [kAttnPlanHeaderRows + 2 C, kAttnWorkFields]: the header rows, then C forward-item records
-//         (rows 2 .. 2 + C), then C row-block records (rows 2 + C .. 2 + 2 C); unused rows are never read.
-//   table int32 [any]: the block-table entries the plan uses, compacted (sequence b's entries at the offset
-//         its records carry in kWtableRow); empty for packed plans.
-//   workspace fp32 [any]: the split partials (the header's part_floats must fit).
-// The kernels check the header against the run's tensors before reading any record; a plan that does not
-// fit (another shape, more rows than q, a smaller workspace) sets DeviceError kErrAttentionPlan and the run
-// writes NaN instead of touching memory out of bounds.
-constexpr int64_t kAttnPlanHeaderRows = 2;
-constexpr int64_t kAttnPlanMagic = 0x4e414c5041544e41LL;  // "ANTAPLAN"
-enum AttnPlanField : int {
-  kPMagic = 0,
-  kPnItems,       // forward (block, split) items
-  kPnBlocks,      // row blocks
-  kPHq,
-  kPHkv,
-  kPD,
-  kPCausal,
-  kPTq,           // query rows the plan addresses (<= q.size(0) at the run)
-  kPnKv,          // packed: key rows (<= k.size(0)); paged: cache blocks the ids were checked against
-  kPBlockSize,    // 0: packed
-  kPPartFloats,   // workspace floats the plan needs
-  kPTableElems,   // table entries the plan uses
-  kAttnPlanFields
-};
-static_assert(kAttnPlanFields <= kAttnPlanHeaderRows * kAttnWorkFields, "the header must fit its rows");
-
-// Records per region of a plan buffer with `rows` rows (the capacity C).
-inline int64_t attn_plan_capacity(int64_t rows) { return rows < kAttnPlanHeaderRows ? 0 : (rows - kAttnPlanHeaderRows) / 2; }
-
-struct AttnPlanDims {
-  int64_t Tq, n_kv, block_size;  // as kPTq, kPnKv, kPBlockSize
-};
-
-// A plan in the buffer format, compact on the host: `head` = header rows + the item records, `blocks` = the
-// row-block records, `table` = the compacted block table. The glue copies head to plan rows [0, 2 + n_items)
-// and blocks to rows [2 + C, 2 + C + n_blocks). Returns "" or an error naming the op and what does not fit.
-struct AttnPackedPlan {
-  std::vector<int64_t> head, blocks;
-  std::vector<int32_t> table;
-};
-inline std::string attn_pack_plan(const AttnPlan& plan, const AttnShape& sh, const AttnPlanDims& dims,
-                                  int64_t capacity, int64_t table_capacity, int64_t workspace_floats, const char* op,
-                                  AttnPackedPlan* out) {
-  const std::string pre = std::string("aligned::") + op + ": ";
-  const int64_t ni = (int64_t)plan.items.size(), nb = (int64_t)plan.blocks.size();
-  if (ni > capacity || nb > capacity)
-    return pre + "the plan needs " + std::to_string(ni > nb ? ni : nb) + " work records but the plan buffer holds " +
-           std::to_string(capacity) + " (allocate it with a larger capacity)";
-  if (plan.part_floats > workspace_floats)
-    return pre + "the plan needs a workspace of " + std::to_string(plan.part_floats) + " floats but it has " +
-           std::to_string(workspace_floats) + " (allocate a larger workspace)";
-  std::vector<int64_t> table_offset(plan.seqs.size(), -1);
-  out->table.clear();
-  for (size_t b = 0; b < plan.seqs.size(); ++b) {
-    const AttnSeq& s = plan.seqs[b];
-    if (!s.blocks) continue;
-    table_offset[b] = (int64_t)out->table.size();
-    const int64_t used = dims.block_size > 0 ? (s.n_ctx + dims.block_size - 1) / dims.block_size : 0;
-    out->table.insert(out->table.end(), s.blocks, s.blocks + used);
-  }
-  if ((int64_t)out->table.size() > table_capacity)
-    return pre + "the plan uses " + std::to_string(out->table.size()) + " block-table entries but the plan's table "
-           "holds " + std::to_string(table_capacity) + " (allocate a larger table)";
-  out->head.assign(kAttnPlanHeaderRows * kAttnWorkFields, 0);
-  int64_t* h = out->head.data();
-  h[kPMagic] = kAttnPlanMagic;
-  h[kPnItems] = ni;
-  h[kPnBlocks] = nb;
-  h[kPHq] = sh.Hq;
-  h[kPHkv] = sh.Hkv;
-  h[kPD] = sh.D;
-  h[kPCausal] = sh.causal ? 1 : 0;
-  h[kPTq] = dims.Tq;
-  h[kPnKv] = dims.n_kv;
-  h[kPBlockSize] = dims.block_size;
-  h[kPPartFloats] = plan.part_floats;
-  h[kPTableElems] = (int64_t)out->table.size();
-  auto put = [&](std::vector<int64_t>& w, const AttnBlock& b, int64_t split) {
-    const AttnSeq& s = plan.seqs[b.seq];
-    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin, table_offset[b.seq],
-                                          b.g, b.r0, b.nr, b.n_splits, b.part_offset, split};
-    w.insert(w.end(), rec, rec + kAttnWorkFields);
-  };
-  out->head.reserve(out->head.size() + ni * kAttnWorkFields);
-  for (const AttnItem& it : plan.items) put(out->head, plan.blocks[it.block], it.split);
-  out->blocks.clear();
-  out->blocks.reserve(nb * kAttnWorkFields);
-  for (const AttnBlock& b : plan.blocks) put(out->blocks, b, 0);
-  return "";
-}
-
-// The run's side of the header check, shared by the CPU glue (host plan: a TORCH_CHECK with this message)
-// and the GPU kernels (device plan: the error flag). 0 when the plan fits, else which field does not.
+// ---- the run's check: a plan against the call ------------------------------------------------------------
+// What a run knows without reading any plan data: its tensors' sizes, the buffers' capacities, and the
+// fingerprint of the plan it was given (the host info's). The same verdict on the host (a clear error before
+// any launch) and in the GPU kernels (the device header against the captured call: DeviceError
+// kErrAttentionPlan and NaN outputs). 0 when the plan fits, else the first rule it breaks.
 struct AttnRunDims {
   int64_t Hq, Hkv, D;
   bool causal;
   int64_t q_rows, kv_rows;   // q.size(0); packed: k.size(0), paged: cache blocks
   int64_t block_size;        // 0: packed
   int64_t capacity, table_elems, workspace_floats;
+  int64_t metadata_hash;     // the fingerprint of the plan the run was given
 };
 ALIGNED_HD int attn_plan_mismatch(const int64_t* h, const AttnRunDims& r) {
   if (h[kPMagic] != kAttnPlanMagic) return 1;
   if (h[kPHq] != r.Hq || h[kPHkv] != r.Hkv || h[kPD] != r.D || h[kPCausal] != (r.causal ? 1 : 0)) return 2;
   if (h[kPBlockSize] != r.block_size) return 3;
   if (h[kPTq] > r.q_rows || h[kPnKv] > r.kv_rows) return 4;
+  if (h[kPTq] < r.q_rows) return 7;  // rows the plan does not cover would stay unwritten
   if (h[kPnItems] > r.capacity || h[kPnBlocks] > r.capacity || h[kPnItems] < 0 || h[kPnBlocks] < 0) return 5;
   if (h[kPTableElems] > r.table_elems || h[kPPartFloats] > r.workspace_floats) return 6;
+  if (h[kPMetaHash] != r.metadata_hash) return 8;
   return 0;
 }
 inline const char* attn_plan_mismatch_text(int code) {
@@ -308,25 +387,11 @@ inline const char* attn_plan_mismatch_text(int code) {
     case 4: return "plan addresses more query or key rows than this call's tensors have";
     case 5: return "plan holds more records than its buffer's capacity";
     case 6: return "plan needs a larger table or workspace than this call passes";
+    case 7: return "plan covers fewer query rows than q has (its rows would stay unwritten): plan it from this "
+                   "call's metadata";
+    case 8: return "plan buffer holds another plan than plan_info (pass the info attention_plan wrote with it)";
     default: return "plan fits";
   }
-}
-
-// Host side (CPU backend): a plan buffer back into the planner's structures: one AttnSeq per row block
-// (seqs[i] = block i's sequence; the table pointer into the compact table) and the items block-major,
-// splits ascending — the list attn_pack_plan was given, so the run computes the same bits.
-inline void attn_unpack_plan(const int64_t* plan, int64_t capacity, const int32_t* table, AttnPlan* out) {
-  *out = AttnPlan{};
-  const int64_t nb = plan[kPnBlocks];
-  const int64_t* blocks = plan + (kAttnPlanHeaderRows + capacity) * kAttnWorkFields;
-  for (int64_t i = 0; i < nb; ++i) {
-    const int64_t* w = blocks + i * kAttnWorkFields;
-    out->seqs.push_back(AttnSeq{w[kWqBegin], w[kWqLen], w[kWnCtx], w[kWkBegin],
-                                w[kWtableRow] >= 0 ? table + w[kWtableRow] : nullptr});
-    out->blocks.push_back(AttnBlock{i, w[kWg], w[kWr0], w[kWnr], w[kWnSplits], w[kWpartOffset]});
-    for (int64_t s = 0; s < w[kWnSplits]; ++s) out->items.push_back(AttnItem{i, s});
-  }
-  out->part_floats = plan[kPPartFloats];
 }
 
 }  // namespace aligned

@@ -1,6 +1,6 @@
 // dtype.h — the storage dtypes every backend's kernels take at run time, and the one switch that turns such a
 // run-time dtype into a template argument. Shared by the CPU backend (csrc/cpu), the GPU kernels' host side
-// (csrc/gpu/*_api.h, *_launch.cuh) and the argument checks (csrc/op_checks.h): a kernel table entry or params
+// (csrc/gpu/*_api.h, *_launch.cuh) and the argument checks (csrc/torch/checks/): a kernel table entry or params
 // struct carries a DType, its launcher calls with_type once.
 #pragma once
 

@@ -2,7 +2,7 @@
 // silu_and_mul(_backward), rotary_embedding(_backward)) and of the _exp_f32/_log_f32 numerics hooks: one
 // struct per op, shared by every backend. Torch-free and vendor-free: the CPU kernel tables
 // (csrc/cpu/cpu_kernels.h) and the GPU launchers (csrc/gpu/dense_api.h) both take these structs, and one
-// function per struct fills it from tensors after the shared checks (csrc/op_params.h) — no backend's glue
+// function per struct fills it from tensors after the shared checks (csrc/torch/make_params.h) — no backend's glue
 // types the fields itself. Each backend only supplies run(params) (CPU: run(params, row range)).
 //
 // Pointers are raw element pointers of contiguous tensors unless a stride says otherwise; a tensor the op
@@ -50,7 +50,7 @@ struct SiluMulParams {
 };
 
 // silu_and_mul of contiguous rows x [rows, 2d] -> out [rows, d] addressed by pointer (the moe family's expert
-// activations over gathered row blocks, csrc/cpu/ops_moe_cpu.cpp).
+// activations over gathered row blocks, csrc/torch/backends/cpu_moe.cpp).
 inline SiluMulParams silu_and_mul_rows_params(DType dt, const void* x, void* out, int64_t rows, int64_t d) {
   SiluMulParams p{};
   p.dt = dt;

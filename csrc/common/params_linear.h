@@ -2,7 +2,7 @@
 // behind linear, linear_partial and linear_backward's dx/dw, and the column sum behind its bias gradient.
 // Shared by every backend (CPU kernel table: csrc/cpu/cpu_kernels.h, which also runs the moe family's
 // expert projections through it; GPU launchers: csrc/gpu/dense_api.h) and filled from tensors once
-// (csrc/op_params.h). The exact profile's GEMM params: params_exact.h.
+// (csrc/torch/make_params.h). The exact profile's GEMM params: params_exact.h.
 #pragma once
 
 #include <stdint.h>
@@ -30,7 +30,7 @@ struct GemmParams {
 };
 
 // The GEMM of contiguous row-major operands A [M, K], B [N, K] -> C [M, N] (no bias): the moe family's expert
-// projections over gathered row blocks (csrc/cpu/ops_moe_cpu.cpp), which address slices by pointer.
+// projections over gathered row blocks (csrc/torch/backends/cpu_moe.cpp), which address slices by pointer.
 inline GemmParams row_major_gemm_params(DType dt, const void* A, const void* B, DType cdt, void* C, int64_t M,
                                         int64_t N, int64_t K, int lanes) {
   GemmParams p{};

@@ -1,7 +1,7 @@
 // params_logits.h — the params struct of the log-prob family (logsumexp, log_softmax, token_logprobs,
 // token_logprobs_pairs, their backwards, token_logprobs_backward_cols): logits [T, V] with a temperature per
 // row or one scalar. One struct for every op and every backend (CPU kernel table: csrc/cpu/cpu_kernels.h;
-// GPU launchers: csrc/gpu/dense_api.h), filled once from tensors by make_logits_params (csrc/op_params.h).
+// GPU launchers: csrc/gpu/dense_api.h), filled once from tensors by make_logits_params (csrc/torch/make_params.h).
 // An output or input the op does not use is nullptr.
 #pragma once
 

@@ -1,7 +1,7 @@
 // params_moe.h — the params structs of the moe family (moe_routing(_backward), moe_experts' combine, and the
 // plain per-token reference of moe_experts), shared by every backend: the CPU kernel table
 // (csrc/cpu/moe_kernels.h) takes them today, a GPU backend's launchers take the same structs. Filled once from
-// tensors (csrc/op_params.h). The per-token trees are csrc/common/moe.h; the expert projections run through
+// tensors (csrc/torch/make_params.h). The per-token trees are csrc/common/moe.h; the expert projections run through
 // the linear family's GemmParams (params_linear.h), so they follow the linear contract by construction.
 #pragma once
 

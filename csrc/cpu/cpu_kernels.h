@@ -26,7 +26,7 @@ using aligned::with_type;  // the one place kernels turn the run-time dtype into
 using aligned::LogitsGrad;  // common/params_logits.h: which backward a logits_backward call computes
 
 // Every entry takes its family's params struct (csrc/common/params_*.h, the same struct the GPU launchers
-// take, filled by csrc/op_params.h) and the range of rows (or columns) this call computes; the glue splits
+// take, filled by csrc/torch/make_params.h) and the range of rows (or columns) this call computes; the glue splits
 // ranges across threads, never a reduction.
 struct KernelTable {
   const char* isa;

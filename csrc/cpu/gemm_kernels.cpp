@@ -444,7 +444,7 @@ void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   void* C = p.C;
   const int64_t a_sm = p.a_sm, a_sk = p.a_sk, b_sn = p.b_sn, b_sk = p.b_sk, c_sm = p.c_sm, K = p.K;
   const int lanes = p.lanes;
-  if (bdt != adt || (cdt != adt && cdt != DType::F32)) abort();  // callers (op_params.h) only make these
+  if (bdt != adt || (cdt != adt && cdt != DType::F32)) abort();  // callers (make_params.h) only make these
   with_type(adt, [&](auto* ap) {
     using T = std::remove_pointer_t<decltype(ap)>;
     if (cdt == adt)

@@ -1,6 +1,6 @@
 // moe_kernels.h — torch-free CPU kernels of the moe family (routing, combine, the plain reference), one table
-// per ISA level like cpu_kernels.h. The expert matrix products are not here: the glue (ops_moe_cpu.cpp) runs
-// them through cpu_kernels().gemm, the kernel of aligned::linear, so an expert's projections follow the linear
+// per ISA level like cpu_kernels.h. The expert matrix products are not here: the CPU backend
+// (csrc/torch/backends/cpu_moe.cpp) runs them through cpu_kernels().gemm, the kernel of aligned::linear, so an expert's projections follow the linear
 // contract by construction (whatever that contract's chain shape is). Every function handles rows
 // [row_begin, row_end) of its params struct (csrc/common/params_moe.h, shared with a GPU backend) and
 // evaluates the per-token trees of csrc/common/moe.h.

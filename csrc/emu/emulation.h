@@ -1,21 +1,16 @@
 // emulation.h — host side of the emulation target (torch-free): the emulated archs, the process-wide switch
-// that routes the aligned ops on CPU tensors to the GPU kernel source, the launch records, and the registry
-// through which the emulated GPU glue offers its op implementations to the CPU glue.
+// that routes the aligned ops on CPU tensors to the GPU kernel source, and the launch records.
 //
-// Dispatch (see csrc/cpu/emulation_hook.h): the GPU glue csrc/cuda/ops_cuda.cpp is compiled a second time
-// per vendor spelling (csrc/emu/ops_emulated_{cuda,hip}.cpp). There its TORCH_LIBRARY_IMPL(aligned, CUDA)
-// block fills a GlueRegistry instead, and its launchers are the emulated builds of csrc/gpu (csrc/emu/
-// model_*.h). The CPU glue registers each op through EmulationAwareLibrary, which calls the registered GPU
-// glue while an arch is active and the CPU kernels otherwise — one set of argument checks (op_checks.h), one
-// set of params, the same run(params) launchers as on a GPU.
+// Dispatch (csrc/torch/registration.h): the CPU dispatch key's implementation of every op family with GPU
+// kernels is a switch over three instantiations of the op's one glue body — Cpu, and the Emulated backend of
+// each vendor spelling (csrc/torch/backends/emulated.h), whose launchers are the emulated builds of csrc/gpu
+// (csrc/emu/model_*.h, csrc/gpu/launchers.h). While an arch is active the switch runs the Emulated backend of
+// its vendor: the same argument checks, the same params, the same launchers as on a GPU.
 #pragma once
 
 #include <stddef.h>
 
-#include <atomic>
-#include <map>
 #include <string>
-#include <typeindex>
 #include <vector>
 
 namespace aligned::emu {
@@ -67,41 +62,4 @@ Fault active_fault();
 constexpr const char* kHostCopyRecord = "<host-to-device copy>";
 void record_host_copy(size_t bytes);
 
-// ---- the registry of emulated GPU glue ----------------------------------------------------------------
-class GlueRegistry {
- public:
-  // Same spelling as torch::Library::impl, so ops_cuda.cpp's registration block fills it unchanged.
-  template <class F>
-  GlueRegistry& impl(const char* name, F* fn) {
-    entries_.insert_or_assign(name, Entry{std::type_index(typeid(F)), reinterpret_cast<void (*)()>(fn)});
-    return *this;
-  }
-  // The implementation of `name` with C++ signature F, nullptr if none; a different signature is a bug
-  // of the glue (the CPU and GPU glue implement one schema) and throws.
-  template <class F>
-  F* find(const std::string& name) const {
-    auto it = entries_.find(name);
-    if (it == entries_.end()) return nullptr;
-    if (it->second.type != std::type_index(typeid(F))) signature_mismatch(name);
-    return reinterpret_cast<F*>(it->second.fn);
-  }
-
- private:
-  struct Entry {
-    std::type_index type;
-    void (*fn)();
-  };
-  [[noreturn]] static void signature_mismatch(const std::string& name);
-  std::map<std::string, Entry> entries_;
-};
-GlueRegistry& glue_registry(Vendor vendor);
-
 }  // namespace aligned::emu
-
-// Replaces `TORCH_LIBRARY_IMPL(aligned, CUDA, m)` in the emulated compilation of the GPU glue: the block's
-// m.impl(...) lines register into glue_registry(ALIGNED_EMULATED_VENDOR) at load time.
-#define ALIGNED_EMULATED_GLUE_IMPL(m)                                                                     \
-  static void aligned_emulated_glue_init(::aligned::emu::GlueRegistry& m);                              \
-  static const bool aligned_emulated_glue_registered =                                                  \
-      (aligned_emulated_glue_init(::aligned::emu::glue_registry(ALIGNED_EMULATED_VENDOR)), true);       \
-  static void aligned_emulated_glue_init(::aligned::emu::GlueRegistry& m)

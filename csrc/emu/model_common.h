@@ -1,6 +1,5 @@
-// model_common.h — what both emulated vendor builds include before the `gpu` namespace rename of
-// model_cuda.h / model_hip.h: every system header the kernels may pull in (so the rename never reaches
-// them) and the device API of the emulation target.
+// model_common.h — what both emulated vendor builds (model_cuda.h, model_hip.h) include first: the system
+// headers the kernels may pull in and the device API of the emulation target (simt.h).
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

@@ -49,6 +49,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <memory>
@@ -161,15 +162,6 @@ void record_host_copy(size_t bytes) {
 }
 Fault active_fault() { return (Fault)g_fault.load(std::memory_order_relaxed); }
 
-GlueRegistry& glue_registry(Vendor vendor) {
-  static GlueRegistry registries[2];
-  return registries[(int)vendor];
-}
-void GlueRegistry::signature_mismatch(const std::string& name) {
-  throw std::logic_error("aligned emulation: the emulated GPU glue of '" + name +
-                         "' has a different C++ signature than the CPU glue");
-}
-
 // ---- errors (sticky per calling thread, like cudaGetLastError) -----------------------------------------------
 namespace {
 thread_local std::string tl_error;
@@ -183,7 +175,7 @@ const char* take_last_error() {
 const char* last_error_message() { return tl_error.empty() ? "no error" : tl_error.c_str(); }
 
 const char* pretty_kernel_name(const char* pretty) {
-  // GCC: "... [with auto K = aligned::gpu_emu_cuda::rms_norm_kernel<float, float>]"; clang: "[K = &...]".
+  // GCC: "... [with auto K = aligned::gpu::emulated_cuda::rms_norm_kernel<float, float>]"; clang: "[K = &...]".
   std::string s(pretty);
   size_t b = s.find("K = ");
   b = b == std::string::npos ? 0 : b + 4;

@@ -11,7 +11,7 @@
 #include <xmmintrin.h>
 #endif
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 #if defined(ALIGNED_GPU_HIP)
 #define ST_SHFL(v, l, w) __shfl(v, l, w)
@@ -172,4 +172,4 @@ const char* run_selftest(const std::string& name, std::vector<long long>& out) {
   return gpu_ok(e) ? nullptr : gpu_error_string(e);
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

@@ -1,17 +1,15 @@
 // attention_api.h — the torch-free host interface of the GPU attention kernels (CUDA and HIP): the forward
 // over packed or paged K/V (attention_varlen, paged_attention) and the KV-cache write (reshape_and_cache).
 //
-// The host planner (csrc/common/attention_plan.h) validates the metadata and builds the work list on the
-// host; attn_pack_work turns that list into flat int64 records that the glue uploads with one host-to-device
-// copy. The kernels read nothing else of the metadata, so no launcher ever reads device memory back and no
-// kernel can see an unchecked block id or offset. Launchers are defined once in attention_launch.cuh and
-// compiled by nvcc (csrc/cuda/attention.cu) or hip-clang (csrc/hip/attention.hip), and for the emulation
-// target (csrc/emu). Each returns nullptr or the runtime's launch error string.
+// The host planner (csrc/common/attention_plan.h) validates the metadata and builds the plan on the host: its
+// work records are flat int64 rows that the glue uploads with one host-to-device copy (or that attention_plan
+// wrote into the plan buffer once per step). The kernels read nothing else of the metadata, so no launcher ever
+// reads device memory back and no kernel can see an unchecked block id or offset. Launchers are defined once in
+// attention_launch.cuh and compiled by nvcc (csrc/cuda/attention.cu) or hip-clang (csrc/hip/attention.hip), and
+// for the emulation target (csrc/emu). Each returns nullptr or the runtime's launch error string.
 #pragma once
 
 #include <stdint.h>
-
-#include <vector>
 
 #include "../common/attention_plan.h"
 #include "../common/params_attention.h"
@@ -25,7 +23,7 @@ constexpr int64_t kGpuAttnMaxD = 256;
 
 // The problem (common/params_attention.h, shared with the CPU backend) plus the work list and the outputs.
 struct AttnFwdParams : AttnProblem {
-  const int32_t* block_tables;  // paged: the block table [B, max_blocks] (device copy); else nullptr
+  const int32_t* block_tables;  // paged: the plan's table (its compacted entries, on the device); else nullptr
   const int64_t* items;         // [n_items, kAttnWorkFields] forward items
   int64_t n_items;
   const int64_t* blocks;        // [n_blocks, kAttnWorkFields] row blocks (merge)
@@ -66,38 +64,13 @@ struct AttnBwdParams {
   int64_t rows;          // Tq * Hq
 };
 
-const char* launch_attention_forward(const AttnFwdParams& p, void* stream);
-const char* launch_attention_backward(const AttnBwdParams& p, void* stream);
-const char* launch_cache_write(const CacheWriteParams& p, void* stream);
-
-// Host side: the work records of a plan, items first then blocks (one buffer, one upload).
-// table_row_stride: max_blocks of the block table (paged plans), 0 for packed plans.
-inline std::vector<int64_t> attn_pack_work(const AttnPlan& plan, int64_t table_row_stride) {
-  std::vector<int64_t> w;
-  w.reserve((plan.items.size() + plan.blocks.size()) * kAttnWorkFields);
-  auto put = [&](const AttnBlock& b, int64_t split) {
-    const AttnSeq& s = plan.seqs[b.seq];
-    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin,
-                                          s.blocks ? b.seq * table_row_stride : -1,
-                                          b.g, b.r0, b.nr, b.n_splits, b.part_offset, split};
-    w.insert(w.end(), rec, rec + kAttnWorkFields);
-  };
-  for (const AttnItem& it : plan.items) put(plan.blocks[it.block], it.split);
-  for (const AttnBlock& b : plan.blocks) put(b, 0);
-  return w;
-}
-
-// Host side: backward records, row blocks (dq) first then key tiles (dk, dv).
-inline std::vector<int64_t> attn_pack_backward(const AttnPlan& plan) {
-  std::vector<int64_t> w;
-  w.reserve((plan.blocks.size() + plan.key_tiles.size()) * kAttnWorkFields);
-  auto put = [&](const AttnSeq& s, int64_t g, int64_t r0, int64_t nr, int64_t t) {
-    const int64_t rec[kAttnWorkFields] = {s.q_begin, s.q_len, s.n_ctx, s.k_begin, -1, g, r0, nr, 0, 0, t};
-    w.insert(w.end(), rec, rec + kAttnWorkFields);
-  };
-  for (const AttnBlock& b : plan.blocks) put(plan.seqs[b.seq], b.g, b.r0, b.nr, 0);
-  for (const AttnKeyTile& k : plan.key_tiles) put(plan.seqs[k.seq], k.g, 0, plan.seqs[k.seq].q_len, k.t);
-  return w;
-}
+// The launchers of one build of csrc/gpu (compat.cuh ALIGNED_GPU_BUILD), as a table: each build defines one
+// (attention_launch.cuh), and the glue's GPU backends call the table of theirs (csrc/torch/backends/gpu.h). Every
+// launcher enqueues on `stream` and returns nullptr or the runtime's launch error.
+struct AttentionLaunchers {
+  const char* (*attention_forward)(const AttnFwdParams& p, void* stream);
+  const char* (*attention_backward)(const AttnBwdParams& p, void* stream);
+  const char* (*cache_write)(const CacheWriteParams& p, void* stream);
+};
 
 }  // namespace aligned::gpu

@@ -29,7 +29,7 @@
 #include "../common/attention.h"
 #include "attention_api.h"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 constexpr int kAttnGroups = 8;  // reduction groups per block (256 threads); any value gives the same bits
 constexpr int kAttnThreads = kAttnGroups * kGroupLanes;
@@ -417,4 +417,4 @@ __global__ void cache_write_kernel(CacheWriteParams p) {
   }
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

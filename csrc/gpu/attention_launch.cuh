@@ -6,7 +6,7 @@
 
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 namespace {
 
 
@@ -74,4 +74,15 @@ const char* launch_cache_write(const CacheWriteParams& p, void* stream) {
   return last_error();
 }
 
-}  // namespace aligned::gpu
+// This build's launchers as the table the glue reads (csrc/gpu/launchers.h declares each build's), filled by
+// name: nvcc's C++17 dialect has no designated initializers.
+extern const AttentionLaunchers kAttentionLaunchers;
+const AttentionLaunchers kAttentionLaunchers = []() constexpr {
+  AttentionLaunchers t{};
+  t.attention_forward = &launch_attention_forward;
+  t.attention_backward = &launch_attention_backward;
+  t.cache_write = &launch_cache_write;
+  return t;
+}();
+
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

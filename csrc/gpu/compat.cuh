@@ -23,6 +23,23 @@
 #define ALIGNED_GPU_CUDA 1
 #endif
 
+// The build of csrc/gpu this translation unit compiles, and the namespace its names live in. One library holds
+// up to three builds of this source: the device build (nvcc or hip-clang, in a CUDA or ROCm torch) and the
+// emulation target's two vendor spellings (csrc/emu: the CUDA spelling with 32-lane warps, the HIP spelling
+// with wave64). Their inline functions and kernel templates have the same names but different bodies, so each
+// build keeps them in its own namespace, aligned::gpu::<build>, and the linker can never merge one build's
+// definition into another's (the CPU kernels do the same per ISA level: aligned::cpu::<level>). What the glue
+// and the kernels share (params structs, error codes, the launcher tables) stays in aligned::gpu; each build
+// exports its launchers as tables (dense_api.h, attention_api.h, exact_api.h; declared per build in
+// csrc/gpu/launchers.h).
+#if defined(ALIGNED_GPU_EMULATED) && defined(ALIGNED_GPU_HIP)
+#define ALIGNED_GPU_BUILD emulated_hip
+#elif defined(ALIGNED_GPU_EMULATED)
+#define ALIGNED_GPU_BUILD emulated_cuda
+#else
+#define ALIGNED_GPU_BUILD device
+#endif
+
 // Fast math is outside the numerics contract. The compile check scans the emitted code (cmake/gpu_isa_check.py);
 // where the compiler announces fast math with a macro, refuse at once. nvcc defines __USE_FAST_MATH__ for
 // --use_fast_math in some releases (13.0 does not: its PTX shows .ftz / .approx instead); clang (HIP and host)
@@ -50,7 +67,7 @@
 #include "../common/numerics.h"
 #include "../common/reduce.h"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 #if defined(ALIGNED_GPU_HIP)
 using gpu_stream_t = hipStream_t;
@@ -212,4 +229,4 @@ __device__ __forceinline__ int64_t global_thread_index() {
 }
 __device__ __forceinline__ int64_t global_thread_count() { return (int64_t)gridDim.x * blockDim.x; }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

@@ -1,8 +1,9 @@
 // dense_api.h — the torch-free host interface of the GPU dense kernels (CUDA and HIP).
 //
-// The torch glue (csrc/cuda/ops_cuda.cpp) gets one params struct per op (csrc/common/params_*.h, filled by
-// csrc/op_params.h: raw device pointers) and calls the launcher; the launchers are defined once in
-// csrc/gpu/dense_launch.cuh and compiled by nvcc (csrc/cuda/dense.cu) or hip-clang (csrc/hip/dense.hip). This header includes no vendor header, so the
+// The torch glue's GPU backends (csrc/torch/backends/gpu.h) get one params struct per op (csrc/common/params_*.h,
+// filled by csrc/torch/make_params.h: raw device pointers) and call the launcher from their build's table; the
+// launchers are defined once in csrc/gpu/dense_launch.cuh and compiled by nvcc (csrc/cuda/dense.cu) or hip-clang
+// (csrc/hip/dense.hip), and for the emulation target (csrc/emu). This header includes no vendor header, so the
 // glue compiles as plain C++ and the stream travels as an opaque pointer (cudaStream_t / hipStream_t).
 //
 // Every launcher enqueues its kernels on `stream` and returns nullptr, or the runtime's error string
@@ -34,7 +35,7 @@ enum DeviceError : int {
 };
 
 // The params structs are the families' own, shared with the CPU backend (csrc/common/params_*.h); the
-// glue fills them once from tensors (csrc/op_params.h). Fields a GPU launcher ignores: LogitsParams::pairs,
+// glue fills them once from tensors (csrc/torch/make_params.h). Fields a GPU launcher ignores: LogitsParams::pairs,
 // v0 and mode (the CPU's kernel table reads them).
 using aligned::ColumnSumParams;
 using aligned::ElementwiseParams;
@@ -45,21 +46,26 @@ using aligned::RmsNormParams;
 using aligned::RotaryParams;
 using aligned::SiluMulParams;
 
-const char* launch_rms_norm(const RmsNormParams& p, void* stream);
-const char* launch_fused_add_rms_norm(const RmsNormParams& p, void* stream);
-const char* launch_rms_norm_backward(const RmsNormBackwardParams& p, void* stream);
-const char* launch_silu_and_mul(const SiluMulParams& p, void* stream);
-const char* launch_silu_and_mul_backward(const SiluMulParams& p, void* stream);
-const char* launch_rotary(const RotaryParams& p, void* stream);
-const char* launch_logsumexp(const LogitsParams& p, void* stream);
-const char* launch_log_softmax(const LogitsParams& p, void* stream);
-const char* launch_token_logprobs(const LogitsParams& p, void* stream);
-const char* launch_token_logprobs_backward(const LogitsParams& p, void* stream);
-const char* launch_logsumexp_backward(const LogitsParams& p, void* stream);
-const char* launch_log_softmax_backward(const LogitsParams& p, void* stream);
-const char* launch_gemm(const GemmParams& p, void* stream);
-const char* launch_column_sum(const ColumnSumParams& p, void* stream);
-const char* launch_exp_f32(const ElementwiseParams& p, void* stream);
-const char* launch_log_f32(const ElementwiseParams& p, void* stream);
+// The launchers of one build of csrc/gpu (compat.cuh ALIGNED_GPU_BUILD), as a table: each build defines one
+// (dense_launch.cuh), and the glue's GPU backends call the table of theirs (csrc/torch/backends/gpu.h). Every
+// launcher enqueues on `stream` and returns nullptr or the runtime's launch error.
+struct DenseLaunchers {
+  const char* (*rms_norm)(const RmsNormParams& p, void* stream);
+  const char* (*fused_add_rms_norm)(const RmsNormParams& p, void* stream);
+  const char* (*rms_norm_backward)(const RmsNormBackwardParams& p, void* stream);
+  const char* (*silu_and_mul)(const SiluMulParams& p, void* stream);
+  const char* (*silu_and_mul_backward)(const SiluMulParams& p, void* stream);
+  const char* (*rotary)(const RotaryParams& p, void* stream);
+  const char* (*logsumexp)(const LogitsParams& p, void* stream);
+  const char* (*log_softmax)(const LogitsParams& p, void* stream);
+  const char* (*token_logprobs)(const LogitsParams& p, void* stream);
+  const char* (*token_logprobs_backward)(const LogitsParams& p, void* stream);
+  const char* (*logsumexp_backward)(const LogitsParams& p, void* stream);
+  const char* (*log_softmax_backward)(const LogitsParams& p, void* stream);
+  const char* (*gemm)(const GemmParams& p, void* stream);
+  const char* (*column_sum)(const ColumnSumParams& p, void* stream);
+  const char* (*exp_f32)(const ElementwiseParams& p, void* stream);
+  const char* (*log_f32)(const ElementwiseParams& p, void* stream);
+};
 
 }  // namespace aligned::gpu

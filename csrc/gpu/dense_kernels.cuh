@@ -26,7 +26,7 @@
 #include "compat.cuh"  // first: the vendor runtime header defines __host__/__device__/__forceinline__
 #include "../common/contract.h"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 // Threads per block of the row kernels: 8 groups of 32 lanes (CUDA: 8 warps; AMD: 4 waves); batches of
 // fewer than kSmallBatchRows rows use kSmallRowBlockThreads (2 groups: one AMD wave) so the rows spread over
@@ -631,4 +631,4 @@ __global__ void exp_log_kernel(const float* __restrict__ x, float* __restrict__ 
   for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) out[i] = kLog ? log_f32(x[i]) : exp_f32(x[i]);
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

@@ -12,7 +12,7 @@
 #include "dense_kernels.cuh"
 #include "gemm_fp32.cuh"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 namespace {
 
 template <typename T>
@@ -243,4 +243,28 @@ const char* launch_log_f32(const ElementwiseParams& p, void* stream) {
   return last_error();
 }
 
-}  // namespace aligned::gpu
+// This build's launchers as the table the glue reads (csrc/gpu/launchers.h declares each build's), filled by
+// name: nvcc's C++17 dialect has no designated initializers.
+extern const DenseLaunchers kDenseLaunchers;
+const DenseLaunchers kDenseLaunchers = []() constexpr {
+  DenseLaunchers t{};
+  t.rms_norm = &launch_rms_norm;
+  t.fused_add_rms_norm = &launch_fused_add_rms_norm;
+  t.rms_norm_backward = &launch_rms_norm_backward;
+  t.silu_and_mul = &launch_silu_and_mul;
+  t.silu_and_mul_backward = &launch_silu_and_mul_backward;
+  t.rotary = &launch_rotary;
+  t.logsumexp = &launch_logsumexp;
+  t.log_softmax = &launch_log_softmax;
+  t.token_logprobs = &launch_token_logprobs;
+  t.token_logprobs_backward = &launch_token_logprobs_backward;
+  t.logsumexp_backward = &launch_logsumexp_backward;
+  t.log_softmax_backward = &launch_log_softmax_backward;
+  t.gemm = &launch_gemm;
+  t.column_sum = &launch_column_sum;
+  t.exp_f32 = &launch_exp_f32;
+  t.log_f32 = &launch_log_f32;
+  return t;
+}();
+
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

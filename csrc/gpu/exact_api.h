@@ -1,6 +1,6 @@
 // exact_api.h — the torch-free host interface of the GPU `exact` linear (csrc/gpu/exact_linear_kernels.cuh),
-// used by the torch glue (csrc/cuda/ops_cuda.cpp) and built by csrc/cuda/exact_linear.cu (nvcc) and
-// csrc/hip/exact_linear.hip (hip-clang), and by their emulated builds (csrc/emu). Packed layouts: see
+// used by the torch glue's GPU backends (csrc/torch/backends/gpu.h) and built by csrc/cuda/exact_linear.cu
+// (nvcc) and csrc/hip/exact_linear.hip (hip-clang), and by their emulated builds (csrc/emu). Packed layouts: see
 // csrc/cpu/exact_kernels.h (the GPU packs the same bytes).
 #pragma once
 
@@ -37,8 +37,13 @@ struct ExactPackParams {
 // out [M, N] = the exact linear of packed x (xd [4, Mp, Kp]) and the packed weight (+ bias [N] in dt).
 using aligned::ExactGemmParams;  // common/params_exact.h, shared with the CPU backend
 
-const char* launch_exact_row_forms(const ExactFormsParams& p, void* stream);
-const char* launch_exact_pack_digits(const ExactPackParams& p, void* stream);
-const char* launch_exact_gemm(const ExactGemmParams& p, void* stream);
+// The launchers of one build of csrc/gpu (compat.cuh ALIGNED_GPU_BUILD), as a table: each build defines one
+// (exact_launch.cuh), and the glue's GPU backends call the table of theirs (csrc/torch/backends/gpu.h). Every
+// launcher enqueues on `stream` and returns nullptr or the runtime's launch error.
+struct ExactLaunchers {
+  const char* (*exact_row_forms)(const ExactFormsParams& p, void* stream);
+  const char* (*exact_pack_digits)(const ExactPackParams& p, void* stream);
+  const char* (*exact_gemm)(const ExactGemmParams& p, void* stream);
+};
 
 }  // namespace aligned::gpu

@@ -8,7 +8,7 @@
 #include "exact_api.h"
 #include "exact_linear_kernels.cuh"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 namespace {
 
 
@@ -65,4 +65,15 @@ const char* launch_exact_gemm(const ExactGemmParams& p, void* stream) {
   return last_error();
 }
 
-}  // namespace aligned::gpu
+// This build's launchers as the table the glue reads (csrc/gpu/launchers.h declares each build's), filled by
+// name: nvcc's C++17 dialect has no designated initializers.
+extern const ExactLaunchers kExactLaunchers;
+const ExactLaunchers kExactLaunchers = []() constexpr {
+  ExactLaunchers t{};
+  t.exact_row_forms = &launch_exact_row_forms;
+  t.exact_pack_digits = &launch_exact_pack_digits;
+  t.exact_gemm = &launch_exact_gemm;
+  return t;
+}();
+
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

@@ -27,7 +27,7 @@
 #include "int_mma.cuh"
 #include "../common/exact_linear.h"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 constexpr int kExactFormThreads = 256;                       // 8 row groups of 32 lanes
 constexpr int kExactPackThreads = 256;
@@ -179,4 +179,4 @@ __global__ void __launch_bounds__(kExactGemmThreads)
     }
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

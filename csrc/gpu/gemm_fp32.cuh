@@ -23,7 +23,7 @@
 #include "compat.cuh"  // first: the vendor runtime header defines __host__/__device__/__forceinline__
 #include "../common/contract.h"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 // Tile shapes (constants of this file; the results do not depend on them).
 constexpr int kTileM = 128;   // output rows per block
@@ -197,4 +197,4 @@ __global__ void lane_fold_kernel(const float* __restrict__ ws, int lanes, const 
   }
 }
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

@@ -20,7 +20,7 @@
 
 #include "compat.cuh"
 
-namespace aligned::gpu {
+namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 #if defined(ALIGNED_GPU_HIP)
 constexpr int kMatrixWarpLanes = 64;  // MFMA works on the whole wave64
@@ -80,4 +80,4 @@ __device__ __forceinline__ void mma_s8_m16n8k32(int32_t (&c)[4], const uint32_t 
 }
 #endif
 
-}  // namespace aligned::gpu
+}  // namespace aligned::gpu::ALIGNED_GPU_BUILD

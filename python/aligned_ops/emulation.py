@@ -1,7 +1,8 @@
 """``aligned_ops.emulate(arch)``: run the GPU kernel source on CPU tensors, in CI, without a GPU.
 
 Inside ``with aligned_ops.emulate("sm_90") as emu:`` every ``torch.ops.aligned`` op that has a GPU
-implementation runs, on CPU tensors, the GPU glue (csrc/cuda/ops_cuda.cpp: the same argument checks and
+implementation runs, on CPU tensors, the GPU glue (the op's one glue body, csrc/torch/glue/, instantiated for the
+emulated GPU backend, csrc/torch/backends/emulated.h: the same argument checks and
 params) and the csrc/gpu kernels compiled for the host and executed by our SIMT runtime (csrc/emu): GPU
 threads as fibers, ``__shared__`` memory per block, ``__syncthreads``, warp shuffles and votes with the
 arch's warp width (32 for sm_90 / sm_100, which run the CUDA spelling of csrc/gpu/compat.cuh; 64 for

@@ -1,4 +1,4 @@
-"""Every op schema lives in one file, csrc/torch_bindings.cpp (issue 9): no other source under csrc declares a
+"""Every op schema lives in one file, csrc/torch/bindings.cpp (issue 9): no other source under csrc declares a
 library (TORCH_LIBRARY / TORCH_LIBRARY_FRAGMENT) or defines a schema (`.def(`); backends only register
 implementations (TORCH_LIBRARY_IMPL, no-tensor ops under CatchAll). The scanner is checked against planted
 sources (negative controls), and every `aligned::` schema the loaded library holds is declared in that file."""
@@ -12,7 +12,7 @@ import aligned_ops  # noqa: F401
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-BINDINGS = CSRC / "torch_bindings.cpp"
+BINDINGS = CSRC / "torch" / "bindings.cpp"
 SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
@@ -38,11 +38,11 @@ def offending_files(root: pathlib.Path, allowed: pathlib.Path) -> dict[str, list
     return out
 
 
-def test_no_schema_outside_torch_bindings():
+def test_no_schema_outside_bindings():
     assert offending_files(CSRC, BINDINGS) == {}
 
 
-def test_torch_bindings_is_the_library():
+def test_bindings_is_the_library():
     sites = schema_sites(BINDINGS.read_text())
     assert sites.count("TORCH_LIBRARY(") == 1 and len(sites) > 30
 
@@ -68,7 +68,7 @@ def test_scanner_negative_control(tmp_path):
     assert found["cpu/frag.cpp"] == ["TORCH_LIBRARY_FRAGMENT(", ".def("]
 
 
-def test_every_loaded_schema_is_declared_in_torch_bindings():
+def test_every_loaded_schema_is_declared_in_bindings():
     text = _COMMENT.sub(" ", BINDINGS.read_text())
     declared = set(re.findall(r'm\.def\(\s*"(\w+)\(', text.replace('"\n      "', "")))
     loaded = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("aligned::")}

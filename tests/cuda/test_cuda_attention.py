@@ -3,7 +3,7 @@ backend bit for bit, and every serving path equals the training path on the GPU 
 
 Skipped without a GPU (CI has none; the same kernels run under emulation in tests/emulated); run on a lent GPU
 by .ci/gpu_check.sh. Planner metadata (offsets, seq_lens, block tables) is passed as host tensors — the GPU
-glue refuses device metadata rather than reading it back (csrc/cuda/ops_attention_cuda.cpp).
+glue refuses device metadata rather than reading it back (csrc/torch/glue/attention.h).
 """
 
 from __future__ import annotations

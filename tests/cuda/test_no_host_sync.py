@@ -1,11 +1,12 @@
 """No host synchronisation in any op on the decode path (GPU glue and the Python around it).
 
 Two proofs, both without a GPU:
-1. A scan of the CUDA glue (csrc/cuda/ops_cuda.cpp, csrc/op_checks.h as the glue calls it) and of the
+1. A scan of the GPU glue — the GPU backends' run functions (csrc/torch/backends/gpu.h, the CUDA device in
+   cuda.h / cuda.cpp), the one glue body per op they run (csrc/torch/glue/*.h), make_params.h — and of the
    decode-path Python for host reads of device data: ``.item()``, ``.cpu()``, ``.tolist()``, ``to(kCPU)``,
-   ``cudaMemcpy``/``hipMemcpy`` device-to-host, stream/device synchronise, and every call of the data-value
-   checks with anything but ``ValueChecks::kInKernel``. A planted violation of each kind must be found
-   (negative control).
+   ``cudaMemcpy``/``hipMemcpy`` device-to-host, stream/device synchronise; every call of the data-value checks
+   in a glue body must pass the backend's mode ``B::kValueChecks``, and the GPU backends' mode is
+   ``ValueChecks::kInKernel``. A planted violation of each kind must be found (negative control).
 2. The decode-path Python wrappers and vLLM hooks run under a TorchDispatchMode that fails on
    ``aten._local_scalar_dense`` (what ``.item()`` / ``float(t)`` / ``bool(t)`` dispatch to), ``aten.equal``,
    ``aten.is_nonzero`` and any copy of a non-CPU tensor to the CPU, on 'meta' tensors (the ops' fake
@@ -26,12 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import aligned_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-GLUE = ROOT / "csrc" / "cuda" / "ops_cuda.cpp"
-ATTENTION_GLUE = ROOT / "csrc" / "cuda" / "ops_attention_cuda.cpp"
-GLUE_COMMON = ROOT / "csrc" / "cuda" / "glue_common.h"  # the stream / launch / device helpers ops_cuda.cpp uses
-OP_PARAMS = ROOT / "csrc" / "op_params.h"  # tensors -> params structs, shared by the CPU and GPU glue
-# Where the negative controls plant a violation: a glue function every build of ops_cuda.cpp has.
-PLANT_BEFORE = "int32_t* device_error_flags("
+TORCH = ROOT / "csrc" / "torch"
+GPU_BACKEND = TORCH / "backends" / "gpu.h"  # every GPU run function, for every build (device, emulated)
+CUDA_DEVICE = (TORCH / "backends" / "cuda.h", TORCH / "backends" / "cuda.cpp")  # streams, guard, error words
+GLUE_BODIES = sorted((TORCH / "glue").glob("*.h"))  # one body per op, run by every backend
+ATTENTION_GLUE = TORCH / "glue" / "attention.h"
+OP_PARAMS = TORCH / "make_params.h"  # tensors -> params structs, every glue body
+# Where the negative controls plant a violation: a run function every GPU build has.
+PLANT_BEFORE = "  static void gemm(const Call& c, GemmParams p) {"
 
 # Host reads of device data / synchronisations, as they are spelled in C++ glue.
 CXX_FORBIDDEN = {
@@ -43,9 +46,10 @@ CXX_FORBIDDEN = {
     "local_scalar": r"_local_scalar_dense",
     "equal": r"\.equal\s*\(|\.is_nonzero\s*\(",
 }
-# Data-value checks of op_checks.h: in the GPU glue they must pass ValueChecks::kInKernel.
-# (ops_cuda.cpp wraps aligned::check_logits in a local check_logits; the shared one is called qualified.)
-VALUE_CHECKS = ("check_rotary", "aligned::check_logits", "check_token_ids")
+# Data-value checks (csrc/torch/checks): a glue body passes its backend's mode, B::kValueChecks (kInKernel on
+# every GPU backend, so the same body never reads device data there).
+VALUE_CHECKS = ("check_rotary", "check_logits", "check_token_ids", "check_topk_ids", "check_moe_experts")
+BACKEND_MODE = "B::kValueChecks"
 
 
 def _strip_comments(src: str) -> str:
@@ -68,9 +72,23 @@ def _calls(src: str, name: str):
 OFF_DECODE_PATH = ("linear_exact_pack_weight",)
 
 
+def _definition(src: str, name: str):
+    """(start, end) of the definition of function `name` (a free or member function, any indentation)."""
+    m = re.search(rf"\n[^\n;]*\b{re.escape(name)}\s*\([^;{{]*\)\s*(?:const\s*)?\{{", src)
+    if not m:
+        return None
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        i += 1
+    return m.start(), i
+
+
 def _drop_functions(src: str, names) -> str:
     for name in names:
-        src = re.sub(r"\n[^\n]*\b" + name + r"\([^;{]*\)\s*\{.*?\n\}\n", "\n", src, flags=re.S)
+        span = _definition(src, name)
+        if span:
+            src = src[:span[0]] + "\n" + src[span[1]:]
     return src
 
 
@@ -79,8 +97,8 @@ def scan_glue(src: str) -> list:
     found = [f"{kind}: {m.group(0)}" for kind, pat in CXX_FORBIDDEN.items() for m in re.finditer(pat, src)]
     for name in VALUE_CHECKS:
         for args in _calls(src, name):
-            if "ValueChecks::kInKernel" not in args:
-                found.append(f"{name}({args.strip()[:60]}...) without ValueChecks::kInKernel")
+            if BACKEND_MODE not in args:
+                found.append(f"{name}({args.strip()[:60]}...) without {BACKEND_MODE}")
     return found
 
 
@@ -90,15 +108,23 @@ def test_cuda_attention_glue_has_no_host_read():
     assert scan_glue(ATTENTION_GLUE.read_text()) == []
 
 
-def test_cuda_glue_has_no_host_read():
-    src = GLUE.read_text()
-    assert scan_glue(src) == []
-    assert scan_glue(GLUE_COMMON.read_text()) == []
-    assert scan_glue(OP_PARAMS.read_text()) == []  # the params builders every backend's glue calls
-    # The value checks are really called there (the scan is not vacuous).
-    stripped = _strip_comments(src)
+def test_gpu_glue_has_no_host_read():
+    assert scan_glue(GPU_BACKEND.read_text()) == []
+    for path in CUDA_DEVICE:
+        assert scan_glue(path.read_text()) == []
+    assert scan_glue(OP_PARAMS.read_text()) == []  # the params builders every glue body calls
+    bodies = "\n".join(_strip_comments(p.read_text()) for p in GLUE_BODIES)
+    assert scan_glue(bodies) == []
+    # The value checks are really called there (the scan is not vacuous), and every GPU backend's mode is
+    # kInKernel: one Gpu<Device> template serves the CUDA / ROCm device and both emulated spellings.
     for name in VALUE_CHECKS:
-        assert list(_calls(stripped, name)), name
+        assert list(_calls(bodies, name)), name
+    gpu = _strip_comments(GPU_BACKEND.read_text())
+    assert re.search(r"static constexpr ValueChecks kValueChecks = ValueChecks::kInKernel;", gpu)
+    assert not re.search(r"kValueChecks = ValueChecks::kHost", gpu)
+    families = _strip_comments((TORCH / "families.h").read_text())
+    for alias in ("Cuda", "EmulatedCuda", "EmulatedHip"):
+        assert re.search(rf"using {alias} = Gpu<", families), alias
 
 
 @pytest.mark.parametrize("planted", [
@@ -109,13 +135,13 @@ def test_cuda_glue_has_no_host_read():
     "  hipMemcpyAsync(&h, p, 4, hipMemcpyDeviceToHost, s);",
     "  cudaStreamSynchronize(s);",
     "  auto a = check_rotary<DType>(positions, x, cache, rot, op);",
-    "  auto t = aligned::check_logits<DType>(logits, temperature, temperatures, op);",
+    "  auto t = check_logits<DType>(logits, temperature, temperatures, op, ValueChecks::kHost);",
     "  a.ids = check_token_ids(ids, a.p.T, a.p.V, op);",
     # a host read in an off-path function's name-alike is still caught (only the listed function is exempt)
-    "at::Tensor linear_exact_pack_weight_twice(const at::Tensor& w) {\n  int s = w.max().item<int8_t>();\n}\n",
+    "  static int linear_exact_pack_weight_twice(const at::Tensor& w) {\n    return w.max().item<int8_t>();\n  }\n",
 ])
 def test_scan_negative_control(planted):
-    clean = GLUE.read_text()
+    clean = GPU_BACKEND.read_text()
     assert PLANT_BEFORE in clean
     src = clean.replace(PLANT_BEFORE, planted + "\n" + PLANT_BEFORE, 1)
     assert scan_glue(src), planted
@@ -134,8 +160,9 @@ def unguarded_item_reads(src: str) -> list:
 
 
 @pytest.mark.parametrize("header, fns", [
-    ("op_checks.h", ("check_rotary", "check_logits", "check_token_ids")),
-    ("moe_checks.h", ("check_topk_ids",)),
+    ("torch/checks/dense.h", ("check_rotary",)),
+    ("torch/checks/logits.h", ("check_logits", "check_token_ids")),
+    ("torch/checks/moe.h", ("check_topk_ids",)),
 ])
 def test_host_value_checks_are_only_on_the_host_path(header, fns):
     # Every .item() read of the checks header sits behind `values == ValueChecks::kHost`.
@@ -150,7 +177,7 @@ def test_host_value_checks_are_only_on_the_host_path(header, fns):
 
 
 def test_unguarded_item_read_negative_control():
-    raw = (ROOT / "csrc" / "moe_checks.h").read_text()
+    raw = (ROOT / "csrc" / "torch" / "checks" / "moe.h").read_text()
     anchor = "inline at::Tensor check_moe_grad_weights("
     assert anchor in raw
     planted = raw.replace(anchor, "inline int64_t planted_read(const at::Tensor& t) {\n"
@@ -256,8 +283,10 @@ def test_dispatch_mode_negative_control():
 # Beyond the host reads above, a captured graph must not contain a host-to-device copy (it would replay stale
 # host data): the run functions may call nothing that uploads. Emulated proof: tests/emulated/
 # test_emulated_attention_plan.py (copy records, identical launches).
-RUN_PATH = ("attention_varlen_planned", "paged_attention_planned", "launch_forward", "check_planned_buffers",
-            "forward_params", "device_error_words")
+RUN_PATH = {ATTENTION_GLUE: ("attention_varlen_planned", "paged_attention_planned"),
+            GPU_BACKEND: ("attention_forward_planned", "launch_forward", "forward_params"),
+            CUDA_DEVICE[1]: ("error_flags", "stream"),
+            TORCH / "checks" / "attention.h": ("plan_info_of", "check_plan_call", "check_plan_offsets")}
 COPIES = {
     "upload": r"(?<![\w])upload\s*\(",
     "copy_into": r"(?<![\w])copy_into\s*\(",
@@ -265,21 +294,18 @@ COPIES = {
     "to": r"\.to\s*\(",
     "pinned": r"pinned_memory",
     "memcpy": r"(?<![\w])memcpy\s*\(",
-    "data_ptr_of_host_metadata": r"cu_q\.data_ptr|cu_k\.data_ptr",
 }
+# (attention_varlen_planned does read its HOST cu_seqlens — checks/attention.h check_plan_offsets — to check the
+# call against the plan's metadata fingerprint: a host computation, no copy and no read of device memory.)
 
 
 def _function_body(src: str, name: str) -> str:
-    m = re.search(rf"\n[^\n;]*\b{re.escape(name)}\s*\([^;{{]*\)\s*\{{", src)
-    assert m, name
-    depth, i = 1, m.end()
-    while depth:
-        depth += {"{": 1, "}": -1}.get(src[i], 0)
-        i += 1
-    return src[m.end():i - 1]
+    span = _definition(src, name)
+    assert span, name
+    return src[span[0]:span[1]]
 
 
-def scan_run_path(src: str, names=RUN_PATH) -> list:
+def scan_run_path(src: str, names) -> list:
     src = _strip_comments(src)
     found = []
     for name in names:
@@ -290,15 +316,15 @@ def scan_run_path(src: str, names=RUN_PATH) -> list:
 
 
 def test_attention_run_form_makes_no_copy():
-    assert scan_run_path(ATTENTION_GLUE.read_text()) == []
+    for path, names in RUN_PATH.items():
+        assert scan_run_path(path.read_text(), names) == [], path
 
 
 def test_attention_run_form_scan_negative_control():
-    src = ATTENTION_GLUE.read_text()
-    # the per-call forms do upload (their work list, every call): the scan sees it
-    assert any("upload" in f for f in scan_run_path(src, ("run_forward_per_call",)))
-    assert any("copy_into" in f for f in scan_run_path(src, ("attention_plan",)))
-    planted = src.replace("  launch_forward(p, plan.data_ptr<int64_t>(), table.data_ptr<int32_t>()",
-                          "  auto h = plan.to(at::kCPU);\n  launch_forward(p, plan.data_ptr<int64_t>(), "
-                          "table.data_ptr<int32_t>()", 1)
-    assert planted != src and scan_run_path(planted)
+    src = GPU_BACKEND.read_text()
+    # the per-call form does upload (its work list, every call) and the plan op copies in: the scan sees both
+    assert any("upload" in f for f in scan_run_path(src, ("attention_forward",)))
+    assert any("copy_into" in f for f in scan_run_path(src, ("write_plan",)))
+    anchor = "    launch_forward(c, p, plan.data_ptr<int64_t>()"
+    planted = src.replace(anchor, "    at::Tensor h = plan.to(at::kCPU);\n" + anchor, 1)
+    assert planted != src and scan_run_path(planted, ("attention_forward_planned",))

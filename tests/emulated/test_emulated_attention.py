@@ -2,7 +2,8 @@
 equals the training path bit for bit, and every path equals the CPU backend.
 
 Under ``aligned_ops.emulate(arch)`` attention_varlen, reshape_and_cache and paged_attention run the GPU glue
-(csrc/cuda/ops_attention_cuda.cpp) and the GPU kernels; the launch records prove it. The matrix per arch:
+(csrc/torch/glue/attention.h on the emulated GPU backend) and the GPU kernels; the launch records prove it. The
+matrix per arch:
 training varlen (one packed batch) == one-shot prefill through the paged cache == chunked prefill (chunks
 crossing tile and split boundaries) == decode one token at a time in a mixed batch, under a permuted batch
 order and permuted block tables — each compared with the CPU backend on integer views. Negative controls:

@@ -13,12 +13,13 @@ work list every call and sizes its grids by the batch.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import aligned_ops
-from aligned_ops.testing import assert_bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bits
 
 ops = torch.ops.aligned
 pytestmark = pytest.mark.emulated
@@ -126,13 +127,22 @@ def test_run_form_is_graph_safe(arch):
 
 @pytest.mark.parametrize("arch", WIDTHS)
 def test_plan_that_does_not_fit_sets_the_flag_and_gives_nan(arch):
+    # The call is checked against the plan's host info (a clear error); what only the kernels can see — a buffer
+    # that holds another plan than the info says (a graph replaying a buffer rewritten for another batch) — sets
+    # the error word and writes NaN into every row: never stale or unwritten bits.
     q, kc, vc, table, seq_lens, qsl = paged_batch([9, 3], [2, 1], seed=5)
-    plan = aligned_ops.AttentionPlan()
+    q2, _, _, table2, seq_lens2, qsl2 = paged_batch([7, 5], [3, 1], seed=7)
+    plan, other = aligned_ops.AttentionPlan(), aligned_ops.AttentionPlan()
     with aligned_ops.emulate(arch):
         plan.plan_paged(qsl, seq_lens, table, HQ, HKV, D, kc.shape[0], BS)
+        other.plan_paged(qsl2, seq_lens2, table2, HQ, HKV, D, kc.shape[0], BS)
         aligned_ops.check_device_errors(q)  # clean before
-        bad = aligned_ops.paged_attention(q[:1], kc, vc, scale=0.3, plan=plan)  # fewer q rows than planned
-        assert torch.isnan(bad).all()
+        with pytest.raises(RuntimeError, match="aligned::paged_attention_planned: plan addresses more query"):
+            aligned_ops.paged_attention(q[:1], kc, vc, scale=0.3, plan=plan)  # fewer q rows than planned
+        crossed = SimpleNamespace(plan=other.plan, table=other.table, info=plan.info,
+                                  workspace_floats=max(plan.workspace_floats, other.workspace_floats))
+        bad = aligned_ops.paged_attention(q, kc, vc, scale=0.3, plan=crossed)
+        assert (bits(bad) == bits(torch.full_like(bad, float("nan")))).all()  # every row the canonical NaN
         with pytest.raises(RuntimeError, match="attention plan does not fit"):
             aligned_ops.check_device_errors(q)
         good = aligned_ops.paged_attention(q, kc, vc, scale=0.3, plan=plan)

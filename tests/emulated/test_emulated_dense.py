@@ -289,7 +289,7 @@ def test_autograd_chain(arch, gen):
 
 @pytest.mark.parametrize("arch", WIDTHS)
 def test_bad_input_errors_are_the_glue_checks(arch):
-    """Under emulation the GPU glue checks arguments with op_checks.h: same rule, same words as the CPU."""
+    """Under emulation the GPU glue checks arguments with csrc/torch/checks: same rule, same words as the CPU."""
     cases = [
         (lambda: ops.rms_norm(torch.randn(3, 8), torch.randn(7), 1e-6), r"aligned::rms_norm: weight must have shape \[8\]"),
         (lambda: ops.token_logprobs(torch.randn(2, 5), torch.tensor([[0, 4]]), 1.0, None), r"aligned::token_logprobs"),

@@ -75,11 +75,12 @@ def test_plan_mismatch_is_a_clear_error():
 def test_opcheck_and_compile():
     q, kc, vc, table, seq_lens, qsl = _paged()
     plan = aligned_ops.AttentionPlan().plan_paged(qsl, seq_lens, table, 4, 2, 8, kc.shape[0], 4)
-    torch.library.opcheck(ops.paged_attention_planned, (q, kc, vc, plan.plan, plan.table, plan.workspace_floats, 0.3))
+    torch.library.opcheck(ops.paged_attention_planned,
+                          (q, kc, vc, plan.plan, plan.table, plan.info, plan.workspace_floats, 0.3))
     c = cu([3, 4])
     qv, kv, vv = (torch.randn(7, h, 8) for h in (4, 2, 2))
     vplan = aligned_ops.AttentionPlan().plan_varlen(c, c, 4, 2, 8)
     torch.library.opcheck(ops.attention_varlen_planned,
-                          (qv, kv, vv, c, c, vplan.plan, vplan.workspace_floats, 0.3, True))
+                          (qv, kv, vv, c, c, vplan.plan, vplan.info, vplan.workspace_floats, 0.3, True))
     fn = torch.compile(lambda x: aligned_ops.paged_attention(x, kc, vc, scale=0.3, plan=plan), fullgraph=True)
     assert_bitwise_equal(fn(q), aligned_ops.paged_attention(q, kc, vc, scale=0.3, plan=plan))

@@ -179,7 +179,7 @@ NO_BACKWARD.update({
 NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_linear_exact_f64_routes", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
-                      "attention_plan", "attention_plan_size",  # host planning into int buffers
+                      "attention_plan", "attention_plan_size", "attention_plan_layout",  # host planning, int buffers
                       # exact TP: integer scans, packing and partials (int outputs; linear_exact_finish refuses)
                       "linear_exact_row_scan", "linear_exact_pack_weight_scanned", "linear_exact_partial"}
 

@@ -1,5 +1,5 @@
 """The op families' Python side, one module each: fake (meta) impls for torch.compile, autograd formulas,
-documented wrappers. Schemas and checks live in C++ (csrc/torch_bindings.cpp, csrc/op_checks.h).
+documented wrappers. Schemas and checks live in C++ (csrc/torch/bindings.cpp, csrc/torch/checks/).
 
 - :mod:`.dense`        norms, activation, rotary;
 - :mod:`.linear`       the ``fma`` profile: ``linear``, its 8 lanes (``linear_partial``, TP helpers, ``tree_combine``);

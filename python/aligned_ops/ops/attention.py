@@ -1,6 +1,6 @@
 """Attention and KV-cache ops: fake (meta) implementations, autograd, and Python wrappers.
 
-The kernels and schemas live in C++ (``csrc/cpu/ops_attention_cpu.cpp``, ``csrc/cpu/attention_kernels.cpp``; the
+The kernels and schemas live in C++ (``csrc/torch/glue/attention.h``, ``csrc/cpu/attention_kernels.cpp``; the
 GPU forward and cache write in ``csrc/gpu/attention_kernels.cuh``, whose glue takes the planner metadata —
 offsets, seq_lens, block tables — as host tensors);
 the reduction order that makes every path bitwise identical (tiles of 32 keys and KV splits of 512 keys,
@@ -27,7 +27,7 @@ def _check_same_device(op, **tensors):
 
 def _check_host_or_same(op, ref, **meta):
     """Planner metadata: on ref's device or on the host (the GPU path plans from host copies, see
-    csrc/cuda/ops_attention_cuda.cpp)."""
+    csrc/torch/glue/attention.h)."""
     for name, t in meta.items():
         torch._check(
             t.device == ref.device or t.device.type == "cpu",
@@ -48,7 +48,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
 
 
 @torch.library.register_fake(_lib + "attention_varlen_backward")
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal):
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_info=None):
     _check_same_device("attention_varlen_backward", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -75,13 +75,13 @@ def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
 
 
 @torch.library.register_fake(_lib + "attention_plan")
-def _(plan, plan_table, query_start_loc, kv_lens, block_table, num_heads, num_kv_heads, head_dim, causal=True,
-      num_cache_blocks=0, block_size=0, workspace_floats=0):
+def _(plan, plan_table, plan_info, query_start_loc, kv_lens, block_table, num_heads, num_kv_heads, head_dim,
+      causal=True, num_cache_blocks=0, block_size=0, workspace_floats=0):
     return None
 
 
 @torch.library.register_fake(_lib + "attention_varlen_planned")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, workspace_floats, scale, causal=True):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, plan_info, workspace_floats, scale, causal=True):
     _check_same_device("attention_varlen_planned", q=q, k=k, v=v, plan=plan)
     _check_host_or_same("attention_varlen_planned", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch._check(q.dim() == 3, lambda: "aligned::attention_varlen_planned: q must be [tokens, heads, head_dim]")
@@ -91,19 +91,22 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, workspace_floats, scale, causal
 
 
 @torch.library.register_fake(_lib + "paged_attention_planned")
-def _(q, k_cache, v_cache, plan, plan_table, workspace_floats, scale):
+def _(q, k_cache, v_cache, plan, plan_table, plan_info, workspace_floats, scale):
     _check_same_device("paged_attention_planned", q=q, k_cache=k_cache, v_cache=v_cache, plan=plan,
                        plan_table=plan_table)
     torch._check(q.dim() == 3, lambda: "aligned::paged_attention_planned: q must be [tokens, heads, head_dim]")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _varlen_setup(ctx, inputs, output):
+def _varlen_setup(ctx, inputs, output, plan_info=None):
     q, k, v, cu_q, cu_k, scale, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.scale = scale
     ctx.causal = causal
+    # The planned form: a copy of the info of the plan the forward ran (the caller's plan may be replanned before
+    # the backward runs); the backward refuses cu_seqlens that plan was not made from.
+    ctx.plan_info = None if plan_info is None else plan_info.clone()
     ctx.mark_non_differentiable(lse)
 
 
@@ -112,7 +115,7 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = ops.attention_varlen_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal, ctx.plan_info
     )
     return dq, dk, dv, None, None, None, None
 
@@ -121,14 +124,14 @@ torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, set
 
 
 def _varlen_planned_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _plan, _workspace_floats, scale, causal = inputs
-    _varlen_setup(ctx, (q, k, v, cu_q, cu_k, scale, causal), output)
+    q, k, v, cu_q, cu_k, _plan, plan_info, _workspace_floats, scale, causal = inputs
+    _varlen_setup(ctx, (q, k, v, cu_q, cu_k, scale, causal), output, plan_info)
 
 
 def _varlen_planned_backward(ctx, grad_out, grad_lse):
-    # The backward replans from the host cu_seqlens (the plan of the forward is the forward's list only).
+    # The backward plans its key tiles from the host cu_seqlens, which it first checks against the forward's plan.
     dq, dk, dv = _varlen_backward(ctx, grad_out, grad_lse)[:3]
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(_lib + "attention_varlen_planned", _varlen_planned_backward,
@@ -155,12 +158,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
     Returns (out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] fp32). Causal masks are bottom-right aligned when
     seqlen_q < seqlen_k. ``scale`` defaults to 1/sqrt(D). Differentiable in q, k, v (not through lse).
     ``plan``: an :class:`AttentionPlan` made by ``plan_varlen`` from these cu_seqlens (host tensors): the run form
-    (no copy, no host read; the backward replans from the host cu_seqlens), same bits."""
+    (no copy, no read of device memory), same bits. The call is checked against the plan: other offsets, even with
+    the same token count, or another head shape raise (naming the argument); the backward checks its cu_seqlens
+    against the plan the forward ran."""
     if scale is None:
         scale = _default_scale("attention_varlen", q)
     if plan is not None:
-        return ops.attention_varlen_planned(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.workspace_floats,
-                                            float(scale), causal)
+        return ops.attention_varlen_planned(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.info,
+                                            plan.workspace_floats, float(scale), causal)
     return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal)
 
 
@@ -176,38 +181,41 @@ def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_
     them). q [Tq, Hq, D]; block_table int32 [B, max_blocks]; seq_lens int32 [B] (context incl. new tokens);
     query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens.
     ``plan``: an :class:`AttentionPlan` made by ``plan_paged`` (the metadata arguments are then not needed): the
-    run form, no copy and no host read (CUDA-graph safe), same bits."""
+    run form, no copy and no read of device memory (CUDA-graph safe), same bits; q must have exactly the rows the
+    plan covers."""
     if scale is None:
         scale = _default_scale("paged_attention", q)
     if plan is not None:
-        return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.workspace_floats,
-                                           float(scale))
+        return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.info,
+                                           plan.workspace_floats, float(scale))
     return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))
 
 
 # ---- plan/run form (CUDA-graph safe) -------------------------------------------------------------------------
-_PLAN_FIELDS = 11  # csrc/common/attention_plan.h kAttnWorkFields
-_PLAN_HEADER_ROWS = 2  # kAttnPlanHeaderRows
-
-
 class AttentionPlan:
-    """Persistent plan buffers of the plan/run form of the attention ops (FlashInfer's plan()/run() split).
+    """One attention plan, planned once, run by every layer (FlashInfer's plan()/run() split; the plan itself is
+    csrc/common/attention_plan.h's AttnPlan).
 
-    ``plan_varlen`` / ``plan_paged`` plan once from HOST metadata (the planner validates it there) and copy the
-    work list into these buffers on ``device`` (stream-ordered, no sync); :func:`attention_varlen` and
-    :func:`paged_attention` given ``plan=`` then only launch: no host-to-device copy, no host read, launches fixed by
-    the capacity — CUDA-graph safe, and bitwise equal to the per-call form. A plan depends only on the metadata
-    and the head shape, so one plan serves every layer of a forward step.
+    ``plan_varlen`` / ``plan_paged`` plan once from HOST metadata (the planner validates it there): the plan's work
+    records go into persistent buffers on ``device`` (stream-ordered, no sync) and its info into a host tensor.
+    :func:`attention_varlen` and :func:`paged_attention` given ``plan=`` then check the call against the info on
+    the host (heads, head_dim, rows — exactly q's —, capacities; varlen: the cu_seqlens too) and only launch: no
+    host-to-device copy, no read of device memory, launches fixed by the capacity — CUDA-graph safe, and bitwise
+    equal to the per-call form. A plan depends only on the metadata and the head shape, so one plan serves every
+    layer of a forward step (the CPU reads its records in place: nothing is unpacked per layer).
 
-    Buffers: ``plan`` int64 [2 + 2 * capacity, 11], ``table`` int32 [table_capacity] (the block-table entries the
-    plan uses); ``workspace_floats``: the capacity of the run's split partials (the run allocates that many floats,
-    a size fixed by the capacity, never by data values). ``ensure`` grows them to fit a plan's
-    needs (:func:`attention_plan_size`); never grow while a CUDA graph that uses them is captured or replayed
-    (size them for the largest batch before capture)."""
+    Buffers (their layout is the C++ planner's: ``aligned::attention_plan_layout``): ``plan`` int64 (the info's
+    header and the work records; ``capacity`` records per region), ``table`` int32 [table_capacity] (the
+    block-table entries the plan uses), ``info`` int64, on the host (what the plan was made for and holds);
+    ``workspace_floats``: the capacity of the run's split partials (the run allocates that many floats, a size
+    fixed by the capacity, never by data values). ``ensure`` grows them to fit a plan's needs
+    (:func:`attention_plan_size`); never grow while a CUDA graph that uses them is captured or replayed (size them
+    for the largest batch before capture). Until planned, a run refuses the plan."""
 
     def __init__(self, capacity=0, table_capacity=0, workspace_floats=0, device="cpu"):
         self.device = torch.device(device)
         self.capacity = self.table_capacity = self.workspace_floats = -1
+        self.info = None
         self.ensure(capacity, table_capacity, workspace_floats)
 
     def ensure(self, capacity, table_capacity=0, workspace_floats=0):
@@ -217,12 +225,18 @@ class AttentionPlan:
 
         c = grow(self.capacity, capacity)
         if c != self.capacity:
-            self.plan = torch.zeros((_PLAN_HEADER_ROWS + 2 * c, _PLAN_FIELDS), dtype=torch.int64, device=self.device)
+            rows, cols, info_len = ops.attention_plan_layout(c)
+            self.plan = torch.zeros((rows, cols), dtype=torch.int64, device=self.device)
+            if self.info is None:
+                self.info = torch.zeros((info_len,), dtype=torch.int64)  # host; zeros: no plan yet
+            else:
+                self.info.zero_()  # the buffer that held the plan is gone
             self.capacity = c
         t = grow(self.table_capacity, table_capacity)
         if t != self.table_capacity:
             self.table = torch.zeros((t,), dtype=torch.int32, device=self.device)
             self.table_capacity = t
+            self.info.zero_()
         self.workspace_floats = grow(self.workspace_floats, workspace_floats)
         return self
 
@@ -231,8 +245,8 @@ class AttentionPlan:
         if grow:
             self.ensure(*attention_plan_size(cu_seqlens_q, cu_seqlens_k, None, num_heads, num_kv_heads, head_dim,
                                              causal))
-        ops.attention_plan(self.plan, self.table, cu_seqlens_q, cu_seqlens_k, None, num_heads, num_kv_heads,
-                           head_dim, causal, 0, 0, self.workspace_floats)
+        ops.attention_plan(self.plan, self.table, self.info, cu_seqlens_q, cu_seqlens_k, None, num_heads,
+                           num_kv_heads, head_dim, causal, 0, 0, self.workspace_floats)
         self.kind, self.cu_seqlens_q, self.cu_seqlens_k, self.causal = "varlen", cu_seqlens_q, cu_seqlens_k, causal
         return self
 
@@ -243,8 +257,8 @@ class AttentionPlan:
         if grow:
             self.ensure(*attention_plan_size(query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
                                              head_dim, True, num_cache_blocks, block_size))
-        ops.attention_plan(self.plan, self.table, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
-                           head_dim, True, num_cache_blocks, block_size, self.workspace_floats)
+        ops.attention_plan(self.plan, self.table, self.info, query_start_loc, seq_lens, block_table, num_heads,
+                           num_kv_heads, head_dim, True, num_cache_blocks, block_size, self.workspace_floats)
         self.kind = "paged"
         return self
 

@@ -99,7 +99,8 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
             last_linear_x = c.x_ptr
             continue
         last_linear_x = None
-        if op in ("reshape_and_cache", "attention_plan", "attention_plan_size"):  # cache write; per-step plan
+        # the cache write; the per-step plan (its sizes, its buffers' layout, the plan itself)
+        if op in ("reshape_and_cache", "attention_plan", "attention_plan_size", "attention_plan_layout"):
             continue
         if op in ("attention_varlen", "paged_attention", "attention_varlen_planned", "paged_attention_planned"):
             out.append(("attention", None, c.shapes[0][-1], False))

@@ -1,8 +1,9 @@
-// ops_exact_cpu.cpp — torch glue of the `exact` linear on the CPU: weight packing (once per weight version;
-// the Python wrapper caches it), activation packing, the split of row blocks x 64-column groups across threads,
-// and the choice of integer unit. The numbers are defined in csrc/common/exact_linear.h; the arithmetic is
-// in gemm_exact_kernels.cpp. Threads only pick which tiles they compute; every output is an exact integer
-// rounded once, so neither threads nor the unit can change a bit.
+// cpu_exact.cpp — the CPU backend's runs of the `exact` linear families: weight packing (once per weight
+// version; the Python wrapper caches it), activation packing, the split of row blocks x 64-column groups across
+// threads, the choice of integer unit, the fp64 routes, and the TP pieces. The numbers are defined in
+// csrc/common/exact_linear.h; the arithmetic is in csrc/cpu/gemm_exact_kernels.cpp. Threads only pick which
+// tiles they compute; every output is an exact integer rounded once, so neither threads, nor the unit, nor the
+// route can change a bit. Also the CPU key's registrations of these families (register_cpu.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,22 +11,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
 
-#include "cpu_backend.h"
-#include "emulation_hook.h"
-#include "../op_params.h"
-#include "glue_checks.h"
+#include "../../cpu/cpu_backend.h"
+#include "../glue/exact.h"
+#include "../make_params.h"
+#include "../registration_impl.h"
+#include "cpu.h"
+#include "emulated.h"
+#include "gpu.h"
 
-namespace aligned::cpu {
+namespace aligned::glue {
+
+using cpu::cpu_backend;
+using cpu::exact_kernels;
+using cpu::ExactF64Params;
+using cpu::ExactF64SplitParams;
 
 namespace {
-
-DType dtype_enum(const at::Tensor& t, const char* op, const char* name) { return dtype_of<DType>(t, op, name); }
 
 // AMX-INT8 tiles where the chosen level grants them (cpu_backend.h: level "amx").
 bool use_amx() { return cpu_backend().amx_int8; }
@@ -78,19 +88,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight_with_forms(const at::
   return {wd, we, wb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at::Tensor& weight) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_pack_weight";
-  check_cpu(weight, op, "weight");
-  const DType dt = check_linear_exact_weight<DType>(weight, op);
-  auto wc = weight.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  const auto& k = exact_kernels();
-  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
-  ieee_parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
-  return pack_weight_with_forms(weight, wc, dt, forms);
-}
-
 // ---- tensor parallelism (exact_linear.h, "tensor parallelism"; docs/exact_linear.md, "TP") ----------------
 // A rank holds a K slice of every row. linear_exact_row_scan gives its slice's scans; an elementwise integer
 // MAX over the ranks (all-reduce MAX) gives the full rows' scans; the weight is packed against them once per
@@ -108,15 +105,6 @@ std::vector<int32_t> scans_of(const at::Tensor& vc, DType dt) {
   return s;
 }
 
-void check_scan(const at::Tensor& s, int64_t R, const char* op, const char* name) {
-  check_cpu(s, op, name);
-  TORCH_CHECK(s.scalar_type() == at::kInt && s.dim() == 2 && s.size(0) == R && s.size(1) == exact::kScanInts &&
-                  s.is_contiguous(),
-              "aligned::", op, ": ", name, " must be contiguous int32 [", R, ", ", exact::kScanInts,
-              "] (linear_exact_row_scan of the rows' slices, merged over the ranks by an elementwise MAX), got ",
-              s.scalar_type(), " ", s.sizes());
-}
-
 // The given scans must cover this rank's slices (merging a slice's own scan into them changes nothing): a
 // scan of another tensor, or not merged over every rank, is refused rather than packed against.
 void check_scan_covers(const at::Tensor& given, const std::vector<int32_t>& local, int64_t R, const char* op,
@@ -126,36 +114,6 @@ void check_scan_covers(const at::Tensor& given, const std::vector<int32_t>& loca
     TORCH_CHECK(local[r] <= g[r], "aligned::", op, ": ", name, " row ", r / exact::kScanInts,
                 " does not cover this rank's slice of that row (", name,
                 " must be the MAX-merge of every rank's linear_exact_row_scan of the same rows)");
-}
-
-at::Tensor linear_exact_row_scan(const at::Tensor& v) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_row_scan";
-  check_cpu(v, op, "v");
-  const DType dt = dtype_enum(v, op, "v");
-  TORCH_CHECK(v.dim() >= 1, "aligned::", op, ": v must have at least one dimension");
-  const int64_t K = v.size(-1);
-  auto vc = v.reshape({-1, K}).contiguous();
-  auto s = scans_of(vc, dt);
-  auto out = at::empty({vc.size(0), exact::kScanInts}, v.options().dtype(at::kInt));
-  if (vc.size(0) > 0) memcpy(out.data_ptr<int32_t>(), s.data(), (size_t)out.numel() * 4);
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight_scanned(const at::Tensor& weight,
-                                                                                const at::Tensor& row_scan) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_pack_weight_scanned";
-  check_cpu(weight, op, "weight");
-  const DType dt = check_linear_exact_weight<DType>(weight, op);
-  auto wc = weight.contiguous();
-  const int64_t N = wc.size(0);
-  check_scan(row_scan, N, op, "row_scan");
-  check_scan_covers(row_scan, scans_of(wc, dt), N, op, "row_scan");
-  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
-  const int32_t* g = row_scan.data_ptr<int32_t>();
-  for (int64_t n = 0; n < N; ++n) forms[n] = exact::row_scan_form(exact::row_scan_load(g + n * exact::kScanInts));
-  return pack_weight_with_forms(weight, wc, dt, forms);
 }
 
 
@@ -235,28 +193,6 @@ void row_bounds(const at::Tensor& v, DType dt, std::vector<int32_t>& bound, std:
   ieee_parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
     k.row_bounds(dt, v.data_ptr(), K, bound.data(), bad.data(), b, e);
   });
-}
-
-// Once per weight version (the Python cache keeps it beside the digits): b of every weight row, int32 [N].
-at::Tensor linear_exact_f64_bounds(const at::Tensor& weight) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_f64_bounds";
-  check_cpu(weight, op, "weight");
-  const DType dt = check_linear_exact_weight<DType>(weight, op);
-  auto wc = weight.contiguous();
-  std::vector<int32_t> bound;
-  std::vector<uint8_t> bad;
-  row_bounds(wc, dt, bound, bad);
-  auto out = at::empty({wc.size(0)}, weight.options().dtype(at::kInt));
-  for (int64_t n = 0; n < wc.size(0); ++n) out.data_ptr<int32_t>()[n] = bad[n] ? exact::kF64Zero : bound[n];
-  return out;  // a NaN / inf weight row: its column is NaN on both paths, any value may be computed first
-}
-
-void check_f64_bounds(const at::Tensor& wb, int64_t N, const char* op) {
-  check_cpu(wb, op, "weight_f64_bounds");
-  TORCH_CHECK(wb.scalar_type() == at::kInt && wb.dim() == 1 && wb.size(0) == N && wb.is_contiguous(), "aligned::", op,
-              ": weight_f64_bounds must be contiguous int32 [", N, "] (from linear_exact_f64_bounds), got ",
-              wb.scalar_type(), " ", wb.sizes());
 }
 
 // The fp64 routes of one call (linear_exact_packed with the weight and its bounds). A row of x whose
@@ -380,41 +316,37 @@ F64Plan plan_f64_routes(const at::Tensor& xc, DType dt, const at::Tensor& wc, co
   return P;
 }
 
-at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
-                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
-                               int64_t k_parts, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& weight_f64_bounds) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_packed";
-  check_cpu(x, op, "x");
-  check_cpu(wd, op, "weight_digits");
-  if (bias.has_value() && bias->defined()) check_cpu(*bias, op, "bias");
-  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts);
-  const int64_t M = a.M, K = a.K;
-  auto xc = x.reshape({M, K}).contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.view(sizes);
-  const bool has_w = weight.has_value() && weight->defined();
-  const bool has_b = weight_f64_bounds.has_value() && weight_f64_bounds->defined();
-  TORCH_CHECK(has_w == has_b, "aligned::", op, ": weight and weight_f64_bounds go together (the fp64 path)");
-  if (has_w) {
-    check_cpu(*weight, op, "weight");
-    TORCH_CHECK(weight->scalar_type() == x.scalar_type() && weight->dim() == 2 && weight->size(0) == N &&
-                    weight->size(1) == K,
-                "aligned::", op, ": weight must be the packed weight itself, [", N, ", ", K, "] in x's dtype ",
-                x.scalar_type(), ", got ", weight->scalar_type(), " ", weight->sizes());
-    check_f64_bounds(*weight_f64_bounds, N, op);
-  }
-  const F64Mode mode = has_w ? f64_mode() : F64Mode::kOff;
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Cpu::linear_exact_pack_weight(const Call&, DType dt,
+                                                                           const at::Tensor& wc) {
+  IeeeFpEnv fenv;
+  const int64_t N = wc.size(0), K = wc.size(1);
+  const auto& k = exact_kernels();
+  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
+  ieee_parallel_for(0, N, 16, [&](int64_t b, int64_t e) { k.w_forms(dt, wc.data_ptr(), K, forms.data(), b, e); });
+  return pack_weight_with_forms(wc, wc, dt, forms);
+}
+
+bool Cpu::exact_f64_path_enabled() { return f64_mode() != F64Mode::kOff; }
+
+// The digit path, or (with the weight and its bounds, per ALIGNED_EXACT_F64) the fp64 routes and the digit path
+// for what they leave.
+void Cpu::linear_exact_packed(const Call&, const ExactPackedRun& r) {
+  IeeeFpEnv fenv;
+  const auto& a = r.a;
+  const at::Tensor& xc = r.x;
+  const at::Tensor &wd = r.wd, &w_exp = r.w_exp, &w_bad = r.w_bad;
+  const int64_t M = a.M, K = a.K, N = a.N, k_parts = r.k_parts;
+  at::Tensor out = r.out;
+  const F64Mode mode = r.weight.defined() ? f64_mode() : F64Mode::kOff;
   if (mode == F64Mode::kOff || (mode == F64Mode::kAuto && M > kF64MaxRows)) {
     digit_linear(xc, a.dt, wd, w_exp, w_bad, N, a.bias, k_parts, out);
-    return out.view(sizes);
+    return;
   }
-  auto wc = weight->contiguous();
+  auto wc = r.weight.contiguous();
   const int64_t es = out.element_size();
-  F64Plan plan = plan_f64_routes(xc, a.dt, wc, weight_f64_bounds->data_ptr<int32_t>(), nullptr);
+  F64Plan plan = plan_f64_routes(xc, a.dt, wc, r.weight_f64_bounds.data_ptr<int32_t>(), nullptr);
   const at::Tensor& xf = plan.xf;
   const auto& f64_rows = plan.f64_rows;
   const auto& splits = plan.splits;
@@ -423,7 +355,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
   if (!f64_rows.empty()) {
     const auto& k = exact_kernels();
     const int64_t R = (int64_t)f64_rows.size(), ldx = ceil_to(K, 8);
-    auto x64 = at::empty({R, ldx}, x.options().dtype(at::kDouble));
+    auto x64 = at::empty({R, ldx}, xc.options().dtype(at::kDouble));
     ieee_parallel_for(0, R, 4, [&](int64_t b, int64_t e) {
       k.f64_convert_rows(a.dt, xf.data_ptr(), K, ldx, f64_rows.data(), x64.data_ptr<double>(), b, e);
     });
@@ -498,7 +430,7 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     if (rows.empty() || (panels && panels->empty())) return;
     auto idx = at::from_blob((void*)rows.data(), {(int64_t)rows.size()}, at::TensorOptions().dtype(at::kLong)).clone();
     auto xs = xc.index_select(0, idx);
-    auto od = at::empty({xs.size(0), N}, x.options());
+    auto od = at::empty({xs.size(0), N}, xc.options());
     digit_linear(xs, a.dt, wd, w_exp, w_bad, N, a.bias, k_parts, od, panels);
     const int64_t es = out.element_size();
     char* o = (char*)out.data_ptr();
@@ -519,70 +451,73 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
     if (plan.panel_needed[(size_t)pn]) panels.push_back(pn);
   redo(plan.bad_rows, nullptr);
   redo(plan.mixed_rows, &panels);
-  return out.view(sizes);
+  return;
 }
 
-// TP: this rank's exact integer partials (hi, lo) of x [.., K_r] against the weight slice packed by
-// linear_exact_pack_weight_scanned; x_scan: the full rows' scans (MAX-merged over the ranks). int64 [.., N, 2].
-at::Tensor linear_exact_partial(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
-                                const at::Tensor& w_bad, int64_t N, const at::Tensor& x_scan) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_partial";
-  check_cpu(x, op, "x");
-  check_cpu(wd, op, "weight_digits");
-  const auto a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, std::nullopt, 1, op);
-  const int64_t M = a.M, K = a.K;
-  check_scan(x_scan, M, op, "x_scan");
-  auto xc = x.reshape({M, K}).contiguous();
-  check_scan_covers(x_scan, scans_of(xc, a.dt), M, op, "x_scan");
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  sizes.push_back(2);
-  auto out = at::zeros({M, N, 2}, x.options().dtype(at::kLong));
-  if (M == 0 || N == 0) return out.view(sizes);
-  at::Tensor none;
-  digit_linear(xc, a.dt, wd, w_exp, w_bad, N, none, 1, out, nullptr, x_scan.data_ptr<int32_t>(),
+// Once per weight version (the Python cache keeps it beside the digits): b of every weight row; a NaN / inf
+// weight row: its column is NaN on both paths, any value may be computed first.
+void Cpu::linear_exact_f64_bounds(const Call&, DType dt, const at::Tensor& wc, const at::Tensor& out) {
+  IeeeFpEnv fenv;
+  std::vector<int32_t> bound;
+  std::vector<uint8_t> bad;
+  row_bounds(wc, dt, bound, bad);
+  for (int64_t n = 0; n < wc.size(0); ++n) out.data_ptr<int32_t>()[n] = bad[n] ? exact::kF64Zero : bound[n];
+}
+
+void Cpu::linear_exact_f64_pairs(const Call&, DType dt, const at::Tensor& xc, const at::Tensor& bounds,
+                                 const at::Tensor& out) {
+  IeeeFpEnv fenv;
+  const int64_t N = bounds.size(0);
+  std::vector<int32_t> bx;
+  std::vector<uint8_t> xbad;
+  row_bounds(xc, dt, bx, xbad);
+  const int32_t* bw = bounds.data_ptr<int32_t>();
+  for (int64_t m = 0; m < xc.size(0); ++m)
+    for (int64_t n = 0; n < N; ++n) out.data_ptr<bool>()[m * N + n] = !xbad[m] && exact::f64_sum_exact(bx[m], bw[n]);
+}
+
+void Cpu::linear_exact_f64_routes(const Call&, DType dt, const at::Tensor& xc, const at::Tensor& wc,
+                                  const at::Tensor& bounds, const at::Tensor& out) {
+  IeeeFpEnv fenv;
+  plan_f64_routes(xc, dt, wc, bounds.data_ptr<int32_t>(), out.data_ptr<int8_t>());
+}
+
+// ---- tensor parallelism -------------------------------------------------------------------------------------
+void Cpu::linear_exact_row_scan(const Call&, DType dt, const at::Tensor& vc, const at::Tensor& out) {
+  IeeeFpEnv fenv;
+  auto s = scans_of(vc, dt);
+  if (vc.size(0) > 0) memcpy(out.data_ptr<int32_t>(), s.data(), (size_t)out.numel() * 4);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Cpu::linear_exact_pack_weight_scanned(const Call& call, DType dt,
+                                                                                   const at::Tensor& wc,
+                                                                                   const at::Tensor& row_scan) {
+  IeeeFpEnv fenv;
+  const int64_t N = wc.size(0);
+  check_scan_covers(row_scan, scans_of(wc, dt), N, call.op, "row_scan");
+  std::vector<exact::RowForm> forms((size_t)std::max<int64_t>(N, 1));
+  const int32_t* g = row_scan.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) forms[n] = exact::row_scan_form(exact::row_scan_load(g + n * exact::kScanInts));
+  return pack_weight_with_forms(wc, wc, dt, forms);
+}
+
+void Cpu::linear_exact_partial(const Call& call, const ExactPackedRun& r, const at::Tensor& x_scan) {
+  IeeeFpEnv fenv;
+  const int64_t M = r.a.M, N = r.a.N;
+  check_scan_covers(x_scan, scans_of(r.x, r.a.dt), M, call.op, "x_scan");
+  if (M == 0 || N == 0) return;
+  at::Tensor none, out = r.out;
+  digit_linear(r.x, r.a.dt, r.wd, r.w_exp, r.w_bad, N, none, 1, out, nullptr, x_scan.data_ptr<int32_t>(),
                out.data_ptr<int64_t>());
-  return out.view(sizes);
 }
 
-// TP: the integer sum of every rank's partials [.., N, 2] -> the exact profile's output in `dtype`: the one
-// rounding and the epilogue (exact_linear.h exact_epilogue_f32, as the single-device kernels).
-at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_scan, const at::Tensor& w_exp,
-                               const at::Tensor& w_bad, const std::optional<at::Tensor>& bias,
-                               at::ScalarType dtype) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact_finish";
-  check_cpu(partial, op, "partial");
-  TORCH_CHECK(partial.scalar_type() == at::kLong && partial.dim() >= 2 && partial.size(-1) == 2, "aligned::", op,
-              ": partial must be int64 [..., out_features, 2] (the sum of the ranks' linear_exact_partial), got ",
-              partial.scalar_type(), " ", partial.sizes());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "aligned::", op,
-              ": dtype must be float32, bfloat16 or float16, got ", dtype);
-  const int64_t N = partial.size(-2);
-  const int64_t M = c10::multiply_integers(partial.sizes().begin(), partial.sizes().end() - 2);
-  check_scan(x_scan, M, op, "x_scan");
-  check_cpu(w_exp, op, "weight_exponents");
-  check_cpu(w_bad, op, "weight_nonfinite");
-  TORCH_CHECK(w_exp.scalar_type() == at::kInt && w_exp.dim() == 1 && w_exp.size(0) == N + 1 && w_exp.is_contiguous(),
-              "aligned::", op, ": weight_exponents must be contiguous int32 [", N + 1,
-              "] (from linear_exact_pack_weight_scanned), got ", w_exp.scalar_type(), " ", w_exp.sizes());
-  TORCH_CHECK(w_bad.scalar_type() == at::kByte && w_bad.dim() == 1 && w_bad.size(0) == N && w_bad.is_contiguous(),
-              "aligned::", op, ": weight_nonfinite must be contiguous uint8 [", N, "], got ", w_bad.scalar_type(), " ",
-              w_bad.sizes());
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    check_cpu(*bias, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "aligned::", op,
-                ": bias must be [", N, "] in dtype ", dtype, ", got ", bias->scalar_type(), " ", bias->sizes());
-    b32 = bias->to(at::kFloat).contiguous();  // exact widening
-  }
-  auto sizes = partial.sizes().vec();
-  sizes.pop_back();
-  auto out = at::empty({M, N}, partial.options().dtype(dtype));
-  const DType dt = dtype_enum(out, op, "dtype");
-  auto pc = partial.reshape({M, N, 2}).contiguous();
-  const int64_t* P = pc.data_ptr<int64_t>();
+void Cpu::linear_exact_finish(const Call&, DType dt, const at::Tensor& partial, const at::Tensor& x_scan,
+                              const at::Tensor& w_exp, const at::Tensor& w_bad, const at::Tensor& bias,
+                              const at::Tensor& out) {
+  IeeeFpEnv fenv;
+  const int64_t M = out.size(0), N = out.size(1);
+  const at::Tensor b32 = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();  // exact widening
+  const int64_t* P = partial.data_ptr<int64_t>();
   const int32_t* sc = x_scan.data_ptr<int32_t>();
   const int32_t* we = w_exp.data_ptr<int32_t>();
   const uint8_t* wb = w_bad.data_ptr<uint8_t>();
@@ -600,55 +535,12 @@ at::Tensor linear_exact_finish(const at::Tensor& partial, const at::Tensor& x_sc
       }
     });
   });
-  return out.view(sizes);
-}
-
-// Test hook: per (x row, weight row) whether the pair meets the fp64 path's bound (B) (bool [M, N]; rows with
-// NaN / inf: false).
-at::Tensor linear_exact_f64_pairs(const at::Tensor& x, const at::Tensor& weight_f64_bounds) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "_linear_exact_f64_pairs";
-  check_cpu(x, op, "x");
-  const DType dt = dtype_enum(x, op, "x");
-  const int64_t N = weight_f64_bounds.dim() == 1 ? weight_f64_bounds.size(0) : -1;
-  check_f64_bounds(weight_f64_bounds, N, op);
-  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
-  std::vector<int32_t> bx;
-  std::vector<uint8_t> xbad;
-  row_bounds(xc, dt, bx, xbad);
-  auto r = at::empty({xc.size(0), N}, x.options().dtype(at::kBool));
-  const int32_t* bw = weight_f64_bounds.data_ptr<int32_t>();
-  for (int64_t m = 0; m < xc.size(0); ++m)
-    for (int64_t n = 0; n < N; ++n) r.data_ptr<bool>()[m * N + n] = !xbad[m] && exact::f64_sum_exact(bx[m], bw[n]);
-  return r;
-}
-
-at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "linear_exact";
-  check_cpu(x, op, "x");
-  check_cpu(weight, op, "weight");
-  const DType dt = check_linear_exact_weight<DType>(weight, op);
-  TORCH_CHECK(dtype_enum(x, op, "x") == dt, "aligned::linear_exact: weight dtype ", weight.scalar_type(),
-              " must equal x dtype ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "aligned::linear_exact: x has ",
-              x.dim() >= 1 ? x.size(-1) : 0, " input features but weight is ", weight.sizes());
-  auto [wd, we, wb] = linear_exact_pack_weight(weight);
-  std::optional<at::Tensor> bounds;
-  if (f64_mode() != F64Mode::kOff) bounds = linear_exact_f64_bounds(weight);
-  return linear_exact_packed(x, wd, we, wb, weight.size(0), bias, 1, bounds ? std::optional<at::Tensor>(weight)
-                                                                          : std::nullopt, bounds);
 }
 
 // The scalar definition (exact_linear.h: canonical integers, one int128 sum, one rounding): for tests.
-at::Tensor linear_exact_reference(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "_linear_exact_reference";
-  check_cpu(x, op, "x");
-  check_cpu(weight, op, "weight");
-  check_linear_exact_weight<DType>(weight, op);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "aligned::", op, ": x must be float32, bfloat16 or float16");
+at::Tensor Cpu::linear_exact_reference(const Call&, const at::Tensor& x, const at::Tensor& weight,
+                                       const at::Tensor& bias) {
+  IeeeFpEnv fenv;
   const int64_t K = weight.size(1), N = weight.size(0);
   auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
   auto w2 = weight.to(at::kFloat).contiguous();
@@ -670,7 +562,7 @@ at::Tensor linear_exact_reference(const at::Tensor& x, const at::Tensor& weight,
   auto out32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out32.data_ptr<float>();
   std::optional<at::Tensor> b32;
-  if (bias.has_value() && bias->defined()) b32 = bias->to(at::kFloat).contiguous();
+  if (bias.defined()) b32 = bias.to(at::kFloat).contiguous();
   for (int64_t m = 0; m < M; ++m) {
     const exact::RowForm f = exact::row_form(xp + m * K, K);
     for (int64_t k = 0; k < K; ++k) {
@@ -694,46 +586,17 @@ at::Tensor linear_exact_reference(const at::Tensor& x, const at::Tensor& weight,
   return out32.to(x.scalar_type()).view(sizes);
 }
 
-std::string exact_unit() { return exact_kernels().unit(use_amx()); }
+// ---- the CPU key's registrations of these families (register_cpu.cpp) ---------------------------------------
+template void register_family<ExactLinear, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
+template void register_family<ExactF64, Cpu>(torch::Library&);
+template void register_family<ExactTp, Cpu>(torch::Library&);
+template void register_family<ExactReference, Cpu>(torch::Library&);
 
-}  // namespace
+}  // namespace aligned::glue
 
-// Test hook: which route computes each output of linear_exact_packed(x, ..., weight, weight_f64_bounds) under
-// ALIGNED_EXACT_F64=all (int8 [M, N]: 0 the fp64 path, 1 the split route, 2 the digit path).
-at::Tensor linear_exact_f64_routes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_f64_bounds) {
-  IeeeFpEnv fenv;  // the glue's own scans and conversions too
-  const char* op = "_linear_exact_f64_routes";
-  check_cpu(x, op, "x");
-  check_cpu(weight, op, "weight");
-  const DType dt = dtype_enum(x, op, "x");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 2 && x.dim() >= 1 &&
-                  weight.size(1) == x.size(-1),
-              "aligned::", op, ": weight must be [N, K] in x's dtype with K = x.size(-1), got ", weight.scalar_type(),
-              " ", weight.sizes(), " for x ", x.scalar_type(), " ", x.sizes());
-  check_f64_bounds(weight_f64_bounds, weight.size(0), op);
-  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
-  auto r = at::empty({xc.size(0), weight.size(0)}, x.options().dtype(at::kChar));
-  plan_f64_routes(xc, dt, weight.contiguous(), weight_f64_bounds.data_ptr<int32_t>(), r.data_ptr<int8_t>());
-  return r;
+// The exact linear's CPU unit: amx / avx512-vnni / avx2-madd / generic. No tensor arguments: a catch-all kernel.
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) {
+  m.impl("_exact_unit", +[]() -> std::string {
+    return aligned::cpu::exact_kernels().unit(aligned::cpu::cpu_backend().amx_int8);
+  });
 }
-
-TORCH_LIBRARY_IMPL(aligned, CPU, lib) {
-  EmulationAwareLibrary m(lib);  // under aligned_ops.emulate(arch): the GPU source runs (emulation_hook.h)
-  m.impl("linear_exact", &linear_exact);
-  m.impl("linear_exact_pack_weight", &linear_exact_pack_weight);
-  m.impl("linear_exact_packed", &linear_exact_packed);
-  lib.impl("linear_exact_f64_bounds", &linear_exact_f64_bounds);
-  lib.impl("_linear_exact_reference", &linear_exact_reference);
-  lib.impl("_linear_exact_f64_pairs", &linear_exact_f64_pairs);
-  lib.impl("_linear_exact_f64_routes", &linear_exact_f64_routes);
-  // TP (CPU only; the GPU glue does not register these: a device call fails naming the op)
-  lib.impl("linear_exact_row_scan", &linear_exact_row_scan);
-  lib.impl("linear_exact_pack_weight_scanned", &linear_exact_pack_weight_scanned);
-  lib.impl("linear_exact_partial", &linear_exact_partial);
-  lib.impl("linear_exact_finish", &linear_exact_finish);
-}
-
-// No tensor arguments: a catch-all kernel (schema in torch_bindings.cpp).
-TORCH_LIBRARY_IMPL(aligned, CatchAll, m) { m.impl("_exact_unit", &exact_unit); }
-
-}  // namespace aligned::cpu

@@ -1,11 +1,12 @@
-// attention_checks.h — argument validation of the attention family (attention_varlen and its backward,
-// reshape_and_cache, paged_attention), written once for every backend's torch glue.
+// checks/attention.h — argument checks of the attention family (attention_varlen and its backward,
+// reshape_and_cache, paged_attention, the plan and its run forms), written once for every backend's glue
+// body (csrc/torch/glue/attention.h).
 //
 // Split the same way as the family's work: these checks look only at tensor *metadata* (dtype, rank,
 // shapes, strides, scalars) and never read tensor data, so they cost nothing on a GPU and never sync.
 // Checks that need data values (offsets monotone, block ids and slots in range) are the planner's
 // (csrc/common/attention_plan.h), which runs on the host copies of that metadata the engine already
-// keeps. Each glue checks devices first (check_cpu / check_cuda), then calls these.
+// keeps. Each glue body checks devices first (B::Call::on_device), then calls these.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "common/attention_plan.h"
-#include "op_checks.h"
+#include "../../common/attention_plan.h"
+#include "common.h"
 
 namespace aligned {
 
@@ -208,40 +209,78 @@ inline void check_plan_buffers(const at::Tensor& plan, const at::Tensor& table, 
   TORCH_CHECK(workspace_floats >= 0, "aligned::", op, ": workspace_floats must be >= 0, got ", workspace_floats);
 }
 
-// attention_plan's host half, the same for every backend: metadata checks and the planner. block_table
-// absent: a packed (varlen) plan, query_start_loc = cu_seqlens_q, kv_lens = cu_seqlens_k; present: a paged
-// plan, kv_lens = seq_lens, block ids checked against num_cache_blocks x block_size. The plan's sequences
-// point into *table_keepalive (the contiguous block table), which must outlive the packing.
-struct HostAttnPlan {
-  AttnPlan plan;
-  AttnShape shape;
-  AttnPlanDims dims;
-  std::optional<at::Tensor> table_keepalive;
-};
-inline HostAttnPlan plan_from_host_metadata(const at::Tensor& qsl, const at::Tensor& kv_lens,
-                                            const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
-                                            int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size,
-                                            const char* op) {
+// plan_info: the plan's info on the HOST (int64 [kAttnPlanFields], attention_plan writes it beside the device
+// buffers; FlashInfer's plan_info vector), so a run checks the call against its plan without reading the device.
+inline void check_plan_info_tensor(const at::Tensor& plan_info, const char* op) {
+  TORCH_CHECK(plan_info.device().is_cpu(), "aligned::", op,
+              ": plan_info must be a CPU (host) tensor (aligned_ops.AttentionPlan.info), got device ",
+              plan_info.device());
+  TORCH_CHECK(plan_info.scalar_type() == at::kLong && plan_info.dim() == 1 && plan_info.size(0) == kAttnPlanFields &&
+                  plan_info.is_contiguous(),
+              "aligned::", op, ": plan_info must be a contiguous int64 [", kAttnPlanFields,
+              "] tensor (aligned_ops.AttentionPlan.info), got ", plan_info.scalar_type(), " ", plan_info.sizes());
+}
+
+// The info a run was given: the plan it describes, or the refusal of a never-planned one.
+inline AttnPlanInfo plan_info_of(const at::Tensor& plan_info, const char* op) {
+  check_plan_info_tensor(plan_info, op);
+  AttnPlanInfo info;
+  TORCH_CHECK(AttnPlanInfo::from_vector(plan_info.data_ptr<int64_t>(), &info), "aligned::", op, ": ",
+              attn_plan_mismatch_text(1));
+  return info;
+}
+
+// A run form's call against its plan's info, on the host, before any launch: the op's heads, head_dim, causality,
+// kind and block size, its query rows (exactly the plan's: no row may stay unwritten), key rows / cache blocks, and
+// the buffers' capacities. The GPU kernels check the device header against the same run dims again.
+inline AttnRunDims check_plan_call(const AttnPlanInfo& info, const AttnShape& sh, int64_t q_rows, int64_t kv_rows,
+                                   int64_t block_size, const at::Tensor& plan, const at::Tensor& table,
+                                   int64_t workspace_floats, const char* op) {
+  const AttnRunDims run{sh.Hq, sh.Hkv, sh.D, sh.causal, q_rows, kv_rows, block_size,
+                        attn_plan_capacity(plan.size(0)), table.numel(), workspace_floats, info.metadata_hash};
+  int64_t v[kAttnPlanFields];
+  info.to_vector(v);
+  const int bad = attn_plan_mismatch(v, run);
+  TORCH_CHECK(bad == 0, "aligned::", op, ": ", attn_plan_mismatch_text(bad));
+  return run;
+}
+
+// The varlen metadata of a call against the plan's fingerprint: a plan of other offsets with the same token count
+// would otherwise compute its own segmentation. `what`: which plan (the run's, or the forward's for a backward).
+inline void check_plan_offsets(const AttnPlanInfo& info, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                               const char* op, const char* what) {
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  TORCH_CHECK(attn_varlen_metadata_hash(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0)) ==
+                  info.metadata_hash,
+              "aligned::", op, ": cu_seqlens_q / cu_seqlens_k are not the offsets ", what,
+              " was made from (another segmentation of the rows?): plan it from this call's offsets");
+}
+
+// attention_plan's host half, the same for every backend: metadata checks and the planner. block_table absent: a
+// packed (varlen) plan, query_start_loc = cu_seqlens_q, kv_lens = cu_seqlens_k; present: a paged plan, kv_lens =
+// seq_lens, block ids checked against num_cache_blocks x block_size.
+inline AttnPlan plan_from_host_metadata(const at::Tensor& qsl, const at::Tensor& kv_lens,
+                                        const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
+                                        int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size,
+                                        const char* op) {
   using namespace attn_detail;
   check_heads(Hq, Hkv, D, op);
   const bool paged = block_table.has_value();
   check_attention_metadata_host(qsl, op, "query_start_loc");
   check_attention_metadata_host(kv_lens, op, "kv_lens");
   check_offsets_meta(qsl, op, "query_start_loc");
-  HostAttnPlan h;
-  h.shape = AttnShape{Hq, Hkv, D, causal};
+  const AttnShape shape{Hq, Hkv, D, causal};
   const auto ql = qsl.contiguous();
   const int64_t Tq = ql.data_ptr<int32_t>()[ql.size(0) - 1];
-  h.dims = AttnPlanDims{Tq, 0, 0};
+  AttnPlan plan;
   if (!paged) {
     check_offsets_meta(kv_lens, op, "kv_lens (cu_seqlens_k)");
     TORCH_CHECK(kv_lens.size(0) == qsl.size(0), "aligned::", op,
                 ": cu_seqlens_q and cu_seqlens_k must have the same length, got ", qsl.size(0), " and ",
                 kv_lens.size(0));
     const auto ck = kv_lens.contiguous();
-    h.dims.n_kv = ck.data_ptr<int32_t>()[ck.size(0) - 1];
-    check_plan(plan_varlen(ql.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), ql.size(0), Tq, h.dims.n_kv, h.shape,
-                           false, op, &h.plan));
+    check_plan(plan_varlen(ql.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), ql.size(0), Tq,
+                           ck.data_ptr<int32_t>()[ck.size(0) - 1], shape, false, op, &plan));
   } else {
     check_attention_metadata_host(*block_table, op, "block_table");
     check_paged_metadata(*block_table, kv_lens, qsl, op);
@@ -249,15 +288,23 @@ inline HostAttnPlan plan_from_host_metadata(const at::Tensor& qsl, const at::Ten
                 ": a paged plan needs num_cache_blocks >= 0 and block_size >= 1, got ", num_cache_blocks, " and ",
                 block_size);
     TORCH_CHECK(causal, "aligned::", op, ": paged attention is causal (causal must be True)");
-    h.table_keepalive = block_table->contiguous();
-    const auto sl = kv_lens.contiguous();
-    h.dims.n_kv = num_cache_blocks;
-    h.dims.block_size = block_size;
-    check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), h.table_keepalive->data_ptr<int32_t>(),
-                          sl.size(0), h.table_keepalive->size(1), num_cache_blocks, block_size, Tq, h.shape, op,
-                          &h.plan));
+    const auto bt = block_table->contiguous(), sl = kv_lens.contiguous();
+    check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), sl.size(0),
+                          bt.size(1), num_cache_blocks, block_size, Tq, shape, op, &plan));
   }
-  return h;
+  return plan;
+}
+
+// attention_plan's check of a plan against the caller's buffers (the capacity C, the table, the workspace).
+inline void check_plan_fits_buffers(const AttnPlan& p, const at::Tensor& plan, const at::Tensor& table,
+                                    int64_t workspace_floats, const char* op) {
+  const int64_t capacity = attn_plan_capacity(plan.size(0)), records = p.info.capacity();
+  TORCH_CHECK(records <= capacity, "aligned::", op, ": the plan needs ", records,
+              " work records but the plan buffer holds ", capacity, " (allocate it with a larger capacity)");
+  TORCH_CHECK(p.info.part_floats <= workspace_floats, "aligned::", op, ": the plan needs a workspace of ",
+              p.info.part_floats, " floats but it has ", workspace_floats, " (allocate a larger workspace)");
+  TORCH_CHECK(p.info.table_elems <= table.numel(), "aligned::", op, ": the plan uses ", p.info.table_elems,
+              " block-table entries but the plan's table holds ", table.numel(), " (allocate a larger table)");
 }
 
 // attention_plan_size: what a plan of this metadata needs — {records (the capacity), table entries, workspace
@@ -266,36 +313,16 @@ inline std::vector<int64_t> attention_plan_size(const at::Tensor& qsl, const at:
                                                 const std::optional<at::Tensor>& block_table, int64_t Hq,
                                                 int64_t Hkv, int64_t D, bool causal, int64_t num_cache_blocks,
                                                 int64_t block_size) {
-  const HostAttnPlan h = plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks,
-                                                 block_size, "attention_plan_size");
-  int64_t table = 0;
-  for (const AttnSeq& s : h.plan.seqs)
-    if (s.blocks) table += (s.n_ctx + block_size - 1) / block_size;
-  const int64_t records = (int64_t)std::max(h.plan.items.size(), h.plan.blocks.size());
-  return {records, table, h.plan.part_floats};
+  const AttnPlan p = plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks,
+                                             block_size, "attention_plan_size");
+  return {p.info.capacity(), p.info.table_elems, p.info.part_floats};
 }
 
-// attention_plan's host half: the plan in the buffer format, checked against the buffers' capacities; the
-// glue then copies it into plan / plan_table (the plan op's one host-to-device step; the run has none).
-inline AttnPackedPlan plan_attention_host(const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
-                                          const at::Tensor& qsl, const at::Tensor& kv_lens,
-                                          const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
-                                          int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size) {
-  const char* op = "attention_plan";
-  check_plan_buffers(plan, table, workspace_floats, op);
-  const HostAttnPlan h =
-      plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks, block_size, op);
-  AttnPackedPlan packed;
-  check_plan(attn_pack_plan(h.plan, h.shape, h.dims, attn_plan_capacity(plan.size(0)), table.numel(),
-                            workspace_floats, op, &packed));
-  return packed;
-}
-
-// The run form's host-side view of a plan buffer's dimensions (metadata only: shapes, never values).
-inline AttnRunDims planned_run_dims(const AttnShape& sh, int64_t q_rows, int64_t kv_rows, int64_t block_size,
-                                    const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats) {
-  return AttnRunDims{sh.Hq, sh.Hkv, sh.D, sh.causal, q_rows, kv_rows, block_size,
-                     attn_plan_capacity(plan.size(0)), table.numel(), workspace_floats};
+// attention_plan_layout: the buffers a plan of `capacity` records takes — {plan rows, plan columns, plan_info
+// length} — so a caller allocates them without knowing the format.
+inline std::vector<int64_t> attention_plan_layout(int64_t capacity) {
+  TORCH_CHECK(capacity >= 0, "aligned::attention_plan_layout: capacity must be >= 0, got ", capacity);
+  return {kAttnPlanHeaderRows + 2 * capacity, kAttnWorkFields, kAttnPlanFields};
 }
 
 }  // namespace aligned

@@ -1,6 +1,7 @@
-// torch_bindings.cpp — every op schema, declared once, by family, and the Python module entry point.
-// Backends register implementations with TORCH_LIBRARY_IMPL (csrc/cpu/ops_*.cpp, csrc/cuda/ops_cuda.cpp);
-// fake (meta) implementations and autograd live in python/aligned_ops/ (_dense.py, _attention.py).
+// bindings.cpp — every op schema, declared once, by family, and the Python module entry point.
+// Backends register implementations with one line per family (csrc/torch/register_<key>.cpp: each family's ops
+// and their one glue body, csrc/torch/glue/<family>.h); fake (meta) implementations and autograd live in
+// python/aligned_ops/ops/.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -67,34 +68,39 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
       "bool causal=True) -> (Tensor out, Tensor lse)");
+  // plan_info: the info of the plan the forward ran (attention_varlen_planned): the backward refuses offsets that
+  // plan was not made from.
   m.def(
       "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, Tensor? plan_info=None) -> "
+      "(Tensor dq, Tensor dk, Tensor dv)");
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
-  // Plan/run form (CUDA-graph safe; attention_plan.h "the plan buffer"; aligned_ops.AttentionPlan). attention_plan
-  // plans once from HOST metadata (block_table None: packed, query_start_loc = cu_seqlens_q, kv_lens =
-  // cu_seqlens_k; else paged, kv_lens = seq_lens) into caller-owned buffers on the run's device: plan int64
-  // [2 + 2 * capacity, 11], plan_table int32. The run forms read only those buffers (no host-to-device copy, no
-  // host read, fixed grids; their split partials take workspace_floats, a capacity, never a data value) and equal
-  // the per-call forms bit for bit.
-  // attention_varlen_planned takes the host cu_seqlens for its backward only (which replans from them).
+  // Plan/run form (CUDA-graph safe; csrc/common/attention_plan.h; aligned_ops.AttentionPlan). attention_plan plans
+  // once from HOST metadata (block_table None: packed, query_start_loc = cu_seqlens_q, kv_lens = cu_seqlens_k; else
+  // paged, kv_lens = seq_lens) into caller-owned buffers: plan and plan_table on the run's device, plan_info on the
+  // host (the plan's info, FlashInfer's plan_info). Each run form takes the three back: it checks the call against
+  // plan_info on the host (heads, head_dim, rows — exactly q's —, capacities; attention_varlen_planned also its
+  // cu_seqlens against the offsets the plan was made from), then reads only the buffers (no host-to-device copy, no
+  // read of device memory, fixed grids; the split partials take workspace_floats, a capacity, never a data value),
+  // and equals the per-call form bit for bit. attention_plan_layout gives the buffers' sizes for a capacity,
+  // attention_plan_size what a plan of some metadata needs (host; CPU kernel only).
   m.def(
-      "attention_plan(Tensor(a!) plan, Tensor(b!) plan_table, Tensor query_start_loc, Tensor kv_lens, "
-      "Tensor? block_table, int num_heads, int num_kv_heads, int head_dim, bool causal=True, int num_cache_blocks=0, "
-      "int block_size=0, int workspace_floats=0) -> ()");
-  // What such a plan needs, [capacity (records), table entries, workspace floats] (host; CPU kernel only).
+      "attention_plan(Tensor(a!) plan, Tensor(b!) plan_table, Tensor(c!) plan_info, Tensor query_start_loc, "
+      "Tensor kv_lens, Tensor? block_table, int num_heads, int num_kv_heads, int head_dim, bool causal=True, "
+      "int num_cache_blocks=0, int block_size=0, int workspace_floats=0) -> ()");
   m.def(
       "attention_plan_size(Tensor query_start_loc, Tensor kv_lens, Tensor? block_table, int num_heads, "
       "int num_kv_heads, int head_dim, bool causal=True, int num_cache_blocks=0, int block_size=0) -> int[]");
+  m.def("attention_plan_layout(int capacity) -> int[]");  // [plan rows, plan columns, plan_info length]
   m.def(
       "attention_varlen_planned(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor plan, "
-      "int workspace_floats, float scale, bool causal=True) -> (Tensor out, Tensor lse)");
+      "Tensor plan_info, int workspace_floats, float scale, bool causal=True) -> (Tensor out, Tensor lse)");
   m.def(
       "paged_attention_planned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, Tensor plan_table, "
-      "int workspace_floats, float scale) -> Tensor");
+      "Tensor plan_info, int workspace_floats, float scale) -> Tensor");
   // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");
@@ -102,7 +108,7 @@ TORCH_LIBRARY(aligned, m) {
   // The GPU ops check data values in the kernel (no host sync); their per-device error words, read and cleared
   // by aligned_ops.check_device_errors() (csrc/gpu/dense_api.h DeviceError). CPU: always zeros.
   m.def("_device_error_flags(Tensor like) -> Tensor");
-  // moe family (csrc/common/moe.h; CPU glue csrc/cpu/ops_moe_cpu.cpp; fakes + autograd python/aligned_ops/ops/moe.py)
+  // moe family (csrc/common/moe.h; glue csrc/torch/glue/moe.h; fakes + autograd python/aligned_ops/ops/moe.py)
   m.def(
       "moe_routing(Tensor router_logits, int top_k, str scoring=\"softmax\", bool renormalize=True) -> "
       "(Tensor, Tensor, Tensor)");
@@ -113,7 +119,8 @@ TORCH_LIBRARY(aligned, m) {
       "moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? shared_w13=None, "
       "Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
   // Gradients of moe_experts wrt (x, topk_weights, w13, w2, shared_w13, shared_w2, shared_gate); the shared ones
-  // are empty tensors without a shared expert / gate. Implemented from other aligned ops (python/aligned_ops/ops/moe.py).
+  // are empty tensors without a shared expert / gate. Implemented from other aligned ops
+  // (python/aligned_ops/ops/moe.py).
   m.def(
       "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
       "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> "
@@ -154,9 +161,9 @@ TORCH_LIBRARY(aligned, m) {
   // ---- diagnostics and control ops without tensor arguments ----
   // Their kernels are registered as catch-all (TORCH_LIBRARY_IMPL(aligned, CatchAll, m)) next to the backend
   // that implements them: a no-tensor op has no dispatch key to select a backend by.
-  m.def("_cpu_isa() -> str");    // the CPU ISA level chosen once (csrc/cpu/cpu_backend.h; csrc/cpu/ops_cpu.cpp)
-  m.def("_exact_unit() -> str");  // the exact linear's CPU unit: amx / avx512-vnni / avx2-madd / generic (ops_exact_cpu.cpp)
-  // aligned_ops.emulate (csrc/emu/ops_emulated_cuda.cpp): enter/leave an emulated GPU arch, its launch records,
+  m.def("_cpu_isa() -> str");    // the CPU ISA level chosen once (csrc/cpu/cpu_backend.h; backends/cpu_dense.cpp)
+  m.def("_exact_unit() -> str");  // the exact linear's CPU unit: amx / avx512-vnni / avx2-madd / generic (cpu_exact.cpp)
+  // aligned_ops.emulate (csrc/torch/backends/emulated.cpp): enter/leave an emulated GPU arch, its launch records,
   // the emulated archs, the SIMT runtime's self-test kernels.
   m.def("_emulate_enter(str arch, int fault=0) -> ()");
   m.def("_emulate_exit() -> str[]");

@@ -1,10 +1,9 @@
-// moe_checks.h — argument validation of the moe family (moe_routing(_backward), moe_experts and its plain
-// reference), written once for every backend's torch glue (today csrc/cpu/ops_moe_cpu.cpp; a GPU glue calls the
-// same functions with ValueChecks::kInKernel). Each glue checks devices first (check_cpu / check_cuda), then
-// calls these; they return what the glue needs to allocate and fill the params (csrc/op_params.h).
+// checks/moe.h — argument checks of the moe family (moe_routing(_backward), moe_experts and its plain
+// reference), written once for every backend's glue body (csrc/torch/glue/moe.h; checks/common.h says how).
+// They return what the body needs to allocate and fill the params (csrc/torch/make_params.h).
 //
 // Device-independent (ATen only). The one data-value check (top-k ids in [0, E)) reads the ids on the host
-// only under ValueChecks::kHost, like op_checks.h's.
+// only under ValueChecks::kHost, like the other families'.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "common/moe.h"
-#include "op_checks.h"
+#include "../../common/moe.h"
+#include "common.h"
 
 namespace aligned {
 

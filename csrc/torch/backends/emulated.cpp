@@ -1,35 +1,49 @@
-// ops_emulated_cuda.cpp — the GPU glue (csrc/cuda/ops_cuda.cpp) compiled for the emulated CUDA build of
-// csrc/gpu (csrc/emu/model_cuda.h): same argument checks, params and launcher calls, CPU tensors, launchers in
-// aligned::gpu_emu_cuda, registered into glue_registry(Vendor::kCuda). Also the control ops behind
-// aligned_ops.emulate (python/aligned_ops/emulation.py).
-#include "emulated_glue_prelude.h"
+// emulated.cpp — the emulation target's host side in the torch library: the error words of each vendor's
+// emulated kernels, and the control ops behind aligned_ops.emulate (python/aligned_ops/emulation.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
-#define ALIGNED_EMULATED_VENDOR ::aligned::emu::Vendor::kCuda
-#define gpu gpu_emu_cuda
-#include "../cuda/ops_cuda.cpp"
-#include "../cuda/ops_attention_cuda.cpp"  // the attention family's GPU glue
-#undef gpu
+#include "../../gpu/dense_api.h"
+#include "emulated.h"
 
-namespace aligned::gpu_emu_cuda {
-const char* run_selftest(const std::string& name, std::vector<long long>& out);  // selftest_cuda.cpp
+namespace aligned::glue {
+
+// One buffer per vendor, allocated on first use and never freed (like a device's, which must outlive the caching
+// allocator's teardown).
+template <emu::Vendor V>
+int32_t* EmulatedDevice<V>::error_flags(const at::Tensor& first) {
+  static std::once_flag once;
+  static at::Tensor* flags = nullptr;
+  std::call_once(once, [&] {
+    flags = new at::Tensor(at::zeros({gpu::kNumDeviceErrors}, first.options().dtype(at::kInt)));
+  });
+  return flags->data_ptr<int32_t>();
 }
-namespace aligned::gpu_emu_hip {
-const char* run_selftest(const std::string& name, std::vector<long long>& out);  // selftest_hip.cpp
+
+template <emu::Vendor V>
+at::Tensor EmulatedDevice<V>::error_flags_tensor(const at::Tensor& first) {
+  return at::from_blob(error_flags(first), {gpu::kNumDeviceErrors}, first.options().dtype(at::kInt));
 }
+
+template struct EmulatedDevice<emu::Vendor::kCuda>;
+template struct EmulatedDevice<emu::Vendor::kHip>;
+
+}  // namespace aligned::glue
 
 namespace aligned::emu {
 namespace {
 
-// The runtime's self-test kernels (selftest_kernels.cuh) at the active arch.
+// The runtime's self-test kernels (csrc/emu/selftest_kernels.cuh) at the active arch.
 std::vector<int64_t> emulate_selftest(const std::string& name) {
   const Arch* a = active_arch();
   TORCH_CHECK(a != nullptr, "aligned::_emulate_selftest: needs aligned_ops.emulate(arch)");
   std::vector<long long> out;
-  const char* err = a->vendor == Vendor::kHip ? gpu_emu_hip::run_selftest(name, out)
-                                              : gpu_emu_cuda::run_selftest(name, out);
+  const char* err = a->vendor == Vendor::kHip ? gpu::emulated_hip::run_selftest(name, out)
+                                              : gpu::emulated_cuda::run_selftest(name, out);
   TORCH_CHECK(err == nullptr, "aligned::_emulate_selftest(", name, "): ", err ? err : "");
   return std::vector<int64_t>(out.begin(), out.end());
 }
@@ -65,7 +79,7 @@ std::vector<std::string> emulated_archs() {
 }  // namespace
 }  // namespace aligned::emu
 
-// No tensor arguments: catch-all kernels (schemas in torch_bindings.cpp).
+// No tensor arguments: catch-all kernels (schemas in bindings.cpp).
 TORCH_LIBRARY_IMPL(aligned, CatchAll, m) {
   m.impl("_emulate_enter", &aligned::emu::emulate_enter);
   m.impl("_emulate_exit", &aligned::emu::emulate_exit);

@@ -1,8 +1,8 @@
-// op_params.h — the one place each op family's params struct (csrc/common/params_*.h) is filled from tensors,
-// after the shared argument checks (op_checks.h). Every backend's glue (CPU: csrc/cpu/ops_cpu.cpp,
-// ops_moe_cpu.cpp; GPU: csrc/cuda/ops_cuda.cpp, also compiled for ROCm and for the emulation target) checks
-// devices, calls check_<op>, makes the contiguous inputs and allocates the outputs, then calls make_<op>_params
-// here and hands the struct to its backend's run(params) — no glue types a field itself.
+// make_params.h — the one place each op family's params struct (csrc/common/params_*.h) is filled from
+// tensors, after the family's argument checks (checks/<family>.h). Each op's one glue body
+// (csrc/torch/glue/<family>.h) checks devices, calls check_<op>, makes the contiguous inputs and allocates the
+// outputs, then calls make_<op>_params here and hands the struct to its backend's run function (B::<op>) —
+// no glue body or backend types a field itself.
 //
 // Tensors passed here are the ones the kernel reads or writes: contiguous (the checks and the glue make them
 // so), outputs already allocated; an undefined tensor becomes nullptr. Device-independent (ATen only).
@@ -10,12 +10,15 @@
 
 #include <ATen/ATen.h>
 
-#include "common/params_dense.h"
-#include "common/params_exact.h"
-#include "common/params_linear.h"
-#include "common/params_logits.h"
-#include "common/params_moe.h"
-#include "op_checks.h"
+#include "../common/params_dense.h"
+#include "../common/params_exact.h"
+#include "../common/params_linear.h"
+#include "../common/params_logits.h"
+#include "../common/params_moe.h"
+#include "checks/dense.h"
+#include "checks/exact.h"
+#include "checks/linear.h"
+#include "checks/logits.h"
 
 namespace aligned {
 

@@ -1,14 +1,14 @@
-// ops_moe_cpu.cpp — torch glue of the moe family on the CPU: device checks, then the family's argument checks
-// (../moe_checks.h, shared with any backend), the grouping of tokens by
-// expert, the params structs (csrc/common/params_moe.h, filled by ../op_params.h), and the thread split.
-// Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via moe_kernels.cpp, and the
-// expert projections through cpu_kernels().gemm — the kernel of aligned::linear, i.e. the linear contract.
+// cpu_moe.cpp — the CPU backend's runs of the moe family: the thread split of routing, the grouping of tokens by
+// expert, and the expert projections through the `fma` GEMM kernel (cpu_kernels().gemm, i.e. the linear
+// contract). Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via csrc/cpu/moe_kernels.cpp.
+// Also the CPU key's registration of the family (register_cpu.cpp).
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
 //   1. assignments (token t, rank r) are sorted by expert, tokens in order inside an expert (counting sort);
-//   2. per expert (experts side by side on the threads): its tokens' rows are gathered, h = gemm(x_e, w13[e]) rounded to T, a = silu_and_mul(h),
-//      y = gemm(a, w2[e]) kept in fp32 (one row per assignment) — every gemm output element is one chain of
-//      the linear contract over its own row, so the rows an expert happens to hold do not matter;
+//   2. per expert (experts side by side on the threads): its tokens' rows are gathered, h = gemm(x_e, w13[e])
+//      rounded to T, a = silu_and_mul(h), y = gemm(a, w2[e]) kept in fp32 (one row per assignment) — every gemm
+//      output element is one chain of the linear contract over its own row, so the rows an expert happens to
+//      hold do not matter;
 //   3. the shared expert (if any) runs the same three steps on all tokens, its gate one gemm column;
 //   4. combine per token in rank order (moe.h), rounded once.
 #include <ATen/ATen.h>
@@ -17,62 +17,25 @@
 
 #include <string.h>
 
-#include <string>
+#include <algorithm>
 #include <vector>
 
-#include "../common/moe.h"
-#include "../moe_checks.h"
-#include "../op_params.h"
-#include "glue_checks.h"
-#include "moe_kernels.h"
+#include "../../common/moe.h"
+#include "../../cpu/cpu_kernels.h"
+#include "../../cpu/moe_kernels.h"
+#include "../glue/moe.h"
+#include "../make_params.h"
+#include "../registration_impl.h"
+#include "cpu.h"
 
-namespace aligned::cpu {
+namespace aligned::glue {
 
+using cpu::cpu_kernels;
+using cpu::moe_kernels;
 
 namespace {
 
 int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work_per_row, 1)); }
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& logits, int64_t top_k,
-                                                           c10::string_view scoring, bool renormalize) {
-  const char* op = "moe_routing";
-  check_cpu(logits, op, "router_logits");
-  const DType dt = check_moe_routing<DType>(logits, top_k, op);
-  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto z = logits.contiguous();
-  auto f32 = z.options().dtype(at::kFloat);
-  auto scores = at::empty({T, E}, f32);
-  auto w = at::empty({T, top_k}, f32);
-  auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
-  const auto p = make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {});
-  const auto& k = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
-  return {w, ids, scores};
-}
-
-at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
-                                const at::Tensor& logits, const at::Tensor& ids, c10::string_view scoring,
-                                bool renormalize) {
-  const char* op = "moe_routing_backward";
-  check_cpu(logits, op, "router_logits");
-  check_cpu(ids, op, "topk_ids");
-  check_cpu(grad_w, op, "grad_weights");
-  if (grad_scores.has_value() && grad_scores->defined()) check_cpu(*grad_scores, op, "grad_scores");
-  const DType dt = check_router_logits<DType>(logits, op);
-  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto idc = check_topk_ids(ids, T, E, op);
-  const int64_t k = idc.size(1);
-  auto gw = check_moe_grad_weights(grad_w, T, k, op);
-  auto gs = check_moe_grad_scores(grad_scores, logits, op);
-  auto z = logits.contiguous();
-  auto dz = at::empty_like(z);
-  const auto p = make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz);
-  const auto& kk = moe_kernels();
-  at::parallel_for(0, T, grain(E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
-  return dz;
-}
 
 // C[M, N] (cdt) = gemm(A [M, K] row-major, B [N, K] row-major), threads over 32-column panels and row chunks;
 // tiles only choose which chains a thread runs (contract.h: linear).
@@ -107,31 +70,23 @@ void expert_mlp(DType dt, const void* x, const void* w13, const void* w2, int64_
   gemm_rows(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes));
 }
 
-using ExpertsArgs = MoeExpertsArgs<DType>;
+}  // namespace
 
-ExpertsArgs check_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
-                          const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
-                          const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate,
-                          const char* op) {
-  check_cpu(x, op, "x");
-  check_cpu(tw, op, "topk_weights");
-  check_cpu(ids, op, "topk_ids");
-  check_cpu(w13, op, "w13");
-  check_cpu(w2, op, "w2");
-  if (sw13.has_value() && sw13->defined()) check_cpu(*sw13, op, "shared_w13");
-  if (sw2.has_value() && sw2->defined()) check_cpu(*sw2, op, "shared_w2");
-  if (sgate.has_value() && sgate->defined()) check_cpu(*sgate, op, "shared_gate");
-  return check_moe_experts<DType>(x, tw, ids, w13, w2, sw13, sw2, sgate, op);
+void Cpu::moe_routing(const Call&, const MoeRoutingParams& p) {
+  const auto& k = moe_kernels();
+  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
 }
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
-                       const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
-                       const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
-  const auto a = check_experts(x, tw, ids, w13, w2, sw13, sw2, sgate, "moe_experts");
+void Cpu::moe_routing_backward(const Call&, const MoeRoutingParams& p) {
+  const auto& kk = moe_kernels();
+  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
+}
+
+void Cpu::moe_experts(const Call&, const MoeExpertsRun& r) {
+  const auto& a = r.a;
+  const at::Tensor& out = r.out;
   const int64_t T = a.T, H = a.H, k = a.k, E = a.E, I = a.I, N = T * k;
   const size_t es = a.x.element_size();
-  auto out = at::empty({T, H}, a.x.options());
-  if (T == 0) return out;
   // 1. counting sort of the assignments by expert (token order, then rank order, inside an expert)
   const int64_t* id = a.ids.data_ptr<int64_t>();
   std::vector<int64_t> start(E + 1, 0);
@@ -201,27 +156,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tens
   const auto cp = make_moe_combine_params(a.dt, y, pos, a.w, ys, g, out);
   const auto& mk = moe_kernels();
   at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) { mk.combine(cp, b, e); });
-  return out;
 }
 
-at::Tensor moe_experts_reference(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids,
-                                 const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
-                                 const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
-  const auto a = check_experts(x, tw, ids, w13, w2, sw13, sw2, sgate, "_moe_experts_reference");
-  auto out = at::empty({a.T, a.H}, a.x.options());
-  const auto p = make_moe_experts_params(a.dt, a.x, a.w, a.ids, a.w13, a.w2, a.sw13, a.sw2, a.sgate, out);
+void Cpu::moe_experts_reference(const Call&, const MoeExpertsParams& p) {
   const auto& mk = moe_kernels();
-  at::parallel_for(0, a.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
-  return out;
+  at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
 }
 
-}  // namespace
+// ---- the CPU key's registration of the family (register_cpu.cpp) --------------------------------------------
+template void register_family<Moe, Cpu>(torch::Library&);
 
-TORCH_LIBRARY_IMPL(aligned, CPU, m) {
-  m.impl("moe_routing", &moe_routing);
-  m.impl("moe_routing_backward", &moe_routing_backward);
-  m.impl("moe_experts", &moe_experts);
-  m.impl("_moe_experts_reference", &moe_experts_reference);
-}
-
-}  // namespace aligned::cpu
+}  // namespace aligned::glue

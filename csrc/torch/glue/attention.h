@@ -1,0 +1,243 @@
+// glue/attention.h — the attention family's glue bodies: attention_varlen (+ backward), reshape_and_cache,
+// paged_attention, and the plan/run form (attention_plan, attention_varlen_planned, paged_attention_planned);
+// attention_plan_size (family AttentionSizes: host metadata only, the CPU key).
+//
+// The four steps of glue/dense.h, with the planner between the checks and the run: the host planner
+// (csrc/common/attention_plan.h) validates the data-dependent metadata — offsets, sequence lengths, block
+// tables, which every backend takes as HOST tensors (checks/attention.h) — and builds the one plan (AttnPlan);
+// the backend's run only consumes it (CPU: its records read in place, items over threads; GPU: its records in
+// the plan-buffer format, uploaded in one copy, or, in the planned forms, already on the device). The arithmetic
+// per (row, head) is attention.h's.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../checks/attention.h"
+#include "../registration.h"
+#include "../run_args.h"
+
+namespace aligned::glue {
+
+template <class B>
+std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
+                                                    bool causal) {
+  const char* op = "attention_varlen";
+  const typename B::Call call(op, q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         false, op, &plan));
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  B::attention_forward(call, make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(),
+                                               vc.data_ptr(), 0),
+                       plan, out.data_ptr(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+// plan_info (optional): the info of the plan the forward ran (attention_varlen_planned); the backward plans again
+// from cu_seqlens (the key tiles are the backward's own), so it first checks that these are the offsets that plan
+// was made from — never a gradient of another segmentation than the forward's.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
+    const std::optional<at::Tensor>& plan_info) {
+  const char* op = "attention_varlen_backward";
+  const typename B::Call call(op, grad_out, "grad_out");
+  call.on_device(out, "out");
+  call.on_device(lse, "lse");
+  call.on_device(q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  if (plan_info.has_value() && plan_info->defined()) {
+    const AttnPlanInfo info = plan_info_of(*plan_info, op);
+    TORCH_CHECK(info.block_size == 0 && info.Hq == c.shape.Hq && info.Hkv == c.shape.Hkv && info.D == c.shape.D &&
+                    info.causal == causal && info.q_rows == q.size(0) && info.n_kv == k.size(0),
+                "aligned::", op, ": the forward's plan was made for another problem (heads, head_dim, causal, or "
+                "rows) than this backward");
+    check_plan_offsets(info, cu_q, cu_k, op, "the forward's plan");
+  }
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         true, op, &plan));
+  check_attention_varlen_backward(grad_out, q, out, lse, op);
+  AttnBackwardRun r;
+  r.q = q.contiguous();
+  r.k = k.contiguous();
+  r.v = v.contiguous();
+  r.problem = make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0);
+  r.plan = &plan;
+  r.grad_out = grad_out.contiguous();
+  r.out = out.contiguous();
+  r.lse = lse.contiguous();
+  r.delta = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  r.dq = at::empty_like(r.q);
+  r.dk = at::zeros_like(r.k);
+  r.dv = at::zeros_like(r.v);
+  B::attention_backward(call, r);
+  return {r.dq, r.dk, r.dv};
+}
+
+template <class B>
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  const typename B::Call call(op, k, "k");
+  call.on_device(v, "v");
+  call.on_device(k_cache, "k_cache");
+  call.on_device(v_cache, "v_cache");
+  const DType dt = check_reshape_and_cache<DType>(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  // slot_mapping may be host metadata (range-checked here, by the planner's rule) or on the op's device (not
+  // read by the host; the kernel skips any slot outside the cache).
+  const bool host_slots = slot_mapping.device().is_cpu();
+  if (!host_slots) call.on_device(slot_mapping, "slot_mapping");
+  auto sm = slot_mapping.contiguous();
+  if (host_slots) check_plan(check_slots(sm.data_ptr<int64_t>(), sm.size(0), n_slots, op));
+  B::cache_write(call, dt, k.contiguous(), v.contiguous(), k_cache, v_cache, sm);
+}
+
+template <class B>
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
+                           double scale) {
+  const char* op = "paged_attention";
+  const typename B::Call call(op, q, "q");
+  call.on_device(k_cache, "k_cache");
+  call.on_device(v_cache, "v_cache");
+  check_attention_metadata_host(block_table, op, "block_table");
+  check_attention_metadata_host(seq_lens, op, "seq_lens");
+  check_attention_metadata_host(qsl, op, "query_start_loc");
+  const auto c = check_paged_attention<DType>(q, k_cache, v_cache, block_table, seq_lens, qsl, scale);
+  auto bt = block_table.contiguous(), sl = seq_lens.contiguous(), ql = qsl.contiguous();
+  AttnPlan plan;
+  check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), sl.size(0),
+                        bt.size(1), k_cache.size(0), k_cache.size(1), q.size(0), c.shape, op, &plan));
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  B::attention_forward(call, make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(),
+                                               v_cache.data_ptr(), k_cache.size(1)),
+                       plan, out.data_ptr(), lse.data_ptr<float>());
+  return out;
+}
+
+// ---- plan/run form (attention_plan.h "the plan buffer") ----------------------------------------------------
+// attention_plan: host metadata in; the plan's info written into plan_info (host) and the plan into the caller's
+// buffers (plan, plan_table: on the run's device), checked against their capacities and workspace_floats (the
+// run's partial capacity). The only host-to-device step of the plan/run form, once per step.
+template <class B>
+void attention_plan(const at::Tensor& plan, const at::Tensor& table, const at::Tensor& plan_info,
+                    const at::Tensor& qsl, const at::Tensor& kv_lens, const std::optional<at::Tensor>& block_table,
+                    int64_t Hq, int64_t Hkv, int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size,
+                    int64_t workspace_floats) {
+  const char* op = "attention_plan";
+  const typename B::Call call(op, plan, "plan");
+  call.on_device(table, "plan_table");
+  check_plan_buffers(plan, table, workspace_floats, op);
+  check_plan_info_tensor(plan_info, op);
+  const AttnPlan p =
+      plan_from_host_metadata(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks, block_size, op);
+  check_plan_fits_buffers(p, plan, table, workspace_floats, op);
+  B::write_plan(call, plan, table, p);
+  p.info.to_vector(plan_info.data_ptr<int64_t>());  // last: a failed write leaves no info of a plan not written
+}
+
+// The run forms: the call checked against the plan's host info (a clear error), then the launches over the plan
+// buffers — no planning, no copy, no read of device memory (the kernels check the device header again).
+template <class B>
+std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& cu_q,
+                                                            const at::Tensor& cu_k, const at::Tensor& plan,
+                                                            const at::Tensor& plan_info, int64_t workspace_floats,
+                                                            double scale, bool causal) {
+  const char* op = "attention_varlen_planned";
+  const typename B::Call call(op, q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
+  call.on_device(plan, "plan");
+  check_plan_buffers(plan, no_table, workspace_floats, op);
+  const AttnPlanInfo info = plan_info_of(plan_info, op);
+  const AttnRunDims run =
+      check_plan_call(info, c.shape, q.size(0), k.size(0), 0, plan, no_table, workspace_floats, op);
+  check_plan_offsets(info, cu_q, cu_k, op, "the plan");  // host metadata: no other segmentation runs silently
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  B::attention_forward_planned(
+      call, make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0), info,
+      plan, no_table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+template <class B>
+at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& plan, const at::Tensor& table, const at::Tensor& plan_info,
+                                   int64_t workspace_floats, double scale) {
+  const char* op = "paged_attention_planned";
+  const typename B::Call call(op, q, "q");
+  call.on_device(k_cache, "k_cache");
+  call.on_device(v_cache, "v_cache");
+  const auto c = check_paged_q_cache<DType>(q, k_cache, v_cache, scale, op);
+  call.on_device(plan, "plan");
+  call.on_device(table, "plan_table");
+  check_plan_buffers(plan, table, workspace_floats, op);
+  const AttnPlanInfo info = plan_info_of(plan_info, op);
+  const AttnRunDims run = check_plan_call(info, c.shape, q.size(0), k_cache.size(0), k_cache.size(1), plan, table,
+                                          workspace_floats, op);
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  B::attention_forward_planned(call, make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(),
+                                                       v_cache.data_ptr(), k_cache.size(1)),
+                               info, plan, table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
+  return out;
+}
+
+// What a plan of this host metadata needs (host only: the same on every backend).
+template <class B>
+std::vector<int64_t> attention_plan_size_op(const at::Tensor& qsl, const at::Tensor& kv_lens,
+                                            const std::optional<at::Tensor>& block_table, int64_t Hq, int64_t Hkv,
+                                            int64_t D, bool causal, int64_t num_cache_blocks, int64_t block_size) {
+  return attention_plan_size(qsl, kv_lens, block_table, Hq, Hkv, D, causal, num_cache_blocks, block_size);
+}
+
+struct Attention {
+  template <class B>
+  static constexpr std::tuple ops{
+      Op{"attention_varlen", &attention_varlen<B>},
+      Op{"attention_varlen_backward", &attention_varlen_backward<B>},
+      Op{"reshape_and_cache", &reshape_and_cache<B>},
+      Op{"paged_attention", &paged_attention<B>},
+      Op{"attention_plan", &attention_plan<B>},
+      Op{"attention_varlen_planned", &attention_varlen_planned<B>},
+      Op{"paged_attention_planned", &paged_attention_planned<B>},
+  };
+};
+
+struct AttentionSizes {
+  template <class B>
+  static constexpr std::tuple ops{Op{"attention_plan_size", &attention_plan_size_op<B>}};
+};
+
+}  // namespace aligned::glue

@@ -1,0 +1,111 @@
+// glue/moe.h — the moe family's glue bodies (csrc/common/moe.h): moe_routing(+_backward), moe_experts and its
+// per-token scalar reference. The four steps: glue/dense.h. Only the CPU has moe kernels today: under
+// aligned_ops.emulate the family keeps running them (register_cpu.cpp), and a device call fails naming the op.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../checks/moe.h"
+#include "../make_params.h"
+#include "../registration.h"
+#include "../run_args.h"
+
+namespace aligned::glue {
+
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& logits, int64_t top_k,
+                                                           c10::string_view scoring, bool renormalize) {
+  const char* op = "moe_routing";
+  const typename B::Call call(op, logits, "router_logits");
+  const DType dt = check_moe_routing<DType>(logits, top_k, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto z = logits.contiguous();
+  auto f32 = z.options().dtype(at::kFloat);
+  auto scores = at::empty({T, E}, f32);
+  auto w = at::empty({T, top_k}, f32);
+  auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
+  B::moe_routing(call, make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {}));
+  return {w, ids, scores};
+}
+
+template <class B>
+at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
+                                const at::Tensor& logits, const at::Tensor& ids, c10::string_view scoring,
+                                bool renormalize) {
+  const char* op = "moe_routing_backward";
+  const typename B::Call call(op, logits, "router_logits");
+  call.on_device(ids, "topk_ids");
+  call.on_device(grad_w, "grad_weights");
+  call.on_device(grad_scores, "grad_scores");
+  const DType dt = check_router_logits<DType>(logits, op);
+  const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto idc = check_topk_ids(ids, T, E, op, B::kValueChecks);
+  const int64_t k = idc.size(1);
+  auto gw = check_moe_grad_weights(grad_w, T, k, op);
+  auto gs = check_moe_grad_scores(grad_scores, logits, op);
+  auto z = logits.contiguous();
+  auto dz = at::empty_like(z);
+  B::moe_routing_backward(call, make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz));
+  return dz;
+}
+
+namespace moe_detail {
+
+template <class B>
+MoeExpertsArgs<DType> experts_args(const typename B::Call& call, const at::Tensor& x, const at::Tensor& tw,
+                                   const at::Tensor& ids, const at::Tensor& w13, const at::Tensor& w2,
+                                   const std::optional<at::Tensor>& sw13, const std::optional<at::Tensor>& sw2,
+                                   const std::optional<at::Tensor>& sgate) {
+  call.on_device(tw, "topk_weights");
+  call.on_device(ids, "topk_ids");
+  call.on_device(w13, "w13");
+  call.on_device(w2, "w2");
+  call.on_device(sw13, "shared_w13");
+  call.on_device(sw2, "shared_w2");
+  call.on_device(sgate, "shared_gate");
+  return check_moe_experts<DType>(x, tw, ids, w13, w2, sw13, sw2, sgate, call.op, B::kValueChecks);
+}
+
+}  // namespace moe_detail
+
+template <class B>
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
+                       const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
+                       const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
+  const typename B::Call call("moe_experts", x, "x");
+  MoeExpertsRun r;
+  r.a = moe_detail::experts_args<B>(call, x, tw, ids, w13, w2, sw13, sw2, sgate);
+  r.out = at::empty({r.a.T, r.a.H}, r.a.x.options());
+  if (r.a.T > 0) B::moe_experts(call, r);
+  return r.out;
+}
+
+template <class B>
+at::Tensor moe_experts_reference(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids,
+                                 const at::Tensor& w13, const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
+                                 const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
+  const typename B::Call call("_moe_experts_reference", x, "x");
+  const auto a = moe_detail::experts_args<B>(call, x, tw, ids, w13, w2, sw13, sw2, sgate);
+  auto out = at::empty({a.T, a.H}, a.x.options());
+  B::moe_experts_reference(call, make_moe_experts_params(a.dt, a.x, a.w, a.ids, a.w13, a.w2, a.sw13, a.sw2,
+                                                         a.sgate, out));
+  return out;
+}
+
+struct Moe {
+  template <class B>
+  static constexpr std::tuple ops{
+      Op{"moe_routing", &moe_routing<B>},
+      Op{"moe_routing_backward", &moe_routing_backward<B>},
+      Op{"moe_experts", &moe_experts<B>},
+      Op{"_moe_experts_reference", &moe_experts_reference<B>},
+  };
+};
+
+}  // namespace aligned::glue
