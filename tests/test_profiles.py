@@ -34,7 +34,11 @@ def test_resolution_order_and_the_environment_read_once(monkeypatch):
     monkeypatch.setenv(profiles.ENV_VAR, "exact")
     assert profiles.resolve() is profiles.EXACT
     assert profiles.resolve("fma") is profiles.FMA  # explicit beats the variable
-    assert profiles.resolve("fma", pinned="exact") is profiles.EXACT  # an architecture's pin beats both
+    assert profiles.resolve(pinned="exact") is profiles.EXACT  # an architecture's pin beats the variable
+    assert profiles.resolve("exact", pinned="exact") is profiles.EXACT
+    with pytest.raises(ValueError, match="'fma' was asked for, but this architecture's rules pin the linear "
+                                         "profile to 'exact'"):
+        profiles.resolve("fma", pinned="exact")  # an explicit request the pin would override silently
     monkeypatch.setenv(profiles.ENV_VAR, "nope")
     with pytest.raises(ValueError, match="ALIGNED_OPS_LINEAR must be one of"):
         profiles.resolve()

@@ -215,7 +215,11 @@ def resolve(requested: str | Profile | None = None, pinned: str | Profile | None
     """The profile a model or an engine runs, decided once: ``pinned`` (an architecture's rules name one) wins,
     then ``requested`` (an explicit argument), then ``ALIGNED_OPS_LINEAR``."""
     if pinned is not None:
-        return get(pinned, "LayerRules.linear_profile")
+        pin = get(pinned, "LayerRules.linear_profile")
+        if requested is not None and get(requested) is not pin:
+            raise ValueError(f"aligned_ops: profile {get(requested).name!r} was asked for, but this architecture's "
+                             f"rules pin the linear profile to {pin.name!r}")
+        return pin
     if requested is not None:
         return get(requested)
     return from_env()

@@ -200,6 +200,36 @@ def test_fused_lm_head_refusal_names_the_profile_and_its_source(model, monkeypat
         completion_logprobs(repatched(), s[None], cm[None], fused_lm_head=True)
 
 
+def test_repatching_with_another_profile_or_a_lora_layer_is_refused():
+    """patch_model is idempotent for the same profile and refuses a different one (it would keep the old one
+    silently); a PEFT/LoRA layer, whose adapter the aligned forward would skip, is refused by name."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from aligned_ops import profiles
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64, architectures=["Qwen2ForCausalLM"])
+    m = patch_model(Qwen2ForCausalLM(cfg), profile="fma")
+    assert patch_model(m) is m and patch_model(m, profile=profiles.FMA) is m  # same profile: nothing changes
+    with pytest.raises(ValueError, match=r"profile='exact', but the model is already patched with profile 'fma'; "
+                                         r"call unpatch_model\(model\) first"):
+        patch_model(m, profile="exact")
+    assert profiles.profile_of(m) is profiles.FMA
+    assert profiles.profile_of(patch_model(unpatch_model(m), profile="exact")) is profiles.EXACT
+
+    class LoraLinear(torch.nn.Linear):  # what PEFT's wrapper looks like to the patch (peft is not installed)
+        def __init__(self, base):
+            super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+            self.lora_A = torch.nn.ModuleDict()
+
+    m = Qwen2ForCausalLM(cfg)
+    m.model.layers[0].self_attn.q_proj = LoraLinear(m.model.layers[0].self_attn.q_proj)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj is a PEFT/LoRA adapter layer "
+                                         r"\(LoraLinear\).*merge_and_unload"):
+        patch_model(m)
+    assert not getattr(m, "_aligned_patched", False)
+
+
 # ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------
 
 

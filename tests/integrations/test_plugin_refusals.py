@@ -111,6 +111,7 @@ def test_engine_profile_refusals_are_start_up_errors(tiny_dir, monkeypatch):
     [
         (dict(logprobs_mode="processed_logits"), "logprobs_mode 'processed_logits' is not supported"),
         (dict(logprobs_mode="raw_logits"), "logprobs_mode 'raw_logits' is not supported"),
+        (dict(enable_lora=True), "LoRA adapters are not covered"),
     ],
 )
 def test_engine_start_refuses(tiny_dir, kw, match):

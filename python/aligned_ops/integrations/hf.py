@@ -362,6 +362,18 @@ def _per_token_temperature(temperature, input_ids, cu, flat, targets):
 # ---- public API ----------------------------------------------------------------------------------------
 
 
+def _refuse_adapters(model: torch.nn.Module) -> None:
+    # A PEFT/LoRA layer adds its low-rank product inside the wrapped module's forward; the patched layer calls the
+    # aligned ops on the base weights only, so the adapter would be dropped silently (and vLLM's LoRA kernels are
+    # not aligned either). Merge the adapter (PEFT's merge_and_unload) before patching.
+    for name, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "peft" or hasattr(module, "lora_A"):
+            raise ValueError(
+                f"aligned_ops (patch_model): {name or 'the model'} is a PEFT/LoRA adapter layer "
+                f"({type(module).__name__}), which the aligned forward would skip; merge the adapter into the "
+                "weights first (peft: model.merge_and_unload())")
+
+
 def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None) -> torch.nn.Module:
     """Route ``model`` (a HF ``*ForCausalLM`` of a supported architecture, :mod:`aligned_ops.models`) through
     ``torch.ops.aligned``; returns it.
@@ -375,6 +387,12 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
     """
     if getattr(model, "_aligned_patched", False):
+        if profile is not None:
+            wanted = rules_for(model._aligned_arch).resolve_profile(profile)
+            if wanted is not model._aligned_profile:
+                raise ValueError(
+                    f"aligned_ops (patch_model): profile={wanted.name!r}, but the model is already patched with "
+                    f"profile {model._aligned_profile.name!r}; call unpatch_model(model) first to change it")
         return model
     # The model's own class (or a base class) names the architecture; config.architectures is None for a
     # model built in memory, and only consulted when the class is not one we know.
@@ -389,6 +407,7 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         raise ValueError(f"aligned_ops (patch_model): unsupported parameter dtype(s) {sorted(map(str, bad))}")
     if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
+    _refuse_adapters(model)
     arch.check_hf_model(model, "patch_model")
     rules = rules_for(arch.name)
     for layer in model.model.layers:

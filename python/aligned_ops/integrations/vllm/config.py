@@ -52,6 +52,9 @@ def validate_vllm_config(vllm_config) -> None:
     # tiles are aligned to absolute positions (tests/integrations/test_vllm_rl_features.py).
     if str(getattr(cc, "cache_dtype", "auto")) != "auto":
         reasons.append(f"kv_cache_dtype {cc.cache_dtype} is not supported (use 'auto')")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        reasons.append("LoRA adapters are not covered (vLLM's punica LoRA kernels add the adapter outside the "
+                       "aligned linear); merge the adapter into the weights")
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append("speculative decoding is not covered")
     pc = vllm_config.parallel_config
