@@ -68,7 +68,15 @@ class Background:
         job = self._jobs[key]
         t0 = time.monotonic()
         argv = (["nice", "-n", str(nice)] if nice else []) + list(job["argv"])  # (no preexec_fn: threads here)
-        proc = subprocess.Popen(argv, env=job.get("env"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.Popen(argv, env=job.get("env"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+        except OSError as e:  # recorded as the job's failure: a waiting test fails, never waits forever
+            res = JobResult(-1, "", f"[could not start {argv!r}: {e}]", time.monotonic() - t0)
+            with self._cv:
+                self._results[key] = res
+                self._cv.notify_all()
+            return res
         with self._cv:
             self._running[key] = proc
         try:
@@ -103,8 +111,10 @@ class Background:
         if queued or (self._thread is None and key not in self._results):
             return self._run(key, nice=0)
         with self._cv:
+            deadline = time.monotonic() + self._jobs[key].get("timeout", 600) + 60  # the job's own timeout + grace
             while key not in self._results:
-                self._cv.wait()
+                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"background job {key!r} gave no result within its timeout")
             return self._results[key]
 
     def close(self):

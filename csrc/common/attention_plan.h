@@ -31,8 +31,9 @@
 // 2 + C .. 2 + 2 C); plan_table int32 [>= table entries]. aligned::attention_plan writes it (stream-ordered on
 // a device) once per step; the run forms then read only these buffers (no copy, no host read, grids fixed by the
 // capacity C, so a captured graph replays whatever plan was written before the replay). The kernels check the
-// header against the run (attn_plan_mismatch) before reading a record; a plan that does not fit sets DeviceError
-// kErrAttentionPlan and the run writes NaN into every row — never stale or uninitialised bits.
+// header against the run (attn_plan_mismatch, replay form: the buffer, not the captured info, is the plan) before
+// reading a record; a plan that does not fit the tensors sets DeviceError kErrAttentionPlan and the run writes
+// NaN into every row — never out-of-bounds reads or stale bits in planned rows.
 #pragma once
 
 #include <stdint.h>
@@ -368,15 +369,21 @@ struct AttnRunDims {
   int64_t capacity, table_elems, workspace_floats;
   int64_t metadata_hash;     // the fingerprint of the plan the run was given
 };
-ALIGNED_HD int attn_plan_mismatch(const int64_t* h, const AttnRunDims& r) {
+// `replay` (the GPU kernels' check of the device header): a captured CUDA graph replays the run dims of its
+// capture while the buffer holds the plan written for this step, so the two rules that tie the buffer to the
+// captured call — exactly q's rows (7) and the captured fingerprint (8) — are the host's alone (check_plan_call,
+// at capture and on every eager call). The device keeps what protects memory: shapes, kind, row and block
+// bounds, capacities. A replayed plan for fewer rows than the graph's padded q leaves the padding rows unwritten
+// (vLLM discards them).
+ALIGNED_HD int attn_plan_mismatch(const int64_t* h, const AttnRunDims& r, bool replay = false) {
   if (h[kPMagic] != kAttnPlanMagic) return 1;
   if (h[kPHq] != r.Hq || h[kPHkv] != r.Hkv || h[kPD] != r.D || h[kPCausal] != (r.causal ? 1 : 0)) return 2;
   if (h[kPBlockSize] != r.block_size) return 3;
   if (h[kPTq] > r.q_rows || h[kPnKv] > r.kv_rows) return 4;
-  if (h[kPTq] < r.q_rows) return 7;  // rows the plan does not cover would stay unwritten
+  if (!replay && h[kPTq] < r.q_rows) return 7;  // rows the plan does not cover would stay unwritten
   if (h[kPnItems] > r.capacity || h[kPnBlocks] > r.capacity || h[kPnItems] < 0 || h[kPnBlocks] < 0) return 5;
   if (h[kPTableElems] > r.table_elems || h[kPPartFloats] > r.workspace_floats) return 6;
-  if (h[kPMetaHash] != r.metadata_hash) return 8;
+  if (!replay && h[kPMetaHash] != r.metadata_hash) return 8;
   return 0;
 }
 inline const char* attn_plan_mismatch_text(int code) {

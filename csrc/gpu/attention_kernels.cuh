@@ -49,11 +49,12 @@ __device__ __forceinline__ int64_t work_row_keys(const AttnFwdParams& p, const i
   return attn_row_keys(w[kWnCtx] - w[kWqLen] + w[kWr0] + r, w[kWnCtx], p.causal);
 }
 
-// The plan header against the run's tensors (attention_api.h attn_plan_mismatch): the same verdict in every
-// block and thread (the header is one buffer). A plan that does not fit sets the error word (block 0) and no
+// The plan header against the run's tensors (attention_plan.h attn_plan_mismatch, replay form: a graph replays
+// its captured run dims over the plan written for this step): the same verdict in every block and thread (the
+// header is one buffer). A plan that does not fit sets the error word (block 0) and no
 // record is read.
 __device__ __forceinline__ bool attn_plan_fits(const AttnFwdParams& p) {
-  const bool ok = attn_plan_mismatch(p.plan_header, p.run) == 0;
+  const bool ok = attn_plan_mismatch(p.plan_header, p.run, /*replay=*/true) == 0;
   if (!ok && blockIdx.x == 0 && threadIdx.x == 0 && p.error_flags) p.error_flags[kErrAttentionPlan] = 1;
   return ok;
 }

@@ -1,7 +1,7 @@
 // launchers.h — the launcher tables of every build of csrc/gpu one library can hold (compat.cuh,
 // ALIGNED_GPU_BUILD), declared for the torch glue's GPU backends (csrc/torch/backends/gpu.h):
 //   device          the nvcc / hip-clang build (linked into a CUDA or ROCm torch's extension only);
-//   emulated_cuda   the emulation target's CUDA spelling (32-lane warps; sm_90, sm_100);
+//   emulated_cuda   the emulation target's CUDA spelling (32-lane warps; sm_80, sm_90, sm_100, sm_120);
 //   emulated_hip    the emulation target's HIP spelling (wave64; gfx942, gfx950).
 // Each build defines its tables in its own namespace (dense_launch.cuh, attention_launch.cuh, exact_launch.cuh),
 // exactly as each CPU ISA level defines its kernel tables (csrc/cpu/cpu_dispatch.cpp). Torch-free.

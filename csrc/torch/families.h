@@ -31,7 +31,7 @@ struct CudaDevice;                            // a CUDA or ROCm torch's GPU (bac
 template <emu::Vendor V> struct EmulatedDevice;  // the emulation target's vendor spelling (backends/emulated.h)
 
 using Cuda = Gpu<CudaDevice>;  // serves ROCm torch too (HIP kernels register under the CUDA key)
-using EmulatedCuda = Gpu<EmulatedDevice<emu::Vendor::kCuda>>;  // aligned_ops.emulate("sm_90" | "sm_100")
+using EmulatedCuda = Gpu<EmulatedDevice<emu::Vendor::kCuda>>;  // aligned_ops.emulate("sm_80" | "sm_90" | "sm_100" | "sm_120")
 using EmulatedHip = Gpu<EmulatedDevice<emu::Vendor::kHip>>;    // aligned_ops.emulate("gfx942" | "gfx950")
 
 }  // namespace aligned::glue

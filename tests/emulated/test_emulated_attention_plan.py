@@ -127,11 +127,11 @@ def test_run_form_is_graph_safe(arch):
 
 @pytest.mark.parametrize("arch", WIDTHS)
 def test_plan_that_does_not_fit_sets_the_flag_and_gives_nan(arch):
-    # The call is checked against the plan's host info (a clear error); what only the kernels can see — a buffer
-    # that holds another plan than the info says (a graph replaying a buffer rewritten for another batch) — sets
-    # the error word and writes NaN into every row: never stale or unwritten bits.
+    # The call is checked against the plan's host info (a clear error). The kernels check only what protects
+    # memory against the device header (a replayed graph's buffer is rewritten every step, test_graph_replay_*):
+    # a buffer holding a plan for more rows than q has sets the error word and writes NaN into every row.
     q, kc, vc, table, seq_lens, qsl = paged_batch([9, 3], [2, 1], seed=5)
-    q2, _, _, table2, seq_lens2, qsl2 = paged_batch([7, 5], [3, 1], seed=7)
+    q2, _, _, table2, seq_lens2, qsl2 = paged_batch([7, 5], [3, 2], seed=7)  # 5 query rows > q's 3
     plan, other = aligned_ops.AttentionPlan(), aligned_ops.AttentionPlan()
     with aligned_ops.emulate(arch):
         plan.plan_paged(qsl, seq_lens, table, HQ, HKV, D, kc.shape[0], BS)
@@ -148,6 +148,35 @@ def test_plan_that_does_not_fit_sets_the_flag_and_gives_nan(arch):
         good = aligned_ops.paged_attention(q, kc, vc, scale=0.3, plan=plan)
         aligned_ops.check_device_errors(q)  # cleared, and a fitting run sets nothing
     assert_bitwise_equal(good, ops.paged_attention(q, kc, vc, table, seq_lens, qsl, 0.3))
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_graph_replay_runs_the_plan_written_for_this_step(arch):
+    """What a captured CUDA graph does: the run's host info (and so the captured run dims) stay those of the
+    capture step while attention_plan rewrites the buffer for each later step, whose batch is padded to the
+    graph's q rows. The kernels run the buffer's plan: every planned row == the CPU per-call result of that
+    step, and no error. Negative control: the strict (host) rules applied on the device would refuse it."""
+    cap = paged_batch([12, 6, 3], [4, 3, 1], seed=11)    # the capture step: 8 query rows
+    step = paged_batch([20, 2], [2, 1], seed=12)          # a later step: 3 rows, padded to 8
+    q_cap, kc, vc = cap[0], cap[1], cap[2]
+    plan = aligned_ops.AttentionPlan(capacity=64, table_capacity=256, workspace_floats=1 << 16)
+    with aligned_ops.emulate(arch):
+        plan.plan_paged(cap[5], cap[4], cap[3], HQ, HKV, D, kc.shape[0], BS, grow=False)
+        captured = SimpleNamespace(plan=plan.plan, table=plan.table, info=plan.info.clone(),
+                                   workspace_floats=plan.workspace_floats)
+        first = aligned_ops.paged_attention(q_cap, kc, vc, scale=0.3, plan=captured)
+        q_s, kc_s, vc_s, table_s, seq_s, qsl_s = step
+        plan.plan_paged(qsl_s, seq_s, table_s, HQ, HKV, D, kc_s.shape[0], BS, grow=False)  # same buffers
+        assert not torch.equal(plan.info, captured.info)  # the buffer now holds another plan than the capture's
+        padded = torch.cat([q_s, torch.zeros(q_cap.shape[0] - q_s.shape[0], HQ, D)])
+        out = aligned_ops.paged_attention(padded, kc_s, vc_s, scale=0.3, plan=captured)  # the captured call
+        aligned_ops.check_device_errors(padded)
+    assert_bitwise_equal(first, ops.paged_attention(*cap, 0.3))
+    assert_bitwise_equal(out[: q_s.shape[0]], ops.paged_attention(*step, 0.3))
+    # negative control: the step's plan breaks the host's strict rules for the captured call
+    with pytest.raises(RuntimeError, match="plan covers fewer query rows than q has|plan buffer holds another plan"):
+        with aligned_ops.emulate(arch):
+            aligned_ops.paged_attention(padded, kc_s, vc_s, scale=0.3, plan=plan)
 
 
 def test_plan_capacity_and_metadata_errors_name_the_op():
