@@ -37,7 +37,7 @@ import aligned_ops
 
 from ..model_spec import rules_for, rules_of
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
-from ..sampling import effective_temperature
+from ..sampling import check_sampling_options, check_temperature, effective_temperature
 from . import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, check_hf_config, hf_moe
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
@@ -215,6 +215,9 @@ def _model_forward(
         raise ValueError("aligned_ops patched model: use_cache=True is not supported")
     if return_logits is None:
         return_logits = completion_mask is None
+    if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
+        check_temperature(temperature, "completion_logprobs: temperature")
+        check_sampling_options(top_k, top_p, min_p, where="completion_logprobs")
     flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
     ids = input_ids.reshape(-1)[flat]
     inner = self.model
@@ -260,7 +263,7 @@ def _model_forward(
         if bool((cm & first_of_seq).any()):
             raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
         targets = cm.nonzero().squeeze(1)
-        temps = _per_token_temperature(temperature, input_ids, cu, flat, targets)
+        temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
         if fused_lm_head:
@@ -273,13 +276,17 @@ def _model_forward(
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits
 
-            def per_token(v, dtype):
-                return None if v is None else _per_token_value(v, cu, targets, dtype, input_ids.device)
+            def per_token(v, dtype, off):
+                if v is None:
+                    return None
+                v = _per_token_value(v, cu, targets, dtype, input_ids.device)
+                # vLLM resets a greedy request's top_k / top_p / min_p to off (SamplingParams.__post_init__)
+                return v if greedy is None else v.masked_fill(greedy, off)
 
             t = temps if isinstance(temps, torch.Tensor) else torch.full((targets.numel(),), temps)
             x = scale_logits(logits, t)
-            x = truncate_logits(x, top_k=per_token(top_k, torch.int64), top_p=per_token(top_p, torch.float32),
-                                min_p=per_token(min_p, torch.float32))
+            x = truncate_logits(x, top_k=per_token(top_k, torch.int64, 0), top_p=per_token(top_p, torch.float32, 1.0),
+                                min_p=per_token(min_p, torch.float32, 0.0))
             lp = aligned_ops.token_logprobs(x, target_ids, 1.0)
         full = lp.new_zeros(input_ids.numel())
         full = full.index_copy(0, flat.index_select(0, targets), lp)
@@ -320,26 +327,24 @@ def _per_token_value(value, cu, targets, dtype, device):
 
 
 def _per_token_temperature(temperature, input_ids, cu, flat, targets):
-    """A float, or a per-sequence tensor ``[B]`` expanded to the selected tokens (fp32).
-
-    0 <= temperature < 1e-5 is greedy and scored at tau = 1, like the vLLM plugin (vLLM's sampling eps);
-    a negative, NaN or infinite temperature is refused."""
+    """``(temperatures, greedy)`` of the selected tokens: the temperature a float or a per-sequence tensor
+    ``[B]`` expanded to fp32 per token, mapped by ``aligned_ops.sampling.effective_temperature`` (vLLM's rule:
+    0 < T < 0.01 samples at 0.01, T = 0 is greedy and scored at 1, like the vLLM plugin); ``greedy`` a bool
+    per token (None when no sequence is greedy). Values vLLM refuses raise (``check_temperature``)."""
     if not isinstance(temperature, torch.Tensor) or temperature.dim() == 0:
         t = float(temperature)
-        if not (0.0 <= t < float("inf")):
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
-        return effective_temperature(t)
-    temperature = temperature.to(device=input_ids.device, dtype=torch.float32)
+        check_temperature(t, "completion_logprobs: temperature")
+        greedy = torch.ones(targets.numel(), dtype=torch.bool, device=input_ids.device) if t == 0 else None
+        return effective_temperature(t), greedy
     nseq = cu.numel() - 1
     if temperature.numel() != nseq:
         raise ValueError(f"temperature tensor must have one entry per sequence ({nseq}), got {temperature.numel()}")
-    if nseq and not bool(((temperature >= 0) & torch.isfinite(temperature)).all()):
-        raise ValueError("every temperature must be finite and >= 0 (0 = greedy), got "
-                         f"{temperature.tolist()}")
-    temperature = effective_temperature(temperature)
+    check_temperature(temperature, "completion_logprobs: temperature")
+    requested = temperature.to(device=input_ids.device).reshape(-1)
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    per_token = torch.repeat_interleave(temperature, lens)
-    return per_token.index_select(0, targets).contiguous()
+    per_token = torch.repeat_interleave(effective_temperature(requested), lens).index_select(0, targets)
+    greedy = torch.repeat_interleave(requested == 0, lens).index_select(0, targets)
+    return per_token.contiguous(), (greedy if bool(greedy.any()) else None)
 
 
 # ---- public API ----------------------------------------------------------------------------------------
@@ -417,12 +422,15 @@ def completion_logprobs(
     ``input_ids`` is ``[B, S]`` with ``attention_mask`` (left or right padding), or packed ``[T]``/``[1, T]``
     with ``cu_seqlens [B+1]``. ``completion_mask[b, t] = 1`` asks for ``log p(input_ids[b, t] | prefix)``
     (under ``softmax(logits / temperature)`` over the full vocabulary; temperature is a float or one value
-    per sequence; 0 means greedy and is scored at 1.0, like the vLLM plugin). Differentiable.
+    per sequence, taken as vLLM takes ``SamplingParams.temperature`` (``aligned_ops.sampling``): 0 means greedy
+    and is scored at 1.0, 0 < T < 0.01 is raised to 0.01, values vLLM refuses raise). Differentiable.
 
     ``top_k`` / ``top_p`` / ``min_p`` (scalar or one per sequence; default None = full vocabulary): score
     the *truncated* distribution instead — ``log_softmax`` of ``aligned_ops.sampling.truncate_logits(z / T)``,
     what the vLLM plugin returns with ``logprobs_mode="processed_logprobs"`` (bit for bit). A token outside
-    the truncated set gets ``-inf``.
+    the truncated set gets ``-inf``. Their ranges are vLLM's (``top_p`` in (0, 1], ``min_p`` in [0, 1],
+    ``top_k`` an integer, 0 or -1 = off); a greedy sequence (temperature 0) is scored untruncated, as vLLM
+    resets its options.
 
     ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
     log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
