@@ -52,6 +52,15 @@
 //   with a shared expert: acc = acc + g * y_s[n];  out[n] = round_T(acc)
 // The combine is in fp32 and rounds once. (HF transformers rounds every expert's output to the model dtype
 // before an index_add; this contract does not — both sides call this op, so they agree.)
+//
+// Backward (aligned::moe_experts_backward; the CPU kernel is ops/moe.py's, built from aligned ops), per token
+// and rank r, with go the fp32 gradient of out:
+//   routing weight:         gw_r = row_sum_n fp32(go[n] * y_r[n])
+//   shared gate (if any):   dlogit = row_sum_n fp32(go[n] * y_s[n]) * (g * (1 - g))
+// where row_sum is the linear contract's sum (contract.h linear_dot of the fp32 product row against ones: 8 lanes
+// of fma chains, tree-combined): row-local, so a token's gradient does not depend on the batch, on which tokens
+// share its experts, or on threads. The expert weights' and x's gradients are linear_backward /
+// silu_and_mul_backward chains, experts in increasing id, tokens in batch order.
 #pragma once
 
 #include "contract.h"

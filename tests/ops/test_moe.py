@@ -396,6 +396,49 @@ def test_experts_backward_vs_torch(shared):
         assert_bitwise_equal(a, b)
 
 
+def _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout):
+    """(d topk_weights, d shared_gate logit's x-part) of moe_experts_backward: the two row sums of moe.h."""
+    dx, dtw, *_rest, dgate = ops.moe_experts_backward(gout, x, tw, ids, w13, w2, sw13, sw2, sgate)
+    return dtw, dx
+
+
+@pytest.mark.parametrize("H", [40000])
+def test_experts_backward_weight_grad_row_local_any_batch_and_threads(H):
+    """Issue 21.9: the routing-weight gradient (and the shared gate's) summed with torch.sum, whose order splits a
+    lone row across threads once H > 32768: a token alone (its experts get one row) and the same token in a
+    batch, with 1 and 2 threads, must give the same bits (moe.h "Backward": the linear contract's row sum)."""
+    T, E, I, k = 3, 3, 4, 2
+    g = _g(50)
+    x = (0.5 * torch.randn(T, H, generator=g)).to(torch.bfloat16)
+    w13, w2 = _weights(E, H, I, torch.bfloat16, seed=51, scale=0.05)
+    sw13, sw2, sgate = _shared(H, 4, torch.bfloat16, seed=52)
+    tw, ids, _ = aligned_ops.moe_routing(torch.randn(T, E, generator=g), k)
+    gout = torch.randn(T, H, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch1 = _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout)
+        torch.set_num_threads(2)
+        batch2 = _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout)
+        for t in range(T):  # alone, 2 threads: every expert of the token holds one row
+            dtw, dx = _weight_and_gate_grads(x[t : t + 1], tw[t : t + 1], ids[t : t + 1], w13, w2, sw13, sw2, sgate,
+                                             gout[t : t + 1])
+            assert_bitwise_equal(dtw[0], batch2[0][t])  # d topk_weights
+            assert_bitwise_equal(dx[0], batch2[1][t])  # dx (carries the shared gate's logit gradient)
+        assert_bitwise_equal(batch1[0], batch2[0])
+        assert_bitwise_equal(batch1[1], batch2[1])
+        # Negative control: torch.sum of the same products, a lone row with 2 threads vs 1, differs in the bits.
+        prod = torch.randn(1, H, generator=_g(53)) * torch.randn(1, H, generator=_g(54))
+        torch.set_num_threads(1)
+        one = prod.sum(-1)
+        torch.set_num_threads(2)
+        two = prod.sum(-1)
+        if torch.get_num_threads() == 2:
+            assert not torch.equal(one.view(torch.int32), two.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_backward_runs_and_is_close():
     T, E, H, I, k = 8, 4, 32, 16, 2
     x = torch.randn(T, H, generator=_g(15)).bfloat16().requires_grad_(True)
