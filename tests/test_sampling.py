@@ -209,3 +209,44 @@ def test_temperature_rule_per_release(monkeypatch):
     monkeypatch.setenv(VLLM_VERSION_ENV, "0.24.0")
     with pytest.raises(ValueError, match=r"\[0, 2\]"):
         check_temperature(2.5)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.0000001), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), "top_p must be in"), (dict(top_p=torch.tensor([0.5, float("nan"), 0.9])), "top_p"),
+    (dict(min_p=-1e-9), r"min_p must be in \[0, 1\]"), (dict(min_p=float("nan")), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=torch.tensor([0.1, 1.5, 0.0])), "min_p must be in"),
+    (dict(top_k=-2), r"top_k must be 0 or -1 \(disable\), or at least 1, got -2"),
+    (dict(top_k=3.0), "top_k must be an integer, got float 3.0"), (dict(top_k=float("nan")), "top_k must be an integer"),
+    (dict(top_k=torch.tensor([1.5, 2.0, 3.0])), "top_k must be an integer, got a torch.float32 tensor"),
+    (dict(top_k=torch.tensor([5, -3, 1])), "top_k must be 0 or -1"),
+])
+def test_truncation_options_refused_as_vllm_refuses(kw, message):
+    """Issue 21.4: NaN top_p / min_p were silently "off", top_p > 1 or <= 0 gave all -inf rows, a fractional or
+    negative top_k was truncated or off. vLLM's own rules (SamplingParams._verify_args), the argument named."""
+    x = _logits(R=3, V=50)
+    with pytest.raises(ValueError, match="^aligned_ops sampling: " + message):
+        truncation_mask(x, **kw)
+    with pytest.raises(ValueError, match=message):
+        truncate_logits(x, **kw)
+
+
+def test_truncation_options_vllm_accepts_and_off_values():
+    """The boundary values vLLM accepts are accepted (vLLM's SamplingParams agrees), and top_k -1 is off like 0."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    x = _logits(R=3, V=50)
+    for kw in (dict(top_p=1.0), dict(top_p=1e-9), dict(min_p=0.0), dict(min_p=1.0), dict(top_k=-1), dict(top_k=0),
+               dict(top_k=1), dict(top_k=10**6)):
+        SamplingParams(temperature=1.0, **kw)
+        truncation_mask(x, **kw)
+    for kw in (dict(top_p=0.0), dict(top_p=float("nan")), dict(min_p=float("nan")), dict(min_p=-0.5), dict(top_k=-2),
+               dict(top_k=2.5)):
+        with pytest.raises(Exception):
+            SamplingParams(temperature=1.0, **kw)
+    assert torch.equal(truncation_mask(x, top_k=-1), truncation_mask(x, top_k=0))
+    assert bool(truncation_mask(x, top_k=-1, top_p=1.0, min_p=0.0).all())
+    # min_p = 1 keeps exactly the most probable tokens (their tie group), never an empty row
+    kept = truncation_mask(x, min_p=1.0)
+    assert bool((kept.sum(1) >= 1).all())

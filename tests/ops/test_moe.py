@@ -498,3 +498,18 @@ def test_bad_inputs():
         ops.moe_experts(x.bfloat16(), w, torch.zeros(3, 2, dtype=torch.long), w13, w2)
     with pytest.raises(RuntimeError, match="aligned::moe_experts: shared_w13 and shared_w2 must be given together"):
         ops.moe_experts(x, w, torch.zeros(3, 2, dtype=torch.long), w13, w2, torch.randn(8, 16), None, None)
+
+
+@pytest.mark.parametrize("shape", [(16,), (16, 1), (2, 8), (4, 4), (1, 1, 16)])
+def test_shared_gate_shape_is_checked_not_reinterpreted(shape):
+    """Issue 21.9: any gate with H elements was accepted (and reshaped to [1, H]); only [1, H] is a gate."""
+    x = torch.randn(3, 16)
+    w13, w2 = _weights(4, 16, 8, torch.float32)
+    w, ids = torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    sw13, sw2 = torch.randn(8, 16), torch.randn(16, 4)
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts: shared_gate must be \[1, 16\] with x's dtype, got"):
+        ops.moe_experts(x, w, ids, w13, w2, sw13, sw2, torch.randn(shape))
+    with pytest.raises(RuntimeError, match=r"shared_gate must be \[1, 16\]"):  # the fake impl (torch.compile) too
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            ops.moe_experts(*(mode.from_tensor(t) for t in (x, w, ids, w13, w2, sw13, sw2, torch.randn(shape))))
+    ops.moe_experts(x, w, ids, w13, w2, sw13, sw2, torch.randn(1, 16))  # positive control

@@ -65,6 +65,16 @@ class AlignedCausalLMOutput:
 # ---- packing -----------------------------------------------------------------------------------------
 
 
+def _check_mask(mask, name):
+    """0/1 masks only (bool, integer or float): ``.bool()`` would count a NaN (or a 0.5, or a 2) as selected."""
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return
+    bad = ~((mask == 0) | (mask == 1))
+    if bool(bad.any()):
+        v = mask.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        raise ValueError(f"aligned_ops patched model: {name} must hold only 0 and 1 (or be bool), got {v}")
+
+
 def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
     """Flatten the batch to the real tokens: ``(flat_index [T], positions [T], cu_seqlens [B+1] int32)``.
 
@@ -97,6 +107,7 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
         attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
     if attention_mask.shape != input_ids.shape:
         raise ValueError("attention_mask must have the shape of input_ids")
+    _check_mask(attention_mask, "attention_mask")
     mask = attention_mask.bool()
     # A mask with holes inside a row would silently change positions; only left/right padding is allowed.
     csum = mask.to(torch.int64).cumsum(1)
@@ -218,9 +229,19 @@ def _model_forward(
     if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
         check_temperature(temperature, "completion_logprobs: temperature")
         check_sampling_options(top_k, top_p, min_p, where="completion_logprobs")
+    if completion_mask is not None:
+        if completion_mask.shape != input_ids.shape:
+            raise ValueError("completion_mask must have the shape of input_ids")
+        _check_mask(completion_mask, "completion_mask")
     flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
     ids = input_ids.reshape(-1)[flat]
     inner = self.model
+    vocab = inner.embed_tokens.weight.shape[0]
+    if ids.numel():  # an id outside the embedding would be a bare IndexError (or a device assert) deep inside
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"aligned_ops patched model: input_ids must lie in [0, {vocab}) (the embedding's rows), "
+                             f"got ids in [{lo}, {hi}]")
     hidden = inner.embed_tokens(ids)
     cache = _cos_sin_cache(self, hidden.device)
     # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
@@ -249,8 +270,6 @@ def _model_forward(
         full = full.index_copy(0, flat, logits)
         out.logits = full.view(*input_ids.shape, logits.shape[-1])
     if completion_mask is not None:
-        if completion_mask.shape != input_ids.shape:
-            raise ValueError("completion_mask must have the shape of input_ids")
         cm_all = completion_mask.reshape(-1).bool()
         cm = cm_all[flat]
         if int(cm.sum()) != int(cm_all.sum()):

@@ -49,6 +49,10 @@ def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2
     _same_device("moe_experts", x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
     torch._check(x.dim() == 2, lambda: "aligned::moe_experts: x must be 2-D [tokens, hidden]")
     torch._check(w13.dim() == 3 and w13.shape[2] == x.shape[1], lambda: "aligned::moe_experts: w13 must be [E, 2I, H]")
+    if shared_gate is not None:
+        torch._check(shared_gate.dim() == 2 and shared_gate.shape[0] == 1 and shared_gate.shape[1] == x.shape[1],
+                     lambda: f"aligned::moe_experts: shared_gate must be [1, {x.shape[1]}] with x's dtype, got "
+                             f"{list(shared_gate.shape)}")
     return x.new_empty(x.shape)
 
 
