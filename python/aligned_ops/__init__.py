@@ -35,7 +35,13 @@ from .ops.linear import linear, linear_lane_bounds, linear_partial, linear_tp_sl
 from .ops.logits import log_softmax, logsumexp, token_logprobs
 from .ops.collective import tree_all_reduce
 from .ops.device_errors import check_device_errors
-from .ops.linear_exact import clear_exact_weight_cache, linear_exact, linear_profile, profile_linear
+from .ops.linear_exact import (
+    cache_exact_weights,
+    clear_exact_weight_cache,
+    linear_exact,
+    linear_profile,
+    profile_linear,
+)
 from .ops.attention import (
     AttentionPlan,
     attention_plan_size,
@@ -61,6 +67,7 @@ __all__ = [
     "linear_profile",
     "profile_linear",
     "clear_exact_weight_cache",
+    "cache_exact_weights",
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",

@@ -225,12 +225,45 @@ def _lm_head_apply(self, layer, x, bias=None):
 
 def _make_create_weights(key):
     def create_weights(self, layer, *args, **kwargs):
-        """vLLM's own, then record the model architecture on the layer (its rules are looked up per call)."""
+        """vLLM's own, then record the model architecture on the layer (its rules are looked up per call) and
+        let the exact profile cache the weight's packing, its writes tracked (:func:`track_weight_writes`)."""
         out = _originals[key](self, layer, *args, **kwargs)
         record_architecture(layer)
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            track_weight_writes(weight)
+            aligned_ops.cache_exact_weights(weight)
         return out
 
     return create_weights
+
+
+def track_weight_writes(param) -> None:
+    """Make the vLLM weight loader of ``param`` bump the version counter of the parameter it writes.
+
+    vLLM's loaders write through ``param.data`` (``param.data.copy_``), which the version counter does not see,
+    so the exact profile's cached packing (keyed by it) would outlive a weight sync: every ``load_weights``
+    (what TRL / OpenRLHF / verl call to sync, and vLLM's own reload) goes through these loaders."""
+    import functools
+
+    from torch.autograd.graph import increment_version
+
+    loader = getattr(param, "weight_loader", None)
+    if loader is None or getattr(loader, "_aligned_bumps_version", False):
+        return
+
+    # functools.wraps: callers read the loader's signature (vLLM's layerwise reload binds its arguments by name
+    # and replays it with another `param`), so the wrapper must look like the loader it wraps.
+    @functools.wraps(loader)
+    def weight_loader(*args, **kwargs):
+        out = loader(*args, **kwargs)
+        target = kwargs.get("param", args[0] if args else None)
+        if isinstance(target, torch.Tensor) and not target.is_inference():
+            increment_version(target)
+        return out
+
+    weight_loader._aligned_bumps_version = True
+    param.weight_loader = weight_loader
 
 
 # ---- tensor parallelism (TP = 1, 2, 4, 8) ----------------------------------------------------------------
