@@ -393,3 +393,32 @@ def test_fused_lm_head_option_is_bitwise_the_unfused_path(model):
         completion_logprobs(model, packed, cm, cu_seqlens=cu, top_p=0.9, fused_lm_head=True)
     with pytest.raises(ValueError, match="fused_lm_head keys"):
         completion_logprobs(model, packed, cm, cu_seqlens=cu, fused_lm_head={"chunk": 3})
+
+
+def test_fused_lm_head_auto_is_the_default_and_changes_no_bit(model, monkeypatch):
+    """Issue 21.7: fused_lm_head="auto" (the default) fuses when the [tokens, vocab] logits would be large
+    (lm_head.FUSED_AUTO_MIN_LOGITS_BYTES, lowered here so a tiny model crosses it) and the scoring is eligible;
+    truncated scoring and the exact profile stay unfused (no error); every variant gives the same bits."""
+    import aligned_ops
+    from aligned_ops.ops import lm_head
+
+    ids, am, cm = _padded(_seqs([9, 6], 30), [2, 2], 9)
+    calls = []
+    real = aligned_ops.fused_token_logprobs
+    monkeypatch.setattr(aligned_ops, "fused_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        unfused = completion_logprobs(model, ids, cm, attention_mask=am, fused_lm_head=False)
+        small = completion_logprobs(model, ids, cm, attention_mask=am)  # default: auto, below the threshold
+        assert not calls
+        monkeypatch.setattr(lm_head, "FUSED_AUTO_MIN_LOGITS_BYTES", 1)
+        auto = completion_logprobs(model, ids, cm, attention_mask=am)
+        assert calls  # fused
+        calls.clear()
+        truncated = completion_logprobs(model, ids, cm, attention_mask=am, top_k=5)
+        assert not calls  # auto never fuses truncated scoring (and does not refuse it)
+        monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
+        completion_logprobs(model, ids, cm, attention_mask=am)
+        assert not calls  # nor the exact profile
+    assert_bitwise_equal(small, unfused)
+    assert_bitwise_equal(auto, unfused)
+    assert not bitwise_equal(truncated, unfused)  # negative control: truncation really changed the scoring

@@ -212,7 +212,7 @@ def _model_forward(
     top_k=None,
     top_p=None,
     min_p=None,
-    fused_lm_head=False,
+    fused_lm_head="auto",
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
@@ -285,6 +285,8 @@ def _model_forward(
         temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
+        if fused_lm_head == "auto":  # aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES: same bits either way
+            fused_lm_head = _fuse_automatically(head, head_in, top_k, top_p, min_p, rules)
         if fused_lm_head:
             lp = _fused_head_logprobs(head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p, rules)
         elif top_k is None and top_p is None and min_p is None:
@@ -311,6 +313,18 @@ def _model_forward(
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules) -> bool:
+    """``fused_lm_head="auto"``: fuse where the fused head applies (full-vocabulary scoring, fma profile,
+    model-dtype logits) and the [tokens, vocab] logits would be large (``lm_head.fused_by_default``)."""
+    from ..ops.lm_head import fused_by_default
+
+    if top_k is not None or top_p is not None or min_p is not None:
+        return False
+    if rules.profile() != "fma" or rules.logits_dtype is not None:
+        return False
+    return fused_by_default(hidden.shape[0], head.weight.shape[0], hidden.dtype)
 
 
 def _fused_head_logprobs(head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules):
@@ -434,7 +448,7 @@ def completion_logprobs(
     top_k=None,
     top_p=None,
     min_p=None,
-    fused_lm_head=False,
+    fused_lm_head="auto",
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
@@ -454,6 +468,9 @@ def completion_logprobs(
     ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
     log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
     ``[tokens, vocab]`` logits and their gradient (full-vocabulary scoring and the fma linear profile only).
+    ``"auto"`` (the default): fused where it applies and the logits would take at least
+    ``aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES`` (256 MiB; 4096 tokens x 151,936 bf16 are 1.16 GiB),
+    unfused otherwise — the bits are the same either way. ``False``: never fused.
     """
     if not getattr(model, "_aligned_patched", False):
         raise ValueError("completion_logprobs: call aligned_ops.integrations.hf.patch_model(model) first")
