@@ -41,29 +41,9 @@ def load() -> None:
 
 
 def _load() -> None:
-    import torch
+    from ._extension import load_extension
 
-    try:
-        from ._build_info import TORCH_VERSION as BUILT_WITH_TORCH
-    except ImportError as e:  # pragma: no cover - source checkout without a build
-        raise ImportError(
-            "aligned_ops is not built: run `pip install --no-build-isolation .` (or the cmake dev build, see "
-            "DESIGN.md) against the installed torch"
-        ) from e
-    if BUILT_WITH_TORCH != torch.__version__:
-        raise ImportError(
-            f"aligned_ops was built against torch {BUILT_WITH_TORCH} but torch {torch.__version__} is installed; "
-            "torch's C++ ABI changes between versions: rebuild with `pip install --no-build-isolation .`"
-        )
-
-    from . import _C  # noqa: F401  (registers the ops)
-
-    # The CPU kernel level is chosen once, in C++ (csrc/cpu/cpu_backend.h); an ALIGNED_CPU_ISA that names no level
-    # (or one this CPU cannot run) fails here, at import, with the backend's own words, not at the first op.
-    try:
-        torch.ops.aligned._cpu_isa()
-    except RuntimeError as _e:
-        raise ImportError(str(_e).splitlines()[0]) from None
+    load_extension()
     from . import ops  # noqa: F401  (every op family's fake impls + autograd; ops/__init__.py imports them in order)
     from .ops.dense import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, rotary_embedding, silu_and_mul
     from .ops.linear import linear, linear_lane_bounds, linear_partial, linear_tp_slices, tree_combine

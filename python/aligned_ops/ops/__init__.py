@@ -14,9 +14,9 @@ documented wrappers. Schemas and checks live in C++ (csrc/torch_bindings.cpp, cs
 Importing this package registers all of them; ``_registry`` holds what they share (``register_no_backward``).
 """
 
-from .. import load as _load_extension
+from .._extension import load_extension
 
-_load_extension()  # the compiled ops first (a no-op unless the aligned-ops command deferred it: aligned_ops/__init__)
+load_extension()  # the compiled ops first (loaded already unless the aligned-ops command deferred it)
 
 from . import dense  # noqa: F401, E402
 from . import linear  # noqa: F401, E402
