@@ -58,9 +58,9 @@ def main():
     xr, Wr = x[:, sl].contiguous(), W[:, sl].contiguous()
     case("fma_wrong_slice_one_rank",
          lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else Wr[:, :24].contiguous(), None, None,
-                                                in_features=64, profile="fma"))
-    case("fma_rows_differ", lambda: collective.row_parallel_linear(xr[: 4 - rank], Wr, None, None, profile="fma"))
-    case("fma_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, None, None, profile="fma")),
+                                                in_features=64))
+    case("fma_rows_differ", lambda: collective.row_parallel_linear(xr[: 4 - rank], Wr, None, None))
+    case("fma_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, None, None)),
                                             bits(aligned_ops.linear(x, W)))))
 
     # exact row-parallel linear
