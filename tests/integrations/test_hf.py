@@ -412,13 +412,13 @@ def test_fused_lm_head_auto_is_the_default_and_changes_no_bit(model, monkeypatch
     """Issue 21.7: fused_lm_head="auto" (the default) fuses when the [tokens, vocab] logits would be large
     (lm_head.FUSED_AUTO_MIN_LOGITS_BYTES, lowered here so a tiny model crosses it) and the scoring is eligible;
     truncated scoring and the exact profile stay unfused (no error); every variant gives the same bits."""
-    import aligned_ops
     from aligned_ops.ops import lm_head
 
     ids, am, cm = _padded(_seqs([9, 6], 30), [2, 2], 9)
     calls = []
-    real = aligned_ops.fused_token_logprobs
-    monkeypatch.setattr(aligned_ops, "fused_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lm_head.fused_token_logprobs  # what the fma profile's fused head runs (aligned_ops.profiles)
+    monkeypatch.setattr(lm_head, "fused_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    exact = patch_model(unpatch_model(copy.deepcopy(model)), profile="exact")
     with torch.no_grad():
         unfused = completion_logprobs(model, ids, cm, attention_mask=am, fused_lm_head=False)
         small = completion_logprobs(model, ids, cm, attention_mask=am)  # default: auto, below the threshold
@@ -429,9 +429,9 @@ def test_fused_lm_head_auto_is_the_default_and_changes_no_bit(model, monkeypatch
         calls.clear()
         truncated = completion_logprobs(model, ids, cm, attention_mask=am, top_k=5)
         assert not calls  # auto never fuses truncated scoring (and does not refuse it)
-        monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
-        completion_logprobs(model, ids, cm, attention_mask=am)
-        assert not calls  # nor the exact profile
+        exact_auto = completion_logprobs(exact, ids, cm, attention_mask=am)
+        assert not calls  # nor a profile without a fused LM head (exact)
+        assert_bitwise_equal(exact_auto, completion_logprobs(exact, ids, cm, attention_mask=am, fused_lm_head=False))
     assert_bitwise_equal(small, unfused)
     assert_bitwise_equal(auto, unfused)
     assert not bitwise_equal(truncated, unfused)  # negative control: truncation really changed the scoring
