@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
@@ -51,6 +51,7 @@ def setup(exact_profile, tmp_path_factory):
     llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=256)
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
     yield llm, trainer
+    shutdown(llm)  # the in-process engine's process group must not outlive this module (tests/conftest.py)
     del llm
     gc.collect()
 
