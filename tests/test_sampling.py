@@ -114,22 +114,141 @@ def test_bad_input():
         truncation_mask(torch.zeros(3, 4), top_k=torch.tensor([1, 2]))
 
 
-def test_effective_temperature_is_the_one_greedy_rule():
-    """Greedy (T < 1e-5, vLLM's eps) is scored at 1 — floats and tensors; the plugin, hf.py and scale_logits use it."""
+def _vllm_scored_temperature(t):
+    """The fp32 temperature vLLM 0.32 (installed) divides a request's logits by: SamplingParams' own rule
+    (0 < T < 0.01 raised to 0.01, greedy when T < 1e-5), stored as float32 (the input batch), greedy rows at 1."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.sampling_params import SamplingType
+
+    sp = SamplingParams(temperature=t)
+    stored = np.float32(0.0 if sp.sampling_type == SamplingType.GREEDY else sp.temperature)
+    return torch.tensor([1.0 if stored < 1e-5 else stored], dtype=torch.float32)
+
+
+# Issue 21.1: the trainer scored 0 < T < 1e-5 at 1.0 ("greedy") and 1e-5 <= T < 0.01 at T, while vLLM raises
+# every 0 < T < 0.01 to 0.01 and samples there (up to 3.5 nats apart at T = 1e-6).
+TEMPERATURES = [0.0, 5e-324, 1e-300, 1e-45, 1e-6, 9.99e-6, 1e-5, 1.0000001e-5, 0.005, 0.0099999, 0.00999999999,
+                0.01, 0.0100001, 0.3, 0.7, 1.0, 1.7, 2.0]
+
+
+def test_effective_temperature_is_vllms_rule():
+    """effective_temperature(T) (floats, fp32 and fp64 tensors) is, bit for bit, the temperature vLLM 0.32's
+    SamplingParams + sampler score a request of T at; the plugin, hf.py and scale_logits call it."""
+    pytest.importorskip("vllm")
+    import ast
     import inspect
 
-    from aligned_ops.integrations import hf
+    from aligned_ops.integrations import hf, vllm_plugin
     from aligned_ops.integrations.vllm import config, decoders, layers, moe, sampler, tp
-    from aligned_ops.sampling import GREEDY_TEMPERATURE_EPS, effective_temperature, scale_logits
+    from aligned_ops.sampling import effective_temperature, scale_logits
 
-    assert effective_temperature(0.0) == 1.0 and effective_temperature(9.9e-6) == 1.0
-    assert effective_temperature(1e-5) == 1e-5 and effective_temperature(0.7) == 0.7
-    t = effective_temperature(torch.tensor([0.0, 1e-6, 0.5, 2.0], dtype=torch.float64))
-    assert t.dtype == torch.float32 and t.tolist() == [1.0, 1.0, 0.5, 2.0]
-    x = torch.randn(2, 5)
-    assert torch.equal(scale_logits(x, torch.tensor([0.0, 0.5])), torch.stack([x[0], x[1] / 0.5]))
-    # negative control: a threshold of 0 (greedy divided by itself) is not what scale_logits does
-    assert not torch.isfinite(x[0] / torch.tensor(0.0)).all()
-    for mod in (hf, config, decoders, layers, moe, sampler, tp):  # the threshold is written once: no copy left
-        assert "1e-5" not in inspect.getsource(mod).replace("< 1e-5 is greedy", "")
-    assert GREEDY_TEMPERATURE_EPS == 1e-5
+    theirs = torch.cat([_vllm_scored_temperature(t) for t in TEMPERATURES])
+    floats = torch.tensor([effective_temperature(t) for t in TEMPERATURES], dtype=torch.float32)
+    assert_bitwise_equal(floats, theirs)
+    assert_bitwise_equal(effective_temperature(torch.tensor(TEMPERATURES, dtype=torch.float64)), theirs)
+    # an fp32 tensor holds fp32(T): vLLM's rule on those values
+    t32 = torch.tensor(TEMPERATURES, dtype=torch.float32)
+    assert_bitwise_equal(effective_temperature(t32),
+                         torch.cat([_vllm_scored_temperature(float(t)) for t in t32]))
+    # idempotent: the plugin applies it to the engine's stored (already raised) temperatures
+    assert_bitwise_equal(effective_temperature(theirs), theirs)
+    x = torch.randn(len(TEMPERATURES), 7)
+    assert_bitwise_equal(scale_logits(x, torch.tensor(TEMPERATURES, dtype=torch.float64)), x / theirs[:, None])
+    # negative control: the old rule (greedy below 1e-5, T itself above) is not vLLM's
+    old = torch.tensor([1.0 if t < 1e-5 else t for t in TEMPERATURES], dtype=torch.float32)
+    assert not torch.equal(old.view(torch.int32), theirs.view(torch.int32))
+    # the thresholds are written once: no numeric copy left in the integrations
+    for mod in (hf, vllm_plugin, config, decoders, layers, moe, sampler, tp):
+        consts = {n.value for n in ast.walk(ast.parse(inspect.getsource(mod))) if isinstance(n, ast.Constant)}
+        assert not consts & {1e-5, 1e-2}
+
+
+@pytest.mark.parametrize("t", [2.0000001, 2.5, float("inf"), float("-inf"), float("nan"), -1e-9, -1.0])
+def test_check_temperature_refuses_what_vllm_refuses(t):
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from aligned_ops.sampling import check_temperature
+
+    with pytest.raises(Exception, match="temperature"):
+        SamplingParams(temperature=t)
+    with pytest.raises(ValueError, match="^my_temperature must be"):
+        check_temperature(t, "my_temperature", vllm_version="0.32.0")
+    with pytest.raises(ValueError, match="temperature must be"):
+        check_temperature(torch.tensor([0.5, t], dtype=torch.float64))
+
+
+def test_check_temperature_accepts_what_vllm_accepts():
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from aligned_ops.sampling import check_temperature
+
+    for t in TEMPERATURES + [-0.0]:
+        SamplingParams(temperature=t)
+        check_temperature(t, vllm_version="0.32.0")
+
+
+def test_temperature_rule_per_release(monkeypatch):
+    """Read in each release's sampling_params.py: 0.22/0.23 take any T >= 0 (NaN and inf too, which we refuse
+    by name); from 0.24 T must be finite and in [0, 2]. The mapping (0 < T < 0.01 -> 0.01) is the same in all."""
+    from aligned_ops.sampling import VLLM_VERSION_ENV, check_temperature, temperature_rule
+
+    check_temperature(2.5, vllm_version="0.22.0")
+    check_temperature(7.0, vllm_version="0.23.1")
+    for v in ("0.24.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"):
+        with pytest.raises(ValueError, match=r"must be in \[0, 2\]"):
+            check_temperature(2.5, vllm_version=v)
+    with pytest.raises(ValueError, match="accepts it and samples from NaN"):
+        check_temperature(float("nan"), vllm_version="0.23.0")
+    with pytest.raises(ValueError, match="temperature rule is not known"):
+        temperature_rule("0.10.2")
+    with pytest.raises(ValueError, match="cannot read the vLLM version"):
+        temperature_rule("main")
+    monkeypatch.setenv(VLLM_VERSION_ENV, "0.23.0")
+    check_temperature(2.5)
+    monkeypatch.setenv(VLLM_VERSION_ENV, "0.24.0")
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        check_temperature(2.5)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.0000001), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), "top_p must be in"), (dict(top_p=torch.tensor([0.5, float("nan"), 0.9])), "top_p"),
+    (dict(min_p=-1e-9), r"min_p must be in \[0, 1\]"), (dict(min_p=float("nan")), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=torch.tensor([0.1, 1.5, 0.0])), "min_p must be in"),
+    (dict(top_k=-2), r"top_k must be 0 or -1 \(disable\), or at least 1, got -2"),
+    (dict(top_k=3.0), "top_k must be an integer, got float 3.0"), (dict(top_k=float("nan")), "top_k must be an integer"),
+    (dict(top_k=torch.tensor([1.5, 2.0, 3.0])), "top_k must be an integer, got a torch.float32 tensor"),
+    (dict(top_k=torch.tensor([5, -3, 1])), "top_k must be 0 or -1"),
+])
+def test_truncation_options_refused_as_vllm_refuses(kw, message):
+    """Issue 21.4: NaN top_p / min_p were silently "off", top_p > 1 or <= 0 gave all -inf rows, a fractional or
+    negative top_k was truncated or off. vLLM's own rules (SamplingParams._verify_args), the argument named."""
+    x = _logits(R=3, V=50)
+    with pytest.raises(ValueError, match="^aligned_ops sampling: " + message):
+        truncation_mask(x, **kw)
+    with pytest.raises(ValueError, match=message):
+        truncate_logits(x, **kw)
+
+
+def test_truncation_options_vllm_accepts_and_off_values():
+    """The boundary values vLLM accepts are accepted (vLLM's SamplingParams agrees), and top_k -1 is off like 0."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    x = _logits(R=3, V=50)
+    for kw in (dict(top_p=1.0), dict(top_p=1e-9), dict(min_p=0.0), dict(min_p=1.0), dict(top_k=-1), dict(top_k=0),
+               dict(top_k=1), dict(top_k=10**6)):
+        SamplingParams(temperature=1.0, **kw)
+        truncation_mask(x, **kw)
+    for kw in (dict(top_p=0.0), dict(top_p=float("nan")), dict(min_p=float("nan")), dict(min_p=-0.5), dict(top_k=-2),
+               dict(top_k=2.5)):
+        with pytest.raises(Exception):
+            SamplingParams(temperature=1.0, **kw)
+    assert torch.equal(truncation_mask(x, top_k=-1), truncation_mask(x, top_k=0))
+    assert bool(truncation_mask(x, top_k=-1, top_p=1.0, min_p=0.0).all())
+    # min_p = 1 keeps exactly the most probable tokens (their tie group), never an empty row
+    kept = truncation_mask(x, min_p=1.0)
+    assert bool((kept.sum(1) >= 1).all())

@@ -34,7 +34,7 @@ void routing(const MoeRoutingParams& prm, int64_t row_begin, int64_t row_end) {
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* p = scores + r * E;
       moe_scores_row(zt + r * E, E, scoring, p);
-      moe_topk_row(p, E, k, renormalize, taken.data(), ids + r * k, w + r * k);
+      moe_topk_row(zt + r * E, p, E, k, scoring, renormalize, taken.data(), ids + r * k, w + r * k);
     }
   });
 }

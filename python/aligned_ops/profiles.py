@@ -71,8 +71,9 @@ class Profile:
         raise NotImplementedError
 
     def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None,
-                            algorithm: str = "auto") -> torch.Tensor:
-        """Rank r holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns ``linear(x, weight, bias)``."""
+                            algorithm: str = "auto", check: bool = True) -> torch.Tensor:
+        """Rank r holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns ``linear(x, weight, bias)``.
+        ``check``: the ranks first agree on shapes and dtypes (one small all-gather) and all raise together."""
         raise NotImplementedError
 
     def fused_token_logprobs(self, hidden, weight, token_ids, temperature=1.0, bias=None, **chunks):
@@ -141,9 +142,11 @@ class FmaProfile(Profile):
     def linear(self, x, weight, bias=None):
         return _fma.linear(x, weight, bias)
 
-    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto"):
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto",
+                            check=True):
         # each rank's 8/t-lane sub-tree (linear_partial), finished by the tree all-reduce; bias once, one rounding
-        return collective.row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm)
+        return collective.row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm,
+                                              check=check)
 
     def fused_token_logprobs(self, hidden, weight, token_ids, temperature=1.0, bias=None, **chunks):
         return _lm_head.fused_token_logprobs(hidden, weight, token_ids, temperature, bias=bias, **chunks)
@@ -166,9 +169,10 @@ class ExactProfile(Profile):
     def linear(self, x, weight, bias=None):
         return _exact.linear_exact(x, weight, bias)
 
-    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto"):
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto",
+                            check=True):
         # integer partials over the full rows' canonical forms, an exact int64 all-reduce, one rounding
-        return collective.exact_row_parallel_linear(x, weight, bias, group, in_features=in_features)
+        return collective.exact_row_parallel_linear(x, weight, bias, group, in_features=in_features, check=check)
 
 
 FMA = FmaProfile()
@@ -253,9 +257,10 @@ def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def row_parallel_linear(x, weight, bias=None, group=None, *, in_features=None, algorithm: str = "auto",
-                        profile: str | Profile | None = None) -> torch.Tensor:
+                        profile: str | Profile | None = None, check: bool = True) -> torch.Tensor:
     """A row-parallel aligned linear of ``profile`` (a name or object; None: ``ALIGNED_OPS_LINEAR`` now): rank r
     holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns the full single-device linear of that
     profile, bit for bit (``fma``: :func:`aligned_ops.ops.collective.row_parallel_linear`, the 8-lane tree;
     ``exact``: :func:`aligned_ops.ops.collective.exact_row_parallel_linear`, integer partials)."""
-    return resolve(profile).row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm)
+    return resolve(profile).row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm,
+                                                check=check)

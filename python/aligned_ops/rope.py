@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import struct
 from dataclasses import dataclass, replace
 
@@ -74,8 +75,27 @@ class RopeSpec:
                              f"({', '.join(SUPPORTED_ROPE_TYPES)})")
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"aligned_ops rope: rotary_dim must be even and > 0, got {self.rotary_dim}")
-        if self.rope_type != "default" and not (self.factor > 0):
-            raise ValueError(f"aligned_ops rope: {self.rope_type} needs factor > 0, got {self.factor}")
+        if not (isinstance(self.base, numbers.Real) and math.isfinite(self.base) and self.base > 0):
+            raise ValueError(f"aligned_ops rope: rope_theta (the RoPE base) must be a finite number > 0, got "
+                             f"{self.base!r}")
+        if not (isinstance(self.max_position, numbers.Integral) and self.max_position >= 1):
+            raise ValueError(f"aligned_ops rope: max_position_embeddings must be an integer >= 1, got "
+                             f"{self.max_position!r}")
+        if self.rope_type != "default" and not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ValueError(f"aligned_ops rope: {self.rope_type} needs a finite factor > 0, got {self.factor}")
+        if self.rope_type == "yarn" and self.base == 1:
+            raise ValueError("aligned_ops rope: yarn needs rope_theta != 1 (its correction range divides by "
+                             "log(rope_theta))")
+        if self.rope_type == "dynamic":
+            if self.rotary_dim <= 2:
+                raise ValueError(f"aligned_ops rope: dynamic NTK needs rotary_dim > 2 (its base is raised to "
+                                 f"R / (R - 2)), got {self.rotary_dim}")
+            trained = self.max_trained_positions or self.max_position
+            ratio = self.factor * self.max_position / trained - (self.factor - 1)
+            if not (ratio > 0):
+                raise ValueError(f"aligned_ops rope: dynamic NTK with factor {self.factor}, max_position "
+                                 f"{self.max_position} and max_trained_positions {trained} gives a base ratio "
+                                 f"{ratio} <= 0")
         if self.rope_type in ("llama3", "yarn") and not self.original_max_position:
             raise ValueError(f"aligned_ops rope: {self.rope_type} needs original_max_position_embeddings")
         if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None):

@@ -30,24 +30,71 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "effective_temperature", "truncation_mask", "truncate_logits", "scale_logits"]
+# vLLM's temperature rule per release: written once, torch-free, in sampling_rules (the CLI checks flags with it)
+from .sampling_rules import (
+    GREEDY_TEMPERATURE_EPS,
+    MIN_SAMPLING_TEMPERATURE,
+    TEMPERATURE_RULES,
+    VLLM_VERSION_ENV,
+    TemperatureRule,
+    check_temperature,
+    effective_temperature_float,
+    rollout_vllm_version,
+    temperature_rule,
+)
 
-# vLLM's sampling eps: a request with temperature < 1e-5 is greedy, and its row is scored at T = 1 (the
-# distribution vLLM's sampler divides by when it applies temperatures). Written once, here; the vLLM plugin,
-# the trainer patch (hf.py) and scale_logits all call effective_temperature.
-GREEDY_TEMPERATURE_EPS = 1e-5
+__all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "temperature_rule",
+           "check_temperature", "effective_temperature", "check_sampling_options", "truncation_mask",
+           "truncate_logits", "scale_logits"]
 
 
 def effective_temperature(temperature):
-    """The temperature a row is scored at: ``temperature`` itself, or 1.0 where it is greedy (``< 1e-5``).
+    """The temperature a row is scored at — vLLM's mapping (every release read, 0.22 to 0.32):
+    ``0 < T < 0.01`` -> 0.01, ``T == 0`` (greedy) -> 1.0, otherwise ``T``.
 
-    A float gives a float; a tensor gives an fp32 tensor of the same shape (no check of sign or finiteness:
-    callers that accept user input refuse those first)."""
+    Idempotent: the vLLM plugin applies it to the temperatures the engine stored (already raised to 0.01),
+    the trainer to the requested ones. A float gives a float; a tensor gives an fp32 tensor of the same shape
+    (the comparisons are made in float64, before the one rounding to fp32 that vLLM makes too). No check of
+    range or finiteness: callers that accept user input call :func:`check_temperature` first."""
     if isinstance(temperature, torch.Tensor):
-        t = temperature.to(torch.float32)
-        return torch.where(t < GREEDY_TEMPERATURE_EPS, torch.ones_like(t), t)
-    t = float(temperature)
-    return 1.0 if t < GREEDY_TEMPERATURE_EPS else t
+        t = temperature.to(torch.float64)
+        t = torch.where((t > 0) & (t < MIN_SAMPLING_TEMPERATURE), torch.full_like(t, MIN_SAMPLING_TEMPERATURE), t)
+        return torch.where(t < GREEDY_TEMPERATURE_EPS, torch.ones_like(t), t).to(torch.float32)
+    return effective_temperature_float(temperature)
+
+
+# ---- truncation options: vLLM's _verify_args (the same in every release read, 0.22 to 0.32) -------------------
+#   top_p in (0, 1] (1 = off); top_k an integer, 0 or -1 = off (vLLM "quietly accepts -1 as disabled"), else
+#   >= 1 (>= the vocabulary: off); min_p in [0, 1] (0 = off). NaN is refused by each range test. A greedy
+#   request (T = 0 after vLLM's raise of small temperatures) has all three reset to off by vLLM.
+def _values(value, name, where):
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1).tolist(), value.dtype
+    if isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: {name} must be a number or a tensor (one value per row/sequence), got "
+                        f"{type(value).__name__}")
+    return [value], None
+
+
+def check_sampling_options(top_k=None, top_p=None, min_p=None, where: str = "aligned_ops sampling") -> None:
+    """Raise ``ValueError`` (naming the argument) for a truncation option vLLM refuses; scalars or tensors."""
+    if top_k is not None:
+        vals, dtype = _values(top_k, "top_k", where)
+        if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"{where}: top_k must be an integer, got a {dtype} tensor")
+        for k in vals:
+            if not isinstance(k, int):  # bool is an int, as in vLLM
+                raise ValueError(f"{where}: top_k must be an integer, got {type(k).__name__} {k!r}")
+            if k < -1:
+                raise ValueError(f"{where}: top_k must be 0 or -1 (disable), or at least 1, got {k}")
+    if top_p is not None:
+        for p in _values(top_p, "top_p", where)[0]:
+            if not (0.0 < float(p) <= 1.0):
+                raise ValueError(f"{where}: top_p must be in (0, 1] (1 = off), got {p}")
+    if min_p is not None:
+        for p in _values(min_p, "min_p", where)[0]:
+            if not (0.0 <= float(p) <= 1.0):
+                raise ValueError(f"{where}: min_p must be in [0, 1] (0 = off), got {p}")
 
 
 def _per_row(value, R, device, dtype):
@@ -73,18 +120,19 @@ def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     """``fp32(logits) / T`` per row, greedy rows (:func:`effective_temperature`) at 1 — vLLM's ``apply_temperature``."""
     x = logits.to(torch.float32)
     R = x.shape[0]
-    t = effective_temperature(_per_row(temperature, R, x.device, torch.float32))
+    t = effective_temperature(_per_row(temperature, R, x.device, torch.float64))
     return x / t.unsqueeze(1)
 
 
 def truncation_mask(x: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
     """Boolean ``[R, V]`` keep-mask of the recipe above for scaled fp32 logits ``x`` (module docstring).
 
-    ``top_k`` (int, <= 0 or >= V: off), ``top_p`` (float, >= 1: off), ``min_p`` (float, <= 0: off): a
-    scalar or one value per row.
+    ``top_k`` (int, 0 / -1 or >= V: off), ``top_p`` (float in (0, 1], 1: off), ``min_p`` (float in [0, 1],
+    0: off): a scalar or one value per row; values vLLM refuses raise ``ValueError`` (:func:`check_sampling_options`).
     """
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"aligned_ops sampling: x must be 2-D float32 [rows, vocab], got {tuple(x.shape)} {x.dtype}")
+    check_sampling_options(top_k, top_p, min_p)
     R, V = x.shape
     keep = torch.ones_like(x, dtype=torch.bool)
     neg_inf = torch.tensor(float("-inf"), device=x.device)

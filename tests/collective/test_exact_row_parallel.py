@@ -49,6 +49,12 @@ def test_weight_packing_cached_and_redone_after_update(records):
     assert all(r["value"] is True for r in _select(records, "one_rank_cleared_same_bits"))
 
 
+def test_unregistered_weight_slice_sees_writes_behind_the_version_counter(records):
+    # issue 21.3: a slice written through .data (no version bump) was served from the old packing
+    assert all(r["value"] is True for r in _select(records, "unregistered_data_write_seen"))
+    assert all(r["value"] is True for r in _select(records, "unregistered_back"))
+
+
 @pytest.mark.parametrize("check", ["fma_route_differs", "per_rank_exact_summed_differs"])
 def test_negative_controls_differ(records, check):
     got = _select(records, check)

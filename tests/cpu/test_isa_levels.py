@@ -78,6 +78,19 @@ SCRIPT = textwrap.dedent(
         out[f"split_lsebwd{n}"] = ops.logsumexp_backward(torch.tensor([0.7]), z1, 0.9, None)
         out[f"split_lsmbwd{n}"] = ops.log_softmax_backward(torch.randn(1, 40003, generator=g), z1, 1.0, None)
         out[f"split_silu{n}"] = ops.silu_and_mul((torch.randn(1, 2 * 8960, generator=g) * 6).to(dt))
+    # MoE routing at the edges (moe.h: sigmoid_score below -88.7, the logit form of the weights, NaN rows)
+    zr = torch.cat([torch.randn(20, 16, generator=g) * 4, -88.0 - 40 * torch.rand(6, 16, generator=g),
+                    torch.full((1, 16), -float("inf")), torch.randn(2, 16, generator=g) - 20.0])
+    zr[3, 7] = float("nan")
+    for scoring in ("softmax", "sigmoid"):
+        for renorm in (True, False):
+            for dt in (torch.float32, torch.bfloat16):
+                k = f"moe{scoring}{renorm}{dt}"
+                w, ids, sc = ops.moe_routing(zr.to(dt), 4, scoring, renorm)
+                out[k] = (w, ids.to(torch.int32).view(torch.float32), sc)
+                out[k + "bwd"] = ops.moe_routing_backward(torch.randn(w.shape, generator=g),
+                                                          torch.randn(sc.shape, generator=g), zr.to(dt), ids,
+                                                          scoring, renorm)
     torch.save(out, sys.argv[1])
     """
 )

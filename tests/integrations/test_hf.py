@@ -275,12 +275,87 @@ def test_completion_mask_on_padding_is_refused(model):
         completion_logprobs(model, ids, cm, attention_mask=am)
 
 
-@pytest.mark.parametrize("bad", [-0.5, -1e-7, float("nan"), float("inf"), torch.tensor([1.0, -2.0])])
+@pytest.mark.parametrize("bad", [-0.5, -1e-7, float("nan"), float("inf"), 2.5, torch.tensor([1.0, -2.0]),
+                                 torch.tensor([0.5, 2.01])])
 def test_bad_temperature_is_refused(model, bad):
-    # Was: a negative temperature was scored at 1 (treated as greedy).
+    # Was: a negative temperature was scored at 1 (treated as greedy); > 2 (vLLM >= 0.24 refuses it) was scored.
     ids, am, cm = _padded(_seqs([6, 4], 23), [2, 2], 6)
-    with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+    with pytest.raises(ValueError, match="^completion_logprobs: temperature must be (a finite number|non-negative|"
+                                         "in \\[0, 2\\])"):
         completion_logprobs(model, ids, cm, attention_mask=am, temperature=bad)
+
+
+def test_small_temperatures_are_scored_where_vllm_samples(model):
+    """Issue 21.1: vLLM raises 0 < T < 0.01 to 0.01 (SamplingParams) and samples there; the trainer scored
+    1e-6 at 1.0 and 0.005 at 0.005. Now both at 0.01, floats and per-sequence tensors."""
+    ids, am, cm = _padded(_seqs([7, 5, 6], 25), [2, 2, 3], 7)
+    with torch.no_grad():
+        at = {t: completion_logprobs(model, ids, cm, attention_mask=am, temperature=t)
+              for t in (1e-6, 1e-300, 0.005, 0.0099999, 0.01, 1.0, 0.5)}
+        per_seq = completion_logprobs(model, ids, cm, attention_mask=am,
+                                      temperature=torch.tensor([0.0, 1e-6, 0.5], dtype=torch.float64))
+    for t in (1e-6, 1e-300, 0.005, 0.0099999):
+        assert_bitwise_equal(at[t], at[0.01])
+    assert not bitwise_equal(at[0.01], at[1.0])  # negative control: the old rule scored 1e-6 at 1.0
+    assert_bitwise_equal(per_seq[0], at[1.0][0])
+    assert_bitwise_equal(per_seq[1], at[0.01][1])
+    assert_bitwise_equal(per_seq[2], at[0.5][2])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"), (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_p=float("nan")), "top_p must be in"), (dict(top_p=torch.tensor([0.9, -0.1])), "top_p must be in"),
+    (dict(min_p=-0.1), "min_p must be in \\[0, 1\\]"), (dict(min_p=1.5), "min_p must be in"),
+    (dict(min_p=float("nan")), "min_p must be in"), (dict(top_k=-2), "top_k must be 0 or -1 \\(disable\\)"),
+    (dict(top_k=2.5), "top_k must be an integer"), (dict(top_k=torch.tensor([3.0, 4.0])), "top_k must be an integer"),
+    (dict(top_k=torch.tensor([3, -5])), "top_k must be 0 or -1"),
+])
+def test_bad_sampling_options_are_refused_by_name(model, kw, message):
+    """Issue 21.4: NaN / out-of-range options were silently "off" or all -inf, a fractional top_k truncated."""
+    ids, am, cm = _padded(_seqs([6, 4], 26), [2, 2], 6)
+    with pytest.raises(ValueError, match="^completion_logprobs: " + message):
+        completion_logprobs(model, ids, cm, attention_mask=am, **kw)
+
+
+def test_sampling_options_off_values_and_greedy_rows(model):
+    """top_k -1 is off (as vLLM takes it) like 0; a greedy sequence (T = 0) is scored untruncated, as vLLM resets
+    its top_k / top_p / min_p; a sampled one in the same batch keeps its truncation."""
+    ids, am, cm = _padded(_seqs([7, 6], 27), [2, 2], 7)
+    with torch.no_grad():
+        full = completion_logprobs(model, ids, cm, attention_mask=am, temperature=torch.tensor([0.0, 0.8]))
+        off_k = completion_logprobs(model, ids, cm, attention_mask=am, temperature=torch.tensor([0.0, 0.8]), top_k=-1)
+        trunc = completion_logprobs(model, ids, cm, attention_mask=am, temperature=torch.tensor([0.0, 0.8]), top_k=1,
+                                    top_p=0.5, min_p=0.2)
+    assert_bitwise_equal(off_k, full)
+    assert_bitwise_equal(trunc[0], full[0])  # greedy row: untruncated
+    assert not bitwise_equal(trunc[1], full[1])  # negative control: the sampled row is truncated
+
+
+@pytest.mark.parametrize("bad_id", [512, 10**6, -1])
+def test_out_of_vocabulary_id_is_refused_by_name(model, bad_id):
+    ids, am, cm = _padded(_seqs([6, 4], 28), [2, 2], 6)
+    ids[0, 3] = bad_id
+    with pytest.raises(ValueError, match="input_ids must lie in \\[0, 512\\) \\(the embedding's rows\\), got ids in"):
+        completion_logprobs(model, ids, cm, attention_mask=am)
+    with pytest.raises(ValueError, match="input_ids must lie in \\[0, 512\\)"):
+        model(ids, attention_mask=am)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.5, 2.0, -1.0])
+def test_completion_and_attention_masks_must_be_zero_one(model, bad):
+    """Issue 21.9: a NaN in completion_mask counted as selected (.bool()); 0/1 float masks still work."""
+    ids, am, cm = _padded(_seqs([6, 5], 29), [2, 2], 6)
+    with torch.no_grad():
+        ref = completion_logprobs(model, ids, cm.bool(), attention_mask=am)
+        assert_bitwise_equal(completion_logprobs(model, ids, cm.float(), attention_mask=am.float()), ref)
+    cmf = cm.float()
+    cmf[1, 5] = bad
+    with pytest.raises(ValueError, match="completion_mask must hold only 0 and 1 \\(or be bool\\), got"):
+        completion_logprobs(model, ids, cmf, attention_mask=am)
+    amf = am.float()
+    amf[0, 0] = bad
+    with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1"):
+        completion_logprobs(model, ids, cm, attention_mask=amf)
 
 
 def test_greedy_temperature_is_scored_at_one(model):
@@ -361,3 +436,32 @@ def test_fused_lm_head_option_is_bitwise_the_unfused_path(model):
         completion_logprobs(model, packed, cm, cu_seqlens=cu, top_p=0.9, fused_lm_head=True)
     with pytest.raises(ValueError, match="fused_lm_head keys"):
         completion_logprobs(model, packed, cm, cu_seqlens=cu, fused_lm_head={"chunk": 3})
+
+
+def test_fused_lm_head_auto_is_the_default_and_changes_no_bit(model, monkeypatch):
+    """Issue 21.7: fused_lm_head="auto" (the default) fuses when the [tokens, vocab] logits would be large
+    (lm_head.FUSED_AUTO_MIN_LOGITS_BYTES, lowered here so a tiny model crosses it) and the scoring is eligible;
+    truncated scoring and the exact profile stay unfused (no error); every variant gives the same bits."""
+    from aligned_ops.ops import lm_head
+
+    ids, am, cm = _padded(_seqs([9, 6], 30), [2, 2], 9)
+    calls = []
+    real = lm_head.fused_token_logprobs  # what the fma profile's fused head runs (aligned_ops.profiles)
+    monkeypatch.setattr(lm_head, "fused_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    exact = patch_model(unpatch_model(copy.deepcopy(model)), profile="exact")
+    with torch.no_grad():
+        unfused = completion_logprobs(model, ids, cm, attention_mask=am, fused_lm_head=False)
+        small = completion_logprobs(model, ids, cm, attention_mask=am)  # default: auto, below the threshold
+        assert not calls
+        monkeypatch.setattr(lm_head, "FUSED_AUTO_MIN_LOGITS_BYTES", 1)
+        auto = completion_logprobs(model, ids, cm, attention_mask=am)
+        assert calls  # fused
+        calls.clear()
+        truncated = completion_logprobs(model, ids, cm, attention_mask=am, top_k=5)
+        assert not calls  # auto never fuses truncated scoring (and does not refuse it)
+        exact_auto = completion_logprobs(exact, ids, cm, attention_mask=am)
+        assert not calls  # nor a profile without a fused LM head (exact)
+        assert_bitwise_equal(exact_auto, completion_logprobs(exact, ids, cm, attention_mask=am, fused_lm_head=False))
+    assert_bitwise_equal(small, unfused)
+    assert_bitwise_equal(auto, unfused)
+    assert not bitwise_equal(truncated, unfused)  # negative control: truncation really changed the scoring

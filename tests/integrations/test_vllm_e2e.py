@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import assert_rollouts_bitwise, padded_batch, random_prompts, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,31 @@ def test_sampled_logprobs_bitwise_equal_trainer(engine):
     # The plugin returns log-probs at the sampling temperature, not vLLM's raw (tau = 1) ones.
     raw = _teacher_forced(trainer, rollouts, 1.0)
     assert any(not bitwise_equal(r.logprobs_tensor(), lp) for r, lp in zip(rollouts, raw))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.005])
+def test_small_temperatures_bitwise_equal_trainer(engine, temperature):
+    """Issue 21.1: vLLM raises 0 < T < 0.01 to 0.01 and samples there; the trainer, given the same requested T,
+    must score at the same temperature (it scored 1e-6 at 1.0 and 0.005 at 0.005). Negative control: the
+    trainer at the requested T itself differs from the engine."""
+    dtype, llm, trainer = engine
+    rollouts = generate_with_logprobs(llm, _prompts(3)[:4], temperature=temperature, max_tokens=6)
+    assert_rollouts_bitwise(rollouts, _teacher_forced(trainer, rollouts, temperature))
+    import aligned_ops
+
+    ids, am, cm, _ = padded_batch([list(r.prompt_token_ids) + list(r.token_ids) for r in rollouts],
+                                  [len(r.prompt_token_ids) for r in rollouts])
+    with torch.no_grad():
+        logits = trainer(ids, attention_mask=am).logits.float()
+    at_t = aligned_ops.log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous(), temperature)
+    assert bool(torch.isfinite(at_t).all())
+    at_t = at_t.view(*logits.shape)
+    differ = []
+    for b, r in enumerate(rollouts):
+        st = len(r.prompt_token_ids)
+        own = at_t[b, st - 1 : st - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        differ.append(not bitwise_equal(own, r.logprobs_tensor()))
+    assert any(differ)
 
 
 def test_batch_size_and_order_do_not_change_logprobs(engine):

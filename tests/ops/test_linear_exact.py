@@ -242,12 +242,127 @@ def test_weight_cache_follows_versions():
     g = torch.Generator().manual_seed(12)
     x, w = _rand(4, 64, g=g), _rand(8, 64, g=g)
     aligned_ops.clear_exact_weight_cache()
+    assert aligned_ops.cache_exact_weights(w) == 1
     y0 = aligned_ops.linear_exact(x, w)
     assert _exact.exact_weight_cache_bytes() > 0
     with torch.no_grad():
         w.mul_(2)  # a refit in place bumps the version: the packing is redone
     assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops.linear_exact(x, w))
     assert not bitwise_equal(aligned_ops.linear_exact(x, w), y0)
+
+
+# ---- issue 21.3: no cached packing may outlive a change of its weight ----------------------------------------
+
+
+def _changed(w, g):
+    return _rand(*w.shape, g=g).to(w.dtype)
+
+
+def test_unregistered_weights_are_never_cached_so_any_write_is_seen():
+    """A weight nobody registered is packed per call: writes the version counter misses (.data, an inference
+    tensor, FSDP2's storage reuse) cannot leave a stale packing behind."""
+    from aligned_ops.ops import linear_exact as _exact
+
+    g = torch.Generator().manual_seed(21)
+    x = _rand(3, 64, g=g)
+    aligned_ops.clear_exact_weight_cache()
+    w = _rand(8, 64, g=g)
+    aligned_ops.linear_exact(x, w)
+    for write in (lambda w, v: w.data.copy_(v), lambda w, v: w.detach().copy_(v)):
+        v = _changed(w, g)
+        write(w, v)
+        assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops._linear_exact_reference(x, v))
+    assert _exact.exact_weight_cache_bytes() == 0 and not _exact.is_exact_weight_cacheable(w)
+
+
+def test_inference_tensor_changed_in_place_is_not_stale():
+    """The issue's case: a weight created under torch.inference_mode() (no version counter) and changed in place
+    returned the old result. Registered or not, an inference tensor is never cached."""
+    from aligned_ops.ops import linear_exact as _exact
+
+    g = torch.Generator().manual_seed(22)
+    x = _rand(3, 64, g=g)
+    with torch.inference_mode():
+        w = _rand(8, 64, g=g).clone()
+    aligned_ops.cache_exact_weights(w)
+    assert w.is_inference() and not _exact.is_exact_weight_cacheable(w)
+    with torch.inference_mode():
+        y0 = aligned_ops.linear_exact(x, w)
+        v = _changed(w, g)
+        w.copy_(v)
+        y1 = aligned_ops.linear_exact(x, w)
+    assert_bitwise_equal(y1, ops._linear_exact_reference(x, v))
+    assert not bitwise_equal(y1, y0)
+
+
+def test_storage_reuse_and_data_writes_of_registered_weights():
+    """Registered weights: storage freed and re-allocated in place (FSDP2's unsharded parameters: same tensor,
+    same pointer, version 0), rebinding .data, a reused pointer after the tensor died; .data writes of a
+    registered weight need clear_exact_weight_cache() (or increment_version), as documented."""
+    from torch.autograd.graph import increment_version
+
+    g = torch.Generator().manual_seed(23)
+    x = _rand(3, 64, g=g)
+    w = _rand(8, 64, g=g)
+    aligned_ops.cache_exact_weights(w)
+    aligned_ops.linear_exact(x, w)
+    # rebinding .data: new storage, new pointer
+    v = _changed(w, g)
+    w.data = v.clone()
+    assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops._linear_exact_reference(x, v))
+    # a .data write behind the version counter: the owner's increment_version / clear makes it seen
+    for invalidate in (lambda: increment_version(w), aligned_ops.clear_exact_weight_cache):
+        v = _changed(w, g)
+        w.data.copy_(v)
+        invalidate()
+        assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops._linear_exact_reference(x, v))
+    # the tensor dies; a new one (possibly at the same address) is a new weight, never the old packing
+    for _ in range(3):
+        del w
+        w = _rand(8, 64, g=g)
+        aligned_ops.cache_exact_weights(w)
+        assert_bitwise_equal(aligned_ops.linear_exact(x, w), ops._linear_exact_reference(x, w))
+
+
+def test_fsdp2_unsharded_weights_under_the_exact_profile_follow_every_step(tmp_path, monkeypatch):
+    """FSDP2 re-gathers into the same unsharded parameter (same tensor, version counter never bumped, and the
+    allocator may hand back the same pointer: a version-keyed cache then returned an old step's packing).
+    Trainer weights are not registered, so every forward sees the current weights (one process, gloo).
+    (Whether the pointer is reused is the allocator's choice: the test of .data writes above is the
+    deterministic form of the same hole.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    g = torch.Generator().manual_seed(24)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        lin = torch.nn.Linear(64, 16, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(_rand(16, 64, g=g).float())
+        seen = []
+
+        def forward(mod, args):
+            seen.append(mod.weight.detach().clone())
+            return aligned_ops.linear_exact(args[0], mod.weight)
+
+        lin.forward = lambda x: forward(lin, (x,))
+        fully_shard(lin)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        x = _rand(5, 64, g=g).float()
+        outs = []
+        for _ in range(4):
+            y = lin(x)
+            outs.append(y.detach())
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for y, w_used in zip(outs, seen):
+            assert_bitwise_equal(y, ops._linear_exact_reference(x, w_used))
+        assert not bitwise_equal(outs[-1], outs[0])
+    finally:
+        dist.destroy_process_group()
 
 
 def test_profile_switch(monkeypatch):

@@ -157,3 +157,44 @@ def test_under_gpu_emulation_equal_to_unfused():
         got = _run(_fused(ids, 0.8, 4, 33), h, w, b, ids, gw)
     assert emu.launches  # the GPU source really ran
     _assert_same(ref, got)
+
+
+# ---- issue 21.7: the fused forward's peak resident set is tiles, not the logits ---------------------------------
+CHILD = __file__.replace("test_lm_head.py", "_lm_head_memory_child.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["op", "completion_fused", "completion_auto"])
+def test_fused_forward_peak_resident_memory_is_tiles_not_logits(which):
+    """T = 2048 tokens x V = 151,936 (bf16 logits: 594 MiB). The forward peaked at the logits' size in most fresh
+    processes (48 of every 55-row 16 MiB tile left resident by glibc heap fragmentation; issue 21.7, measured at
+    T = 4096: 1.1-1.2 GB). Tiles above glibc's mmap-threshold ceiling leave nothing behind: the bound is the
+    default tile twice over plus 64 MiB for the model and outputs — a page-count measurement, not a timing, in a
+    fresh process per case."""
+    import json
+    import subprocess
+    import sys
+
+    from aligned_ops.ops import lm_head
+
+    T, V = 2048, 151936
+    proc = subprocess.run([sys.executable, CHILD, which, str(T), str(V)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+    logits = T * V * 2
+    bound = 2 * lm_head.DEFAULT_TILE_BYTES + (64 << 20)
+    assert peak <= bound, f"{which}: peak {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB (logits " \
+                          f"{logits / 2**20:.0f} MiB)"
+    assert bound < logits / 3  # the bound separates tiles from the logits
+    assert lm_head.DEFAULT_TILE_BYTES > lm_head.GLIBC_MMAP_THRESHOLD_MAX
+
+
+def test_fused_by_default_threshold_and_auto_picks_the_same_bits(monkeypatch):
+    """completion_logprobs(fused_lm_head="auto") (the default) fuses when the [T, V] logits reach
+    FUSED_AUTO_MIN_LOGITS_BYTES and the scoring is eligible, unfused otherwise; the bits are the same."""
+    from aligned_ops.ops import lm_head
+
+    assert lm_head.fused_by_default(4096, 151936, torch.bfloat16)  # 1.16 GiB of bf16 logits
+    assert not lm_head.fused_by_default(64, 151936, torch.bfloat16)  # 18.5 MiB
+    assert lm_head.fused_by_default(1024, 151936, torch.float32) and not lm_head.fused_by_default(8, 512, torch.float32)

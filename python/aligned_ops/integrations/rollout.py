@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+import aligned_ops
+
 from . import vllm as plugin
 
 __all__ = ["make_llm", "generate_with_logprobs", "refit", "shutdown", "Rollout"]
@@ -196,6 +198,9 @@ def _reload_on_engine_device(worker, items) -> None:
     device, dtype = param.device, worker.model_runner.model_config.dtype
     moved = [(k, v.to(device=device, dtype=dtype, non_blocking=True)) for k, v in items]
     worker.reload_weights(weights_iterator=moved)
+    # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
+    # writes, no exact-profile packing of the old weights may survive a refit.
+    aligned_ops.clear_exact_weight_cache()
 
 
 def _repack_stock_cpu_moe(worker) -> int:

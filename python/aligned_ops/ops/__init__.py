@@ -15,12 +15,16 @@ documented wrappers. Schemas and checks live in C++ (csrc/torch/bindings.cpp, cs
 Importing this package registers all of them; ``_registry`` holds what they share (``register_no_backward``).
 """
 
-from . import dense  # noqa: F401
-from . import linear  # noqa: F401
-from . import logits  # noqa: F401
-from . import collective  # noqa: F401
-from . import linear_exact  # noqa: F401
-from . import attention  # noqa: F401
-from . import moe  # noqa: F401
-from . import device_errors  # noqa: F401
-from . import lm_head  # noqa: F401
+from .._extension import load_extension
+
+load_extension()  # the compiled ops first (loaded already unless the aligned-ops command deferred it)
+
+from . import dense  # noqa: F401, E402
+from . import linear  # noqa: F401, E402
+from . import logits  # noqa: F401, E402
+from . import collective  # noqa: F401, E402
+from . import linear_exact  # noqa: F401, E402
+from . import attention  # noqa: F401, E402
+from . import moe  # noqa: F401, E402
+from . import device_errors  # noqa: F401, E402
+from . import lm_head  # noqa: F401, E402

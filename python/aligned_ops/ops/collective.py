@@ -29,6 +29,15 @@ of the weight once per weight version); each rank's exact integer partials (two 
 order-free, so the backend's (gloo's, NCCL's) own order is fine here, unlike the fp32 tree — and
 ``aligned::linear_exact_finish`` rounds once, as the single-device op.
 
+Agreement first (``check=True``, the default): a collective whose ranks pass different sizes does not fail
+cleanly — gloo aborts the process (SIGABRT) or waits for the process-group timeout (30 minutes by default), and
+equal element counts with different shapes or dtypes return garbage. So every entry point here first runs ONE
+small all-gather (``_META_LEN`` int64 per rank: a status, dtypes, shapes, the algorithm) and every rank compares
+what the others passed; a mismatch, or an input one rank cannot use, raises on EVERY rank (``ValueError`` /
+``TypeError`` naming the ranks and what each passed) before any exchange of data. Cost: one latency-bound
+collective per call; ``check=False`` skips it where the caller already guarantees agreement (then a mismatch
+is undefined behaviour of the backend, as with torch.distributed itself).
+
 For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
 the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
 element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo on
@@ -91,6 +100,73 @@ def _group_info(group, what):
     return t, r
 
 
+# ---- agreement: one fixed-size all-gather of every rank's metadata before any data moves -----------------------
+_META_LEN = 40
+_MAX_DIMS = 16
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+def _dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "another dtype"
+
+
+def _shape_fields(shape) -> list:
+    dims = list(shape)
+    if len(dims) > _MAX_DIMS:  # more dims than the record holds: compare their product too
+        dims = dims[: _MAX_DIMS - 1] + [int(torch.Size(dims[_MAX_DIMS - 1:]).numel())]
+    return [len(shape)] + dims + [-1] * (_MAX_DIMS - len(dims))
+
+
+def _shape_of(fields) -> tuple:
+    n = fields[0]
+    return tuple(fields[1 : 1 + min(n, _MAX_DIMS)])
+
+
+def _meta_device(group, like):
+    if isinstance(like, torch.Tensor):
+        return like.device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(group, what: str, fields: list, local_error: BaseException | None, like, describe) -> list:
+    """All-gather every rank's ``fields`` (ints) and its local error status; returns every rank's fields.
+
+    Raises on EVERY rank when any rank had a local error (the erring rank re-raises its own, the others a
+    ``ValueError`` quoting it: the messages travel in a second, error-path-only all_gather_object) or when
+    ``describe`` finds the ranks' fields incompatible (``describe(all_fields) -> message or None``)."""
+    t = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    row = [1 if local_error is not None else 0] + [int(v) for v in fields]
+    if len(row) > _META_LEN:
+        raise AssertionError(f"aligned_ops.{what}: agreement record too long ({len(row)})")
+    meta = torch.tensor(row + [0] * (_META_LEN - len(row)), dtype=torch.int64, device=_meta_device(group, like))
+    gathered = [torch.empty_like(meta) for _ in range(t)]
+    dist.all_gather(gathered, meta, group=group)
+    rows = [g.cpu().tolist() for g in gathered]
+    if any(r[0] for r in rows):
+        msgs = [None] * t
+        dist.all_gather_object(msgs, None if local_error is None else f"{type(local_error).__name__}: {local_error}",
+                               group=group)
+        if local_error is not None:
+            raise local_error
+        bad = [(j, m) for j, m in enumerate(msgs) if m is not None]
+        raise ValueError(f"aligned_ops.{what}: group rank {bad[0][0]} could not run its part, so no rank does "
+                         f"(this is rank {rank}): " + "; ".join(f"rank {j}: {m}" for j, m in bad))
+    fields_all = [r[1 : 1 + len(fields)] for r in rows]
+    problem = describe(fields_all)
+    if problem:
+        raise ValueError(f"aligned_ops.{what}: the ranks of the group disagree (this is rank {rank}): {problem}")
+    return fields_all
+
+
 def _exchange(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group) -> None:
     """Send ``send`` to and receive ``recv`` from group rank ``peer`` (either may be None: empty half)."""
     ops = []
@@ -137,7 +213,7 @@ def _allgather(flat: torch.Tensor, t: int, group) -> torch.Tensor:
     return tree_combine(gathered)
 
 
-def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto") -> torch.Tensor:
+def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto", check: bool = True) -> torch.Tensor:
     """Finish the 8-lane linear tree across the ranks of ``group``; returns a new fp32 tensor (same shape).
 
     ``partial``: this rank's fp32 sub-tree (``aligned_ops.linear_partial(x_r, w_r, 8 // t)``), the same
@@ -146,20 +222,44 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto
     ``torch.distributed`` process group (default: the world) of t in {1, 2, 4, 8} ranks. ``algorithm``:
     ``"halving"`` (recursive halving, bandwidth-optimal), ``"allgather"`` (one all-gather, then the tree:
     fewer rounds) or ``"auto"`` (all-gather up to ``AUTO_ALLGATHER_MAX_NUMEL`` elements, else halving); the
-    same bits whichever runs.
+    same bits whichever runs. ``check`` (default True): first agree with the other ranks on shape, dtype and
+    algorithm (one small all-gather); a mismatch or a bad input on any rank raises on every rank (module
+    docstring, "Agreement first").
     ``partial`` is not modified.
     """
-    what = "tree_all_reduce"
-    if not isinstance(partial, torch.Tensor):
-        raise TypeError(f"aligned_ops.{what}: partial must be a tensor, got {type(partial).__name__}")
-    if partial.dtype != torch.float32:
-        raise TypeError(
-            f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), got {partial.dtype}"
-        )
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"aligned_ops.{what}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    return _tree_all_reduce(partial, group, algorithm, check, "tree_all_reduce", None)
+
+
+def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
+    if local_error is None:
+        try:
+            if not isinstance(partial, torch.Tensor):
+                raise TypeError(f"aligned_ops.{what}: partial must be a tensor, got {type(partial).__name__}")
+            if partial.dtype != torch.float32:
+                raise TypeError(f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), "
+                                f"got {partial.dtype}")
+            if algorithm not in ALGORITHMS:
+                raise ValueError(f"aligned_ops.{what}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        except (TypeError, ValueError) as e:
+            local_error = e
+    if t > 1 and check:
+        ok = local_error is None
+        fields = [_dtype_code(partial.dtype) if ok else -1, ALGORITHMS.index(algorithm) if ok else -1,
+                  *(_shape_fields(partial.shape) if ok else [0] * (_MAX_DIMS + 1))]
+
+        def describe(all_fields):
+            keys = {tuple(f) for f in all_fields}
+            if len(keys) == 1:
+                return None
+            return "every rank must pass a partial of the same shape and dtype, with the same algorithm; " + \
+                ", ".join(f"rank {j}: {_shape_of(f[2:])} {_dtype_name(f[0])} algorithm={ALGORITHMS[f[1]]!r}"
+                          for j, f in enumerate(all_fields))
+
+        _agree(group, what, fields, local_error, partial if ok else None, describe)
+    elif local_error is not None:
+        raise local_error
     flat = partial.detach().reshape(-1).clone()  # contiguous, ours to overwrite
     if t > 1:
         if algorithm == "auto":
@@ -180,37 +280,80 @@ def _all_reduce_max(group):
     return merge
 
 
-def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                              group=None, *, in_features: int | None = None) -> torch.Tensor:
-    """A row-parallel ``aligned_ops.linear_exact``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (any
-    split of K, uneven included); every rank returns the full ``linear_exact(x, weight, bias)``, bit for bit.
+_LOCAL_ERRORS = (TypeError, ValueError, NotImplementedError, RuntimeError, IndexError)
 
-    Exchanged: the x rows' scans plus a "weight packing needed" row (int32 [M + 1, 3], all-reduce MAX) per
-    call, the weight rows' scans (int32 [N, 3]) once per weight version, and the partials (int64 [M, N, 2],
-    all-reduce SUM): 16 bytes per output element (the ``fma`` tree: 4). Every rank of ``group`` must call it
-    together (as any row-parallel layer). CPU only (the digit path; the fp64 fast path does not take part).
+
+def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                              group=None, *, in_features: int | None = None, check: bool = True) -> torch.Tensor:
+    """A row-parallel ``aligned_ops.linear_exact``: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (any
+    split of K, uneven included, a rank with K_r = 0 included); every rank returns the full
+    ``linear_exact(x, weight, bias)``, bit for bit.
+
+    Exchanged: the agreement record (module docstring; it also carries K_r, so the unsplit K is its sum), the
+    x rows' scans plus a "weight packing needed" row (int32 [M + 1, 3], all-reduce MAX) per call, the weight
+    rows' scans (int32 [N, 3]) once per weight version, and the partials (int64 [M, N, 2], all-reduce SUM): 16
+    bytes per output element (the ``fma`` tree: 4). Every rank of ``group`` must call it together (as any
+    row-parallel layer). CPU only (the digit path; the fp64 fast path does not take part). ``check=False``
+    skips the agreement when ``in_features`` is given (without it the record is still exchanged: it carries K_r).
+    A rank holding no input feature (K_r = 0) computes with one zero column: zeros leave the exact sum and the
+    rows' scans unchanged (exact_linear.h: zero elements are skipped, an exact zero sum is +0).
     """
     what = "exact_row_parallel_linear"
     t, r = _group_info(group, what)
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise NotImplementedError(
-            f"aligned_ops.{what}: the exact profile's tensor-parallel route runs on the CPU only (x on {x.device}, "
-            f"weight on {weight.device}); GPU glue for aligned::linear_exact_partial is not built")
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"aligned_ops.{what}: x {tuple(x.shape)} and weight {tuple(weight.shape)} must hold the "
-                         f"same K slice (weight [out_features, K_r])")
-    k_local = weight.shape[-1]
-    if in_features is not None:
-        k_full = in_features
-    else:  # the unsplit K, agreed by every rank (a rank-local guess could make one rank raise while others wait)
-        kt = torch.tensor([k_local], dtype=torch.int64)
-        dist.all_reduce(kt, op=dist.ReduceOp.SUM, group=group)
-        k_full = int(kt.item())
-    if in_features is not None and not (0 < k_local <= in_features):
-        raise ValueError(f"aligned_ops.{what}: rank {r} holds {k_local} of K = {in_features} input features")
+    local_error = None
+    k_local = n_out = -1
+    try:
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise TypeError(f"aligned_ops.{what}: x and weight must be tensors")
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise NotImplementedError(
+                f"aligned_ops.{what}: the exact profile's tensor-parallel route runs on the CPU only (x on "
+                f"{x.device}, weight on {weight.device}); GPU glue for aligned::linear_exact_partial is not built")
+        if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+            raise ValueError(f"aligned_ops.{what}: x {tuple(x.shape)} and weight {tuple(weight.shape)} must hold "
+                             f"the same K slice (weight [out_features, K_r])")
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+            raise ValueError(f"aligned_ops.{what}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        k_local, n_out = int(weight.shape[-1]), int(weight.shape[0])
+        if in_features is not None and not (0 <= k_local <= in_features):
+            raise ValueError(f"aligned_ops.{what}: rank {r} holds {k_local} of K = {in_features} input features")
+    except _LOCAL_ERRORS as e:
+        local_error = e
+    ok = local_error is None
+    if t > 1 and (check or in_features is None):
+        lead = _shape_fields(x.shape[:-1]) if ok else [0] * (_MAX_DIMS + 1)
+        fields = [_dtype_code(x.dtype) if ok else -1, _dtype_code(weight.dtype) if ok else -1, n_out, k_local,
+                  -1 if in_features is None else int(in_features), -2 if not ok else (-1 if bias is None else
+                  _dtype_code(bias.dtype)), *lead]
+
+        def describe(all_fields):
+            same = {tuple(f[:3] + f[4:]) for f in all_fields}
+            k_sum = sum(f[3] for f in all_fields)
+            if len(same) > 1:
+                return ("every rank must pass x of the same dtype and leading shape, a weight slice of the same "
+                        "dtype and out_features, the same in_features and a bias alike (present, dtype); " +
+                        ", ".join(f"rank {j}: x {_dtype_name(f[0])} {_shape_of(f[6:])}, weight {_dtype_name(f[1])} "
+                                  f"[{f[2]}, {f[3]}], bias {'none' if f[5] == -1 else _dtype_name(f[5])}"
+                                  for j, f in enumerate(all_fields)))
+            if in_features is not None and k_sum != in_features:
+                return (f"the ranks' slices hold {k_sum} input features in all, in_features is {in_features} ("
+                        + ", ".join(f"rank {j}: {f[3]}" for j, f in enumerate(all_fields)) + ")")
+            if k_sum == 0:
+                return "no rank holds any input feature (K = 0)"
+            return None
+
+        all_fields = _agree(group, what, fields, local_error, x if ok else None, describe)
+        k_full = sum(f[3] for f in all_fields)
+    elif local_error is not None:
+        raise local_error
+    else:
+        k_full = in_features if in_features is not None else k_local
     if k_full > EXACT_MAX_K:
         raise ValueError(f"aligned_ops.{what}: K = {k_full} exceeds the exact profile's {EXACT_MAX_K} input features "
                          f"(the int64 partials' bound)")
+    if k_local == 0:  # one zero column: the same exact sum and row scans (see the docstring); never cached
+        x = x.new_zeros((*x.shape[:-1], 1))
+        weight = weight.new_zeros((weight.shape[0], 1))
     merge = _all_reduce_max(group)
     tag = (group, t)
     cached = cached_weight_slice(weight, tag)
@@ -218,7 +361,7 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
     # weight's packing for this version (then every rank packs it, together: no rank can skip a collective
     # the others run, whatever its cache holds).
     need = torch.tensor([[1 if cached is None else 0, 0, 0]], dtype=torch.int32)
-    merged = merge(torch.cat([ops.linear_exact_row_scan(x), need]))
+    merged = merge(torch.cat([ops.linear_exact_row_scan(x).reshape(-1, 3), need]))
     x_scan = merged[:-1].contiguous()
     if int(merged[-1, 0]) > 0:
         cached = pack_weight_slice(weight, merge, tag)
@@ -230,7 +373,8 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
-                        *, in_features: int | None = None, algorithm: str = "auto") -> torch.Tensor:
+                        *, in_features: int | None = None, algorithm: str = "auto",
+                        check: bool = True) -> torch.Tensor:
     """The ``fma`` profile's row-parallel linear: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
     slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
     ``linear(x, weight, bias)``, bit for bit. (The ``exact`` profile's route: :func:`exact_row_parallel_linear`;
@@ -243,23 +387,30 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     what = "row_parallel_linear"
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
-    k_local = weight.shape[-1]
-    if in_features is not None:
-        try:
-            k0, k1 = linear_tp_slices(in_features, t)[r]
-        except ValueError as e:
-            raise ValueError(f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} "
-                             f"ranks ({e})") from None
-        if k1 - k0 != k_local:
-            raise ValueError(
-                f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
-                f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds {k_local}"
-            )
-    partial = linear_partial(x, weight, LINEAR_LANES // t)
-    return finish_linear(tree_all_reduce(partial, group, algorithm=algorithm), bias, x.dtype)
+    # Every rank-local failure below is raised on every rank by the agreement of the tree all-reduce (a rank
+    # raising alone would leave the others waiting in the collective).
+    partial, local_error = None, None
+    try:
+        k_local = weight.shape[-1]
+        if in_features is not None:
+            try:
+                k0, k1 = linear_tp_slices(in_features, t)[r]
+            except ValueError as e:
+                raise ValueError(f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} "
+                                 f"ranks ({e})") from None
+            if k1 - k0 != k_local:
+                raise ValueError(
+                    f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
+                    f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds "
+                    f"{k_local}")
+        partial = linear_partial(x, weight, LINEAR_LANES // t)
+    except _LOCAL_ERRORS as e:
+        local_error = e
+    return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error), bias, x.dtype)
 
 
-def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=None) -> torch.Tensor:
+def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=None, *,
+                            check: bool = True) -> torch.Tensor:
     """Combine a vocab-sharded embedding lookup exactly: every row is owned by exactly one rank.
 
     ``local [..., H]``: this rank's lookup (any float dtype; rows it does not own are ignored), ``not_owned
@@ -268,8 +419,17 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
     owner's row, sign of zero kept. (Filling with +0.0, as vLLM does, turns an owner's -0.0 into +0.0.) The
     sum runs through :func:`tree_all_reduce` in fp32; widening and narrowing back are exact.
     """
-    t, _ = _group_info(group, "sharded_rows_all_reduce")
-    filled = local.masked_fill(not_owned.unsqueeze(-1), -0.0)
+    what = "sharded_rows_all_reduce"
+    t, _ = _group_info(group, what)
+    filled, local_error = None, None
+    try:
+        filled = local.masked_fill(not_owned.unsqueeze(-1), -0.0)
+    except _LOCAL_ERRORS as e:
+        local_error = e
     if t == 1:
+        if local_error is not None:
+            raise local_error
         return filled
-    return tree_all_reduce(filled.to(torch.float32), group).to(local.dtype)
+    out = _tree_all_reduce(None if filled is None else filled.to(torch.float32), group, "auto", check, what,
+                           local_error)
+    return out.to(local.dtype)

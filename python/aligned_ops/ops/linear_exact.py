@@ -114,68 +114,116 @@ def _(partial, x_scan, weight_exponents, weight_nonfinite, bias, dtype):
 register_linear_autograd("linear_exact")
 
 
-# ---- packed-weight cache: one packing per weight version --------------------------------------------------
-# Keyed by the weight tensor (weakly) and validated by (data_ptr, version, shape, dtype). A refit that writes
-# through ``param.data`` does not bump the version counter: call clear_exact_weight_cache() after it (the
-# vLLM plugin does after weight loading). Memory: S bytes per weight element (S = 1..4 digits, 4 for
-# ordinary random-init weights) + 5 bytes per output row, padded to 16 rows x 64 columns. The cache keeps the
-# weight itself referenced (the key): the CPU's fp64 path (rows meeting exact_linear.h's bound) streams it.
-_cache = WeakIdKeyDictionary()  # tensors compare elementwise, so key them by identity
+# ---- packed-weight cache: registered weights only, one packing per observed weight state ---------------------
+# Packing a weight costs about what an exact matmul of ~100 rows does, so a decode step (a few rows) must not
+# repack: the rollout engine's weights keep their packing across calls. A cached packing is only sound if every
+# write to the weight is seen, and torch cannot see all of them: writes through ``param.data`` (vLLM's weight
+# loaders, ``dist.broadcast(p.data)``), FSDP2's all-gathers into the unsharded parameter (same tensor, same
+# storage pointer, version 0 on every step: measured) and any write to an inference tensor (no version counter)
+# leave every observable property of the tensor unchanged. So:
+#   * only weights whose owner REGISTERED them (cache_exact_weights) are cached; every other weight is packed
+#     on every call (the trainer's forward: hundreds of rows, so the packing is a small part of it). The owner
+#     takes on invalidation: the vLLM plugin registers its engine's linear weights, makes vLLM's weight loaders
+#     bump the parameter's version counter (every load_weights: what TRL / OpenRLHF / verl call to sync) and
+#     clears the cache after vLLM's reload / post-load processing (rollout.refit);
+#   * a registered weight's packing is used only while the weight's identity (a weak key: an entry dies with its
+#     tensor, so a reused id or pointer cannot hit), storage pointer and size, offset, shape, strides, dtype,
+#     device and version counter are the ones it was packed from (in-place ops, optimiser steps, no_grad
+#     copy_, ``p.data = t`` all change one of them);
+#   * an inference tensor has no version counter: it is never cached, registered or not;
+#   * a write that bypasses the version counter of a registered weight must be followed by
+#     clear_exact_weight_cache() (or torch.autograd.graph.increment_version(weight)).
+# Memory: S bytes per weight element (S = 1..4 digits, 4 for ordinary random-init weights) + 5 bytes per output
+# row, padded to 16 rows x 64 columns, plus 4 bytes per row for the CPU fp64 path's bounds (which streams the
+# weight itself for the row pairs meeting exact_linear.h's bound).
+_registered = WeakIdKeyDictionary()  # tensors compare elementwise, so key them by identity
+_cache = WeakIdKeyDictionary()
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return -1
+def cache_exact_weights(*weights) -> int:
+    """Let the ``exact`` profile keep the packed digits of these weights (tensors, or every parameter of the
+    ``nn.Module``s given) across calls; returns how many tensors were registered.
+
+    The caller vouches for invalidation: in-place changes the version counter sees are picked up by themselves;
+    writes that bypass it (through ``.data``, collectives into the storage, FSDP-style storage reuse) need
+    :func:`clear_exact_weight_cache` afterwards. Inference tensors are never cached (no version counter)."""
+    n = 0
+    for obj in weights:
+        tensors = obj.parameters() if isinstance(obj, torch.nn.Module) else (obj,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"aligned_ops.cache_exact_weights: expected tensors or modules, got {type(t).__name__}")
+            _registered[t] = True
+            n += 1
+    return n
+
+
+def is_exact_weight_cacheable(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_exact` keeps ``weight``'s packing across calls (registered, not an inference tensor)."""
+    return weight in _registered and not weight.is_inference()
+
+
+def _weight_key(weight: torch.Tensor, tag=None):
+    s = weight.untyped_storage()
+    return (s.data_ptr(), s.nbytes(), weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()),
+            weight.dtype, weight.device, weight._version, tag)
 
 
 def clear_exact_weight_cache() -> None:
+    """Drop every cached packing (registrations stay): call it after writing registered weights behind the version
+    counter's back (``param.data.copy_``, a broadcast into the storage)."""
     _cache.clear()
     _tp_cache.clear()
 
 
-def _packed(weight: torch.Tensor):
-    key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype)
-    hit = _cache.get(weight)
-    if hit is not None and hit[0] == key:
-        return hit
+def _pack(weight: torch.Tensor):
     with torch.no_grad():
         w = weight.detach()
         packed = ops.linear_exact_pack_weight(w)
         # the CPU fp64 path's per-row bounds (exact_linear.h): 4 bytes per output row; the path streams the
         # weight itself (bf16 / fp16: 2 bytes per element) for row pairs meeting the bound
         bounds = ops.linear_exact_f64_bounds(w) if w.device.type == "cpu" else None
-    _cache[weight] = hit = (key, packed, bounds)
+    return packed, bounds
+
+
+def _packed(weight: torch.Tensor):
+    """``(key, packed, bounds)`` of ``weight``'s current state: the cached one if it is still this state."""
+    if not is_exact_weight_cacheable(weight):
+        return (None, *_pack(weight))
+    key = _weight_key(weight)
+    hit = _cache.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit
+    _cache[weight] = hit = (key, *_pack(weight))
     return hit
 
 
 # TP: a weight SLICE packed against the canonical forms of its full rows (one all-reduce MAX of the slices'
-# row scans, once per weight version: ``merge`` does it). Same key and invalidation as above.
+# row scans, once per weight version: ``merge`` does it). Same registration, key and invalidation as above.
 _tp_cache = WeakIdKeyDictionary()
-
-
-def _slice_key(weight, tag):
-    return (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.dtype, tag)
 
 
 def cached_weight_slice(weight: torch.Tensor, tag=None):
     """The cached ``(row_scan, (digits, exponents, nonfinite))`` of a row-parallel weight slice for this weight
-    version, or None (then every rank must call :func:`pack_weight_slice` together)."""
+    state, or None (then every rank must call :func:`pack_weight_slice` together)."""
+    if not is_exact_weight_cacheable(weight):
+        return None
     hit = _tp_cache.get(weight)
-    if hit is not None and hit[0] == _slice_key(weight, tag):
+    if hit is not None and hit[0] == _weight_key(weight, tag):
         return hit[1], hit[2]
     return None
 
 
 def pack_weight_slice(weight: torch.Tensor, merge, tag=None):
     """Pack the slice ``weight [N, K_r]`` against its full rows' forms: ``merge(local_scan)`` must return the
-    elementwise MAX of every rank's scan (an all-reduce MAX; every rank calls this together). Cached."""
+    elementwise MAX of every rank's scan (an all-reduce MAX; every rank calls this together). Cached for a
+    registered weight."""
     with torch.no_grad():
         w = weight.detach()
         scan = merge(ops.linear_exact_row_scan(w))
         packed = ops.linear_exact_pack_weight_scanned(w, scan)
-    _tp_cache[weight] = (_slice_key(weight, tag), scan, packed)
+    if is_exact_weight_cacheable(weight):
+        _tp_cache[weight] = (_weight_key(weight, tag), scan, packed)
     return scan, packed
 
 
@@ -207,10 +255,12 @@ class _LinearExactCached(torch.autograd.Function):
 
 
 def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` under the ``exact`` profile, with the weight's packed digits cached.
+    """``x @ weight.T (+ bias)`` under the ``exact`` profile; the weight's packed digits are cached across calls
+    for weights registered with :func:`cache_exact_weights` (see the cache's rules above), packed per call
+    otherwise.
 
     Under torch.compile (or on a non-CPU device) the uncached op runs (it packs the weight each call)."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu":
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or not is_exact_weight_cacheable(weight):
         return ops.linear_exact(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearExactCached.apply(x, weight, bias)

@@ -18,8 +18,10 @@ So the op is two sweeps, each running the existing aligned kernels on complete r
 No reduction is ever split, so there is no carried lane state and no second order: the bits are those of the
 unfused path by construction, whatever the chunk sizes (tests/ops/test_lm_head.py compares them through integer
 views; a naive chunked logsumexp merge is the negative control). Cost: the forward computes the logits once,
-the backward twice (one recompute per sweep). Peak extra memory: two tiles (logits + their gradient) of about
-``tile_bytes`` each instead of the ``[T, V]`` logits and their gradient (bench/bench_lm_head.py, RESULTS.md).
+the backward twice (one recompute per sweep). Peak extra memory: one tile in the forward, two (logits + their
+gradient) in the backward, of about ``DEFAULT_TILE_BYTES`` each, instead of the ``[T, V]`` logits and their
+gradient — measured as the process's peak resident set (bench/bench_lm_head.py, RESULTS.md; why the tiles are
+48 MiB: DEFAULT_TILE_BYTES).
 
 The `fma` linear profile only (``ALIGNED_OPS_LINEAR=exact`` is refused by hf.completion_logprobs' option).
 """
@@ -35,10 +37,36 @@ ops = torch.ops.aligned
 _lib = "aligned::"
 _OP = "fused_token_logprobs"
 
-# Default chunk sizes: each tile (logits or their gradient, in the logits dtype) about this many bytes. 32 MiB
-# tiles measured 587 MiB peak extra at T = 4096, V = 151,936 (allocator fragmentation between the two sweeps),
-# 16 MiB tiles 159 MiB (bench/RESULTS.md).
-DEFAULT_TILE_BYTES = 16 << 20
+# Default chunk sizes: each tile (logits or their gradient, in the logits dtype) about this many bytes.
+#
+# Why 48 MiB and not smaller (issue 21.7). A tile is allocated and freed once per chunk. glibc's malloc serves
+# blocks below its mmap threshold from the heap, and raises that threshold (dynamically, up to 32 MiB on 64-bit)
+# to the size of every mmapped block freed — so after the first tile, 16 or 32 MiB tiles came from the heap. A
+# small allocation made while a tile is alive (the chunk's log-probs, the kernels' own bookkeeping, another
+# thread's) then sits above or inside the freed tile, the next tile does not fit the hole, the heap grows by a
+# tile per chunk, and freed heap pages stay resident: the forward at T = 4096, V = 151,936 peaked at 1.1-1.2 GB
+# of resident memory — the bf16 logits' size — in about half the runs (which half depended on thread timing).
+# Tiles above the threshold's 32 MiB ceiling are always mmapped and their pages go back to the OS when freed,
+# whatever happened before: peak = the live tiles (one in the forward, two in the backward sweeps) plus the
+# outputs (bench/bench_lm_head.py, bench/RESULTS.md). Allocators that cache large blocks (jemalloc, tcmalloc)
+# reuse the same-sized tile. With fewer total logits than one tile, the chunk is all of them.
+DEFAULT_TILE_BYTES = 48 << 20
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc (malloc/malloc.c)
+
+# completion_logprobs(fused_lm_head="auto"), the default: fused when the [T, V] logits would take at least this
+# many bytes (and the scoring is eligible: full vocabulary, fma profile, model-dtype logits). Same bits either way
+# (by construction, and tested); the fused step holds ~2 tiles instead of the logits and their gradient, at the
+# price of recomputing the logits once per backward sweep (5 LM-head GEMMs per training step instead of 3; a
+# no-grad scoring pass computes them once either way). Below the threshold the memory saved is small and the
+# unfused path is at least as fast.
+FUSED_AUTO_MIN_LOGITS_BYTES = 256 << 20
+
+
+def fused_by_default(num_tokens: int, vocab: int, dtype: torch.dtype) -> bool:
+    """Whether ``fused_lm_head="auto"`` fuses: the ``[num_tokens, vocab]`` logits of ``dtype`` would take at least
+    :data:`FUSED_AUTO_MIN_LOGITS_BYTES`."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return num_tokens * vocab * elem >= FUSED_AUTO_MIN_LOGITS_BYTES
 
 
 def _auto_chunk(chunk: int, other: int, elem: int, name: str) -> int:
@@ -85,16 +113,16 @@ def _forward_impl(hidden, weight, bias, token_ids, temperature=1.0, temperatures
                          f"{int(token_ids.max())}]")
     hidden = hidden.contiguous()
     tc = _auto_chunk(token_chunk, V, hidden.element_size(), "token_chunk")
-    lps, pairs = [], []
+    # The outputs exist before the first tile: no small tensor is born per chunk and kept (see DEFAULT_TILE_BYTES).
+    lps = hidden.new_empty((T,), dtype=torch.float32)
+    pairs = hidden.new_empty((T, 2), dtype=torch.float32)
     for a, b in _ranges(T, tc):
         z = ops.linear(hidden[a:b], weight, bias)  # [Tc, V]: full rows, the unfused logits' bits
         lp, pr = ops.token_logprobs_pairs(z, token_ids[a:b], temperature, _rows(temperatures, a, b))
-        del z
-        lps.append(lp)
-        pairs.append(pr)
-    if not lps:
-        return hidden.new_empty((0,), dtype=torch.float32), hidden.new_empty((0, 2), dtype=torch.float32)
-    return torch.cat(lps), torch.cat(pairs)
+        lps[a:b] = lp
+        pairs[a:b] = pr
+        del z, lp, pr
+    return lps, pairs
 
 
 def _backward_impl(grad, hidden, weight, bias, token_ids, lse_pairs, temperature, temperatures, token_chunk,
@@ -210,7 +238,8 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     head log-prob, bit for bit (forward and gradient wrt hidden, weight and bias) — without the ``[T, V]``
     logits. ``hidden [T, K]``, ``weight [V, K]`` (same dtype), ``token_ids [T]``; ``temperature`` a float or a
     per-token fp32 tensor ``[T]``. ``token_chunk`` rows (forward, d hidden) and ``vocab_chunk`` vocabulary rows
-    (d weight) per tile; 0 picks tiles of about 16 MiB. Chunk sizes never change a bit (module docstring)."""
+    (d weight) per tile; 0 picks tiles of about 48 MiB (``DEFAULT_TILE_BYTES``). Chunk sizes never change a bit
+    (module docstring)."""
     t, ts = _temperature_args(temperature, hidden.shape[0])
     lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
     return lp

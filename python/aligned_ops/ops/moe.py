@@ -49,6 +49,10 @@ def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2
     _same_device("moe_experts", x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
     torch._check(x.dim() == 2, lambda: "aligned::moe_experts: x must be 2-D [tokens, hidden]")
     torch._check(w13.dim() == 3 and w13.shape[2] == x.shape[1], lambda: "aligned::moe_experts: w13 must be [E, 2I, H]")
+    if shared_gate is not None:
+        torch._check(shared_gate.dim() == 2 and shared_gate.shape[0] == 1 and shared_gate.shape[1] == x.shape[1],
+                     lambda: f"aligned::moe_experts: shared_gate must be [1, {x.shape[1]}] with x's dtype, got "
+                             f"{list(shared_gate.shape)}")
     return x.new_empty(x.shape)
 
 
@@ -101,6 +105,14 @@ def _mlp_backward(x, w13, w2, gy):
     return y, dx, dw13, dw2
 
 
+def _row_sums(v: torch.Tensor) -> torch.Tensor:
+    """``[n, H]`` fp32 -> ``[n]``: each row's sum in the linear contract's order (moe.h, "experts backward": the
+    8 lanes of fma chains against ones, tree-combined; contract.h), row-local — not ``torch.sum``, whose order
+    depends on the thread count and on how many rows share the call once H > 32768 (it splits a lone row)."""
+    ones = torch.ones((1, v.shape[1]), dtype=torch.float32, device=v.device)
+    return ops.linear(v.contiguous(), ones, None)[:, 0]
+
+
 def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
     """CPU/any-device kernel of ``aligned::moe_experts_backward`` (experts in increasing id, tokens in order)."""
     T, H = x.shape
@@ -125,7 +137,7 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
         wv = tw[tok, rank].float()
         gt = g.index_select(0, tok)
         y, dxe, dw13e, dw2e = _mlp_backward(x.index_select(0, tok).contiguous(), w13[e], w2[e], wv[:, None] * gt)
-        dtw[tok, rank] = (gt * y).sum(-1)
+        dtw[tok, rank] = _row_sums(gt * y)
         dx.index_add_(0, tok, dxe)
         dw13[e] = dw13e
         dw2[e] = dw2e
@@ -140,7 +152,7 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
         ys, dxs, dsw13, dsw2 = _mlp_backward(x, sw13, sw2, gate * g)
         dx += dxs
         if sgate is not None:
-            dlogit = (g * ys).sum(-1, keepdim=True) * (gate * (1.0 - gate))
+            dlogit = _row_sums(g * ys)[:, None] * (gate * (1.0 - gate))
             dxg, dgate, _ = ops.linear_backward(dlogit.contiguous(), x.float(), sgate.reshape(1, H).float(),
                                                 True, True, False)
             dx += dxg

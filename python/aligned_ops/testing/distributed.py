@@ -17,12 +17,16 @@ import time
 __all__ = ["launch", "init_from_env"]
 
 
-def init_from_env(backend: str = "gloo"):
-    """Join the group ``launch`` set up; returns ``(rank, world_size)``."""
+def init_from_env(backend: str = "gloo", timeout_s: float | None = None):
+    """Join the group ``launch`` set up; returns ``(rank, world_size)``. ``timeout_s``: the process group's
+    collective timeout (torch's default: 30 minutes), so a test whose ranks disagree fails instead of waiting."""
+    import datetime
+
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, init_method=os.environ["ALIGNED_DIST_INIT"], rank=rank, world_size=world)
+    kw = {} if timeout_s is None else dict(timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=os.environ["ALIGNED_DIST_INIT"], rank=rank, world_size=world, **kw)
     return rank, world
 
 

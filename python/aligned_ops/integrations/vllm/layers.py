@@ -14,7 +14,9 @@ norm, the LM head, any layer the block does not cover) the hooks keep every op a
   constructs the module
 - ``UnquantizedLinearMethod`` (QKV, o_proj, gate_up, down) and ``UnquantizedEmbeddingMethod.apply`` (LM head)
   -> the profile's linear; their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
-  and ``load_weights`` (refit) keeps working
+  and ``load_weights`` (refit) keeps working. Their weights are registered for the exact profile's packed-weight
+  cache, and their loaders bump the weight's version counter (:func:`track_weight_writes`), so every weight sync
+  reaches the cached packing
 """
 
 from __future__ import annotations
@@ -140,12 +142,45 @@ def _lm_head_apply(self, layer, x, bias=None):
 
 def _make_create_weights(cls):
     def create_weights(self, layer, *args, **kwargs):
-        """vLLM's own, then record the model architecture and profile on the layer."""
+        """vLLM's own, then record the model architecture and profile on the layer, and let the exact profile
+        cache the weight's packing, its writes tracked (:func:`track_weight_writes`)."""
         out = patches.original(cls, "create_weights")(self, layer, *args, **kwargs)
         record_architecture(layer)
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            track_weight_writes(weight)
+            aligned_ops.cache_exact_weights(weight)
         return out
 
     return create_weights
+
+
+def track_weight_writes(param) -> None:
+    """Make the vLLM weight loader of ``param`` bump the version counter of the parameter it writes.
+
+    vLLM's loaders write through ``param.data`` (``param.data.copy_``), which the version counter does not see,
+    so the exact profile's cached packing (keyed by it, ``ops.linear_exact``) would outlive a weight sync: every
+    ``load_weights`` (what TRL / OpenRLHF / verl call to sync, and vLLM's own reload) goes through these loaders."""
+    import functools
+
+    from torch.autograd.graph import increment_version
+
+    loader = getattr(param, "weight_loader", None)
+    if loader is None or getattr(loader, "_aligned_bumps_version", False):
+        return
+
+    # functools.wraps: callers read the loader's signature (vLLM's layerwise reload binds its arguments by name
+    # and replays it with another `param`), so the wrapper must look like the loader it wraps.
+    @functools.wraps(loader)
+    def weight_loader(*args, **kwargs):
+        out = loader(*args, **kwargs)
+        target = kwargs.get("param", args[0] if args else None)
+        if isinstance(target, torch.Tensor) and not target.is_inference():
+            increment_version(target)
+        return out
+
+    weight_loader._aligned_bumps_version = True
+    param.weight_loader = weight_loader
 
 
 def keep_weight_after_loading(self, layer, *args, **kwargs):

