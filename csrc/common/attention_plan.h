@@ -373,8 +373,8 @@ struct AttnRunDims {
 // capture while the buffer holds the plan written for this step, so the two rules that tie the buffer to the
 // captured call — exactly q's rows (7) and the captured fingerprint (8) — are the host's alone (check_plan_call,
 // at capture and on every eager call). The device keeps what protects memory: shapes, kind, row and block
-// bounds, capacities. A replayed plan for fewer rows than the graph's padded q leaves the padding rows unwritten
-// (vLLM discards them).
+// bounds, capacities. A replayed plan for fewer rows than the graph's padded q: the merge kernel writes NaN into
+// the padding rows (never uninitialised bits; vLLM discards them).
 ALIGNED_HD int attn_plan_mismatch(const int64_t* h, const AttnRunDims& r, bool replay = false) {
   if (h[kPMagic] != kAttnPlanMagic) return 1;
   if (h[kPHq] != r.Hq || h[kPHkv] != r.Hkv || h[kPD] != r.D || h[kPCausal] != (r.causal ? 1 : 0)) return 2;

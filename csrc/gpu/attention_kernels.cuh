@@ -219,6 +219,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdPa
     for (int64_t i = global_thread_index(); i < n; i += global_thread_count()) p.lse[i] = nan;
     return;
   }
+  if (p.plan_header[kPTq] < p.run.q_rows) {
+    // A replayed graph's padding rows (the plan written for this step covers fewer rows than the captured q):
+    // NaN, never uninitialised bits. Disjoint from the planned rows; the whole grid strides over them.
+    const float nan = float_of(0x7fc00000u);
+    const int64_t b = p.plan_header[kPTq] * p.Hq, e = p.run.q_rows * p.Hq;
+    for (int64_t i = b * p.D + global_thread_index(); i < e * p.D; i += global_thread_count())
+      ((T*)p.out)[i] = from_f32<T>(nan);
+    for (int64_t i = b + global_thread_index(); i < e; i += global_thread_count()) p.lse[i] = nan;
+  }
   if ((int64_t)blockIdx.x >= p.plan_header[kPnBlocks]) return;
   const int64_t* w = p.blocks + (int64_t)blockIdx.x * kAttnWorkFields;
   const int64_t D = p.D, G = p.Hq / p.Hkv, P = w[kWnr] * G, ns_block = w[kWnSplits], stride = D + 2;

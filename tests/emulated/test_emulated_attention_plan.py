@@ -173,6 +173,8 @@ def test_graph_replay_runs_the_plan_written_for_this_step(arch):
         aligned_ops.check_device_errors(padded)
     assert_bitwise_equal(first, ops.paged_attention(*cap, 0.3))
     assert_bitwise_equal(out[: q_s.shape[0]], ops.paged_attention(*step, 0.3))
+    pad = out[q_s.shape[0]:]
+    assert (bits(pad) == bits(torch.full_like(pad, float("nan")))).all()  # padding rows NaN, never uninitialised
     # negative control: the step's plan breaks the host's strict rules for the captured call
     with pytest.raises(RuntimeError, match="plan covers fewer query rows than q has|plan buffer holds another plan"):
         with aligned_ops.emulate(arch):
