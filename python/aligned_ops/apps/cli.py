@@ -2,6 +2,7 @@
 
     aligned-ops verify [--model DIR] [--dtype bfloat16]   rollout vs trainer mismatch, standard vs aligned kernels
     aligned-ops demo   [--steps N] [--lag K] ...            small async RL run (REINFORCE Zero), both kernel sets
+    aligned-ops train  [--mode async] [--kernels aligned] ...  one RL run of the runner (aligned_ops.runner)
 
 Each kernel set runs in its own child process (apps/common.py): the vLLM plugin patches vLLM's layers process-wide, so
 "standard" and "aligned" must not share an interpreter. The parent collects the children's JSON and prints
@@ -82,6 +83,15 @@ def resolve_demo_defaults(args) -> None:
 
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
+    if args.command == "train":
+        from ..runner.config import ConfigError
+        from .train import config_from_args
+
+        try:
+            args.config = config_from_args(args)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        return
     if args.command == "demo":
         resolve_demo_defaults(args)
     _at_least(args, "--threads", 1)
@@ -169,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--result", default=None, help=argparse.SUPPRESS)
     d.add_argument("--model", default=None, help=argparse.SUPPRESS)
 
+    from . import train
+
+    train.add_parser(sub)
     return p
 
 
@@ -182,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         pin_reproducible_env()
+    if args.command == "train":
+        from . import train
+
+        return train.main(args, args.config)
     if args.threads:
         import torch
 

@@ -1,0 +1,49 @@
+"""The runner's task: prompts "a+b=" whose answer is the digits of a+b followed by eos, as token ids.
+
+A batch is a pure function of (seed, batch index): any rollout worker can generate batch b, and a run resumed
+after a kill regenerates exactly the prompts it had not consumed (nothing lost, nothing counted twice).
+"""
+
+from __future__ import annotations
+
+DIGITS = "0123456789"
+
+
+class AdditionTask:
+    """Prompts "a+b=" (a < a_range, b < b_range), answers the digits of a+b followed by eos, as token ids.
+
+    ``a_range`` sets how many distinct prompts there are (a_range * b_range). With few distinct prompts a MoE
+    model's few near-tie routing contexts recur from step to step, so a run's kernel-made flips are a handful
+    of repeated draws instead of many independent ones (README "The MoE demo")."""
+
+    def __init__(self, tokenizer, a_range: int = 100, b_range: int = 10):
+        if a_range < 1 or b_range < 1:
+            raise ValueError(f"AdditionTask: a_range and b_range must be >= 1, got {a_range}, {b_range}")
+        self.a_range, self.b_range = a_range, b_range
+        self.max_answer_tokens = len(str(a_range + b_range - 2)) + 1  # the largest sum's digits and eos
+        self.eos = tokenizer.eos_token_id
+        ids = {c: tokenizer.convert_tokens_to_ids(c) for c in DIGITS + "+="}
+        if any(v is None or v == tokenizer.unk_token_id for v in ids.values()):
+            raise ValueError("AdditionTask: the tokenizer needs single-character tokens for digits, '+' and '='")
+        self.ids = ids
+
+    def sample(self, gen, n: int) -> list[tuple[list[int], list[int]]]:
+        import torch
+
+        a = torch.randint(0, self.a_range, (n,), generator=gen).tolist()
+        b = torch.randint(0, self.b_range, (n,), generator=gen).tolist()
+        return [([self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos])
+                for x, y in zip(a, b)]
+
+    def batch(self, seed: int, index: int, prompts: int, samples: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Batch ``index`` of a run seeded ``seed``: ``prompts`` distinct draws, each repeated ``samples`` times
+        (consecutive: one GRPO group), as (prompt ids, answer ids) lists of length prompts * samples."""
+        import torch
+
+        gen = torch.Generator().manual_seed((seed % (1 << 31)) * (1 << 32) + index)
+        drawn = self.sample(gen, prompts)
+        return ([p for p, _ in drawn for _ in range(samples)], [a for _, a in drawn for _ in range(samples)])
+
+    @staticmethod
+    def reward(completion: list[int], answer: list[int]) -> float:
+        return 1.0 if list(completion[: len(answer)]) == answer else 0.0
