@@ -4,7 +4,7 @@ model's few near-tie routing contexts do not recur every step) and the rollout l
 import pytest
 import torch
 
-from aligned_ops.apps.demo import AdditionTask
+from aligned_ops.runner.task import AdditionTask
 from aligned_ops.testing.tiny_model import build_tokenizer
 
 

@@ -87,7 +87,8 @@ def test_package_has_no_import_cycle():
     assert "aligned_ops.apps.common" in graph["aligned_ops.apps.verify"]
     assert "aligned_ops.apps.verify" in graph["aligned_ops.apps.cli"]  # lazy import counted
     assert "aligned_ops.ops.linear" in graph["aligned_ops.ops.collective"]
-    assert "aligned_ops.testing.tiny_model" in graph["aligned_ops.apps.demo"]
+    assert "aligned_ops.testing.tiny_model" in graph["aligned_ops.runner.models"]
+    assert "aligned_ops.runner.models" in graph["aligned_ops.apps.demo"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -109,7 +110,8 @@ def test_negative_control_cycles_are_found(tmp_path):
 
 
 def test_apps_import_in_any_order_in_a_fresh_interpreter():
-    code = ("import aligned_ops.apps.verify, aligned_ops.apps.demo, aligned_ops.apps.trainer, "
+    code = ("import aligned_ops.apps.verify, aligned_ops.apps.demo, aligned_ops.apps.trainer, aligned_ops.apps.train, "
+            "aligned_ops.runner, aligned_ops.runner.worker, aligned_ops.runner.ray_backend, "
             "aligned_ops.apps.cli, aligned_ops.testing.tiny_model, aligned_ops.integrations.hf")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

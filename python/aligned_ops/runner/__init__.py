@@ -13,7 +13,7 @@ is ``aligned-ops train``; ``aligned-ops demo`` runs four configurations of it si
 """
 
 from .config import ConfigError, RunConfig
-from .loop import run
+from .launch import run
 from .metrics import read_records, scalars, summarize
 
 __all__ = ["ConfigError", "RunConfig", "run", "read_records", "scalars", "summarize"]

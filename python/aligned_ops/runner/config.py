@@ -48,7 +48,7 @@ class RunConfig:
     freeze_router: bool | None = None      # --freeze-router (MoE default on)
     a_range: int = 1000                    # --a-range: prompts a+b= with a < A, b < 10
     seed: int = 0                          # --seed
-    d3_from: int | None = None             # --d3-from: first step of the D3/IS summary (default: --lr-warmup)
+    d3_from: int | None = None             # --d3-from: first step of the D3 summary (default: --lr-warmup)
     checkpoint_every: int = 10             # --checkpoint-every N steps (and the last step)
     resume: bool = False                   # --resume: continue from out/checkpoint
     backend: str = "processes"             # --backend processes|ray
@@ -80,7 +80,11 @@ class RunConfig:
 
     @property
     def summary_from(self) -> int:
-        return self.lr_warmup if self.d3_from is None else self.d3_from
+        """First step of the D3 summary: --d3-from, else the first step after the lr warm-up (0 for runs that
+        end inside it)."""
+        if self.d3_from is not None:
+            return self.d3_from
+        return self.lr_warmup if self.lr_warmup < self.steps else 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,8 +96,9 @@ class RunConfig:
 
     # ---- checks -----------------------------------------------------------------------------------------
 
-    def validate(self) -> "RunConfig":
-        """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self."""
+    def validate(self, check_out: bool = True) -> "RunConfig":
+        """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self.
+        ``check_out=False`` skips the checks of an earlier run in ``out`` (the demo replaces its own runs)."""
         from ..rl import LOSS_MODES
 
         _choice("--mode", self.mode, MODES)
@@ -119,8 +124,8 @@ class RunConfig:
         if self.d3_from is not None:
             _at_least("d3_from", self.d3_from, 0)
         if self.summary_from >= self.steps:
-            raise ConfigError(f"--d3-from {self.summary_from} (default: --lr-warmup) must be < --steps {self.steps}: "
-                              "the D3 summary would have no step")
+            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
+                              "have no step")
         if self.samples < 2 and self.advantage in ("grpo", "rloo"):
             raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples)")
         if self.hidden < 8 or self.hidden % 8:
@@ -135,9 +140,9 @@ class RunConfig:
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ConfigError(f"--out {self.out}: exists and is not a folder")
         ckpt = os.path.join(self.out, "checkpoint", "state.pt")
-        if self.resume and not os.path.isfile(ckpt):
+        if check_out and self.resume and not os.path.isfile(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
-        if not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
+        if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
                               "it or choose another folder")
         moe = self.is_moe()
@@ -193,7 +198,7 @@ def _choice(flag: str, value, choices) -> None:
 
 def _at_least(name: str, value, lo: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ConfigError(f"{_flag(name)} must be an integer >= {lo}, got {value}")
+        raise ConfigError(f"{_flag(name)} must be >= {lo}, got {value}")
 
 
 def _positive(name: str, value) -> None:

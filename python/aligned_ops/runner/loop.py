@@ -13,6 +13,7 @@ step redone after a kill consumes the same rollouts it would have consumed.
 
 from __future__ import annotations
 
+import json
 import os
 import queue as queue_mod
 import time
@@ -122,8 +123,6 @@ def default_cores(workers: int) -> list | None:
 def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: str = "127.0.0.1") -> dict:
     """Run (or resume) the RL loop in this process; ``launcher`` starts the rollout workers (plain processes or
     Ray actors) and gives their inbox. Returns the summary (also written to ``cfg.out``/summary.json)."""
-    import json
-
     import torch
 
     from .learner import Learner
@@ -258,6 +257,8 @@ class ProcessLauncher:
                 p.start()
                 self.procs.append(p)
                 self.logs.append(spec["log"])
+            with open(os.path.join(self.log_dir, "pids.json"), "w") as f:  # who to look for after a kill
+                json.dump({"learner": os.getpid(), "rollout_workers": [p.pid for p in self.procs]}, f)
         finally:
             os.environ.clear()
             os.environ.update(env_backup)
@@ -286,18 +287,3 @@ def _tail(path: str, n: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return "(no log)"
-
-
-def run(cfg: RunConfig, callbacks=()) -> dict:
-    """Run one RL configuration end to end (model preparation, workers, learner); returns the summary."""
-    cfg.validate()
-    model_dir = cfg.model
-    if model_dir is None:
-        from .models import prepare_tiny_model
-
-        model_dir = prepare_tiny_model(cfg, os.path.join(cfg.out, "model"))
-    if cfg.backend == "ray":
-        from .ray_backend import run_with_ray
-
-        return run_with_ray(cfg, model_dir)
-    return learner_main(cfg, model_dir, ProcessLauncher(cfg), callbacks)

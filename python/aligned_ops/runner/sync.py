@@ -21,8 +21,9 @@ STOP = -1
 class WeightLayout:
     """Names, shapes and dtypes of the synced weights in a fixed order, packed as one flat buffer per dtype.
 
-    Tensors sharing storage (a tied LM head and its embedding) are sent once, under the first name: vLLM ties them
-    again on load."""
+    Tensors sharing storage (a tied LM head and its embedding) are sent once, under the first name in the state
+    dict's own order (a Hugging Face model lists ``model.embed_tokens.weight`` before ``lm_head.weight``; vLLM skips
+    ``lm_head.weight`` of a tied model on load and ties it to the embedding)."""
 
     def __init__(self, entries: list[tuple[str, tuple[int, ...], str]]):
         self.entries = [(n, tuple(s), str(d)) for n, s, d in entries]
@@ -32,7 +33,7 @@ class WeightLayout:
     @classmethod
     def of(cls, state: dict[str, torch.Tensor]) -> "WeightLayout":
         seen, entries = set(), []
-        for name in sorted(state):
+        for name in state:
             t = state[name]
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
             if key in seen:

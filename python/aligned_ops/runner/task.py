@@ -32,17 +32,22 @@ class AdditionTask:
 
         a = torch.randint(0, self.a_range, (n,), generator=gen).tolist()
         b = torch.randint(0, self.b_range, (n,), generator=gen).tolist()
-        return [([self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos])
-                for x, y in zip(a, b)]
+        return [self._pair(x, y) for x, y in zip(a, b)]
 
     def batch(self, seed: int, index: int, prompts: int, samples: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Batch ``index`` of a run seeded ``seed``: ``prompts`` distinct draws, each repeated ``samples`` times
-        (consecutive: one GRPO group), as (prompt ids, answer ids) lists of length prompts * samples."""
-        import torch
+        """Batch ``index`` of a run seeded ``seed``: ``prompts`` draws, each repeated ``samples`` times
+        (consecutive: one GRPO group), as (prompt ids, answer ids) lists of length prompts * samples. Each
+        (seed, index) has its own random stream (numpy's SeedSequence), not a shared generator's next draws."""
+        import numpy as np
 
-        gen = torch.Generator().manual_seed((seed % (1 << 31)) * (1 << 32) + index)
-        drawn = self.sample(gen, prompts)
+        rng = np.random.default_rng([seed, index])
+        a = rng.integers(0, self.a_range, prompts).tolist()
+        b = rng.integers(0, self.b_range, prompts).tolist()
+        drawn = [self._pair(x, y) for x, y in zip(a, b)]
         return ([p for p, _ in drawn for _ in range(samples)], [a for _, a in drawn for _ in range(samples)])
+
+    def _pair(self, x: int, y: int) -> tuple[list[int], list[int]]:
+        return [self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos]
 
     @staticmethod
     def reward(completion: list[int], answer: list[int]) -> float:

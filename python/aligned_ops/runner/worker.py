@@ -16,14 +16,12 @@ import os
 import time
 import traceback
 
-_SEED_MOD = (1 << 63) - 1
-
-
 def request_seed(run_seed: int, batch: int, index: int) -> int:
-    """The sampling seed of rollout ``index`` of batch ``batch`` (a fixed mix, any 63-bit value)."""
-    x = (run_seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % _SEED_MOD
-    x ^= x >> 31
-    return x % _SEED_MOD
+    """The sampling seed of rollout ``index`` of batch ``batch``: a 32-bit hash of the three (torch's CPU generator
+    keeps 32 bits of a seed), from numpy's SeedSequence."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([run_seed, batch, index]).generate_state(1)[0])
 
 
 def die_with_parent() -> None:
