@@ -39,6 +39,8 @@ FLAGS = [
                                                       "last router, so a lag step cannot flip a route; 'all'")),
     ("--freeze-router", dict(action=argparse.BooleanOptionalAction, help="MoE: keep the routers fixed (default on)")),
     ("--a-range", dict(type=int, help="task prompts a+b= with a < A, b < 10")),
+    ("--reward", dict(choices=["exact", "digits"], help="exact: 1 for the whole answer, else 0; digits: the "
+                                                        "fraction of answer tokens right")),
     ("--seed", dict(type=int)),
     ("--d3-from", dict(type=int, help="first step of the D3 summary (default: --lr-warmup)")),
     ("--checkpoint-every", dict(type=int, help="checkpoint every N steps (and at the end)")),

@@ -18,6 +18,7 @@ TINY_MODELS = ("moe", "dense")
 BACKENDS = ("processes", "ray")
 TRAIN_SCOPES = ("all", "head")
 ADVANTAGES = ("grpo", "rloo", "group_mean")
+REWARDS = ("exact", "digits")
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,7 @@ class RunConfig:
     train_scope: str | None = None         # --train-scope all|head (MoE default head)
     freeze_router: bool | None = None      # --freeze-router (MoE default on)
     a_range: int = 1000                    # --a-range: prompts a+b= with a < A, b < 10
+    reward: str = "exact"                  # --reward exact|digits (runner.task.AdditionTask.reward)
     seed: int = 0                          # --seed
     d3_from: int | None = None             # --d3-from: first step of the D3 summary (default: --lr-warmup)
     checkpoint_every: int = 10             # --checkpoint-every N steps (and the last step)
@@ -107,6 +109,7 @@ class RunConfig:
         _choice("--backend", self.backend, BACKENDS)
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--advantage", self.advantage, ADVANTAGES)
+        _choice("--reward", self.reward, REWARDS)
         _choice("--dtype", self.dtype, ("bfloat16", "float32", "float16"))
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):

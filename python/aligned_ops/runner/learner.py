@@ -18,7 +18,7 @@ import torch
 
 from ..diagnostics import mismatch_metrics
 from ..rl import broadcast_to_tokens, group_mean_advantages, grpo_advantages, policy_loss, rloo_advantages
-from .trainer import is_moe_model, pad_batch, stock_completion_logprobs, trainer_model, trainer_routing
+from .trainer import is_moe_model, pad_batch, stock_completion_logprobs, trainer_model
 
 
 def is_router(name: str) -> bool:

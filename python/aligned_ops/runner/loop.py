@@ -155,7 +155,7 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
     sync_info = dict(host=host, port=port, world_size=cfg.rollout_workers + 1, layout=layout.to_list())
     tok = _tokenizer(model_dir)
     pad_id = tok.eos_token_id
-    q = None
+    ok = False
     try:
         launcher.start(cfg, model_dir, start, sync_info, _moe_layers(model_dir))
         group = SyncGroup(host, port, 0, cfg.rollout_workers + 1, store=store)
@@ -210,9 +210,10 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
         if bar is not None:
             bar.close()
         group.send_stop()
+        ok = True
     finally:
         log.close()
-        launcher.close()
+        launcher.close(abort=not ok)
     records = read_records(os.path.join(out, "metrics.jsonl"))
     summary = summarize(records, cfg, dict(startup_s=startup_s, **cfg.extra))
     summary["steps_in_file"] = [r["step"] for r in records] == list(range(len(records)))
@@ -270,9 +271,10 @@ class ProcessLauncher:
                 raise RuntimeError(f"{p.name} exited with status {p.exitcode} before the run ended; the end of "
                                    f"its log ({log}):\n{_tail(log)}")
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """After the stop message the workers exit by themselves; on an error they are killed at once."""
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=0 if abort else 60)
         for p in self.procs:
             if p.is_alive():
                 p.kill()

@@ -67,10 +67,11 @@ class RayLauncher:
         if done:
             raise RuntimeError(f"{len(done)} rollout worker actor(s) returned before the run ended")
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         ray = self._ray
         try:
-            ray.get(self.runs, timeout=120)
+            if not abort:
+                ray.get(self.runs, timeout=120)
         finally:
             for a in self.actors:
                 ray.kill(a)

@@ -50,5 +50,12 @@ class AdditionTask:
         return [self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos]
 
     @staticmethod
-    def reward(completion: list[int], answer: list[int]) -> float:
-        return 1.0 if list(completion[: len(answer)]) == answer else 0.0
+    def reward(completion: list[int], answer: list[int], kind: str = "exact") -> float:
+        """``exact``: 1 if the completion starts with the answer (digits and eos), else 0. ``digits``: the fraction
+        of the answer's tokens (digits, then eos) that the completion has at the same position — partial credit,
+        a denser signal for a small model."""
+        if kind == "exact":
+            return 1.0 if list(completion[: len(answer)]) == answer else 0.0
+        if kind == "digits":
+            return sum(1 for c, a in zip(completion, answer) if c == a) / len(answer)
+        raise ValueError(f"AdditionTask.reward: kind must be 'exact' or 'digits', got {kind!r}")

@@ -140,7 +140,7 @@ def _run(spec: dict, outbox) -> None:
         completions = [list(o.outputs[0].token_ids) for o in outs]
         logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                     for o in outs]
-        rewards = [task.reward(c, a) for c, a in zip(completions, answers)]
+        rewards = [task.reward(c, a, cfg.reward) for c, a in zip(completions, answers)]
         outbox.put(("batch", b, dict(
             step=b, version=version, worker=spec["worker"], prompts=prompts, completions=completions,
             logprobs=logprobs, rewards=rewards, routes=routes, wait_s=t1 - t0, load_s=t2 - t1, gen_s=t3 - t2,
