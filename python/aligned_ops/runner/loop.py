@@ -171,7 +171,7 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
 
             bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.kernels} {cfg.mode}", unit="step",
                        dynamic_ncols=True)
-        t_prev = time.time()
+        t_prev, c_prev = time.time(), time.process_time()
         for s in range(start, cfg.steps):
             t0 = time.time()
             batch = q.get(s)
@@ -194,12 +194,14 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
                        sync_bytes=layout.nbytes, rollout_wait_s=batch["wait_s"])
             ckpt = (s + 1) % cfg.checkpoint_every == 0 or s + 1 == cfg.steps
             rec["step_s"] = time.time() - t_prev  # this step's share of the loop's wall time
+            rec["learner_cpu_s"] = time.process_time() - c_prev  # CPU the learner used for it (waiting uses none)
+            rec["gen_cpu_s"] = batch.get("gen_cpu_s", float("nan"))
             rec["tokens_per_s"] = rec["gen_tokens"] / rec["step_s"] if rec["step_s"] > 0 else float("nan")
             end = log.append(rec)
             if ckpt:
                 _save_checkpoint(ckpt_path, dict(step=s + 1, metrics_offset=end, policy=learner.policy.state(),
                                                  history=history, rng=torch.get_rng_state(), cfg=cfg.to_dict()))
-            t_prev = time.time()
+            t_prev, c_prev = time.time(), time.process_time()
             for cb in callbacks:
                 cb(s, scalars(rec))
             if bar is not None:

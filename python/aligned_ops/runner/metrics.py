@@ -26,7 +26,7 @@ SCALARS = {
     "staleness": "async/staleness", "tokens_per_s": "perf/tokens_per_s", "step_s": "perf/step_s",
     "gen_s": "perf/gen_s", "train_s": "perf/train_s", "wait_s": "perf/learner_wait_s",
     "sync_send_s": "sync/send_s", "sync_load_s": "sync/load_s", "sync_s": "sync/total_s",
-    "gen_tokens": "perf/gen_tokens",
+    "gen_tokens": "perf/gen_tokens", "gen_cpu_s": "perf/gen_cpu_s", "learner_cpu_s": "perf/learner_cpu_s",
 }
 
 
@@ -80,6 +80,18 @@ def _fifth(records: list[dict], key: str, last: bool) -> float:
     return statistics.fmean(r[key] for r in part)
 
 
+def _cpu(records: list[dict]) -> dict:
+    """CPU seconds per step of each side (medians) and what they allow: with one core each and nothing else running,
+    a synchronous step costs gen + learner, an overlapped one max(gen, learner). Unlike wall time, CPU time hardly
+    moves when other processes share the cores, so ``overlap_bound`` is the load-independent view of async vs sync."""
+    gen = [r["gen_cpu_s"] for r in records if "gen_cpu_s" in r and not math.isnan(r["gen_cpu_s"])]
+    learn = [r["learner_cpu_s"] for r in records if "learner_cpu_s" in r]
+    if not gen or not learn:
+        return {}
+    g, le = statistics.median(gen), statistics.median(learn)
+    return dict(gen_cpu_s_median=g, learner_cpu_s_median=le, overlap_bound=(g + le) / max(g, le))
+
+
 def summarize(records: list[dict], cfg, extra: dict | None = None) -> dict:
     """summary.json from the step records: throughput, the D3 summary (steps >= ``cfg.summary_from``), the IS
     ratio range, the kernel-only mismatch, rewards (mean of the first and of the last fifth of the steps)."""
@@ -102,6 +114,7 @@ def summarize(records: list[dict], cfg, extra: dict | None = None) -> dict:
         train_s_median=statistics.median(r["train_s"] for r in records),
         learner_wait_s_median=statistics.median(r["wait_s"] for r in records),
         sync_s_mean=statistics.fmean(r["sync_s"] for r in records),
+        **_cpu(records),
         sync_send_s_mean=statistics.fmean(r["sync_send_s"] for r in records),
         sync_load_s_mean=statistics.fmean(r["sync_load_s"] for r in records),
         sync_bytes=records[-1].get("sync_bytes", 0),

@@ -121,6 +121,7 @@ def _run(spec: dict, outbox) -> None:
         if flats is None:
             break  # the learner stopped early
         t1 = time.time()
+        c1 = time.process_time()
         if loaded != version:
             rollout.refit(llm, layout.unpack(flats))
             loaded = version
@@ -137,6 +138,7 @@ def _run(spec: dict, outbox) -> None:
             by_id = recorder.take()
             routes = [by_id[o.request_id] for o in outs]
         t3 = time.time()
+        cpu = time.process_time() - c1  # this process's CPU time for the weights load and the generation
         completions = [list(o.outputs[0].token_ids) for o in outs]
         logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                     for o in outs]
@@ -144,7 +146,7 @@ def _run(spec: dict, outbox) -> None:
         outbox.put(("batch", b, dict(
             step=b, version=version, worker=spec["worker"], prompts=prompts, completions=completions,
             logprobs=logprobs, rewards=rewards, routes=routes, wait_s=t1 - t0, load_s=t2 - t1, gen_s=t3 - t2,
-            gen_tokens=sum(len(c) for c in completions), t_gen_start=t2, t_gen_end=t3)))
+            gen_tokens=sum(len(c) for c in completions), gen_cpu_s=cpu, t_gen_start=t2, t_gen_end=t3)))
     receiver.join(timeout=60)
     if recorder is not None:
         recorder.close()
