@@ -135,3 +135,19 @@ def test_batches_and_seeds_are_functions_of_seed_and_index():
     assert len(seeds) == 3 * 50 * 64 and all(0 <= x < 2**32 for x in seeds)
     assert request_seed(0, 1, 2) == request_seed(0, 1, 2)
 
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    from aligned_ops.runner import ConfigError
+
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(b"")
+    saved = RunConfig(out=str(out), lr=1e-4, tiny="dense").validate(check_out=False)
+    (out / "checkpoint" / "config.json").write_text(json.dumps(saved.to_dict()))
+    (out / "metrics.jsonl").write_text("")
+    RunConfig(out=str(out), lr=1e-4, tiny="dense", resume=True, steps=500).validate()  # more steps: fine
+    with pytest.raises(ConfigError, match=r"--resume with other settings than the run in --out: --lr 0.001 \(the run has 0.0001\)"):
+        RunConfig(out=str(out), lr=1e-3, tiny="dense", resume=True).validate()
+    with pytest.raises(ConfigError, match="already holds a run"):  # and no resume: no overwrite
+        RunConfig(out=str(out), lr=1e-4, tiny="dense").validate()

@@ -54,6 +54,7 @@ FLAGS = [
     ("--hidden", dict(type=int, help="tiny model width")),
     ("--layers", dict(type=int, help="tiny model layers")),
     ("--router-scale", dict(type=float, help="tiny MoE: std of the router weights (small: near-tie routes)")),
+    ("--logit-scale", dict(type=float, help="tiny model: multiply the final norm's weight (every logit) by this")),
     ("--sft-steps", dict(type=int, help="tiny model: supervised warm-up steps on the task")),
     ("--sft-lr", dict(type=float)),
     ("--out", dict(help="output folder")),

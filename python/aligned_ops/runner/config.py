@@ -63,6 +63,7 @@ class RunConfig:
     hidden: int = 128                      # --hidden
     layers: int = 2                        # --layers
     router_scale: float = 0.08             # --router-scale (MoE)
+    logit_scale: float = 1.0               # --logit-scale: the final norm's weight times this (sharper logits)
     sft_steps: int = 60                    # --sft-steps
     sft_lr: float = 3e-3                   # --sft-lr
     extra: dict = field(default_factory=dict)  # free-form notes copied into summary.json (the demo's labels)
@@ -116,7 +117,7 @@ class RunConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("lr_warmup", "seed", "sft_steps"):
             _at_least(name, getattr(self, name), 0)
-        for name in ("lr", "clip_c", "temperature", "router_scale", "sft_lr"):
+        for name in ("lr", "clip_c", "temperature", "router_scale", "sft_lr", "logit_scale"):
             _positive(name, getattr(self, name))
         if self.max_lag is not None:
             _at_least("max_lag", self.max_lag, 0)
@@ -145,6 +146,8 @@ class RunConfig:
         ckpt = os.path.join(self.out, "checkpoint", "state.pt")
         if check_out and self.resume and not os.path.isfile(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
+        if check_out and self.resume:
+            self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
         if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
                               "it or choose another folder")
@@ -157,6 +160,24 @@ class RunConfig:
         if self.train_scope == "head" and not moe:
             raise ConfigError("--train-scope head needs a MoE model (it trains the weights after the last router)")
         return self
+
+    # what a resumed run may change: how it runs, not what it computes
+    RESUME_MAY_CHANGE = ("steps", "resume", "progress", "out", "checkpoint_every", "threads", "pin_cores", "backend",
+                         "ray_address", "extra")
+
+    def _check_resume_matches(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--resume: cannot read the run's settings ({path}: {e})") from None
+        mine = self.to_dict()
+        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]
+                and not (saved[k] is not None and mine[k] is None and k in ("max_lag", "d3_from", "train_scope",
+                                                                            "freeze_router", "model"))]
+        if diff:
+            raise ConfigError("--resume with other settings than the run in --out: " + ", ".join(
+                f"{_flag(k)} {mine[k]} (the run has {saved[k]})" for k in diff))
 
     def is_moe(self) -> bool:
         if self.model is None:

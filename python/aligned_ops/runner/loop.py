@@ -147,6 +147,10 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
         torch.set_rng_state(state["rng"])
     if start >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {start}, the run has --steps {cfg.steps}: nothing to do")
+    if not cfg.resume:  # the run's settings, which a --resume must repeat (RunConfig._check_resume_matches)
+        os.makedirs(os.path.dirname(ckpt_path), exist_ok=True)
+        with open(os.path.join(os.path.dirname(ckpt_path), "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1, sort_keys=True)
     log = MetricsLog(os.path.join(out, "metrics.jsonl"))
     log.open(offset)
 

@@ -14,16 +14,28 @@ from .learner import Policy, is_router
 from .task import AdditionTask
 
 
-def build_tiny(kind: str, path: str, dtype: str, seed: int, hidden: int, layers: int, router_scale: float) -> str:
+def build_tiny(kind: str, path: str, dtype: str, seed: int, hidden: int, layers: int, router_scale: float,
+               logit_scale: float = 1.0) -> str:
+    """The built-in tiny model; ``logit_scale`` multiplies the final norm's weight (so every logit) before training."""
     import torch
 
     from ..testing.tiny_model import build_tiny_moe, build_tiny_qwen2
 
     if kind == "moe":
-        return build_tiny_moe(path, dtype=getattr(torch, dtype), seed=seed, hidden_size=hidden,
+        path = build_tiny_moe(path, dtype=getattr(torch, dtype), seed=seed, hidden_size=hidden,
                               moe_intermediate_size=hidden // 2, num_hidden_layers=layers, router_scale=router_scale)
-    return build_tiny_qwen2(path, dtype=getattr(torch, dtype), seed=seed, hidden_size=hidden,
-                            intermediate_size=2 * hidden, num_hidden_layers=layers)
+    else:
+        path = build_tiny_qwen2(path, dtype=getattr(torch, dtype), seed=seed, hidden_size=hidden,
+                                intermediate_size=2 * hidden, num_hidden_layers=layers)
+    if logit_scale != 1.0:
+        from safetensors.torch import load_file, save_file
+
+        f = os.path.join(path, "model.safetensors")
+        weights = load_file(f)
+        weights["model.norm.weight"] = (weights["model.norm.weight"].float() * logit_scale).to(
+            weights["model.norm.weight"].dtype)
+        save_file(weights, f, metadata={"format": "pt"})
+    return path
 
 
 def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int,
@@ -56,12 +68,14 @@ def prepare_tiny_model(cfg, root: str) -> str:
     stamp = os.path.join(root, "built.json")
     spec = dict(tiny=cfg.tiny, dtype=cfg.dtype, seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers,
                 router_scale=cfg.router_scale, sft_steps=cfg.sft_steps, sft_lr=cfg.sft_lr, a_range=cfg.a_range)
+    if cfg.logit_scale != 1.0:
+        spec["logit_scale"] = cfg.logit_scale
     if os.path.isfile(stamp):
         with open(stamp) as f:
             if json.load(f) == spec:
                 return warm
     base = build_tiny(cfg.tiny, os.path.join(root, "base"), cfg.dtype, cfg.seed, cfg.hidden, cfg.layers,
-                      cfg.router_scale)
+                      cfg.router_scale, cfg.logit_scale)
     freeze = is_router if cfg.tiny == "moe" else (lambda name: False)  # routers stay near ties (flippable)
     supervised_warmup(base, warm, cfg.dtype, cfg.sft_steps, cfg.sft_lr, cfg.seed, freeze, cfg.a_range)
     with open(stamp, "w") as f:

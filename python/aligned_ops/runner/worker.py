@@ -96,9 +96,12 @@ def _run(spec: dict, outbox) -> None:
     aligned = cfg.kernels == "aligned"
     model_dir = spec["model_dir"]
     batch = cfg.batch_size
+    # Stock vLLM 0.32 returns "raw" log-probs at temperature 1 whatever the request's temperature; its processed ones
+    # are log_softmax(logits / T), what the trainer scores (the same at T = 1). The plugin's raw log-probs are at T.
+    extra = {} if aligned else {"logprobs_mode": "processed_logprobs"}
     llm = rollout.make_llm(model_dir, dtype=cfg.dtype, aligned=aligned, seed=cfg.seed,
                            max_num_seqs=min(batch, 256), max_num_batched_tokens=max(2048, 16 * min(batch, 256)),
-                           max_model_len=1024)
+                           max_model_len=1024, **extra)
     tok = llm.get_tokenizer()
     task = AdditionTask(tok, a_range=cfg.a_range)
     recorder = None
