@@ -29,15 +29,16 @@ def gpt2_dir(tmp_path_factory):
 
 CASES = [
     (["demo", "--steps", "0"], "--steps must be >= 1, got 0"),
-    (["demo", "--lag", "-1"], "--lag must be >= 0, got -1"),
+    (["demo", "--lag", "-1"], "--max-lag must be >= 0, got -1"),
     (["demo", "--prompts", "0"], "--prompts must be >= 1"),
     (["demo", "--samples", "0"], "--samples must be >= 1"),
     (["demo", "--hidden", "12"], "--hidden must be a positive multiple of 8"),
     (["demo", "--lr", "0"], "--lr must be a finite number > 0"),
     (["demo", "--sft-steps", "-2"], "--sft-steps must be >= 0"),
-    (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
+    (["demo", "--lr-warmup", "-1"], "--lr-warmup must be >= 0, got -1"),
+    (["demo", "--max-lag", "0"], "--max-lag 0: the demo's async runs need a lag >= 1"),
     (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
-    (["demo", "--train-scope", "head"], "--train-scope head needs --moe"),
+    (["demo", "--tiny", "dense", "--train-scope", "head"], "--train-scope head needs a MoE model"),
     (["demo", "--moe", "--a-range", "0"], "--a-range must be >= 1, got 0"),
     (["demo", "--a-range", "-5"], "--a-range must be >= 1, got -5"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
@@ -71,7 +72,7 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
     assert proc.returncode == 2 and "no config.json in that folder" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe"])
+@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe", "train", "train --mode sync --tiny dense"])
 def test_validation_accepts_the_defaults(command):
     # Positive control: the default flags pass the same validation (checked without starting the runs).
     from aligned_ops.apps import cli
@@ -79,16 +80,20 @@ def test_validation_accepts_the_defaults(command):
     cli.validate_args(cli.build_parser().parse_args(command.split()))
 
 
-def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
+def test_demo_defaults_are_the_demos_and_explicit_flags_win():
     from aligned_ops.apps import cli
+    from aligned_ops.apps.demo import DEMO_DEFAULTS, RUNS
 
-    dense = cli.build_parser().parse_args(["demo"])
-    cli.validate_args(dense)
-    assert (dense.lag, dense.lr, dense.rl_warmup, dense.freeze_router) == (2, 5e-4, 0, False)
-    moe = cli.build_parser().parse_args(["demo", "--moe", "--lag", "3"])
-    cli.validate_args(moe)
-    assert moe.lag == 3 and moe.lr == cli.DEMO_MOE_DEFAULTS["lr"] and moe.freeze_router is True
-    assert dense.train_scope == "all" and moe.train_scope == "head"
+    args = cli.build_parser().parse_args(["demo"])
+    cli.validate_args(args)
+    assert set(args.configs) == set(RUNS)
+    cfg = args.configs[("aligned", "async")]
+    assert (cfg.steps, cfg.prompts, cfg.lr, cfg.tiny) == tuple(DEMO_DEFAULTS[k] for k in ("steps", "prompts", "lr", "tiny"))
+    assert cfg.lag == 1 and args.configs[("aligned", "sync")].lag == 0 and cfg.train_scope == "head"
+    args = cli.build_parser().parse_args(["demo", "--lag", "3", "--steps", "7"])
+    cli.validate_args(args)
+    assert args.configs[("standard", "async")].lag == 3 and args.configs[("standard", "sync")].lag == 0
+    assert all(c.steps == 7 for c in args.configs.values())
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():
