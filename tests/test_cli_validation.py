@@ -41,6 +41,8 @@ CASES = [
     (["demo", "--tiny", "dense", "--train-scope", "head"], "--train-scope head needs a MoE model"),
     (["demo", "--moe", "--a-range", "0"], "--a-range must be >= 1, got 0"),
     (["demo", "--a-range", "-5"], "--a-range must be >= 1, got -5"),
+    (["train", "--linear", "fast"], "--linear: linear profile must be one of"),
+    (["demo", "--linear", "fast"], "--linear: linear profile must be one of"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),
@@ -94,6 +96,16 @@ def test_demo_defaults_are_the_demos_and_explicit_flags_win():
     cli.validate_args(args)
     assert args.configs[("standard", "async")].lag == 3 and args.configs[("standard", "sync")].lag == 0
     assert all(c.steps == 7 for c in args.configs.values())
+    # the linear profile is decided once (flag, else ALIGNED_OPS_LINEAR, else fma) and passed to every run by name
+    from aligned_ops import profiles
+    from aligned_ops.apps.demo import _train_argv
+
+    assert {c.linear for c in args.configs.values()} == {profiles.from_env().name}
+    args = cli.build_parser().parse_args(["demo", "--linear", "EXACT"])
+    cli.validate_args(args)
+    assert {c.linear_profile() for c in args.configs.values()} == {profiles.EXACT}
+    argv = _train_argv(args.configs[("aligned", "async")], "/m")
+    assert argv[argv.index("--linear") + 1] == "exact"
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():

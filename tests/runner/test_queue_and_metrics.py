@@ -151,3 +151,22 @@ def test_resume_refuses_other_settings(tmp_path):
         RunConfig(out=str(out), lr=1e-3, tiny="dense", resume=True).validate()
     with pytest.raises(ConfigError, match="already holds a run"):  # and no resume: no overwrite
         RunConfig(out=str(out), lr=1e-4, tiny="dense").validate()
+
+
+def test_both_sides_get_one_linear_profile_by_name():
+    from aligned_ops import profiles
+    from aligned_ops.runner.loop import check_engine_profiles
+    from aligned_ops.runner.worker import worker_env
+
+    cfg = RunConfig(out="unused", linear="exact", kernels="aligned").validate(check_out=False)
+    assert cfg.linear == "exact" and cfg.linear_profile() is profiles.EXACT
+    env = worker_env(cfg.kernels, cfg.linear)
+    assert env[profiles.ENV_VAR] == "exact" and env["ALIGNED_OPS_VLLM"] == "1"
+    assert profiles.ENV_VAR not in worker_env("standard")
+    check_engine_profiles({0: {"linear_profile": "exact"}, 1: {"linear_profile": "exact"}}, profiles.EXACT)
+    # negative controls: an engine on another profile, or one the plugin never configured, stops the run
+    with pytest.raises(RuntimeError, match="rollout worker 1's vLLM engine runs linear profile 'fma', the learner "
+                                           "'exact'"):
+        check_engine_profiles({0: {"linear_profile": "exact"}, 1: {"linear_profile": "fma"}}, profiles.EXACT)
+    with pytest.raises(RuntimeError, match="runs linear profile None"):
+        check_engine_profiles({0: {"linear_profile": None}}, profiles.FMA)

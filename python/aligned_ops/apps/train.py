@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..runner.config import BACKENDS, KERNEL_SETS, MODES, TINY_MODELS, TRAIN_SCOPES, RunConfig
+from ..runner.config import BACKENDS, KERNEL_SETS, MODES, REWARDS, TINY_MODELS, TRAIN_SCOPES, RunConfig
 
 # flag -> RunConfig field (same name with "-" for "_"); help texts
 FLAGS = [
@@ -23,6 +23,9 @@ FLAGS = [
                                                  "standard: stock vLLM + stock Hugging Face trainer")),
     ("--model", dict(metavar="DIR", help="a local Qwen2/Qwen3/Llama (or Qwen2/Qwen3-MoE) checkpoint; default: the "
                                          "built-in tiny model (--tiny), taught the task by --sft-steps first")),
+    ("--linear", dict(metavar="PROFILE", help="aligned kernels: the linear numerics profile of both sides, a name "
+                                              "from aligned_ops.profiles (fma, exact; default: ALIGNED_OPS_LINEAR, "
+                                              "else fma)")),
     ("--tiny", dict(choices=TINY_MODELS, help="built-in tiny model: a Qwen3-MoE (8 experts, top-2) or a dense Qwen2")),
     ("--dtype", dict(choices=["bfloat16", "float32", "float16"])),
     ("--steps", dict(type=int, help="learner updates")),
@@ -39,7 +42,7 @@ FLAGS = [
                                                       "last router, so a lag step cannot flip a route; 'all'")),
     ("--freeze-router", dict(action=argparse.BooleanOptionalAction, help="MoE: keep the routers fixed (default on)")),
     ("--a-range", dict(type=int, help="task prompts a+b= with a < A, b < 10")),
-    ("--reward", dict(choices=["exact", "digits"], help="exact: 1 for the whole answer, else 0; digits: the "
+    ("--reward", dict(choices=list(REWARDS), help="exact: 1 for the whole answer, else 0; digits: the "
                                                         "fraction of answer tokens right")),
     ("--seed", dict(type=int)),
     ("--d3-from", dict(type=int, help="first step of the D3 summary (default: --lr-warmup)")),

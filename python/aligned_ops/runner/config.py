@@ -35,6 +35,7 @@ class RunConfig:
     mode: str = "async"                    # --mode sync|async
     max_lag: int | None = None             # --max-lag K (async: default 1; sync: 0)
     kernels: str = "aligned"               # --kernels aligned|standard (both sides)
+    linear: str | None = None              # --linear: aligned kernels' linear profile (default ALIGNED_OPS_LINEAR)
     model: str | None = None               # --model DIR (default: the built-in tiny model, see `tiny`)
     tiny: str = "moe"                      # --tiny moe|dense: which built-in model when --model is not given
     dtype: str = "bfloat16"                # --dtype
@@ -113,6 +114,12 @@ class RunConfig:
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--advantage", self.advantage, ADVANTAGES)
         _choice("--reward", self.reward, REWARDS)
+        from .. import profiles
+
+        try:  # decided once, here, and recorded (a resume must run the same one; both sides get it by name)
+            self.linear = profiles.resolve(self.linear).name
+        except ValueError as e:
+            raise ConfigError(f"--linear: {e}") from None
         _choice("--dtype", self.dtype, ("bfloat16", "float32", "float16"))
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):
@@ -180,6 +187,12 @@ class RunConfig:
         if diff:
             raise ConfigError("--resume with other settings than the run in --out: " + ", ".join(
                 f"{_flag(k)} {mine[k]} (the run has {saved[k]})" for k in diff))
+
+    def linear_profile(self):
+        """The :mod:`aligned_ops.profiles` object both sides run with aligned kernels."""
+        from .. import profiles
+
+        return profiles.resolve(self.linear)
 
     def is_moe(self) -> bool:
         if self.model is None:

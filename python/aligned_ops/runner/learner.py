@@ -57,10 +57,10 @@ class Policy:
     trainable parameters and AdamW on the masters (linear lr warm-up): the usual mixed-precision RL trainer."""
 
     def __init__(self, model_dir: str, dtype: str, aligned: bool, lr: float = 1e-5, lr_warmup: int = 0,
-                 freeze=lambda name: False, temperature: float = 1.0):
+                 freeze=lambda name: False, temperature: float = 1.0, profile=None):
         self.aligned, self.temperature = aligned, temperature
         self.moe = is_moe_model(model_dir)
-        self.model = trainer_model(model_dir, dtype, aligned)
+        self.model = trainer_model(model_dir, dtype, aligned, profile)
         self.model.train()
         for name, p in self.model.named_parameters():
             if freeze(name):
@@ -173,13 +173,15 @@ class Learner:
     def __init__(self, cfg, model_dir: str):
         self.cfg = cfg
         self.aligned = cfg.kernels == "aligned"
+        self.profile = cfg.linear_profile() if self.aligned else None  # the linear profile of the aligned trainer
         moe = is_moe_model(model_dir)
         freeze = frozen_predicate(model_dir, cfg.train_scope, cfg.freeze_router, moe)
-        self.policy = Policy(model_dir, cfg.dtype, self.aligned, cfg.lr, cfg.lr_warmup, freeze, cfg.temperature)
+        self.policy = Policy(model_dir, cfg.dtype, self.aligned, cfg.lr, cfg.lr_warmup, freeze, cfg.temperature,
+                             self.profile)
         self.moe = self.policy.moe
         self.scorer = None
         if cfg.lag > 0:
-            self.scorer = Policy(model_dir, cfg.dtype, self.aligned, temperature=cfg.temperature)
+            self.scorer = Policy(model_dir, cfg.dtype, self.aligned, temperature=cfg.temperature, profile=self.profile)
             self.scorer.model.eval()
         self._scorer_version = None
 

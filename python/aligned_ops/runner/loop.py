@@ -97,6 +97,17 @@ def _save_checkpoint(path: str, state: dict) -> None:
         os.close(dfd)
 
 
+def check_engine_profiles(ready: dict, profile) -> None:
+    """Every rollout engine runs the learner's linear profile (aligned kernels): a worker whose engine was
+    configured with another one (or none: the plugin did not run) would make every log-prob differ."""
+    for w, info in sorted(ready.items()):
+        got = info.get("linear_profile")
+        if got != profile.name:
+            raise RuntimeError(f"aligned-ops train: rollout worker {w}'s vLLM engine runs linear profile {got!r}, "
+                               f"the learner {profile.name!r}; both sides must run one profile (is the aligned_ops "
+                               "vLLM plugin installed in the worker's environment?)")
+
+
 def default_cores(workers: int) -> list | None:
     """One core per process (learner first, then each rollout worker) when there are enough; else None."""
     try:
@@ -156,6 +167,8 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
             group.send(v, layout.pack(history[v]))
         ready = q.wait_ready(cfg.rollout_workers)
         startup_s = max(r["startup_s"] for r in ready.values())
+        if learner.aligned:
+            check_engine_profiles(ready, learner.profile)
 
         bar = None
         if cfg.progress:
@@ -240,7 +253,7 @@ class ProcessLauncher:
         self.log_dir = os.path.join(cfg.out, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
         env_backup = dict(os.environ)
-        os.environ.update(worker_env(cfg.kernels))  # spawn copies the environment at start
+        os.environ.update(worker_env(cfg.kernels, cfg.linear))  # spawn copies the environment at start
         try:
             for w in range(cfg.rollout_workers):
                 spec = dict(cfg=cfg.to_dict(), model_dir=model_dir, worker=w, workers=cfg.rollout_workers,

@@ -102,7 +102,8 @@ def summarize(records: list[dict], cfg, extra: dict | None = None) -> dict:
     wall = sum(r["step_s"] for r in records)
     tokens = sum(r["gen_tokens"] for r in records)
     out = dict(
-        mode=cfg.mode, kernels=cfg.kernels, max_lag=cfg.lag, loss=cfg.loss, backend=cfg.backend,
+        mode=cfg.mode, kernels=cfg.kernels, linear_profile=cfg.linear if cfg.kernels == "aligned" else "stock",
+        max_lag=cfg.lag, loss=cfg.loss, backend=cfg.backend,
         rollout_workers=cfg.rollout_workers, seed=cfg.seed,
         updates=len(records),
         rollouts=sum(r["num_rollouts"] for r in records),

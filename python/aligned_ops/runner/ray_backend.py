@@ -14,10 +14,10 @@ import os
 from .config import RunConfig
 
 
-def _actor_env(kernels: str | None) -> dict:
+def _actor_env(kernels: str | None, linear: str | None = None) -> dict:
     from .worker import worker_env
 
-    env = worker_env(kernels) if kernels else {}
+    env = worker_env(kernels, linear) if kernels else {}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     for key in ("ATEN_CPU_CAPABILITY",):
@@ -54,7 +54,7 @@ class RayLauncher:
         for w in range(cfg.rollout_workers):
             spec = dict(cfg=cfg.to_dict(), model_dir=model_dir, worker=w, workers=cfg.rollout_workers, start=start,
                         steps=cfg.steps, sync=sync_info, moe_layers=moe_layers, cores=None, parent_death=False)
-            actor = RolloutWorker.options(num_cpus=self.num_cpus, runtime_env={"env_vars": _actor_env(cfg.kernels)},
+            actor = RolloutWorker.options(num_cpus=self.num_cpus, runtime_env={"env_vars": _actor_env(cfg.kernels, cfg.linear)},
                                           name=None).remote()
             self.actors.append(actor)
             self.runs.append(actor.run.remote(spec, self.inbox))

@@ -47,11 +47,17 @@ def pin_process(cores, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def worker_env(kernels: str) -> dict:
-    """Environment of a rollout worker: the plugin switch, a single-process engine, quiet logs."""
-    return {"ALIGNED_OPS_VLLM": "1" if kernels == "aligned" else "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+def worker_env(kernels: str, linear: str | None = None) -> dict:
+    """Environment of a rollout worker: the plugin switch, the linear profile the learner runs (by name: the
+    engine's plugin reads it at start-up), a single-process engine, quiet logs."""
+    from .. import profiles
+
+    env = {"ALIGNED_OPS_VLLM": "1" if kernels == "aligned" else "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    if linear is not None:
+        env[profiles.ENV_VAR] = profiles.get(linear).name
+    return env
 
 
 def rollout_worker_main(spec: dict, outbox) -> None:
@@ -64,7 +70,7 @@ def rollout_worker_main(spec: dict, outbox) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    os.environ.update(worker_env(spec["cfg"]["kernels"]))
+    os.environ.update(worker_env(spec["cfg"]["kernels"], spec["cfg"].get("linear")))
     w = spec["worker"]
     try:
         _run(spec, outbox)
@@ -112,7 +118,13 @@ def _run(spec: dict, outbox) -> None:
     # Warm-up (not timed by the learner): the first generate compiles vLLM's CPU sampling helpers.
     warm_prompt = task.sample(torch.Generator().manual_seed(0), 1)[0][0]
     _generate(llm, [warm_prompt], task.max_answer_tokens, cfg.temperature, [1])
-    outbox.put(("ready", spec["worker"], {"startup_s": time.time() - t_start, "pid": os.getpid()}))
+    engine_profile = None
+    if aligned:  # the profile the plugin configured the engine with (the learner checks it is its own)
+        from ..integrations.vllm import installed_profile
+
+        engine_profile = getattr(installed_profile(), "name", None)
+    outbox.put(("ready", spec["worker"], {"startup_s": time.time() - t_start, "pid": os.getpid(),
+                                          "linear_profile": engine_profile}))
 
     loaded = None
     k, W = cfg.lag, spec["workers"]
