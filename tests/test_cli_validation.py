@@ -29,17 +29,21 @@ def gpt2_dir(tmp_path_factory):
 
 CASES = [
     (["demo", "--steps", "0"], "--steps must be >= 1, got 0"),
-    (["demo", "--lag", "-1"], "--lag must be >= 0, got -1"),
+    (["demo", "--lag", "-1"], "--max-lag must be >= 0, got -1"),
     (["demo", "--prompts", "0"], "--prompts must be >= 1"),
     (["demo", "--samples", "0"], "--samples must be >= 1"),
     (["demo", "--hidden", "12"], "--hidden must be a positive multiple of 8"),
     (["demo", "--lr", "0"], "--lr must be a finite number > 0"),
     (["demo", "--sft-steps", "-2"], "--sft-steps must be >= 0"),
-    (["demo", "--moe", "--rl-warmup", "-1"], "--rl-warmup must be >= 0, got -1"),
+    (["demo", "--lr-warmup", "-1"], "--lr-warmup must be >= 0, got -1"),
+    (["demo", "--max-lag", "0"], "--max-lag 0: the demo's async runs need a lag >= 1"),
     (["demo", "--moe", "--router-scale", "0"], "--router-scale must be a finite number > 0"),
-    (["demo", "--train-scope", "head"], "--train-scope head needs --moe"),
+    (["demo", "--tiny", "dense", "--train-scope", "head"], "--train-scope head needs a MoE model"),
     (["demo", "--moe", "--a-range", "0"], "--a-range must be >= 1, got 0"),
     (["demo", "--a-range", "-5"], "--a-range must be >= 1, got -5"),
+    (["verify", "--linear", "bogus"], "--linear must be one of ('fma', 'exact'"),
+    (["train", "--linear", "fast"], "--linear: linear profile must be one of"),
+    (["demo", "--linear", "fast"], "--linear: linear profile must be one of"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
     (["verify", "--temperature", "nan"], "--temperature must be a finite number > 0"),
@@ -50,8 +54,9 @@ CASES = [
     (["verify", "--temperature", "2.5"], "--temperature must be in [0, 2] (vLLM >= 0.24"),
     (["verify", "--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0"),
     (["verify", "--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
-    (["demo", "--hidden", "8"], "--hidden 8 gives head size 2 (4 heads), which vLLM-CPU's attention does not take"),
-    (["demo", "--hidden", "64"], "--hidden 64 gives head size 16 (4 heads)"),
+    (["demo", "--tiny", "dense", "--hidden", "8"],
+     "--hidden 8 gives head size 2 (4 heads), which vLLM-CPU's attention does not take"),
+    (["train", "--tiny", "dense", "--hidden", "64"], "--hidden 64 gives head size 16 (4 heads)"),
     (["demo", "--out", "/proc/x"], "--out /proc/x: cannot create or write this folder"),
     (["demo", "--out", "/proc/version"], "--out /proc/version: exists and is not a folder"),
 ]
@@ -85,7 +90,8 @@ def test_help_and_argparse_errors_do_not_load_torch(argv):
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "aligned_ops.apps.cli", *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 2), proc.stderr[-2000:]
-    assert "usage: aligned-ops" in proc.stdout + proc.stderr
+    # --help prints the usage; an argparse error is the one-line "aligned-ops <command>: error: ..."
+    assert "usage: aligned-ops" in proc.stdout or "aligned-ops demo: error: argument --steps" in proc.stderr
     assert _imported(proc.stderr, "aligned_ops")  # negative control of the parse: the package itself was imported
     assert not _imported(proc.stderr, "torch")
 
@@ -110,8 +116,15 @@ def test_head_sizes_are_vllm_cpus():
     from aligned_ops.apps import cli
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == cli.VLLM_CPU_ATTENTION_HEAD_SIZES
-    args = cli.build_parser().parse_args(["demo", "--hidden", "384", "--out", "/tmp"])  # head size 96: accepted
-    cli.validate_args(args)
+    args = cli.build_parser().parse_args(["demo", "--tiny", "dense", "--hidden", "384", "--out", "/tmp/aligned-ops-cli-ok"])
+    cli.validate_args(args)  # head size 96: accepted
+    args = cli.build_parser().parse_args(["demo", "--hidden", "64", "--out", "/tmp/aligned-ops-cli-ok"])
+    cli.validate_args(args)  # the tiny MoE's head size is 32 at any --hidden
+
+    from aligned_ops.models import tiny
+    from aligned_ops.runner import config
+
+    assert tiny.DEFAULT_CONFIG["num_attention_heads"] == config.TINY_DENSE_HEADS
 
 
 def test_model_folder_with_a_head_size_vllm_cpu_refuses(tmp_path):
@@ -136,7 +149,7 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
     assert proc.returncode == 2 and "no config.json in that folder" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe"])
+@pytest.mark.parametrize("command", ["verify", "demo", "demo --moe", "train", "train --mode sync --tiny dense"])
 def test_validation_accepts_the_defaults(command):
     # Positive control: the default flags pass the same validation (checked without starting the runs).
     from aligned_ops.apps import cli
@@ -144,16 +157,30 @@ def test_validation_accepts_the_defaults(command):
     cli.validate_args(cli.build_parser().parse_args(command.split()))
 
 
-def test_demo_defaults_depend_on_moe_and_explicit_flags_win():
+def test_demo_defaults_are_the_demos_and_explicit_flags_win():
     from aligned_ops.apps import cli
+    from aligned_ops.apps.demo import DEMO_DEFAULTS, RUNS
 
-    dense = cli.build_parser().parse_args(["demo"])
-    cli.validate_args(dense)
-    assert (dense.lag, dense.lr, dense.rl_warmup, dense.freeze_router) == (2, 5e-4, 0, False)
-    moe = cli.build_parser().parse_args(["demo", "--moe", "--lag", "3"])
-    cli.validate_args(moe)
-    assert moe.lag == 3 and moe.lr == cli.DEMO_MOE_DEFAULTS["lr"] and moe.freeze_router is True
-    assert dense.train_scope == "all" and moe.train_scope == "head"
+    args = cli.build_parser().parse_args(["demo"])
+    cli.validate_args(args)
+    assert set(args.configs) == set(RUNS)
+    cfg = args.configs[("aligned", "async")]
+    assert (cfg.steps, cfg.prompts, cfg.lr, cfg.tiny) == tuple(DEMO_DEFAULTS[k] for k in ("steps", "prompts", "lr", "tiny"))
+    assert cfg.lag == 1 and args.configs[("aligned", "sync")].lag == 0 and cfg.train_scope == "head"
+    args = cli.build_parser().parse_args(["demo", "--lag", "3", "--steps", "7"])
+    cli.validate_args(args)
+    assert args.configs[("standard", "async")].lag == 3 and args.configs[("standard", "sync")].lag == 0
+    assert all(c.steps == 7 for c in args.configs.values())
+    # the linear profile is decided once (flag, else ALIGNED_OPS_LINEAR, else fma) and passed to every run by name
+    from aligned_ops import profiles
+    from aligned_ops.apps.demo import _train_argv
+
+    assert {c.linear for c in args.configs.values()} == {profiles.from_env().name}
+    args = cli.build_parser().parse_args(["demo", "--linear", "EXACT"])
+    cli.validate_args(args)
+    assert {c.linear_profile() for c in args.configs.values()} == {profiles.EXACT}
+    argv = _train_argv(args.configs[("aligned", "async")], "/m")
+    assert argv[argv.index("--linear") + 1] == "exact"
 
 
 def test_demo_pins_torch_and_onednn_isa_levels():

@@ -4,7 +4,7 @@ model's few near-tie routing contexts do not recur every step) and the rollout l
 import pytest
 import torch
 
-from aligned_ops.apps.demo import AdditionTask
+from aligned_ops.runner.task import AdditionTask
 from aligned_ops.testing.tiny_model import build_tokenizer
 
 
@@ -38,3 +38,13 @@ def test_a_range_sets_how_many_prompts_recur(tok):
 def test_bad_range_is_refused(tok):
     with pytest.raises(ValueError, match="AdditionTask: a_range and b_range must be >= 1, got 0, 10"):
         AdditionTask(tok, a_range=0)
+
+
+def test_rewards_exact_match_and_digit_credit():
+    answer = [5, 7, 9]  # two digit tokens, then eos
+    assert AdditionTask.reward([5, 7, 9, 3], answer, "exact") == 1.0  # what follows the answer is not scored
+    assert AdditionTask.reward([5, 7, 3], answer, "exact") == 0.0  # negative control: one token off
+    assert AdditionTask.reward([5, 7, 3], answer, "digits") == pytest.approx(2 / 3)
+    assert AdditionTask.reward([4, 7], answer, "digits") == pytest.approx(1 / 3)  # short completion
+    with pytest.raises(ValueError, match="AdditionTask.reward: kind must be one of exact, digits, got 'fma'"):
+        AdditionTask.reward([5], answer, "fma")

@@ -5,7 +5,7 @@ predicate rejects (the last layer's attention, upstream of its router) flips rou
 
 import torch
 
-from aligned_ops.apps.demo import downstream_of_last_router, is_router
+from aligned_ops.runner.learner import downstream_of_last_router, is_router
 from aligned_ops.integrations.routing_capture import capture_hf_routing
 
 

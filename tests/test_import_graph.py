@@ -2,7 +2,7 @@
 function-level — a lazy import still ties two modules together), checked for cycles, with negative controls
 (a synthetic package with a cycle, the cli <-> verify edge the package used to have, and the edge that closes a
 cycle in the vLLM plugin package when its patch registry imports a concern module: all found).
-The shipped CLI (aligned_ops.apps) reaches no test fixture (aligned_ops.testing), with a negative control.
+The shipped CLI (aligned_ops.apps) and the RL runner (aligned_ops.runner) reach no test fixture (aligned_ops.testing), with a negative control.
 A fresh interpreter then imports the apps in the order that used to need the cycle (verify before cli)."""
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ def test_package_has_no_import_cycle():
     assert "aligned_ops.apps.common" in graph["aligned_ops.apps.verify"]
     assert "aligned_ops.apps.verify" in graph["aligned_ops.apps.cli"]  # lazy import counted
     assert "aligned_ops.ops.linear" in graph["aligned_ops.ops.collective"]
-    assert "aligned_ops.models.tiny" in graph["aligned_ops.apps.demo"]
     # the vLLM plugin package, one module per concern, all in the graph; the patch registry imports none of them
     plugin = {m for m in graph if m.startswith("aligned_ops.integrations.vllm.")}
     assert {f"aligned_ops.integrations.vllm.{m}" for m in ("plugin", "patches", "bind", "config", "decoders", "layers",
@@ -97,6 +96,8 @@ def test_package_has_no_import_cycle():
     assert "aligned_ops.integrations.vllm.patches" in graph["aligned_ops.integrations.vllm.layers"]
     assert not graph["aligned_ops.integrations.vllm.patches"] & plugin
     assert "aligned_ops.integrations.vllm" in graph["aligned_ops.integrations.vllm_plugin"]
+    assert "aligned_ops.models.tiny" in graph["aligned_ops.runner.models"]  # the runner's tiny-model builders
+    assert "aligned_ops.runner.models" in graph["aligned_ops.apps.demo"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -113,10 +114,10 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def fixtures_reached_by_the_cli(graph) -> dict[str, set[str]]:
-    """{app module: the aligned_ops.testing modules it imports, directly or not}."""
+    """{shipped app or runner module: the aligned_ops.testing modules it imports, directly or not}."""
     out = {}
     for m in graph:
-        if m.startswith("aligned_ops.apps"):
+        if m.startswith(("aligned_ops.apps", "aligned_ops.runner")):
             hit = {n for n in reachable(graph, m) if n == "aligned_ops.testing" or n.startswith("aligned_ops.testing.")}
             if hit:
                 out[m] = hit
@@ -130,6 +131,11 @@ def test_the_shipped_cli_imports_no_test_fixture():
     # negative control: the import the demo used to have is found
     graph["aligned_ops.apps.demo"].add("aligned_ops.testing.tiny_model")
     assert "aligned_ops.testing.tiny_model" in fixtures_reached_by_the_cli(graph)["aligned_ops.apps.cli"]
+    # ... and the one the runner's model builder used to have (reached by `aligned-ops train` and the demo)
+    graph = import_graph(PKG_DIR, "aligned_ops")
+    graph["aligned_ops.runner.models"].add("aligned_ops.testing.tiny_model")
+    hit = fixtures_reached_by_the_cli(graph)
+    assert {"aligned_ops.runner.models", "aligned_ops.apps.train", "aligned_ops.apps.demo"} <= set(hit)
 
 
 def test_negative_control_cycles_are_found(tmp_path):
@@ -155,10 +161,11 @@ def test_negative_control_cycles_are_found(tmp_path):
 
 
 def test_apps_import_in_any_order_in_a_fresh_interpreter():
-    code = ("import aligned_ops.apps.verify, aligned_ops.apps.demo, aligned_ops.apps.trainer, "
+    code = ("import aligned_ops.apps.verify, aligned_ops.apps.demo, aligned_ops.apps.trainer, aligned_ops.apps.train, "
+            "aligned_ops.runner, aligned_ops.runner.worker, aligned_ops.runner.ray_backend, "
             "aligned_ops.apps.cli, aligned_ops.testing.tiny_model, aligned_ops.integrations.hf, "
             "aligned_ops.integrations.vllm_plugin, aligned_ops.integrations.vllm.moe, aligned_ops.model_spec, "
             "aligned_ops.models.registry, aligned_ops.profiles; import sys; "
-            "assert 'vllm' not in sys.modules, 'importing the plugin package imported vLLM'")
+            "assert 'vllm' not in sys.modules, 'importing the plugin package (or the runner) imported vLLM'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -21,6 +21,11 @@ from aligned_ops.testing import assert_bitwise_equal, bits
 def test_registry_and_names():
     assert profiles.REGISTRY["fma"] is profiles.FMA and profiles.REGISTRY["exact"] is profiles.EXACT
     assert profiles.DEFAULT is profiles.FMA and set(profiles.names()) >= {"fma", "exact"}
+    # the torch-free names the CLI checks flags with are exactly the registered profiles
+    from aligned_ops import choices
+
+    assert set(choices.PROFILE_NAMES) == set(profiles.names()) and choices.DEFAULT_PROFILE == profiles.DEFAULT.name
+    assert choices.PROFILE_ENV_VAR == profiles.ENV_VAR
     assert profiles.get("EXACT ") is profiles.EXACT and profiles.get(profiles.FMA) is profiles.FMA
     with pytest.raises(ValueError, match=r"linear profile must be one of \('fma', 'exact'.*got 'tensorcore'"):
         profiles.get("tensorcore")

@@ -41,7 +41,7 @@ from .ops import linear as _fma
 from .ops import linear_exact as _exact
 from .ops import lm_head as _lm_head
 
-ENV_VAR = "ALIGNED_OPS_LINEAR"
+from .choices import PROFILE_ENV_VAR as ENV_VAR  # torch-free names: aligned_ops.choices
 
 
 @dataclass(frozen=True)

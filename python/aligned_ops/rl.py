@@ -23,9 +23,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-LOSS_MODES = ("reinforce_zero", "tis", "mis", "icepop", "seq_tis", "seq_mis", "ppo_clip")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-SEQ_RATIO_MODES = ("product", "geometric")
+from .choices import AGGREGATIONS, LOSS_MODES, SEQ_RATIO_MODES  # torch-free: the CLI checks flags with them
 
 Count = Union[int, float, Tensor]
 

@@ -1,7 +1,8 @@
 """``aligned-ops``: the main job.
 
     aligned-ops verify [--model DIR] [--dtype bfloat16]   rollout vs trainer mismatch, standard vs aligned kernels
-    aligned-ops demo   [--steps N] [--lag K] ...            small async RL run (REINFORCE Zero), both kernel sets
+    aligned-ops demo   [--steps N] [--seed S] ...           the RL runner, standard vs aligned kernels, async vs sync
+    aligned-ops train  [--mode async] [--kernels aligned] ...  one RL run of the runner (aligned_ops.runner)
 
 Each kernel set runs in its own child process (apps/common.py): the vLLM plugin patches vLLM's layers process-wide, so
 "standard" and "aligned" must not share an interpreter. The parent collects the children's JSON and prints
@@ -24,20 +25,13 @@ class UsageError(Exception):
 # The head sizes vLLM-CPU's attention backend takes (vllm/v1/attention/backends/cpu_attn.py,
 # CPUAttentionBackend.get_supported_head_sizes, vLLM 0.32; the standard kernel set runs it). Written here so the
 # check costs no vLLM import; tests/test_cli_validation.py compares it with the installed vLLM's.
-VLLM_CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-DEMO_ATTENTION_HEADS = 4  # the dense demo model's query heads (testing.tiny_model): head size = hidden / 4
+from ..choices import VLLM_CPU_ATTENTION_HEAD_SIZES  # noqa: E402  (torch-free)
 
 
 def _at_least(args, name: str, lo: int) -> None:
     value = getattr(args, name.lstrip("-").replace("-", "_"))
     if value is not None and value < lo:
         raise UsageError(f"{name} must be >= {lo}, got {value}")
-
-
-def _positive_float(args, name: str) -> None:
-    value = getattr(args, name.lstrip("-").replace("-", "_"))
-    if not (0.0 < value < float("inf")):
-        raise UsageError(f"{name} must be a finite number > 0, got {value}")
 
 
 def check_model_dir(path: str) -> None:
@@ -72,20 +66,6 @@ def check_model_dir(path: str) -> None:
                          f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
 
 
-def check_out_dir(path: str) -> None:
-    """``--out``: a folder this process can create and write (created now, so a bad path fails before the run)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--out {path}: exists and is not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
-
-
 def check_temperature_flag(value: float) -> None:
     """``verify --temperature``: a temperature vLLM samples from (> 0: greedy decoding samples no distribution
     to compare) and accepts — its rule for the installed release (aligned_ops.sampling.check_temperature)."""
@@ -100,68 +80,39 @@ def check_temperature_flag(value: float) -> None:
         raise UsageError(str(e)) from None
 
 
-DEMO_DEFAULTS = dict(steps=60, sft_steps=150, rl_warmup=0, lag=2, prompts=16, samples=4, lr=5e-4, sft_lr=3e-3,
-                     router_scale=0.08, freeze_router=False, train_scope="all", a_range=100)
-# --moe: what makes D3 show the mechanism (README "The MoE demo"): RL trains only the weights after the last router
-# (--train-scope head), so a weight-lag step cannot flip a route and the aligned D3 carries the smooth lag only; a
-# warmed-up policy (20 unlogged RL steps: Adam's first updates are its largest, and its first moment averages over
-# ~10 steps), a small steady learning rate at lag 1; routers frozen near ties (bf16 kernel differences flip routes
-# under stock kernels); 32x4 rollouts per step (fewer tokens make the per-step mean of the lag's k3 noisy: aligned
-# peak-to-median 7.2 at 16x4, 1.6 at 32x4); 10,000 distinct prompts (--a-range 1000): with 1000 the model's few
-# near-tie routing contexts recur, so a run's kernel-made flips were a handful of repeated draws of the flip effect
-# (seed 2: every flip moved its token by <= 0.13 nats; standard peak-to-median 2.1) instead of many independent ones.
-DEMO_MOE_DEFAULTS = dict(DEMO_DEFAULTS, steps=40, sft_steps=60, rl_warmup=20, lag=1, lr=3e-5, prompts=32,
-                         router_scale=0.08, freeze_router=True, train_scope="head", a_range=1000)
-
-
-def resolve_demo_defaults(args) -> None:
-    """Fill the demo flags left unset from the dense or the --moe defaults (idempotent)."""
-    table = DEMO_MOE_DEFAULTS if getattr(args, "moe", False) else DEMO_DEFAULTS
-    for key, value in table.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-
-
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
+    if args.command == "train":
+        from ..runner.config import ConfigError
+        from .train import config_from_args
+
+        try:
+            args.config = config_from_args(args)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        return
     if args.command == "demo":
-        resolve_demo_defaults(args)
+        from ..runner.config import ConfigError
+        from .demo import configs_from_args
+
+        try:
+            args.configs = configs_from_args(args)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        return
     _at_least(args, "--threads", 1)
     _at_least(args, "--seed", 0)
     if args.command == "verify":
         if args.linear is not None:
-            from .. import profiles
+            from ..choices import profile_name  # torch-free
 
             try:
-                profiles.get(args.linear, "--linear")
+                args.linear = profile_name(args.linear, "--linear")
             except ValueError as e:
                 raise UsageError(str(e)) from None
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
         check_temperature_flag(args.temperature)
-    else:
-        _at_least(args, "--steps", 1)
-        _at_least(args, "--sft-steps", 0)
-        _at_least(args, "--rl-warmup", 0)
-        _positive_float(args, "--router-scale")
-        _at_least(args, "--lag", 0)
-        _at_least(args, "--prompts", 1)
-        _at_least(args, "--samples", 1)
-        _at_least(args, "--layers", 1)
-        _at_least(args, "--a-range", 1)
-        _positive_float(args, "--lr")
-        _positive_float(args, "--sft-lr")
-        if args.hidden < 8 or args.hidden % 8:
-            raise UsageError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {args.hidden}")
-        if not args.moe and args.hidden // DEMO_ATTENTION_HEADS not in VLLM_CPU_ATTENTION_HEAD_SIZES:
-            ok = [DEMO_ATTENTION_HEADS * h for h in VLLM_CPU_ATTENTION_HEAD_SIZES]
-            raise UsageError(f"--hidden {args.hidden} gives head size {args.hidden // DEMO_ATTENTION_HEADS} "
-                             f"({DEMO_ATTENTION_HEADS} heads), which vLLM-CPU's attention does not take; use one of "
-                             f"{', '.join(map(str, ok))} (--moe models use head size 32 at any --hidden)")
-        if args.train_scope == "head" and args.kernels is None and not args.moe:
-            raise UsageError("--train-scope head needs --moe (it trains the weights after the last MoE router)")
-        if args.kernels is None:
-            check_out_dir(args.out)
     if args.model is not None:
         check_model_dir(args.model)
 
@@ -188,40 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 
-    d = sub.add_parser("demo", help="small async RL run with REINFORCE Zero, standard vs aligned kernels")
-    # Defaults: None here, filled from DEMO_DEFAULTS (dense) or DEMO_MOE_DEFAULTS (--moe) by resolve_demo_defaults.
-    d.add_argument("--steps", type=int, default=None, help="logged RL steps")
-    d.add_argument("--sft-steps", type=int, default=None, help="supervised warm-up steps before RL")
-    d.add_argument("--rl-warmup", type=int, default=None,
-                   help="RL steps trained before logging starts (Adam's first, largest updates; dense 0)")
-    d.add_argument("--lag", type=int, default=None, help="rollout weights lag the trainer by this many steps")
-    d.add_argument("--prompts", type=int, default=None, help="prompts per RL step")
-    d.add_argument("--samples", type=int, default=None, help="samples per prompt (group size)")
-    d.add_argument("--lr", type=float, default=None, help="RL learning rate (AdamW on fp32 master weights)")
-    d.add_argument("--sft-lr", type=float, default=None, help="supervised warm-up learning rate")
-    d.add_argument("--router-scale", type=float, default=None,
-                   help="--moe: std of the random router weights (small: close expert scores, routes that flip)")
-    d.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=None,
-                   help="--moe: keep the router weights fixed in warm-up and RL (routing stays close to ties)")
-    d.add_argument("--train-scope", choices=["all", "head"], default=None,
-                   help="--moe: what RL trains: 'head' = only the weights after the last router (last layer's "
-                        "experts, final norm, untied LM head), so a weight-lag step cannot flip a route; 'all'")
-    d.add_argument("--a-range", type=int, default=None,
-                   help="task prompts a+b= with a < A (b < 10): the number of distinct prompts is 10*A (dense 100; "
-                        "--moe 1000, so the model's few near-tie routing contexts do not recur every step)")
-    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    d.add_argument("--hidden", type=int, default=128, help="tiny model width")
-    d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--moe", action="store_true",
-                   help="a tiny Qwen3-MoE (8 experts, top-2) instead of the dense Qwen2: routing flips under "
-                        "standard kernels")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--out", default="demo_out", help="folder for the plot and JSON results")
-    d.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
-    d.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    d.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    from . import demo, train
 
+    demo.add_parser(sub)
+    train.add_parser(sub)
     return p
 
 
@@ -233,19 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "demo":
+    if args.command in ("demo", "train"):
         pin_reproducible_env()
     import aligned_ops
 
     aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
+
+    if args.command == "train":
+        from . import train
+
+        return train.main(args, args.config)
+    if args.command == "demo":
+        from . import demo
+
+        return demo.main(args, args.configs)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.command == "verify":
-        from . import verify as job
-    else:
-        from . import demo as job
+    from . import verify as job
     if args.kernels:  # a child started by run_child: one kernel set, result as JSON
         with open(args.result, "w") as f:
             json.dump(job.child(args), f)

@@ -1,378 +1,308 @@
-"""``aligned-ops demo``: a small asynchronous RL run on the CPU, standard vs aligned kernels.
+"""``aligned-ops demo``: four runs of the RL runner side by side — standard vs aligned kernels, async vs sync.
 
-Task: a tiny random-weight Qwen2 learns addition ("37+5=" -> "42<eos>"). It is first taught
-briefly by supervised steps (shared by both runs), then trained with REINFORCE Zero (untruncated token-level
-importance sampling, ``aligned_ops.rl.reinforce_zero_loss``) from real vLLM rollouts generated with weights
-that lag the trainer by ``--lag`` steps (the engine is refit every step, as an async RL system does).
+The model is the built-in tiny Qwen3-MoE (2 layers, 8 experts, top-2, bf16, routers near ties), taught "a+b=" by a
+short supervised warm-up, then trained by REINFORCE Zero (untruncated token-level IS) from real vLLM rollouts. Each
+run is ``aligned-ops train`` in its own process (a rollout worker process + a learner process, one core each):
 
-Each step logs, per kernel set:
-  reward        mean exact-match reward of the step's rollouts;
-  D3            k3 KL estimate between trainer log-probs (current weights π) and rollout log-probs (μ), the
-                quantity the IS ratio sees (weight lag + kernel mismatch);
-  kernel Δ      max |Δlogp| between the trainer scoring the rollout with the *rollout's own weights* and vLLM:
-                pure kernel mismatch (0 with aligned kernels).
-With ``--moe`` the routing flips are counted in two kinds: kernel-made (trainer vs vLLM at the rollout's weights)
-and lag-made (the trainer at its current vs the rollout's weights); ``--train-scope head`` (the --moe default)
-trains only the weights after the last router, so a lag step cannot flip a route (README "The MoE demo").
-The run ends with a table (reward start -> end, D3 peak-to-median for each kernel set) and a PNG plot.
-Seeded: the same flags, thread count (--threads) and torch/vLLM versions give the same numbers on any
-x86-64 CPU with AVX2. What used to vary between machines of one kind is torch's CPU kernels (optimiser,
-grad-norm, the stock trainer: AVX2 vs AVX-512 code), pinned by the CLI (common.REPRODUCIBLE_ENV) unless
-ATEN_CPU_CAPABILITY is set, and the stock engine's oneDNN path (AMX or not), which is not pinned: the
-standard column can still differ between CPUs with and without AMX.
+    standard async   stock vLLM + stock trainer, rollouts one version behind the learner (k = 1)
+    aligned  async   vLLM with the aligned_ops plugin + the patched trainer, k = 1
+    standard sync    k = 0: rollout and training take turns
+    aligned  sync
+
+What the table and the PNG show: D3 (k3 of the IS ratio per step) — with aligned kernels it carries only the lag,
+a smooth curve; with stock kernels it also carries the kernel mismatch, whose stock-bf16 route flips make rare large
+spikes; the kernel-only mismatch (the trainer at the rollout's own weights vs the engine: 0 and bitwise with aligned
+kernels at every step); and the throughput of async vs sync. README "The demo" says why these settings.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import subprocess
+import sys
 import time
 
-from .common import KERNEL_SETS, print_table, run_child
+from ..runner.config import ConfigError, RunConfig, check_writable_folder
 
-DIGITS = "0123456789"
+RUNS = (("standard", "async"), ("aligned", "async"), ("standard", "sync"), ("aligned", "sync"))
 
+# The demo's own defaults (the rest are aligned-ops train's). Why each: README "The demo".
+DEMO_DEFAULTS = dict(steps=70, prompts=64, samples=4, lr=3e-5, lr_warmup=10, tiny="moe", a_range=1000)
 
-# ---- the task ----------------------------------------------------------------------------------------
-
-
-class AdditionTask:
-    """Prompts "a+b=" (a < a_range, b < b_range), answers the digits of a+b followed by eos, as token ids.
-
-    ``a_range`` sets how many distinct prompts there are (a_range * b_range). The --moe demo uses 1000: a model has
-    only a few near-tie routing contexts, and with 1000 prompts (100 x 10) they recur from step to step, so a run's
-    kernel-made flips are a handful of repeated draws (README "The MoE demo")."""
-
-    def __init__(self, tokenizer, a_range: int = 100, b_range: int = 10):
-        if a_range < 1 or b_range < 1:
-            raise ValueError(f"AdditionTask: a_range and b_range must be >= 1, got {a_range}, {b_range}")
-        self.a_range, self.b_range = a_range, b_range
-        self.max_answer_tokens = len(str(a_range + b_range - 2)) + 1  # the largest sum's digits and eos
-        self.eos = tokenizer.eos_token_id
-        ids = {c: tokenizer.convert_tokens_to_ids(c) for c in DIGITS + "+="}
-        if any(v is None or v == tokenizer.unk_token_id for v in ids.values()):
-            raise ValueError("demo: the tokenizer needs single-character tokens for digits, '+' and '='")
-        self.ids = ids
-
-    def sample(self, gen, n: int) -> list[tuple[list[int], list[int]]]:
-        import torch
-
-        a = torch.randint(0, self.a_range, (n,), generator=gen).tolist()
-        b = torch.randint(0, self.b_range, (n,), generator=gen).tolist()
-        return [([self.ids[c] for c in f"{x}+{y}="], [self.ids[c] for c in str(x + y)] + [self.eos])
-                for x, y in zip(a, b)]
-
-    @staticmethod
-    def reward(completion: list[int], answer: list[int]) -> float:
-        return 1.0 if list(completion[: len(answer)]) == answer else 0.0
+# train flags the demo does not take: it sets them per run, or they make no sense for four runs side by side
+NOT_DEMO_FLAGS = {"--mode", "--kernels", "--resume", "--backend", "--rollout-workers", "--ray-address",
+                  "--checkpoint-every"}
 
 
-# ---- trainer with fp32 master weights ----------------------------------------------------------------
+def add_parser(sub):
+    import argparse
 
+    from .train import FLAGS, one_line_errors
 
-class Trainer:
-    """The model in its checkpoint dtype (what both the trainer forward and vLLM run), fp32 master weights
-    and AdamW on the masters: the usual mixed-precision set-up of an RL trainer."""
-
-    def __init__(self, model_dir: str, dtype: str, aligned: bool, lr: float, freeze=lambda name: False):
-        import torch
-
-        from .trainer import trainer_model
-
-        self.aligned = aligned
-        self.model = trainer_model(model_dir, dtype, aligned)
-        self.model.train()
-        for name, p in self.model.named_parameters():
-            if freeze(name):
-                p.requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-
-    def logprobs(self, sequences, starts, pad_id):
-        from .trainer import pad_batch, stock_completion_logprobs
-
-        ids, attn, comp = pad_batch(sequences, starts, pad_id)
-        if self.aligned:
-            from ..integrations import hf
-
-            return hf.completion_logprobs(self.model, ids, comp, attention_mask=attn), comp
-        return stock_completion_logprobs(self.model, ids, attn, comp), comp
-
-    def step(self, loss) -> float:
-        import torch
-
-        self.opt.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = None
-        loss.backward()
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-        norm = torch.nn.utils.clip_grad_norm_(self.master, 1.0)
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
-        return float(norm)
-
-    def state_dict(self):
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-
-# ---- supervised warm-up (parent, once) -----------------------------------------------------------------
-
-
-def is_router(name: str) -> bool:
-    """A MoE router weight (Qwen2/Qwen3-MoE ``mlp.gate``; not the shared-expert gate or gate_proj)."""
-    return name.endswith("mlp.gate.weight")
-
-
-def num_layers(model_dir: str) -> int:
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return int(json.load(f)["num_hidden_layers"])
-
-
-def downstream_of_last_router(name: str, layers: int) -> bool:
-    """A parameter that acts after the last MoE router of the forward pass: the last layer's experts (and a
-    shared expert, if any), the final norm and an untied LM head. Training only these cannot change any
-    token's route — every router input is computed by frozen weights — so a weight-lag step cannot flip an
-    expert choice (``--train-scope head``)."""
-    last = f"model.layers.{layers - 1}.mlp."
-    return (name.startswith(last) and not is_router(name)) or name.startswith(("model.norm.", "lm_head."))
-
-
-def rl_freeze(args, moe: bool):
-    """Which parameters RL keeps fixed (a name -> bool predicate), from ``--train-scope`` and ``--freeze-router``."""
-    if moe and args.train_scope == "head":
-        layers = num_layers(args.model)
-        return lambda name: not downstream_of_last_router(name, layers)
-    if moe and args.freeze_router:
-        return is_router
-    return lambda name: False
-
-
-def supervised_warmup(model_dir: str, out_dir: str, dtype: str, steps: int, lr: float, seed: int,
-                      freeze=lambda name: False, a_range: int = 100) -> str:
-    """Teach the task briefly (teacher-forced cross-entropy on the answers), save the checkpoint."""
-    import torch
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    task = AdditionTask(tok, a_range=a_range)
-    trainer = Trainer(model_dir, dtype, aligned=False, lr=lr, freeze=freeze)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        batch = task.sample(gen, 64)
-        lp, comp = trainer.logprobs([p + a for p, a in batch], [len(p) for p, _ in batch], tok.eos_token_id)
-        trainer.step(-(lp * comp).sum() / comp.sum())
-    trainer.model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    for f in ("generation_config.json",):
-        src = os.path.join(model_dir, f)
-        if os.path.exists(src):
-            with open(src) as fi, open(os.path.join(out_dir, f), "w") as fo:
-                fo.write(fi.read())
-    return out_dir
-
-
-# ---- one RL run (child process, one kernel set) ---------------------------------------------------------
-
-
-def child(args) -> dict:
-    """One RL run with one kernel set (``args.kernels``); returns the per-step records and the D3 summary.
-
-    The first ``args.rl_warmup`` RL steps train exactly like the others but are not logged: Adam's first
-    updates (bias-corrected, ≈ lr·sign(g) per weight) move the policy far more than its steady ones, and
-    would otherwise be the D3 peak of either kernel set. Logged steps are numbered from 0 after them.
-    """
-    import torch
-    from tqdm import tqdm
-
-    from ..diagnostics import MismatchTracker, mismatch_metrics
-    from ..integrations import rollout
-    from ..rl import broadcast_to_tokens, grpo_advantages, reinforce_zero_loss
-    from .trainer import is_moe_model, routing_pair, trainer_routing
-
-    torch.manual_seed(args.seed)
-    aligned = args.kernels == "aligned"
-    moe = is_moe_model(args.model)
-    freeze = rl_freeze(args, moe)
-    llm = rollout.make_llm(args.model, dtype=args.dtype, aligned=aligned, seed=args.seed)
-    tok = llm.get_tokenizer()
-    task = AdditionTask(tok, a_range=args.a_range)
-    trainer = Trainer(args.model, args.dtype, aligned, args.lr, freeze)
-    scorer = Trainer(args.model, args.dtype, aligned, args.lr)  # the trainer's forward at the rollout's weights
-    history = [trainer.state_dict()]  # history[i] = weights after i steps
-    tracker = MismatchTracker()
-    gen = torch.Generator().manual_seed(args.seed + 2)
-    steps = []
-    warm = args.rl_warmup
-    bar = tqdm(range(warm + args.steps), desc=f"{args.kernels:>8}", unit="step", dynamic_ncols=True)
-    for it in bar:
-        logged = it >= warm
-        behaviour = max(0, len(history) - 1 - args.lag)
-        rollout.refit(llm, history[behaviour])
-        scorer.model.load_state_dict(history[behaviour])
-        batch = task.sample(gen, args.prompts)
-        prompts = [p for p, _ in batch for _ in range(args.samples)]
-        answers = [a for _, a in batch for _ in range(args.samples)]
-        completions = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=task.max_answer_tokens, ignore_eos=False)
-        rewards = torch.tensor([task.reward(c.token_ids, a) for c, a in zip(completions, answers)])
-        sequences = [p + list(c.token_ids) for p, c in zip(prompts, completions)]
-        starts = [len(p) for p in prompts]
-
-        lp, comp = trainer.logprobs(sequences, starts, task.eos)
-        lp_rollout = torch.zeros_like(lp)
-        for b, c in enumerate(completions):
-            lp_rollout[b, starts[b] : starts[b] + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        adv = broadcast_to_tokens(grpo_advantages(rewards, group_size=args.samples), comp)
-        loss, _ = reinforce_zero_loss(lp, lp_rollout, adv, comp)
-        if logged:
-            d3 = tracker.update(it - warm, lp.detach(), lp_rollout, comp)
-        else:
-            d3 = mismatch_metrics(lp.detach(), lp_rollout, comp)
-        experts = {}
-        if logged and moe:  # both sides' expert choices at the rollout's weights (one vLLM prefill per sequence)
-            experts = dict(zip(("trainer_experts", "rollout_experts"),
-                               routing_pair(llm, scorer.model, aligned, sequences, starts, task.eos)))
-        with torch.no_grad():
-            lp_behaviour, _ = scorer.logprobs(sequences, starts, task.eos)
-        kernel = mismatch_metrics(lp_behaviour, lp_rollout, comp, **experts)
-        lag = {}
-        if logged and moe:  # lag-made flips: the trainer's routes at its current vs the rollout's weights
-            lag = mismatch_metrics(lp.detach(), lp_behaviour, comp, rollout_experts=experts["trainer_experts"],
-                                   trainer_experts=trainer_routing(trainer.model, aligned, sequences, starts, task.eos))
-        grad_norm = trainer.step(loss)
-        history.append(trainer.state_dict())
-        history = history[-(args.lag + 2):] if len(history) > args.lag + 2 else history
-        if not logged:
-            bar.set_postfix(warmup=f"{it + 1}/{warm}", D3=f"{d3['kl_k3']:.2e}")
+    d = sub.add_parser("demo", help="standard vs aligned kernels, async vs sync: four RL runs, one table, one PNG",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base = RunConfig(**{k: v for k, v in DEMO_DEFAULTS.items()})
+    for flag, kw in FLAGS:
+        if flag in NOT_DEMO_FLAGS:
             continue
-        rec = dict(step=it - warm, reward=float(rewards.mean()), d3=d3["kl_k3"], ratio_max=d3["ratio_max"],
-                   ratio_min=d3["ratio_min"], num_tokens=d3["num_tokens"],
-                   kernel_abs_diff_max=kernel["abs_diff_max"], kernel_frac_bitwise_equal=kernel["frac_bitwise_equal"],
-                   kernel_d3=kernel["kl_k3"], kernel_ratio_max=kernel["ratio_max"],
-                   grad_norm=grad_norm, loss=loss.item())
-        if moe:
-            rec.update(lag_routing_flips=lag["routing_flips"], lag_abs_diff_max_routing_flipped=lag["abs_diff_max_routing_flipped"],
-                       routing_flips=kernel["routing_flips"], tokens_routing_flipped=kernel["num_tokens_routing_flipped"],
-                       kernel_abs_diff_max_routing_flipped=kernel["abs_diff_max_routing_flipped"],
-                       kernel_abs_diff_max_routing_agreed=kernel["abs_diff_max_routing_agreed"])
-        steps.append(rec)
-        bar.set_postfix(reward=f"{rec['reward']:.2f}", D3=f"{rec['d3']:.2e}", kernelΔ=f"{rec['kernel_abs_diff_max']:.1e}",
-                        **({"flips": int(rec["routing_flips"]), "lag_flips": int(rec["lag_routing_flips"])} if moe else {}))
-    return dict(kernels=args.kernels, moe=moe, steps=steps, summary=tracker.summary())
+        name = flag[2:].replace("-", "_")
+        default = "demo_out" if name == "out" else getattr(base, name)
+        kw = dict(kw, default=default)
+        if kw.get("action") != "store_true" and default is not None and "help" in kw:
+            kw["help"] += f" (default {default})"
+        names = [flag, "--lag"] if flag == "--max-lag" else [flag]  # --lag: the old demo's name
+        d.add_argument(*names, **kw)
+    d.add_argument("--moe", dest="tiny", action="store_const", const="moe", help=argparse.SUPPRESS)  # old spelling
+    d.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    one_line_errors(d, "aligned-ops demo")
+    return d
 
 
-def plot(results: dict, path: str) -> None:
+def configs_from_args(args) -> dict[tuple[str, str], RunConfig]:
+    """One validated RunConfig per run (raises ConfigError naming the flag); the model is built once by the demo."""
+    from .train import FLAGS
+
+    names = {f[2:].replace("-", "_") for f, _ in FLAGS if f not in NOT_DEMO_FLAGS} | {"progress"}
+    shared = {k: getattr(args, k) for k in names}
+    out = shared.pop("out")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    check_writable_folder(out)
+    if shared["max_lag"] == 0:
+        raise ConfigError("--max-lag 0: the demo's async runs need a lag >= 1 (its sync runs are the lag-0 ones)")
+    configs = {}
+    for kernels, mode in RUNS:
+        kw = dict(shared, kernels=kernels, mode=mode, out=os.path.join(out, "runs", f"{kernels}_{mode}"))
+        if mode == "sync":
+            kw["max_lag"] = None
+        # the run folders are the demo's own: a second demo in the same --out replaces them
+        configs[(kernels, mode)] = RunConfig(**kw).validate(check_out=False)
+    return configs
+
+
+def _train_argv(cfg: RunConfig, model_dir: str) -> list[str]:
+    from .train import FLAGS
+
+    argv = ["train", "--model", model_dir]
+    for flag, kw in FLAGS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(cfg, name)
+        if flag in ("--model", "--resume") or value is None:
+            continue
+        if kw.get("action") is not None:  # booleans
+            if name in ("freeze_router", "pin_cores"):
+                argv.append(flag if value else "--no-" + flag[2:])
+            continue
+        argv += [flag, str(value)]
+    if not cfg.progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def main(args, configs: dict) -> int:
+    import shutil
+
+    from ..runner.models import prepare_tiny_model
+    from .common import print_table
+
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    any_cfg = configs[RUNS[0]]
+    model_dir = any_cfg.model
+    if model_dir is None:
+        print(f"building the tiny {any_cfg.tiny} model and teaching it the task ({any_cfg.sft_steps} supervised "
+              "steps) ...", flush=True)
+        model_dir = prepare_tiny_model(any_cfg, os.path.join(out, "model"))
+    results = {}
+    for key in RUNS:
+        cfg = configs[key]
+        shutil.rmtree(cfg.out, ignore_errors=True)
+        print(f"\n== {cfg.kernels} kernels, {cfg.mode} (lag {cfg.lag}) -> {cfg.out}", flush=True)
+        cmd = [sys.executable, "-m", "aligned_ops.apps.cli", *_train_argv(cfg, model_dir)]
+        proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise SystemExit(f"aligned-ops demo: the {cfg.kernels} {cfg.mode} run failed (exit {proc.returncode}); "
+                             f"see its output above and {cfg.out}/logs")
+        with open(os.path.join(cfg.out, "summary.json")) as f:
+            summary = json.load(f)
+        with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        results[key] = dict(summary=summary, records=records)
+    table, headline = demo_table(results, any_cfg)
+    print_table(table[0], table[1], table[2])
+    print(LEGEND)
+    for line in headline:
+        print(line)
+    png = os.path.join(out, "demo.png")
+    plot(results, png, any_cfg)
+    with open(os.path.join(out, "demo_summary.json"), "w") as f:
+        json.dump({f"{k}_{m}": results[(k, m)]["summary"] for k, m in RUNS}, f, indent=1, sort_keys=True)
+    print(f"\nplot: {png}\nruns: {out}/runs/<kernels>_<mode>/ (metrics.jsonl, summary.json)\n"
+          f"wall time: {time.time() - t0:.0f} s")
+    return 0
+
+
+LEGEND = (
+    "\ncolumns: standard = stock vLLM rollouts + stock Hugging Face trainer; aligned = vLLM with the aligned_ops plugin "
+    "+ the patched trainer; async = rollouts generated while the learner trains, one weights version behind (k = 1); "
+    "sync = they take turns (k = 0).\n"
+    "rows: D3 = per step, the mean over the completion tokens of k3 = (ρ-1) - log ρ, ρ = π_trainer/μ_rollout (the "
+    "weight lag + any kernel mismatch), summarised over the steps after the learning-rate warm-up; kernel-only rows "
+    "compare the trainer at the rollout's own weights with vLLM (kernel mismatch alone); kernel-made routing flips: "
+    "(token, layer) pairs whose top-k experts differ between the trainer and vLLM at the rollout's weights; tokens/s: "
+    "generated tokens per second of the training loop (engine start-up excluded).")
+
+
+def _fmt_reward(s):
+    return f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"
+
+
+def demo_table(results: dict, cfg: RunConfig):
+    cols = [f"{k} {m}" for k, m in RUNS]
+    S = [results[key]["summary"] for key in RUNS]
+    R = [results[key]["records"] for key in RUNS]
+
+    def flips(s):
+        return f"{s.get('routing_flips', 0)} ({s.get('steps_with_routing_flip', 0)})" if "routing_flips" in s else "-"
+
+    rows = [
+        ("D3 median", [s["d3_median"] for s in S]),
+        ("D3 peak", [s["d3_peak"] for s in S]),
+        ("D3 peak-to-median", [s["d3_peak_to_median"] for s in S]),
+        ("max IS ratio π/μ (any token)", [s["is_ratio_max"] for s in S]),
+        ("min IS ratio π/μ (any token)", [s["is_ratio_min"] for s in S]),
+        ("kernel-only bitwise equal (min % over steps)", [100 * s["kernel_bitwise_min"] for s in S]),
+        ("kernel-only max abs Δlogp (any token)", [s["kernel_abs_diff_max"] for s in S]),
+        ("kernel-made events (steps: kernel-only D3 >= 10x its median)", [len(kernel_events(r)) for r in R]),
+        ("kernel-made routing flips (steps with one)", [flips(s) for s in S]),
+        ("reward, first -> last fifth", [_fmt_reward(s) for s in S]),
+        ("tokens/s", [f"{s['tokens_per_s']:.0f}" for s in S]),
+        ("step time, median (s)", [s["step_s_median"] for s in S]),
+        ("  generation / learner update, median (s)", [f"{s['gen_s_median']:.3g} / {s['train_s_median']:.3g}"
+                                                       for s in S]),
+        ("  CPU time per step: generation / learner (s)", [_cpu_pair(s) for s in S]),
+        ("weight sync per step (ms: send + load)", [f"{1e3 * s['sync_s_mean']:.1f}" for s in S]),
+    ]
+    title = (f"RL runner demo (tiny Qwen3-MoE, {cfg.dtype}): {cfg.steps} updates, {cfg.prompts}x{cfg.samples} rollouts "
+             f"per step of a+b (a < {cfg.a_range}), lr {cfg.lr:g} after a {cfg.lr_warmup}-step warm-up, trains "
+             f"{'the head (after the last router)' if cfg.train_scope == 'head' else 'all weights'}, {cfg.loss} "
+             f"(untruncated token IS); D3 over steps >= {cfg.summary_from}"
+             if cfg.tiny == "moe" and cfg.model is None else
+             f"RL runner demo ({cfg.model or 'tiny Qwen2'}, {cfg.dtype}): {cfg.steps} updates, {cfg.prompts}x"
+             f"{cfg.samples} rollouts per step, lr {cfg.lr:g}, {cfg.loss}; D3 over steps >= {cfg.summary_from}")
+    sa, aa = results[("standard", "async")]["summary"], results[("aligned", "async")]["summary"]
+    ss, as_ = results[("standard", "sync")]["summary"], results[("aligned", "sync")]["summary"]
+    ratio = sa["d3_peak_to_median"] / aa["d3_peak_to_median"] if aa["d3_peak_to_median"] else float("inf")
+    headline = [
+        f"D3 peak-to-median (async, lag {aa['max_lag']}): standard {sa['d3_peak_to_median']:.3g}, aligned "
+        f"{aa['d3_peak_to_median']:.3g} (standard / aligned = {ratio:.3g}x)",
+        f"aligned kernels: kernel-only mismatch 0 and bitwise at every step: "
+        f"{'yes' if aa['kernel_bitwise_min'] == 1.0 and as_['kernel_bitwise_min'] == 1.0 else 'NO'}",
+        f"throughput async / sync: aligned {aa['tokens_per_s'] / as_['tokens_per_s']:.2f}x, standard "
+        f"{sa['tokens_per_s'] / ss['tokens_per_s']:.2f}x in wall time (load average {_loadavg()} at the end; timings "
+        "vary with the CPU, its load and --threads); from CPU time per step (what two free cores allow): aligned "
+        f"{cpu_speedup(as_, aa):.2f}x, standard {cpu_speedup(ss, sa):.2f}x",
+    ]
+    return (title, cols, rows), headline
+
+
+def _cpu_pair(s: dict) -> str:
+    if "gen_cpu_s_median" not in s:
+        return "-"
+    return f"{s['gen_cpu_s_median']:.3g} / {s['learner_cpu_s_median']:.3g}"
+
+
+def cpu_speedup(sync: dict, asyn: dict) -> float:
+    """Async over sync throughput that the two sides' CPU time per step allows with one free core each: a sync step
+    costs generation + learner, an async one the larger of the two (its learner also scores at the rollout's
+    weights). Load-independent, unlike the wall-time ratio."""
+    try:
+        return ((sync["gen_cpu_s_median"] + sync["learner_cpu_s_median"])
+                / max(asyn["gen_cpu_s_median"], asyn["learner_cpu_s_median"]))
+    except KeyError:
+        return float("nan")
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def kernel_events(records: list[dict], factor: float = 10.0) -> list[dict]:
+    """Steps whose kernel-only D3 (the trainer at the rollout's own weights vs the engine: no lag in it) is at least
+    ``factor`` times its median over the run: the kernel-made events marked on the D3 plot."""
+    kd = [r["kernel_d3"] for r in records]
+    med = statistics.median(kd) if kd else 0.0
+    return [r for r in records if med > 0 and r["kernel_d3"] >= factor * med]
+
+
+def plot(results: dict, path: str, cfg: RunConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_d, ax_k) = plt.subplots(1, 3, figsize=(16, 4.2))
-    floor = 1e-12  # log axes: exact zeros are drawn at this floor
-    for k in KERNEL_SETS:
-        s = results[k]["steps"]
-        x = [r["step"] for r in s]
-        ptm = results[k]["summary"]["d3_peak_to_median"]
-        ax_r.plot(x, [r["reward"] for r in s], label=f"{k} kernels")
-        (line,) = ax_d.semilogy(x, [max(r["d3"], floor) for r in s], label=f"{k} kernels (peak/median {ptm:.3g})")
-        flipped = [(r["step"], max(r["d3"], floor)) for r in s if r.get("routing_flips", 0) > 0]
-        if flipped:
-            ax_d.scatter(*zip(*flipped), marker="x", color=line.get_color(), zorder=3,
-                         label=f"{k}: step with a kernel-made routing flip")
-        lag_flipped = [(r["step"], max(r["d3"], floor)) for r in s if r.get("lag_routing_flips", 0) > 0]
-        if lag_flipped:
-            ax_d.scatter(*zip(*lag_flipped), marker="o", facecolors="none", edgecolors=line.get_color(), zorder=3,
-                         label=f"{k}: step with a lag-made routing flip")
-        ax_k.semilogy(x, [max(r["kernel_abs_diff_max"], floor) for r in s], label=f"{k} kernels")
-    ax_r.set(title="reward (exact match)", xlabel="RL step")
-    ax_d.set(title="D3 = mean k3(π ‖ μ) per step (weight lag + kernels)", xlabel="RL step")
-    ax_k.set(title=f"kernel mismatch: max |Δlogp| at μ's weights (0 drawn at {floor:g})", xlabel="RL step")
+    colors = {"standard": "tab:red", "aligned": "tab:blue"}
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
+    (ax_d, ax_k), (ax_t, ax_r) = axes
+    positive = [r["d3"] for k in ("standard", "aligned") for r in results[(k, "async")]["records"] if r["d3"] > 0]
+    floor = min(positive) / 3 if positive else 1e-9  # a step with D3 exactly 0 (step 0: no lag yet) sits here
+    k_floor = 1e-4  # the kernel panel's zero line
+    for kernels in ("standard", "aligned"):
+        recs = results[(kernels, "async")]["records"]
+        s = results[(kernels, "async")]["summary"]
+        x = [r["step"] for r in recs]
+        ax_d.semilogy(x, [max(r["d3"], floor) for r in recs], color=colors[kernels], lw=1.2,
+                      label=f"{kernels}: peak / median = {s['d3_peak_to_median']:.3g}")
+        if kernels == "standard":
+            ev = kernel_events(recs)
+            if ev:
+                ax_d.scatter([r["step"] for r in ev], [max(r["d3"], floor) for r in ev], marker="x", s=40,
+                             color="black", zorder=3,
+                             label=f"kernel-made event: kernel-only D3 >= 10x its median ({len(ev)} steps)")
+        ax_k.semilogy(x, [max(r["kernel_abs_diff_max"], k_floor) for r in recs], color=colors[kernels], lw=1.2,
+                      label=f"{kernels}" + (" (0 and bitwise at every step; drawn at the bottom)"
+                                            if s["kernel_abs_diff_max"] == 0 else ""))
+    if cfg.summary_from > 0:
+        ax_d.axvspan(-0.5, cfg.summary_from - 0.5, color="0.92", zorder=0,
+                     label=f"lr warm-up (steps < {cfg.summary_from}, not in the peak/median)")
+    ax_d.set(title="D3 per step, async (lag 1): k3 of the IS ratio π/μ", xlabel="learner step", ylabel="D3")
+    ax_k.set(title="kernel-only mismatch: max |Δ log-prob|, trainer vs vLLM at the same weights",
+             xlabel="learner step", ylabel="max |Δ log-prob| (nats)")
     lo, hi = ax_d.get_ylim()
-    ax_d.set_ylim(lo, hi * 30)  # head room on the log axis: the legend must not hide the peaks
-    for ax in (ax_r, ax_d, ax_k):
-        ax.legend(fontsize=8, loc="upper right" if ax is ax_d else "best")
+    ax_d.set_ylim(floor / 2, hi * 3)
+    ax_k.set_ylim(k_floor / 2, max(ax_k.get_ylim()[1], 1.0) * 5)
+    # throughput: tokens/s of each run
+    names, values, cols = [], [], []
+    for kernels in ("standard", "aligned"):
+        for mode in ("sync", "async"):
+            names.append(f"{kernels}\n{mode}")
+            values.append(results[(kernels, mode)]["summary"]["tokens_per_s"])
+            cols.append(colors[kernels] if mode == "async" else "lightgray")
+    bars = ax_t.bar(names, values, color=cols, edgecolor=[colors[k] for k in ("standard",) * 2 + ("aligned",) * 2])
+    for kernels, i in (("standard", 1), ("aligned", 3)):
+        ratio = values[i] / values[i - 1] if values[i - 1] else float("nan")
+        ax_t.annotate(f"{ratio:.2f}x", (bars[i].get_x() + bars[i].get_width() / 2, values[i]), ha="center",
+                      va="bottom", fontsize=11, fontweight="bold")
+    ax_t.set(title="throughput: generated tokens/s, sync vs async", ylabel="tokens/s")
+    ax_t.set_ylim(0, max(values) * 1.2)
+    # reward: moving average over 10 steps, all four runs
+    for kernels in ("standard", "aligned"):
+        for mode, ls in (("async", "-"), ("sync", "--")):
+            recs = results[(kernels, mode)]["records"]
+            rw = [r["reward"] for r in recs]
+            ma = [statistics.fmean(rw[max(0, i - 9): i + 1]) for i in range(len(rw))]
+            ax_r.plot([r["step"] for r in recs], ma, color=colors[kernels], ls=ls, label=f"{kernels} {mode}")
+    ax_r.set(title="reward (exact match), mean of the last 10 steps", xlabel="learner step", ylabel="reward")
+    ax_d.legend(fontsize=8, loc="lower right")  # below the lag curve: nothing to hide there but the warm-up
+    ax_k.legend(fontsize=8, loc="center right")
+    ax_r.legend(fontsize=8, loc="lower right")
+    fig.suptitle("aligned_ops RL runner: stock vs aligned kernels (tiny Qwen3-MoE, CPU)", fontsize=13)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main(args) -> int:
-    """Parent: build and warm up the model once, run both kernel sets, print the table, plot."""
-    import torch
-
-    from ..models.tiny import build_tiny_moe, build_tiny_qwen2
-
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
-    if getattr(args, "moe", False):
-        base = build_tiny_moe(os.path.join(args.out, "tiny-qwen3-moe"), dtype=getattr(torch, args.dtype),
-                              seed=args.seed, hidden_size=args.hidden, moe_intermediate_size=args.hidden // 2,
-                              num_hidden_layers=args.layers, router_scale=args.router_scale)
-    else:
-        base = build_tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), dtype=getattr(torch, args.dtype),
-                                seed=args.seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                num_hidden_layers=args.layers)
-    print(f"supervised warm-up: {args.sft_steps} steps ...", flush=True)
-    moe = getattr(args, "moe", False)
-    freeze = is_router if (moe and (args.freeze_router or args.train_scope == "head")) else (lambda name: False)
-    warm = supervised_warmup(base, os.path.join(args.out, "warm"), args.dtype, args.sft_steps, args.sft_lr, args.seed,
-                             freeze, args.a_range)
-    argv = ["demo", "--model", warm, "--dtype", args.dtype, "--steps", str(args.steps), "--lag", str(args.lag),
-            "--rl-warmup", str(args.rl_warmup), "--prompts", str(args.prompts), "--samples", str(args.samples),
-            "--lr", str(args.lr), "--seed", str(args.seed), "--a-range", str(args.a_range),
-            "--freeze-router" if args.freeze_router else "--no-freeze-router", "--train-scope", args.train_scope]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
-    results = {k: run_child(k, argv, os.path.join(args.out, f"demo_{k}.json")) for k in KERNEL_SETS}
-
-    def first_last(k, key):
-        s = results[k]["steps"]
-        n = max(1, len(s) // 5)  # mean over the first and last fifth of the run
-        return sum(r[key] for r in s[:n]) / n, sum(r[key] for r in s[-n:]) / n
-
-    def over_steps(k, key, reduce=max):
-        return reduce(r[key] for r in results[k]["steps"])
-
-    summary = {k: results[k]["summary"] for k in KERNEL_SETS}
-    rows = [
-        ("reward, first -> last fifth", [f"{first_last(k, 'reward')[0]:.2f} -> {first_last(k, 'reward')[1]:.2f}" for k in KERNEL_SETS]),
-        ("D3 median over steps", [summary[k]["d3_median"] for k in KERNEL_SETS]),
-        ("D3 peak over steps", [summary[k]["d3_peak"] for k in KERNEL_SETS]),
-        ("D3 peak-to-median", [summary[k]["d3_peak_to_median"] for k in KERNEL_SETS]),
-        ("max IS ratio π/μ (any token)", [over_steps(k, "ratio_max") for k in KERNEL_SETS]),
-        ("kernel-only D3 (max over steps)", [over_steps(k, "kernel_d3") for k in KERNEL_SETS]),
-        ("kernel max abs Δlogp (any token)", [over_steps(k, "kernel_abs_diff_max") for k in KERNEL_SETS]),
-        ("kernel bitwise equal (min %)", [100 * over_steps(k, "kernel_frac_bitwise_equal", min) for k in KERNEL_SETS]),
-    ]
-    moe = all(results[k].get("moe") for k in KERNEL_SETS)
-    if moe:
-        rows += [
-            ("kernel-made routing flips (token·layer, all steps)", [int(over_steps(k, "routing_flips", sum)) for k in KERNEL_SETS]),
-            ("steps with a kernel-made routing flip", [sum(r["routing_flips"] > 0 for r in results[k]["steps"]) for k in KERNEL_SETS]),
-            ("lag-made routing flips (token·layer, all steps)", [int(over_steps(k, "lag_routing_flips", sum)) for k in KERNEL_SETS]),
-            ("kernel max abs Δlogp, routing flipped", [over_steps(k, "kernel_abs_diff_max_routing_flipped") for k in KERNEL_SETS]),
-            ("kernel max abs Δlogp, routing agreed", [over_steps(k, "kernel_abs_diff_max_routing_agreed") for k in KERNEL_SETS]),
-        ]
-    model = "tiny Qwen3-MoE" if moe else "tiny Qwen2"
-    print_table(f"async RL demo ({model}): {args.steps} logged steps after {args.rl_warmup} unlogged, lag {args.lag}, "
-                f"lr {args.lr:g}, {args.prompts}x{args.samples} rollouts/step of a+b (a < {args.a_range}), {args.dtype}, "
-                + (f"trains {'the head (after the last router)' if args.train_scope == 'head' else 'all weights'}, " if moe else "")
-                + f"REINFORCE Zero "
-                f"(untruncated token IS)", list(KERNEL_SETS), rows)
-    print("\ncolumns: standard = stock vLLM rollouts + stock Hugging Face trainer; aligned = vLLM with the aligned_ops "
-          "plugin + the patched trainer.\nrows: D3 = per step, mean over the completion tokens of k3 = (ρ-1) - log ρ, "
-          "ρ = π_trainer/μ_rollout (current vs lagged weights: lag + kernel mismatch); kernel-only rows compare the "
-          "trainer at the rollout's own weights with vLLM (kernel mismatch alone)"
-          + ("; kernel-made routing flips: (token, layer) pairs whose top-k expert set differs between the trainer "
-             "and vLLM at the rollout's weights; lag-made: between the trainer at its current and at the rollout's "
-             "weights." if moe else "."))
-    ptm = {k: summary[k]["d3_peak_to_median"] for k in KERNEL_SETS}
-    print(f"D3 peak-to-median: standard {ptm['standard']:.3g}, aligned {ptm['aligned']:.3g} "
-          f"(standard / aligned = {ptm['standard'] / ptm['aligned']:.3g}x)")
-    png = os.path.join(args.out, "demo.png")
-    plot(results, png)
-    print(f"\nplot: {png}\nresults: {args.out}/demo_*.json\nwall time: {time.time() - t0:.0f} s")
-    return 0
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,268 @@
+"""What one RL run is: :class:`RunConfig`, one field per ``aligned-ops train`` flag, checked up front.
+
+Every check here runs before a model is built or an engine starts: reading the model's config.json is the most
+it does, so a bad value fails in well under a second (``aligned-ops train`` prints it as one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..choices import VLLM_CPU_ATTENTION_HEAD_SIZES
+from .task import REWARD_KINDS
+
+TINY_DENSE_HEADS = 4  # aligned_ops.models.tiny.DEFAULT_CONFIG["num_attention_heads"] (torch-free copy; tested equal)
+
+
+def check_writable_folder(path: str) -> None:
+    """``--out``: a folder this process can create and write (created now: a bad path fails before the run)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
+
+MODES = ("sync", "async")
+KERNEL_SETS = ("standard", "aligned")
+TINY_MODELS = ("moe", "dense")
+BACKENDS = ("processes", "ray")
+TRAIN_SCOPES = ("all", "head")
+ADVANTAGES = ("grpo", "rloo", "group_mean")
+REWARDS = tuple(REWARD_KINDS)
+
+
+class ConfigError(ValueError):
+    """A bad run setting, named by its ``aligned-ops train`` flag."""
+
+
+@dataclass
+class RunConfig:
+    """One RL run. Defaults are ``aligned-ops train``'s; ``aligned-ops demo`` runs four of these (apps/demo.py)."""
+
+    out: str = "train_out"                 # --out: metrics.jsonl, summary.json, checkpoint/, model/
+    mode: str = "async"                    # --mode sync|async
+    max_lag: int | None = None             # --max-lag K (async: default 1; sync: 0)
+    kernels: str = "aligned"               # --kernels aligned|standard (both sides)
+    linear: str | None = None              # --linear: aligned kernels' linear profile (default ALIGNED_OPS_LINEAR)
+    model: str | None = None               # --model DIR (default: the built-in tiny model, see `tiny`)
+    tiny: str = "moe"                      # --tiny moe|dense: which built-in model when --model is not given
+    dtype: str = "bfloat16"                # --dtype
+    steps: int = 60                        # --steps: learner updates
+    prompts: int = 32                      # --prompts per batch
+    samples: int = 4                       # --samples per prompt (the GRPO group)
+    lr: float = 3e-5                       # --lr (AdamW on fp32 master weights)
+    lr_warmup: int = 10                    # --lr-warmup: linear warm-up steps
+    loss: str = "reinforce_zero"           # --loss: any aligned_ops.rl.LOSS_MODES
+    clip_c: float = 2.0                    # --clip-c (tis/seq_tis/ppo_clip truncation)
+    advantage: str = "grpo"                # --advantage grpo|rloo|group_mean
+    temperature: float = 1.0               # --temperature (sampling and scoring)
+    train_scope: str | None = None         # --train-scope all|head (MoE default head)
+    freeze_router: bool | None = None      # --freeze-router (MoE default on)
+    a_range: int = 1000                    # --a-range: prompts a+b= with a < A, b < 10
+    reward: str = "exact"                  # --reward exact|digits (runner.task.AdditionTask.reward)
+    seed: int = 0                          # --seed
+    d3_from: int | None = None             # --d3-from: first step of the D3 summary (default: --lr-warmup)
+    checkpoint_every: int = 10             # --checkpoint-every N steps (and the last step)
+    resume: bool = False                   # --resume: continue from out/checkpoint
+    backend: str = "processes"             # --backend processes|ray
+    rollout_workers: int = 1               # --rollout-workers
+    ray_address: str | None = None         # --ray-address (default: start a local head on loopback)
+    threads: int = 1                       # --threads per process (rollout worker, learner)
+    pin_cores: bool | None = None          # --pin-cores: one core per process (default: when there are enough)
+    progress: bool = True                  # --no-progress hides the bar
+    # built-in tiny model and its supervised warm-up (ignored with --model)
+    hidden: int = 128                      # --hidden
+    layers: int = 2                        # --layers
+    router_scale: float = 0.08             # --router-scale (MoE)
+    logit_scale: float = 1.0               # --logit-scale: the final norm's weight times this (sharper logits)
+    sft_steps: int = 60                    # --sft-steps
+    sft_lr: float = 3e-3                   # --sft-lr
+    extra: dict = field(default_factory=dict)  # free-form notes copied into summary.json (the demo's labels)
+
+    # ---- derived ----------------------------------------------------------------------------------------
+
+    @property
+    def lag(self) -> int:
+        """The maximum staleness k: batch b is generated with weights version max(0, b - k)."""
+        if self.max_lag is not None:
+            return self.max_lag
+        return 0 if self.mode == "sync" else 1
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts * self.samples
+
+    @property
+    def summary_from(self) -> int:
+        """First step of the D3 summary: --d3-from, else the first step after the lr warm-up (0 for runs that
+        end inside it)."""
+        if self.d3_from is not None:
+            return self.d3_from
+        return self.lr_warmup if self.lr_warmup < self.steps else 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # ---- checks -----------------------------------------------------------------------------------------
+
+    def validate(self, check_out: bool = True) -> "RunConfig":
+        """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self.
+        ``check_out=False`` skips the checks of an earlier run in ``out`` (the demo replaces its own runs)."""
+        from ..choices import LOSS_MODES, resolve_profile_name  # torch-free: flags are checked before torch loads
+
+        _choice("--mode", self.mode, MODES)
+        _choice("--kernels", self.kernels, KERNEL_SETS)
+        _choice("--tiny", self.tiny, TINY_MODELS)
+        _choice("--backend", self.backend, BACKENDS)
+        _choice("--loss", self.loss, LOSS_MODES)
+        _choice("--advantage", self.advantage, ADVANTAGES)
+        _choice("--reward", self.reward, REWARDS)
+        try:  # decided once, here, and recorded (a resume must run the same one; both sides get it by name)
+            self.linear = resolve_profile_name(self.linear)
+        except ValueError as e:
+            raise ConfigError(f"--linear: {e}") from None
+        _choice("--dtype", self.dtype, ("bfloat16", "float32", "float16"))
+        for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
+                     "a_range"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("lr_warmup", "seed", "sft_steps"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("lr", "clip_c", "temperature", "router_scale", "sft_lr", "logit_scale"):
+            _positive(name, getattr(self, name))
+        if self.max_lag is not None:
+            _at_least("max_lag", self.max_lag, 0)
+            if self.mode == "sync" and self.max_lag != 0:
+                raise ConfigError(f"--max-lag {self.max_lag} with --mode sync: sync means lag 0 (use --mode async)")
+            if self.mode == "async" and self.max_lag == 0:
+                raise ConfigError("--max-lag 0 with --mode async: lag 0 is --mode sync")
+        if self.d3_from is not None:
+            _at_least("d3_from", self.d3_from, 0)
+        if self.summary_from >= self.steps:
+            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
+                              "have no step")
+        if self.samples < 2 and self.advantage in ("grpo", "rloo"):
+            raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples)")
+        if self.hidden < 8 or self.hidden % 8:
+            raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
+        if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
+            head = self.hidden // TINY_DENSE_HEADS
+            if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
+                ok = [TINY_DENSE_HEADS * h for h in VLLM_CPU_ATTENTION_HEAD_SIZES]
+                raise ConfigError(f"--hidden {self.hidden} gives head size {head} ({TINY_DENSE_HEADS} heads), which "
+                                  f"vLLM-CPU's attention does not take; use one of {', '.join(map(str, ok))}")
+        if self.ray_address is not None and self.backend != "ray":
+            raise ConfigError("--ray-address needs --backend ray")
+        if self.backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError("--backend ray: the ray package is not installed (pip install ray)")
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ConfigError(f"--out {self.out}: exists and is not a folder")
+        if check_out:
+            check_writable_folder(self.out)
+        ckpt = os.path.join(self.out, "checkpoint", "state.pt")
+        if check_out and self.resume and not os.path.isfile(ckpt):
+            raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
+        if check_out and self.resume:
+            self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
+        if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
+            raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
+                              "it or choose another folder")
+        moe = self.is_moe()
+        if self.train_scope is None:
+            self.train_scope = "head" if moe else "all"
+        if self.freeze_router is None:
+            self.freeze_router = moe
+        _choice("--train-scope", self.train_scope, TRAIN_SCOPES)
+        if self.train_scope == "head" and not moe:
+            raise ConfigError("--train-scope head needs a MoE model (it trains the weights after the last router)")
+        return self
+
+    # what a resumed run may change: how it runs, not what it computes
+    RESUME_MAY_CHANGE = ("steps", "resume", "progress", "out", "checkpoint_every", "threads", "pin_cores", "backend",
+                         "ray_address", "extra")
+
+    def _check_resume_matches(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--resume: cannot read the run's settings ({path}: {e})") from None
+        mine = self.to_dict()
+        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]
+                and not (saved[k] is not None and mine[k] is None and k in ("max_lag", "d3_from", "train_scope",
+                                                                            "freeze_router", "model"))]
+        if diff:
+            raise ConfigError("--resume with other settings than the run in --out: " + ", ".join(
+                f"{_flag(k)} {mine[k]} (the run has {saved[k]})" for k in diff))
+
+    def linear_profile(self):
+        """The :mod:`aligned_ops.profiles` object both sides run with aligned kernels."""
+        from .. import profiles
+
+        return profiles.resolve(self.linear)
+
+    def is_moe(self) -> bool:
+        if self.model is None:
+            return self.tiny == "moe"
+        read_model_config(self.model)  # a supported architecture, or a ConfigError naming the folder
+        from .trainer import is_moe_model
+
+        return is_moe_model(self.model)
+
+
+def read_model_config(path: str) -> dict:
+    """config.json of a model folder, checked for an architecture both sides support (no torch, no engine)."""
+    from types import SimpleNamespace
+
+    from ..integrations import check_hf_config
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"--model {path}: no such directory (pass a local checkpoint folder)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"--model {path}: no config.json in that folder (not a Hugging Face checkpoint)")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path}: cannot read config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--model {path}: config.json is not a JSON object")
+    try:
+        check_hf_config(SimpleNamespace(**cfg), "--model")
+    except ValueError as e:
+        raise ConfigError(f"{e} (folder {path})") from None
+    return cfg
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def _at_least(name: str, value, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ConfigError(f"{_flag(name)} must be >= {lo}, got {value}")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or not (0.0 < float(value) < math.inf):
+        raise ConfigError(f"{_flag(name)} must be a finite number > 0, got {value}")
