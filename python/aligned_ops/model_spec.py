@@ -43,7 +43,7 @@ from .ops.linear_exact import PROFILES, linear_profile
 @dataclass(frozen=True)
 class Step:
     """One logical aligned op. ``op``: embed-free op name (rms_norm, fused_add_rms_norm, linear — linear_exact
-    under the exact profile —, rotary, attention, silu_and_mul, logprobs; the names come from LayerRules); ``role``: where it sits ("L0.qkv_proj", "final_norm", ...);
+    / linear_mma under the exact / mma profile —, rotary, attention, silu_and_mul, logprobs; the names come from LayerRules); ``role``: where it sits ("L0.qkv_proj", "final_norm", ...);
     ``k``/``n``: contraction and output width of a linear, the normalised width of a norm, the head dim of
     rotary/attention, the vocabulary of the log-prob head; ``bias``: whether a linear adds one."""
 
@@ -65,7 +65,8 @@ class LayerRules:
     - ``norm_weight_dtype``: None = the norm weight as stored (the model dtype, no upcast), else cast to it;
     - ``rotary_neox``: NeoX-style rotary (rotate halves; Qwen2/Qwen3/Llama) rather than GPT-J (interleaved);
     - ``activation``: the gated MLP's activation op;
-    - ``linear_profile``: ``fma`` | ``exact``; None = the process's ``ALIGNED_OPS_LINEAR`` (read per call);
+    - ``linear_profile``: ``fma`` | ``exact`` | ``mma``; None = the process's ``ALIGNED_OPS_LINEAR`` (read per
+      call); ``mma`` needs a bf16 model and a machine with the profile's unit (the CPU: avx512_bf16);
     - ``router_profile``: the MoE router projection's profile (``fma``: routing is decided on those bits);
     - ``attention_scale``: None = ``head_dim ** -0.5`` (what HF's ``attn.scaling`` and vLLM's
       ``Attention(scale=)`` are for these architectures; :meth:`check_attention_scale` refuses a model whose
@@ -85,7 +86,7 @@ class LayerRules:
     logits_dtype: torch.dtype | None = None
 
     def profile(self) -> str:
-        """The linear numerics profile these rules run (``fma`` | ``exact``)."""
+        """The linear numerics profile these rules run (``fma`` | ``exact`` | ``mma``)."""
         if self.linear_profile is None:
             return linear_profile()
         if self.linear_profile not in PROFILES:
@@ -104,8 +105,11 @@ class LayerRules:
 
     def linear(self, x, weight, bias=None, profile: str | None = None):
         """``x @ weight.T (+ bias)`` under the rules' profile (or ``profile``)."""
-        if (profile or self.profile()) == "exact":
+        profile = profile or self.profile()
+        if profile == "exact":
             return aligned_ops.linear_exact(x, weight, bias)
+        if profile == "mma":
+            return aligned_ops.linear_mma(x, weight, bias)
         return aligned_ops.linear(x, weight, bias)
 
     def router_linear(self, x, weight, bias=None):
@@ -211,9 +215,9 @@ def model_spec(config) -> ModelSpec:
     qk_norm = arch in _QK_NORM_ARCHS
     mlp_bias = bool(getattr(config, "mlp_bias", False))
     rules = rules_for(arch)
-    # The op names come from the rules (the linear's from its profile: "linear" or "linear_exact").
+    # The op names come from the rules (the linear's from its profile: "linear", "linear_exact", "linear_mma").
     norm, res_norm, act = rules.norm, rules.residual_norm, rules.activation
-    lin = "linear" if rules.profile() == "fma" else "linear_exact"
+    lin = {"fma": "linear", "exact": "linear_exact", "mma": "linear_mma"}[rules.profile()]
     steps: list[Step] = []
     for i in range(L):
         p = f"L{i}."

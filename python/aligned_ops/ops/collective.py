@@ -29,6 +29,10 @@ of the weight once per weight version); each rank's exact integer partials (two 
 order-free, so the backend's (gloo's, NCCL's) own order is fine here, unlike the fp32 tree — and
 ``aligned::linear_exact_finish`` rounds once, as the single-device op.
 
+The ``mma`` profile (csrc/common/mma.h) keeps the ``fma`` profile's 8 lanes and tree — only each lane's chain
+is the matrix unit's instruction — so its row-parallel route is this one with ``aligned::linear_mma_partial``
+for the rank's sub-tree: the same slices, the same :func:`tree_all_reduce`, the same epilogue.
+
 For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
 the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
 element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo on
@@ -44,6 +48,7 @@ ops = torch.ops.aligned
 
 from .linear import finish_linear, linear_partial, linear_tp_slices, tree_combine
 from .linear_exact import cached_weight_slice, linear_profile, pack_weight_slice
+from .linear_mma import linear_mma_partial
 
 EXACT_MAX_K = 131072  # exact_linear.h kMaxK: the full K of a row-parallel layer (the int64 partial bound)
 
@@ -232,22 +237,24 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
                         *, in_features: int | None = None, algorithm: str = "auto",
                         profile: str | None = None) -> torch.Tensor:
-    """A row-parallel aligned linear of ``profile`` (``fma`` | ``exact``; None: the process's
+    """A row-parallel aligned linear of ``profile`` (``fma`` | ``exact`` | ``mma``; None: the process's
     ``ALIGNED_OPS_LINEAR``; the vLLM plugin passes its layer's rules' profile): rank r holds ``x[..., K_r]``
     and ``weight[:, K_r]`` (K_r its slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every
-    rank returns the full ``linear(x, weight, bias)`` (``exact``: ``linear_exact``), bit for bit.
+    rank returns the full ``linear(x, weight, bias)`` (``exact``: ``linear_exact``; ``mma``: ``linear_mma``),
+    bit for bit.
 
     ``fma``: ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the
     linear's epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K),
-    when given, is checked: the rank's slice must be whole lanes and K_r long. ``exact``:
-    :func:`exact_row_parallel_linear` (integer partials, an exact integer all-reduce).
+    when given, is checked: the rank's slice must be whole lanes and K_r long. ``mma``: the same with
+    ``linear_mma_partial`` (the unit's chains in the same lanes). ``exact``: :func:`exact_row_parallel_linear`
+    (integer partials, an exact integer all-reduce).
     """
     what = "row_parallel_linear"
     profile = linear_profile() if profile is None else profile
     if profile == "exact":
         return exact_row_parallel_linear(x, weight, bias, group, in_features=in_features)
-    if profile != "fma":
-        raise ValueError(f"aligned_ops.{what}: profile must be 'fma' or 'exact', got {profile!r}")
+    if profile not in ("fma", "mma"):
+        raise ValueError(f"aligned_ops.{what}: profile must be 'fma', 'exact' or 'mma', got {profile!r}")
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
     k_local = weight.shape[-1]
@@ -262,7 +269,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                 f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
                 f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds {k_local}"
             )
-    partial = linear_partial(x, weight, LINEAR_LANES // t)
+    sub_tree = linear_mma_partial if profile == "mma" else linear_partial
+    partial = sub_tree(x, weight, LINEAR_LANES // t)
     return finish_linear(tree_all_reduce(partial, group, algorithm=algorithm), bias, x.dtype)
 
 

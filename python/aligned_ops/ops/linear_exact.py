@@ -8,8 +8,8 @@ rounded once to fp32 and once to x's dtype. Its bits do not depend on batch, row
 Backward (training) uses the deterministic ``fma`` path (``aligned::linear_backward``): rollouts never need
 backward bits, and the trainer's forward still uses the exact kernel, so forward log-probs match the engine.
 
-Profile switch: ``ALIGNED_OPS_LINEAR=fma|exact`` (process-wide, read by the vLLM plugin and the trainer patch
-through :func:`linear_profile`; ``fma`` when unset).
+Profile switch: ``ALIGNED_OPS_LINEAR=fma|exact|mma`` (process-wide, read by the vLLM plugin and the trainer
+patch through :func:`linear_profile`; ``fma`` when unset; ``mma``: ``linear_mma.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ._registry import linear_grads, register_linear_autograd, save_linear_input
 ops = torch.ops.aligned
 _lib = "aligned::"
 
-PROFILES = ("fma", "exact")
+PROFILES = ("fma", "exact", "mma")
 
 
 def linear_profile() -> str:
@@ -231,8 +231,11 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def profile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The aligned linear of the process's profile (``ALIGNED_OPS_LINEAR``)."""
-    if linear_profile() == "exact":
+    profile = linear_profile()
+    if profile == "exact":
         return linear_exact(x, weight, bias)
+    if profile == "mma":
+        return ops.linear_mma(x, weight, bias)
     return ops.linear(x, weight, bias)
 
 
