@@ -13,14 +13,19 @@
 // in, the path (direct / packed) or the thread — every path issues the same instruction on the same pairs in
 // the same order for an element.
 //
-// Paths (the weight B is row-major [N, K]: the forward's weight, the backward's transposed copies):
-//  * Few rows (decode, <= 16): no packing buffer. 16 weight rows x 32 k (= 16 pairs per row, 16 dwords) are
-//    loaded and transposed 16x16 in registers, giving per pair one vector of 16 columns' pairs, which feeds the
-//    chains of up to 8 rows directly. One read of the weight (two for 9..16 rows). The lane's last block is a
-//    masked load: elements past the lane read as +0, which is the contract's padding of an odd lane.
-//  * More rows: per block of kMC rows, each 32-column panel is packed once over every lane (pairs of a lane
-//    consecutive, [pair][32 columns] dwords, zero columns past N) and reused by all kMR-row groups: a group's
-//    step is 2 aligned loads and 2 * kMR instructions with the row's pair broadcast.
+// Paths (the weight B is row-major [N, K]: the forward's weight, the backward's transposed copies). Each issues,
+// for every output element, the same instruction on the same two pairs in the same order — which path runs is a
+// function of the row count only, and the conformance tests hold every path to mma.h's reference:
+//  * direct, rows <= 8 (decode): no packing buffer. 16 weight rows x 32 k (= 16 pairs per row) are loaded and
+//    transposed 16x16 in registers, giving per pair one vector of 16 columns' pairs, which feeds the chains of the
+//    rows directly (the row's pair broadcast). One read of the weight. The lane's last block is a masked load:
+//    elements past the lane read as +0, the contract's padding of an odd lane.
+//  * row-lane, rows 9..16 and 24..32: the rows' pairs are packed once ([pair][16 or 32 rows]) and each step
+//    broadcasts one weight column's pair against them (rows in the zmm lanes, 8 weight columns at a time; the
+//    instruction's model is symmetric in its operands) — no weight transpose, one read of the weight.
+//  * packed, rows 17..23 and > 32: per block of kMC rows, each 32-column panel is packed once over every lane
+//    (pairs of a lane consecutive, [pair][32 columns], zero columns past N) and reused by all kMR-row groups: a
+//    group's step is 2 aligned loads and 2 * kMR instructions with the row's pair broadcast.
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,11 +51,13 @@ namespace {
 
 #define ALIGNED_INLINE inline __attribute__((always_inline))
 
-constexpr int kMR = 8;                  // rows per microkernel of the packed path (8 x 2 zmm accumulators)
+constexpr int kMR = 8;                  // rows per microkernel of the packed path (8 x 2 zmm accumulators; 12 measured no faster)
 constexpr int kNR = 32;                 // columns per packed panel and per tile row
-constexpr int kTileFloats = kMR * kNR;  // one lane tile
-constexpr int kDirectRows = 8;          // rows per pass of the direct path
-constexpr int64_t kDirectMaxRows = 16;  // beyond this, packing the panel once and reusing it wins
+constexpr int kDirectRows = 8;          // rows of the direct path (8 accumulators + 16 pair vectors: no spill)
+constexpr int kRowLanes = 32;           // most rows of the row-lane path (one zmm lane per row, 1-2 zmm per column)
+constexpr int kRowLanesMin2 = 24;       // 2 zmm per column from here (17..23 rows: the packed path is faster)
+constexpr int kTileRows = 32;
+constexpr int kTileFloats = kTileRows * kNR;  // one lane tile: up to 32 rows x 32 columns
 constexpr int64_t kMC = 256;            // rows per block of the packed path
 
 static ALIGNED_INLINE uint32_t load_u32(const uint16_t* p) {
@@ -159,13 +166,15 @@ static DirectFn pick_direct(int rows, std::integer_sequence<int, R...>) {
 // Pairs of `lanes` lanes of K: lane l's pairs start at pair index pair_begin(l) of the packed panel.
 static ALIGNED_INLINE int64_t lane_pairs(int64_t k0, int64_t k1) { return (k1 - k0 + 1) / 2; }
 
-// bp[q][j] = the pair (B[n0 + j, k], B[n0 + j, k + 1]) of packed pair q (lanes one after another), 0 for j >= nw.
-static void pack_panel(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw, int64_t K,
+// bp[q][j] = the pair (B[n0 + j, k], B[n0 + j, k + 1]) of packed pair q (lanes one after another), 0 for j >= nw;
+// W = 32 (a weight panel) or 16 (the row-lane path's rows of A) 32-bit elements per pair.
+template <int W>
+static void pack_pairs(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw, int64_t K,
                        int lanes) {
   int64_t q = 0;
   for (int l = 0; l < lanes; ++l) {
     const int64_t k0 = linear_lane_begin(l, K, lanes), k1 = linear_lane_begin(l + 1, K, lanes);
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < W / 16; ++h) {
       const int64_t nh = std::min<int64_t>(16, std::max<int64_t>(0, nw - 16 * h));
       const uint16_t* rp[16];
       for (int i = 0; i < 16; ++i) rp[i] = b + (n0 + std::min<int64_t>(16 * h + i, nw - 1)) * b_sn;  // rows >= nh: masked
@@ -178,7 +187,7 @@ static void pack_panel(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn,
           load_rows<false>(rows, rp, (int)nh, kk, cnt);
         transpose16(rows);
         const int64_t q0 = q + (kk - k0) / 2;
-        for (int c = 0; c < (cnt + 1) / 2; ++c) _mm512_store_ps((float*)(bp + (q0 + c) * kNR + 16 * h), rows[c]);
+        for (int c = 0; c < (cnt + 1) / 2; ++c) _mm512_store_ps((float*)(bp + (q0 + c) * W + 16 * h), rows[c]);
       }
     }
     q += lane_pairs(k0, k1);
@@ -224,6 +233,65 @@ template <int... R>
 static PackedFn pick_packed(int rows, std::integer_sequence<int, R...>) {
   static constexpr PackedFn fns[] = {&micro_packed<R + 1>...};
   return fns[rows - 1];
+}
+
+// ---- row-lane path: 9..32 rows, one zmm lane per ROW ------------------------------------------------------------
+// ap: the rows' pairs of the lane, [pair][16 * RZ rows] (pack_pairs of A, rows past M zero; RZ = 1 or 2 zmm per
+// column). Each step broadcasts one weight column's pair against the rows' pairs: per element the same instruction
+// on the same two pairs, in the same order, as every other path (the unit's model is symmetric in its operands:
+// fma(x, w, c) == fma(w, x, c), DAZ on both; the conformance tests hold this path to the reference like the
+// others), so the bits are the same — and no weight transpose is needed, which the direct path pays per 8 rows.
+// 8 weight rows at a time: 16 rows K = 2048 / 4096 elements apart all map to one L1 set (8 ways) and were measured
+// 2x slower than 8 (which fit).
+constexpr int kRowLaneCols = 8;
+
+template <int RZ, bool kFull>
+static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const uint32_t* __restrict ap,
+                                         const uint16_t* const (&wr)[kRowLaneCols], int64_t kk, int64_t k1) {
+  const int cnt = kFull ? 32 : (int)(k1 - kk);
+  const __mmask32 m = kFull ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
+  alignas(64) uint32_t w_pairs[kRowLaneCols][16];  // the columns' next 16 pairs (one line per weight row)
+#pragma GCC unroll 8
+  for (int j = 0; j < kRowLaneCols; ++j)
+    _mm512_store_si512(w_pairs[j], kFull ? _mm512_loadu_si512(wr[j] + kk) : _mm512_maskz_loadu_epi16(m, wr[j] + kk));
+  const int pairs = kFull ? 16 : (cnt + 1) / 2;  // an odd tail's last pair is (B[n, k1 - 1], +0): the masked load
+#pragma GCC unroll 16
+  for (int c = 0; c < pairs; ++c) {
+    __m512 av[RZ];
+#pragma GCC unroll 2
+    for (int z = 0; z < RZ; ++z) av[z] = _mm512_load_ps((const float*)(ap + (c * RZ + z) * 16));
+#pragma GCC unroll 8
+    for (int j = 0; j < kRowLaneCols; ++j)
+#pragma GCC unroll 2
+      for (int z = 0; z < RZ; ++z) acc[j][z] = dp_step(acc[j][z], w_pairs[j][c], av[z]);
+  }
+}
+
+// Lane [k0, k1) of 16 * RZ rows against the 16 weight rows n0 .. n0 + 16 (rows past nw clamped: computed, not
+// stored): tile[r][0..16) for r < 16 * RZ.
+template <int RZ>
+static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw,
+                    int64_t k0, int64_t k1, float* tile) {
+  __m512 out[RZ][16];
+  for (int h = 0; h < 16 / kRowLaneCols; ++h) {
+    __m512 acc[kRowLaneCols][RZ];
+#pragma GCC unroll 8
+    for (int j = 0; j < kRowLaneCols; ++j)
+#pragma GCC unroll 2
+      for (int z = 0; z < RZ; ++z) acc[j][z] = _mm512_setzero_ps();
+    const uint16_t* wr[kRowLaneCols];
+    for (int j = 0; j < kRowLaneCols; ++j) wr[j] = b + (n0 + std::min<int64_t>(h * kRowLaneCols + j, nw - 1)) * b_sn;
+    int64_t kk = k0;
+    for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
+    if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
+    for (int j = 0; j < kRowLaneCols; ++j)
+      for (int z = 0; z < RZ; ++z) out[z][h * kRowLaneCols + j] = acc[j][z];
+  }
+  for (int z = 0; z < RZ; ++z) {
+    transpose16(out[z]);  // out[z][r] = row 16 z + r's 16 columns
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + (16 * z + r) * kNR, out[z][r]);
+  }
 }
 
 // ---- epilogue -------------------------------------------------------------------------------------------------
@@ -303,7 +371,28 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
         store_tile(tile, (int)std::min<int64_t>(kMR, m1 - m), bias, c + m * c_sm, c_sm, nb, std::min<int64_t>(kNR, n1 - nb));
     return;
   }
-  if (rows <= kDirectMaxRows) {
+  int64_t lane_q[kLinearLanes + 1];  // first packed pair of each lane
+  lane_q[0] = 0;
+  for (int l = 0; l < lanes; ++l)
+    lane_q[l + 1] = lane_q[l] + lane_pairs(linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes));
+  if (rows > kDirectRows && (rows <= 16 || (rows >= kRowLanesMin2 && rows <= kRowLanes))) {
+    const int rz = rows <= 16 ? 1 : 2;  // (rows 17..23 would waste 1/3 of the lanes: the packed path below)
+    uint32_t* ap = thread_panel_buffer(lane_q[lanes] * 16 * rz);
+    if (rz == 1)
+      pack_pairs<16>(ap, a + m0 * a_sm, a_sm, 0, rows, K, lanes);
+    else
+      pack_pairs<32>(ap, a + m0 * a_sm, a_sm, 0, rows, K, lanes);
+    const auto fn = rz == 1 ? &rowlane<1> : &rowlane<2>;
+    for (int64_t nb = n0; nb < n1; nb += 16) {
+      const int64_t nw = std::min<int64_t>(16, n1 - nb);
+      run_lanes(lanes, K, (int)rows, nw, tile, lane_tiles, [&](int l, int64_t k0, int64_t k1, float* t) {
+        fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb, nw, k0, k1, t);
+      });
+      store_tile(tile, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
+    }
+    return;
+  }
+  if (rows <= kDirectRows) {
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
       for (int64_t m = m0; m < m1; m += kDirectRows) {
@@ -317,16 +406,12 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     }
     return;
   }
-  int64_t lane_q[kLinearLanes + 1];  // first packed pair of each lane
-  lane_q[0] = 0;
-  for (int l = 0; l < lanes; ++l)
-    lane_q[l + 1] = lane_q[l] + lane_pairs(linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes));
   uint32_t* bp = thread_panel_buffer(lane_q[lanes] * kNR);
   for (int64_t mb = m0; mb < m1; mb += kMC) {
     const int64_t me = std::min(m1, mb + kMC);
     for (int64_t nb = n0; nb < n1; nb += kNR) {
       const int64_t nw = std::min<int64_t>(kNR, n1 - nb);
-      pack_panel(bp, b, b_sn, nb, nw, K, lanes);
+      pack_pairs<kNR>(bp, b, b_sn, nb, nw, K, lanes);
       for (int64_t m = mb; m < me; m += kMR) {
         const int r = (int)std::min<int64_t>(kMR, me - m);
         const PackedFn fn = r == kMR ? &micro_packed<kMR> : pick_packed(r, std::make_integer_sequence<int, kMR>{});

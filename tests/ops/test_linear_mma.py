@@ -152,11 +152,13 @@ def test_negative_controls_other_order_and_no_flush_differ_from_the_kernel():
     assert not same_bits_nan_aware(ops.linear_partial(x, w, 8), kern)
 
 
-# Every tile path of gemm_mma_kernels.cpp: direct (rows <= 16: 1..8-row passes, 9..16 = two passes), packed (rows
-# > 16: remainders 1..7 of the 8-row microkernel, > 256 rows = two row blocks); column tails (N % 16, N % 32);
-# odd lanes (K % 16 != 0), K < 8 (empty lanes), K = 1; lanes 1, 2, 4, 8.
+# Every tile path of gemm_mma_kernels.cpp: direct (rows <= 8: weight transposed in registers, 1..8-row variants),
+# row-lane (rows 9..16 with one zmm per column, 24..32 with two: rows in the zmm lanes), packed (17..23 and > 32
+# rows: remainders 1..7 of the 8-row microkernel, > 256 rows = two row blocks); column tails (N % 16, N % 32);
+# odd lanes (K % 16 != 0), K < 8 (empty lanes), K = 1; lanes 1, 2, 4, 8; K = 2048 (rows 4 KiB apart).
 KERNEL_SHAPES = [(1, 64, 16), (1, 7, 3), (2, 1, 5), (3, 77, 33), (7, 130, 31), (8, 40, 48), (9, 5, 17), (13, 61, 40),
-                 (16, 96, 65), (17, 50, 32), (23, 131, 47), (64, 96, 33), (100, 66, 70), (259, 40, 20)]
+                 (16, 96, 65), (17, 50, 32), (23, 131, 47), (24, 33, 18), (29, 2048, 20), (32, 70, 9), (33, 40, 40),
+                 (64, 96, 33), (100, 66, 70), (259, 40, 20)]
 
 
 @pytest.mark.parametrize("M,K,N", KERNEL_SHAPES)
@@ -220,7 +222,7 @@ def test_accuracy_vs_float64():
 # ---- invariance -------------------------------------------------------------------------------------------------
 
 K_INV = 1536
-BATCHES = (1, 5, 13, 17, 64, 200, 300)  # every path: direct 1-pass / 2-pass, packed, two row blocks (> 256)
+BATCHES = (1, 5, 13, 17, 29, 64, 200, 300)  # every path: direct, row-lane 1 / 2 zmm, packed, two row blocks
 
 
 def rows_invariant(fn, x_full, rows):
