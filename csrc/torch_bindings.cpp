@@ -109,14 +109,15 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "moe_routing_backward(Tensor grad_weights, Tensor? grad_scores, Tensor router_logits, Tensor topk_ids, "
       "str scoring, bool renormalize) -> Tensor");
+  // linear_profile: the experts' projections under "fma" (contract.h) or "mma" (mma.h: bf16, the matrix unit).
   m.def(
       "moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? shared_w13=None, "
-      "Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
+      "Tensor? shared_w2=None, Tensor? shared_gate=None, str linear_profile=\"fma\") -> Tensor");
   // Gradients of moe_experts wrt (x, topk_weights, w13, w2, shared_w13, shared_w2, shared_gate); the shared ones
   // are empty tensors without a shared expert / gate. Implemented from other aligned ops (python/aligned_ops/_moe.py).
   m.def(
       "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
-      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> "
+      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None, str linear_profile=\"fma\") -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "_moe_experts_reference(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "

@@ -112,6 +112,14 @@ class LayerRules:
             return aligned_ops.linear_mma(x, weight, bias)
         return aligned_ops.linear(x, weight, bias)
 
+    def moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+        """The routed experts (+ shared expert) with their projections under the rules' profile: ``mma`` runs the
+        matrix unit's; ``fma`` and ``exact`` the fma chains (the exact profile has no expert kernel: its MoE
+        experts have always run, on both sides, the fma profile's)."""
+        profile = "mma" if self.profile() == "mma" else "fma"
+        return aligned_ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate,
+                                       linear_profile=profile)
+
     def router_linear(self, x, weight, bias=None):
         """The MoE router's projection (model dtype), under ``router_profile``."""
         return self.linear(x, weight, bias, profile=self.router_profile)

@@ -33,6 +33,23 @@ def _positive_float(args, name: str) -> None:
         raise UsageError(f"{name} must be a finite number > 0, got {value}")
 
 
+def _check_linear_profile(args) -> None:
+    """--linear (or ALIGNED_OPS_LINEAR) names a profile, and the mma profile can run here: the CPU has its unit
+    (avx512_bf16) and the model is bfloat16 — refused now rather than when both engines have started."""
+    profile = args.linear or (os.environ.get("ALIGNED_OPS_LINEAR", "fma").strip().lower() or "fma")
+    where = "--linear" if args.linear else "ALIGNED_OPS_LINEAR"
+    if profile not in ("fma", "exact", "mma"):
+        raise UsageError(f"{where} must be fma, exact or mma, got {profile!r}")
+    if profile != "mma":
+        return
+    if args.dtype != "bfloat16":
+        raise UsageError(f"{where} mma takes --dtype bfloat16 (its matrix units multiply bf16), got {args.dtype}")
+    from ..ops.linear_mma import MMA_REFUSAL, mma_unit  # imports torch: only for the one profile that needs it
+
+    if mma_unit() is None:
+        raise UsageError(f"{where} mma: {MMA_REFUSAL}")
+
+
 def check_model_dir(path: str) -> None:
     """The model folder exists, holds a config.json, and names an architecture both sides support: checked
     from the JSON alone (no torch, no transformers, no engine), so a wrong folder fails in well under a second."""
@@ -92,6 +109,7 @@ def validate_args(args) -> None:
         if not (0.0 < args.temperature < float("inf")):
             raise UsageError(f"--temperature must be a finite number > 0, got {args.temperature} (greedy decoding "
                              "samples no distribution to compare; use e.g. 1.0)")
+        _check_linear_profile(args)
     else:
         _at_least(args, "--steps", 1)
         _at_least(args, "--sft-steps", 0)
@@ -130,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build a tiny mixture-of-experts model (Qwen3-MoE) instead of a dense one; with --model, "
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
 
-    v.add_argument("--linear", choices=["fma", "exact"], default=None,
-                   help="linear numerics profile of the aligned side (default: ALIGNED_OPS_LINEAR, else fma)")
+    v.add_argument("--linear", choices=["fma", "exact", "mma"], default=None,
+                   help="linear numerics profile of the aligned side (default: ALIGNED_OPS_LINEAR, else fma); mma: "
+                        "the CPU's bf16 dot-product unit (avx512_bf16), bfloat16 models")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
 

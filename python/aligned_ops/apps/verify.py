@@ -82,8 +82,9 @@ def child(args) -> dict:
                            routing_pair(llm, model, aligned, sequences, starts, tok.eos_token_id)))
     m = mismatch_metrics(lp_trainer, lp_rollout, comp, **experts)
     m["linear_profile"] = check_profiles(model) if aligned else "stock"
-    if aligned and m["linear_profile"] == "exact":
-        # How far the exact profile's log-probs are from the fma profile's (same tokens, trainer side).
+    if aligned and m["linear_profile"] in ("exact", "mma"):
+        # How far the exact / mma profile's log-probs are from the fma profile's (same tokens, trainer side).
+        profile = m["linear_profile"]
         old = os.environ.get("ALIGNED_OPS_LINEAR")
         os.environ["ALIGNED_OPS_LINEAR"] = "fma"
         try:
@@ -91,8 +92,8 @@ def child(args) -> dict:
         finally:
             os.environ["ALIGNED_OPS_LINEAR"] = old
         d = (lp_trainer - lp_fma).abs()[comp.bool()]
-        m["exact_vs_fma_abs_max"] = float(d.max()) if d.numel() else 0.0
-        m["exact_vs_fma_abs_mean"] = float(d.mean()) if d.numel() else 0.0
+        m[f"{profile}_vs_fma_abs_max"] = float(d.max()) if d.numel() else 0.0
+        m[f"{profile}_vs_fma_abs_mean"] = float(d.mean()) if d.numel() else 0.0
     m.update(engine_start_s=t_engine, generate_s=t_gen, trainer_s=t_train, prompts=len(prompts),
              prompt_lengths=[len(p) for p in prompts])
     return m
@@ -145,11 +146,12 @@ def main(args) -> int:
             ("mean abs Δlogp, routing flipped", [results[k]["abs_diff_mean_routing_flipped"] for k in KERNEL_SETS]),
             ("max abs Δlogp, routing flipped", [results[k]["abs_diff_max_routing_flipped"] for k in KERNEL_SETS]),
         ]
-    if "exact_vs_fma_abs_max" in results["aligned"]:
-        rows += [
-            ("max abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_max"]]),
-            ("mean abs Δlogp exact vs fma", ["-", results["aligned"]["exact_vs_fma_abs_mean"]]),
-        ]
+    for other in ("exact", "mma"):
+        if f"{other}_vs_fma_abs_max" in results["aligned"]:
+            rows += [
+                (f"max abs Δlogp {other} vs fma", ["-", results["aligned"][f"{other}_vs_fma_abs_max"]]),
+                (f"mean abs Δlogp {other} vs fma", ["-", results["aligned"][f"{other}_vs_fma_abs_mean"]]),
+            ]
     print_table(
         f"vLLM rollout vs trainer, {args.dtype}, {args.num_prompts} prompts of lengths "
         f"{results['aligned']['prompt_lengths']}, chunked prefill ({MAX_NUM_BATCHED_TOKENS} tokens/step), "

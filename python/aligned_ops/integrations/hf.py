@@ -370,6 +370,13 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
             hf_moe.check_moe_block(layer.mlp, "patch_model")
     arch = known[0] if known else (named[0] if named else type(model).__name__)
     rules = rules_for(arch)
+    if rules.profile() == "mma":  # the trainer's start-up refusal, in the words of the vLLM plugin's
+        from ..ops.linear_mma import mma_profile_reasons
+
+        device = next(model.parameters()).device.type
+        mma_bad = mma_profile_reasons(next(model.parameters()).dtype, device)
+        if mma_bad:
+            raise ValueError("aligned_ops (patch_model): " + "; ".join(mma_bad))
     for layer in model.model.layers:
         attn = layer.self_attn
         try:

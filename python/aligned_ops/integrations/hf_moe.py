@@ -5,7 +5,8 @@ The op sequence is the one the vLLM plugin runs for the same block (``vllm_plugi
     router_logits = aligned::linear(x, gate.weight)  (model dtype; LayerRules.router_profile, fma)
     w, ids, scores = aligned::moe_routing(router_logits, top_k, "softmax", norm_topk_prob)   (fp32)
     out = aligned::moe_experts(x, w, ids, experts.gate_up_proj, experts.down_proj,
-                               [shared gate_proj|up_proj, shared down_proj, shared_expert_gate])
+                               [shared gate_proj|up_proj, shared down_proj, shared_expert_gate],
+                               linear_profile)   (LayerRules.moe_experts: the rules' profile, fma or mma)
 
 Routing records (expert ids and fp32 scores per MoE layer) are collected while a :class:`RoutingRecorder` is
 active; the patched model uses them for ``routed_experts`` (diagnostics: routing-flip counts) and for the
@@ -74,7 +75,7 @@ def moe_block_forward(mlp, x: torch.Tensor, rules=None) -> torch.Tensor:
     if rec is not None:
         rec.records.append((ids, scores))
     sw13, sw2, sgate = _shared_weights(mlp)
-    return aligned_ops.moe_experts(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, sw13, sw2, sgate)
+    return rules.moe_experts(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, sw13, sw2, sgate)
 
 
 def load_balancing_loss(records, num_experts: int, top_k: int) -> torch.Tensor:

@@ -20,12 +20,13 @@ the same rules the trainer patch applies.
   of ``aligned_ops.rope.cos_sin_cache`` (the same builder and spec the trainer uses), built when vLLM
   constructs the module
 - ``UnquantizedLinearMethod`` (QKV, o_proj, gate_up, down) and ``UnquantizedEmbeddingMethod.apply`` (LM head)
-  -> ``aligned::linear``; their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
+  -> ``aligned::linear`` (the layer rules' profile: ``linear_exact`` under ``exact``, ``linear_mma`` under ``mma``); their CPU weight re-packing is skipped, so ``layer.weight`` stays a plain tensor
   and ``load_weights`` (refit) keeps working
 - tensor parallelism (TP = 2, 4, 8): ``RowParallelLinear.forward`` (o_proj, down_proj) -> each rank's
   8-lane sub-tree (``aligned::linear_partial``) finished by ``aligned_ops.ops.collective.tree_all_reduce``, bias
-  once after (the ``exact`` profile: integer partials and an exact int64 all-reduce,
-  ``aligned_ops.ops.collective.exact_row_parallel_linear``, eager mode); ``VocabParallelEmbedding.forward`` ->
+  once after (the ``mma`` profile: the same tree over ``aligned::linear_mma_partial``; the ``exact`` profile:
+  integer partials and an exact int64 all-reduce, ``aligned_ops.ops.collective.exact_row_parallel_linear``,
+  eager mode); ``VocabParallelEmbedding.forward`` ->
   an exact owner-copy combine that keeps -0.0; vLLM's own
   TP all-reduce (shared memory on CPU) raises if anything else reaches it
 - the attention backend -> :class:`~aligned_ops.integrations.vllm_attention.AlignedAttentionBackend`
@@ -459,7 +460,7 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
         _moe_trace.append((self.layer_name, ids))
     sw13, sw2, sgate = _shared_expert_weights(self)
     re = self.routed_experts
-    return aligned_ops.moe_experts(x, w, ids, re.w13_weight, re.w2_weight, sw13, sw2, sgate)
+    return rules_of(self).moe_experts(x, w, ids, re.w13_weight, re.w2_weight, sw13, sw2, sgate)
 
 
 _moe_trace: list | None = None
@@ -556,8 +557,26 @@ def validate_vllm_config(vllm_config) -> None:
         reasons.append(f"logprobs_mode {mode!r} is not supported (use 'raw_logprobs', the default, or "
                        "'processed_logprobs')")
     reasons.extend(gpu_platform_reasons(vllm_config))
+    reasons.extend(mma_reasons(vllm_config))
     if reasons:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
+
+
+def mma_reasons(vllm_config, platform=None) -> list:
+    """Start-up refusals of the ``mma`` linear profile (when the served model's rules run it): a CPU without the
+    unit ("mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"), a non-bf16 model, a GPU (no mma kernels yet)."""
+    mc = vllm_config.model_config
+    try:
+        profile = rules_for(architecture_of(mc.hf_config)).profile()
+    except ValueError as e:  # a bad ALIGNED_OPS_LINEAR: say so with the other reasons
+        return [str(e)]
+    if profile != "mma":
+        return []
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    from ..ops.linear_mma import mma_profile_reasons
+
+    return mma_profile_reasons(mc.dtype, "cpu" if platform.is_cpu() else str(platform.device_type))
 
 
 def _clear_rope_cache() -> None:

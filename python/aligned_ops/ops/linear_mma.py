@@ -47,6 +47,22 @@ def check_mma_available(where: str) -> str:
     return unit
 
 
+def mma_profile_reasons(dtype, device_type: str = "cpu") -> list[str]:
+    """Why a model of ``dtype`` on ``device_type`` cannot run the ``mma`` profile (empty: it can) — the start-up
+    refusals of the trainer patch and the vLLM plugin, each one line."""
+    reasons = []
+    if device_type != "cpu":
+        reasons.append(f"the mma profile has no {device_type} kernels yet (its GPU tensor-core kernels are a later "
+                       f"change); use ALIGNED_OPS_LINEAR=fma")
+    elif mma_unit() is None:
+        reasons.append(MMA_REFUSAL)
+    name = str(dtype).replace("torch.", "")
+    if name != "bfloat16":
+        reasons.append(f"the mma profile takes bfloat16 models (its matrix units multiply bf16), got {name}; "
+                       f"use ALIGNED_OPS_LINEAR=fma")
+    return reasons
+
+
 def _check_bf16(op, **tensors):
     for name, t in tensors.items():
         if t is not None:
