@@ -487,3 +487,124 @@ def test_a_cpu_without_the_unit_refuses_by_name(isa, refused):
     assert lines[0].startswith("aligned::linear_mma: mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"), lines
     assert lines[1].startswith("aligned::linear_mma_partial: mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"), lines
     assert lines[2].startswith("aligned_ops (trainer): mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"), lines
+
+
+# ---- MoE experts under the mma profile (moe.h: every projection is the profile's linear) -------------------------
+
+
+def _experts_reference_mma(x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+    """moe.h's per-token experts, composed of the mma ops token by token: h = linear_mma, y = the unrounded
+    8-lane linear_mma_partial, the rank-order fp32 combine (products rounded, then added), one rounding."""
+    T, H = x.shape
+    out = torch.empty_like(x)
+    for t in range(T):
+        xt = x[t : t + 1]
+        acc = torch.zeros(1, H)
+        for r in range(ids.shape[1]):
+            e = int(ids[t, r])
+            y = ops.linear_mma_partial(ops.silu_and_mul(ops.linear_mma(xt, w13[e])), w2[e], 8)
+            acc = acc + tw[t, r] * y
+        if sw13 is not None:
+            ys = ops.linear_mma_partial(ops.silu_and_mul(ops.linear_mma(xt, sw13)), sw2, 8)
+            g = 1.0 / (1.0 + ops._exp_f32(-ops.linear_mma_partial(xt, sgate, 8))) if sgate is not None else 1.0
+            acc = acc + g * ys
+        out[t] = acc[0].to(x.dtype)
+    return out
+
+
+def _moe_inputs(T, E=6, H=64, I=40, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(BF)
+    w13 = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(BF)
+    w2 = (0.1 * torch.randn(E, H, I, generator=g)).to(BF)
+    tw, ids, _ = aligned_ops.moe_routing(torch.randn(T, E, generator=g), k)
+    shared = ((0.1 * torch.randn(2 * 24, H, generator=g)).to(BF), (0.1 * torch.randn(H, 24, generator=g)).to(BF),
+              (0.1 * torch.randn(1, H, generator=g)).to(BF))
+    return x, tw, ids, w13, w2, shared
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_experts_mma_equals_the_composition_of_mma_ops(with_shared):
+    x, tw, ids, w13, w2, shared = _moe_inputs(37)
+    sh = shared if with_shared else (None, None, None)
+    got = aligned_ops.moe_experts(x, tw, ids, w13, w2, *sh, linear_profile="mma")
+    assert_bitwise_equal(got, _experts_reference_mma(x, tw, ids, w13, w2, *sh))
+    assert_bitwise_equal(aligned_ops.moe_experts(x, tw, ids, w13, w2, *sh),  # the op's default is fma
+                         aligned_ops.moe_experts(x, tw, ids, w13, w2, *sh, linear_profile="fma"))
+    # The two profiles' fp32 sums differ by an ulp in a few % of the outputs, which the bf16 rounding mostly hides;
+    # products in the subnormal range show them apart (the unit flushes them, the fma chain keeps them).
+    def tiny(t):  # down projections around the subnormal boundary
+        return None if t is None else (t.float() * 2.0**-124).to(BF)
+
+    w2t, sht = tiny(w2), (sh[0], tiny(sh[1]), sh[2])
+    got = aligned_ops.moe_experts(x, tw, ids, w13, w2t, *sht, linear_profile="mma")
+    assert_bitwise_equal(got, _experts_reference_mma(x, tw, ids, w13, w2t, *sht))
+    assert not bitwise_equal(got, aligned_ops.moe_experts(x, tw, ids, w13, w2t, *sht))
+
+
+def test_moe_experts_mma_token_alone_equals_token_in_batch():
+    x, tw, ids, w13, w2, shared = _moe_inputs(300, seed=1)
+    full = aligned_ops.moe_experts(x, tw, ids, w13, w2, *shared, linear_profile="mma")
+    for t in (0, 1, 150, 299):
+        alone = aligned_ops.moe_experts(x[t : t + 1], tw[t : t + 1], ids[t : t + 1], w13, w2, *shared,
+                                        linear_profile="mma")
+        assert_bitwise_equal(alone[0], full[t])
+    for M in (5, 64):
+        part = aligned_ops.moe_experts(x[:M], tw[:M], ids[:M], w13, w2, *shared, linear_profile="mma")
+        assert_bitwise_equal(part, full[:M])
+
+
+def test_moe_experts_mma_backward_recomputes_the_mma_forward():
+    """The experts' backward runs the fma profile's fp32 gradient chains on the mma forward's activations; close to
+    float64 autograd of the same math."""
+    x, tw, ids, w13, w2, shared = _moe_inputs(9, seed=2)
+    xs, w13s, w2s = (t.clone().requires_grad_() for t in (x, w13, w2))
+    twr = tw.clone().requires_grad_()
+    out = aligned_ops.moe_experts(xs, twr, ids, w13s, w2s, linear_profile="mma")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(BF)
+    out.backward(g)
+    x64, w1364, w264, tw64 = (t.detach().double().requires_grad_() for t in (x, w13, w2, tw))
+    ref = torch.zeros(9, 64, dtype=torch.float64)
+    for t in range(9):
+        for r in range(2):
+            e = int(ids[t, r])
+            h = x64[t] @ w1364[e].T
+            a = F.silu(h[:40]) * h[40:]
+            ref[t] = ref[t] + tw64[t, r] * (a @ w264[e].T)
+    ref.backward(g.double())
+    for got, want in ((xs.grad, x64.grad), (w13s.grad, w1364.grad), (w2s.grad, w264.grad), (twr.grad, tw64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_moe_experts_mma_refusals():
+    x, tw, ids, w13, w2, _ = _moe_inputs(3)
+    with pytest.raises(RuntimeError, match="aligned::moe_experts: the mma profile's experts take bfloat16"):
+        aligned_ops.moe_experts(x.float(), tw, ids, w13.float(), w2.float(), linear_profile="mma")
+    with pytest.raises(RuntimeError, match="aligned::moe_experts: linear_profile must be 'fma' or 'mma', got 'exact'"):
+        aligned_ops.moe_experts(x, tw, ids, w13, w2, linear_profile="exact")
+    torch.library.opcheck(ops.moe_experts, (x, tw, ids, w13, w2, None, None, None, "mma"))
+
+
+def test_layer_rules_run_the_profile_on_every_matrix_op(monkeypatch):
+    """LayerRules (both sides call it): linear, the LM head and the MoE experts follow ALIGNED_OPS_LINEAR=mma; the
+    router keeps router_profile (fma)."""
+    from aligned_ops.model_spec import LayerRules
+
+    x, tw, ids, w13, w2, shared = _moe_inputs(5)
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "mma")
+    rules = LayerRules()
+    assert_bitwise_equal(rules.moe_experts(x, tw, ids, w13, w2, *shared),
+                         aligned_ops.moe_experts(x, tw, ids, w13, w2, *shared, linear_profile="mma"))
+    assert_bitwise_equal(rules.head_logits(x, w13[0]), ops.linear_mma(x, w13[0]))
+    assert_bitwise_equal(rules.router_linear(x, w13[0]), ops.linear(x, w13[0]))
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")  # the exact profile's experts: the fma chains, as before
+    assert_bitwise_equal(rules.moe_experts(x, tw, ids, w13, w2), aligned_ops.moe_experts(x, tw, ids, w13, w2))
+
+
+def test_mma_profile_reasons():
+    from aligned_ops.ops.linear_mma import mma_profile_reasons
+
+    assert mma_profile_reasons(torch.bfloat16) == []
+    assert mma_profile_reasons("float32") == [
+        "the mma profile takes bfloat16 models (its matrix units multiply bf16), got float32; use ALIGNED_OPS_LINEAR=fma"]
+    assert "no cuda kernels yet" in mma_profile_reasons(torch.bfloat16, "cuda")[0]
