@@ -27,7 +27,14 @@ from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, r
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.distributed import launch  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    E2E_ENGINE_PARAMS,
+    assert_rollouts_bitwise,
+    engine_param,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.slow
 needs_lanes = pytest.mark.skipif(not hasattr(aligned_ops, "linear_partial"),
@@ -63,8 +70,16 @@ def _same(a, b):
 
 @needs_lanes
 @pytest.mark.parametrize("tp", TP_DEGREES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, dtype, tp, tmp_path, monkeypatch):
+@pytest.mark.parametrize("param", E2E_ENGINE_PARAMS)
+def test_tp_rollouts_bitwise_equal_tp1_and_fsdp2_trainers(model_dirs, param, tp, tmp_path, monkeypatch):
+    """param "bfloat16-mma": ALIGNED_OPS_LINEAR=mma in this process, the mp workers and the FSDP2 ranks (the
+    row-parallel layers' mma sub-trees and the tree all-reduce; the TP = 1 / FSDP2 trainers' linear_mma)."""
+    dtype, profile = engine_param(param)
+    with linear_profile_env(profile):
+        _tp_rollouts(model_dirs, dtype, tp, tmp_path, monkeypatch)
+
+
+def _tp_rollouts(model_dirs, dtype, tp, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
