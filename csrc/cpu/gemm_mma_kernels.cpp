@@ -51,7 +51,7 @@ namespace {
 
 #define ALIGNED_INLINE inline __attribute__((always_inline))
 
-constexpr int kMR = 8;                  // rows per microkernel of the packed path (8 x 2 zmm accumulators; 12 measured no faster)
+constexpr int kMR = 8;                  // rows per packed-path microkernel (8 x 2 zmm accumulators; 12: no faster)
 constexpr int kNR = 32;                 // columns per packed panel and per tile row
 constexpr int kDirectRows = 8;          // rows of the direct path (8 accumulators + 16 pair vectors: no spill)
 constexpr int kRowLanes = 32;           // most rows of the row-lane path (one zmm lane per row, 1-2 zmm per column)
@@ -177,7 +177,8 @@ static void pack_pairs(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn,
     for (int h = 0; h < W / 16; ++h) {
       const int64_t nh = std::min<int64_t>(16, std::max<int64_t>(0, nw - 16 * h));
       const uint16_t* rp[16];
-      for (int i = 0; i < 16; ++i) rp[i] = b + (n0 + std::min<int64_t>(16 * h + i, nw - 1)) * b_sn;  // rows >= nh: masked
+      for (int i = 0; i < 16; ++i)  // rows past nh: a valid row, masked off by load_rows
+        rp[i] = b + (n0 + std::min<int64_t>(16 * h + i, nw - 1)) * b_sn;
       for (int64_t kk = k0; kk < k1; kk += 32) {
         const int cnt = (int)std::min<int64_t>(32, k1 - kk);
         __m512 rows[16];
@@ -203,7 +204,8 @@ static void micro_packed(const uint16_t* a, int64_t a_sm, const uint32_t* __rest
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t full = (k1 - k0) / 2;
   for (int64_t q = 0; q < full; ++q) {
-    const __m512 b0 = _mm512_load_ps((const float*)(bp + q * kNR)), b1 = _mm512_load_ps((const float*)(bp + q * kNR + 16));
+    const __m512 b0 = _mm512_load_ps((const float*)(bp + q * kNR));
+    const __m512 b1 = _mm512_load_ps((const float*)(bp + q * kNR + 16));
     const int64_t k = k0 + 2 * q;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -213,7 +215,8 @@ static void micro_packed(const uint16_t* a, int64_t a_sm, const uint32_t* __rest
     }
   }
   if ((k1 - k0) & 1) {  // the odd lane's last pair: (A[m, k1 - 1], +0)
-    const __m512 b0 = _mm512_load_ps((const float*)(bp + full * kNR)), b1 = _mm512_load_ps((const float*)(bp + full * kNR + 16));
+    const __m512 b0 = _mm512_load_ps((const float*)(bp + full * kNR));
+    const __m512 b1 = _mm512_load_ps((const float*)(bp + full * kNR + 16));
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const uint32_t ap = a[r * a_sm + k1 - 1];
@@ -244,6 +247,7 @@ static PackedFn pick_packed(int rows, std::integer_sequence<int, R...>) {
 // 8 weight rows at a time: 16 rows K = 2048 / 4096 elements apart all map to one L1 set (8 ways) and were measured
 // 2x slower than 8 (which fit).
 constexpr int kRowLaneCols = 8;
+constexpr int64_t kRowLanePrefetch = 128;  // elements ahead in each weight row (4 lines): DRAM-resident weights
 
 template <int RZ, bool kFull>
 static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const uint32_t* __restrict ap,
@@ -252,8 +256,10 @@ static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const 
   const __mmask32 m = kFull ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
   alignas(64) uint32_t w_pairs[kRowLaneCols][16];  // the columns' next 16 pairs (one line per weight row)
 #pragma GCC unroll 8
-  for (int j = 0; j < kRowLaneCols; ++j)
+  for (int j = 0; j < kRowLaneCols; ++j) {
     _mm512_store_si512(w_pairs[j], kFull ? _mm512_loadu_si512(wr[j] + kk) : _mm512_maskz_loadu_epi16(m, wr[j] + kk));
+    _mm_prefetch((const char*)(wr[j] + kk + kRowLanePrefetch), _MM_HINT_T0);  // a hint: past the row is harmless
+  }
   const int pairs = kFull ? 16 : (cnt + 1) / 2;  // an odd tail's last pair is (B[n, k1 - 1], +0): the masked load
 #pragma GCC unroll 16
   for (int c = 0; c < pairs; ++c) {
@@ -267,30 +273,28 @@ static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const 
   }
 }
 
-// Lane [k0, k1) of 16 * RZ rows against the 16 weight rows n0 .. n0 + 16 (rows past nw clamped: computed, not
-// stored): tile[r][0..16) for r < 16 * RZ.
+// Lane [k0, k1) of 16 * RZ rows against the kRowLaneCols weight rows n0 .. n0 + 8 (rows past nw clamped:
+// computed, not stored): tile[r][0..8) for r < 16 * RZ (and tile[r][8..16) = 0). The caller walks all lanes of these 8 weight rows before
+// the next 8, so each weight row streams front to back (prefetch-friendly) instead of a lane's short piece at a time.
 template <int RZ>
 static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw,
                     int64_t k0, int64_t k1, float* tile) {
-  __m512 out[RZ][16];
-  for (int h = 0; h < 16 / kRowLaneCols; ++h) {
-    __m512 acc[kRowLaneCols][RZ];
+  __m512 acc[kRowLaneCols][RZ];
 #pragma GCC unroll 8
-    for (int j = 0; j < kRowLaneCols; ++j)
+  for (int j = 0; j < kRowLaneCols; ++j)
 #pragma GCC unroll 2
-      for (int z = 0; z < RZ; ++z) acc[j][z] = _mm512_setzero_ps();
-    const uint16_t* wr[kRowLaneCols];
-    for (int j = 0; j < kRowLaneCols; ++j) wr[j] = b + (n0 + std::min<int64_t>(h * kRowLaneCols + j, nw - 1)) * b_sn;
-    int64_t kk = k0;
-    for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
-    if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
-    for (int j = 0; j < kRowLaneCols; ++j)
-      for (int z = 0; z < RZ; ++z) out[z][h * kRowLaneCols + j] = acc[j][z];
-  }
+    for (int z = 0; z < RZ; ++z) acc[j][z] = _mm512_setzero_ps();
+  const uint16_t* wr[kRowLaneCols];
+  for (int j = 0; j < kRowLaneCols; ++j) wr[j] = b + (n0 + std::min<int64_t>(j, nw - 1)) * b_sn;
+  int64_t kk = k0;
+  for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
+  if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
   for (int z = 0; z < RZ; ++z) {
-    transpose16(out[z]);  // out[z][r] = row 16 z + r's 16 columns
+    __m512 out[16];
+    for (int j = 0; j < 16; ++j) out[j] = j < kRowLaneCols ? acc[j][z] : _mm512_setzero_ps();
+    transpose16(out);  // out[r] = row 16 z + r's columns
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + (16 * z + r) * kNR, out[z][r]);
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(tile + (16 * z + r) * kNR, out[r]);
   }
 }
 
@@ -368,7 +372,8 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     std::fill(tile, tile + kTileFloats, 0.0f);
     for (int64_t m = m0; m < m1; m += kMR)
       for (int64_t nb = n0; nb < n1; nb += kNR)
-        store_tile(tile, (int)std::min<int64_t>(kMR, m1 - m), bias, c + m * c_sm, c_sm, nb, std::min<int64_t>(kNR, n1 - nb));
+        store_tile(tile, (int)std::min<int64_t>(kMR, m1 - m), bias, c + m * c_sm, c_sm, nb,
+                   std::min<int64_t>(kNR, n1 - nb));
     return;
   }
   int64_t lane_q[kLinearLanes + 1];  // first packed pair of each lane
@@ -385,9 +390,15 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     const auto fn = rz == 1 ? &rowlane<1> : &rowlane<2>;
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
-      run_lanes(lanes, K, (int)rows, nw, tile, lane_tiles, [&](int l, int64_t k0, int64_t k1, float* t) {
-        fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb, nw, k0, k1, t);
-      });
+      // 8 weight rows through every lane, then the next 8 (rowlane's note); each call writes 16 columns of its
+      // lane tile from column 8h, the upper 8 of them zeros that the second group overwrites (tile rows: kNR).
+      for (int64_t h = 0; h < nw; h += kRowLaneCols) {
+        const int64_t hw = std::min<int64_t>(kRowLaneCols, nw - h);
+        for (int l = 0; l < lanes; ++l)
+          fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb + h, hw, linear_lane_begin(l, K, lanes),
+             linear_lane_begin(l + 1, K, lanes), (lanes == 1 ? tile : lane_tiles + l * kTileFloats) + h);
+      }
+      if (lanes > 1) fold_lane_tiles(lane_tiles, lanes, (int)rows, nw, tile);
       store_tile(tile, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
     }
     return;
