@@ -181,16 +181,16 @@ inline GemmParams make_linear_dw_params(const LinearArgs<DType>& a, const at::Te
   return make_gemm_params(a.dt, g, 1, a.N, x, 1, a.K, at::Tensor(), a.dt, dw, a.N, a.K, a.M, 1);
 }
 
-// The `mma` profile's backward GEMMs (csrc/common/mma.h), every one the profile's 8-lane linear on row-major
-// operands (the unit's kernels read pairs along contiguous rows): dx [M, K] = g [M, N] . (w^T) [K, N] over N;
-// dw [N, K] = (g^T) [N, M] . (x^T) [K, M] over the M tokens. wt, gt, xt are the contiguous transposed copies.
-inline GemmParams make_linear_mma_dx_params(const LinearArgs<DType>& a, const at::Tensor& g, const at::Tensor& wt,
+// The `mma` profile's backward GEMMs (csrc/common/mma.h), every one the profile's 8-lane linear: dx [M, K] = g [M, N]
+// . w over N (w read in place, column-major as the GEMM's B); dw [N, K] = (g^T) [N, M] . x over the M tokens (gt:
+// the contiguous transposed copy — the unit's A operand is read along its rows —, x in place).
+inline GemmParams make_linear_mma_dx_params(const LinearArgs<DType>& a, const at::Tensor& g, const at::Tensor& w,
                                             const at::Tensor& dx) {
-  return make_gemm_params(a.dt, g, a.N, 1, wt, a.N, 1, at::Tensor(), a.dt, dx, a.M, a.K, a.N, kLinearLanes);
+  return make_gemm_params(a.dt, g, a.N, 1, w, 1, a.K, at::Tensor(), a.dt, dx, a.M, a.K, a.N, kLinearLanes);
 }
-inline GemmParams make_linear_mma_dw_params(const LinearArgs<DType>& a, const at::Tensor& gt, const at::Tensor& xt,
+inline GemmParams make_linear_mma_dw_params(const LinearArgs<DType>& a, const at::Tensor& gt, const at::Tensor& x,
                                             const at::Tensor& dw) {
-  return make_gemm_params(a.dt, gt, a.M, 1, xt, a.M, 1, at::Tensor(), a.dt, dw, a.N, a.K, a.M, kLinearLanes);
+  return make_gemm_params(a.dt, gt, a.M, 1, x, 1, a.K, at::Tensor(), a.dt, dw, a.N, a.K, a.M, kLinearLanes);
 }
 
 // linear_backward's bias gradient: db [N] = the column chains of g [M, N].

@@ -84,7 +84,9 @@ ALIGNED_HD int64_t linear_lane_begin(int64_t l, int64_t K, int64_t lanes) { retu
 
 // Fold of n ∈ {1, 2, 4, 8} adjacent lane (or rank) partials: the sub-tree of the 8-lane tree over them,
 // adjacent pairs first, level by level. n = 8 is ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
-ALIGNED_HD float linear_lane_fold(const float* s, int n) {
+// V: float, or a csrc/cpu/simd.h vector (each lane the float tree: the CPU kernels fold 16 outputs at a time).
+template <typename V>
+ALIGNED_HD V linear_lane_fold(const V* s, int n) {
   if (n == 1) return s[0];
   if (n == 2) return s[0] + s[1];
   if (n == 4) return (s[0] + s[1]) + (s[2] + s[3]);

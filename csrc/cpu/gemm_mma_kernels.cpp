@@ -23,7 +23,8 @@
 //  * row-lane, rows 9..16 and 24..32: the rows' pairs are packed once ([pair][16 or 32 rows]) and each step
 //    broadcasts one weight column's pair against them (rows in the zmm lanes, 8 weight columns at a time; the
 //    instruction's model is symmetric in its operands) — no weight transpose, one read of the weight.
-//  * packed, rows 17..23 and > 32: per block of kMC rows, each 32-column panel is packed once over every lane
+//  * packed, rows 17..23 and > 32, and every row count when B is column-major (the backward reads w and x in
+//    place: the panel packs pairs of k-rows by interleaving, no transpose): per block of kMC rows, each 32-column panel is packed once over every lane
 //    (pairs of a lane consecutive, [pair][32 columns], zero columns past N) and reused by all kMR-row groups: a
 //    group's step is 2 aligned loads and 2 * kMR instructions with the row's pair broadcast.
 #include <stdlib.h>
@@ -37,6 +38,7 @@
 
 #include "../common/mma.h"
 #include "mma_kernels.h"
+#include "simd.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -50,6 +52,8 @@ namespace aligned::cpu::ALIGNED_ISA {
 namespace {
 
 #define ALIGNED_INLINE inline __attribute__((always_inline))
+
+namespace simd = aligned::cpu::ALIGNED_ISA::simd;
 
 constexpr int kMR = 8;                  // rows per packed-path microkernel (8 x 2 zmm accumulators; 12: no faster)
 constexpr int kNR = 32;                 // columns per packed panel and per tile row
@@ -195,6 +199,28 @@ static void pack_pairs(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn,
   }
 }
 
+// The same panel from a column-major B (B[n, k] at b[k * b_sk + n]: the backward's w and x read in place, no
+// transposed copy): pair q of a lane is the two k-rows (k, k+1) of 32 consecutive columns, interleaved by 16 bits.
+static void pack_pairs_cols(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sk, int64_t n0, int64_t nw,
+                            int64_t K, int lanes) {
+  int64_t q = 0;
+  for (int l = 0; l < lanes; ++l) {
+    const int64_t k0 = linear_lane_begin(l, K, lanes), k1 = linear_lane_begin(l + 1, K, lanes);
+    for (int64_t k = k0; k < k1; k += 2, ++q) {
+      const uint16_t* r0 = b + k * b_sk + n0;
+      const uint16_t* r1 = b + (k + 1) * b_sk + n0;  // read only when k + 1 < k1 (else the pair's +0 half)
+      for (int h = 0; h < kNR / 16; ++h) {
+        const int cnt = (int)std::max<int64_t>(0, std::min<int64_t>(16, nw - 16 * h));
+        const __mmask16 m = cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + 16 * h));
+        const __m512i hi = k + 1 < k1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + 16 * h))
+                                      : _mm512_setzero_si512();
+        _mm512_store_si512(bp + q * kNR + 16 * h, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+}
+
 // One lane of MR rows x 32 columns on the packed panel bp (the lane's pairs): tile[r][0..32).
 template <int MR>
 static void micro_packed(const uint16_t* a, int64_t a_sm, const uint32_t* __restrict bp, int64_t k0, int64_t k1,
@@ -299,53 +325,33 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
 }
 
 // ---- epilogue -------------------------------------------------------------------------------------------------
-// Lane tiles lt[l] -> tile by the contract's tree (linear_lane_fold, unrolled per lane count so the column loop
-// vectorises without reassociation).
-template <int L>
-static void fold_lane_tiles_n(const float* __restrict lt, int rows, int64_t nw, float* __restrict tile) {
+// The lane tiles lt[l] (kTileFloats apart, rows kNR apart) -> C: per row, 16 columns at a time, the contract's
+// tree (linear_lane_fold on simd.h vectors: each vector lane computes the float tree; one lane: the chain itself),
+// then linear_epilogue's one fp32 add of the bias and one rounding (simd.h store: RNE, NaN kept — lane by lane
+// from_f32's bits). Vectorised because at short lanes (the backward's dw over a few tokens) it is most of the work.
+using V = simd::F32x16;
+
+template <typename TC>
+static void fold_and_store(const float* lt, int lanes, int rows, const TC* bias, TC* c, int64_t c_sm, int64_t n0,
+                           int64_t nw) {
   for (int r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < nw; ++j) {
-      float s[L];
-#pragma GCC unroll 8
-      for (int l = 0; l < L; ++l) s[l] = lt[l * kTileFloats + r * kNR + j];
-      tile[r * kNR + j] = linear_lane_fold(s, L);
+    TC* crow = c + r * c_sm + n0;
+    for (int64_t j = 0; j < nw; j += 16) {
+      const int cnt = (int)std::min<int64_t>(16, nw - j);
+      V s[kLinearLanes];
+      for (int l = 0; l < lanes; ++l) s[l] = simd::load<V>(lt + l * kTileFloats + r * kNR + j, cnt);
+      V acc = linear_lane_fold(s, lanes);
+      if (bias) acc = acc + simd::load<V>(bias + n0 + j, cnt);
+      simd::store(crow + j, acc, cnt);  // TC is bf16_t or float: vector stores (simd.h kVectorStore)
     }
   }
 }
-static void fold_lane_tiles(const float* lt, int lanes, int rows, int64_t nw, float* tile) {
-  switch (lanes) {
-    case 2: fold_lane_tiles_n<2>(lt, rows, nw, tile); break;
-    case 4: fold_lane_tiles_n<4>(lt, rows, nw, tile); break;
-    default: fold_lane_tiles_n<8>(lt, rows, nw, tile); break;
-  }
-}
 
-// Runs chain(lane, k0, k1, lane_tile) for every lane of K and folds the lane tiles into `tile` (one lane: the
-// chain writes `tile` itself — a 1-lane tree is the chain).
+// Runs chain(lane, k0, k1, lane_tile) for every lane of K into the lane tiles (the fold is fold_and_store's).
 template <typename Chain>
-static ALIGNED_INLINE void run_lanes(int lanes, int64_t K, int rows, int64_t nw, float* tile, float* lane_tiles,
-                                     Chain&& chain) {
-  if (lanes == 1) {
-    chain(0, (int64_t)0, K, tile);
-    return;
-  }
+static ALIGNED_INLINE void run_lanes(int lanes, int64_t K, float* lane_tiles, Chain&& chain) {
   for (int l = 0; l < lanes; ++l)
     chain(l, linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats);
-  fold_lane_tiles(lane_tiles, lanes, rows, nw, tile);
-}
-
-// C[m, n0 + j] = linear_epilogue(tile[r][j], bias, n0 + j): one fp32 add of the bias, one rounding (mma.h).
-template <typename TC>
-static void store_tile(const float* tile, int rows, const TC* bias, TC* c, int64_t c_sm, int64_t n0, int64_t nw) {
-  for (int r = 0; r < rows; ++r) {
-    const float* t = tile + r * kNR;
-    TC* crow = c + r * c_sm + n0;
-    if (bias) {
-      for (int64_t j = 0; j < nw; ++j) crow[j] = from_f32<TC>(t[j] + to_f32(bias[n0 + j]));
-    } else {
-      for (int64_t j = 0; j < nw; ++j) crow[j] = from_f32<TC>(t[j]);
-    }
-  }
 }
 
 // Packed-panel buffer of the calling thread, grown on demand and kept (threads are torch's pool).
@@ -362,25 +368,25 @@ static uint32_t* thread_panel_buffer(int64_t dwords) {
 }
 
 template <typename TC>
-static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64_t b_sn, const TC* bias, TC* c,
-                       int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  alignas(64) float tile[kTileFloats];
+static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64_t b_sn, int64_t b_sk, const TC* bias,
+                       TC* c, int64_t c_sm, int64_t K, int lanes, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const bool b_cols = b_sk != 1;  // column-major B (b_sn == 1): the packed path, whatever the row count
   alignas(64) float lane_tiles[kLinearLanes * kTileFloats];
   const int64_t rows = m1 - m0;
   if (rows <= 0 || n1 <= n0) return;
   if (K == 0) {  // every lane empty: +0 (then the bias)
-    std::fill(tile, tile + kTileFloats, 0.0f);
+    std::fill(lane_tiles, lane_tiles + kTileFloats, 0.0f);
     for (int64_t m = m0; m < m1; m += kMR)
       for (int64_t nb = n0; nb < n1; nb += kNR)
-        store_tile(tile, (int)std::min<int64_t>(kMR, m1 - m), bias, c + m * c_sm, c_sm, nb,
-                   std::min<int64_t>(kNR, n1 - nb));
+        fold_and_store(lane_tiles, 1, (int)std::min<int64_t>(kMR, m1 - m), bias, c + m * c_sm, c_sm, nb,
+                       std::min<int64_t>(kNR, n1 - nb));
     return;
   }
   int64_t lane_q[kLinearLanes + 1];  // first packed pair of each lane
   lane_q[0] = 0;
   for (int l = 0; l < lanes; ++l)
     lane_q[l + 1] = lane_q[l] + lane_pairs(linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes));
-  if (rows > kDirectRows && (rows <= 16 || (rows >= kRowLanesMin2 && rows <= kRowLanes))) {
+  if (!b_cols && rows > kDirectRows && (rows <= 16 || (rows >= kRowLanesMin2 && rows <= kRowLanes))) {
     const int rz = rows <= 16 ? 1 : 2;  // (rows 17..23 would waste 1/3 of the lanes: the packed path below)
     uint32_t* ap = thread_panel_buffer(lane_q[lanes] * 16 * rz);
     if (rz == 1)
@@ -396,23 +402,22 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
         const int64_t hw = std::min<int64_t>(kRowLaneCols, nw - h);
         for (int l = 0; l < lanes; ++l)
           fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb + h, hw, linear_lane_begin(l, K, lanes),
-             linear_lane_begin(l + 1, K, lanes), (lanes == 1 ? tile : lane_tiles + l * kTileFloats) + h);
+             linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats + h);
       }
-      if (lanes > 1) fold_lane_tiles(lane_tiles, lanes, (int)rows, nw, tile);
-      store_tile(tile, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
+      fold_and_store(lane_tiles, lanes, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
     }
     return;
   }
-  if (rows <= kDirectRows) {
+  if (!b_cols && rows <= kDirectRows) {
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
       for (int64_t m = m0; m < m1; m += kDirectRows) {
         const int r = (int)std::min<int64_t>(kDirectRows, m1 - m);
         const DirectFn fn = pick_direct(r, std::make_integer_sequence<int, kDirectRows>{});
-        run_lanes(lanes, K, r, nw, tile, lane_tiles, [&](int, int64_t k0, int64_t k1, float* t) {
+        run_lanes(lanes, K, lane_tiles, [&](int, int64_t k0, int64_t k1, float* t) {
           fn(a + m * a_sm, a_sm, b, b_sn, nb, nw, k0, k1, t);
         });
-        store_tile(tile, r, bias, c + m * c_sm, c_sm, nb, nw);
+        fold_and_store(lane_tiles, lanes, r, bias, c + m * c_sm, c_sm, nb, nw);
       }
     }
     return;
@@ -422,14 +427,17 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     const int64_t me = std::min(m1, mb + kMC);
     for (int64_t nb = n0; nb < n1; nb += kNR) {
       const int64_t nw = std::min<int64_t>(kNR, n1 - nb);
-      pack_pairs<kNR>(bp, b, b_sn, nb, nw, K, lanes);
+      if (b_cols)
+        pack_pairs_cols(bp, b, b_sk, nb, nw, K, lanes);
+      else
+        pack_pairs<kNR>(bp, b, b_sn, nb, nw, K, lanes);
       for (int64_t m = mb; m < me; m += kMR) {
         const int r = (int)std::min<int64_t>(kMR, me - m);
         const PackedFn fn = r == kMR ? &micro_packed<kMR> : pick_packed(r, std::make_integer_sequence<int, kMR>{});
-        run_lanes(lanes, K, r, nw, tile, lane_tiles, [&](int l, int64_t k0, int64_t k1, float* t) {
+        run_lanes(lanes, K, lane_tiles, [&](int l, int64_t k0, int64_t k1, float* t) {
           fn(a + m * a_sm, a_sm, bp + lane_q[l] * kNR, k0, k1, t);
         });
-        store_tile(tile, r, bias, c + m * c_sm, c_sm, nb, nw);
+        fold_and_store(lane_tiles, lanes, r, bias, c + m * c_sm, c_sm, nb, nw);
       }
     }
   }
@@ -437,16 +445,20 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
 
 // C = the mma profile's GEMM (mma_kernels.h) for rows [m0, m1) x columns [n0, n1).
 void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  // The glue (ops_mma_cpu.cpp) makes only these: bf16 operands with unit k-stride, bf16 or fp32 C.
-  if (p.adt != DType::BF16 || p.bdt != DType::BF16 || (p.K > 1 && (p.a_sk != 1 || p.b_sk != 1)) ||
+  // The glue (ops_mma_cpu.cpp) makes only these: bf16 operands, A with unit k-stride, B row-major (unit k-stride)
+  // or column-major (unit n-stride), bf16 or fp32 C.
+  const bool b_ok = p.b_sk == 1 || p.b_sn == 1;
+  if (p.adt != DType::BF16 || p.bdt != DType::BF16 || (p.K > 1 && (p.a_sk != 1 || !b_ok)) ||
       (p.cdt != DType::BF16 && p.cdt != DType::F32) || (p.cdt == DType::F32 && p.bias))
     abort();
   const auto* A = (const uint16_t*)p.A;
   const auto* B = (const uint16_t*)p.B;
+  const int64_t b_sk = p.K > 1 ? p.b_sk : 1;
   if (p.cdt == DType::BF16)
-    gemm_typed<bf16_t>(A, p.a_sm, B, p.b_sn, (const bf16_t*)p.bias, (bf16_t*)p.C, p.c_sm, p.K, p.lanes, m0, m1, n0, n1);
+    gemm_typed<bf16_t>(A, p.a_sm, B, p.b_sn, b_sk, (const bf16_t*)p.bias, (bf16_t*)p.C, p.c_sm, p.K, p.lanes, m0, m1,
+                       n0, n1);
   else
-    gemm_typed<float>(A, p.a_sm, B, p.b_sn, nullptr, (float*)p.C, p.c_sm, p.K, p.lanes, m0, m1, n0, n1);
+    gemm_typed<float>(A, p.a_sm, B, p.b_sn, b_sk, nullptr, (float*)p.C, p.c_sm, p.K, p.lanes, m0, m1, n0, n1);
 }
 
 }  // namespace

@@ -19,9 +19,9 @@ struct MmaKernels {
   const char* unit;  // "avx512_bf16" (vdpbf16ps): the unit named by aligned::MmaUnit
   MmaUnit unit_id;
   // C[m, n] = epilogue(linear_lane_fold over p.lanes (1, 2, 4, 8) lanes of the unit's chains of A[m, :] . B[n, :])
-  // for rows [m0, m1) x columns [n0, n1) (mma.h). A, B bf16 with unit k-stride (a_sk == b_sk == 1: the glue
-  // passes contiguous rows; the backward passes transposed copies); C bf16 (+ bf16 bias, one rounding) or fp32
-  // (linear_mma_partial: the unrounded sub-tree, no bias).
+  // for rows [m0, m1) x columns [n0, n1) (mma.h). A bf16 with unit k-stride (a_sk == 1); B bf16 row-major
+  // (b_sk == 1: the forward's weight) or column-major (b_sn == 1: the backward's w and x, read in place); C bf16
+  // (+ bf16 bias, one rounding) or fp32 (linear_mma_partial: the unrounded sub-tree, no bias).
   void (*gemm)(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
 };
 

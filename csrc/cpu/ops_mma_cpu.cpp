@@ -81,12 +81,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_mma_backward(const at::Ten
   at::Tensor dx, dw, db;
   if (needs_x) {
     dx = at::empty({M, K}, x.options());
-    run_gemm_tiles(make_linear_mma_dx_params(a, g, weight.t().contiguous(), dx), unit.gemm);
+    run_gemm_tiles(make_linear_mma_dx_params(a, g, weight.contiguous(), dx), unit.gemm);
     dx = dx.view(x.sizes());
   }
   if (needs_w) {
     dw = at::empty({N, K}, weight.options());
-    run_gemm_tiles(make_linear_mma_dw_params(a, g.t().contiguous(), x.reshape({M, K}).t().contiguous(), dw), unit.gemm);
+    run_gemm_tiles(make_linear_mma_dw_params(a, g.t().contiguous(), x.reshape({M, K}).contiguous(), dw), unit.gemm);
   }
   if (needs_b) {
     db = at::empty({N}, x.options());
