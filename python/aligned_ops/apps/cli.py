@@ -80,6 +80,25 @@ def resolve_demo_defaults(args) -> None:
             setattr(args, key, value)
 
 
+def _check_linear_profile(args) -> None:
+    """--linear (or ALIGNED_OPS_LINEAR) names a registered profile that can run this model here (the mma profile:
+    --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. Unset: fma, which
+    runs everywhere (no torch import for it)."""
+    env = os.environ.get("ALIGNED_OPS_LINEAR", "").strip()
+    if args.linear is None and not env:
+        return
+    from .. import profiles
+
+    where = "--linear" if args.linear is not None else "ALIGNED_OPS_LINEAR"
+    try:
+        profile = profiles.get(args.linear if args.linear is not None else env, where)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    bad = profile.model_refusals(args.dtype)
+    if bad:
+        raise UsageError(f"{where} {profile.name}: " + "; ".join(bad))
+
+
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
     if args.command == "demo":
@@ -87,13 +106,7 @@ def validate_args(args) -> None:
     _at_least(args, "--threads", 1)
     _at_least(args, "--seed", 0)
     if args.command == "verify":
-        if args.linear is not None:
-            from .. import profiles
-
-            try:
-                profiles.get(args.linear, "--linear")
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+        _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
         if not (0.0 < args.temperature < float("inf")):
@@ -138,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
 
     v.add_argument("--linear", default=None, metavar="PROFILE",
-                   help="linear numerics profile of the aligned side, a name from aligned_ops.profiles (fma, exact; "
+                   help="linear numerics profile of the aligned side, a name from aligned_ops.profiles (fma, exact, mma; "
                         "default: ALIGNED_OPS_LINEAR, else fma)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)
