@@ -88,11 +88,16 @@ def test_both_sides_run_the_engine_profile(engine):
         return
     rollouts = generate_with_logprobs(llm, _prompts(3), temperature=1.0, max_tokens=10)
     assert_rollouts_bitwise(rollouts, _teacher_forced(trainer, rollouts, 1.0))
+    from aligned_ops.integrations.hf import unpatch_model
+
+    unpatch_model(trainer)
     patch_model(trainer, profile=profiles.FMA)  # the same weights, the fma profile
     try:
         fma = _teacher_forced(trainer, rollouts, 1.0)
     finally:
+        unpatch_model(trainer)
         patch_model(trainer, profile=profiles.MMA)
+    assert profiles.profile_of(trainer) is profiles.MMA
     n = sum(int((bits(r.logprobs_tensor()) != bits(torch.as_tensor(lp))).sum()) for r, lp in zip(rollouts, fma))
     print(f"[mma engine] fma-profile trainer negative control: {n} log-probs differ")
     assert n > 0
