@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bits, bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     E2E_ENGINE_PARAMS,
@@ -56,9 +56,12 @@ def engine(request, model_dirs):
     with linear_profile_env(profile):
         llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512)
         trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-        yield dtype, llm, trainer
-        del llm
-        gc.collect()
+        try:
+            yield dtype, llm, trainer
+        finally:
+            shutdown(llm)  # now, not at garbage collection (its process group with it: tests/conftest.py)
+            del llm
+            gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature):
