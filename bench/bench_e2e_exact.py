@@ -1,11 +1,11 @@
-"""End-to-end vLLM-CPU generation speed: stock vLLM vs the aligned plugin with the `fma` and `exact` linear
-profiles, on a random-weight Qwen2 of the shape in shared/notes/measured.md (hidden 896, intermediate 4864,
+"""End-to-end vLLM-CPU generation speed: stock vLLM vs the aligned plugin with the `fma`, `exact` and `mma` linear
+profiles (mma: the CPU's avx512_bf16 unit, csrc/common/mma.h), on a random-weight Qwen2 of the shape in shared/notes/measured.md (hidden 896, intermediate 4864,
 4 layers, 14/2 heads, vocab 32000), 16 prompts of 30-250 tokens, 64 new tokens each (ignore_eos),
 max_num_batched_tokens 512. Each configuration runs in its own process (the plugin's hooks are process-wide);
 the configurations are interleaved over --rounds and the median generated tokens/s is reported with its
 ratio to stock in the same run.
 
-    PYTHONPATH=python python3 bench/bench_e2e_exact.py [--rounds 2] [--threads 2] [--configs stock,exact,fma]
+    PYTHONPATH=python python3 bench/bench_e2e_exact.py [--rounds 2] [--threads 2] [--configs stock,exact,fma,mma]
 
 (config exact-f64all: the exact profile with ALIGNED_EXACT_F64=all, its fp64 path wherever the bound holds.)
 """
@@ -23,7 +23,7 @@ import time
 
 
 def child(model, config, threads, out):
-    os.environ["ALIGNED_OPS_LINEAR"] = "exact" if config.startswith("exact") else "fma"
+    os.environ["ALIGNED_OPS_LINEAR"] = "exact" if config.startswith("exact") else "mma" if config == "mma" else "fma"
     if config == "exact-f64all":  # the exact profile with its fp64 path at every M (same bits)
         os.environ["ALIGNED_EXACT_F64"] = "all"
     import torch

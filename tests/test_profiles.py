@@ -20,6 +20,7 @@ from aligned_ops.testing import assert_bitwise_equal, bits
 
 def test_registry_and_names():
     assert profiles.REGISTRY["fma"] is profiles.FMA and profiles.REGISTRY["exact"] is profiles.EXACT
+    assert profiles.REGISTRY["mma"] is profiles.MMA and profiles.get("MMA") is profiles.MMA  # issue 27's slot
     assert profiles.DEFAULT is profiles.FMA and set(profiles.names()) >= {"fma", "exact"}
     # the torch-free names the CLI checks flags with are exactly the registered profiles
     from aligned_ops import choices
@@ -62,7 +63,7 @@ def test_a_layer_carries_its_profile(monkeypatch):
 
 
 def test_profiles_are_singletons_through_copies_and_pickles():
-    for p in (profiles.FMA, profiles.EXACT):
+    for p in (profiles.FMA, profiles.EXACT, profiles.MMA):
         assert copy.copy(p) is p and copy.deepcopy(p) is p and pickle.loads(pickle.dumps(p)) is p
     layer = types.SimpleNamespace(_aligned_profile=profiles.EXACT)
     assert copy.deepcopy(layer)._aligned_profile is profiles.EXACT

@@ -63,18 +63,19 @@ namespace aligned {
 //  * `exact` (LinearProfile::kExact, slot only): an integer-MMA linear whose bits are the same on every
 //    backend by exact integer arithmetic (aligned::linear_exact, its own issue/helper). Its order and
 //    invariants are stated next to its helper, not here.
-//  * per-vendor matrix-unit profile (LinearProfile::kMatrixUnit, slot only): tensor cores / MFMA / AMX with a
-//    vendor-specific fixed K order; invariant to batch, chunking and TP on ONE vendor+generation, not across
-//    backends. Not built.
+//  * `mma` (LinearProfile::kMma, csrc/common/mma.h: aligned::linear_mma, linear_mma_partial): the machine's
+//    matrix unit (the CPU: AVX512-BF16 vdpbf16ps; GPUs: a later kernel) in THIS profile's 8 lanes and tree,
+//    bf16 only; invariant to batch, chunking, threads and TP degree on ONE unit, not across units. Its order,
+//    the CPU unit's exact scalar model and its backward are stated next to its helpers in mma.h.
 //
 // bf16 dot-product instruction (vdpbf16ps), measured and NOT taken into the `fma` profile
 // (bench/experiments/dpbf16_order.c, bench/RESULTS.md): it equals exactly, on 19.2M random and adversarial
 // lanes, the chain "acc = ftz(fma(a1, b1, acc)); acc = ftz(fma(a0, b0, acc))" over each pair, odd element
 // first, with every bf16 input and the incoming accumulator DAZ'd and every fma result flushed after
-// rounding (sign kept). Taking it would pair-swap the lane order and flush subnormals for bf16 only; on this
-// machine class its register-only product rate is only ~1.5x the fma rate (not 2x), and every other
-// backend (generic, AVX2, CUDA, HIP) would have to emulate the flush after each fma. See DESIGN.md.
-enum class LinearProfile : int { kFma = 0, kExact = 1, kMatrixUnit = 2 };
+// rounding (sign kept). Taking it would pair-swap the lane order and flush subnormals for bf16 only, and every
+// other backend (generic, AVX2, CUDA, HIP) would have to emulate the flush after each fma: it is the `mma`
+// profile's CPU unit instead (mma.h), a profile of its own with its own bits.
+enum class LinearProfile : int { kFma = 0, kExact = 1, kMma = 2 };
 
 constexpr int kLinearLanes = 8;  // lanes of the `fma` profile; TP degrees 1, 2, 4, 8 hold whole lanes
 
@@ -83,7 +84,9 @@ ALIGNED_HD int64_t linear_lane_begin(int64_t l, int64_t K, int64_t lanes) { retu
 
 // Fold of n ∈ {1, 2, 4, 8} adjacent lane (or rank) partials: the sub-tree of the 8-lane tree over them,
 // adjacent pairs first, level by level. n = 8 is ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
-ALIGNED_HD float linear_lane_fold(const float* s, int n) {
+// V: float, or a csrc/cpu/simd.h vector (each lane the float tree: the CPU kernels fold 16 outputs at a time).
+template <typename V>
+ALIGNED_HD V linear_lane_fold(const V* s, int n) {
   if (n == 1) return s[0];
   if (n == 2) return s[0] + s[1];
   if (n == 4) return (s[0] + s[1]) + (s[2] + s[3]);

@@ -43,7 +43,8 @@
 // ---- experts (aligned::moe_experts) -------------------------------------------------------------------------
 // For token x (storage type T), selected experts ids[0..k) with fp32 weights w[0..k):
 //   for each rank r, e = ids[r]:
-//     h   = round_T(linear(x, w13[e]))            [2I]  (the linear contract: contract.h linear_dot per output)
+//     h   = round_T(linear(x, w13[e]))            [2I]  (the op's linear profile: `fma`, contract.h linear_dot per
+//                                                         output, or `mma`, mma.h — bf16, the matrix unit)
 //     a   = round_T(silu_mul(h[0..I), h[I..2I)))  [I]   (contract.h silu_and_mul)
 //     y_r = linear(a, w2[e])                      [H]   fp32, NOT rounded
 //   shared expert (optional, Qwen2-MoE style), same three steps with shared_w13 / shared_w2 -> y_s (fp32),

@@ -9,12 +9,19 @@
 // Levels (ALIGNED_CPU_ISA): generic, avx2, avx512, amx. `amx` is the avx512 tables plus AMX-INT8 tiles for
 // the exact linear (the only family with a matrix-unit kernel); unset picks amx where the CPU and the
 // kernel grant the tile state, so forcing `avx512` is how a test runs the same tables without AMX.
+//
+// The `mma` profile's unit (mma_kernels.h) is not a level: its kernels are compiled once, for AVX512-BF16
+// vdpbf16ps, and `mma` points at them on a CPU with avx512_bf16 whose chosen level is avx512 or amx (one
+// semantics on Intel and AMD, csrc/common/mma.h); nullptr elsewhere — including under ALIGNED_CPU_ISA=generic /
+// avx2, which make the process behave as a CPU without AVX-512 (how the tests see the refusal). AMX-BF16 is
+// not used (mma.h says why).
 #pragma once
 
 #include "attention_kernels.h"
 #include "cpu_kernels.h"
 #include "dense_split_kernels.h"
 #include "exact_kernels.h"
+#include "mma_kernels.h"
 #include "moe_kernels.h"
 
 namespace aligned::cpu {
@@ -27,6 +34,7 @@ struct CpuBackend {
   const AttentionTable* attention;
   const MoeKernels* moe;
   const ExactKernels* exact;
+  const MmaKernels* mma;  // the mma profile's unit, or nullptr (this CPU has none: the mma ops refuse by name)
 };
 
 // Throws std::runtime_error (a RuntimeError at the first op call) for an ALIGNED_CPU_ISA that names no level

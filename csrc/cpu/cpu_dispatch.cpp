@@ -28,7 +28,7 @@ namespace aligned::cpu {
 #define ALIGNED_LEVEL(name, ns, amx)                                                                          \
   CpuBackend {                                                                                              \
     .level = name, .amx_int8 = amx, .dense = &ns::kTable, .dense_split = &ns::kDenseSplit,                  \
-    .attention = &ns::kAttentionTable, .moe = &ns::kMoe, .exact = &ns::kExact                               \
+    .attention = &ns::kAttentionTable, .moe = &ns::kMoe, .exact = &ns::kExact, .mma = nullptr               \
   }
 
 ALIGNED_DECLARE_LEVEL(generic)
@@ -36,6 +36,19 @@ ALIGNED_DECLARE_LEVEL(generic)
 ALIGNED_DECLARE_LEVEL(avx2)
 ALIGNED_DECLARE_LEVEL(avx512)
 #endif
+#if defined(ALIGNED_HAS_MMA_AVX512BF16)
+namespace avx512bf16 {
+extern const MmaKernels kMma;  // gemm_mma_kernels.cpp, the one level that has the mma unit (CMakeLists.txt)
+}
+#endif
+
+// The mma unit of a backend whose level runs AVX-512 (cpu_backend.h): vdpbf16ps where the CPU has avx512_bf16.
+static CpuBackend with_mma_unit(CpuBackend b) {
+#if defined(ALIGNED_HAS_MMA_AVX512BF16) && defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512bf16")) b.mma = &avx512bf16::kMma;
+#endif
+  return b;
+}
 
 bool amx_int8_usable() {
   static const bool ok = []() {
@@ -74,12 +87,13 @@ static CpuBackend select_backend() {
   if (is("avx512") || is("amx")) {
     if (!has_avx512) throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA=") + forced +
                                               " but this CPU lacks AVX-512 F/BW/VL/DQ");
-    if (is("avx512")) return ALIGNED_LEVEL("avx512", avx512, false);
+    if (is("avx512")) return with_mma_unit(ALIGNED_LEVEL("avx512", avx512, false));
     if (!amx_int8_usable())
       throw std::runtime_error("aligned_ops: ALIGNED_CPU_ISA=amx but this CPU (or kernel) grants no AMX-INT8 tiles");
-    return ALIGNED_LEVEL("amx", avx512, true);
+    return with_mma_unit(ALIGNED_LEVEL("amx", avx512, true));
   }
-  if (has_avx512) return amx_int8_usable() ? ALIGNED_LEVEL("amx", avx512, true) : ALIGNED_LEVEL("avx512", avx512, false);
+  if (has_avx512)
+    return with_mma_unit(amx_int8_usable() ? ALIGNED_LEVEL("amx", avx512, true) : ALIGNED_LEVEL("avx512", avx512, false));
   if (has_avx2) return ALIGNED_LEVEL("avx2", avx2, false);
 #else
   if (forced) throw std::runtime_error(std::string("aligned_ops: ALIGNED_CPU_ISA=") + forced + " is not available on this CPU");

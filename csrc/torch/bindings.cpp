@@ -115,15 +115,16 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "moe_routing_backward(Tensor grad_weights, Tensor? grad_scores, Tensor router_logits, Tensor topk_ids, "
       "str scoring, bool renormalize) -> Tensor");
+  // linear_profile: the experts' projections under "fma" (contract.h) or "mma" (mma.h: bf16, the matrix unit).
   m.def(
       "moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? shared_w13=None, "
-      "Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");
+      "Tensor? shared_w2=None, Tensor? shared_gate=None, str linear_profile=\"fma\") -> Tensor");
   // Gradients of moe_experts wrt (x, topk_weights, w13, w2, shared_w13, shared_w2, shared_gate); the shared ones
   // are empty tensors without a shared expert / gate. Implemented from other aligned ops
   // (python/aligned_ops/ops/moe.py).
   m.def(
       "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
-      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> "
+      "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None, str linear_profile=\"fma\") -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "_moe_experts_reference(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
@@ -158,11 +159,25 @@ TORCH_LIBRARY(aligned, m) {
   // contract.h's scalar linear_partial_dot (CPU only, slow): the conformance reference of the GEMM kernels.
   m.def("_linear_partial_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
 
+  // mma profile (csrc/common/mma.h): the matrix unit's bf16 instruction in the fma profile's 8 lanes and tree
+  // (the CPU: AVX512-BF16 vdpbf16ps). bfloat16 x, weight, bias only; same bits on one unit whatever the batch,
+  // tiling, threads or TP degree. linear_mma_partial: the sub-tree over `lanes` lanes of the local K, fp32, no
+  // bias (TP row-parallel, finished by aligned_ops.tree_all_reduce as linear_partial is). linear_mma_backward: dx,
+  // dw on the unit (8 lanes over N / over the M tokens), db fp32 chains.
+  m.def("linear_mma(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_mma_partial(Tensor x, Tensor weight, int lanes) -> Tensor");
+  m.def(
+      "linear_mma_backward(Tensor grad_out, Tensor x, Tensor weight, bool needs_x_grad, bool needs_w_grad, "
+      "bool needs_b_grad) -> (Tensor, Tensor, Tensor)");
+  // mma.h's scalar model of the CPU unit (any CPU, slow): the conformance reference of the mma kernels.
+  m.def("_linear_mma_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
+
   // ---- diagnostics and control ops without tensor arguments ----
   // Their kernels are registered as catch-all (TORCH_LIBRARY_IMPL(aligned, CatchAll, m)) next to the backend
   // that implements them: a no-tensor op has no dispatch key to select a backend by.
   m.def("_cpu_isa() -> str");    // the CPU ISA level chosen once (csrc/cpu/cpu_backend.h; backends/cpu_dense.cpp)
   m.def("_exact_unit() -> str");  // the exact linear's CPU unit: amx / avx512-vnni / avx2-madd / generic (cpu_exact.cpp)
+  m.def("_cpu_mma_unit() -> str");  // the CPU's mma unit: "avx512_bf16", or "" (none: the mma ops refuse) (cpu_mma.cpp)
   // aligned_ops.emulate (csrc/torch/backends/emulated.cpp): enter/leave an emulated GPU arch, its launch records,
   // the emulated archs, the SIMT runtime's self-test kernels.
   m.def("_emulate_enter(str arch, int fault=0) -> ()");

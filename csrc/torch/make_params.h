@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include "../common/contract.h"
 #include "../common/params_dense.h"
 #include "../common/params_exact.h"
 #include "../common/params_linear.h"
@@ -181,6 +182,18 @@ inline GemmParams make_linear_dx_params(const LinearArgs<DType>& a, const at::Te
 inline GemmParams make_linear_dw_params(const LinearArgs<DType>& a, const at::Tensor& g, const at::Tensor& x,
                                         const at::Tensor& dw) {
   return make_gemm_params(a.dt, g, 1, a.N, x, 1, a.K, at::Tensor(), a.dt, dw, a.N, a.K, a.M, 1);
+}
+
+// The `mma` profile's backward GEMMs (csrc/common/mma.h), every one the profile's 8-lane linear: dx [M, K] = g [M, N]
+// . w over N (w read in place, column-major as the GEMM's B); dw [N, K] = (g^T) [N, M] . x over the M tokens (gt:
+// the contiguous transposed copy — the unit's A operand is read along its rows —, x in place).
+inline GemmParams make_linear_mma_dx_params(const LinearArgs<DType>& a, const at::Tensor& g, const at::Tensor& w,
+                                            const at::Tensor& dx) {
+  return make_gemm_params(a.dt, g, a.N, 1, w, 1, a.K, at::Tensor(), a.dt, dx, a.M, a.K, a.N, kLinearLanes);
+}
+inline GemmParams make_linear_mma_dw_params(const LinearArgs<DType>& a, const at::Tensor& gt, const at::Tensor& x,
+                                            const at::Tensor& dw) {
+  return make_gemm_params(a.dt, gt, a.M, 1, x, 1, a.K, at::Tensor(), a.dt, dw, a.N, a.K, a.M, kLinearLanes);
 }
 
 // linear_backward's bias gradient: db [N] = the column chains of g [M, N].

@@ -24,9 +24,10 @@ struct ExactPackedRun {
   at::Tensor out;            // [M, N] in dt (linear_exact_packed) or int64 [M, N, 2] (linear_exact_partial)
 };
 
-// moe_experts: the checked arguments (checks/moe.h) and the output [T, H].
+// moe_experts: the checked arguments (checks/moe.h), the projections' linear profile and the output [T, H].
 struct MoeExpertsRun {
   MoeExpertsArgs<DType> a;
+  ExpertsLinear linear = ExpertsLinear::kFma;  // the projections' profile (checks/moe.h)
   at::Tensor out;
 };
 

@@ -51,6 +51,7 @@ def _load() -> None:
     from .ops.collective import tree_all_reduce
     from .ops.device_errors import check_device_errors
     from .ops.linear_exact import cache_exact_weights, clear_exact_weight_cache, linear_exact
+    from .ops.linear_mma import linear_mma, linear_mma_partial, mma_unit
     from .ops.attention import (
         AttentionPlan,
         attention_plan_size,
@@ -78,6 +79,9 @@ __all__ = [
     "tree_all_reduce",
     "fused_token_logprobs",
     "linear_exact",
+    "linear_mma",
+    "linear_mma_partial",
+    "mma_unit",
     "linear_profile",
     "profile_linear",
     "profiles",

@@ -11,7 +11,7 @@ import os
 # ---- linear numerics profiles (aligned_ops.profiles) ----------------------------------------------------------
 PROFILE_ENV_VAR = "ALIGNED_OPS_LINEAR"  # the user's switch, read once per model / engine
 DEFAULT_PROFILE = "fma"
-PROFILE_NAMES = ("fma", "exact")
+PROFILE_NAMES = ("fma", "exact", "mma")
 
 
 def profile_name(name: str, what: str = "linear profile") -> str:

@@ -9,7 +9,9 @@ object that carries, together:
 - ``fused_token_logprobs(...)`` — the LM head's fused log-prob, where the profile has one;
 - ``backward`` — how its gradient is computed (a sentence; the formula is registered on the op);
 - ``capabilities`` — where it runs (devices, TP degrees, compiled mode, CUDA graphs), checked once by
-  :meth:`Profile.refusals` when a model is patched or an engine is configured;
+  :meth:`Profile.refusals` when a model is patched or an engine is configured; what the model and the machine
+  must have (a dtype, a matrix unit): :meth:`Profile.model_refusals`;
+- ``moe_experts(...)`` — the MoE experts' projections under the profile (``fma`` chains unless it has its own);
 - ``invariant_to`` — what its bits do not depend on (the start-up log and the README print it);
 - ``op`` — the aligned op its linears run (the name a traced forward shows; ``aligned_ops.model_spec`` steps).
 
@@ -21,7 +23,7 @@ created; the name travels to every worker in ``vllm_config.additional_config``).
 environment or compares a profile name. Code outside this module never compares profile names: it calls the
 object, reads a capability, or compares objects (``profile is FMA``).
 
-Adding a profile (the ``mma`` profile, issue 27, goes here): subclass :class:`Profile`, implement ``linear`` and
+Adding a profile (as the ``mma`` profile, issue 27, is added below): subclass :class:`Profile`, implement ``linear`` and
 ``row_parallel_linear`` (and ``fused_token_logprobs`` if it has a fused head), state ``capabilities``,
 ``invariant_to``, ``backward`` and ``op``, and add one instance to :data:`REGISTRY` below (``register(...)``).
 Nothing else in the package names profiles: ``aligned-ops verify --linear NAME``, the plugin's start-up check,
@@ -39,6 +41,7 @@ import torch
 from .ops import collective
 from .ops import linear as _fma
 from .ops import linear_exact as _exact
+from .ops import linear_mma as _mma
 from .ops import lm_head as _lm_head
 
 from .choices import PROFILE_ENV_VAR as ENV_VAR  # torch-free names: aligned_ops.choices
@@ -79,9 +82,21 @@ class Profile:
     def fused_token_logprobs(self, hidden, weight, token_ids, temperature=1.0, bias=None, **chunks):
         raise ValueError(f"aligned_ops: the {self.name!r} linear profile has no fused LM-head log-prob")
 
+    def moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+        """The routed experts (+ shared expert) of a MoE block, their projections under this profile. The base:
+        the ``fma`` chains (``exact`` has no expert kernel: its experts run, on both sides, the fma profile's)."""
+        return _moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+
+    def model_refusals(self, dtype) -> list[str]:
+        """Why a model of ``dtype`` cannot run this profile on this machine (empty: it can): what the profile's
+        unit multiplies, and whether the machine has that unit. Checked at start-up by the trainer patch, the
+        vLLM plugin (through :meth:`refusals`) and ``aligned-ops verify``. The base profiles take any dtype."""
+        return []
+
     def refusals(self, *, device: str = "cpu", tp_size: int = 1, compiled: bool = False,
-                 cuda_graphs: bool = False) -> list[str]:
-        """Why this profile cannot serve the given setting (empty: it can). One sentence per reason."""
+                 cuda_graphs: bool = False, dtype=None) -> list[str]:
+        """Why this profile cannot serve the given setting (empty: it can). One sentence per reason. ``dtype``
+        (the model's, when known) adds :meth:`model_refusals`."""
         c, out = self.capabilities, []
         if device not in c.devices:
             out.append(f"the {self.name!r} linear profile does not run on {device} (it runs on "
@@ -102,6 +117,8 @@ class Profile:
         if cuda_graphs and not c.cuda_graphs:
             out.append(f"the {self.name!r} linear profile cannot run inside a captured CUDA graph: use "
                        "enforce_eager=True")
+        if dtype is not None:
+            out.extend(r for r in self.model_refusals(dtype) if r not in out)
         return out
 
     def describe(self) -> str:
@@ -175,8 +192,59 @@ class ExactProfile(Profile):
         return collective.exact_row_parallel_linear(x, weight, bias, group, in_features=in_features, check=check)
 
 
+class MmaProfile(Profile):
+    """``mma``: the machine's bf16 matrix instruction in the ``fma`` profile's 8 lanes and tree, + bias once, one
+    rounding (csrc/common/mma.h; on the CPU AVX512-BF16 ``vdpbf16ps``). Same bits on one unit for rollout and
+    trainer — not equal to ``fma``'s, nor across units. No GPU kernels yet (issue 27's GPU half)."""
+
+    name = "mma"
+    op = "linear_mma"
+    capabilities = Capabilities(devices=("cpu",), tp_degrees=collective.TP_DEGREES, tp_devices=("cpu",),
+                                tp_traceable=True, compile=True, cuda_graphs=False, fused_lm_head=False)
+    invariant_to = ("the batch (size, a row's position, the other rows), chunking, prefill vs decode, thread count, "
+                    "the M/N tiling, the run, and the tensor-parallel degree 1, 2, 4 or 8 (the fma profile's 8 lanes "
+                    "and tree; each lane one chain of the unit's instruction) — on one unit: the CPU's AVX512-BF16 "
+                    "vdpbf16ps (one semantics on Intel and AMD, csrc/common/mma.h). Not the fma or exact bits, and "
+                    "not a GPU's. bfloat16 models only.")
+    backward = ("aligned::linear_mma_backward on the unit: dx the profile's 8-lane linear over N, dW over the tokens "
+                "in order (8 fixed token blocks), db fp32 column chains (deterministic; dW follows the batch "
+                "composition like any sum over the batch).")
+
+    def linear(self, x, weight, bias=None):
+        return _mma.linear_mma(x, weight, bias)
+
+    def row_parallel_linear(self, x, weight, bias=None, group=None, *, in_features=None, algorithm="auto",
+                            check=True):
+        # the fma route's slices, tree all-reduce and epilogue; each rank's lanes on the unit
+        return collective.row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm,
+                                              check=check, sub_tree=_mma.linear_mma_partial)
+
+    def moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+        return _moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate,
+                            linear_profile=self.name)
+
+    def model_refusals(self, dtype) -> list[str]:
+        return _mma.mma_model_reasons(dtype)
+
+    def refusals(self, *, device="cpu", tp_size=1, compiled=False, cuda_graphs=False, dtype=None):
+        if device != "cpu":  # said in the profile's own words (the base's "runs on cpu" is true, but not why)
+            out = [f"the mma profile has no {device} kernels yet (its GPU tensor-core kernels are a later change); "
+                   f"use {ENV_VAR}={DEFAULT.name}"]
+            return out + [r for r in super().refusals(device="cpu", tp_size=tp_size, compiled=compiled,
+                                                       cuda_graphs=cuda_graphs, dtype=dtype) if r not in out]
+        return super().refusals(device=device, tp_size=tp_size, compiled=compiled, cuda_graphs=cuda_graphs,
+                                dtype=dtype)
+
+
+def _moe_experts(*args, **kwargs):
+    from .ops.moe import moe_experts  # the moe family's wrapper (imported here: ops.moe needs no profile)
+
+    return moe_experts(*args, **kwargs)
+
+
 FMA = FmaProfile()
 EXACT = ExactProfile()
+MMA = MmaProfile()
 DEFAULT = FMA  # what an unset ALIGNED_OPS_LINEAR selects
 
 # The registry: every profile the package offers, by name. The one list (the `mma` profile is added here).
@@ -191,7 +259,7 @@ def register(profile: Profile) -> Profile:
     return profile
 
 
-for _p in (FMA, EXACT):
+for _p in (FMA, EXACT, MMA):
     register(_p)
 
 
@@ -261,6 +329,7 @@ def row_parallel_linear(x, weight, bias=None, group=None, *, in_features=None, a
     """A row-parallel aligned linear of ``profile`` (a name or object; None: ``ALIGNED_OPS_LINEAR`` now): rank r
     holds ``x[..., K_r]`` and ``weight[:, K_r]``; every rank returns the full single-device linear of that
     profile, bit for bit (``fma``: :func:`aligned_ops.ops.collective.row_parallel_linear`, the 8-lane tree;
-    ``exact``: :func:`aligned_ops.ops.collective.exact_row_parallel_linear`, integer partials)."""
+    ``exact``: :func:`aligned_ops.ops.collective.exact_row_parallel_linear`, integer partials; ``mma``: the fma
+    route over ``linear_mma_partial``)."""
     return resolve(profile).row_parallel_linear(x, weight, bias, group, in_features=in_features, algorithm=algorithm,
                                                 check=check)

@@ -27,7 +27,7 @@ CSRC = ROOT / "csrc"
 SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
 # Schemas without a family: control ops with no tensor argument (catch-all kernels next to their backend) and
 # ops composed of other aligned ops in Python (torch.library.register_kernel).
-CATCH_ALL = {"_cpu_isa", "_exact_unit", "_emulate_enter", "_emulate_exit", "_emulated_archs", "_emulate_selftest",
+CATCH_ALL = {"_cpu_isa", "_exact_unit", "_cpu_mma_unit", "_emulate_enter", "_emulate_exit", "_emulated_archs", "_emulate_selftest",
              "attention_plan_layout"}
 PYTHON_COMPOSED = {"fused_token_logprobs", "fused_token_logprobs_backward", "moe_experts_backward"}
 

@@ -6,7 +6,9 @@ op_bits.json, naming each entry that differs. The corpus holds hashes, not tenso
 
 Coverage: every op family — dense (rms_norm, fused_add_rms_norm, silu_and_mul, rotary + backwards), logits
 (logsumexp, log_softmax, token_logprobs + backwards, the fused LM head's pieces and the op itself with its
-gradient), the `fma` linear (linear, linear_partial, linear_backward, autograd), the `exact` linear (one-shot,
+gradient), the `fma` linear (linear, linear_partial, linear_backward, autograd), the `mma` linear (linear_mma,
+linear_mma_partial, linear_mma_backward, autograd, the scalar model; moe_experts under mma; refusals where the
+process has no unit), the `exact` linear (one-shot,
 packed, k_parts, the CPU fp64 routes, the TP pieces, the scalar references), attention (varlen + backward, the
 KV-cache write, paged, and the planned forms), moe (routing softmax / sigmoid + backward, experts with and
 without a shared expert and gate + backward, the reference), and the elementwise test hooks. Every dtype an op
@@ -222,6 +224,40 @@ def cases():
         x, w = rand(24, (3, 21), dt), rand(25, (5, 21), dt)
         yield f"linear_partial_reference/{tag}", lambda x=x, w=w: {"out": ops._linear_partial_reference(x, w, 4)}
 
+    # ---- the mma linear (bf16 only; the CPU's unit, AVX512-BF16 vdpbf16ps) ----
+    # Where the process has no unit (the generic / avx2 levels, and the emulated GPUs run in the generic level's
+    # process: the mma profile has no GPU kernels yet) every op but the scalar reference refuses by name: the entry
+    # is then "<name>/refused", the hash of the refusal's first line (the refusal is part of the contract too).
+    has_unit = aligned_ops.mma_unit() is not None
+
+    def mma_case(thunk):
+        if has_unit:
+            return thunk
+        def refused(thunk=thunk):
+            try:
+                thunk()
+            except RuntimeError as e:
+                msg = str(e).splitlines()[0]
+                return {"refused": torch.tensor(list(msg.encode()), dtype=torch.uint8)}
+            raise AssertionError("an mma op ran without the unit")
+        return refused
+
+    bf = torch.bfloat16
+    for M, K, N in ((1, 37, 19), (5, 64, 40), (12, 96, 33), (40, 24, 40)):  # M=12: the row-lane path
+        x, w, b = rand(26, (M, K), bf), rand(27, (N, K), bf, 0.2), rand(28, (N,), bf, 0.1)
+        key = f"bf16/{M}x{K}x{N}"
+        yield f"linear_mma/{key}", mma_case(lambda x=x, w=w, b=b: _grads(aligned_ops.linear_mma, (x, w, b)))
+        yield f"linear_mma_strided_weight/{key}", mma_case(
+            lambda x=x, w=w: {"out": ops.linear_mma(x, w.t().contiguous().t())})
+        for lanes in (1, 2, 4, 8):
+            yield f"linear_mma_partial/{key}/lanes{lanes}", mma_case(lambda x=x, w=w, l=lanes: {
+                "out": ops.linear_mma_partial(x, w, l)})
+        g = rand(29, (M, N), bf)
+        yield f"linear_mma_backward/{key}", mma_case(lambda g=g, x=x, w=w: dict(
+            zip(("dx", "dw", "db"), ops.linear_mma_backward(g, x, w, True, True, True))))
+    x, w = rand(24, (3, 21), bf), rand(25, (5, 21), bf)
+    yield "linear_mma_reference/bf16", lambda x=x, w=w: {"out": ops._linear_mma_reference(x, w, 4)}
+
     # ---- the exact linear ----
     for tag, dt in _dtypes():
         for M, K, N in ((1, 37, 19), (5, 130, 33)):
@@ -330,6 +366,13 @@ def cases():
             lambda a, b, c, d: ops.moe_experts(a, b, ids, c, d), (x, tw, w13, w2))
         yield f"moe_experts_shared/{tag}", lambda x=x, tw=tw, ids=ids, w13=w13, w2=w2, a=sw13, b=sw2, c=sg: _grads(
             lambda *t: ops.moe_experts(t[0], t[1], ids, t[2], t[3], t[4], t[5], t[6]), (x, tw, w13, w2, a, b, c))
+        if dt == torch.bfloat16:  # the experts' projections under the mma profile (+ its backward)
+            yield f"moe_experts_mma/{tag}", mma_case(lambda x=x, tw=tw, ids=ids, w13=w13, w2=w2: _grads(
+                lambda a, b, c, d: ops.moe_experts(a, b, ids, c, d, linear_profile="mma"), (x, tw, w13, w2)))
+            yield f"moe_experts_shared_mma/{tag}", mma_case(
+                lambda x=x, tw=tw, ids=ids, w13=w13, w2=w2, a=sw13, b=sw2, c=sg: _grads(
+                    lambda *t: ops.moe_experts(t[0], t[1], ids, t[2], t[3], t[4], t[5], t[6], "mma"),
+                    (x, tw, w13, w2, a, b, c)))
         yield f"moe_experts_reference/{tag}", lambda x=x, tw=tw, ids=ids, w13=w13, w2=w2, a=sw13, b=sw2, c=sg: {
             "out": ops._moe_experts_reference(x, tw, ids, w13, w2, a, b, c)}
 

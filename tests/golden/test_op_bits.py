@@ -28,7 +28,7 @@ _spec.loader.exec_module(make_op_bits)
 NOT_HASHED = {
     "attention_plan": "writes the plan's internal format, not an op result (its runs are hashed)",
     "attention_plan_size": "the plan's sizes, not an op result",
-    "_cpu_isa": "control op", "_exact_unit": "control op", "_emulate_enter": "control op",
+    "_cpu_isa": "control op", "_exact_unit": "control op", "_cpu_mma_unit": "control op", "_emulate_enter": "control op",
     "_emulate_exit": "control op", "_emulated_archs": "control op", "_emulate_selftest": "runtime self-test",
 }
 

@@ -10,6 +10,7 @@
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -122,8 +123,15 @@ def score(model_dir, dtype, in_path, out_path):
     rank, world = dist.get_rank(), dist.get_world_size()
     jobs = torch.load(in_path)
     results = []
+    env_profile = os.environ.get("ALIGNED_OPS_LINEAR")
     for job in jobs:
         sd = torch.load(job["state_dict"]) if job.get("state_dict") else None
+        # job["profile"]: the linear profile this job's trainer runs (patch_model reads ALIGNED_OPS_LINEAR once)
+        profile = job.get("profile") or env_profile
+        if profile is None:
+            os.environ.pop("ALIGNED_OPS_LINEAR", None)
+        else:
+            os.environ["ALIGNED_OPS_LINEAR"] = profile
         model = shard_aligned(load(job.get("model_dir", model_dir), job.get("dtype", dtype), sd))
         seqs = job["rollouts"]
         mine = list(range(rank, len(seqs), world))

@@ -1,7 +1,7 @@
 """End-to-end: real vLLM-CPU with the aligned_ops plugin vs the patched HF trainer, bitwise.
 
 A tiny random Qwen2 (bf16 and fp32) is built offline; one engine per dtype (module-scoped, torn down before
-the next); chunked prefill on with max_num_batched_tokens=128 and prompts up to 300 tokens. Every sampled
+the next), and one bf16 engine under the `mma` linear profile (ALIGNED_OPS_LINEAR=mma on both sides); chunked prefill on with max_num_batched_tokens=128 and prompts up to 300 tokens. Every sampled
 token's vLLM log-prob must equal the trainer's teacher-forced log-prob bit for bit, for batches of
 different sizes and orders, and after a weight refit. The negative control runs stock vLLM (no plugin) in a
 separate process and asserts that the same comparison finds differences.
@@ -18,9 +18,17 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
-from aligned_ops.testing import bitwise_equal  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, padded_batch, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
+from aligned_ops.testing import bits, bitwise_equal  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    E2E_ENGINE_PARAMS,
+    assert_rollouts_bitwise,
+    engine_param,
+    padded_batch,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +47,22 @@ def model_dirs(tiny_checkpoint):
     }
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=E2E_ENGINE_PARAMS)
 def engine(request, model_dirs):
+    """(dtype, llm, trainer); the "-mma" param runs ALIGNED_OPS_LINEAR=mma on both sides for the module."""
     from transformers import AutoModelForCausalLM
 
-    dtype = request.param
+    dtype, profile = engine_param(request.param)
     path = model_dirs[dtype]
-    llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512)
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    yield dtype, llm, trainer
-    del llm
-    gc.collect()
+    with linear_profile_env(profile):
+        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512)
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+        try:
+            yield dtype, llm, trainer
+        finally:
+            shutdown(llm)  # now, not at garbage collection (its process group with it: tests/conftest.py)
+            del llm
+            gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature):
@@ -89,6 +102,34 @@ def test_small_temperatures_bitwise_equal_trainer(engine, temperature):
         own = at_t[b, st - 1 : st - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
         differ.append(not bitwise_equal(own, r.logprobs_tensor()))
     assert any(differ)
+
+
+def test_both_sides_run_the_engine_profile(engine):
+    """The profile the engine and the trainer resolved is the parameter's; under mma the fma profile's trainer is
+    another arithmetic (negative control: its log-probs differ from the mma engine's somewhere)."""
+    from aligned_ops import profiles
+    from aligned_ops.integrations import vllm_plugin
+
+    dtype, llm, trainer = engine
+    profile = profiles.profile_of(trainer)
+    assert vllm_plugin.installed_profile() is profile
+    if profile is not profiles.MMA:
+        return
+    rollouts = generate_with_logprobs(llm, _prompts(3), temperature=1.0, max_tokens=10)
+    assert_rollouts_bitwise(rollouts, _teacher_forced(trainer, rollouts, 1.0))
+    from aligned_ops.integrations.hf import unpatch_model
+
+    unpatch_model(trainer)
+    patch_model(trainer, profile=profiles.FMA)  # the same weights, the fma profile
+    try:
+        fma = _teacher_forced(trainer, rollouts, 1.0)
+    finally:
+        unpatch_model(trainer)
+        patch_model(trainer, profile=profiles.MMA)
+    assert profiles.profile_of(trainer) is profiles.MMA
+    n = sum(int((bits(r.logprobs_tensor()) != bits(torch.as_tensor(lp))).sum()) for r, lp in zip(rollouts, fma))
+    print(f"[mma engine] fma-profile trainer negative control: {n} log-probs differ")
+    assert n > 0
 
 
 def test_batch_size_and_order_do_not_change_logprobs(engine):

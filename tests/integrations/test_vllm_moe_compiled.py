@@ -17,7 +17,12 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    assert_rollouts_bitwise,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -25,7 +30,15 @@ pytestmark = pytest.mark.slow
 PROMPT_LENS = [3, 150, 17, 64]  # 150 > max_num_batched_tokens=64: chunked prefill
 
 
-def test_compiled_moe_engine_bitwise_equals_trainer(tmp_path):
+@pytest.mark.parametrize("profile", [None, "mma"])
+def test_compiled_moe_engine_bitwise_equals_trainer(tmp_path, profile):
+    """profile None: the process's (fma by default); "mma": ALIGNED_OPS_LINEAR=mma on both sides (linear_mma and
+    the experts' mma projections inside the compiled graph)."""
+    with linear_profile_env(profile):
+        _compiled_moe(tmp_path)
+
+
+def _compiled_moe(tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_moe(tmp_path / "moe", torch.bfloat16, seed=1)

@@ -1,7 +1,7 @@
 """End-to-end MoE: real vLLM-CPU with the aligned_ops plugin vs the patched HF trainer, bitwise.
 
 A tiny random Qwen3-MoE (8 experts, top-2, renormalised; bf16 and fp32) is built offline; one engine per dtype
-(module-scoped). Chunked prefill is on (max_num_batched_tokens=64, prompts up to 150 tokens). Every sampled
+(module-scoped), and one bf16 engine under the `mma` linear profile (ALIGNED_OPS_LINEAR=mma on both sides). Chunked prefill is on (max_num_batched_tokens=64, prompts up to 150 tokens). Every sampled
 token's vLLM log-prob must equal the trainer's teacher-forced log-prob bit for bit (integer views) — for batches
 of different sizes and orders and after a refit — and both sides must choose the same experts for every token
 and layer. A Qwen2-MoE (gated shared expert) runs once in fp32. The negative control runs stock vLLM against
@@ -23,7 +23,14 @@ from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
 from aligned_ops.integrations.routing_capture import scored_token_experts, vllm_teacher_forced_routing  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    E2E_ENGINE_PARAMS,
+    assert_rollouts_bitwise,
+    engine_param,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +49,24 @@ def model_dirs(tiny_checkpoint):
     }
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=E2E_ENGINE_PARAMS)
 def engine(request, model_dirs):
+    """(dtype, llm, trainer); the "-mma" param runs ALIGNED_OPS_LINEAR=mma on both sides (the linear layers, the LM
+    head and the experts' projections on the unit; the router keeps its fma rule) for the module."""
     from transformers import AutoModelForCausalLM
 
-    dtype = request.param
+    dtype, profile = engine_param(request.param)
     path = model_dirs[dtype]
-    llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    yield dtype, llm, trainer
-    del llm
-    gc.collect()
+    with linear_profile_env(profile):
+        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+        if profile is not None:
+            from aligned_ops import profiles
+
+            assert profiles.profile_of(trainer) is profiles.get(profile)
+        yield dtype, llm, trainer
+        del llm
+        gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature, return_routing=False):
@@ -107,19 +121,22 @@ def test_refit_then_bitwise_equal(engine):
     _assert_bitwise(again, _teacher_forced(trainer, again, 1.0))
 
 
-def test_qwen2_moe_shared_expert_bitwise(tmp_path):
-    """Qwen2-MoE: gated shared expert + qkv bias, fp32, chunked prefill."""
+@pytest.mark.parametrize("param", ["float32", "bfloat16-mma"])
+def test_qwen2_moe_shared_expert_bitwise(tmp_path, param):
+    """Qwen2-MoE: gated shared expert + qkv bias, chunked prefill; fp32, and bf16 under the mma profile."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_moe(tmp_path / "q2moe", torch.float32, seed=3, arch="qwen2_moe", num_hidden_layers=1)
-    llm = make_llm(path, dtype="float32", aligned=True, max_num_batched_tokens=64, max_model_len=512)
-    try:
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-        rollouts = generate_with_logprobs(llm, _prompts(4, [5, 100, 33]), temperature=1.0, max_tokens=6)
-        _assert_bitwise(rollouts, _teacher_forced(trainer, rollouts, 1.0))
-    finally:
-        del llm
-        gc.collect()
+    dtype, profile = engine_param(param)
+    with linear_profile_env(profile):
+        path = build_tiny_moe(tmp_path / "q2moe", getattr(torch, dtype), seed=3, arch="qwen2_moe", num_hidden_layers=1)
+        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
+        try:
+            trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+            rollouts = generate_with_logprobs(llm, _prompts(4, [5, 100, 33]), temperature=1.0, max_tokens=6)
+            _assert_bitwise(rollouts, _teacher_forced(trainer, rollouts, 1.0))
+        finally:
+            del llm
+            gc.collect()
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):

@@ -16,7 +16,12 @@ pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    assert_rollouts_bitwise,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -24,7 +29,15 @@ pytestmark = pytest.mark.slow
 PROMPT_LENS = [3, 200, 17, 64]  # 200 > max_num_batched_tokens=128: chunked prefill
 
 
-def test_compiled_tp2_engine_bitwise_equals_tp1_trainer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("profile", [None, "mma"])
+def test_compiled_tp2_engine_bitwise_equals_tp1_trainer(tmp_path, monkeypatch, profile):
+    """profile None: the process's (fma by default); "mma": ALIGNED_OPS_LINEAR=mma on both sides (the traced
+    row-parallel layers run linear_mma_partial and the tree all-reduce)."""
+    with linear_profile_env(profile):
+        _compiled_tp2(tmp_path, monkeypatch)
+
+
+def _compiled_tp2(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank

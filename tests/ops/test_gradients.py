@@ -124,6 +124,17 @@ DIFFERENTIABLE.update({
                                                                -1).gather(1, IDS[:, None])[:, 0]),
 })
 
+# mma profile (bf16 only: the fp32 leaves are cast, so gradients reach them through the cast): its backward runs on
+# the unit with bf16 gradients, hence bf16 tolerances (TOLERANCE); the ops need the CPU's unit (MMA_OPS).
+_BF = torch.bfloat16
+DIFFERENTIABLE.update({
+    "linear_mma": (lambda: (_rows(5, 7), _rows(4, 7, seed=1), _rows(4, seed=2)),
+                   lambda x, w, b: ops.linear_mma(x.to(_BF), w.to(_BF), b.to(_BF)),
+                   lambda x, w, b: F.linear(x.to(_BF).double(), w.to(_BF).double(), b.to(_BF).double())),
+})
+TOLERANCE = {"linear_mma": dict(rtol=2e-2, atol=3e-2)}  # default: rtol 1e-4, atol 1e-5
+MMA_OPS = {"linear_mma", "linear_mma_partial", "linear_mma_backward"}
+
 # Ops that take float tensors but have no gradient formula: backward() through them must raise.
 NO_BACKWARD = {
     "linear_backward": lambda x: ops.linear_backward(x, x, x[:, :5].contiguous(), True, True, True)[0],
@@ -153,6 +164,10 @@ NO_BACKWARD = {
 _W3 = torch.randn(3, 5)
 NO_BACKWARD.update({
     "linear_partial": lambda x: ops.linear_partial(x, _W3, 8),
+    "linear_mma_partial": lambda x: ops.linear_mma_partial(x.to(_BF), _W3.to(_BF), 8),
+    "_linear_mma_reference": lambda x: ops._linear_mma_reference(x.to(_BF), _W3.to(_BF), 8),
+    "linear_mma_backward": lambda x: ops.linear_mma_backward(
+        x.to(_BF), x.to(_BF), x[:, :5].contiguous().to(_BF), True, True, True)[0],
     "_linear_partial_reference": lambda x: ops._linear_partial_reference(x, _W3, 8),
     "_linear_exact_reference": lambda x: ops._linear_exact_reference(x, _W3, None),
     "linear_exact_packed": lambda x: ops.linear_exact_packed(x, *ops.linear_exact_pack_weight(_W3), 3, None, 1),
@@ -176,7 +191,7 @@ NO_BACKWARD.update({
 
 # Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the
 # packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
-NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "linear_exact_pack_weight",
+NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "_cpu_mma_unit", "linear_exact_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_linear_exact_f64_routes", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
                       "attention_plan", "attention_plan_size", "attention_plan_layout",  # host planning, int buffers
@@ -203,6 +218,8 @@ def _weights_like(out, seed):
 
 @pytest.mark.parametrize("name", sorted(DIFFERENTIABLE))
 def test_gradient_flows_and_matches_torch(name):
+    if name in MMA_OPS and aligned_ops.mma_unit() is None:
+        pytest.skip("the mma profile needs avx512_bf16")
     build, fn, ref = DIFFERENTIABLE[name]
     inputs = build()
     out = fn(*inputs)
@@ -216,11 +233,14 @@ def test_gradient_flows_and_matches_torch(name):
     for i, (g, g64) in enumerate(zip(grads, grads64)):
         assert g is not None and torch.isfinite(g).all(), f"{name}: input {i} gradient missing or not finite"
         assert g.abs().sum() > 0, f"{name}: input {i} gradient is all zeros"
-        torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-5, msg=f"{name}: input {i}")
+        tol = TOLERANCE.get(name, dict(rtol=1e-4, atol=1e-5))
+        torch.testing.assert_close(g.double(), g64, **tol, msg=f"{name}: input {i}")
 
 
 @pytest.mark.parametrize("name", sorted(NO_BACKWARD))
 def test_op_without_backward_raises(name):
+    if name in MMA_OPS and aligned_ops.mma_unit() is None:
+        pytest.skip("the mma profile needs avx512_bf16")
     x = _rows(5, 5, scale=0.5)
     out = NO_BACKWARD[name](x)
     assert out.requires_grad  # autograd sees the op, so backward() reaches the formula that refuses

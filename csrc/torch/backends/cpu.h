@@ -72,6 +72,10 @@ struct Cpu {
   static void exp_f32(const Call&, const ElementwiseParams& p);
   static void log_f32(const Call&, const ElementwiseParams& p);
   static at::Tensor device_error_flags(const Call& call);
+  // the mma linear (cpu_mma.cpp): the unit's GEMM (AVX512-BF16 vdpbf16ps, csrc/cpu/mma_kernels.h) over
+  // gemm_tiles.h's split, refused by the op's name on a CPU without the unit; mma.h's scalar model
+  static void mma_gemm(const Call& call, const GemmParams& p);
+  static void linear_mma_reference(const Call&, const GemmParams& p);
   // the exact linear (cpu_exact.cpp); every run sets the IEEE environment of exact_linear.h
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const Call&, DType dt,
                                                                                  const at::Tensor& wc);

@@ -1,6 +1,6 @@
 // cpu_moe.cpp — the CPU backend's runs of the moe family: the thread split of routing, the grouping of tokens by
-// expert, and the expert projections through the `fma` GEMM kernel (cpu_kernels().gemm, i.e. the linear
-// contract). Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via csrc/cpu/moe_kernels.cpp.
+// expert, and the expert projections through the linear profile's GEMM kernel — the `fma` table's
+// (cpu_kernels().gemm, aligned::linear's) or the mma unit's (aligned::linear_mma's), by the op's linear_profile. Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via csrc/cpu/moe_kernels.cpp.
 // Also the CPU key's registration of the family (register_cpu.cpp).
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "../../common/moe.h"
+#include "../../cpu/cpu_backend.h"
 #include "../../cpu/cpu_kernels.h"
+#include "../../cpu/gemm_tiles.h"
 #include "../../cpu/moe_kernels.h"
 #include "../glue/moe.h"
 #include "../make_params.h"
@@ -37,37 +39,26 @@ namespace {
 
 int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work_per_row, 1)); }
 
-// C[M, N] (cdt) = gemm(A [M, K] row-major, B [N, K] row-major), threads over 32-column panels and row chunks;
-// tiles only choose which chains a thread runs (contract.h: linear).
-void gemm_rows(const GemmParams& p) {
-  const int64_t M = p.M, N = p.N, K = p.K;
-  if (M <= 0 || N <= 0) return;
-  constexpr int64_t kPanel = 32;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-  int64_t mchunk = M;
-  if (panels < 2 * nt && M > 16) mchunk = std::max<int64_t>(16, ((M + 2 * nt - 1) / (2 * nt) + 7) / 8 * 8);
-  const int64_t mt = (M + mchunk - 1) / mchunk;
-  const int64_t per = std::max<int64_t>(1, std::min(M, mchunk) * kPanel * std::max<int64_t>(K, 1));
-  const auto& k = cpu_kernels();
-  at::parallel_for(0, mt * panels, std::max<int64_t>(1, (1 << 18) / per), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t mi = t / panels;
-      const int64_t q = t % panels;
-      k.gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), q * kPanel, std::min(N, (q + 1) * kPanel));
-    }
-  });
+// The experts' GEMM of the linear profile (moe.h: every projection is the profile's linear): the fma table's
+// kernel, or the mma unit's (refused by name without the unit). Both take the same params; gemm_tiles.h spreads
+// one over threads (tiles only choose which chains a thread runs).
+cpu::GemmFn experts_gemm(ExpertsLinear linear, const char* op) {
+  if (linear == ExpertsLinear::kFma) return cpu_kernels().gemm;
+  const cpu::CpuBackend& b = cpu::cpu_backend();
+  TORCH_CHECK(b.mma != nullptr, "aligned::", op, ": mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma (this CPU ",
+              "backend runs the '", b.level, "' level without the bf16 dot-product unit)");
+  return b.mma->gemm;
 }
 
 // One expert MLP over M gathered rows: y [M, H] fp32 = gemm(silu_and_mul(round_T(gemm(x, w13))), w2).
-void expert_mlp(DType dt, const void* x, const void* w13, const void* w2, int64_t M, int64_t H, int64_t I, void* h,
-                void* a, float* y) {
+void expert_mlp(cpu::GemmFn gemm, DType dt, const void* x, const void* w13, const void* w2, int64_t M, int64_t H,
+                int64_t I, void* h, void* a, float* y) {
   if (M == 0) return;
-  gemm_rows(row_major_gemm_params(dt, x, w13, dt, h, M, 2 * I, H, kLinearLanes));
+  cpu::run_gemm_tiles(row_major_gemm_params(dt, x, w13, dt, h, M, 2 * I, H, kLinearLanes), gemm);
   const auto act = silu_and_mul_rows_params(dt, h, a, M, I);
   const auto& k = cpu_kernels();
   at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(act, b, e); });
-  gemm_rows(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes));
+  cpu::run_gemm_tiles(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes), gemm);
 }
 
 }  // namespace
@@ -82,8 +73,9 @@ void Cpu::moe_routing_backward(const Call&, const MoeRoutingParams& p) {
   at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
 }
 
-void Cpu::moe_experts(const Call&, const MoeExpertsRun& r) {
+void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
   const auto& a = r.a;
+  const cpu::GemmFn gemm = experts_gemm(r.linear, call.op);
   const at::Tensor& out = r.out;
   const int64_t T = a.T, H = a.H, k = a.k, E = a.E, I = a.I, N = T * k;
   const size_t es = a.x.element_size();
@@ -120,7 +112,7 @@ void Cpu::moe_experts(const Call&, const MoeExpertsRun& r) {
   for (int64_t e = 0; e < E; ++e)
     if (start[e + 1] > start[e]) busy.push_back(e);  // an expert with no tokens costs nothing
   {
-    const auto& ck = cpu_kernels();
+    const auto& ck = cpu_kernels();  // silu_and_mul; the projections: `gemm`, the profile's
     char* xg0 = (char*)xg.data_ptr();
     char* h0 = (char*)hbuf.data_ptr();
     char* a0 = (char*)abuf.data_ptr();
@@ -131,11 +123,11 @@ void Cpu::moe_experts(const Call&, const MoeExpertsRun& r) {
         char* xe = xg0 + r0 * H * es;
         char* he = h0 + r0 * 2 * I * es;
         char* ae = a0 + r0 * I * es;
-        ck.gemm(row_major_gemm_params(a.dt, xe, w13p + e * 2 * I * H * es, a.dt, he, m, 2 * I, H, kLinearLanes), 0, m,
-                0, 2 * I);
+        gemm(row_major_gemm_params(a.dt, xe, w13p + e * 2 * I * H * es, a.dt, he, m, 2 * I, H, kLinearLanes), 0, m, 0,
+             2 * I);
         ck.silu_and_mul(silu_and_mul_rows_params(a.dt, he, ae, m, I), 0, m);
-        ck.gemm(row_major_gemm_params(a.dt, ae, w2p + e * H * I * es, DType::F32, y0 + r0 * H, m, H, I, kLinearLanes),
-                0, m, 0, H);
+        gemm(row_major_gemm_params(a.dt, ae, w2p + e * H * I * es, DType::F32, y0 + r0 * H, m, H, I, kLinearLanes), 0,
+             m, 0, H);
       }
     });
   }
@@ -144,12 +136,13 @@ void Cpu::moe_experts(const Call&, const MoeExpertsRun& r) {
   if (a.sw13.defined()) {
     ys = at::empty({T, H}, opts.dtype(at::kFloat));
     auto hs = at::empty({T, 2 * a.Is}, opts), as = at::empty({T, a.Is}, opts);
-    expert_mlp(a.dt, a.x.data_ptr(), a.sw13.data_ptr(), a.sw2.data_ptr(), T, H, a.Is, hs.data_ptr(), as.data_ptr(),
+    expert_mlp(gemm, a.dt, a.x.data_ptr(), a.sw13.data_ptr(), a.sw2.data_ptr(), T, H, a.Is, hs.data_ptr(), as.data_ptr(),
                ys.data_ptr<float>());
     if (a.sgate.defined()) {
       g = at::empty({T}, opts.dtype(at::kFloat));
-      gemm_rows(row_major_gemm_params(a.dt, a.x.data_ptr(), a.sgate.data_ptr(), DType::F32, g.data_ptr(), T, 1, H,
-                                      kLinearLanes));  // the gate's logit; combine applies moe_shared_gate
+      cpu::run_gemm_tiles(row_major_gemm_params(a.dt, a.x.data_ptr(), a.sgate.data_ptr(), DType::F32, g.data_ptr(), T,
+                                                1, H, kLinearLanes),
+                          gemm);  // the gate's logit; combine applies moe_shared_gate
     }
   }
   // 4. combine, per token

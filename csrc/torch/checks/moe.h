@@ -134,4 +134,18 @@ MoeExpertsArgs<DTypeEnum> check_moe_experts(const at::Tensor& x, const at::Tenso
   return a;
 }
 
+// moe_experts' linear_profile: the experts' projections under `fma` (contract.h) or `mma` (mma.h: bfloat16 only,
+// the machine's matrix unit; the backend's run refuses where it has none).
+enum class ExpertsLinear { kFma, kMma };
+
+template <class DTypeEnum>
+ExpertsLinear check_experts_linear_profile(c10::string_view profile, DTypeEnum dt, const char* op) {
+  if (profile == "fma") return ExpertsLinear::kFma;
+  TORCH_CHECK(profile == "mma", "aligned::", op, ": linear_profile must be 'fma' or 'mma', got '",
+              std::string(profile), "'");
+  TORCH_CHECK(dt == DTypeEnum::BF16, "aligned::", op, ": the mma profile's experts take bfloat16 (float32 / "
+              "float16 models run ALIGNED_OPS_LINEAR=fma)");
+  return ExpertsLinear::kMma;
+}
+
 }  // namespace aligned

@@ -77,10 +77,12 @@ MoeExpertsArgs<DType> experts_args(const typename B::Call& call, const at::Tenso
 template <class B>
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids, const at::Tensor& w13,
                        const at::Tensor& w2, const std::optional<at::Tensor>& sw13,
-                       const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate) {
+                       const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& sgate,
+                       c10::string_view linear_profile) {
   const typename B::Call call("moe_experts", x, "x");
   MoeExpertsRun r;
   r.a = moe_detail::experts_args<B>(call, x, tw, ids, w13, w2, sw13, sw2, sgate);
+  r.linear = check_experts_linear_profile<DType>(linear_profile, r.a.dt, call.op);
   r.out = at::empty({r.a.T, r.a.H}, r.a.x.options());
   if (r.a.T > 0) B::moe_experts(call, r);
   return r.out;

@@ -80,6 +80,30 @@ def check_temperature_flag(value: float) -> None:
         raise UsageError(str(e)) from None
 
 
+def _check_linear_profile(args) -> None:
+    """--linear (or ALIGNED_OPS_LINEAR) names a registered profile that can run this model here (the mma profile:
+    --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. Unset: fma, which
+    runs everywhere (no torch import for it)."""
+    from ..choices import PROFILE_ENV_VAR, profile_name  # torch-free: a bad name fails before torch loads
+
+    env = os.environ.get(PROFILE_ENV_VAR, "").strip()
+    if args.linear is None and not env:
+        return
+    where = "--linear" if args.linear is not None else PROFILE_ENV_VAR
+    try:
+        name = profile_name(args.linear if args.linear is not None else env, where)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.linear is not None:
+        args.linear = name
+    from .. import profiles
+
+    profile = profiles.get(name, where)
+    bad = profile.model_refusals(args.dtype)
+    if bad:
+        raise UsageError(f"{where} {profile.name}: " + "; ".join(bad))
+
+
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
     if args.command == "train":
@@ -103,13 +127,7 @@ def validate_args(args) -> None:
     _at_least(args, "--threads", 1)
     _at_least(args, "--seed", 0)
     if args.command == "verify":
-        if args.linear is not None:
-            from ..choices import profile_name  # torch-free
-
-            try:
-                args.linear = profile_name(args.linear, "--linear")
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+        _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
         check_temperature_flag(args.temperature)
@@ -134,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
 
     v.add_argument("--linear", default=None, metavar="PROFILE",
-                   help="linear numerics profile of the aligned side, a name from aligned_ops.profiles (fma, exact; "
+                   help="linear numerics profile of the aligned side, a name from aligned_ops.profiles (fma, exact, mma; "
                         "default: ALIGNED_OPS_LINEAR, else fma)")
     v.add_argument("--kernels", choices=KERNEL_SETS, default=None, help=argparse.SUPPRESS)
     v.add_argument("--result", default=None, help=argparse.SUPPRESS)

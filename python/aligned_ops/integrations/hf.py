@@ -199,7 +199,7 @@ class TrainerSide(Side):
         return hf_moe.is_moe_block(mlp)
 
     def sparse_mlp(self, arch, ctx, mlp, x, rules):
-        return hf_moe.moe_block_forward(mlp, x, rules, weights=arch.hf_moe_weights(mlp))
+        return hf_moe.moe_block_forward(mlp, x, rules, weights=arch.hf_moe_weights(mlp), profile=ctx.profile)
 
 
 TRAINER_SIDE = TrainerSide()
@@ -459,6 +459,12 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     resolved = rules.resolve_profile(profile)
     source = ("the model's model_spec.RULES entry (linear_profile)" if rules.linear_profile is not None
               else "patch_model(profile=)" if profile is not None else profiles.ENV_VAR)
+    # What the profile needs of the model and this machine (the mma profile: bf16 and the CPU's unit): refused
+    # now, in one line, in the words the vLLM plugin uses.
+    param = next(model.parameters(), None)
+    bad = resolved.model_refusals(param.dtype) if param is not None else []
+    if bad:
+        raise ValueError("aligned_ops (patch_model): " + "; ".join(bad))
     for layer in model.model.layers:
         layer._aligned_arch = arch.name  # the layer's rules are looked up per call (model_spec.rules_for)
         layer._aligned_profile = resolved

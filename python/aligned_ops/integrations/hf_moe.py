@@ -51,15 +51,19 @@ is_moe_block = _moe.is_hf_sparse_block
 check_moe_block = _moe.check_hf_sparse_block
 
 
-def moe_block_forward(mlp, x: torch.Tensor, rules=None, weights=None) -> torch.Tensor:
+def moe_block_forward(mlp, x: torch.Tensor, rules=None, weights=None, profile=None) -> torch.Tensor:
     """One HF sparse MoE block on packed tokens ``x [T, H]`` (differentiable); ``rules``: the model's
     :class:`aligned_ops.model_spec.LayerRules` (the router projection's profile); ``weights``: the block's
-    :class:`aligned_ops.models.moe.MoEWeights` (default: the Qwen-MoE layout)."""
+    :class:`aligned_ops.models.moe.MoEWeights` (default: the Qwen-MoE layout); ``profile``: the model's linear
+    profile (its ``moe_experts``; default: the one the block carries, ``aligned_ops.profiles.profile_of``)."""
+    from ..profiles import profile_of
+
     from ..models.registry import rules_for
 
     rules = rules or rules_for(None)
     weights = weights if weights is not None else _moe.qwen_hf_moe_weights(mlp)
-    return _moe.sparse_moe(rules, x, weights, record=record_routing)
+    profile = profile if profile is not None else profile_of(mlp)
+    return _moe.sparse_moe(rules, x, weights, record=record_routing, profile=profile)
 def load_balancing_loss(records, num_experts: int, top_k: int) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (HF's ``load_balancing_loss_func``) from the routing's own fp32
     scores and expert choices; padding never enters (the patched model routes only real tokens).

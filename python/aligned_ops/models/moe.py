@@ -2,7 +2,8 @@
 
     router_logits = LayerRules.router_linear(x, router_weight)             (model dtype; router_profile: fma)
     w, ids, scores = aligned::moe_routing(router_logits, top_k, scoring, renormalize)          (fp32)
-    out = aligned::moe_experts(x, w, ids, w13, w2, [shared w13, shared w2, shared gate])
+    out = aligned::moe_experts(x, w, ids, w13, w2, [shared w13, shared w2, shared gate])     (the model's profile:
+          Profile.moe_experts — the fma chains, or the mma profile's matrix unit)
 
 :func:`sparse_moe` runs it. The trainer calls it with the HF block's weights (:func:`qwen_hf_moe_weights`,
 through ``Architecture.hf_moe_weights``); the vLLM plugin's ``MoERunner`` hook
@@ -35,15 +36,18 @@ class MoEWeights:
 
 
 def sparse_moe(rules, x: torch.Tensor, w: MoEWeights, router_logits: torch.Tensor | None = None,
-               record=None) -> torch.Tensor:
+               record=None, profile=None) -> torch.Tensor:
     """One sparse MoE block on packed tokens ``x [T, H]`` (differentiable). ``router_logits``: given when the
     caller computed them (vLLM's Qwen2-MoE block runs its gate before the fused-MoE layer); else computed here
-    with ``rules.router_linear``. ``record(ids, scores)``: called with the routing's choices (diagnostics)."""
+    with ``rules.router_linear``. ``record(ids, scores)``: called with the routing's choices (diagnostics).
+    ``profile``: the model's linear profile (an :mod:`aligned_ops.profiles` object; None: ``fma``), whose
+    ``moe_experts`` runs the experts' projections."""
     logits = rules.router_linear(x, w.router) if router_logits is None else router_logits
     weights, ids, scores = aligned_ops.moe_routing(logits.contiguous(), w.top_k, w.scoring, w.renormalize)
     if record is not None:
         record(ids, scores)
-    return aligned_ops.moe_experts(x, weights, ids, w.w13, w.w2, w.shared_w13, w.shared_w2, w.shared_gate)
+    experts = aligned_ops.moe_experts if profile is None else profile.moe_experts
+    return experts(x, weights, ids, w.w13, w.w2, w.shared_w13, w.shared_w2, w.shared_gate)
 
 
 # ---- the Qwen-MoE family on the HF side (Qwen3-MoE, Qwen2-MoE) ---------------------------------------------

@@ -5,6 +5,7 @@ documented wrappers. Schemas and checks live in C++ (csrc/torch/bindings.cpp, cs
 - :mod:`.linear`       the ``fma`` profile: ``linear``, its 8 lanes (``linear_partial``, TP helpers, ``tree_combine``);
 - :mod:`.linear_exact` the ``exact`` profile (integer-MMA linear), its packed-weight cache (the profiles as objects:
   :mod:`aligned_ops.profiles`);
+- :mod:`.linear_mma`   the ``mma`` profile (the matrix unit's bf16 instruction in the 8 lanes), its unit check;
 - :mod:`.logits`       log_softmax, logsumexp, token_logprobs (fp32, at a temperature);
 - :mod:`.lm_head`      the fused LM-head log-prob (no [T, V] logits, the unfused bits);
 - :mod:`.attention`    varlen / paged attention, cache write;
@@ -24,6 +25,7 @@ from . import linear  # noqa: F401, E402
 from . import logits  # noqa: F401, E402
 from . import collective  # noqa: F401, E402
 from . import linear_exact  # noqa: F401, E402
+from . import linear_mma  # noqa: F401, E402
 from . import attention  # noqa: F401, E402
 from . import moe  # noqa: F401, E402
 from . import device_errors  # noqa: F401, E402

@@ -21,6 +21,11 @@ the bytes of a ring all-reduce. The fallback
 tensors per rank but needs one collective instead of 2*log2(t) exchange rounds. Both give the same bits;
 the default ``"auto"`` takes the all-gather for small (latency-bound, decode-step) tensors, halving above.
 
+The ``mma`` profile (csrc/common/mma.h) keeps the ``fma`` profile's 8 lanes and tree — only each lane's chain
+is the matrix unit's instruction — so its row-parallel route is :func:`row_parallel_linear` with
+``aligned::linear_mma_partial`` for the rank's sub-tree: the same slices, the same :func:`tree_all_reduce`, the
+same epilogue.
+
 The ``exact`` profile (csrc/common/exact_linear.h, "tensor parallelism"; docs/exact_linear.md, "TP") needs no
 tree: its sum is an exact integer, so :func:`exact_row_parallel_linear` exchanges integers only. The full
 rows' canonical forms come from an all-reduce MAX of the ranks' row scans (int32 [rows, 3]: of x per call,
@@ -374,7 +379,7 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
                         *, in_features: int | None = None, algorithm: str = "auto",
-                        check: bool = True) -> torch.Tensor:
+                        check: bool = True, sub_tree=linear_partial) -> torch.Tensor:
     """The ``fma`` profile's row-parallel linear: rank r holds ``x[..., K_r]`` and ``weight[:, K_r]`` (K_r its
     slice ``linear_tp_slices(K, t)[r]``, vLLM's contiguous 1/t of K); every rank returns the full
     ``linear(x, weight, bias)``, bit for bit. (The ``exact`` profile's route: :func:`exact_row_parallel_linear`;
@@ -383,6 +388,10 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
     epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
     given, is checked: the rank's slice must be whole lanes and K_r long.
+
+    ``sub_tree``: the op computing the rank's lanes — ``linear_partial`` (``fma``), or ``linear_mma_partial``
+    (the ``mma`` profile keeps the 8 lanes and the tree, only each lane's chain is the matrix unit's:
+    ``aligned_ops.profiles.MMA.row_parallel_linear``).
     """
     what = "row_parallel_linear"
     t, r = _group_info(group, what)
@@ -403,7 +412,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                     f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
                     f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds "
                     f"{k_local}")
-        partial = linear_partial(x, weight, LINEAR_LANES // t)
+        partial = sub_tree(x, weight, LINEAR_LANES // t)
     except _LOCAL_ERRORS as e:
         local_error = e
     return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error), bias, x.dtype)

@@ -45,7 +45,12 @@ def _(grad_weights, grad_scores, router_logits, topk_ids, scoring, renormalize):
     return torch.empty_like(router_logits, memory_format=torch.contiguous_format)
 
 
-def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+# The linear profiles the experts' projections run (moe.h; the schema's linear_profile, default first).
+EXPERT_PROFILES = ("fma", "mma")
+
+
+def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None,
+                  linear_profile="fma"):
     _same_device("moe_experts", x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
     torch._check(x.dim() == 2, lambda: "aligned::moe_experts: x must be 2-D [tokens, hidden]")
     torch._check(w13.dim() == 3 and w13.shape[2] == x.shape[1], lambda: "aligned::moe_experts: w13 must be [E, 2I, H]")
@@ -53,6 +58,8 @@ def _experts_fake(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2
         torch._check(shared_gate.dim() == 2 and shared_gate.shape[0] == 1 and shared_gate.shape[1] == x.shape[1],
                      lambda: f"aligned::moe_experts: shared_gate must be [1, {x.shape[1]}] with x's dtype, got "
                              f"{list(shared_gate.shape)}")
+    torch._check(linear_profile in EXPERT_PROFILES,
+                 lambda: f"aligned::moe_experts: linear_profile must be 'fma' or 'mma', got {linear_profile!r}")
     return x.new_empty(x.shape)
 
 
@@ -84,21 +91,48 @@ torch.library.register_autograd(_lib + "moe_routing", _routing_backward, setup_c
 
 
 def _experts_setup(ctx, inputs, output):
-    x, tw, ids, w13, w2, sw13, sw2, sgate = inputs
+    x, tw, ids, w13, w2, sw13, sw2, sgate = inputs[:8]
     ctx.save_for_backward(x, tw, ids, w13, w2, sw13, sw2, sgate)
+    ctx.linear_profile = inputs[8] if len(inputs) > 8 else "fma"
 
 
-def _mlp_backward(x, w13, w2, gy):
+def _fma_mlp_forward(x, w13, w2):
+    h = ops.linear(x, w13, None)
+    a = ops.silu_and_mul(h)
+    return h, a, ops.linear(a.float(), w2.float(), None)
+
+
+def _mma_mlp_forward(x, w13, w2):
+    h = ops.linear_mma(x, w13, None)
+    a = ops.silu_and_mul(h)
+    return h, a, ops.linear_mma_partial(a, w2, 8)  # y: the unrounded 8-lane tree, as the kernel keeps it
+
+
+def _fma_gate_logit(x, sgate):
+    return ops.linear(x.float(), sgate.float(), None)
+
+
+def _mma_gate_logit(x, sgate):
+    return ops.linear_mma_partial(x, sgate, 8)
+
+
+# The schema's linear_profile values (csrc/common/moe.h) and the ops their forward's projections are: the
+# backward recomputes the forward with these (h, a and y bit-identical to the kernel's), and the shared expert's
+# gate logit.
+_EXPERT_LINEARS = {"fma": (_fma_mlp_forward, _fma_gate_logit), "mma": (_mma_mlp_forward, _mma_gate_logit)}
+
+
+def _mlp_backward(x, w13, w2, gy, profile=EXPERT_PROFILES[0]):
     """One expert MLP's backward on gathered rows x (model dtype); gy = grad of its fp32 output y.
 
     Returns (y fp32, dx fp32, dw13 fp32, dw2 fp32). The forward is recomputed with the same ops as the kernel
-    (h = linear(x, w13) in the model dtype, a = silu_and_mul(h), y = linear in fp32), so y is bit-identical to
-    the forward's.
+    (h = linear(x, w13) in the model dtype, a = silu_and_mul(h), y = linear in fp32 — under ``profile``: the
+    ``mma`` profile's h is linear_mma, its y the unrounded linear_mma_partial over 8 lanes), so h and y are
+    bit-identical to the forward's. The gradient chains are the fma profile's in fp32 for both profiles: the
+    gradients reaching the experts' projections are fp32 (w_r * g), which the bf16 unit could only take rounded.
     """
-    h = ops.linear(x, w13, None)
-    a = ops.silu_and_mul(h)
+    h, a, y = _EXPERT_LINEARS[profile][0](x, w13, w2)
     af, w2f = a.float(), w2.float()
-    y = ops.linear(af, w2f, None)
     da, dw2, _ = ops.linear_backward(gy.contiguous(), af, w2f, True, True, False)
     dh = ops.silu_and_mul_backward(da.contiguous(), h.float())
     dx, dw13, _ = ops.linear_backward(dh.contiguous(), x.float(), w13.float(), True, True, False)
@@ -113,8 +147,10 @@ def _row_sums(v: torch.Tensor) -> torch.Tensor:
     return ops.linear(v.contiguous(), ones, None)[:, 0]
 
 
-def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None, linear_profile="fma"):
     """CPU/any-device kernel of ``aligned::moe_experts_backward`` (experts in increasing id, tokens in order)."""
+    if linear_profile not in EXPERT_PROFILES:
+        raise RuntimeError(f"aligned::moe_experts_backward: linear_profile must be 'fma' or 'mma', got {linear_profile!r}")
     T, H = x.shape
     k = ids.shape[1]
     E = w13.shape[0]
@@ -136,7 +172,8 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
         tok, rank = sel // k, sel % k
         wv = tw[tok, rank].float()
         gt = g.index_select(0, tok)
-        y, dxe, dw13e, dw2e = _mlp_backward(x.index_select(0, tok).contiguous(), w13[e], w2[e], wv[:, None] * gt)
+        y, dxe, dw13e, dw2e = _mlp_backward(x.index_select(0, tok).contiguous(), w13[e], w2[e], wv[:, None] * gt,
+                                            linear_profile)
         dtw[tok, rank] = _row_sums(gt * y)
         dx.index_add_(0, tok, dxe)
         dw13[e] = dw13e
@@ -145,11 +182,11 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
     dsw13 = dsw2 = dgate = empty
     if sw13 is not None:
         if sgate is not None:
-            logit = ops.linear(x.float(), sgate.reshape(1, H).float(), None)  # [T, 1] fp32, the kernel's chain
+            logit = _EXPERT_LINEARS[linear_profile][1](x, sgate.reshape(1, H))  # [T, 1] fp32, the kernel's chains
             gate = 1.0 / (1.0 + ops._exp_f32(-logit))  # moe.h: moe_shared_gate
         else:
             gate = torch.ones((T, 1), dtype=torch.float32, device=x.device)
-        ys, dxs, dsw13, dsw2 = _mlp_backward(x, sw13, sw2, gate * g)
+        ys, dxs, dsw13, dsw2 = _mlp_backward(x, sw13, sw2, gate * g, linear_profile)
         dx += dxs
         if sgate is not None:
             dlogit = _row_sums(g * ys)[:, None] * (gate * (1.0 - gate))
@@ -165,7 +202,7 @@ torch.library.register_kernel(_lib + "moe_experts_backward", "cpu", _experts_bac
 
 
 @torch.library.register_fake(_lib + "moe_experts_backward")
-def _(grad_out, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None):
+def _(grad_out, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None, linear_profile="fma"):
     _same_device("moe_experts_backward", grad_out, x, tw, ids, w13, w2, sw13, sw2, sgate)
     empty = x.new_empty((0,))
     return (
@@ -183,7 +220,7 @@ def _experts_backward(ctx, grad):
     x, tw, ids, w13, w2, sw13, sw2, sgate = ctx.saved_tensors
     need = tuple(ctx.needs_input_grad) + (False,) * 8  # optional inputs may be absent from the tuple
     dx, dtw, dw13, dw2, dsw13, dsw2, dgate = ops.moe_experts_backward(grad.contiguous(), x, tw, ids, w13, w2, sw13,
-                                                                     sw2, sgate)
+                                                                     sw2, sgate, ctx.linear_profile)
     return (
         dx if need[0] else None,
         dtw if need[1] else None,
@@ -193,6 +230,7 @@ def _experts_backward(ctx, grad):
         dsw13 if (need[5] and sw13 is not None) else None,
         dsw2 if (need[6] and sw2 is not None) else None,
         dgate if (need[7] and sgate is not None) else None,
+        None,
     )
 
 
@@ -213,14 +251,18 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax
     return ops.moe_routing(router_logits, int(top_k), scoring, bool(renormalize))
 
 
-def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
+def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None,
+                linear_profile: str = "fma"):
     """``sum_r w_r * expert_{id_r}(x)`` (+ ``sigmoid(x . shared_gate) * shared_expert(x)``), fp32, rounded once.
 
     ``w13 [E, 2I, H]`` holds each expert's gate rows then up rows (vLLM's ``w13_weight``, HF's
     ``experts.gate_up_proj``); ``w2 [E, H, I]`` the down projections. The optional shared expert uses
-    ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]`` and its gate ``shared_gate [1, H]``.
+    ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]`` and its gate ``shared_gate [1, H]``. ``linear_profile``: the
+    projections' profile, ``fma`` or ``mma`` (bf16; the machine's matrix unit).
     """
-    return ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+    if linear_profile == EXPERT_PROFILES[0]:  # the schema's default: the call (and its trace) as before mma existed
+        return ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+    return ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate, linear_profile)
 
 
 def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=True, shared_w13=None,

@@ -91,3 +91,51 @@ def assert_rollouts_bitwise(rollouts, trainer_logprobs, who: str = "trainer") ->
             f"{who}, prompt len {len(r.prompt_token_ids)}: {int(differ.sum())}/{v.numel()} differ, "
             f"max |diff| {(v - lp).abs().max().item():.3g}"
         )
+
+
+# ---- engine parameters of the end-to-end tests: a dtype and a linear profile -----------------------------------
+# "bfloat16" / "float32" run the process's profile (ALIGNED_OPS_LINEAR, fma when unset); "bfloat16-mma" runs the
+# mma profile (bf16 only) on both sides — skipped on a CPU without its unit (aligned_ops.mma_unit()).
+E2E_ENGINE_PARAMS = ("bfloat16", "float32", "bfloat16-mma")
+
+
+def engine_param(param: str) -> tuple[str, str | None]:
+    """``(dtype, profile)`` of an end-to-end engine parameter (profile None: the process's)."""
+    dtype, _, profile = param.partition("-")
+    return dtype, (profile or None)
+
+
+class linear_profile_env:
+    """``with linear_profile_env("mma"):`` sets ``ALIGNED_OPS_LINEAR`` for the block (the trainer patch and the
+    engine config made inside it resolve it, once; mp workers and FSDP2 ranks started inside it inherit it),
+    restoring it after; ``None`` leaves it alone. Skips (pytest) a profile this machine cannot run."""
+
+    def __init__(self, profile: str | None):
+        self.profile = profile
+        self._old = None
+
+    def __enter__(self):
+        import os
+
+        if self.profile is None:
+            return self
+        from .. import profiles
+
+        bad = profiles.get(self.profile).model_refusals("bfloat16")  # the e2e profiles' engines run bf16
+        if bad:
+            import pytest
+
+            pytest.skip(f"the {self.profile} profile cannot run here: " + "; ".join(bad))
+        self._old = os.environ.get("ALIGNED_OPS_LINEAR")
+        os.environ["ALIGNED_OPS_LINEAR"] = self.profile
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.profile is not None:
+            if self._old is None:
+                os.environ.pop("ALIGNED_OPS_LINEAR", None)
+            else:
+                os.environ["ALIGNED_OPS_LINEAR"] = self._old
+        return False

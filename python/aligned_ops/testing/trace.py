@@ -63,8 +63,10 @@ class trace_aligned_ops(TorchDispatchMode):
 
 
 def _linear_bias(name, args) -> bool:
-    # aligned::linear / linear_exact (x, weight, bias); linear_exact_packed (x, digits, exponents, nonfinite, N, bias)
-    at = {"aligned::linear": 2, "aligned::linear_exact": 2, "aligned::linear_exact_packed": 5}.get(name)
+    # aligned::linear / linear_exact / linear_mma (x, weight, bias); linear_exact_packed (x, digits, exponents,
+    # nonfinite, N, bias)
+    at = {"aligned::linear": 2, "aligned::linear_exact": 2, "aligned::linear_mma": 2,
+          "aligned::linear_exact_packed": 5}.get(name)
     return at is not None and len(args) > at and isinstance(args[at], torch.Tensor)
 
 
@@ -89,7 +91,7 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
         op = c.name.split("::", 1)[1]
         if op in ("linear_exact_pack_weight", "linear_exact_f64_bounds"):  # per-weight caches, not steps
             continue
-        if op in ("linear", "linear_exact", "linear_exact_packed"):
+        if op in ("linear", "linear_exact", "linear_exact_packed", "linear_mma"):
             op, k, n = _linear_kn(op, c)
             if last_linear_x is not None and c.x_ptr == last_linear_x and out and out[-1][0] == op:
                 _, k0, n0, b0 = out[-1]

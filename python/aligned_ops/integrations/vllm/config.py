@@ -84,7 +84,7 @@ def validate_vllm_config(vllm_config) -> None:
         cg = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
         cuda_graphs = compiled and device != "cpu" and cg is not None and getattr(cg, "name", str(cg)) != "NONE"
         reasons.extend(profile.refusals(device=device, tp_size=pc.tensor_parallel_size, compiled=compiled,
-                                        cuda_graphs=cuda_graphs))
+                                        cuda_graphs=cuda_graphs, dtype=getattr(mc, "dtype", None)))
     reasons.extend(gpu_platform_reasons(vllm_config))
     if reasons:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))

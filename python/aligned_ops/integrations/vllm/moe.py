@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...models import rules_of
+from ...profiles import profile_of
 from ...models.moe import MoEWeights, sparse_moe
 from .layers import keep_weight_after_loading
 
@@ -114,7 +115,7 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
     # Qwen3-MoE hands the router to the runner (router_logits is then the hidden state): routed here;
     # Qwen2-MoE runs its gate (GateLinear, hooked) before the layer and passes the logits in.
     return sparse_moe(rules_of(self), x, weights, router_logits=None if self.gate is not None else router_logits,
-                      record=record)
+                      record=record, profile=profile_of(self))
 
 
 def oot_hooks() -> dict:

@@ -79,15 +79,17 @@ def _tp_group():
     return get_tp_group()
 
 
-def _sequential_lane_combine(x, weight, group_coordinator):
-    """Negative control: the same lane sums combined left to right (((l0+l1)+l2)+...) instead of the tree."""
+def _sequential_lane_combine(x, weight, group_coordinator, profile=None):
+    """Negative control: the same lane sums (the layer's profile's: the mma unit's chains under ``mma``, else the
+    fma chains) combined left to right (((l0+l1)+l2)+...) instead of the tree."""
     t = group_coordinator.world_size
     k = weight.shape[-1]
     lanes = aligned_ops.ops.collective.LINEAR_LANES // t
+    lane_sum = aligned_ops.linear_mma_partial if profile is profiles.MMA else aligned_ops.linear_partial
     sums = []
     for j in range(lanes):
         lo, hi = (j * k) // lanes, ((j + 1) * k) // lanes
-        sums.append(aligned_ops.linear_partial(x[..., lo:hi].contiguous(), weight[:, lo:hi].contiguous(), 1))
+        sums.append(lane_sum(x[..., lo:hi].contiguous(), weight[:, lo:hi].contiguous(), 1))
     local = torch.stack(sums)
     gathered = [torch.empty_like(local) for _ in range(t)]
     torch.distributed.all_gather(gathered, local, group=group_coordinator.device_group)
@@ -126,7 +128,7 @@ def _row_parallel_forward(self, input_):
     group = _tp_group()
     bias = None if self.skip_bias_add else self.bias
     if _tp_combine == "sequential":
-        out = _sequential_lane_combine(input_, self.weight, group)
+        out = _sequential_lane_combine(input_, self.weight, group, profile)
         if bias is not None:
             out = out + bias.to(torch.float32)
         out = out.to(input_.dtype)

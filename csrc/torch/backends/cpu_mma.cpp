@@ -1,0 +1,56 @@
+// cpu_mma.cpp — the CPU backend's runs of the `mma` linear family (glue/linear_mma.h): the unit's GEMM
+// (AVX512-BF16 vdpbf16ps, csrc/cpu/gemm_mma_kernels.cpp, compiled once for the one level that has it) spread
+// over threads by gemm_tiles.h, and mma.h's scalar model of the unit (the conformance reference). Also the CPU
+// key's registration of the family (register_cpu.cpp) and the _cpu_mma_unit query.
+//
+// The unit is not an ISA level (csrc/cpu/cpu_backend.h): cpu_backend().mma is nullptr on a CPU without
+// avx512_bf16 or under ALIGNED_CPU_ISA=generic / avx2, and every op of the family except the reference refuses
+// by its own name there — the one-line refusal the Python profile (aligned_ops.profiles.MMA) also gives at
+// start-up.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "../../common/mma.h"
+#include "../../cpu/cpu_backend.h"
+#include "../../cpu/gemm_tiles.h"
+#include "../glue/linear_mma.h"
+#include "../registration_impl.h"
+#include "cpu.h"
+
+namespace aligned::glue {
+
+void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
+  const cpu::CpuBackend& b = cpu::cpu_backend();
+  TORCH_CHECK(b.mma != nullptr, "aligned::", call.op, ": mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma (this CPU ",
+              "backend runs the '", b.level, "' level without the bf16 dot-product unit)");
+  cpu::run_gemm_tiles(p, b.mma->gemm);
+}
+
+void Cpu::linear_mma_reference(const Call&, const GemmParams& p) {
+  const auto* xp = (const bf16_t*)p.A;
+  const auto* wp = (const bf16_t*)p.B;
+  float* o = (float*)p.C;
+  at::parallel_for(0, p.M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t n = 0; n < p.N; ++n)
+        o[m * p.N + n] = linear_mma_partial_dot(xp + m * p.a_sm, 1, wp + n * p.b_sn, 1, p.K, p.lanes);
+  });
+}
+
+// ---- the CPU key's registrations of the families (register_cpu.cpp) -----------------------------------------
+template void register_family<LinearMma, Cpu>(torch::Library&);
+template void register_family<LinearMmaReference, Cpu>(torch::Library&);
+
+}  // namespace aligned::glue
+
+// The CPU's mma unit ("avx512_bf16"), or "" where it has none: how Python refuses the profile at start-up
+// (aligned_ops.mma_unit) before any layer runs. No tensor arguments: a catch-all kernel.
+TORCH_LIBRARY_IMPL(aligned, CatchAll, m) {
+  m.impl("_cpu_mma_unit", +[]() -> std::string {
+    const aligned::cpu::MmaKernels* k = aligned::cpu::cpu_backend().mma;
+    return k ? k->unit : "";
+  });
+}

@@ -1,0 +1,151 @@
+"""The ``mma`` linear profile: ``aligned::linear_mma`` (+ its backward and the TP partial), fake impls, autograd,
+wrappers, and the unit check that refuses the profile where the machine has no unit.
+
+The contract (``csrc/common/mma.h``): bfloat16 x, weight, bias; K cut into the ``fma`` profile's 8 lanes
+(``linear_lane_bounds``), each lane ONE chain of the matrix unit's instruction (on the CPU AVX512-BF16
+``vdpbf16ps``: pairs (k, k+1) in ascending order, odd element first, subnormals flushed), the 8 lane sums folded
+by the same tree ``((0+1)+(2+3))+((4+5)+(6+7))``, + bias once, one rounding. The bits are the unit's: the same
+for a row whatever the batch, position, tiling, threads, chunking or TP degree, on one unit (and on every CPU
+with avx512_bf16, Intel and AMD: one semantics) — not equal to ``fma``'s or ``exact``'s, nor to a GPU's.
+
+TP (row-parallel): rank r of t in 1, 2, 4, 8 holds the K slice ``linear_tp_slices(K, t)[r]`` and computes
+``linear_mma_partial(x_r, w_r, 8 // t)``; ``tree_all_reduce`` (``tree_combine``), + bias, one rounding give
+``linear_mma`` bit for bit — ``aligned_ops.profiles.MMA.row_parallel_linear``.
+
+The profile as an object (its linear, TP route, MoE experts, capabilities, start-up refusals) and the
+``ALIGNED_OPS_LINEAR=mma`` switch: :mod:`aligned_ops.profiles` (``MMA``).
+
+Backward (``aligned::linear_mma_backward``, on the unit): dx = the profile's linear of g and w^T (8 lanes of N),
+dw = of g^T and x^T (8 fixed token blocks of the batch, tokens in order), db = fp32 column chains. Deterministic;
+dx is batch-invariant, dw / db follow the batch by design.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._registry import ops, register_no_backward
+from ._registry import reg_fake as _reg_fake
+from ._registry import same_device as _same_device
+
+_LANES = (1, 2, 4, 8)
+MMA_REFUSAL = "mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"
+
+
+@functools.lru_cache(maxsize=None)
+def mma_unit() -> str | None:
+    """The CPU's matrix unit the ``mma`` profile runs on (``"avx512_bf16"``: vdpbf16ps), or None where the CPU has
+    none (or ``ALIGNED_CPU_ISA`` forces a level below AVX-512). Fixed for the process (chosen once in C++)."""
+    return ops._cpu_mma_unit() or None
+
+
+def check_mma_available(where: str) -> str:
+    """The unit name, or a ``RuntimeError`` in one line naming the profile's requirement and the way out."""
+    unit = mma_unit()
+    if unit is None:
+        raise RuntimeError(f"aligned_ops ({where}): {MMA_REFUSAL} (this CPU has no bf16 dot-product unit the "
+                           f"profile's bits are defined on)")
+    return unit
+
+
+def mma_model_reasons(dtype) -> list[str]:
+    """Why a model of ``dtype`` cannot run the ``mma`` profile on this machine (empty: it can): no unit, or not
+    bfloat16 — each one line (``aligned_ops.profiles.MMA.model_refusals``: the start-up refusals of the trainer
+    patch, the vLLM plugin and ``aligned-ops verify``)."""
+    reasons = [] if mma_unit() is not None else [MMA_REFUSAL]
+    name = str(dtype).replace("torch.", "")
+    if name != "bfloat16":
+        reasons.append(f"the mma profile takes bfloat16 models (its matrix units multiply bf16), got {name}; "
+                       f"use ALIGNED_OPS_LINEAR=fma")
+    return reasons
+
+
+def _check_bf16(op, **tensors):
+    for name, t in tensors.items():
+        if t is not None:
+            torch._check(t.dtype == torch.bfloat16,
+                         lambda: f"aligned::{op}: {name} must be bfloat16 (the mma profile's matrix units take bf16; "
+                                 f"float32 / float16 models run ALIGNED_OPS_LINEAR=fma), got {t.dtype}")
+
+
+def _check_shapes(op, x, weight):
+    torch._check(x.dim() >= 1, lambda: f"aligned::{op}: x must have at least one dimension")
+    torch._check(weight.dim() == 2, lambda: f"aligned::{op}: weight must be 2-D")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"aligned::{op}: in_features mismatch")
+
+
+@_reg_fake("linear_mma")
+def _(x, weight, bias=None):
+    _same_device("linear_mma", x, weight, bias)
+    _check_bf16("linear_mma", x=x, weight=weight, bias=bias)
+    _check_shapes("linear_mma", x, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_reg_fake("linear_mma_partial")
+def _(x, weight, lanes):
+    _same_device("linear_mma_partial", x, weight)
+    torch._check(lanes in _LANES, lambda: f"aligned::linear_mma_partial: lanes must be 1, 2, 4 or 8, got {lanes}")
+    _check_bf16("linear_mma_partial", x=x, weight=weight)
+    _check_shapes("linear_mma_partial", x, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@_reg_fake("_linear_mma_reference")
+def _(x, weight, lanes):
+    _check_shapes("_linear_mma_reference", x, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@_reg_fake("linear_mma_backward")
+def _(grad_out, x, weight, needs_x_grad, needs_w_grad, needs_b_grad):
+    _same_device("linear_mma_backward", grad_out, x, weight)
+    _check_bf16("linear_mma_backward", grad_out=grad_out, x=x, weight=weight)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x_grad else None
+    dw = weight.new_empty(weight.shape) if needs_w_grad else None
+    db = x.new_empty((weight.shape[0],)) if needs_b_grad else None
+    return dx, dw, db
+
+
+def _save_inputs(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _grads(ctx, grad):
+    """(dx, dw, db) through ``aligned::linear_mma_backward`` (autograd hands the bf16 gradient of the bf16
+    output), each only where autograd asks for it."""
+    x, weight = ctx.saved_tensors
+    return ops.linear_mma_backward(grad.contiguous(), x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                   ctx.has_bias and ctx.needs_input_grad[2])
+
+
+torch.library.register_autograd("aligned::linear_mma", _grads, setup_context=_save_inputs)
+
+
+def _partial_backward(ctx, grad):
+    raise RuntimeError(
+        "aligned::linear_mma_partial has no backward: it is the forward half of a row-parallel mma linear (the "
+        "rollout side); differentiate aligned.linear_mma or the TP layer instead"
+    )
+
+
+torch.library.register_autograd("aligned::linear_mma_partial", _partial_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+register_no_backward("linear_mma_backward", "it is a backward op; double backward is not implemented")
+register_no_backward("_linear_mma_reference", "a test hook: mma.h's scalar model of the CPU unit")
+
+
+def linear_mma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` under the ``mma`` profile (bf16; the matrix unit's chains in the 8 fixed lanes, the
+    fixed tree, + bias once, one rounding — csrc/common/mma.h). Batch-, thread- and TP-degree-invariant on one
+    unit; refuses by name where the machine has none."""
+    return ops.linear_mma(x, weight, bias)
+
+
+def linear_mma_partial(x: torch.Tensor, weight: torch.Tensor, lanes: int) -> torch.Tensor:
+    """fp32 sub-tree over ``lanes`` lanes of the local K under the ``mma`` profile; no bias, no rounding."""
+    return ops.linear_mma_partial(x, weight, lanes)
