@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--profile", default="fma")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--skip-cache-clear", action="store_true",
-                    help="control: undo the adapter's cache clearing after TRL's weight syncs")
+                    help="control: undo the cache clearing after TRL's weight syncs (adapter and plugin)")
     a = ap.parse_args()
     os.environ["ALIGNED_OPS_LINEAR"] = a.profile
 
@@ -64,8 +64,13 @@ def main():
         from aligned_ops.integrations.trl import aligned_grpo
 
         aligned_grpo(trainer)
-        if a.skip_cache_clear:
+        if a.skip_cache_clear:  # the adapter's clearing after TRL's sync, and the plugin's in load_weights
+            from vllm.model_executor.models.utils import AutoWeightsLoader
+
+            from aligned_ops.integrations.vllm import patches
+
             trainer.vllm_generation.sync_weights = trainer.vllm_generation.sync_weights.__wrapped__
+            AutoWeightsLoader.load_weights = patches.original(AutoWeightsLoader, "load_weights")
 
     raw = {k: [] for k in KEYS}
     log = trainer.log

@@ -15,15 +15,17 @@
   min-p truncation, ``logprobs_mode="processed_logprobs"``, which TRL sets), plus the per-token entropy TRL asks
   for;
 - clears every derived weight cache (the ``exact`` profile's packed weights) after each TRL weight sync: TRL
-  writes the engine's weights with ``load_weights``, which does not bump their version counters;
+  writes the engine's weights with ``load_weights``, which does not bump their version counters (the vLLM
+  plugin also clears them in every model's ``load_weights``, which covers ``vllm_mode="server"``);
 - (``reinforce_zero=True``, the default) maps REINFORCE Zero (:mod:`aligned_ops.rl`) onto TRL's options:
   token-level vLLM importance sampling without truncation (``token_truncate`` with no bounds) and no PPO
   clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly;
 - checks that the colocated engine runs the aligned_ops vLLM plugin with the trainer's profile.
 
 Refused by name (each would make the two sides compute different numbers): ``cast_lm_head_to_fp32``,
-``repetition_penalty != 1``, multimodal inputs, a colocated engine without the plugin or with another profile,
-the ``exact`` profile with ``vllm_mode="server"`` (the server's cache is not ours to clear).
+``repetition_penalty != 1``, multimodal inputs, a colocated engine without the plugin or with another profile.
+With ``vllm_mode="server"`` the server is another process: start it with ``ALIGNED_OPS_VLLM=1`` and the same
+``ALIGNED_OPS_LINEAR`` (a warning says so; TRL's ``sampling/sampling_logp_difference/max`` shows it).
 """
 
 from __future__ import annotations
@@ -120,10 +122,7 @@ def _check_engine(trainer, profile) -> None:
     from .vllm import plugin
 
     mode = getattr(trainer.vllm_generation, "mode", None) if hasattr(trainer, "vllm_generation") else None
-    if mode == "server":
-        if profile.name == "exact":
-            raise ValueError("aligned_grpo: the exact profile needs its packed-weight cache cleared after every "
-                             "weight sync, which only a colocated engine allows (vllm_mode='colocate')")
+    if mode == "server":  # the server's plugin clears its caches in load_weights (TRL's sync): only a check is
         log.warning("aligned_grpo: vllm_mode='server': start the server with ALIGNED_OPS_VLLM=1 and "
                     "ALIGNED_OPS_LINEAR=%s; TRL's sampling/sampling_logp_difference/max must log 0.0", profile.name)
         return
