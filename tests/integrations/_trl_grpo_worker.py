@@ -91,7 +91,10 @@ def main():
 
     trainer.vllm_generation.sync_weights = counting_sync
     trainer.train()
-    print(json.dumps({"metrics": raw, "syncs": len(digests), "weights_changed": len(set(digests)) == len(digests),
+    from aligned_ops.integrations.vllm import vllm_status
+
+    status = vllm_status(trainer.vllm_generation.llm)
+    print(json.dumps({"status": {"aligned": status["aligned"], "profile": status["profile"]}, "metrics": raw, "syncs": len(digests), "weights_changed": len(set(digests)) == len(digests),
                       "profile": a.profile, "adapter": a.adapter}))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM / torch.distributed teardown (seconds on a loaded machine)

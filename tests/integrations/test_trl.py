@@ -44,6 +44,7 @@ def model_dir(tiny_checkpoint):
 
 def _check_runs_two_steps_with_new_weights(r):
     m = r["metrics"]
+    assert r["status"] == {"aligned": True, "profile": r["profile"]}, r  # vllm_status(llm) on TRL's engine
     assert r["syncs"] == 2 and r["weights_changed"], r  # step 2 scored weights the optimiser had changed
     for key in ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
                 "sampling/importance_sampling_ratio/max", "entropy"):
