@@ -160,3 +160,17 @@ def test_engine_without_the_plugin_or_with_another_profile_is_refused(plain, mon
     assert linear_exact.exact_weight_cache_bytes() > 0
     trainer.vllm_generation.sync_weights()
     assert linear_exact.exact_weight_cache_bytes() == 0
+
+
+def test_reference_model_is_patched_with_the_policys_profile(model_dir, tmp_path):
+    trainer = _trainer(model_dir, tmp_path, beta=0.04)
+    assert trainer.ref_model is not None
+    aligned_grpo(trainer, profile="exact")
+    ref = trainer.ref_model
+    assert ref.forward.__func__ is hf._model_forward
+    assert profiles.profile_of(ref) is profiles.profile_of(trainer.model) is profiles.REGISTRY["exact"]
+    ids, am, keep = _trl_batch(1)
+    with torch.no_grad():
+        ref_lp, _, _ = trainer._get_per_token_logps_and_entropies(ref, ids, am, keep)
+        pol_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, keep)
+    assert_bitwise_equal(ref_lp, pol_lp)  # same weights before any step: the KL term starts at exactly 0

@@ -22,7 +22,9 @@
   clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly;
 - checks that the colocated engine runs the aligned_ops vLLM plugin with the trainer's profile.
 
-Refused by name (each would make the two sides compute different numbers): ``cast_lm_head_to_fp32``,
+Needs ``use_vllm=True``: the patched model has no KV cache, so HF's ``generate`` (TRL without vLLM) is refused by
+the model (``use_cache=True is not supported``). Refused by name (each would make the two sides compute
+different numbers): ``cast_lm_head_to_fp32``,
 ``repetition_penalty != 1``, multimodal inputs, a colocated engine without the plugin or with another profile.
 With ``vllm_mode="server"`` the server is another process: start it with ``ALIGNED_OPS_VLLM=1`` and the same
 ``ALIGNED_OPS_LINEAR`` (a warning says so; TRL's ``sampling/sampling_logp_difference/max`` shows it).
