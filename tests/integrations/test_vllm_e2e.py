@@ -127,7 +127,8 @@ def test_negative_control_stock_vllm_mismatches(background):
 def test_status_says_the_engine_runs_aligned(engine):
     from aligned_ops.integrations.vllm import installed_profile, vllm_status
 
-    status = vllm_status(engine)
+    _, llm, _ = engine
+    status = vllm_status(llm)
     assert status["aligned"] is True and status["profile"] == installed_profile().name, status
     assert status["vllm"] == __import__("vllm").__version__
     assert [w["aligned_modules"] > 0 for w in status["workers"]] == [True], status
