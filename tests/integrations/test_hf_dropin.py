@@ -195,6 +195,7 @@ def test_packed_by_position_ids_splits_into_sequences(model):
         packed = model(ids, position_ids=pos, completion_mask=cm, return_logits=True)
         hidden = model.model(ids, position_ids=pos).last_hidden_state
         as_one = model(ids, position_ids=torch.arange(ids.shape[1])[None], return_logits=True).logits
+        assert_bitwise_equal(completion_logprobs(model, ids, cm, position_ids=pos), packed.logprobs)
     at = 0
     for i, (s, st) in enumerate(zip(seqs, STARTS)):
         alone = _alone(model, s, return_logits=True)
@@ -236,7 +237,7 @@ def test_ambiguous_position_ids_are_refused(model):
     ids = torch.randint(0, 500, (1, 8))
     with pytest.raises(ValueError, match="position_ids jump from 3 to 1 at packed token 4"):
         model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 1, 2, 3, 4]]))
-    with pytest.raises(ValueError, match="position_ids must have the shape of input_ids"):
+    with pytest.raises(ValueError, match="position_ids must have one entry per token of input_ids"):
         model(ids, position_ids=torch.arange(4)[None])
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="position_ids restart at 0 inside a sequence of cu_seqlens"):

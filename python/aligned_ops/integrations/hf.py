@@ -130,9 +130,9 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
     cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0).to(torch.int32)
     if position_ids is not None:
-        if position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got "
-                             f"{tuple(position_ids.shape)}")
+        if position_ids.numel() != input_ids.numel():
+            raise ValueError(f"position_ids must have one entry per token of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(position_ids.shape)}")
         positions = position_ids.reshape(-1).to(dev)[flat].to(torch.int64)
         # Packed ("padding-free") rows carry no mask: where positions restart at 0, a new sequence begins.
         cu = _split_at_position_restarts(positions, cu)
@@ -602,6 +602,7 @@ def completion_logprobs(
     top_p=None,
     min_p=None,
     fused_lm_head=False,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
@@ -615,6 +616,9 @@ def completion_logprobs(
     what the vLLM plugin returns with ``logprobs_mode="processed_logprobs"`` (bit for bit). A token outside
     the truncated set gets ``-inf``.
 
+    ``position_ids``: the tokens' positions (default: from 0 in each sequence); in a packed row without
+    ``cu_seqlens`` (padding-free), a restart at 0 starts a new sequence.
+
     ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
     log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
     ``[tokens, vocab]`` logits and their gradient (full-vocabulary scoring and the fma linear profile only).
@@ -625,6 +629,7 @@ def completion_logprobs(
         input_ids,
         attention_mask=attention_mask,
         cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
         completion_mask=completion_mask,
         temperature=temperature,
         return_logits=False,
