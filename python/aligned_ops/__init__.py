@@ -17,6 +17,11 @@ import sys as _sys
 
 _loaded = False
 
+try:  # the torch the extension was built against (a generated, torch-free file; _extension.py checks it on load)
+    from ._build_info import TORCH_VERSION as BUILT_WITH_TORCH
+except ImportError:  # pragma: no cover - a source tree without a build (loading then says how to build)
+    BUILT_WITH_TORCH = None
+
 
 def _started_as_cli() -> bool:
     """Whether this interpreter was started to run the ``aligned-ops`` command (see the module docstring)."""

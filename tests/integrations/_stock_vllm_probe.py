@@ -45,7 +45,9 @@ def main():
             lp = completion_logprobs(model, ids, cm)[0, len(r.prompt_token_ids):]
         differ += int((lp != r.logprobs_tensor()).sum())
         total += lp.numel()
-    print(json.dumps({"common_prefix": n, "max_abs_diff_batch_vs_alone": d_batch,
+    from aligned_ops.integrations.vllm import vllm_status
+
+    print(json.dumps({"status_aligned": vllm_status(llm)["aligned"], "common_prefix": n, "max_abs_diff_batch_vs_alone": d_batch,
                       "tokens_differing_from_trainer": differ, "tokens": total}))
 
 

@@ -187,3 +187,14 @@ def test_negative_control_stock_vllm_mismatches(background):
     print("stock vLLM negative control:", stats)
     assert stats["tokens"] > 0
     assert stats["tokens_differing_from_trainer"] > 0, stats
+    assert stats["status_aligned"] is False, stats  # vllm_status(llm) says so
+
+
+def test_status_says_the_engine_runs_aligned(engine):
+    from aligned_ops.integrations.vllm import installed_profile, vllm_status
+
+    _, llm, _ = engine
+    status = vllm_status(llm)
+    assert status["aligned"] is True and status["profile"] == installed_profile().name, status
+    assert status["vllm"] == __import__("vllm").__version__
+    assert [w["aligned_modules"] > 0 for w in status["workers"]] == [True], status

@@ -46,18 +46,31 @@ from . import check_hf_config, hf_moe
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
 
-@dataclass
-class AlignedCausalLMOutput:
-    """What the patched model returns.
+try:  # an HF ModelOutput: out["logits"], out[0], out.to_tuple() work as on any HF model's output
+    from transformers.utils import ModelOutput as _OutputBase
+except ImportError:  # pragma: no cover - without transformers there is no HF model to patch
+    _OutputBase = object
 
+
+@dataclass
+class AlignedCausalLMOutput(_OutputBase):
+    """What the patched model returns (a ``transformers`` ``ModelOutput``: attribute, key and index access; the
+    fields that are None are absent from its keys, as in HF).
+
+    ``loss`` — with ``labels=``: HF's causal-LM loss (``labels`` shifted by one, ``-100`` ignored, mean over the
+    counted tokens or sum / ``num_items_in_batch``) on the aligned logits, through ``aligned_ops.token_logprobs``.
     ``logits`` — ``[B, S, V]`` (padded input) or ``[T, V]`` (packed input), model dtype, zeros at padding; only
     computed when ``return_logits`` (the default unless ``completion_mask`` is given).
     ``logprobs`` — fp32 log-probs of the completion tokens, same shape as ``input_ids``, 0 where
     ``completion_mask`` is 0; only when ``completion_mask`` is given.
+    ``entropy`` — with ``completion_mask`` and ``return_entropy=True``: fp32 entropy of the distribution each
+    completion token was scored under (``softmax(logits / temperature)``), same shape as ``logprobs``.
     """
 
+    loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
     # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``);
     # ``routed_experts`` — int64 expert ids ``[*input_ids.shape, moe_layers, top_k]``, -1 at padding
     # (``return_routing``), for routing-flip diagnostics against the rollout engine.
@@ -102,6 +115,9 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
             if position_ids.numel() != total:
                 raise ValueError(f"position_ids must have one entry per token ({total}), got {position_ids.numel()}")
             positions = position_ids.reshape(-1).to(device=dev, dtype=torch.int64)
+            if not torch.equal(_split_at_position_restarts(positions, cu), cu):
+                raise ValueError("position_ids restart at 0 inside a sequence of cu_seqlens: mark every packed "
+                                 "sequence in cu_seqlens (or pass position_ids without cu_seqlens to split there)")
         return flat, positions, cu
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq] (or packed with cu_seqlens), got {tuple(input_ids.shape)}")
@@ -125,8 +141,37 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
     cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0).to(torch.int32)
     if position_ids is not None:
-        positions = position_ids.reshape(-1)[flat].to(torch.int64)
+        if position_ids.numel() != input_ids.numel():
+            raise ValueError(f"position_ids must have one entry per token of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(position_ids.shape)}")
+        positions = position_ids.reshape(-1).to(dev)[flat].to(torch.int64)
+        # Packed ("padding-free") rows carry no mask: where positions restart at 0, a new sequence begins.
+        cu = _split_at_position_restarts(positions, cu)
     return flat, positions, cu
+
+
+def _split_at_position_restarts(positions, cu):
+    """``cu`` with a boundary added wherever ``positions`` (of the packed tokens) restart at 0 inside a sequence
+    (a packed / padding-free row holds several sequences: verl remove-padding, OpenRLHF packing, TRL
+    padding-free, HF ``DataCollatorWithFlattening``). Inside a sequence positions must count up by one; any other
+    jump is ambiguous and refused. Empty sequences of ``cu`` are kept."""
+    if positions.numel() < 2:
+        return cu
+    cu64 = cu.to(torch.int64)
+    lens = cu64[1:] - cu64[:-1]
+    starts = torch.zeros_like(positions, dtype=torch.bool)
+    starts[cu64[:-1][lens > 0]] = True
+    jump = (positions[1:] != positions[:-1] + 1) & ~starts[1:]
+    if not bool(jump.any()):
+        return cu
+    at = jump.nonzero().squeeze(1) + 1
+    bad = at[positions[at] != 0]
+    if bad.numel():
+        t = int(bad[0])
+        raise ValueError(f"position_ids jump from {int(positions[t - 1])} to {int(positions[t])} at packed token {t}: "
+                         "inside a sequence positions count up by one and a packed sequence restarts at 0 (mark "
+                         "sequences with cu_seqlens or attention_mask)")
+    return torch.sort(torch.cat([cu64, at])).values.to(cu.dtype)
 
 
 # ---- per-model constants -------------------------------------------------------------------------------
@@ -212,6 +257,68 @@ def _layer_forward(self, hidden, residual, ctx: _ForwardContext):
     return arch.block(arch, TRAINER_SIDE, ctx, self, hidden, residual)
 
 
+def _refuse_unsupported(unused, where):
+    for key in ("past_key_values", "inputs_embeds"):
+        if unused.get(key) is not None:
+            raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
+    if unused.get("use_cache"):
+        raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
+
+
+def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens):
+    """Embedding -> decoder layers -> final norm on the packed real tokens, for the causal LM's forward and the
+    backbone's (``model.model(...)``). ``owner`` carries the architecture, profile and RoPE table (the causal LM,
+    or the backbone itself). Returns ``(hidden [T, H], flat, ids, cu, routing recorder, rules, profile)``."""
+    flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
+    ids = input_ids.reshape(-1)[flat]
+    vocab = inner.embed_tokens.weight.shape[0]
+    if ids.numel():  # an id outside the embedding would be a bare IndexError (or a device assert) deep inside
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"aligned_ops patched model: input_ids must lie in [0, {vocab}) (the embedding's rows), "
+                             f"got ids in [{lo}, {hi}]")
+    hidden = inner.embed_tokens(ids)
+    cache = _cos_sin_cache(owner, hidden.device)
+    # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
+    # one host sync (a [B+1] int32 copy; _pack's checks read the same offsets); every layer then runs one plan.
+    cu_host = cu if cu.device.type == "cpu" else cu.cpu()
+    profile = profile_of(owner)  # resolved once, by patch_model
+    ctx = _ForwardContext(positions, cu_host, cache, _ForwardPlans(cu_host, hidden.device), profile)
+    residual = None
+    with hf_moe.RoutingRecorder() as routing:
+        for layer in inner.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+    rules = rules_of(owner)  # the architecture patch_model recorded on the model and each decoder layer
+    hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
+    return hidden, flat, ids, cu, routing, rules, profile
+
+
+def _backbone_forward(
+    self,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_router_logits: bool = False,
+    **unused,
+):
+    """Patched ``forward`` of the backbone (``model.model``, e.g. ``Qwen2Model``), the call frameworks make when
+    they apply the LM head themselves (TRL's fused LM head, value heads): HF's ``BaseModelOutputWithPast`` with
+    ``last_hidden_state`` (after the final norm) shaped ``[*input_ids.shape, H]``, zeros at padding. The same
+    packing rules and the same bits as the causal LM's forward."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    _refuse_unsupported(unused, "patched backbone (model.model)")
+    if input_ids is None:
+        raise ValueError("aligned_ops patched backbone (model.model): input_ids is required")
+    if output_router_logits:
+        raise ValueError("aligned_ops patched backbone (model.model): output_router_logits is not supported; call "
+                         "the patched causal LM (output_router_logits=True gives .aux_loss)")
+    hidden, flat, _, _, _, _, _ = _backbone(self, self, input_ids, attention_mask, position_ids, cu_seqlens)
+    full = hidden.new_zeros((input_ids.numel(), hidden.shape[-1])).index_copy(0, flat, hidden)
+    return BaseModelOutputWithPast(last_hidden_state=full.view(*input_ids.shape, hidden.shape[-1]))
+
+
 def _model_forward(
     self,
     input_ids: torch.Tensor,
@@ -227,51 +334,31 @@ def _model_forward(
     top_p=None,
     min_p=None,
     fused_lm_head="auto",
+    labels: torch.Tensor | None = None,
+    num_items_in_batch=None,
+    return_entropy: bool = False,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
-    for key in ("past_key_values", "inputs_embeds"):
-        if unused.get(key) is not None:
-            raise ValueError(f"aligned_ops patched model: {key} is not supported (full teacher-forced forward only)")
-    if unused.get("labels") is not None:
-        raise ValueError("aligned_ops patched model: labels= is not supported (no loss is computed); pass "
-                         "completion_mask= and compute the loss from the returned logprobs")
-    if unused.get("use_cache"):
-        raise ValueError("aligned_ops patched model: use_cache=True is not supported")
+    _refuse_unsupported(unused, "patched model")
     if return_logits is None:
         return_logits = completion_mask is None
     if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
         check_temperature(temperature, "completion_logprobs: temperature")
         check_sampling_options(top_k, top_p, min_p, where="completion_logprobs")
-    if completion_mask is not None:
         if completion_mask.shape != input_ids.shape:
             raise ValueError("completion_mask must have the shape of input_ids")
         _check_mask(completion_mask, "completion_mask")
-    flat, positions, cu = _pack(input_ids, attention_mask, position_ids, cu_seqlens)
-    ids = input_ids.reshape(-1)[flat]
-    inner = self.model
-    vocab = inner.embed_tokens.weight.shape[0]
-    if ids.numel():  # an id outside the embedding would be a bare IndexError (or a device assert) deep inside
-        lo, hi = (int(v) for v in torch.aminmax(ids))
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"aligned_ops patched model: input_ids must lie in [0, {vocab}) (the embedding's rows), "
-                             f"got ids in [{lo}, {hi}]")
-    hidden = inner.embed_tokens(ids)
-    cache = _cos_sin_cache(self, hidden.device)
-    # The attention planner's metadata on the host, derived once per forward: on a GPU this is the forward's
-    # one host sync (a [B+1] int32 copy; _pack's checks read the same offsets); every layer then runs one plan.
-    cu_host = cu if cu.device.type == "cpu" else cu.cpu()
-    profile = profile_of(self)  # resolved once, by patch_model
-    ctx = _ForwardContext(positions, cu_host, cache, _ForwardPlans(cu_host, hidden.device), profile)
-    residual = None
-    with hf_moe.RoutingRecorder() as routing:
-        for layer in inner.layers:
-            hidden, residual = layer(hidden, residual, ctx)
-    rules = rules_of(self)  # the architecture patch_model recorded on the model and each decoder layer
-    hidden, _ = rules.apply_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon, residual)
+    if return_entropy and completion_mask is None:
+        raise ValueError("aligned_ops patched model: return_entropy=True needs completion_mask= (the tokens whose "
+                         "distribution's entropy is wanted)")
+    hidden, flat, ids, cu, routing, rules, profile = _backbone(self, self.model, input_ids, attention_mask,
+                                                               position_ids, cu_seqlens)
     head = self.lm_head
 
     out = AlignedCausalLMOutput()
+    if labels is not None:
+        out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
     if output_router_logits and routing.records:
         cfg = self.config
         out.aux_loss = hf_moe.load_balancing_loss(routing.records, cfg.num_experts, cfg.num_experts_per_tok)
@@ -300,6 +387,15 @@ def _model_forward(
         temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
+        if return_entropy:
+            if fused_lm_head is True or isinstance(fused_lm_head, dict):
+                raise ValueError("aligned_ops patched model: return_entropy=True needs the logits; use "
+                                 "fused_lm_head=False")
+            fused_lm_head = False  # "auto": the logits are computed anyway
+            logits = rules.head_logits(profile, head_in, head.weight, head.bias)
+            ent = _entropy(logits, temps)
+            out.entropy = ent.new_zeros(input_ids.numel()).index_copy(0, flat.index_select(0, targets),
+                                                                     ent).view(input_ids.shape)
         if fused_lm_head == "auto":  # aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES: same bits either way
             fused_lm_head = _fuse_automatically(head, head_in, top_k, top_p, min_p, rules, profile)
         if fused_lm_head:
@@ -342,6 +438,46 @@ def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bo
     if not profile.capabilities.fused_lm_head or rules.logits_dtype is not None:
         return False
     return fused_by_default(hidden.shape[0], head.weight.shape[0], hidden.dtype)
+
+
+def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch):
+    """HF's causal-LM loss (``ForCausalLMLoss``: token j's label is predicted by token j-1, ``-100`` is ignored,
+    mean over the counted labels, or their sum / ``num_items_in_batch``) from the aligned logits'
+    ``token_logprobs``. A sequence's first token has no prediction: its label is ignored (HF drops
+    ``labels[:, 0]``). A label on padding is refused (HF would score a pad position)."""
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"aligned_ops patched model: labels must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+    lab_all = labels.reshape(-1).to(hidden.device)
+    lab = lab_all.index_select(0, flat)
+    counted = lab != -100
+    if int(counted.sum()) != int((lab_all != -100).sum()):
+        raise ValueError("aligned_ops patched model: labels mark padding tokens (attention_mask 0); set them to "
+                         "-100")
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    first_of_seq = torch.zeros_like(counted)
+    first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
+    targets = (counted & ~first_of_seq).nonzero().squeeze(1)
+    head_in = hidden.index_select(0, targets - 1)
+    lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias),
+                                    lab.index_select(0, targets), 1.0)
+    denom = targets.numel() if num_items_in_batch is None else num_items_in_batch
+    if isinstance(denom, torch.Tensor):
+        denom = denom.to(lp.device)
+    return -lp.sum() / denom
+
+
+def _entropy(logits, temps):
+    """fp32 entropy ``-sum(p * log p)`` of each row of ``softmax(logits / T)``, from ``aligned_ops.log_softmax``.
+    Rows are widened to a multiple of 64 columns (log p = 0 there) so every row meets torch's elementwise and
+    row-sum kernels at the same vector-lane alignment, whatever the number of rows: a row's entropy does not
+    depend on the batch. Differentiable (torch's elementwise backward)."""
+    lsm = aligned_ops.log_softmax(logits, temps)
+    v = lsm.shape[-1]
+    width = -(-v // 64) * 64
+    if width != v:
+        lsm = torch.nn.functional.pad(lsm, (0, width - v))
+    return -(lsm.exp() * lsm).sum(-1)
 
 
 def _fused_head_logprobs(model, head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules, profile):
@@ -469,6 +605,12 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         layer._aligned_arch = arch.name  # the layer's rules are looked up per call (model_spec.rules_for)
         layer._aligned_profile = resolved
         layer.forward = types.MethodType(_layer_forward, layer)
+    # The backbone too (model.model(...), which frameworks call when they apply the LM head themselves): HF's
+    # backbone forward would call the patched layers with its own keyword arguments.
+    inner = model.model
+    inner._aligned_arch = arch.name
+    inner._aligned_profile = resolved
+    inner.forward = types.MethodType(_backbone_forward, inner)
     model._aligned_arch = arch.name
     model._aligned_profile = resolved
     model._aligned_profile_source = source
@@ -484,6 +626,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for layer in model.model.layers:
         for key in ("forward", "_aligned_arch", "_aligned_profile"):
             layer.__dict__.pop(key, None)
+    for key in ("forward", "_aligned_arch", "_aligned_profile", "_aligned_cos_sin_cache"):
+        model.model.__dict__.pop(key, None)
     for key in ("forward", "_aligned_arch", "_aligned_profile", "_aligned_profile_source"):
         model.__dict__.pop(key, None)
     model.__dict__.pop("_aligned_cos_sin_cache", None)
@@ -502,6 +646,7 @@ def completion_logprobs(
     top_p=None,
     min_p=None,
     fused_lm_head="auto",
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher-forced fp32 log-probs of the completion tokens, shaped like ``input_ids`` (0 elsewhere).
 
@@ -518,6 +663,9 @@ def completion_logprobs(
     ``top_k`` an integer, 0 or -1 = off); a greedy sequence (temperature 0) is scored untruncated, as vLLM
     resets its options.
 
+    ``position_ids``: the tokens' positions (default: from 0 in each sequence); in a packed row without
+    ``cu_seqlens`` (padding-free), a restart at 0 starts a new sequence.
+
     ``fused_lm_head=True`` (or a dict ``{"token_chunk": .., "vocab_chunk": ..}``): compute the LM head and the
     log-probs with :func:`aligned_ops.fused_token_logprobs` — the same bits, forward and gradient, without the
     ``[tokens, vocab]`` logits and their gradient (full-vocabulary scoring and the fma linear profile only).
@@ -531,6 +679,7 @@ def completion_logprobs(
         input_ids,
         attention_mask=attention_mask,
         cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
         completion_mask=completion_mask,
         temperature=temperature,
         return_logits=False,

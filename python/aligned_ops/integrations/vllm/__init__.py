@@ -21,6 +21,7 @@ from __future__ import annotations
 from .config import installed_profile, validate_vllm_config
 from .gpu_platform import GPU_REQUIRED_OPS, gpu_platform_reasons, missing_gpu_kernels
 from .plugin import (
+    ENV_ALIASES,
     ENV_VAR,
     SUPPORTED_VLLM_VERSIONS,
     check_vllm_version,
@@ -29,11 +30,12 @@ from .plugin import (
     is_installed,
     register,
     uninstall,
+    vllm_status,
 )
 from .layers import rope_spec_from_vllm
 from .tp import TP_COMBINE_ENV, TP_COMBINES, check_row_parallel_profile, set_tp_combine
 
-__all__ = ["ENV_VAR", "GPU_REQUIRED_OPS", "SUPPORTED_VLLM_VERSIONS", "TP_COMBINES", "TP_COMBINE_ENV",
+__all__ = ["ENV_ALIASES", "ENV_VAR", "GPU_REQUIRED_OPS", "SUPPORTED_VLLM_VERSIONS", "TP_COMBINES", "TP_COMBINE_ENV",
            "check_row_parallel_profile", "check_vllm_version", "enabled_by_env", "gpu_platform_reasons",
            "install", "installed_profile", "is_installed", "missing_gpu_kernels", "register", "rope_spec_from_vllm",
-           "set_tp_combine", "uninstall", "validate_vllm_config"]
+           "set_tp_combine", "uninstall", "validate_vllm_config", "vllm_status"]

@@ -34,6 +34,14 @@ def _platform_device(platform=None) -> str:
     return "cpu" if platform.is_cpu() else "cuda"  # ROCm builds of torch use the cuda device type too
 
 
+def _built_with_torch() -> str:
+    try:
+        from ..._build_info import TORCH_VERSION
+    except ImportError:  # pragma: no cover - a source tree without a build cannot reach an engine
+        return "unknown"
+    return TORCH_VERSION
+
+
 def validate_vllm_config(vllm_config) -> None:
     """Raise ``ValueError`` listing every reason the configuration cannot be kept aligned."""
     reasons = []
@@ -112,10 +120,28 @@ def _create_engine_config(self, *args, **kwargs):
         raise ValueError("aligned_ops vLLM plugin: additional_config must be a dict (it carries the linear profile)")
     config.additional_config[PROFILE_KEY] = profile.name
     installed_linear_profile = profile
+    active_logger().info("%s", active_line(profile))
+    return config
+
+
+def active_logger():
+    """A child of vLLM's ``vllm`` logger, so the line shows where vLLM's own start-up lines do (vLLM configures
+    a handler on ``vllm`` only)."""
     import logging
 
-    logging.getLogger("aligned_ops").info("aligned_ops vLLM plugin: %s", profile.describe())
-    return config
+    return logging.getLogger("vllm.aligned_ops")
+
+
+def active_line(profile) -> str:
+    """The one line an engine logs when the plugin is active: versions, profile, what it replaced."""
+    import vllm
+
+    oot = sorted(patches.oot_registered())
+    classes = sorted(patches.patched_classes())
+    return (f"aligned_ops vLLM plugin active: aligned_ops {aligned_ops.__version__} (built for torch "
+            f"{_built_with_torch()}), vLLM {getattr(vllm, '__version__', 'unknown')}, linear profile "
+            f"{profile.name!r} ({profile.op}); replaced: {len(oot)} layer ops out of tree ({', '.join(oot)}), "
+            f"{len(classes)} classes patched ({', '.join(classes)})")
 
 
 def installed_profile():

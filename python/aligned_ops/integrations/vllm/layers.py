@@ -191,6 +191,19 @@ def keep_weight_after_loading(self, layer, *args, **kwargs):
     return None
 
 
+def _load_weights_then_clear(self, *args, **kwargs):
+    # Every supported model's load_weights goes through AutoWeightsLoader: the initial load, vLLM's
+    # reload_weights, and the refit of every RL framework (TRL colocate and server, OpenRLHF, verl call
+    # model.load_weights). It writes through param.data (no version bump), so every derived cache of the old
+    # weights (the exact profile's packed digits) goes here, whoever called it.
+    try:
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return patches.original(AutoWeightsLoader, "load_weights")(self, *args, **kwargs)
+    finally:
+        aligned_ops.clear_exact_weight_cache()
+
+
 def oot_hooks() -> dict:
     """The layers of this module hooked through vLLM's out-of-tree registry."""
     from vllm.model_executor.layers.activation import SiluAndMul
@@ -212,6 +225,10 @@ def install() -> None:
     why = "register_oot matches the exact class name; the RoPE variants are subclasses that must follow"
     patches.patch(RotaryEmbedding, "forward", _rotary_forward, why)
     patches.patch(RotaryEmbedding, "__init__", _rotary_init, why)
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    patches.patch(AutoWeightsLoader, "load_weights", _load_weights_then_clear,
+                  "a plain helper class, not a layer: vLLM offers no hook after a model's load_weights")
     for cls, apply in ((UnquantizedLinearMethod, _linear_apply), (UnquantizedEmbeddingMethod, _lm_head_apply)):
         # a QuantizeMethodBase, not a CustomOp: no registry (every Linear's / the embedding's and LM head's apply)
         why = "a QuantizeMethodBase, not a CustomOp: vLLM offers no out-of-tree hook"

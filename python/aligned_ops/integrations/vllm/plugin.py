@@ -38,13 +38,17 @@ from . import config, decoders, layers, moe, patches, sampler, tp
 from .bind import record_architecture
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
+# The same switch under a VLLM_ name: vLLM's Ray executor forwards only VLLM_* variables to its workers, so a
+# variable set after ray.init (or outside the actors' runtime_env) still reaches every worker under this name.
+ENV_ALIASES = ("VLLM_ALIGNED_OPS",)
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 
 _installed = False
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in (ENV_VAR, *ENV_ALIASES))
 
 
 def register() -> None:
@@ -111,3 +115,28 @@ def uninstall() -> None:
     gpu_platform.uninstall_gpu_attention_selection()
     patches.restore_all()
     _installed = False
+
+
+def model_status(model) -> dict:
+    """Whether a vLLM model (one worker's) runs aligned: ``{"plugin_installed", "aligned", "profile",
+    "aligned_modules"}``. ``aligned``: the plugin is installed in that process and the model's layers carry
+    an aligned_ops profile (the plugin records it on every layer it hooks when vLLM builds it)."""
+    carried = [m._aligned_profile for m in model.modules() if getattr(m, "_aligned_profile", None) is not None]
+    names = sorted({p.name for p in carried})
+    return {"plugin_installed": is_installed(), "aligned": is_installed() and bool(carried),
+            "profile": names[0] if len(names) == 1 else (names or None), "aligned_modules": len(carried)}
+
+
+def vllm_status(llm) -> dict:
+    """Whether the engine ``llm`` (a ``vllm.LLM``) runs aligned, asked of its workers (``LLM.apply_model``):
+    ``{"aligned": bool, "profile": name or None, "vllm": version, "workers": [model_status of each]}``.
+    ``aligned`` is True only if every worker runs the plugin with one profile. A multi-process engine needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to run the probe in its workers (vLLM's rule for apply_model)."""
+    import vllm
+
+    workers = llm.apply_model(model_status)
+    profiles = {w["profile"] for w in workers if isinstance(w["profile"], str)}
+    aligned = bool(workers) and all(w["aligned"] and isinstance(w["profile"], str) for w in workers) \
+        and len(profiles) == 1
+    return {"aligned": aligned, "profile": profiles.pop() if aligned else None,
+            "vllm": getattr(vllm, "__version__", "unknown"), "workers": workers}

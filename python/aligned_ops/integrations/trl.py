@@ -1,0 +1,201 @@
+"""TRL: run ``trl.GRPOTrainer`` with the policy's log-probs bitwise equal to the aligned vLLM engine's.
+
+    os.environ["ALIGNED_OPS_VLLM"] = "1"          # before the trainer builds its vLLM engine (colocate mode)
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...), ...)
+    aligned_grpo(trainer)                          # profile: ALIGNED_OPS_LINEAR, or profile="exact" / "fma" / ...
+    trainer.train()
+
+:func:`aligned_grpo` (one call, on the built trainer):
+
+- patches the policy (and the reference model, when ``beta != 0``) with :func:`~aligned_ops.integrations.hf.
+  patch_model`, replacing the fused LM head TRL installed on its forward (its log-softmax is not the engine's);
+- routes TRL's per-token log-prob computation (``GRPOTrainer._get_per_token_logps_and_entropies``: the "old"
+  log-probs TRL compares with vLLM's, and the loss's) through the patched model's forward: the completion
+  tokens' ``token_logprobs`` at TRL's temperature, over the distribution vLLM sampled from (its top-k / top-p /
+  min-p truncation, ``logprobs_mode="processed_logprobs"``, which TRL sets), plus the per-token entropy TRL asks
+  for;
+- clears every derived weight cache (the ``exact`` profile's packed weights) after each TRL weight sync: TRL
+  writes the engine's weights with ``load_weights``, which does not bump their version counters (the vLLM
+  plugin also clears them in every model's ``load_weights``, which covers ``vllm_mode="server"``);
+- (``reinforce_zero=True``, the default) maps REINFORCE Zero (:mod:`aligned_ops.rl`) onto TRL's options:
+  token-level vLLM importance sampling without truncation (``token_truncate`` with no bounds) and no PPO
+  clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly;
+- checks that the colocated engine runs the aligned_ops vLLM plugin with the trainer's profile.
+
+Needs ``use_vllm=True``: the patched model has no KV cache, so HF's ``generate`` (TRL without vLLM) is refused by
+the model (``use_cache=True is not supported``). Refused by name (each would make the two sides compute
+different numbers): ``cast_lm_head_to_fp32``,
+``repetition_penalty != 1``, multimodal inputs, a colocated engine without the plugin or with another profile.
+With ``vllm_mode="server"`` the server is another process: start it with ``ALIGNED_OPS_VLLM=1`` and the same
+``ALIGNED_OPS_LINEAR`` (a warning says so; TRL's ``sampling/sampling_logp_difference/max`` shows it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+
+import torch
+
+import aligned_ops
+
+from .. import profiles
+from ..profiles import profile_of
+from .hf import patch_model, unpatch_model
+
+__all__ = ["aligned_grpo", "aligned_logps_and_entropies"]
+
+log = logging.getLogger("aligned_ops.integrations.trl")
+
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _sampling_truncation(trainer) -> dict:
+    """TRL's sampling truncation as completion_logprobs' arguments (None where it is off)."""
+    top_k = getattr(trainer, "top_k", None)
+    top_p = getattr(trainer, "top_p", None)
+    min_p = getattr(trainer, "min_p", None)
+    return dict(top_k=None if top_k in (None, 0, -1) else int(top_k),
+                top_p=None if top_p in (None, 1.0) else float(top_p),
+                min_p=None if min_p in (None, 0.0) else float(min_p))
+
+
+def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                compute_entropy=False, compute_aux_loss=False, **multimodal):
+    """Drop-in for ``GRPOTrainer._get_per_token_logps_and_entropies`` (same arguments and returns:
+    ``(logps [B, logits_to_keep], entropies or None, aux_loss or None)``) through the aligned model's forward.
+
+    Every op is row-invariant, so the micro-batch size TRL chunks with does not change a bit."""
+    given = sorted(k for k, v in multimodal.items() if v is not None)
+    if given:
+        raise ValueError(f"aligned_grpo: multimodal inputs are not supported (got {', '.join(given)})")
+    batch_size = batch_size or input_ids.size(0)
+    truncation = _sampling_truncation(self)
+    logps, entropies, aux = [], [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        mask = attention_mask[start:start + batch_size]
+        completion = mask.clone()
+        completion[:, :-logits_to_keep] = 0  # only the completion tokens are scored (TRL's labels = -100 elsewhere)
+        # The aligned ops fix their own dtypes; an autocast region must not recast what feeds them.
+        with torch.autocast(ids.device.type, enabled=False):
+            out = model(ids, attention_mask=mask, completion_mask=completion, temperature=self.temperature,
+                        return_logits=False, return_entropy=compute_entropy, output_router_logits=compute_aux_loss,
+                        **truncation)
+        logps.append(out.logprobs[:, -logits_to_keep:])
+        if compute_entropy:
+            entropies.append(out.entropy[:, -logits_to_keep:])
+        if compute_aux_loss:
+            aux.append(out.aux_loss)
+    return (torch.cat(logps, dim=0), torch.cat(entropies, dim=0) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None)
+
+
+def _repatch(model, profile):
+    """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
+    patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword)."""
+    if getattr(model, "_aligned_patched", False):
+        if profile is None:
+            profile = model._aligned_profile
+        unpatch_model(model)
+    return patch_model(model, profile)
+
+
+def _engine_model(trainer):
+    """The colocated vLLM engine's model (this process), or None in server mode / without vLLM."""
+    vg = getattr(trainer, "vllm_generation", None)
+    llm = getattr(vg, "llm", None)
+    if llm is None:
+        return None
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def _engine_profile(engine_model):
+    for module in engine_model.modules():
+        p = getattr(module, "_aligned_profile", None)
+        if isinstance(p, profiles.Profile):
+            return p
+    return None
+
+
+def _check_engine(trainer, profile) -> None:
+    from .vllm import plugin
+
+    mode = getattr(trainer.vllm_generation, "mode", None) if hasattr(trainer, "vllm_generation") else None
+    if mode == "server":  # the server's plugin clears its caches in load_weights (TRL's sync): only a check is
+        log.warning("aligned_grpo: vllm_mode='server': start the server with ALIGNED_OPS_VLLM=1 and "
+                    "ALIGNED_OPS_LINEAR=%s; TRL's sampling/sampling_logp_difference/max must log 0.0", profile.name)
+        return
+    engine = _engine_model(trainer)
+    if engine is None:
+        return
+    engine_profile = _engine_profile(engine)
+    if not plugin.is_installed() or engine_profile is None:
+        raise ValueError("aligned_grpo: the colocated vLLM engine does not run the aligned_ops vLLM plugin; set "
+                         f"{plugin.ENV_VAR}=1 before building the GRPOTrainer")
+    if engine_profile is not profile:
+        raise ValueError(f"aligned_grpo: the vLLM engine runs the {engine_profile.name!r} linear profile and the "
+                         f"trainer {profile.name!r}; set {profiles.ENV_VAR}={profile.name} before building the "
+                         "GRPOTrainer (or pass profile=" + repr(engine_profile.name) + ")")
+
+
+def _map_reinforce_zero(trainer) -> None:
+    """REINFORCE Zero on TRL's options: untruncated token-level IS against vLLM's log-probs, no PPO clip."""
+    args = trainer.args
+    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        raise ValueError(f"aligned_grpo(reinforce_zero=True): loss_type {trainer.loss_type!r} reweights tokens by "
+                         "its own rule; use one of grpo, bnpo, dr_grpo, dapo, luspo (or reinforce_zero=False)")
+    for name, off in (("importance_sampling_level", "token"), ("delta", None), ("off_policy_mask_threshold", None)):
+        if getattr(args, name, off) != off:
+            raise ValueError(f"aligned_grpo(reinforce_zero=True): {name}={getattr(args, name)!r} truncates or "
+                             f"reweights the IS ratio; leave it at {off!r} (or reinforce_zero=False)")
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    trainer.vllm_importance_sampling_clip_min = None
+    trainer.vllm_importance_sampling_clip_max = math.inf
+    trainer.epsilon_low = math.inf
+    trainer.epsilon_high = math.inf
+
+
+def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinforce_zero: bool = True):
+    """Make a built ``trl.GRPOTrainer`` compute its policy log-probs with aligned_ops (module docstring).
+
+    ``profile``: the linear numerics profile (None: the policy's, if already patched, else
+    ``ALIGNED_OPS_LINEAR``); the colocated engine must run the same one. ``reinforce_zero``: map REINFORCE
+    Zero onto TRL's loss options. Returns the trainer. Idempotent."""
+    if not hasattr(trainer, "_get_per_token_logps_and_entropies") or not hasattr(trainer, "accelerator"):
+        raise TypeError(f"aligned_grpo: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
+    args = trainer.args
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        raise ValueError("aligned_grpo: cast_lm_head_to_fp32=True replaces the LM head with an fp32 one vLLM does "
+                         "not run; the aligned LM head already returns fp32 log-probs (set it to False)")
+    if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
+        raise ValueError(f"aligned_grpo: repetition_penalty={trainer.repetition_penalty} changes vLLM's sampled "
+                         "distribution by the generated history, which the trainer does not score; use 1.0")
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    _repatch(policy, profile)
+    resolved = profile_of(policy)
+    if trainer.ref_model is not None:
+        _repatch(trainer.accelerator.unwrap_model(trainer.ref_model), resolved)
+    if getattr(trainer, "use_vllm", False):
+        _check_engine(trainer, resolved)
+    trainer._get_per_token_logps_and_entropies = types.MethodType(aligned_logps_and_entropies, trainer)
+
+    vg = getattr(trainer, "vllm_generation", None)
+    if vg is not None and not getattr(vg.sync_weights, "_aligned_clears_caches", False):
+        sync = vg.sync_weights
+
+        def sync_weights():
+            sync()
+            # load_weights writes through param.data (no version bump): every packing of the old weights goes
+            aligned_ops.clear_exact_weight_cache()
+
+        sync_weights._aligned_clears_caches = True
+        sync_weights.__wrapped__ = sync
+        vg.sync_weights = sync_weights
+    if reinforce_zero:
+        _map_reinforce_zero(trainer)
+    log.info("aligned_ops: GRPOTrainer runs aligned (profile %s, reinforce_zero=%s)", resolved.name, reinforce_zero)
+    return trainer

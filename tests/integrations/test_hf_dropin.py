@@ -1,0 +1,249 @@
+"""The patched model as an HF drop-in where frameworks touch it: the backbone call ``model.model(...)``, outputs
+that index like dicts, ``labels=`` (HF's causal-LM loss on the aligned logits), per-token entropy, and packed
+rows marked only by ``position_ids`` restarts (split into sequences, never one). Bits through integer views
+against each sequence run alone; each check with a control that shows it can fail."""
+
+import pytest
+import torch
+
+from aligned_ops.integrations.hf import _entropy, completion_logprobs, patch_model
+from aligned_ops.models import rules_of
+from aligned_ops.profiles import profile_of
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+from aligned_ops.testing.rollouts import padded_batch, random_sequences
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def model(request, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_checkpoint("qwen2", request.param, seed=3)
+    return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=request.param))
+
+
+LENS = [9, 33, 5, 20]
+STARTS = [4, 10, 2, 7]
+
+
+def _alone(model, s, **kw):
+    with torch.no_grad():
+        return model(s[None], **kw)
+
+
+# ---- model.model(...) -------------------------------------------------------------------------------------
+
+
+def test_backbone_call_takes_hf_keywords_and_gives_each_sequence_its_own_bits(model):
+    # Was: TypeError: _layer_forward() got an unexpected keyword argument 'attention_mask' (TRL's fused LM head
+    # calls the backbone with HF's keywords).
+    seqs = random_sequences(LENS, 1)
+    ids, am, _, off = padded_batch(seqs, STARTS, max(LENS) + 2, left=True)
+    with torch.no_grad():
+        h = model.model(input_ids=ids, attention_mask=am, use_cache=False, return_dict=True).last_hidden_state
+        full_logits = model(ids, attention_mask=am).logits
+    assert h.shape == (*ids.shape, model.config.hidden_size) and h.dtype == model.dtype
+    assert bitwise_equal(h[am == 0], torch.zeros_like(h[am == 0]))
+    head = model.lm_head
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            alone = model.model(s[None]).last_hidden_state[0]
+        assert_bitwise_equal(h[i, off[i]:off[i] + len(s)], alone)
+        # the LM head on the backbone's output is the causal LM's logits, bit for bit
+        with torch.no_grad():
+            logits = rules_of(model).head_logits(profile_of(model), alone, head.weight, head.bias)
+        assert_bitwise_equal(full_logits[i, off[i]:off[i] + len(s)], logits)
+    # control: a one-token change in a sequence changes its hidden states
+    other = seqs[0].clone()
+    other[1] = (other[1] + 1) % 500
+    with torch.no_grad():
+        changed = model.model(other[None]).last_hidden_state[0]
+    assert not bitwise_equal(changed, h[0, off[0]:off[0] + len(seqs[0])])
+
+
+def test_backbone_refusals(model):
+    ids = torch.randint(0, 500, (1, 6))
+    with pytest.raises(ValueError, match=r"patched backbone \(model.model\): past_key_values is not supported"):
+        model.model(ids, past_key_values=object())
+    with pytest.raises(ValueError, match=r"patched backbone \(model.model\): input_ids is required"):
+        model.model(inputs_embeds=None)
+
+
+# ---- outputs index like dicts ------------------------------------------------------------------------------
+
+
+def test_output_is_a_model_output(model):
+    from transformers.utils import ModelOutput
+
+    ids = torch.randint(0, 500, (2, 7))
+    out = model(ids)
+    assert isinstance(out, ModelOutput)
+    assert list(out.keys()) == ["logits"]  # None fields are absent, as in HF
+    assert out["logits"] is out.logits and out[0] is out.logits and out.to_tuple() == (out.logits,)
+    cm = torch.ones_like(ids)
+    cm[:, 0] = 0
+    out = model(ids, completion_mask=cm, labels=ids)
+    assert list(out.keys()) == ["loss", "logprobs"] and out[0] is out.loss and out["logprobs"] is out.logprobs
+    with pytest.raises(KeyError):
+        out["logits"]
+
+
+# ---- labels= --------------------------------------------------------------------------------------------
+
+
+def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
+    # Was: "labels= is not supported".
+    seqs = random_sequences(LENS, 2)
+    ids, am, cm, _ = padded_batch(seqs, STARTS, max(LENS) + 3)
+    labels = ids.masked_fill(cm == 0, -100)  # SFT-style: prompt and padding ignored
+    with torch.no_grad():
+        out = model(ids, attention_mask=am, labels=labels)
+        lp = completion_logprobs(model, ids, cm, attention_mask=am)
+    # bitwise: minus the mean of the aligned token log-probs, in the same token order
+    n = int(cm.sum())
+    assert_bitwise_equal(out.loss, -(lp[cm.bool()]).sum() / n)
+    # HF's own loss function, in float64, on the aligned logits (shift, ignore -100, mean)
+    ref = model.loss_function(logits=out.logits.double(), labels=labels, vocab_size=model.config.vocab_size)
+    assert abs(float(out.loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    # num_items_in_batch: sum / that count (gradient accumulation), as HF
+    with torch.no_grad():
+        out2 = model(ids, attention_mask=am, labels=labels, num_items_in_batch=torch.tensor(3 * n))
+    assert_bitwise_equal(out2.loss, -(lp[cm.bool()]).sum() / (3 * n))
+    # labels differing from input_ids are the targets (not input_ids)
+    other = labels.clone()
+    other[cm.bool()] = (other[cm.bool()] + 1) % 500
+    with torch.no_grad():
+        moved = model(ids, attention_mask=am, labels=other).loss
+    assert not bitwise_equal(moved, out.loss)
+    # differentiable
+    loss = model(ids, attention_mask=am, labels=labels).loss
+    loss.backward()
+    g = model.model.layers[0].mlp.down_proj.weight.grad
+    assert g is not None and bool(g.abs().sum() > 0)
+    model.zero_grad(set_to_none=True)
+
+
+def test_labels_on_padding_are_refused(model):
+    seqs = random_sequences([6, 3], 4)
+    ids, am, _, _ = padded_batch(seqs, [1, 1])
+    with pytest.raises(ValueError, match="labels mark padding tokens"):
+        model(ids, attention_mask=am, labels=ids)
+    with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
+        model(ids, attention_mask=am, labels=ids[:, :2])
+
+
+# ---- entropy ------------------------------------------------------------------------------------------------
+
+
+def test_entropy_per_token_is_batch_invariant_and_accurate(model):
+    seqs = random_sequences(LENS, 5)
+    singles = []
+    for s, st in zip(seqs, STARTS):
+        cm = torch.zeros(1, len(s), dtype=torch.long)
+        cm[0, st:] = 1
+        with torch.no_grad():
+            out = model(s[None], completion_mask=cm, return_entropy=True, temperature=0.7, return_logits=True)
+        z = out.logits[0, st - 1:len(s) - 1].double() / 0.7
+        ref = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+        torch.testing.assert_close(out.entropy[0, st:].double(), ref, rtol=1e-5, atol=1e-5)
+        assert bitwise_equal(out.entropy[0, :st], torch.zeros(st))
+        singles.append(out.entropy[0, st:])
+    ids, am, cm, off = padded_batch(seqs, STARTS, max(LENS) + 1, left=True)
+    with torch.no_grad():
+        ent = model(ids, attention_mask=am, completion_mask=cm, return_entropy=True, temperature=0.7).entropy
+    for i, (s, st) in enumerate(zip(seqs, STARTS)):
+        assert_bitwise_equal(ent[i, off[i] + st:off[i] + len(s)], singles[i])
+    # control: another temperature gives other bits
+    with torch.no_grad():
+        hot = model(ids, attention_mask=am, completion_mask=cm, return_entropy=True, temperature=1.3).entropy
+    assert not bitwise_equal(hot, ent)
+    with pytest.raises(ValueError, match="return_entropy=True needs completion_mask"):
+        model(ids, return_entropy=True)
+
+
+def test_entropy_rows_do_not_depend_on_the_row_count_for_any_vocab():
+    # Vocabulary sizes that are not a multiple of the vector width: the row is widened, so torch's elementwise
+    # kernels meet every row at the same lane alignment whatever the number of rows.
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1000, 151_937 // 16, 33):
+        z = torch.randn(37, vocab, generator=g).to(torch.bfloat16) * 4
+        batch = _entropy(z, 0.9)
+        for r in (0, 17, 36):
+            assert_bitwise_equal(_entropy(z[r:r + 1], 0.9), batch[r:r + 1])
+            assert_bitwise_equal(_entropy(z[r:].contiguous(), 0.9)[0], batch[r])
+        assert not bitwise_equal(_entropy(z, 1.1), batch)  # control
+
+
+# ---- packed rows marked by position_ids restarts ------------------------------------------------------------
+
+
+def _pack_by_positions(seqs):
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    return ids, pos
+
+
+def test_packed_by_position_ids_splits_into_sequences(model):
+    # Was: one sequence (tokens attended across sequences, max |d logit| 3.84, no error).
+    seqs = random_sequences(LENS, 6)
+    ids, pos = _pack_by_positions(seqs)
+    cm = torch.zeros_like(ids)
+    at = 0
+    for s, st in zip(seqs, STARTS):
+        cm[0, at + st:at + len(s)] = 1
+        at += len(s)
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, completion_mask=cm, return_logits=True)
+        hidden = model.model(ids, position_ids=pos).last_hidden_state
+        as_one = model(ids, position_ids=torch.arange(ids.shape[1])[None], return_logits=True).logits
+        assert_bitwise_equal(completion_logprobs(model, ids, cm, position_ids=pos), packed.logprobs)
+    at = 0
+    for i, (s, st) in enumerate(zip(seqs, STARTS)):
+        alone = _alone(model, s, return_logits=True)
+        assert_bitwise_equal(packed.logits[0, at:at + len(s)], alone.logits[0])
+        with torch.no_grad():
+            assert_bitwise_equal(hidden[0, at:at + len(s)], model.model(s[None]).last_hidden_state[0])
+        cm1 = torch.zeros(1, len(s), dtype=torch.long)
+        cm1[0, st:] = 1
+        with torch.no_grad():
+            lp1 = completion_logprobs(model, s[None], cm1)
+        assert_bitwise_equal(packed.logprobs[0, at + st:at + len(s)], lp1[0, st:])
+        if i > 0:  # control: read as one sequence, every later sequence attends to the earlier ones
+            assert not bitwise_equal(as_one[0, at:at + len(s)], alone.logits[0])
+        at += len(s)
+
+
+def test_packed_rows_in_a_batch_and_with_padding(model):
+    seqs = random_sequences([7, 4, 10, 3, 6], 7)
+    rows = [seqs[:2], seqs[2:]]  # two packed rows; the first right-padded
+    width = max(sum(len(s) for s in r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    am = torch.zeros_like(ids)
+    spans = []
+    for b, r in enumerate(rows):
+        i, p = _pack_by_positions(r)
+        ids[b, :i.shape[1]], pos[b, :i.shape[1]], am[b, :i.shape[1]] = i[0], p[0], 1
+        at = 0
+        for s in r:
+            spans.append((b, at, s))
+            at += len(s)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=am, position_ids=pos).logits
+    for b, at, s in spans:
+        assert_bitwise_equal(logits[b, at:at + len(s)], _alone(model, s).logits[0])
+
+
+def test_ambiguous_position_ids_are_refused(model):
+    ids = torch.randint(0, 500, (1, 8))
+    with pytest.raises(ValueError, match="position_ids jump from 3 to 1 at packed token 4"):
+        model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="position_ids must have one entry per token of input_ids"):
+        model(ids, position_ids=torch.arange(4)[None])
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="position_ids restart at 0 inside a sequence of cu_seqlens"):
+        model(ids.reshape(-1), cu_seqlens=cu, position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+    # a sequence's first token has no prediction, also when position_ids mark where it starts
+    cm = torch.zeros_like(ids)
+    cm[0, 4] = 1
+    with pytest.raises(ValueError, match="marks the first token of a sequence"):
+        model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), completion_mask=cm)
