@@ -176,7 +176,7 @@ def BACKGROUND_JOBS(tiny_checkpoint):
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_probe.py")
     return {"stock_vllm_probe_dense": dict(
-        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=300)}
+        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=1200)}  # generous: it runs beside the suite (tests/_background.py)
 
 
 def test_negative_control_stock_vllm_mismatches(background):

@@ -150,7 +150,7 @@ def BACKGROUND_JOBS(tiny_checkpoint):
     probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_moe_probe.py")
     return {"stock_vllm_probe_moe": dict(
         argv=[sys.executable, probe, tiny_checkpoint("moe", torch.bfloat16, seed=0), "bfloat16", "6"], env=env,
-        timeout=400)}
+        timeout=1200)}  # generous: it runs beside the suite (tests/_background.py)
 
 
 def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(background):
