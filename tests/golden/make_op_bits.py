@@ -477,6 +477,17 @@ def available_levels() -> list[str]:
     return levels
 
 
+def _package_root() -> str:
+    """The folder holding the aligned_ops this process would import (the installed wheel in CI, python/ of a dev
+    build via PYTHONPATH): the subprocesses must run the same build, not the source tree's unbuilt copy."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("aligned_ops")
+    if spec is None or not spec.submodule_search_locations:
+        return str(ROOT / "python")
+    return os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
+
+
 def compute_all(levels=None, emulated=EMULATED, extra_env=None) -> dict:
     """{config: {entry: record}} for each CPU level (and the emulated archs, in the generic level's process).
     One subprocess per level, run side by side."""
@@ -484,7 +495,7 @@ def compute_all(levels=None, emulated=EMULATED, extra_env=None) -> dict:
     procs = {}
     for level in levels:
         configs = [level] + (list(emulated) if level == "generic" else [])
-        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": str(ROOT / "python"), **(extra_env or {})}
+        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root(), **(extra_env or {})}
         procs[level] = (configs, subprocess.Popen(
             [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -568,8 +579,7 @@ def main(argv=None):
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--only", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.run:
-        sys.path.insert(0, str(ROOT / "python"))
+    if a.run:  # (the parent's PYTHONPATH names the aligned_ops build to run: _package_root)
         configs = a.run.split(",")
         level = _level_of_this_process()
         res, called = {}, set()

@@ -47,6 +47,11 @@ def test_engine_config_logs_one_line_saying_what_is_active(tiny_checkpoint, monk
 
     configure()  # vLLM configures its logging (dictConfig resets the handlers of the "vllm" loggers) on first use
     logger = logging.getLogger("vllm.aligned_ops")
+    # what earlier tests of the same process may have done to the logging tree (a level on "vllm", a disabled
+    # logger) is not this test's subject: the line is emitted at INFO on this logger
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logging.disable(logging.NOTSET)
     handler = Catch()
     logger.addHandler(handler)
     try:

@@ -127,7 +127,9 @@ def test_qwen2_moe_shared_expert_bitwise(tmp_path, param):
     from transformers import AutoModelForCausalLM
 
     dtype, profile = engine_param(param)
-    with linear_profile_env(profile):
+    # explicit: a module-scoped engine fixture of this module may still hold ALIGNED_OPS_LINEAR=mma (pytest keeps
+    # its last parametrisation alive until the module ends)
+    with linear_profile_env(profile or "fma"):
         path = build_tiny_moe(tmp_path / "q2moe", getattr(torch, dtype), seed=3, arch="qwen2_moe", num_hidden_layers=1)
         llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
         try:

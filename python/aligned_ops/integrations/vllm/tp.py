@@ -135,7 +135,10 @@ def _row_parallel_forward(self, input_):
     else:
         if _tp_forced_profile is not None:
             profile = _tp_forced_profile  # negative control only
-        out = profile.row_parallel_linear(input_, self.weight, bias, group.device_group, in_features=self.input_size)
+        # check=False: the engine's ranks hold one configured model's shards, so they agree by construction; the
+        # agreement all-gather would cost a collective per layer and is data-dependent (no compiled graph)
+        out = profile.row_parallel_linear(input_, self.weight, bias, group.device_group, in_features=self.input_size,
+                                          check=False)
     if not self.return_bias:
         return out
     return out, (self.bias if self.skip_bias_add else None)
@@ -154,7 +157,8 @@ def _vocab_embedding_forward(self, input_):
     if not self.reduce_results:
         return local.masked_fill(not_owned.unsqueeze(-1), 0)
     group = self.parallel_group if self.parallel_group is not None else _tp_group()
-    return aligned_ops.ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group)
+    return aligned_ops.ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group,
+                                                              check=False)  # as above
 
 
 def _stock_all_reduce(self, input_):
