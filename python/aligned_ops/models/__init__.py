@@ -20,7 +20,7 @@ below. See :mod:`.base` for what a block receives.
 
 from __future__ import annotations
 
-from . import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek_v3, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .base import Architecture, Projection, Side
 from .registry import (
     ARCHITECTURES,
@@ -37,7 +37,7 @@ from .spec import DECODER_RULES, LayerRules, ModelSpec, Step
 
 # The supported architectures: this tuple is the one list (in this order in error messages).
 for _arch in (qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, llama.ARCHITECTURE, qwen3_moe.ARCHITECTURE,
-              qwen2_moe.ARCHITECTURE):
+              qwen2_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE):
     register(_arch)
 del _arch
 

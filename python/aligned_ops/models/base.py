@@ -98,6 +98,9 @@ class Architecture:
     check_config: Callable = _no_checks     # (config, where) -> None; raises ValueError for what it cannot run
     check_hf_model: Callable = _no_checks   # (model, where) -> None; raises ValueError (trainer patch)
     rules: LayerRules = DECODER_RULES
+    # True: the block takes the attention layer's own scale (DeepSeek's YaRN mscale), which check_hf_model checks;
+    # False: LayerRules.scale(head_dim), checked against the layer by patch_model
+    own_attention_scale: bool = False
 
     def __repr__(self) -> str:
         return f"<aligned_ops architecture {self.name}>"
