@@ -4,8 +4,8 @@ with a correction bias (``aligned::moe_grouped_routing``), routed + shared exper
 One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for the first layer)::
 
     input norm:      rms_norm (layer 0) / fused_add_rms_norm (later)
-    down-projections of x, one logical linear:  [q_a_proj | kv_a_proj_with_mqa]   (q_lora_rank set; vLLM's
-                     fused_qkv_a_proj)   or   [q_proj | kv_a_proj_with_mqa]   (q_lora_rank None)
+    down-projections of x, one logical linear:  [q_a_proj | kv_a_proj_with_mqa]   (q_lora_rank set)   or
+                     [q_proj | kv_a_proj_with_mqa]   (q_lora_rank None); each module runs on its own
     q:               q_b_proj(rms_norm(q_a, q_a_layernorm))   (or q_proj's output)  -> [T, Hq, d_nope + d_rope]
     kv latent:       kv_a_proj_with_mqa's output = [c (kv_lora_rank) | k_pe (d_rope)];  c = rms_norm(c, kv_a_layernorm)
     k, v:            kv_b_proj(c) -> [T, Hq, d_nope + d_v] -> k_nope | v
@@ -45,12 +45,13 @@ NAME = "DeepseekV3ForCausalLM"
 
 Q = Projection(("q_proj",))
 KV_A = Projection(("kv_a_proj_with_mqa",))
-# q_lora_rank set: both down-projections of x are one logical linear (vLLM fuses them: fused_qkv_a_proj)
-QKV_A = Projection(("q_a_proj", "kv_a_proj_with_mqa"), fused="fused_qkv_a_proj")
+# q_lora_rank set: q_a_proj then kv_a_proj_with_mqa, both of x (one logical linear in the spec; vLLM's non-MLA
+# DeepseekV2Attention keeps them as two modules, its MLA path fuses them as fused_qkv_a_proj)
+Q_A = Projection(("q_a_proj",))
 Q_B = Projection(("q_b_proj",))
 KV_B = Projection(("kv_b_proj",))
 O_PROJ = Projection(("o_proj",))
-PROJECTIONS = {"q": Q, "kv_a": KV_A, "qkv_a": QKV_A, "q_b": Q_B, "kv_b": KV_B, "o_proj": O_PROJ, "gate_up": GATE_UP,
+PROJECTIONS = {"q": Q, "kv_a": KV_A, "q_a": Q_A, "q_b": Q_B, "kv_b": KV_B, "o_proj": O_PROJ, "gate_up": GATE_UP,
                "down": DOWN}
 
 # GPT-J (interleaved) rotary pairing; everything else as the Llama-family decoder rules.
@@ -58,8 +59,9 @@ RULES = LayerRules(rotary_neox=False)
 
 
 def _dims(attn):
-    """(heads, d_nope, d_rope, d_v, kv_lora_rank) of an attention module (HF's and vLLM's share these names)."""
-    return attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    """(heads, d_nope, d_rope, d_v, kv_lora_rank) of an attention module (HF's and vLLM's share these names; vLLM's
+    num_local_heads is this rank's share at TP > 1)."""
+    return getattr(attn, "num_local_heads", attn.num_heads), attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
 
 
 def _norm(rules, norm, x):
@@ -75,7 +77,8 @@ def attention(side, ctx, attn, x, rules):
         (q,) = side.parts(ctx, attn, Q, x)
         (kva,) = side.parts(ctx, attn, KV_A, x)
     else:
-        qa, kva = side.parts(ctx, attn, QKV_A, x)
+        (qa,) = side.parts(ctx, attn, Q_A, x)
+        (kva,) = side.parts(ctx, attn, KV_A, x)
         (q,) = side.parts(ctx, attn, Q_B, _norm(rules, attn.q_a_layernorm, qa))
     q = q.view(T, Hq, dqk)
     c = _norm(rules, attn.kv_a_layernorm, kva[:, :rank].contiguous())
