@@ -180,10 +180,9 @@ def test_refusals(tmp_path):
     m.config.scoring_func = "softmax"
     with pytest.raises(ValueError, match="scoring_func must be 'sigmoid'"):
         patch_model(m)
-    from aligned_ops.integrations import check_hf_config
-
-    with pytest.raises(ValueError, match="vLLM side .* is not built yet"):
-        check_hf_config(AutoModelForCausalLM.from_pretrained(d).config, "vLLM plugin")
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float16)
+    with pytest.raises(ValueError, match="in float16 is not supported"):
+        patch_model(m)
     # positive control: the untouched checkpoint patches
     patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32))
 

@@ -101,6 +101,10 @@ class Architecture:
     # True: the block takes the attention layer's own scale (DeepSeek's YaRN mscale), which check_hf_model checks;
     # False: LayerRules.scale(head_dim), checked against the layer by patch_model
     own_attention_scale: bool = False
+    # environment the vLLM plugin sets before vLLM builds the engine config (DeepSeek: VLLM_MLA_DISABLE=1, the
+    # expanded attention the trainer runs); said in the log
+    vllm_env: dict = field(default_factory=dict)
+    refuse_fp16: bool = False               # the vLLM decoder layer rescales hidden states in fp16 (DeepSeek)
 
     def __repr__(self) -> str:
         return f"<aligned_ops architecture {self.name}>"

@@ -26,8 +26,9 @@ One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for th
 
 HF (``rope_interleave=True``) rotates the same pairs but writes each head's rope slice de-interleaved (evens'
 results, then odds'): the same q.k up to a fixed permutation of the summed dims, i.e. equal in exact arithmetic,
-not in bits — both sides of aligned_ops use the layout above. The vLLM side (``VLLM_MLA_DISABLE=1`` path) is not
-built yet: the plugin refuses this architecture (issue 23, item 4).
+not in bits — both sides of aligned_ops use the layout above. In vLLM the plugin selects the non-MLA path
+(``VLLM_MLA_DISABLE=1``, ``Architecture.vllm_env``): ``DeepseekV2Attention`` with the standard ``Attention`` layer,
+whose decoder layer runs this block.
 """
 
 from __future__ import annotations
@@ -134,9 +135,6 @@ def sparse_layers(config) -> tuple[int, ...]:
 
 def check_config(config, where: str) -> None:
     """What the aligned ops reproduce of a DeepSeek-V3 config; ValueError naming the field otherwise."""
-    if where == "vLLM plugin":
-        raise ValueError(f"aligned_ops ({where}): {NAME} runs in the trainer patch only for now; the vLLM side "
-                         "(VLLM_MLA_DISABLE path, grouped routing hook) is not built yet")
     scoring = getattr(config, "scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise ValueError(f"aligned_ops ({where}): {NAME} scoring_func must be 'sigmoid', got {scoring!r}")
@@ -151,8 +149,8 @@ def check_config(config, where: str) -> None:
                          f"E={E}, n_group={ng}, topk_group={tg}, top_k={k}")
     if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
         raise ValueError(f"aligned_ops ({where}): {NAME} moe_layer_freq != 1 is not supported (HF ignores it)")
-    if int(getattr(config, "num_nextn_predict_layers", 0) or 0) and where != "patch_model":
-        raise ValueError(f"aligned_ops ({where}): MTP / speculative layers are not supported")
+    # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
+    # the main model (HF's and vLLM's) does not run those layers.
     if getattr(config, "rope_interleave", True) is False:
         raise ValueError(f"aligned_ops ({where}): {NAME} with rope_interleave=False (NeoX halves on the rope "
                          "slice) is not described; DeepSeek checkpoints use the interleaved layout")
@@ -243,4 +241,6 @@ ARCHITECTURE = Architecture(
     check_hf_model=check_hf_model,
     rules=RULES,
     own_attention_scale=True,
+    vllm_env={"VLLM_MLA_DISABLE": "1"},
+    refuse_fp16=True,
 )
