@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown  # noqa: E402
 from aligned_ops.integrations.routing_capture import vllm_teacher_forced_routing  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
@@ -48,6 +48,7 @@ def engine(request, model_dirs):
     llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
     yield dtype, path, llm, trainer
+    shutdown(llm)
     del llm
     gc.collect()
 
@@ -95,6 +96,7 @@ def test_prefix_caching_n4_bitwise(model_dirs):
             assert len(rollouts) == 8
             assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=1.0))
     finally:
+        shutdown(llm)
         del llm
         gc.collect()
 
@@ -126,3 +128,35 @@ def test_negative_control_stock_vllm_differs(model_dirs):
     print(f"stock vLLM vs aligned trainer (DeepSeek-V3 bf16): {equal:.1%} of {theirs.numel()} tokens bitwise, "
           f"max |dlogp| {(ours - theirs).abs().max().item():.3g}")
     assert equal < 1.0
+
+
+def test_refit_from_the_trainers_state_dict_then_bitwise(engine):
+    """refit(llm, trainer.state_dict()) after a training-like change: HF's in-memory fused experts are split per
+    expert for vLLM's loader, the correction bias arrives in fp32 (a bf16 round trip would change the routing),
+    and the engine again equals the trainer bit for bit. Runs last for its engine (it changes the weights)."""
+    dtype, _, llm, trainer = engine
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(11)
+        for name, p in trainer.named_parameters():
+            p.add_((0.01 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        for layer in trainer.model.layers[1:]:
+            b = layer.mlp.gate.e_score_correction_bias
+            b.add_(1e-3 * torch.randn(b.shape, generator=g) + 3e-9)  # bits below bf16's resolution
+    sd = trainer.state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in sd  # HF 5.19's in-memory layout
+    from aligned_ops.integrations.rollout import refit
+
+    refit(llm, sd)
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    engine_bias = [m.e_score_correction_bias for m in _engine_modules(llm) if isinstance(m, GateLinear)]
+    assert len(engine_bias) == 2
+    for b, layer in zip(engine_bias, trainer.model.layers[1:]):
+        assert b.dtype == torch.float32 and torch.equal(bits(b), bits(layer.mlp.gate.e_score_correction_bias))
+    rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 1), temperature=0.8, max_tokens=6)
+    assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.8))
+
+
+def _engine_modules(llm):
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return list(model.modules())

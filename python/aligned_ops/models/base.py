@@ -105,6 +105,10 @@ class Architecture:
     # expanded attention the trainer runs); said in the log
     vllm_env: dict = field(default_factory=dict)
     refuse_fp16: bool = False               # the vLLM decoder layer rescales hidden states in fp16 (DeepSeek)
+    # refit (integrations.rollout.refit): the HF trainer's in-memory state dict -> the checkpoint names vLLM's
+    # loader takes (None: as is), and the weight-name suffixes that stay float32 in any model dtype
+    refit_weights: Callable | None = None
+    fp32_weights: tuple = ()
 
     def __repr__(self) -> str:
         return f"<aligned_ops architecture {self.name}>"

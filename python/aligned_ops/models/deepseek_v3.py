@@ -189,6 +189,25 @@ def hf_moe_weights(mlp) -> MoEWeights:
                       routed_scaling_factor=float(g.routed_scaling_factor), router_dtype=torch.float32)
 
 
+def refit_weights(state_dict):
+    """HF 5.19 keeps a sparse block's experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``mlp.experts.down_proj [E, H, I]``); checkpoints and vLLM's DeepSeek loader name them per expert
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Yields ``(name, tensor)`` in the checkpoint's names (views,
+    no copy); everything else passes as it is."""
+    for name, value in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", value[e, :inter]
+                yield f"{base}{e}.up_proj.weight", value[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                yield f"{base}{e}.down_proj.weight", value[e]
+        else:
+            yield name, value
+
+
 def spec(arch, config, rules, profile) -> list[Step]:
     """The logical op sequence of one forward (embedding excluded)."""
     H, Hq, V = config.hidden_size, config.num_attention_heads, config.vocab_size
@@ -243,4 +262,6 @@ ARCHITECTURE = Architecture(
     own_attention_scale=True,
     vllm_env={"VLLM_MLA_DISABLE": "1"},
     refuse_fp16=True,
+    refit_weights=refit_weights,
+    fp32_weights=("e_score_correction_bias",),
 )
