@@ -4,7 +4,8 @@ A tiny random DeepSeek-V3 (3 layers, dense first, 8 routed experts top-2 in 4 gr
 routed scaling 2.5, random fp32 correction bias, q/kv LoRA, qk head 64 = 48 nope + 16 rope, v head 32, DeepSeek
 YaRN) in bf16 and fp32. The plugin selects vLLM's non-MLA path itself (VLLM_MLA_DISABLE=1: the expanded form),
 whose decoder layer runs the same block as the trainer. Chunked prefill is on (a 100-token prompt, 64-token
-budget); a prefix-caching engine samples n = 4 per prompt. Every sampled token's vLLM log-prob equals the trainer's
+budget); a prefix-caching engine samples n = 4 per prompt; a compiled-mode engine; a refit from the trainer's
+state dict. Every sampled token's vLLM log-prob equals the trainer's
 teacher-forced log-prob bit for bit (integer views). The negative control runs stock vLLM (same non-MLA path, no
 plugin) in a fresh process: its log-probs are not bitwise equal to the trainer's.
 """
@@ -160,3 +161,20 @@ def test_refit_from_the_trainers_state_dict_then_bitwise(engine):
 def _engine_modules(llm):
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     return list(model.modules())
+
+
+def test_compiled_mode_bitwise(model_dirs):
+    """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs["bfloat16"]
+    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512,
+                   enforce_eager=False)
+    try:
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 4), temperature=0.9, max_tokens=6)
+        assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
