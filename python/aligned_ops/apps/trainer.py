@@ -72,8 +72,8 @@ def is_moe_model(model_dir: str) -> bool:
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    # transformers 5 writes num_local_experts; older configs num_experts
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
+    # transformers 5 writes num_local_experts; older configs num_experts; DeepSeek-V3 n_routed_experts
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0) > 0
 
 
 def trainer_routing(model, aligned: bool, sequences, completion_starts, pad_id):
