@@ -193,3 +193,22 @@ def test_cli_verify_on_a_deepseek_checkpoint(model_dirs):
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     assert "routing flips (token·layer)" in res.stdout
     assert "aligned kernels: every sampled token's log-prob is bitwise equal" in res.stdout
+
+
+def test_kimi_k2_style_config_bitwise(tmp_path):
+    """A config the other tests do not build: Kimi-K2's one expert group, no q LoRA, scale 2.827 (not an fp32
+    number), 12 experts top-3, two dense layers of four."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_deepseek_v3(tmp_path / "kimi", torch.bfloat16, seed=4, **SHAPE, q_lora_rank=None, n_group=1,
+                                  topk_group=1, routed_scaling_factor=2.827, num_experts_per_tok=3,
+                                  n_routed_experts=12, first_k_dense_replace=2, num_hidden_layers=4)
+    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512)
+    try:
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 8), temperature=0.8, max_tokens=6)
+        assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.8))
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
