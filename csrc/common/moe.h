@@ -216,4 +216,156 @@ ALIGNED_HD void moe_expert_row_reference(const T* x, const TW* w13, const TW* w2
   for (int64_t n = 0; n < H; ++n) y[n] = linear_dot(a, w2 + n * I, I);
 }
 
+// ---- grouped sigmoid routing (aligned::moe_grouped_routing) -------------------------------------------------
+// DeepSeek-V3's "noaux_tc" routing (also Kimi-K2 with n_group = 1, GLM-4.5-MoE). Per token, from one row of
+// router logits z[0..E) (any storage type, widened exactly to fp32 — the models compute them in fp32), the fp32
+// correction bias b[0..E) (absent: b_i = +0), top_k, n_group, topk_group, renormalize and the routed scaling
+// factor c (rounded to fp32 once, on the host):
+//   scores:    p_i = sigmoid_score(z_i) = 1 / (1 + exp_f32(-z_i)), or exp_f32(z_i) where exp_f32(-z_i) overflows
+//              (z below about -88.72: there 1 + exp(z) rounds to 1, so this IS the fp32 sigmoid, without the
+//              1/inf = 0 underflow of the plain form); p(+inf) = 1, p(-inf) = 0, and p = 1 exactly from
+//              z ≈ 16.6 up ("saturated": equal scores, decided by the bias and then by the tie rule).
+//   keys:      key_i = p_i + b_i (one fp32 add).
+//   order:     x beats y  <=>  key_x > key_y, or key_x == key_y and x < y (ties -> the LOWER index), where a NaN
+//              key ranks below every number (-inf included) and NaN keys are equal; -0 == +0. The same order
+//              ranks groups by their scores (ties -> the lower group index).
+//   groups:    G = E / n_group experts per group, contiguous: group g = experts [g*G, (g+1)*G).
+//              group score gs_g = k1 + k2 (fp32), the best and second-best key of the group by the order above
+//              (DeepSeek-V3's topk(2).sum()); G == 1: gs_g = k1.
+//   kept:      the topk_group best groups (n_group == 1, Kimi-K2, or topk_group == n_group: every group).
+//   selection: rank r = 0..top_k-1 picks, among the not-yet-picked experts of KEPT groups, the one that beats all
+//              the others: ids[r]. Experts of dropped groups are never picked (vLLM and HF 5.19 mask them with
+//              -inf; a 0.0 mask, as older references write it, picks a dropped expert when every kept key is
+//              below 0 — not this contract). top_k <= topk_group * G (checked), so every rank finds an expert.
+//   weights:   u_r = p_{ids[r]} (the UNBIASED score; the bias only selects);
+//              renormalize: s = +0; s = s + u_r (rank order); u_r = u_r / s — except when s < 2^-24 (every
+//                chosen logit below about -16.6, where sigmoid(z) = exp(z) to within fp32 rounding and u/s loses
+//                bits or is 0/0): the same ratios from the logits, m = max_r z_{ids[r]} (exact),
+//                e_r = 1 if z_{ids[r]} == m else exp_f32(z_{ids[r]} - m), S = +0; S = S + e_r (rank order),
+//                u_r = e_r / S  (all chosen logits -inf: u_r = 1/k). No epsilon (HF adds 1e-20, vLLM none).
+//              w_r = u_r * c (fp32, after the renormalisation; vLLM scales the combined output instead).
+//   outputs:   w [top_k] fp32 (never rounded to the model dtype), ids [top_k] (rank order = the order above,
+//              which is moe_experts' combine order), the score row p [E] fp32 (unbiased, for diagnostics).
+// NaN policy: a NaN logit makes every p of its token NaN (as moe_routing's sigmoid: the token's output is NaN
+// at every expert it routes to, never silently finite); then every key ties (NaN) and the lower index wins:
+// groups 0..topk_group-1 are kept and ids = 0..top_k-1. A NaN bias entry makes that expert's key NaN: it ranks
+// below every number (as does its group's score whenever the key is one of the group's two best).
+//
+// Backward (aligned::moe_grouped_routing_backward), given gw[r] (grad of w) and gs[i] (grad of p, or 0):
+//   gu_r = gw_r * c;  gp_i = gs_i; then, with the forward's u_r and s (recomputed from z and ids):
+//     renormalize, ratio form:  dot = +0; dot = dot + gu_r * u_r (rank order);
+//                               gp_{ids[r]} = gp_{ids[r]} + (gu_r - dot) / s     (r in rank order)
+//     not renormalize:          gp_{ids[r]} = gp_{ids[r]} + gu_r
+//   dz_i = gp_i * (p_i * (1 - p_i));
+//     renormalize, logit form (s < 2^-24; there d u_r / d z_j = u_r (delta_rj - u_j) to within one rounding):
+//                               dz_i = gs_i * (p_i * (1 - p_i)), then dz_{ids[r]} = dz_{ids[r]} + u_r * (gu_r - dot)
+//   The bias gets no gradient: it only chooses experts, so the weights are piecewise constant in it (derivative
+//   0 wherever it exists); DeepSeek updates it outside the gradient (aux-loss-free balancing).
+
+// The order of the grouped routing: does (key a, index ia) beat (key b, index ib)? NaN below every number.
+ALIGNED_HD bool moe_grouped_beats(float a, int64_t ia, float b, int64_t ib) {
+  const bool na = is_nan_f32(a), nb = is_nan_f32(b);
+  if (na || nb) return na == nb ? ia < ib : nb;
+  if (a != b) return a > b;
+  return ia < ib;
+}
+
+// Whether the renormalised weights take the logit form (the chosen scores sum below 2^-24).
+ALIGNED_HD bool moe_grouped_logit_form(float s) { return !is_nan_f32(s) && s < float_of(0x33800000u); }
+
+// The unscaled weights u[0..k) of the chosen experts (renormalised or not) and s (their rank-order sum; the
+// caller reads the form from it). p: the score row.
+template <typename T>
+ALIGNED_HD float moe_grouped_unscaled_weights(const T* z, const float* p, const int64_t* ids, int64_t k,
+                                              bool renormalize, float* u) {
+  float s = 0.0f;
+  for (int64_t r = 0; r < k; ++r) {
+    u[r] = p[ids[r]];
+    s = s + u[r];
+  }
+  if (!renormalize) return s;
+  if (moe_grouped_logit_form(s)) {
+    float m = to_f32(z[ids[0]]);
+    for (int64_t r = 1; r < k; ++r) m = max_f32(m, to_f32(z[ids[r]]));
+    float S = 0.0f;
+    for (int64_t r = 0; r < k; ++r) {
+      const float zr = to_f32(z[ids[r]]);
+      u[r] = zr == m ? 1.0f : exp_f32(zr - m);
+      S = S + u[r];
+    }
+    for (int64_t r = 0; r < k; ++r) u[r] = div_f32(u[r], S);
+    return s;
+  }
+  for (int64_t r = 0; r < k; ++r) u[r] = div_f32(u[r], s);
+  return s;
+}
+
+// One token of the grouped routing. bias: E fp32 or nullptr. Scratch: key [E], gscore [n_group], taken [E],
+// kept [n_group]. Writes p [E], ids [k], w [k].
+template <typename T>
+ALIGNED_HD void moe_grouped_routing_row(const T* z, const float* bias, int64_t E, int64_t k, int64_t n_group,
+                                        int64_t topk_group, bool renormalize, float scale, float* key, float* gscore,
+                                        unsigned char* taken, unsigned char* kept, float* p, int64_t* ids, float* w) {
+  bool nan = false;
+  for (int64_t i = 0; i < E; ++i) nan = nan || is_nan_f32(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) p[i] = nan ? float_of(0x7fc00000u) : moe_sigmoid_score(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) key[i] = bias ? p[i] + bias[i] : p[i];
+  const int64_t G = E / n_group;
+  for (int64_t g = 0; g < n_group; ++g) {
+    int64_t b1 = -1, b2 = -1;
+    for (int64_t i = g * G; i < (g + 1) * G; ++i) {
+      if (b1 < 0 || moe_grouped_beats(key[i], i, key[b1], b1)) {
+        b2 = b1;
+        b1 = i;
+      } else if (b2 < 0 || moe_grouped_beats(key[i], i, key[b2], b2)) {
+        b2 = i;
+      }
+    }
+    gscore[g] = b2 < 0 ? key[b1] : key[b1] + key[b2];
+    kept[g] = 0;
+  }
+  for (int64_t r = 0; r < topk_group; ++r) {
+    int64_t best = -1;
+    for (int64_t g = 0; g < n_group; ++g)
+      if (!kept[g] && (best < 0 || moe_grouped_beats(gscore[g], g, gscore[best], best))) best = g;
+    kept[best] = 1;
+  }
+  for (int64_t i = 0; i < E; ++i) taken[i] = kept[i / G] ? 0 : 1;  // dropped groups: never eligible
+  for (int64_t r = 0; r < k; ++r) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < E; ++i)
+      if (!taken[i] && (best < 0 || moe_grouped_beats(key[i], i, key[best], best))) best = i;
+    taken[best] = 1;
+    ids[r] = best;
+  }
+  moe_grouped_unscaled_weights(z, p, ids, k, renormalize, w);
+  for (int64_t r = 0; r < k; ++r) w[r] = w[r] * scale;
+}
+
+// Gradient of one token's router logits (the backward above). gs may be nullptr. Scratch: p [E], gp [E], u [k].
+template <typename T>
+ALIGNED_HD void moe_grouped_routing_backward_row(const float* gw, const float* gs, const T* z, const int64_t* ids,
+                                                 int64_t E, int64_t k, bool renormalize, float scale, float* p,
+                                                 float* gp, float* u, float* dz) {
+  bool nan = false;
+  for (int64_t i = 0; i < E; ++i) nan = nan || is_nan_f32(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) p[i] = nan ? float_of(0x7fc00000u) : moe_sigmoid_score(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) gp[i] = gs ? gs[i] : 0.0f;
+  const float s = moe_grouped_unscaled_weights(z, p, ids, k, renormalize, u);
+  if (!renormalize) {
+    for (int64_t r = 0; r < k; ++r) gp[ids[r]] = gp[ids[r]] + gw[r] * scale;
+    for (int64_t i = 0; i < E; ++i) dz[i] = gp[i] * (p[i] * (1.0f - p[i]));
+    return;
+  }
+  float dot = 0.0f;
+  for (int64_t r = 0; r < k; ++r) dot = dot + (gw[r] * scale) * u[r];
+  if (moe_grouped_logit_form(s)) {
+    for (int64_t i = 0; i < E; ++i) dz[i] = gp[i] * (p[i] * (1.0f - p[i]));
+    for (int64_t r = 0; r < k; ++r) dz[ids[r]] = dz[ids[r]] + u[r] * (gw[r] * scale - dot);
+    return;
+  }
+  for (int64_t r = 0; r < k; ++r) gp[ids[r]] = gp[ids[r]] + div_f32(gw[r] * scale - dot, s);
+  for (int64_t i = 0; i < E; ++i) dz[i] = gp[i] * (p[i] * (1.0f - p[i]));
+}
+
 }  // namespace aligned

@@ -57,4 +57,23 @@ struct MoeExpertsParams {
   void* out;                // [T, H]
 };
 
+// moe_grouped_routing (scores, top-k ids and weights) and moe_grouped_routing_backward (dz): moe.h "grouped
+// sigmoid routing".
+struct MoeGroupedRoutingParams {
+  DType dt;                 // router logits (and dz) dtype
+  const void* z;            // [T, E] router logits
+  const float* bias;        // [E] fp32 correction bias, or nullptr (none); forward only
+  int64_t T, E, k;          // tokens, experts, experts per token (1 <= k <= topk_group * E / n_group)
+  int64_t n_group;          // groups (E % n_group == 0)
+  int64_t topk_group;       // groups kept (1 <= topk_group <= n_group)
+  bool renormalize;         // weights divided by their rank-order sum (moe.h)
+  float scale;              // routed_scaling_factor, rounded to fp32 once
+  float* scores;            // forward: [T, E] fp32 score rows out (unbiased)
+  int64_t* ids;             // forward: [T, k] out; backward: [T, k] in (every id in [0, E))
+  float* w;                 // forward: [T, k] fp32 weights out
+  const float* gw;          // backward: [T, k] fp32 gradient of the weights
+  const float* gs;          // backward: [T, E] fp32 gradient of the scores, or nullptr (zero)
+  void* dz;                 // backward: [T, E] out in dt
+};
+
 }  // namespace aligned

@@ -123,6 +123,35 @@ void experts_reference(const MoeExpertsParams& prm, int64_t row_begin, int64_t r
   });
 }
 
+void grouped_routing(const MoeGroupedRoutingParams& prm, int64_t row_begin, int64_t row_end) {
+  const int64_t E = prm.E, k = prm.k, G = prm.n_group;
+  std::vector<float> key(E), gscore(G);
+  std::vector<unsigned char> taken(E), kept(G);
+  with_type(prm.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    const T* zt = (const T*)prm.z;
+    for (int64_t r = row_begin; r < row_end; ++r)
+      moe_grouped_routing_row(zt + r * E, prm.bias, E, k, G, prm.topk_group, prm.renormalize, prm.scale, key.data(),
+                              gscore.data(), taken.data(), kept.data(), prm.scores + r * E, prm.ids + r * k,
+                              prm.w + r * k);
+  });
+}
+
+void grouped_routing_backward(const MoeGroupedRoutingParams& prm, int64_t row_begin, int64_t row_end) {
+  const int64_t E = prm.E, k = prm.k;
+  std::vector<float> scratch(3 * E + k);
+  float *p = scratch.data(), *gp = p + E, *d = gp + E, *u = d + E;
+  with_type(prm.dt, [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      moe_grouped_routing_backward_row(prm.gw + r * k, prm.gs ? prm.gs + r * E : nullptr, (const T*)prm.z + r * E,
+                                       prm.ids + r * k, E, k, prm.renormalize, prm.scale, p, gp, u, d);
+      T* out = (T*)prm.dz + r * E;
+      for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(d[i]);
+    }
+  });
+}
+
 }  // namespace
 
 extern const MoeKernels kMoe;
@@ -131,6 +160,8 @@ const MoeKernels kMoe = {
     .routing_backward = routing_backward,
     .combine = combine,
     .experts_reference = experts_reference,
+    .grouped_routing = grouped_routing,
+    .grouped_routing_backward = grouped_routing_backward,
 };
 
 }  // namespace aligned::cpu::ALIGNED_ISA

@@ -23,6 +23,10 @@ struct MoeKernels {
   // tokens [t0, t1): the plain per-token reference of the whole experts op (linear_dot per output, moe.h), for
   // the tests
   void (*experts_reference)(const MoeExpertsParams& p, int64_t t0, int64_t t1);
+  // rows [r0, r1): logits (+ bias) -> scores, ids, weights (moe.h grouped sigmoid routing)
+  void (*grouped_routing)(const MoeGroupedRoutingParams& p, int64_t r0, int64_t r1);
+  // rows [r0, r1): gw, gs (or nullptr), logits, ids -> dz (moe.h grouped sigmoid routing, backward)
+  void (*grouped_routing_backward)(const MoeGroupedRoutingParams& p, int64_t r0, int64_t r1);
 };
 
 // The moe kernels of the same ISA level as cpu_kernels().

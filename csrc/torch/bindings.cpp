@@ -126,6 +126,14 @@ TORCH_LIBRARY(aligned, m) {
       "moe_experts_backward(Tensor grad_out, Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
       "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None, str linear_profile=\"fma\") -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Grouped sigmoid routing with a correction bias (DeepSeek-V3 noaux_tc, Kimi-K2 with n_group=1; moe.h "grouped
+  // sigmoid routing"): (weights fp32 [T, k], ids int64 [T, k], scores fp32 [T, E]); the bias gets no gradient.
+  m.def(
+      "moe_grouped_routing(Tensor router_logits, Tensor? correction_bias, int top_k, int n_group=1, "
+      "int topk_group=1, bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_grouped_routing_backward(Tensor grad_weights, Tensor? grad_scores, Tensor router_logits, "
+      "Tensor topk_ids, bool renormalize, float routed_scaling_factor) -> Tensor");
   m.def(
       "_moe_experts_reference(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, "
       "Tensor? shared_w13=None, Tensor? shared_w2=None, Tensor? shared_gate=None) -> Tensor");

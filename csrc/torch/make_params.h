@@ -231,6 +231,34 @@ inline MoeRoutingParams make_moe_routing_params(DType dt, const at::Tensor& z, i
   return p;
 }
 
+// moe_grouped_routing: forward (bias may be undefined; scores, ids, w allocated) or backward (ids read; gw, gs
+// (may be undefined), dz written).
+inline MoeGroupedRoutingParams make_moe_grouped_routing_params(DType dt, const at::Tensor& z, const at::Tensor& bias,
+                                                               int64_t k, int64_t n_group, int64_t topk_group,
+                                                               bool renormalize, double scale, const at::Tensor& ids,
+                                                               const at::Tensor& scores, const at::Tensor& w,
+                                                               const at::Tensor& gw, const at::Tensor& gs,
+                                                               const at::Tensor& dz) {
+  MoeGroupedRoutingParams p{};
+  p.dt = dt;
+  p.z = z.data_ptr();
+  p.bias = detail::typed_ptr<float>(bias);
+  p.T = z.size(0);
+  p.E = z.size(1);
+  p.k = k;
+  p.n_group = n_group;
+  p.topk_group = topk_group;
+  p.renormalize = renormalize;
+  p.scale = static_cast<float>(scale);
+  p.scores = detail::typed_ptr<float>(scores);
+  p.ids = detail::typed_ptr<int64_t>(ids);
+  p.w = detail::typed_ptr<float>(w);
+  p.gw = detail::typed_ptr<float>(gw);
+  p.gs = detail::typed_ptr<float>(gs);
+  p.dz = detail::mptr(dz);
+  return p;
+}
+
 inline MoeCombineParams make_moe_combine_params(DType dt, const at::Tensor& y, const at::Tensor& pos,
                                                 const at::Tensor& w, const at::Tensor& ys,
                                                 const at::Tensor& gate_logit, const at::Tensor& out) {

@@ -65,7 +65,7 @@ def _load() -> None:
         reshape_and_cache,
     )
     from .emulation import emulate
-    from .ops.moe import moe_experts, moe_layer, moe_routing
+    from .ops.moe import moe_experts, moe_grouped_routing, moe_layer, moe_routing
     from .ops.lm_head import fused_token_logprobs
     from . import profiles  # noqa: F401  (the numerics profiles as objects; ALIGNED_OPS_LINEAR)
     from .profiles import linear_profile, profile_linear
@@ -108,6 +108,7 @@ __all__ = [
     "emulate",
     "check_device_errors",
     "moe_routing",
+    "moe_grouped_routing",
     "moe_experts",
     "moe_layer",
 ]

@@ -191,6 +191,26 @@ def _default_inv_freq(base: float, R: int) -> list[float]:
     return [1.0 / _pow(base, 2 * i / R) for i in range(R // 2)]
 
 
+def deepseek_attention_scale(qk_head_dim: int, config) -> float:
+    """DeepSeek's (MLA) softmax scale: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under a
+    scaled RoPE whose parameters give ``mscale_all_dim`` (HF's ``yarn_apply_mscale``, vLLM's DeepseekV2Attention:
+    ``(scale * m) * m`` in float64, ``m = 0.1 * mscale_all_dim * ln(factor) + 1`` for factor > 1). The table's own
+    factor (cos / sin times ``mscale / mscale_all_dim``) is :func:`rope_spec_from_hf_config`'s."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        for k, v in scaling.items():
+            params.setdefault(k, v)
+    scale = float(qk_head_dim) ** (-0.5)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        if mscale_all_dim:
+            m = _yarn_mscale(float(params["factor"]), float(mscale_all_dim))
+            scale = scale * m * m
+    return scale
+
+
 def inv_freq(spec: RopeSpec) -> list[float]:
     """The ``R/2`` inverse frequencies, Python float64, in the formulas of the module docstring (powers and logs
     correctly rounded, every other step one IEEE operation)."""

@@ -16,6 +16,7 @@ SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
 FAMILY_PARAMS = {
     "RmsNormParams", "RmsNormBackwardParams", "SiluMulParams", "RotaryParams", "ElementwiseParams",
     "LogitsParams", "GemmParams", "ColumnSumParams", "MoeRoutingParams", "MoeCombineParams", "MoeExpertsParams",
+    "MoeGroupedRoutingParams",
     "ExactGemmParams",
 }
 # The CPU kernel tables of these families (csrc/cpu): every function-pointer entry takes a params struct.

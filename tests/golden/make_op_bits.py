@@ -376,6 +376,18 @@ def cases():
         yield f"moe_experts_reference/{tag}", lambda x=x, tw=tw, ids=ids, w13=w13, w2=w2, a=sw13, b=sw2, c=sg: {
             "out": ops._moe_experts_reference(x, tw, ids, w13, w2, a, b, c)}
 
+    # ---- moe: grouped sigmoid routing (DeepSeek-V3 noaux_tc; added by --add, existing entries untouched) ----
+    for tag, dt in _dtypes():
+        T, E = 9, 16
+        z = rand(57, (T, E), dt, 6.0)
+        z[2] = -100.0  # the logit form of the weights
+        z[3, :8] = 20.0  # saturated scores: ties decided by the bias, then the index
+        bias = rand(58, (E,), torch.float32, 0.2)
+        for k, ng, tg, renorm, scale in ((4, 4, 2, True, 2.5), (3, 1, 1, True, 2.827), (2, 8, 8, False, 1.0)):
+            yield f"moe_grouped_routing/{tag}/k{k}g{ng}t{tg}/renorm{int(renorm)}", \
+                lambda z=z, b=bias, k=k, ng=ng, tg=tg, r=renorm, c=scale: _grads(
+                    lambda a: ops.moe_grouped_routing(a, b, k, ng, tg, r, c), (z,))
+
     # ---- elementwise hooks and the error words ----
     xe = torch.cat([uniform(60, (200,), -100.0, 100.0), torch.tensor([0.0, -0.0, 1e-40, float("inf"), -1.0])])
     yield "exp_f32", lambda: {"out": ops._exp_f32(xe)}
@@ -572,10 +584,48 @@ def differences(corpus: dict, config: str, records: dict, only: str | None = Non
     return sorted(bad)
 
 
+def _add_entries(prefix: str) -> int:
+    """--add: new entries only, merged into the recorded corpus (every configuration); existing entries and their
+    hashes are left exactly as they are."""
+    corpus = json.loads(CORPUS.read_text())
+    old = [e for e in corpus["entries"] if e.startswith(prefix)]
+    if old:
+        raise SystemExit(f"make_op_bits --add: {len(old)} entries starting with {prefix!r} are already recorded "
+                         f"(e.g. {old[0]}); --add never changes a recorded entry")
+    levels = available_levels()
+    if set(levels) != set(corpus["configs"]) - set(EMULATED):
+        raise SystemExit(f"make_op_bits --add: this machine runs levels {levels}, the corpus records "
+                         f"{corpus['configs']}: add on a machine with the same levels")
+    procs = {}
+    for level in levels:
+        configs = [level] + (list(EMULATED) if level == "generic" else [])
+        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": str(ROOT / "python")}
+        procs[level] = subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs), "--only", prefix],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = {}
+    for level, p in procs.items():
+        stdout, stderr = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"make_op_bits --add: the {level} process failed:\n{stderr[-4000:]}")
+        result.update(json.loads(stdout)["records"])
+    new = to_corpus(result)
+    if not new["entries"]:
+        raise SystemExit(f"make_op_bits --add: no case starts with {prefix!r}")
+    corpus["entries"] = dict(sorted({**corpus["entries"], **new["entries"]}.items()))
+    corpus["gpu_launched"] = dict(sorted({**corpus["gpu_launched"], **new["gpu_launched"]}.items()))
+    CORPUS.write_text(dump_corpus(corpus))
+    split = [e for e, h in new["entries"].items() if not isinstance(h, str)]
+    print(f"added {len(new['entries'])} entries to {CORPUS.relative_to(ROOT)} ({len(split)} differ between configs)")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="regenerate op_bits.json (justify in the commit)")
     ap.add_argument("--check", action="store_true", help="recompute and list the entries that differ")
+    ap.add_argument("--add", metavar="PREFIX", help="compute only the entries whose names start with PREFIX and add "
+                    "them to op_bits.json; refuses if any of them is already recorded (existing entries never change)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--only", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -589,8 +639,10 @@ def main(argv=None):
             res[c] = run_config(c, a.only, called if i == 0 else None)
         json.dump({"records": res, "called": sorted(called)}, sys.stdout)
         return 0
+    if a.add:
+        return _add_entries(a.add)
     if not (a.write or a.check):
-        ap.error("pass --write or --check")
+        ap.error("pass --write, --check or --add PREFIX")
     result, _ = compute_all()
     if a.write:
         corpus = to_corpus(result)

@@ -40,6 +40,25 @@ def test_plain_topk_accepted_and_cached():
     assert vllm_moe._moe_layer_spec(_runner(scoring_func="sigmoid", renormalize=False)) == (2, "sigmoid", False)
 
 
+def test_grouped_sigmoid_with_fp32_bias_accepted_as_the_grouped_op():
+    """DeepSeek-V3's noaux_tc routing: grouped top-k on sigmoid + fp32 bias, routed scaling on the router or the
+    runner (apply_routed_scale_to_output) -> aligned::moe_grouped_routing with the product of the two."""
+    bias = torch.zeros(4)
+    r = _runner(use_grouped_topk=True, scoring_func="sigmoid", e_score_correction_bias=bias, routed_scaling_factor=2.5,
+                num_expert_group=2, topk_group=1)
+    r.routed_experts.e_score_correction_bias = bias  # vLLM hands the same tensor to both
+    r.gate = SimpleNamespace(weight=torch.zeros(4, 8))
+    assert vllm_moe._moe_layer_spec(r) == (2, "sigmoid_grouped", True)
+    f = vllm_moe._grouped_fields(r)
+    assert f["correction_bias"] is bias and (f["n_group"], f["topk_group"], f["routed_scaling_factor"]) == (2, 1, 2.5)
+    assert f["router_dtype"] == torch.float32
+    r2 = _runner(use_grouped_topk=True, scoring_func="sigmoid", e_score_correction_bias=bias.bfloat16(),
+                 num_expert_group=2, topk_group=1)
+    r2.gate = r.gate
+    with pytest.raises(NotImplementedError, match="e_score_correction_bias in torch.bfloat16 \\(must stay float32\\)"):
+        vllm_moe._moe_layer_spec(r2)
+
+
 @pytest.mark.parametrize("change, reason", [
     (dict(use_grouped_topk=True), "grouped top-k"),
     (dict(e_score_correction_bias=torch.zeros(4)), "e_score_correction_bias"),

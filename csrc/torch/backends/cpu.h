@@ -111,6 +111,8 @@ struct Cpu {
   static void moe_routing_backward(const Call&, const MoeRoutingParams& p);
   static void moe_experts(const Call&, const MoeExpertsRun& r);
   static void moe_experts_reference(const Call&, const MoeExpertsParams& p);
+  static void moe_grouped_routing(const Call&, const MoeGroupedRoutingParams& p);
+  static void moe_grouped_routing_backward(const Call&, const MoeGroupedRoutingParams& p);
 };
 
 }  // namespace aligned::glue

@@ -73,6 +73,16 @@ void Cpu::moe_routing_backward(const Call&, const MoeRoutingParams& p) {
   at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
 }
 
+void Cpu::moe_grouped_routing(const Call&, const MoeGroupedRoutingParams& p) {
+  const auto& kk = moe_kernels();
+  at::parallel_for(0, p.T, grain(p.E * 16), [&](int64_t b, int64_t e) { kk.grouped_routing(p, b, e); });
+}
+
+void Cpu::moe_grouped_routing_backward(const Call&, const MoeGroupedRoutingParams& p) {
+  const auto& kk = moe_kernels();
+  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.grouped_routing_backward(p, b, e); });
+}
+
 void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
   const auto& a = r.a;
   const cpu::GemmFn gemm = experts_gemm(r.linear, call.op);

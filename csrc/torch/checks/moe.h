@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -146,6 +147,33 @@ ExpertsLinear check_experts_linear_profile(c10::string_view profile, DTypeEnum d
   TORCH_CHECK(dt == DTypeEnum::BF16, "aligned::", op, ": the mma profile's experts take bfloat16 (float32 / "
               "float16 models run ALIGNED_OPS_LINEAR=fma)");
   return ExpertsLinear::kMma;
+}
+
+// moe_grouped_routing: router_logits [T, E] (any float dtype), correction_bias fp32 [E] (optional),
+// E % n_group == 0, topk_group in [1, n_group], top_k in [1, topk_group * E / n_group] (the experts of the kept
+// groups), a finite routed_scaling_factor. Returns router_logits' dtype.
+template <class DTypeEnum>
+DTypeEnum check_moe_grouped_routing(const at::Tensor& z, const std::optional<at::Tensor>& bias, int64_t top_k,
+                                    int64_t n_group, int64_t topk_group, double scale, const char* op) {
+  const DTypeEnum dt = check_router_logits<DTypeEnum>(z, op);
+  const int64_t E = z.size(1);
+  TORCH_CHECK(E >= 1, "aligned::", op, ": router_logits must have at least one expert column");
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0, "aligned::", op, ": n_group must divide the number of experts ", E,
+              " (router_logits' columns), got n_group ", n_group);
+  TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "aligned::", op, ": topk_group must be in [1, n_group = ",
+              n_group, "], got ", topk_group);
+  const int64_t avail = topk_group * (E / n_group);
+  TORCH_CHECK(top_k >= 1 && top_k <= avail, "aligned::", op, ": top_k must be in [1, ", avail,
+              "] (the experts in the kept groups: topk_group ", topk_group, " x ", E / n_group,
+              " experts per group), got ", top_k);
+  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": routed_scaling_factor must be finite, got ", scale);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat, "aligned::", op,
+                ": correction_bias must be float32 (a rounded bias changes the routing), got ", bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "aligned::", op, ": correction_bias must be [", E,
+                "] (one per expert), got ", bias->sizes());
+  }
+  return dt;
 }
 
 }  // namespace aligned

@@ -55,6 +55,51 @@ at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at
   return dz;
 }
 
+// moe_grouped_routing (moe.h "grouped sigmoid routing"): (weights fp32 [T, k], ids int64 [T, k], scores fp32 [T, E]).
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grouped_routing(const at::Tensor& logits,
+                                                                   const std::optional<at::Tensor>& bias,
+                                                                   int64_t top_k, int64_t n_group, int64_t topk_group,
+                                                                   bool renormalize, double scale) {
+  const char* op = "moe_grouped_routing";
+  const typename B::Call call(op, logits, "router_logits");
+  call.on_device(bias, "correction_bias");
+  const DType dt = check_moe_grouped_routing<DType>(logits, bias, top_k, n_group, topk_group, scale, op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto z = logits.contiguous();
+  auto b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  auto f32 = z.options().dtype(at::kFloat);
+  auto scores = at::empty({T, E}, f32);
+  auto w = at::empty({T, top_k}, f32);
+  auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
+  B::moe_grouped_routing(call, make_moe_grouped_routing_params(dt, z, b, top_k, n_group, topk_group, renormalize,
+                                                               scale, ids, scores, w, {}, {}, {}));
+  return {w, ids, scores};
+}
+
+template <class B>
+at::Tensor moe_grouped_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
+                                        const at::Tensor& logits, const at::Tensor& ids, bool renormalize,
+                                        double scale) {
+  const char* op = "moe_grouped_routing_backward";
+  const typename B::Call call(op, logits, "router_logits");
+  call.on_device(ids, "topk_ids");
+  call.on_device(grad_w, "grad_weights");
+  call.on_device(grad_scores, "grad_scores");
+  const DType dt = check_router_logits<DType>(logits, op);
+  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": routed_scaling_factor must be finite, got ", scale);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto idc = check_topk_ids(ids, T, E, op, B::kValueChecks);
+  const int64_t k = idc.size(1);
+  auto gw = check_moe_grad_weights(grad_w, T, k, op);
+  auto gs = check_moe_grad_scores(grad_scores, logits, op);
+  auto z = logits.contiguous();
+  auto dz = at::empty_like(z);
+  B::moe_grouped_routing_backward(call, make_moe_grouped_routing_params(dt, z, {}, k, 1, 1, renormalize, scale, idc,
+                                                                        {}, {}, gw, gs, dz));
+  return dz;
+}
+
 namespace moe_detail {
 
 template <class B>
@@ -107,6 +152,8 @@ struct Moe {
       Op{"moe_routing_backward", &moe_routing_backward<B>},
       Op{"moe_experts", &moe_experts<B>},
       Op{"_moe_experts_reference", &moe_experts_reference<B>},
+      Op{"moe_grouped_routing", &moe_grouped_routing<B>},
+      Op{"moe_grouped_routing_backward", &moe_grouped_routing_backward<B>},
   };
 };
 

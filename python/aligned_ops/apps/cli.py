@@ -58,7 +58,10 @@ def check_model_dir(path: str) -> None:
     except ValueError as e:
         raise UsageError(f"{e} (folder {path})") from None
     try:
-        head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        if cfg.get("qk_rope_head_dim") is not None:  # DeepSeek's MLA, expanded: the attention layer's head size
+            head = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg["qk_rope_head_dim"])  # is q/k's (V padded to it)
+        else:
+            head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         raise UsageError(f"--model {path}: config.json has no usable head_dim / hidden_size / num_attention_heads")
     if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:

@@ -99,6 +99,26 @@ def child(args) -> dict:
     return m
 
 
+def _architecture_env(model_dir: str) -> dict:
+    """What the checkpoint's architecture needs in BOTH children (``Architecture.vllm_env``; DeepSeek-V3:
+    ``VLLM_MLA_DISABLE=1``), so the standard column runs stock vLLM on the same attention form as the aligned one
+    (the plugin would set it for the aligned child only)."""
+    import json
+
+    from ..models import ARCHITECTURES
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            names = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return {}
+    env = {}
+    for name in names:
+        arch = ARCHITECTURES.get(name)
+        env.update(arch.vllm_env if arch is not None else {})
+    return env
+
+
 def main(args) -> int:
     """Parent: build the model if none is given, run both kernel sets, print the table."""
     work = temp_dir("aligned_verify_")
@@ -122,7 +142,7 @@ def main(args) -> int:
     # Resolved once, here (--linear, else ALIGNED_OPS_LINEAR); both children get it in their environment (the
     # engine and the trainer each resolve it once), never through this process's environment.
     profile = profiles.resolve(getattr(args, "linear", None))
-    child_env = {profiles.ENV_VAR: profile.name}
+    child_env = {profiles.ENV_VAR: profile.name, **_architecture_env(model)}
     argv = ["verify", "--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),
             "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.threads:

@@ -361,7 +361,9 @@ def _model_forward(
         out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
     if output_router_logits and routing.records:
         cfg = self.config
-        out.aux_loss = hf_moe.load_balancing_loss(routing.records, cfg.num_experts, cfg.num_experts_per_tok)
+        # the score rows' width is the expert count (Qwen's num_experts, DeepSeek's n_routed_experts)
+        out.aux_loss = hf_moe.load_balancing_loss(routing.records, routing.records[0][1].shape[1],
+                                                  cfg.num_experts_per_tok)
     if return_routing and routing.records:
         rids = torch.stack([r[0] for r in routing.records], dim=1)  # [T, layers, k]
         full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
@@ -584,7 +586,7 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     _refuse_adapters(model)
     arch.check_hf_model(model, "patch_model")
     rules = rules_for(arch.name)
-    for layer in model.model.layers:
+    for layer in model.model.layers if not arch.own_attention_scale else ():
         attn = layer.self_attn
         try:
             rules.check_attention_scale(attn.head_dim, attn.scaling, "patch_model")

@@ -165,10 +165,19 @@ def refit(llm, state_dict) -> None:
     processes receives them through host memory (collective_rpc serialises its arguments), and its workers move
     them back to their device.
     """
+    from ..models import ARCHITECTURES
+    from ..models.registry import architecture_of
+
     dtype = llm.llm_engine.model_config.dtype
     in_process = _engine_in_process(llm)
-    items = [(k, _weight_for_transport(v, dtype, in_process)) for k, v in state_dict.items()]
-    llm.collective_rpc(_reload_on_engine_device, args=(items,))
+    # The architecture's names (DeepSeek: the HF in-memory fused experts split per expert) and its fp32 weights
+    # (DeepSeek's e_score_correction_bias: a rounded bias changes the routing), which are not cast.
+    arch = ARCHITECTURES.get(architecture_of(llm.llm_engine.model_config.hf_config))
+    named = arch.refit_weights(state_dict) if arch is not None and arch.refit_weights else state_dict.items()
+    keep = tuple(arch.fp32_weights) if arch is not None else ()
+    items = [(k, _weight_for_transport(v, torch.float32 if keep and k.endswith(keep) else dtype, in_process))
+             for k, v in named]
+    llm.collective_rpc(_reload_on_engine_device, args=(items, keep))
     if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
@@ -190,13 +199,16 @@ def _weight_for_transport(v: torch.Tensor, dtype: torch.dtype, in_process: bool)
     return v
 
 
-def _reload_on_engine_device(worker, items) -> None:
+def _reload_on_engine_device(worker, items, keep=()) -> None:
     """Runs in each worker: move the weights to the device (and dtype) of the worker's model, then vLLM's
-    in-place ``reload_weights`` (which copies them into the existing parameters)."""
+    in-place ``reload_weights`` (which copies them into the existing parameters). Names ending in one of
+    ``keep`` stay float32."""
     model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
     param = next(iter(model.parameters()))
     device, dtype = param.device, worker.model_runner.model_config.dtype
-    moved = [(k, v.to(device=device, dtype=dtype, non_blocking=True)) for k, v in items]
+    keep = tuple(keep)
+    moved = [(k, v.to(device=device, dtype=torch.float32 if keep and k.endswith(keep) else dtype,
+                      non_blocking=True)) for k, v in items]
     worker.reload_weights(weights_iterator=moved)
     # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
     # writes, no exact-profile packing of the old weights may survive a refit.

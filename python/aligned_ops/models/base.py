@@ -98,6 +98,17 @@ class Architecture:
     check_config: Callable = _no_checks     # (config, where) -> None; raises ValueError for what it cannot run
     check_hf_model: Callable = _no_checks   # (model, where) -> None; raises ValueError (trainer patch)
     rules: LayerRules = DECODER_RULES
+    # True: the block takes the attention layer's own scale (DeepSeek's YaRN mscale), which check_hf_model checks;
+    # False: LayerRules.scale(head_dim), checked against the layer by patch_model
+    own_attention_scale: bool = False
+    # environment the vLLM plugin sets before vLLM builds the engine config (DeepSeek: VLLM_MLA_DISABLE=1, the
+    # expanded attention the trainer runs); said in the log
+    vllm_env: dict = field(default_factory=dict)
+    refuse_fp16: bool = False               # the vLLM decoder layer rescales hidden states in fp16 (DeepSeek)
+    # refit (integrations.rollout.refit): the HF trainer's in-memory state dict -> the checkpoint names vLLM's
+    # loader takes (None: as is), and the weight-name suffixes that stay float32 in any model dtype
+    refit_weights: Callable | None = None
+    fp32_weights: tuple = ()
 
     def __repr__(self) -> str:
         return f"<aligned_ops architecture {self.name}>"

@@ -26,13 +26,20 @@ class MoEWeights:
 
     router: torch.Tensor | None      # [E, H] (None: the router logits are computed by the caller)
     top_k: int
-    scoring: str                     # "softmax" | "sigmoid" (aligned::moe_routing)
+    scoring: str                     # "softmax" | "sigmoid" (aligned::moe_routing) | "sigmoid_grouped" (below)
     renormalize: bool
     w13: torch.Tensor                # [E, 2I, H] (gate rows, then up rows)
     w2: torch.Tensor                 # [E, H, I]
     shared_w13: torch.Tensor | None = None   # [2Is, H]
     shared_w2: torch.Tensor | None = None    # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H] sigmoid gate of the shared expert (Qwen2-MoE)
+    # scoring "sigmoid_grouped" (DeepSeek-V3 noaux_tc, aligned::moe_grouped_routing): the fp32 [E] correction bias,
+    # the groups, the routed scaling factor
+    correction_bias: torch.Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_dtype: torch.dtype | None = None  # None: the router runs in the model dtype; else x and W cast to it
 
 
 def sparse_moe(rules, x: torch.Tensor, w: MoEWeights, router_logits: torch.Tensor | None = None,
@@ -42,8 +49,18 @@ def sparse_moe(rules, x: torch.Tensor, w: MoEWeights, router_logits: torch.Tenso
     with ``rules.router_linear``. ``record(ids, scores)``: called with the routing's choices (diagnostics).
     ``profile``: the model's linear profile (an :mod:`aligned_ops.profiles` object; None: ``fma``), whose
     ``moe_experts`` runs the experts' projections."""
-    logits = rules.router_linear(x, w.router) if router_logits is None else router_logits
-    weights, ids, scores = aligned_ops.moe_routing(logits.contiguous(), w.top_k, w.scoring, w.renormalize)
+    if router_logits is not None:
+        logits = router_logits
+    elif w.router_dtype is not None:
+        logits = rules.router_linear(x.to(w.router_dtype), w.router.to(w.router_dtype))
+    else:
+        logits = rules.router_linear(x, w.router)
+    if w.scoring == "sigmoid_grouped":
+        weights, ids, scores = aligned_ops.moe_grouped_routing(logits.contiguous(), w.correction_bias, w.top_k,
+                                                               w.n_group, w.topk_group, w.renormalize,
+                                                               w.routed_scaling_factor)
+    else:
+        weights, ids, scores = aligned_ops.moe_routing(logits.contiguous(), w.top_k, w.scoring, w.renormalize)
     if record is not None:
         record(ids, scores)
     experts = aligned_ops.moe_experts if profile is None else profile.moe_experts

@@ -170,7 +170,75 @@ def build_tiny_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return _save_random(LlamaForCausalLM(config), tokenizer, path, dtype, seed, eos)
 
 
-def _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=None):
+DEFAULT_DEEPSEEK_V3_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,            # the dense layers' MLP (first_k_dense_replace)
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0},
+)
+
+
+def build_tiny_deepseek_v3(path: str | os.PathLike, dtype: torch.dtype = torch.float32, seed: int = 0,
+                           router_scale: float = 0.08, bias_scale: float = 0.05, **overrides) -> str:
+    """A random-weight DeepSeek-V3 causal LM (MLA, grouped sigmoid routing with a correction bias, a shared expert,
+    dense first layer, DeepSeek YaRN) and its tokenizer. Default: 3 layers (``first_k_dense_replace=1``), 8 routed
+    experts top-2 in 4 groups keeping 2, 1 shared expert, ``routed_scaling_factor=2.5``; ``config.json`` carries
+    ``scoring_func: sigmoid`` and ``topk_method: noaux_tc`` (what vLLM reads). ``e_score_correction_bias`` is random
+    (``bias_scale``) and stays float32 in the checkpoint whatever ``dtype``. ``overrides`` change the config
+    (e.g. ``q_lora_rank=None``, ``n_group=1, topk_group=1`` for Kimi-K2's single group)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from .deepseek_v3 import NAME
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"build_tiny_deepseek_v3: unsupported dtype {dtype}; use float32 or bfloat16")
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(DEFAULT_DEEPSEEK_V3_CONFIG)
+    cfg.update(overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = DeepseekV3Config(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                              attention_bias=False, attention_dropout=0.0, rope_interleave=True)
+    config.architectures = [NAME]
+    model = DeepseekV3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    biases = {name: bias_scale * torch.randn(b.shape, generator=gen)
+              for name, b in sorted(model.named_buffers()) if name.endswith("e_score_correction_bias")}
+    _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=router_scale, fp32_buffers=biases)
+    # HF's config class does not declare these; vLLM reads them (without them it uses softmax and no bias).
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        written = json.load(f)
+    written.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    with open(cfg_path, "w") as f:
+        json.dump(written, f, indent=2)
+    return path
+
+
+def _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=None, fp32_buffers=None):
     """Overwrite every parameter from a generator seeded with ``seed`` (norm weights near 1, biases 0.02,
     MoE router weights ``router_scale``, the rest 0.08: larger than the usual 0.02 so logits are spread),
     cast to ``dtype``, save with the tokenizer and a neutral generation config."""
@@ -188,6 +256,12 @@ def _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=None):
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
     model = model.to(dtype)
+    if fp32_buffers:  # buffers that stay float32 in any dtype (DeepSeek's e_score_correction_bias)
+        bufs = dict(model.named_buffers())
+        for name, value in fp32_buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, value.to(torch.float32).clone(),
+                                                       persistent=name in bufs)
     model.config.dtype = dtype
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -90,6 +90,56 @@ def _routing_backward(ctx, grad_w, grad_ids, grad_scores):
 torch.library.register_autograd(_lib + "moe_routing", _routing_backward, setup_context=_routing_setup)
 
 
+@torch.library.register_fake(_lib + "moe_grouped_routing")
+def _(router_logits, correction_bias, top_k, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=1.0):
+    op = "aligned::moe_grouped_routing"
+    _same_device("moe_grouped_routing", router_logits, correction_bias)
+    torch._check(router_logits.dim() == 2, lambda: f"{op}: router_logits must be 2-D [tokens, experts]")
+    T, E = router_logits.shape
+    torch._check(n_group >= 1 and E % n_group == 0,
+                 lambda: f"{op}: n_group must divide the number of experts {E} (router_logits' columns), got n_group "
+                         f"{n_group}")
+    torch._check(1 <= topk_group <= n_group, lambda: f"{op}: topk_group must be in [1, n_group = {n_group}]")
+    avail = topk_group * (E // n_group)
+    torch._check(1 <= top_k <= avail, lambda: f"{op}: top_k must be in [1, {avail}] (the experts in the kept groups)")
+    if correction_bias is not None:
+        torch._check(correction_bias.dtype == torch.float32 and tuple(correction_bias.shape) == (E,),
+                     lambda: f"{op}: correction_bias must be float32 [{E}]")
+    w = router_logits.new_empty((T, top_k), dtype=torch.float32)
+    ids = router_logits.new_empty((T, top_k), dtype=torch.int64)
+    scores = router_logits.new_empty((T, E), dtype=torch.float32)
+    return w, ids, scores
+
+
+@torch.library.register_fake(_lib + "moe_grouped_routing_backward")
+def _(grad_weights, grad_scores, router_logits, topk_ids, renormalize, routed_scaling_factor):
+    _same_device("moe_grouped_routing_backward", grad_weights, grad_scores, router_logits, topk_ids)
+    return torch.empty_like(router_logits, memory_format=torch.contiguous_format)
+
+
+def _grouped_routing_setup(ctx, inputs, output):
+    router_logits, _bias, _k, _ng, _tg, renormalize, scale = inputs
+    _, ids, _ = output
+    ctx.save_for_backward(router_logits, ids)
+    ctx.renormalize = renormalize
+    ctx.scale = scale
+
+
+def _grouped_routing_backward(ctx, grad_w, grad_ids, grad_scores):
+    """d(router_logits) per moe.h; the correction bias gets None: it only selects experts, so the weights and
+    scores are piecewise constant in it (its derivative is 0 wherever it exists)."""
+    logits, ids = ctx.saved_tensors
+    if grad_w is None:
+        grad_w = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    gs = grad_scores.contiguous() if grad_scores is not None else None
+    dz = ops.moe_grouped_routing_backward(grad_w.contiguous(), gs, logits, ids, ctx.renormalize, ctx.scale)
+    return dz, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_lib + "moe_grouped_routing", _grouped_routing_backward,
+                                setup_context=_grouped_routing_setup)
+
+
 def _experts_setup(ctx, inputs, output):
     x, tw, ids, w13, w2, sw13, sw2, sgate = inputs[:8]
     ctx.save_for_backward(x, tw, ids, w13, w2, sw13, sw2, sgate)
@@ -251,6 +301,21 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax
     return ops.moe_routing(router_logits, int(top_k), scoring, bool(renormalize))
 
 
+def moe_grouped_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                        n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+                        routed_scaling_factor: float = 1.0):
+    """DeepSeek-V3 / Kimi-K2 routing: ``(topk_weights fp32 [T, k], topk_ids int64 [T, k], scores fp32 [T, E])``.
+
+    Sigmoid scores of the (fp32) router logits; experts chosen on ``score + correction_bias`` (fp32 ``[E]``)
+    within the ``topk_group`` best of ``n_group`` contiguous groups (group score: the sum of its two best biased
+    scores); ties go to the lower index; weights from the unbiased scores, renormalised in rank order when
+    ``renormalize``, times ``routed_scaling_factor`` in fp32. The bias gets no gradient. Written down in
+    ``csrc/common/moe.h`` ("grouped sigmoid routing").
+    """
+    return ops.moe_grouped_routing(router_logits, correction_bias, int(top_k), int(n_group), int(topk_group),
+                                   bool(renormalize), float(routed_scaling_factor))
+
+
 def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None,
                 linear_profile: str = "fma"):
     """``sum_r w_r * expert_{id_r}(x)`` (+ ``sigmoid(x . shared_gate) * shared_expert(x)``), fp32, rounded once.
@@ -281,6 +346,6 @@ def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=T
 
 from ._registry import register_no_backward  # noqa: E402
 
-for _name in ("moe_routing_backward", "moe_experts_backward"):
+for _name in ("moe_routing_backward", "moe_experts_backward", "moe_grouped_routing_backward"):
     register_no_backward(_name, "it is a backward op; double backward is not implemented")
 register_no_backward("_moe_experts_reference", "a test hook: the per-token scalar model of the moe contract")

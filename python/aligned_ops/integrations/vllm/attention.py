@@ -266,7 +266,14 @@ class AlignedAttentionImpl(AttentionImpl):
         if unsupported:
             raise NotImplementedError("aligned_ops attention does not support: " + ", ".join(unsupported))
         record_architecture(self)  # the scale is the model spec's (LayerRules.scale), read per call
-        rules_of(self).check_attention_scale(head_size, scale, "vLLM attention")
+        from ...models import ARCHITECTURES
+
+        arch = ARCHITECTURES.get(getattr(self, "_aligned_arch", None))
+        # DeepSeek: the layer's own scale (YaRN's mscale^2), the number the trainer's block passes (checked there
+        # against aligned_ops.rope.deepseek_attention_scale)
+        self._own_scale = bool(arch is not None and arch.own_attention_scale)
+        if not self._own_scale:
+            rules_of(self).check_attention_scale(head_size, scale, "vLLM attention")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)  # read by vLLM (Attention.extra_repr); the forward uses rules_of(self).scale
@@ -300,7 +307,7 @@ class AlignedAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
         # the step's plan (built once by the metadata builder from host metadata): no host work per layer
-        out = self._paged_attention(query[:n], k_cache, v_cache, scale=rules_of(self).scale(self.head_size),
+        out = self._paged_attention(query[:n], k_cache, v_cache, scale=self.scale if self._own_scale else rules_of(self).scale(self.head_size),
                                     plan=attn_metadata.plan)
         output[:n].copy_(out.view(output[:n].shape))
         return output

@@ -51,6 +51,16 @@ def validate_vllm_config(vllm_config) -> None:
     except ValueError as e:
         reasons.append(str(e).split(": ", 1)[-1])
     dtype = str(mc.dtype).replace("torch.", "")
+    from ...models import ARCHITECTURES
+    from ...models.registry import architecture_of
+
+    arch = ARCHITECTURES.get(architecture_of(mc.hf_config))
+    if arch is not None and arch.refuse_fp16 and dtype == "float16":
+        reasons.append(f"{arch.name} in float16 is not covered (vLLM's decoder layer rescales hidden states in fp16); "
+                       "use bfloat16 or float32")
+    if getattr(mc, "use_mla", False):
+        reasons.append("MLA (the latent attention form) is not covered: the plugin runs the expanded form "
+                       "(VLLM_MLA_DISABLE=1, set by the plugin for a local checkpoint folder; set it yourself otherwise)")
     if dtype not in SUPPORTED_DTYPES:
         reasons.append(f"dtype {dtype} is not supported ({', '.join(SUPPORTED_DTYPES)})")
     if getattr(mc, "quantization", None) or getattr(vllm_config, "quant_config", None) is not None:
@@ -107,10 +117,36 @@ def _clear_rope_cache() -> None:
     rotary_embedding._ROPE_DICT.clear()
 
 
+def _architecture_env(engine_args) -> None:
+    """Set what the checkpoint's architecture needs before vLLM builds the config (``Architecture.vllm_env``,
+    e.g. DeepSeek-V3's ``VLLM_MLA_DISABLE=1``), read from a local folder's config.json; a conflicting value
+    already in the environment is refused. A hub id is not read here: validation then refuses what it gets."""
+    import json
+    import logging
+    import os
+
+    from ...models import ARCHITECTURES
+
+    try:
+        with open(os.path.join(str(engine_args.model), "config.json")) as f:
+            names = json.load(f).get("architectures") or []
+    except (OSError, ValueError, TypeError):
+        return
+    for name in names:
+        arch = ARCHITECTURES.get(name)
+        for key, value in (arch.vllm_env if arch is not None else {}).items():
+            if os.environ.get(key, value) != value:
+                raise ValueError(f"aligned_ops vLLM plugin refuses this configuration: {name} needs {key}={value} "
+                                 f"(the attention form the trainer runs), the environment has {os.environ[key]!r}")
+            os.environ[key] = value
+            logging.getLogger("aligned_ops").info("aligned_ops vLLM plugin: %s runs with %s=%s", name, key, value)
+
+
 def _create_engine_config(self, *args, **kwargs):
     global installed_linear_profile
     from vllm.engine.arg_utils import EngineArgs
 
+    _architecture_env(self)
     config = patches.original(EngineArgs, "create_engine_config")(self, *args, **kwargs)
     validate_vllm_config(config)
     _clear_rope_cache()

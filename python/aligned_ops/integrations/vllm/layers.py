@@ -79,6 +79,15 @@ def rope_spec_from_vllm(rot):
                         original_max_position=int(rot.max_position_embeddings), beta_fast=float(rot.beta_fast),
                         beta_slow=float(rot.beta_slow), truncate=bool(rot.truncate),
                         attention_factor=float(rot.mscale))
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    if kind is DeepseekScalingRotaryEmbedding:
+        # DeepSeek YaRN: max_position_embeddings is the original length; cos/sin carry mscale / mscale_all_dim
+        # (rot.mscale); the attention scale's mscale_all_dim^2 is the attention layer's (DeepseekV2Attention).
+        orig, factor = int(rot.max_position_embeddings), float(rot.scaling_factor)
+        return RopeSpec(rotary_dim=int(rot.rotary_dim), base=float(rot.base), max_position=int(orig * factor),
+                        rope_type="yarn", factor=factor, original_max_position=orig, beta_fast=float(rot.beta_fast),
+                        beta_slow=float(rot.beta_slow), truncate=True, attention_factor=float(rot.mscale))
     raise NotImplementedError(f"aligned_ops: {kind.__name__} (this RoPE variant) is not supported")
 
 
@@ -88,6 +97,18 @@ def _rotary_init(self, *args, **kwargs):
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     patches.original(RotaryEmbedding, "__init__")(self, *args, **kwargs)
+    _build_table(self)
+
+
+def _deepseek_rotary_init(self, *args, **kwargs):
+    """DeepseekScalingRotaryEmbedding (not a RotaryEmbedding subclass): its own init, then the same table."""
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    patches.original(DeepseekScalingRotaryEmbedding, "__init__")(self, *args, **kwargs)
+    _build_table(self)
+
+
+def _build_table(self):
     from ...rope import cos_sin_cache
 
     record_architecture(self)
@@ -229,6 +250,11 @@ def install() -> None:
 
     patches.patch(AutoWeightsLoader, "load_weights", _load_weights_then_clear,
                   "a plain helper class, not a layer: vLLM offers no hook after a model's load_weights")
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    why = "DeepSeek YaRN's rotary is a RotaryEmbeddingBase, not a RotaryEmbedding: it needs its own patch"
+    patches.patch(DeepseekScalingRotaryEmbedding, "forward", _rotary_forward, why)
+    patches.patch(DeepseekScalingRotaryEmbedding, "__init__", _deepseek_rotary_init, why)
     for cls, apply in ((UnquantizedLinearMethod, _linear_apply), (UnquantizedEmbeddingMethod, _lm_head_apply)):
         # a QuantizeMethodBase, not a CustomOp: no registry (every Linear's / the embedding's and LM head's apply)
         why = "a QuantizeMethodBase, not a CustomOp: vLLM offers no out-of-tree hook"

@@ -34,16 +34,26 @@ def _moe_layer_spec(runner):
         return spec
     reasons = []
     router = runner.router
+    # DeepSeek-V3's noaux_tc routing (grouped top-k on sigmoid + correction bias, routed scaling): the grouped
+    # op (aligned::moe_grouped_routing) on fp32 router logits, as the trainer's DeepSeek block runs it
+    grouped = bool(getattr(router, "use_grouped_topk", False))
     if type(router).__name__ not in ("FusedTopKRouter", "CPURouter"):
-        reasons.append(f"router {type(router).__name__} (only plain top-k routing)")
-    if getattr(router, "use_grouped_topk", False):
-        reasons.append("grouped top-k")
+        reasons.append(f"router {type(router).__name__} (only plain or CPU top-k routing)")
     if getattr(router, "custom_routing_function", None) is not None:
         reasons.append("a custom routing function")
-    if getattr(router, "e_score_correction_bias", None) is not None:
-        reasons.append("e_score_correction_bias")
-    if getattr(router, "routed_scaling_factor", 1.0) not in (None, 1.0):
-        reasons.append("routed_scaling_factor != 1")
+    bias = getattr(router, "e_score_correction_bias", None)
+    if grouped:
+        if getattr(router, "scoring_func", "softmax") != "sigmoid":
+            reasons.append("grouped top-k with softmax scores")
+        if bias is not None and bias.dtype != torch.float32:
+            reasons.append(f"e_score_correction_bias in {bias.dtype} (must stay float32)")
+        if getattr(runner, "gate", None) is None:
+            reasons.append("grouped routing without the gate module (precomputed router logits)")
+    else:
+        if bias is not None:
+            reasons.append("e_score_correction_bias")
+        if getattr(router, "routed_scaling_factor", 1.0) not in (None, 1.0):
+            reasons.append("routed_scaling_factor != 1")
     if getattr(router, "_hash_indices_table", None) is not None:
         reasons.append("hash routing")
     scoring = getattr(router, "scoring_func", "softmax")
@@ -53,12 +63,16 @@ def _moe_layer_spec(runner):
     qm = type(re.quant_method).__name__
     if qm not in ("UnquantizedFusedMoEMethod", "AlignedUnquantizedFusedMoEMethod"):
         reasons.append(f"quantized experts ({qm})")
-    if getattr(re, "routed_scaling_factor", 1.0) != 1.0 or getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+    if not grouped and (getattr(re, "routed_scaling_factor", 1.0) != 1.0
+                        or getattr(runner, "routed_scaling_factor", 1.0) != 1.0):
         reasons.append("routed_scaling_factor != 1")
+    if getattr(re, "num_fused_shared_experts", 0) or getattr(router, "num_fused_shared_experts", 0):
+        reasons.append("shared experts fused into the routed ones")
     if getattr(re, "apply_router_weight_on_input", False):
         reasons.append("apply_router_weight_on_input")
-    if getattr(re, "e_score_correction_bias", None) is not None:
-        reasons.append("e_score_correction_bias")
+    re_bias = getattr(re, "e_score_correction_bias", None)
+    if re_bias is not None and not (grouped and re_bias is bias):
+        reasons.append("e_score_correction_bias (on the experts, not the router)")
     mc = runner.moe_config
     if str(getattr(mc, "activation", "silu")).split(".")[-1].lower() not in ("silu",):
         reasons.append(f"activation {mc.activation}")
@@ -74,9 +88,19 @@ def _moe_layer_spec(runner):
         reasons.append("expert/tensor/data parallel MoE")
     if reasons:
         raise NotImplementedError("aligned_ops: this MoE layer cannot be kept aligned: " + "; ".join(reasons))
-    spec = (int(router.top_k), scoring, bool(getattr(router, "renormalize", True)))
+    spec = (int(router.top_k), "sigmoid_grouped" if grouped else scoring, bool(getattr(router, "renormalize", True)))
     runner._aligned_moe_spec = spec
     return spec
+
+
+def _grouped_fields(runner) -> dict:
+    """MoEWeights' grouped-routing fields of a runner whose router is grouped (the scaling factor sits on the router
+    or, with apply_routed_scale_to_output, on the runner: the other one is 1)."""
+    router = runner.router
+    scale = float(getattr(router, "routed_scaling_factor", 1.0) or 1.0) * float(
+        getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+    return dict(correction_bias=router.e_score_correction_bias, n_group=int(router.num_expert_group or 1),
+                topk_group=int(router.topk_group or 1), routed_scaling_factor=scale, router_dtype=torch.float32)
 
 
 def _shared_expert_weights(runner):
@@ -94,7 +118,8 @@ def runner_weights(runner) -> MoEWeights:
     sw13, sw2, sgate = _shared_expert_weights(runner)
     re = runner.routed_experts
     router = runner.gate.weight if runner.gate is not None else None
-    return MoEWeights(router, top_k, scoring, renormalize, re.w13_weight, re.w2_weight, sw13, sw2, sgate)
+    extra = _grouped_fields(runner) if scoring == "sigmoid_grouped" else {}
+    return MoEWeights(router, top_k, scoring, renormalize, re.w13_weight, re.w2_weight, sw13, sw2, sgate, **extra)
 
 
 _moe_trace: list | None = None

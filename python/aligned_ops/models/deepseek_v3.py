@@ -1,0 +1,267 @@
+"""DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): MLA attention in its EXPANDED form, grouped sigmoid routing
+with a correction bias (``aligned::moe_grouped_routing``), routed + shared experts, dense layers first.
+
+One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for the first layer)::
+
+    input norm:      rms_norm (layer 0) / fused_add_rms_norm (later)
+    down-projections of x, one logical linear:  [q_a_proj | kv_a_proj_with_mqa]   (q_lora_rank set)   or
+                     [q_proj | kv_a_proj_with_mqa]   (q_lora_rank None); each module runs on its own
+    q:               q_b_proj(rms_norm(q_a, q_a_layernorm))   (or q_proj's output)  -> [T, Hq, d_nope + d_rope]
+    kv latent:       kv_a_proj_with_mqa's output = [c (kv_lora_rank) | k_pe (d_rope)];  c = rms_norm(c, kv_a_layernorm)
+    k, v:            kv_b_proj(c) -> [T, Hq, d_nope + d_v] -> k_nope | v
+    rotary:          on the d_rope slice only (q_pe per head, the one shared k_pe), GPT-J pairing (DeepSeek's
+                     interleaved layout: pairs (x0, x1), (x2, x3), ... rotated by one frequency each, results
+                     left in place — vLLM's is_neox_style=False); table and YaRN factor from aligned_ops.rope
+    attention:       q = [q_nope | q_pe], k = [k_nope | k_pe], v zero-padded from d_v to d_nope + d_rope (every
+                     output element is its own chain over the keys, so the padding changes no bit of the real
+                     columns); causal; scale = (d_nope + d_rope) ** -0.5 * mscale(factor, mscale_all_dim)^2
+                     (aligned_ops.rope.deepseek_attention_scale, HF's and vLLM's DeepSeek rule)
+    o_proj:          over the first d_v columns of each head
+    post-attn norm:  fused_add_rms_norm
+    MLP (layer < first_k_dense_replace):  gate_up -> silu_and_mul -> down
+    MoE (later):     router logits in fp32 (linear(x.float(), W.float()), as HF computes them)
+                     -> moe_grouped_routing(logits, e_score_correction_bias (fp32), top_k, n_group, topk_group,
+                                            norm_topk_prob, routed_scaling_factor)
+                     -> moe_experts(x, w, ids, experts, shared expert (n_shared_experts * moe_intermediate, no gate))
+
+HF (``rope_interleave=True``) rotates the same pairs but writes each head's rope slice de-interleaved (evens'
+results, then odds'): the same q.k up to a fixed permutation of the summed dims, i.e. equal in exact arithmetic,
+not in bits — both sides of aligned_ops use the layout above. In vLLM the plugin selects the non-MLA path
+(``VLLM_MLA_DISABLE=1``, ``Architecture.vllm_env``): ``DeepseekV2Attention`` with the standard ``Attention`` layer,
+whose decoder layer runs this block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rope import deepseek_attention_scale
+from .base import Architecture, Projection
+from .decoder import DOWN, GATE_UP
+from .moe import MoEWeights
+from .registry import rules_of
+from .spec import LayerRules, Step
+
+NAME = "DeepseekV3ForCausalLM"
+
+Q = Projection(("q_proj",))
+KV_A = Projection(("kv_a_proj_with_mqa",))
+# q_lora_rank set: q_a_proj then kv_a_proj_with_mqa, both of x (one logical linear in the spec; vLLM's non-MLA
+# DeepseekV2Attention keeps them as two modules, its MLA path fuses them as fused_qkv_a_proj)
+Q_A = Projection(("q_a_proj",))
+Q_B = Projection(("q_b_proj",))
+KV_B = Projection(("kv_b_proj",))
+O_PROJ = Projection(("o_proj",))
+PROJECTIONS = {"q": Q, "kv_a": KV_A, "q_a": Q_A, "q_b": Q_B, "kv_b": KV_B, "o_proj": O_PROJ, "gate_up": GATE_UP,
+               "down": DOWN}
+
+# GPT-J (interleaved) rotary pairing; everything else as the Llama-family decoder rules.
+RULES = LayerRules(rotary_neox=False)
+
+
+def _dims(attn):
+    """(heads, d_nope, d_rope, d_v, kv_lora_rank) of an attention module (HF's and vLLM's share these names; vLLM's
+    num_local_heads is this rank's share at TP > 1)."""
+    return getattr(attn, "num_local_heads", attn.num_heads), attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+
+
+def _norm(rules, norm, x):
+    return rules.apply_norm(x, norm.weight, norm.variance_epsilon)
+
+
+def attention(side, ctx, attn, x, rules):
+    """Expanded MLA on ``x [T, H]`` (module docstring): ``[T, Hq * d_v]`` before o_proj."""
+    T = x.shape[0]
+    Hq, dn, dr, dv, rank = _dims(attn)
+    dqk = dn + dr
+    if getattr(attn, "q_lora_rank", None) is None:
+        (q,) = side.parts(ctx, attn, Q, x)
+        (kva,) = side.parts(ctx, attn, KV_A, x)
+    else:
+        (qa,) = side.parts(ctx, attn, Q_A, x)
+        (kva,) = side.parts(ctx, attn, KV_A, x)
+        (q,) = side.parts(ctx, attn, Q_B, _norm(rules, attn.q_a_layernorm, qa))
+    q = q.view(T, Hq, dqk)
+    c = _norm(rules, attn.kv_a_layernorm, kva[:, :rank].contiguous())
+    k_pe = kva[:, rank:].contiguous().view(T, 1, dr)
+    (kv,) = side.parts(ctx, attn, KV_B, c)
+    kv = kv.view(T, Hq, dn + dv)
+    positions, cos_sin_cache = side.rope(ctx, attn)
+    q_pe = rules.rotary(positions, q[..., dn:].contiguous(), cos_sin_cache, dr)
+    k_pe = rules.rotary(positions, k_pe, cos_sin_cache, dr)
+    q = torch.cat([q[..., :dn], q_pe], dim=-1)
+    k = torch.cat([kv[..., :dn], k_pe.expand(T, Hq, dr)], dim=-1)
+    v = kv[..., dn:]
+    if dv < dqk:
+        v = torch.nn.functional.pad(v, (0, dqk - dv))
+    o = side.attention(ctx, attn, q.contiguous(), k.contiguous(), v.contiguous(), float(attn.scaling))
+    return o.view(T, Hq, dqk)[..., :dv].reshape(T, Hq * dv)
+
+
+def block(arch, side, ctx, layer, hidden, residual):
+    """One DeepSeek-V3 decoder layer (module docstring); returns ``(mlp_out, residual)`` like vLLM."""
+    rules = rules_of(layer)
+    norm = layer.input_layernorm
+    if residual is None:
+        residual = hidden
+        x = rules.apply_norm(hidden, norm.weight, norm.variance_epsilon)
+    else:
+        x, residual = rules.apply_norm(hidden, norm.weight, norm.variance_epsilon, residual)
+    attn = layer.self_attn
+    (h,) = side.parts(ctx, attn, O_PROJ, attention(side, ctx, attn, x, rules))
+    post = layer.post_attention_layernorm
+    x, residual = rules.apply_norm(h, post.weight, post.variance_epsilon, residual)
+    mlp = layer.mlp
+    if side.is_sparse(arch, mlp):
+        return side.sparse_mlp(arch, ctx, mlp, x, rules), residual
+    gate_up = side.joined(ctx, mlp, GATE_UP, x)
+    (out,) = side.parts(ctx, mlp, DOWN, rules.activate(gate_up))
+    return out, residual
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+
+
+def num_routed_experts(config) -> int:
+    return int(getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", 0) or 0)
+
+
+def sparse_layers(config) -> tuple[int, ...]:
+    """HF's rule: every layer from ``first_k_dense_replace`` on is sparse (``moe_layer_freq`` must be 1)."""
+    if num_routed_experts(config) == 0:
+        return ()
+    return tuple(range(int(config.first_k_dense_replace or 0), config.num_hidden_layers))
+
+
+def check_config(config, where: str) -> None:
+    """What the aligned ops reproduce of a DeepSeek-V3 config; ValueError naming the field otherwise."""
+    scoring = getattr(config, "scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"aligned_ops ({where}): {NAME} scoring_func must be 'sigmoid', got {scoring!r}")
+    method = getattr(config, "topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ValueError(f"aligned_ops ({where}): {NAME} topk_method must be 'noaux_tc', got {method!r}")
+    E = num_routed_experts(config)
+    ng, tg, k = int(config.n_group or 1), int(config.topk_group or 1), int(config.num_experts_per_tok)
+    if E and (E % ng or not 1 <= tg <= ng or not 1 <= k <= tg * (E // ng)):
+        raise ValueError(f"aligned_ops ({where}): {NAME} routing needs n_group | n_routed_experts, 1 <= topk_group "
+                         f"<= n_group and 1 <= num_experts_per_tok <= topk_group * n_routed_experts / n_group; got "
+                         f"E={E}, n_group={ng}, topk_group={tg}, top_k={k}")
+    if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"aligned_ops ({where}): {NAME} moe_layer_freq != 1 is not supported (HF ignores it)")
+    # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
+    # the main model (HF's and vLLM's) does not run those layers.
+    if getattr(config, "rope_interleave", True) is False:
+        raise ValueError(f"aligned_ops ({where}): {NAME} with rope_interleave=False (NeoX halves on the rope "
+                         "slice) is not described; DeepSeek checkpoints use the interleaved layout")
+
+
+def check_hf_model(model, where: str) -> None:
+    """The HF model's own numbers the block relies on: the fp32 correction bias, the attention scale."""
+    if any(p.dtype == torch.float16 for p in model.parameters()):
+        raise ValueError(f"aligned_ops ({where}): {NAME} in float16 is not supported (vLLM's DeepSeek decoder "
+                         "layer rescales hidden states for fp16); use bfloat16 or float32")
+    cfg = model.config
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        want = deepseek_attention_scale(attn.qk_nope_head_dim + attn.qk_rope_head_dim, cfg)
+        if float(attn.scaling) != want:
+            raise ValueError(f"aligned_ops ({where}): layer {i} attention scale {attn.scaling} is not DeepSeek's "
+                             f"{want}")
+        gate = getattr(layer.mlp, "gate", None)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if gate is not None and bias is not None and bias.dtype != torch.float32:
+            raise ValueError(f"aligned_ops ({where}): layer {i} e_score_correction_bias is {bias.dtype}; it must "
+                             "stay float32 (a rounded bias changes the routing; HF keeps it fp32 when loading)")
+
+
+def hf_moe_weights(mlp) -> MoEWeights:
+    """A HF DeepseekV3MoE block's routing and weights (the shared experts as one ungated shared expert)."""
+    g = mlp.gate
+    sh = getattr(mlp, "shared_experts", None)
+    sw13 = sw2 = None
+    if sh is not None:
+        sw13 = torch.cat([sh.gate_proj.weight, sh.up_proj.weight], dim=0)
+        sw2 = sh.down_proj.weight
+    return MoEWeights(g.weight, int(g.top_k), "sigmoid_grouped", bool(g.norm_topk_prob), mlp.experts.gate_up_proj,
+                      mlp.experts.down_proj, sw13, sw2, None, correction_bias=g.e_score_correction_bias,
+                      n_group=int(g.num_group), topk_group=int(g.topk_group),
+                      routed_scaling_factor=float(g.routed_scaling_factor), router_dtype=torch.float32)
+
+
+def refit_weights(state_dict):
+    """HF 5.19 keeps a sparse block's experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``mlp.experts.down_proj [E, H, I]``); checkpoints and vLLM's DeepSeek loader name them per expert
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Yields ``(name, tensor)`` in the checkpoint's names (views,
+    no copy); everything else passes as it is."""
+    for name, value in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", value[e, :inter]
+                yield f"{base}{e}.up_proj.weight", value[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                yield f"{base}{e}.down_proj.weight", value[e]
+        else:
+            yield name, value
+
+
+def spec(arch, config, rules, profile) -> list[Step]:
+    """The logical op sequence of one forward (embedding excluded)."""
+    H, Hq, V = config.hidden_size, config.num_attention_heads, config.vocab_size
+    dn, dr, dv, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+    qr = config.q_lora_rank
+    sparse = set(sparse_layers(config))
+    norm, res_norm, act, lin = rules.norm, rules.residual_norm, rules.activation, profile.op
+    bias = bool(getattr(config, "attention_bias", False))
+    steps: list[Step] = []
+    for i in range(config.num_hidden_layers):
+        p = f"L{i}."
+        steps.append(Step(norm if i == 0 else res_norm, p + "input_norm", n=H))
+        if qr is None:
+            steps.append(Step(lin, p + "q_proj|kv_a_proj_with_mqa", k=H, n=Hq * (dn + dr) + rank + dr, bias=bias))
+        else:
+            steps.append(Step(lin, p + "q_a_proj|kv_a_proj_with_mqa", k=H, n=qr + rank + dr, bias=bias))
+            steps.append(Step(norm, p + "q_a_layernorm", n=qr))
+            steps.append(Step(lin, p + "q_b_proj", k=qr, n=Hq * (dn + dr)))
+        steps.append(Step(norm, p + "kv_a_layernorm", n=rank))
+        steps.append(Step(lin, p + "kv_b_proj", k=rank, n=Hq * (dn + dv)))
+        steps.append(Step("rotary", p + "rotary_q", n=dr))
+        steps.append(Step("rotary", p + "rotary_k", n=dr))
+        steps.append(Step("attention", p + "attention", n=dn + dr))
+        steps.append(Step(lin, p + "o_proj", k=Hq * dv, n=H, bias=bias))
+        steps.append(Step(res_norm, p + "post_attention_norm", n=H))
+        if i in sparse:
+            steps.append(Step(rules.router_profile.op, p + "router", k=H, n=num_routed_experts(config)))
+            steps.append(Step("moe_grouped_routing", p + "moe_routing"))
+            steps.append(Step("moe_experts", p + "moe_experts"))
+        else:
+            steps.append(Step(lin, p + "gate_up_proj", k=H, n=2 * config.intermediate_size))
+            steps.append(Step(act, p + "act", n=config.intermediate_size))
+            steps.append(Step(lin, p + "down_proj", k=config.intermediate_size, n=H))
+    steps.append(Step(res_norm, "final_norm", n=H))
+    steps.append(Step(profile.op, "lm_head", k=H, n=V))
+    steps.append(Step("logprobs", "logprobs", n=V))
+    return steps
+
+
+ARCHITECTURE = Architecture(
+    name=NAME,
+    block=block,
+    spec=spec,
+    vllm_decoder_layer="vllm.model_executor.models.deepseek_v2:DeepseekV2DecoderLayer",
+    projections=PROJECTIONS,
+    moe=True,
+    sparse_layers=sparse_layers,
+    hf_moe_weights=hf_moe_weights,
+    check_config=check_config,
+    check_hf_model=check_hf_model,
+    rules=RULES,
+    own_attention_scale=True,
+    vllm_env={"VLLM_MLA_DISABLE": "1"},
+    refuse_fp16=True,
+    refit_weights=refit_weights,
+    fp32_weights=("e_score_correction_bias",),
+)

@@ -1,0 +1,215 @@
+"""Trainer side, DeepSeek-V3 (issue 23 items 2-3): HF ``DeepseekV3ForCausalLM`` patched through aligned_ops —
+expanded MLA (q/kv LoRA, rope on the rope slice, DeepSeek YaRN + mscale), grouped sigmoid routing with the fp32
+correction bias, routed + shared experts, a dense first layer — is close to float64 stock HF, and a sequence's
+log-probs are the same bits alone, in a padded batch, packed, and chunked (a prefix scored alone)."""
+
+import copy
+
+import pytest
+import torch
+
+from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
+from aligned_ops.testing import assert_bitwise_equal, bits
+from aligned_ops.testing.rollouts import padded_batch, random_sequences
+from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3
+
+CASES = {
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.bfloat16, {}),
+    "fp32-no-q-lora-kimi-groups": (torch.float32, {"q_lora_rank": None, "n_group": 1, "topk_group": 1,
+                                                   "routed_scaling_factor": 2.827, "num_experts_per_tok": 3}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    dtype, over = CASES[request.param]
+    d = build_tiny_deepseek_v3(tmp_path_factory.mktemp("ds") / "m", dtype, seed=3, **over)
+    return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=dtype))
+
+
+LENS = [5, 33, 2, 47, 9]
+
+
+def _single(model, s, start):
+    cm = torch.zeros(1, len(s), dtype=torch.long)
+    cm[0, start:] = 1
+    with torch.no_grad():
+        out = model(s[None], completion_mask=cm, return_logits=False, return_routing=True)
+    return out.logprobs[0, start:], out.routed_experts[0]
+
+
+def test_checkpoint_as_vllm_reads_it(model, tmp_path):
+    cfg = model.config
+    assert cfg.architectures == ["DeepseekV3ForCausalLM"]
+    d = build_tiny_deepseek_v3(tmp_path / "c", torch.bfloat16, seed=1)
+    import json
+
+    raw = json.load(open(d + "/config.json"))
+    assert raw["scoring_func"] == "sigmoid" and raw["topk_method"] == "noaux_tc"
+    from safetensors.torch import load_file
+
+    sd = load_file(d + "/model.safetensors")
+    biases = [k for k in sd if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2 and all(sd[k].dtype == torch.float32 for k in biases)
+    assert float(sd[biases[0]].abs().max()) > 0  # random, not HF's zeros: the bias takes part in the routing
+    layers = model.model.layers
+    assert not hasattr(layers[0].mlp, "experts") and hasattr(layers[1].mlp, "experts")
+    assert layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_batch_padding_packing_chunking_invariance(model):
+    seqs = random_sequences(LENS, 0)
+    starts = [max(1, n // 2) for n in LENS]
+    single = [_single(model, s, st) for s, st in zip(seqs, starts)]
+    S = max(LENS)
+    for left in (False, True):
+        ids, am, cm, _ = padded_batch(seqs, starts, S + 3, left=left)
+        with torch.no_grad():
+            out = model(ids, attention_mask=am, completion_mask=cm, return_logits=False, return_routing=True)
+        for i, (s, st) in enumerate(zip(seqs, starts)):
+            off = ids.shape[1] - len(s) if left else 0
+            assert_bitwise_equal(out.logprobs[i, off + st : off + len(s)], single[i][0])
+            assert torch.equal(out.routed_experts[i, off : off + len(s)], single[i][1])
+    flat = torch.cat(seqs)[None]
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+    cm = torch.zeros_like(flat)
+    for (a, b), st in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), starts):
+        cm[0, a + st : b] = 1
+    with torch.no_grad():
+        lp = completion_logprobs(model, flat, cm, cu_seqlens=cu)
+    for (a, b), st, (ref, _) in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), starts, single):
+        assert_bitwise_equal(lp[0, a + st : b], ref)
+    # chunked: a prefix of the longest sequence scored on its own gives the same bits for its tokens (causal,
+    # row-invariant: what a chunked prefill / decode sees)
+    s, st = seqs[3], starts[3]
+    for cut in (st + 1, st + 7, len(s) - 1):
+        lp_prefix, ex_prefix = _single(model, s[:cut], st)
+        assert_bitwise_equal(lp_prefix, single[3][0][: cut - st])
+        assert torch.equal(ex_prefix, single[3][1][:cut])
+
+
+def test_negative_control_bias_and_scale_reach_the_bits(model):
+    """The invariance above can fail: the same sequence with the correction bias of one layer changed, or a
+    different routed scaling factor, gives other bits (the routing inputs really are used)."""
+    s = random_sequences([24], 7)[0]
+    ref, ex = _single(model, s, 1)
+    gate = model.model.layers[2].mlp.gate
+    old_bias, old_scale = gate.e_score_correction_bias.clone(), gate.routed_scaling_factor
+    try:
+        with torch.no_grad():
+            gate.e_score_correction_bias.add_(torch.linspace(-0.5, 0.5, old_bias.numel()))
+        lp_b, ex_b = _single(model, s, 1)
+        gate.e_score_correction_bias.copy_(old_bias)
+        gate.routed_scaling_factor = old_scale * 1.01
+        lp_s, _ = _single(model, s, 1)
+    finally:
+        gate.e_score_correction_bias.copy_(old_bias)
+        gate.routed_scaling_factor = old_scale
+    assert not torch.equal(ex_b[:, 1], ex[:, 1])  # the bias changed layer 2's choices
+    assert not torch.equal(bits(lp_b), bits(ref)) and not torch.equal(bits(lp_s), bits(ref))
+    assert_bitwise_equal(_single(model, s, 1)[0], ref)  # restored: the same bits again
+
+
+def _hf_routing(m):
+    """Hooks capturing each sparse layer's expert ids (HF's router returns (logits, weights, ids))."""
+    rec, hooks = [], []
+    for layer in m.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(lambda mod, inp, out: rec.append(out[2])))
+    return rec, hooks
+
+
+def test_close_to_float64_stock_hf(model):
+    s = random_sequences([30], 3)[0]
+    m64 = unpatch_model(copy.deepcopy(model)).to(torch.float64)
+    m64.set_experts_implementation("eager")
+    rec, hooks = _hf_routing(m64)
+    with torch.no_grad():
+        ref = torch.log_softmax(m64(s[None]).logits[0], -1)[9:29].gather(-1, s[10:, None])[:, 0]
+    for h in hooks:
+        h.remove()
+    lp, ex = _single(model, s, 10)
+    same = torch.ones(30, dtype=torch.bool)
+    for layer, ids in enumerate(rec):
+        same &= (ids.sort(-1).values == ex[:, layer].sort(-1).values).all(-1)
+    keep = same[9:29]
+    tol = 2e-4 if next(model.parameters()).dtype == torch.float32 else 0.15
+    assert keep.sum() >= 10, keep
+    err = (lp[keep].double() - ref[keep]).abs().max()
+    assert err < tol, err
+
+
+def test_backward_runs_and_bias_gets_no_gradient(model):
+    if next(model.parameters()).dtype != torch.float32:
+        pytest.skip("fp32 model only")
+    s = random_sequences([20], 4)[0]
+    cm = torch.zeros(1, 20, dtype=torch.long)
+    cm[0, 5:] = 1
+    model.zero_grad()
+    lp = completion_logprobs(model, s[None], cm)
+    lp.sum().backward()
+    router = model.model.layers[1].mlp.gate
+    attn = model.model.layers[1].self_attn
+    assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()
+    assert float(router.weight.grad.abs().max()) > 0  # the routing weights' gradient reaches the router
+    for name in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        mod = getattr(attn, name, None)
+        if mod is not None:
+            assert mod.weight.grad is not None and float(mod.weight.grad.abs().max()) > 0, name
+    assert router.e_score_correction_bias.grad is None  # a buffer; moe.h: it only selects
+    model.zero_grad()
+
+
+def test_refusals(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = build_tiny_deepseek_v3(tmp_path / "m", torch.float32, seed=2)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    m.model.layers[1].mlp.gate.e_score_correction_bias.data = m.model.layers[1].mlp.gate.e_score_correction_bias.bfloat16()
+    with pytest.raises(ValueError, match="e_score_correction_bias is torch.bfloat16; it must stay float32"):
+        patch_model(m)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    m.model.layers[0].self_attn.scaling *= 2
+    with pytest.raises(ValueError, match="attention scale .* is not DeepSeek's"):
+        patch_model(m)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    m.config.scoring_func = "softmax"
+    with pytest.raises(ValueError, match="scoring_func must be 'sigmoid'"):
+        patch_model(m)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float16)
+    with pytest.raises(ValueError, match="in float16 is not supported"):
+        patch_model(m)
+    # positive control: the untouched checkpoint patches
+    patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32))
+
+
+def test_trainer_runs_the_spec(model):
+    """The patched forward runs exactly the architecture's op sequence (models/deepseek_v3.py spec): MLA's
+    projections and norms, rotary on the rope slice (GPT-J pairing), the DeepSeek scale, the fp32 router,
+    moe_grouped_routing, moe_experts; dense MLP only in layer 0."""
+    from aligned_ops.model_spec import model_spec
+    from aligned_ops.rope import deepseek_attention_scale
+    from aligned_ops.testing.trace import logical_steps, op_scalars, spec_steps, trace_aligned_ops
+
+    ids = torch.arange(3, 9)[None]
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with trace_aligned_ops() as t, torch.no_grad():
+        model(input_ids=ids, completion_mask=mask)
+    spec = model_spec(model.config)
+    assert logical_steps(t.calls) == spec_steps(spec)
+    ops = [s.op for s in spec.steps]
+    assert ops.count("moe_grouped_routing") == 2 and ops.count("silu_and_mul") == 1
+    cfg = model.config
+    assert op_scalars(t.calls, "rotary_embedding") == {(cfg.qk_rope_head_dim, False)}
+    scale = deepseek_attention_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg)
+    assert scale != (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5  # YaRN's mscale^2 is in it
+    scales = {s[1] for s in op_scalars(t.calls, "attention_varlen_planned")} | {
+        s[0] for s in op_scalars(t.calls, "attention_varlen")}
+    assert scales == {scale}
+    routers = [c for c in t.calls if c.name == "aligned::linear" and c.shapes[1][0] == cfg.n_routed_experts]
+    assert len(routers) == 2 and all(c.dtypes[:2] == (torch.float32, torch.float32) for c in routers)
