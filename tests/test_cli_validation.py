@@ -43,6 +43,7 @@ CASES = [
     (["demo", "--a-range", "-5"], "--a-range must be >= 1, got -5"),
     (["verify", "--linear", "bogus"], "--linear must be one of ('fma', 'exact'"),
     (["train", "--linear", "fast"], "--linear: linear profile must be one of"),
+    (["train", "--linear", "mma", "--dtype", "float32"], "--linear mma takes --dtype bfloat16"),
     (["demo", "--linear", "fast"], "--linear: linear profile must be one of"),
     (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
     (["verify", "--temperature", "0"], "--temperature must be a finite number > 0"),
@@ -131,10 +132,14 @@ def test_model_folder_with_a_head_size_vllm_cpu_refuses(tmp_path):
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 512, "hidden_act": "silu",
            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    proc, _ = run_cli("verify", "--model", str(tmp_path))
-    assert proc.returncode == 2 and "head size 16 is not one vLLM-CPU's attention takes" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    for command in ("verify", "train", "demo"):  # one check for every command that takes --model
+        out = [] if command == "verify" else ["--out", str(tmp_path / f"out_{command}")]
+        proc, _ = run_cli(command, "--model", str(model), *out)
+        assert proc.returncode == 2 and "head size 16 is not one vLLM-CPU's attention takes" in proc.stderr, command
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_path):
@@ -150,14 +155,17 @@ def test_unsupported_model_folder_is_refused_before_any_engine(gpt2_dir, tmp_pat
 
 
 @pytest.mark.parametrize("command", ["verify", "demo", "demo --moe", "train", "train --mode sync --tiny dense"])
-def test_validation_accepts_the_defaults(command):
-    # Positive control: the default flags pass the same validation (checked without starting the runs).
+def test_validation_accepts_the_defaults(command, tmp_path, monkeypatch):
+    # Positive control: the default flags pass the same validation (checked without starting the runs). The
+    # default --out is relative: validation creates it (a writable folder), so it runs in a scratch directory.
+    monkeypatch.chdir(tmp_path)
     from aligned_ops.apps import cli
 
     cli.validate_args(cli.build_parser().parse_args(command.split()))
 
 
-def test_demo_defaults_are_the_demos_and_explicit_flags_win():
+def test_demo_defaults_are_the_demos_and_explicit_flags_win(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is created by validation
     from aligned_ops.apps import cli
     from aligned_ops.apps.demo import DEMO_DEFAULTS, RUNS
 

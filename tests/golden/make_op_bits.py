@@ -599,7 +599,7 @@ def _add_entries(prefix: str) -> int:
     procs = {}
     for level in levels:
         configs = [level] + (list(EMULATED) if level == "generic" else [])
-        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": str(ROOT / "python")}
+        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root()}
         procs[level] = subprocess.Popen(
             [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs), "--only", prefix],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

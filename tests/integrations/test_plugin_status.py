@@ -51,7 +51,7 @@ def test_engine_config_logs_one_line_saying_what_is_active(tiny_checkpoint, monk
     # logger) is not this test's subject: the line is emitted at INFO on this logger
     monkeypatch.setattr(logger, "disabled", False)
     monkeypatch.setattr(logger, "level", logging.INFO)
-    logging.disable(logging.NOTSET)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)  # (restored after the test)
     handler = Catch()
     logger.addHandler(handler)
     try:

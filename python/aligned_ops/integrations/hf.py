@@ -389,6 +389,7 @@ def _model_forward(
         temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
         target_ids = ids.index_select(0, targets)
         head_in = hidden.index_select(0, targets - 1)
+        logits = None  # the LM head's logits of the scored rows, computed once where they are needed
         if return_entropy:
             if fused_lm_head is True or isinstance(fused_lm_head, dict):
                 raise ValueError("aligned_ops patched model: return_entropy=True needs the logits; use "
@@ -400,14 +401,14 @@ def _model_forward(
                                                                      ent).view(input_ids.shape)
         if fused_lm_head == "auto":  # aligned_ops.ops.lm_head.FUSED_AUTO_MIN_LOGITS_BYTES: same bits either way
             fused_lm_head = _fuse_automatically(head, head_in, top_k, top_p, min_p, rules, profile)
+        if not fused_lm_head and logits is None:
+            logits = rules.head_logits(profile, head_in, head.weight, head.bias)
         if fused_lm_head:
             lp = _fused_head_logprobs(self, head, head_in, target_ids, temps, fused_lm_head, top_k, top_p, min_p,
                                       rules, profile)
         elif top_k is None and top_p is None and min_p is None:
-            lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias), target_ids,
-                                            temps)
+            lp = aligned_ops.token_logprobs(logits, target_ids, temps)
         else:
-            logits = rules.head_logits(profile, head_in, head.weight, head.bias)
             # The distribution vLLM sampled from with logprobs_mode="processed_logprobs" and the plugin:
             # x = fp32(z) / T, truncated by aligned_ops.sampling (min-p, top-k, top-p), log-softmax at T = 1.
             from ..sampling import scale_logits, truncate_logits

@@ -134,6 +134,10 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"--linear: {e}") from None
         _choice("--dtype", self.dtype, ("bfloat16", "float32", "float16"))
+        if self.kernels != "standard" and self.linear == "mma" and self.dtype != "bfloat16":
+            # (profiles.MMA.model_refusals, torch-free: the matrix unit multiplies bf16; the unit itself is checked
+            # where the engine starts)
+            raise ConfigError(f"--linear mma takes --dtype bfloat16 (its matrix units multiply bf16), got {self.dtype}")
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):
             _at_least(name, getattr(self, name), 1)
@@ -246,6 +250,16 @@ def read_model_config(path: str) -> dict:
         check_hf_config(SimpleNamespace(**cfg), "--model")
     except ValueError as e:
         raise ConfigError(f"{e} (folder {path})") from None
+    try:
+        if cfg.get("qk_rope_head_dim") is not None:  # DeepSeek's MLA, expanded: the attention layer's head size
+            head = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg["qk_rope_head_dim"])  # is q/k's (V padded to it)
+        else:
+            head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ConfigError(f"--model {path}: config.json has no usable head_dim / hidden_size / num_attention_heads")
+    if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
+        raise ConfigError(f"--model {path}: head size {head} is not one vLLM-CPU's attention takes "
+                          f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
     return cfg
 
 
