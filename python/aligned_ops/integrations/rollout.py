@@ -172,7 +172,8 @@ def refit(llm, state_dict) -> None:
     in_process = _engine_in_process(llm)
     # The architecture's names (DeepSeek: the HF in-memory fused experts split per expert) and its fp32 weights
     # (DeepSeek's e_score_correction_bias: a rounded bias changes the routing), which are not cast.
-    arch = ARCHITECTURES.get(architecture_of(llm.llm_engine.model_config.hf_config))
+    hf_config = getattr(llm.llm_engine.model_config, "hf_config", None)  # (stand-in engines of tests carry none)
+    arch = ARCHITECTURES.get(architecture_of(hf_config)) if hf_config is not None else None
     named = arch.refit_weights(state_dict) if arch is not None and arch.refit_weights else state_dict.items()
     keep = tuple(arch.fp32_weights) if arch is not None else ()
     items = [(k, _weight_for_transport(v, torch.float32 if keep and k.endswith(keep) else dtype, in_process))
