@@ -12,6 +12,7 @@ import os
 PROFILE_ENV_VAR = "ALIGNED_OPS_LINEAR"  # the user's switch, read once per model / engine
 DEFAULT_PROFILE = "fma"
 PROFILE_NAMES = ("fma", "exact", "mma")
+BF16_ONLY_PROFILES = ("mma",)  # (profiles.MMA.model_refusals: its matrix units multiply bf16)
 
 
 def profile_name(name: str, what: str = "linear profile") -> str:

@@ -49,15 +49,21 @@ def test_engine_config_logs_one_line_saying_what_is_active(tiny_checkpoint, monk
     logger = logging.getLogger("vllm.aligned_ops")
     # what earlier tests of the same process may have done to the logging tree (a level on "vllm", a disabled
     # logger) is not this test's subject: the line is emitted at INFO on this logger
-    monkeypatch.setattr(logger, "disabled", False)
-    monkeypatch.setattr(logger, "level", logging.INFO)
-    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)  # (restored after the test)
+    # (through setLevel / logging.disable: they also clear the loggers' isEnabledFor cache, which a plain
+    # attribute write leaves stale; restored after)
+    old = logger.level, logger.disabled, logging.root.manager.disable
+    logger.disabled = False
+    logger.setLevel(logging.INFO)
+    logging.disable(logging.NOTSET)
     handler = Catch()
     logger.addHandler(handler)
     try:
         configure()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(old[0])
+        logger.disabled = old[1]
+        logging.disable(old[2])
     assert len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("aligned_ops vLLM plugin active: aligned_ops " + aligned_ops.__version__)

@@ -91,6 +91,17 @@ def _moe_routing_ref(z):
     return w / w.sum(-1, keepdim=True)
 
 
+GROUPED_BIAS = torch.linspace(-0.5, 0.5, 8, dtype=torch.float32)  # 8 experts in 4 groups; the bias only selects
+
+
+def _moe_grouped_routing_ref(z):
+    # the op's choice (piecewise constant in z, so not differentiated), weights from the unbiased sigmoid scores,
+    # renormalised, x the routed scaling factor
+    ids = ops.moe_grouped_routing(z.detach().float().contiguous(), GROUPED_BIAS, 2, 4, 2, True, 2.5)[1]
+    w = torch.sigmoid(z).gather(1, ids)
+    return w / w.sum(-1, keepdim=True) * 2.5
+
+
 MOE_IDS = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]])
 
 
@@ -113,6 +124,9 @@ DIFFERENTIABLE.update({
                      lambda x, w, b: ops.linear_exact(x, w, b), lambda x, w, b: F.linear(x, w, b)),
     "moe_routing": (lambda: (_rows(5, 8, scale=2.0),), lambda z: ops.moe_routing(z, 2, "softmax", True)[0],
                     _moe_routing_ref),
+    "moe_grouped_routing": (lambda: (_rows(5, 8, scale=2.0),),
+                            lambda z: ops.moe_grouped_routing(z, GROUPED_BIAS, 2, 4, 2, True, 2.5)[0],
+                            _moe_grouped_routing_ref),
     "moe_experts": (lambda: (_rows(5, 8), _rows(5, 2, seed=1).detach().abs().requires_grad_(True),
                              _rows(4, 6, 8, seed=2), _rows(4, 8, 3, seed=3)),
                     lambda x, tw, w13, w2: ops.moe_experts(x, tw, MOE_IDS, w13, w2, None, None, None),
@@ -179,6 +193,8 @@ NO_BACKWARD.update({
         torch.randn(4, 4, 3), None, None, None),
     "moe_routing_backward": lambda x: ops.moe_routing_backward(
         x[:, :2].contiguous(), None, x, MOE_IDS % 5, "softmax", True),
+    "moe_grouped_routing_backward": lambda x: ops.moe_grouped_routing_backward(
+        x[:, :2].contiguous(), None, x, MOE_IDS % 5, True, 2.5),
     "moe_experts_backward": lambda x: ops.moe_experts_backward(
         x[:, :4].contiguous(), x[:, :4].contiguous(), x[:, :2].contiguous(), MOE_IDS, torch.randn(4, 6, 4),
         torch.randn(4, 4, 3), None, None, None)[0],

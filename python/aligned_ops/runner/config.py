@@ -120,7 +120,7 @@ class RunConfig:
     def validate(self, check_out: bool = True) -> "RunConfig":
         """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self.
         ``check_out=False`` skips the checks of an earlier run in ``out`` (the demo replaces its own runs)."""
-        from ..choices import LOSS_MODES, resolve_profile_name  # torch-free: flags are checked before torch loads
+        from ..choices import BF16_ONLY_PROFILES, LOSS_MODES, resolve_profile_name  # torch-free: flags are checked before torch loads
 
         _choice("--mode", self.mode, MODES)
         _choice("--kernels", self.kernels, KERNEL_SETS)
@@ -134,10 +134,10 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"--linear: {e}") from None
         _choice("--dtype", self.dtype, ("bfloat16", "float32", "float16"))
-        if self.kernels != "standard" and self.linear == "mma" and self.dtype != "bfloat16":
-            # (profiles.MMA.model_refusals, torch-free: the matrix unit multiplies bf16; the unit itself is checked
-            # where the engine starts)
-            raise ConfigError(f"--linear mma takes --dtype bfloat16 (its matrix units multiply bf16), got {self.dtype}")
+        if self.kernels != "standard" and self.linear in BF16_ONLY_PROFILES and self.dtype != "bfloat16":
+            # (torch-free; the matrix unit itself is checked where the engine starts)
+            raise ConfigError(f"--linear {self.linear} takes --dtype bfloat16 (its matrix units multiply bf16), got "
+                              f"{self.dtype}")
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):
             _at_least(name, getattr(self, name), 1)
@@ -222,14 +222,17 @@ class RunConfig:
     def is_moe(self) -> bool:
         if self.model is None:
             return self.tiny == "moe"
-        read_model_config(self.model)  # a supported architecture, or a ConfigError naming the folder
+        # a supported architecture, or a ConfigError naming the folder; the head size only matters where the stock
+        # engine runs
+        read_model_config(self.model, stock_engine=self.kernels == "standard")
         from .trainer import is_moe_model
 
         return is_moe_model(self.model)
 
 
-def read_model_config(path: str) -> dict:
-    """config.json of a model folder, checked for an architecture both sides support (no torch, no engine)."""
+def read_model_config(path: str, stock_engine: bool = True) -> dict:
+    """config.json of a model folder, checked for an architecture both sides support (no engine) and, with
+    ``stock_engine``, for a head size vLLM-CPU's own attention takes."""
     from types import SimpleNamespace
 
     from ..integrations import check_hf_config
@@ -257,7 +260,7 @@ def read_model_config(path: str) -> dict:
             head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         raise ConfigError(f"--model {path}: config.json has no usable head_dim / hidden_size / num_attention_heads")
-    if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
+    if stock_engine and head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
         raise ConfigError(f"--model {path}: head size {head} is not one vLLM-CPU's attention takes "
                           f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
     return cfg
