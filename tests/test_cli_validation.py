@@ -84,6 +84,20 @@ def _imported(importtime_stderr: str, top: str) -> bool:
     return any(n == top or n.startswith(top + ".") for n in names)
 
 
+@pytest.mark.parametrize("linear,loads_torch", [("fma", False), ("EXACT", False), ("mma", True)])
+def test_linear_profile_check_loads_torch_only_for_a_refusing_profile(linear, loads_torch):
+    """verify's --linear check asks the profile objects (which import torch) only for a profile that can refuse a
+    model (mma: its unit and bf16); fma and exact run every model, so a later bad flag still fails torch-free. mma
+    is the control: the same command loads torch to ask the profile."""
+    argv = ["verify", "--linear", linear, "--num-prompts", "0"]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "aligned_ops.apps.cli", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _imported(proc.stderr, "aligned_ops")
+    assert _imported(proc.stderr, "torch") == loads_torch
+    assert _imported(proc.stderr, "aligned_ops.profiles") == loads_torch
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"], ["demo", "--help"], ["demo", "--steps", "x"]])
 def test_help_and_argparse_errors_do_not_load_torch(argv):
     """Issue 21.8: `--help` took 6-14 s (aligned_ops imported torch and the extension first). In a process started

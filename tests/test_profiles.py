@@ -27,6 +27,10 @@ def test_registry_and_names():
 
     assert set(choices.PROFILE_NAMES) == set(profiles.names()) and choices.DEFAULT_PROFILE == profiles.DEFAULT.name
     assert choices.PROFILE_ENV_VAR == profiles.ENV_VAR
+    # the torch-free list of profiles that can refuse a model (the CLI imports the profile objects only for those)
+    # is exactly the profiles that override model_refusals
+    refusing = {n for n in profiles.names() if type(profiles.get(n)).model_refusals is not profiles.Profile.model_refusals}
+    assert set(choices.MODEL_REFUSING_PROFILES) == refusing and refusing
     assert profiles.get("EXACT ") is profiles.EXACT and profiles.get(profiles.FMA) is profiles.FMA
     with pytest.raises(ValueError, match=r"linear profile must be one of \('fma', 'exact'.*got 'tensorcore'"):
         profiles.get("tensorcore")

@@ -12,12 +12,13 @@
 
 namespace aligned {
 
-// moe_routing (scores, top-k ids and weights) and moe_routing_backward (dz).
-struct MoeRoutingParams {
+// What every top-k routing op reads and writes (moe_routing, moe_grouped_routing and their backwards): the
+// router logits, the scores, ids and weights they produce, and the backward's gradients and dz. Each routing
+// op's params extend it with its scoring rule (flash-attention's params inheritance).
+struct MoeTopkParams {
   DType dt;                 // router logits (and dz) dtype
   const void* z;            // [T, E] router logits
-  int64_t T, E, k;          // tokens, experts, experts per token (1 <= k <= E)
-  MoeScoring scoring;       // softmax or sigmoid (moe.h)
+  int64_t T, E, k;          // tokens, experts, experts per token
   bool renormalize;         // weights divided by their rank-order sum (moe.h)
   float* scores;            // forward: [T, E] fp32 score rows out
   int64_t* ids;             // forward: [T, k] out; backward: [T, k] in (every id in [0, E))
@@ -25,6 +26,11 @@ struct MoeRoutingParams {
   const float* gw;          // backward: [T, k] fp32 gradient of the weights
   const float* gs;          // backward: [T, E] fp32 gradient of the scores, or nullptr (zero)
   void* dz;                 // backward: [T, E] out in dt
+};
+
+// moe_routing (scores, top-k ids and weights) and moe_routing_backward (dz); 1 <= k <= E.
+struct MoeRoutingParams : MoeTopkParams {
+  MoeScoring scoring;       // softmax or sigmoid (moe.h)
 };
 
 // The combine of moe_experts, per token in rank order (moe.h moe_combine_row):
@@ -58,22 +64,12 @@ struct MoeExpertsParams {
 };
 
 // moe_grouped_routing (scores, top-k ids and weights) and moe_grouped_routing_backward (dz): moe.h "grouped
-// sigmoid routing".
-struct MoeGroupedRoutingParams {
-  DType dt;                 // router logits (and dz) dtype
-  const void* z;            // [T, E] router logits
+// sigmoid routing"; 1 <= k <= topk_group * E / n_group, the scores are the unbiased sigmoids.
+struct MoeGroupedRoutingParams : MoeTopkParams {
   const float* bias;        // [E] fp32 correction bias, or nullptr (none); forward only
-  int64_t T, E, k;          // tokens, experts, experts per token (1 <= k <= topk_group * E / n_group)
   int64_t n_group;          // groups (E % n_group == 0)
   int64_t topk_group;       // groups kept (1 <= topk_group <= n_group)
-  bool renormalize;         // weights divided by their rank-order sum (moe.h)
   float scale;              // routed_scaling_factor, rounded to fp32 once
-  float* scores;            // forward: [T, E] fp32 score rows out (unbiased)
-  int64_t* ids;             // forward: [T, k] out; backward: [T, k] in (every id in [0, E))
-  float* w;                 // forward: [T, k] fp32 weights out
-  const float* gw;          // backward: [T, k] fp32 gradient of the weights
-  const float* gs;          // backward: [T, E] fp32 gradient of the scores, or nullptr (zero)
-  void* dz;                 // backward: [T, E] out in dt
 };
 
 }  // namespace aligned

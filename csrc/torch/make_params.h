@@ -207,55 +207,55 @@ inline ColumnSumParams make_column_sum_params(const LinearArgs<DType>& a, const 
   return p;
 }
 
-// ---- moe --------------------------------------------------------------------------------------------------
-// Forward (scores, ids, w allocated; gw, gs, dz undefined) or backward (ids read; gw, gs (may be undefined),
-// dz written).
-inline MoeRoutingParams make_moe_routing_params(DType dt, const at::Tensor& z, int64_t k, MoeScoring scoring,
-                                                bool renormalize, const at::Tensor& ids, const at::Tensor& scores,
-                                                const at::Tensor& w, const at::Tensor& gw, const at::Tensor& gs,
-                                                const at::Tensor& dz) {
-  MoeRoutingParams p{};
+// ---- moe ----------------------------------------------------------------------------------------------------
+// The tensors of one top-k routing op (MoeTopkParams): forward — z read, scores, ids, w allocated, gw, gs, dz
+// undefined; backward — z and ids read, gw and gs (may be undefined) read, dz written.
+struct MoeRoutingTensors {
+  at::Tensor z;       // [T, E] router logits, contiguous
+  at::Tensor ids;     // int64 [T, k]
+  at::Tensor scores;  // fp32 [T, E] out
+  at::Tensor w;       // fp32 [T, k] out
+  at::Tensor gw;      // fp32 [T, k]
+  at::Tensor gs;      // fp32 [T, E]
+  at::Tensor dz;      // [T, E] out in the logits dtype
+};
+
+namespace detail {
+inline void fill_moe_topk_params(MoeTopkParams& p, DType dt, const MoeRoutingTensors& t, int64_t k,
+                                 bool renormalize) {
   p.dt = dt;
-  p.z = z.data_ptr();
-  p.T = z.size(0);
-  p.E = z.size(1);
+  p.z = t.z.data_ptr();
+  p.T = t.z.size(0);
+  p.E = t.z.size(1);
   p.k = k;
-  p.scoring = scoring;
   p.renormalize = renormalize;
-  p.scores = detail::typed_ptr<float>(scores);
-  p.ids = detail::typed_ptr<int64_t>(ids);
-  p.w = detail::typed_ptr<float>(w);
-  p.gw = detail::typed_ptr<float>(gw);
-  p.gs = detail::typed_ptr<float>(gs);
-  p.dz = detail::mptr(dz);
+  p.scores = typed_ptr<float>(t.scores);
+  p.ids = typed_ptr<int64_t>(t.ids);
+  p.w = typed_ptr<float>(t.w);
+  p.gw = typed_ptr<float>(t.gw);
+  p.gs = typed_ptr<float>(t.gs);
+  p.dz = mptr(t.dz);
+}
+}  // namespace detail
+
+inline MoeRoutingParams make_moe_routing_params(DType dt, const MoeRoutingTensors& t, int64_t k, MoeScoring scoring,
+                                                bool renormalize) {
+  MoeRoutingParams p{};
+  detail::fill_moe_topk_params(p, dt, t, k, renormalize);
+  p.scoring = scoring;
   return p;
 }
 
-// moe_grouped_routing: forward (bias may be undefined; scores, ids, w allocated) or backward (ids read; gw, gs
-// (may be undefined), dz written).
-inline MoeGroupedRoutingParams make_moe_grouped_routing_params(DType dt, const at::Tensor& z, const at::Tensor& bias,
-                                                               int64_t k, int64_t n_group, int64_t topk_group,
-                                                               bool renormalize, double scale, const at::Tensor& ids,
-                                                               const at::Tensor& scores, const at::Tensor& w,
-                                                               const at::Tensor& gw, const at::Tensor& gs,
-                                                               const at::Tensor& dz) {
+// moe_grouped_routing: bias is the fp32 correction bias (forward only; may be undefined).
+inline MoeGroupedRoutingParams make_moe_grouped_routing_params(DType dt, const MoeRoutingTensors& t,
+                                                               const at::Tensor& bias, int64_t k, int64_t n_group,
+                                                               int64_t topk_group, bool renormalize, double scale) {
   MoeGroupedRoutingParams p{};
-  p.dt = dt;
-  p.z = z.data_ptr();
+  detail::fill_moe_topk_params(p, dt, t, k, renormalize);
   p.bias = detail::typed_ptr<float>(bias);
-  p.T = z.size(0);
-  p.E = z.size(1);
-  p.k = k;
   p.n_group = n_group;
   p.topk_group = topk_group;
-  p.renormalize = renormalize;
   p.scale = static_cast<float>(scale);
-  p.scores = detail::typed_ptr<float>(scores);
-  p.ids = detail::typed_ptr<int64_t>(ids);
-  p.w = detail::typed_ptr<float>(w);
-  p.gw = detail::typed_ptr<float>(gw);
-  p.gs = detail::typed_ptr<float>(gs);
-  p.dz = detail::mptr(dz);
   return p;
 }
 

@@ -13,6 +13,9 @@ PROFILE_ENV_VAR = "ALIGNED_OPS_LINEAR"  # the user's switch, read once per model
 DEFAULT_PROFILE = "fma"
 PROFILE_NAMES = ("fma", "exact", "mma")
 BF16_ONLY_PROFILES = ("mma",)  # (profiles.MMA.model_refusals: its matrix units multiply bf16)
+# The profiles that can refuse a model at start-up (their model_refusals: the unit, the dtype); the others run any
+# model, so checking a flag naming them needs no torch (tests/test_profiles.py checks this list against the objects).
+MODEL_REFUSING_PROFILES = ("mma",)
 
 
 def profile_name(name: str, what: str = "linear profile") -> str:

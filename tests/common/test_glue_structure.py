@@ -2,7 +2,10 @@
 
 * every op schema (csrc/torch/bindings.cpp) is in exactly one family's op list (csrc/torch/glue/<family>.h), or is
   a no-tensor control op (catch-all kernel) or an op composed in Python; each list entry names one glue body,
-  defined once, as a template over the backend;
+  defined once, as a template over the backend (and, for the linear profiles, the profile);
+* a numerics profile is a template argument, not a copy: a profile's families (LinearMma, LinearMmaReference) list,
+  op by op, the bodies of the `fma` families (Linear, LinearReference) instantiated for their profile; and no two
+  glue bodies are near copies of each other (token similarity, PROFILE_FAMILIES / NEAR_COPY below);
 * operators are registered only by the per-key registration files (one line per family: register_cpu.cpp,
   register_cuda.cpp) through registration_impl.h — no backend file registers an op of its own — and each line has
   its explicit instantiation beside the backend's run functions (and no instantiation lacks its line);
@@ -31,6 +34,14 @@ CATCH_ALL = {"_cpu_isa", "_exact_unit", "_cpu_mma_unit", "_emulate_enter", "_emu
              "attention_plan_layout"}
 PYTHON_COMPOSED = {"fused_token_logprobs", "fused_token_logprobs_backward", "moe_experts_backward"}
 
+# A profile's families and the families whose bodies they instantiate (glue/linear_mma.h, glue/linear.h).
+PROFILE_FAMILIES = {"LinearMma": "Linear", "LinearMmaReference": "LinearReference"}
+# Two glue bodies of at least NEAR_COPY_TOKENS tokens whose token sequences match to NEAR_COPY_RATIO or more
+# (difflib) are a copy with names changed (the linear profiles' bodies before the profile became a template argument
+# matched 0.95-0.98; the closest distinct ops today, linear and linear_partial, 0.91).
+NEAR_COPY_RATIO = 0.94
+NEAR_COPY_TOKENS = 100
+
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _STRING = re.compile(r'"(?:\\.|[^"\\])*"')
 
@@ -50,13 +61,14 @@ def schemas(root: pathlib.Path) -> set[str]:
 
 
 def families(root: pathlib.Path) -> dict[str, dict[str, str]]:
-    """{family: {schema name: glue body}} from every `struct F { ... ops{ Op{"name", &body<B>}, ... } }`."""
+    """{family: {schema name: glue body}} from every `struct F { ... ops{ Op{"name", &body<B>}, ... } }` (or
+    `&body<Profile, B>`)."""
     out: dict[str, dict[str, str]] = {}
     for path in sorted((root / "torch" / "glue").glob("*.h")):
         text = code_of(path.read_text(), keep_strings=True)
         for m in re.finditer(r"struct\s+(\w+)\s*\{\s*template\s*<class B>\s*static constexpr std::tuple ops\{(.*?)\};",
                              text, re.S):
-            ops = re.findall(r'Op\{\s*"(\w+)"\s*,\s*&(\w+)<B>\s*\}', m.group(2))
+            ops = re.findall(r'Op\{\s*"(\w+)"\s*,\s*&(\w+)<(?:\w+\s*,\s*)?B>\s*\}', m.group(2))
             assert m.group(1) not in out, f"family {m.group(1)} defined twice"
             out[m.group(1)] = {}
             for name, body in ops:
@@ -65,14 +77,59 @@ def families(root: pathlib.Path) -> dict[str, dict[str, str]]:
     return out
 
 
+# `template <class B>` or `template <class P, class B>` (a profile's bodies), then the signature up to the `{`.
+_BODY_HEAD = r"template\s*<(?:class\s+\w+\s*,\s*)?class B>\s*\n?[^;{{}}]*?\b{name}\s*\([^;{{]*\)\s*\{{"
+_TOKEN = re.compile(r"[A-Za-z_]\w*|\d\w*|::|->|[^\s\w]")
+
+
 def body_definitions(root: pathlib.Path, body: str) -> list[str]:
     """Files (and count) where a glue body template `body` is defined (a definition, not a declaration)."""
     found = []
     for path in sources(root):
         code = code_of(path.read_text())
-        for _ in re.finditer(rf"template\s*<class B>\s*\n?[^;{{}}]*?\b{re.escape(body)}\s*\([^;{{]*\)\s*\{{", code):
+        for _ in re.finditer(_BODY_HEAD.format(name=re.escape(body)), code):
             found.append(str(path.relative_to(root)))
     return found
+
+
+def glue_bodies(root: pathlib.Path) -> dict[str, list[str]]:
+    """{"file:body": its tokens} of every glue body template in csrc/torch/glue (comments and strings blanked)."""
+    out = {}
+    for path in sorted((root / "torch" / "glue").glob("*.h")):
+        code = code_of(path.read_text())
+        for m in re.finditer(_BODY_HEAD.format(name=r"(\w+)"), code):
+            i, depth = m.end(), 1
+            while depth:
+                depth += {"{": 1, "}": -1}.get(code[i], 0)
+                i += 1
+            out[f"{path.name}:{m.group(1)}"] = _TOKEN.findall(code[m.end() : i - 1])
+    return out
+
+
+def near_copies(root: pathlib.Path) -> list[str]:
+    import difflib
+    import itertools
+
+    big = {k: v for k, v in glue_bodies(root).items() if len(v) >= NEAR_COPY_TOKENS}
+    out = []
+    for (a, ta), (b, tb) in itertools.combinations(sorted(big.items()), 2):
+        ratio = difflib.SequenceMatcher(None, ta, tb, autojunk=False).ratio()
+        if ratio >= NEAR_COPY_RATIO:
+            out.append(f"glue bodies {a} and {b} are near copies ({ratio:.2f}): template the one body on what differs")
+    return out
+
+
+def profile_copies(root: pathlib.Path, fams: dict[str, dict[str, str]]) -> list[str]:
+    """A profile family whose op list does not instantiate its base family's bodies, op by op."""
+    out = []
+    for fam, base in PROFILE_FAMILIES.items():
+        if fam not in fams or base not in fams:
+            out.append(f"profile family {fam} or its base {base} is missing")
+            continue
+        mine, theirs = list(fams[fam].items()), list(fams[base].values())
+        if [body for _, body in mine] != theirs:
+            out.append(f"profile family {fam} runs bodies {[b for _, b in mine]}, not {base}'s {theirs}")
+    return out
 
 
 def registrations(root: pathlib.Path, key: str) -> list[tuple[str, ...]]:
@@ -160,6 +217,8 @@ def problems(root: pathlib.Path) -> list[str]:
     on_gpu = {l[0] for l in cuda}
     out += [f"family {f} runs emulated GPU glue but has no CUDA registration" for f in sorted(emulated - on_gpu)]
     out += [f"family {f} has GPU glue but is not emulated" for f in sorted(on_gpu - emulated)]
+    out += profile_copies(root, fams)
+    out += near_copies(root)
     out += [f"#include of a .cpp: {x}" for x in included_cpp(root)]
     out += [f"namespace rename: {x}" for x in gpu_renames(root)]
     return out
@@ -169,6 +228,10 @@ def test_glue_structure():
     assert problems(CSRC) == []
     # not vacuous: the families cover the schemas, several backends claim them
     assert len(families(CSRC)) >= 10 and len(registrations(CSRC, "cpu")) >= 10 and registrations(CSRC, "cuda")
+    # the body scan sees the glue (every listed body, the linear profiles' among them)
+    bodies = {k.split(":")[1] for k in glue_bodies(CSRC)}
+    assert {b for ops in families(CSRC).values() for b in ops.values()} <= bodies
+    assert {"linear", "linear_partial", "linear_backward", "linear_reference"} <= bodies
 
 
 def test_every_cpu_registered_op_has_a_cpu_kernel():
@@ -220,8 +283,8 @@ def test_planted_second_body_is_caught(planted_root):
 
 
 def test_planted_duplicate_op_entry_is_caught(planted_root):
-    _edit(planted_root / "torch" / "glue" / "linear.h", 'Op{"linear_partial", &linear_partial<B>},',
-          'Op{"linear_partial", &linear_partial<B>},\n      Op{"rms_norm", &linear<B>},')
+    _edit(planted_root / "torch" / "glue" / "linear.h", 'Op{"linear_partial", &linear_partial<FmaLinear, B>},',
+          'Op{"linear_partial", &linear_partial<FmaLinear, B>},\n      Op{"rms_norm", &linear<FmaLinear, B>},')
     found = problems(planted_root)
     assert any("rms_norm is in several families" in p for p in found), found
 
@@ -261,3 +324,36 @@ def test_planted_schema_without_family_is_caught(planted_root):
     _edit(planted_root / "torch" / "bindings.cpp", 'm.def("silu_and_mul(Tensor x) -> Tensor");',
           'm.def("silu_and_mul(Tensor x) -> Tensor");\n  m.def("gelu(Tensor x) -> Tensor");')
     assert "schema gelu is in no family" in problems(planted_root)
+
+
+def _linear_body(root: pathlib.Path, name: str) -> str:
+    text = code_of((root / "torch" / "glue" / "linear.h").read_text(), keep_strings=True)
+    return re.search(rf"template <class P, class B>\n[^\n]*? {name}\(.*?\n\}}\n", text, re.S).group(0)
+
+
+def test_planted_profile_copy_is_caught(planted_root):
+    # the mma family given its own linear body again, the profile's pieces written in (what glue/linear_mma.h held
+    # before the profile was a template argument): the profile family no longer runs its base family's bodies
+    body = _linear_body(planted_root, "linear")
+    copy = body.replace("template <class P, class B>", "template <class B>").replace(" linear(", " linear_mma(")
+    copy = copy.replace("P::kOps.linear", '"linear_mma"').replace("P::kDtypes", "LinearDtypes::kBf16Only")
+    copy = copy.replace("P::weight_operand(weight)", "weight.contiguous()").replace("P::template gemm<B>", "B::mma_gemm")
+    glue = planted_root / "torch" / "glue"
+    _edit(glue / "linear_mma.h", "struct MmaLinear {", copy + "\nstruct MmaLinear {")
+    _edit(glue / "linear_mma.h", 'Op{"linear_mma", &linear<MmaLinear, B>}', 'Op{"linear_mma", &linear_mma<B>}')
+    assert problems(planted_root) == [
+        "profile family LinearMma runs bodies ['linear_mma', 'linear_partial', 'linear_backward'], not Linear's "
+        "['linear', 'linear_partial', 'linear_backward']"]
+
+
+def test_planted_near_copy_is_caught(planted_root):
+    # a new op whose body is an existing one with its names changed (as _linear_mma_reference's was of
+    # _linear_partial_reference's, 0.98), in a family of its own
+    body = _linear_body(planted_root, "linear_reference").replace(" linear_reference(", " linear_tf32_reference(")
+    body = body.replace("P::kOps.reference", '"_linear_tf32_reference"')
+    _edit(planted_root / "torch" / "glue" / "linear.h", "struct Linear {",
+          body + "\nstruct LinearTf32Reference {\n  template <class B>\n  static constexpr std::tuple ops{"
+          'Op{"_linear_tf32_reference", &linear_tf32_reference<FmaLinear, B>}};\n};\n\nstruct Linear {')
+    found = problems(planted_root)
+    assert any(p.startswith("glue bodies linear.h:linear_reference and linear.h:linear_tf32_reference are near copies")
+               for p in found), found

@@ -1,5 +1,6 @@
 """One params struct per op family, shared by every backend (issue 9 item 1): the dense, logits, linear (`fma`)
-and moe families' params structs are each defined exactly once, in csrc/common/params_*.h (torch-free); no
+and moe families' params structs are each defined exactly once, in csrc/common/params_*.h (torch-free), and an
+extension of a shared base (the routing ops' MoeTopkParams) repeats none of its fields; no
 backend header or glue file defines its own copy; no glue body or backend run file (csrc/torch/glue/,
 csrc/torch/backends/) fills one field by field (they call csrc/torch/make_params.h's make_*_params); and every CPU
 kernel-table entry of these families takes the struct, not a positional argument list. A source scan, checked
@@ -16,7 +17,7 @@ SOURCE_SUFFIXES = {".cpp", ".h", ".cc", ".hpp", ".cu", ".cuh", ".hip"}
 FAMILY_PARAMS = {
     "RmsNormParams", "RmsNormBackwardParams", "SiluMulParams", "RotaryParams", "ElementwiseParams",
     "LogitsParams", "GemmParams", "ColumnSumParams", "MoeRoutingParams", "MoeCombineParams", "MoeExpertsParams",
-    "MoeGroupedRoutingParams",
+    "MoeGroupedRoutingParams", "MoeTopkParams",
     "ExactGemmParams",
 }
 # The CPU kernel tables of these families (csrc/cpu): every function-pointer entry takes a params struct.
@@ -81,6 +82,63 @@ def positional_entries(root: pathlib.Path) -> dict[str, list[str]]:
         if bad:
             out[rel] = bad
     return out
+
+
+# Params structs that extend a shared base (flash-attention's params inheritance) and must not repeat its fields:
+# the top-k routing ops share the logits, outputs and gradients (MoeTopkParams) and differ in their scoring rule.
+EXTENDS = {"MoeRoutingParams": "MoeTopkParams", "MoeGroupedRoutingParams": "MoeTopkParams"}
+
+
+def _struct_fields(code: str, name: str):
+    """(base or None, [field names]) of `struct name [: base] { ... };` in code, or None when absent."""
+    m = re.search(rf"\bstruct\s+{name}\s*(?::\s*(?:public\s+)?(\w+)\s*)?\{{(.*?)\}};", code, re.S)
+    if not m:
+        return None
+    fields = []
+    for decl in m.group(2).split(";"):
+        decl = decl.strip()
+        if decl:  # `const float* gw` / `int64_t T, E, k` -> gw / T, E, k
+            head, *rest = decl.split(",")
+            fields += [re.findall(r"\w+", head)[-1]] + [r.strip() for r in rest]
+    return m.group(1), fields
+
+
+def inheritance_problems(root: pathlib.Path) -> list[str]:
+    code = "".join(code_of(p) for p in sorted((root / "common").glob("params_*.h")))
+    out = []
+    for name, base in EXTENDS.items():
+        mine, theirs = _struct_fields(code, name), _struct_fields(code, base)
+        if mine is None or theirs is None:
+            out.append(f"{name} or {base} not found")
+        elif mine[0] != base:
+            out.append(f"{name} does not extend {base}")
+        else:
+            out += [f"{name} repeats {base}.{f}" for f in mine[1] if f in theirs[1]]
+    return out
+
+
+def test_routing_params_share_their_base():
+    assert inheritance_problems(CSRC) == []
+    # not vacuous: the base holds the shared fields, the extensions their own
+    assert {"z", "ids", "dz", "renormalize"} <= set(_struct_fields(code_of(CSRC / "common" / "params_moe.h"),
+                                                                   "MoeTopkParams")[1])
+
+
+def test_inheritance_negative_control(tmp_path):
+    # the grouped routing's params written out in full again (as before the base existed) are caught
+    import shutil
+
+    root = tmp_path / "csrc"
+    shutil.copytree(CSRC / "common", root / "common")
+    path = root / "common" / "params_moe.h"
+    text = path.read_text()
+    assert "struct MoeGroupedRoutingParams : MoeTopkParams {" in text
+    path.write_text(text.replace("struct MoeGroupedRoutingParams : MoeTopkParams {",
+                                 "struct MoeGroupedRoutingParams {\n  DType dt;\n  const void* z;\n  int64_t T, E, k;"))
+    assert inheritance_problems(root) == ["MoeGroupedRoutingParams does not extend MoeTopkParams"]
+    path.write_text(text.replace("struct MoeGroupedRoutingParams : MoeTopkParams {",
+                                 "struct MoeGroupedRoutingParams : MoeTopkParams {\n  int64_t T, E, k;"))
+    assert inheritance_problems(root) == [f"MoeGroupedRoutingParams repeats MoeTopkParams.{f}" for f in "TEk"]
 
 
 def test_each_family_params_struct_defined_once_in_common():

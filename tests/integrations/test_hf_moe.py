@@ -1,18 +1,16 @@
-"""Trainer side, MoE: patched HF Qwen3-MoE / Qwen2-MoE are padding/packing/batch invariant (bitwise), close to
-float64 stock HF, differentiable with deterministic gradients; the aux loss uses the routing's own fp32 scores;
+"""Trainer side, MoE: patched HF Qwen3-MoE / Qwen2-MoE are padding/packing/batch/chunking invariant (bitwise),
+close to float64 stock HF (both checks shared with the DeepSeek-V3 tests: _hf_moe_checks.py), differentiable with deterministic gradients; the aux loss uses the routing's own fp32 scores;
 routing-flip diagnostics count what they should."""
-
-import copy
 
 import pytest
 import torch
+from _hf_moe_checks import check_batch_padding_packing_chunking, check_close_to_float64_stock_hf
 
 from aligned_ops.diagnostics import mismatch_metrics, routing_flip_metrics
-from aligned_ops.integrations.hf import completion_logprobs, patch_model, unpatch_model
-from aligned_ops.integrations.routing_capture import capture_hf_routing
+from aligned_ops.integrations.hf import patch_model
 from aligned_ops.testing.tiny_model import build_tiny_moe
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
-from aligned_ops.testing.rollouts import padded_batch, random_sequences
+from aligned_ops.testing.rollouts import random_sequences
 
 ARCHS = [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]
 
@@ -26,70 +24,21 @@ def model(request, tmp_path_factory):
     return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=dtype))
 
 
-def _seqs(lens, seed=0):
-    return random_sequences(lens, seed)
-
-
 LENS = [5, 40, 2, 71, 9]
 
 
-def _single(model, s, start):
-    cm = torch.zeros(1, len(s), dtype=torch.long)
-    cm[0, start:] = 1
-    with torch.no_grad():
-        out = model(s[None], completion_mask=cm, return_logits=False, return_routing=True)
-    return out.logprobs[0, start:], out.routed_experts[0]
-
-
-def test_padding_packing_batch_invariance(model):
-    seqs = _seqs(LENS)
-    starts = [max(1, n // 2) for n in LENS]
-    single = [_single(model, s, st) for s, st in zip(seqs, starts)]
-    S = max(LENS)
-    for left in (False, True):
-        ids, am, cm, _ = padded_batch(seqs, starts, S + 2, left=left)
-        with torch.no_grad():
-            out = model(ids, attention_mask=am, completion_mask=cm, return_logits=False, return_routing=True)
-        for i, (s, st) in enumerate(zip(seqs, starts)):
-            off = ids.shape[1] - len(s) if left else 0
-            assert_bitwise_equal(out.logprobs[i, off + st : off + len(s)], single[i][0])
-            assert torch.equal(out.routed_experts[i, off : off + len(s)], single[i][1])
-            assert bool((out.routed_experts[i, :off] == -1).all())  # padding: no routing
-    # packed (cu_seqlens)
-    flat = torch.cat(seqs)[None]
-    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
-    cm = torch.zeros_like(flat)
-    for (a, b), st in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), starts):
-        cm[0, a + st : b] = 1
-    with torch.no_grad():
-        lp = completion_logprobs(model, flat, cm, cu_seqlens=cu)
-    for (a, b), st, (ref, _) in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), starts, single):
-        assert_bitwise_equal(lp[0, a + st : b], ref)
+def test_batch_padding_packing_chunking_invariance(model):
+    check_batch_padding_packing_chunking(model, LENS, pad=2)
 
 
 def test_close_to_float64_stock_hf(model):
-    s = _seqs([30], seed=3)[0]
-    m64 = unpatch_model(copy.deepcopy(model)).to(torch.float64)
-    m64.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    with torch.no_grad():
-        ref = torch.log_softmax(m64(s[None]).logits[0], -1)[9:29].gather(-1, s[10:, None])[:, 0]
-        with capture_hf_routing(m64) as rec:
-            m64(s[None])
-    lp, ex = _single(model, s, 10)
-    # Compare only where both choose the same experts everywhere (a flip is a legitimate, discrete difference).
-    same = torch.ones(30, dtype=torch.bool)
-    for layer, ids in enumerate(rec):
-        same &= (ids.sort(-1).values == ex[:, layer].sort(-1).values).all(-1)
-    keep = same[9:29]
-    tol = 2e-4 if next(model.parameters()).dtype == torch.float32 else 0.15
-    assert keep.sum() >= 10
-    assert (lp[keep].double() - ref[keep]).abs().max() < tol
+    check_close_to_float64_stock_hf(model)
 
 
 def test_backward_deterministic_and_aux_loss_from_routing_scores(model):
     if next(model.parameters()).dtype != torch.float32:
         pytest.skip("fp32 gradient check")
-    s = _seqs([24], seed=4)[0][None]
+    s = random_sequences([24], 4)[0][None]
     cm = torch.zeros_like(s)
     cm[0, 8:] = 1
     grads = []

@@ -1,5 +1,5 @@
-// glue/moe.h — the moe family's glue bodies (csrc/common/moe.h): moe_routing(+_backward), moe_experts and its
-// per-token scalar reference. The four steps: glue/dense.h. Only the CPU has moe kernels today: under
+// glue/moe.h — the moe family's glue bodies (csrc/common/moe.h): moe_routing(+_backward),
+// moe_grouped_routing(+_backward), moe_experts and its per-token scalar reference. The four steps: glue/dense.h. Only the CPU has moe kernels today: under
 // aligned_ops.emulate the family keeps running them (register_cpu.cpp), and a device call fails naming the op.
 #pragma once
 
@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "../checks/moe.h"
 #include "../make_params.h"
@@ -16,6 +17,47 @@
 
 namespace aligned::glue {
 
+namespace moe_detail {
+
+// The two top-k routing ops (moe_routing, moe_grouped_routing) share everything but their scoring rule: the
+// tensors below, the params base (MoeTopkParams) and, per backward, the checks of the gradients.
+
+// Forward: the logits read contiguous, the outputs allocated (scores fp32 [T, E], weights fp32 [T, k], ids int64
+// [T, k]); the op's checks have passed.
+inline MoeRoutingTensors routing_outputs(const at::Tensor& logits, int64_t top_k) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  MoeRoutingTensors t;
+  t.z = logits.contiguous();
+  auto f32 = t.z.options().dtype(at::kFloat);
+  t.scores = at::empty({T, E}, f32);
+  t.w = at::empty({T, top_k}, f32);
+  t.ids = at::empty({T, top_k}, t.z.options().dtype(at::kLong));
+  return t;
+}
+
+// Backward: devices, the router logits (their dtype is returned), ids in [0, E) as int64, the gradients as fp32
+// (grad_scores may be absent), dz allocated in the logits dtype.
+template <class B>
+std::pair<DType, MoeRoutingTensors> routing_backward_tensors(const typename B::Call& call, const at::Tensor& grad_w,
+                                                             const std::optional<at::Tensor>& grad_scores,
+                                                             const at::Tensor& logits, const at::Tensor& ids) {
+  call.on_device(ids, "topk_ids");
+  call.on_device(grad_w, "grad_weights");
+  call.on_device(grad_scores, "grad_scores");
+  const DType dt = check_router_logits<DType>(logits, call.op);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  MoeRoutingTensors t;
+  t.ids = check_topk_ids(ids, T, E, call.op, B::kValueChecks);
+  t.gw = check_moe_grad_weights(grad_w, T, t.ids.size(1), call.op);
+  t.gs = check_moe_grad_scores(grad_scores, logits, call.op);
+  t.z = logits.contiguous();
+  t.dz = at::empty_like(t.z);
+  return {dt, t};
+}
+
+}  // namespace moe_detail
+
+// moe_routing (moe.h "routing"): (weights fp32 [T, k], ids int64 [T, k], scores fp32 [T, E]).
 template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& logits, int64_t top_k,
                                                            c10::string_view scoring, bool renormalize) {
@@ -23,14 +65,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_routing(const at::Tensor& log
   const typename B::Call call(op, logits, "router_logits");
   const DType dt = check_moe_routing<DType>(logits, top_k, op);
   const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto z = logits.contiguous();
-  auto f32 = z.options().dtype(at::kFloat);
-  auto scores = at::empty({T, E}, f32);
-  auto w = at::empty({T, top_k}, f32);
-  auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
-  B::moe_routing(call, make_moe_routing_params(dt, z, top_k, sc, renormalize, ids, scores, w, {}, {}, {}));
-  return {w, ids, scores};
+  const auto t = moe_detail::routing_outputs(logits, top_k);
+  B::moe_routing(call, make_moe_routing_params(dt, t, top_k, sc, renormalize));
+  return {t.w, t.ids, t.scores};
 }
 
 template <class B>
@@ -39,20 +76,10 @@ at::Tensor moe_routing_backward(const at::Tensor& grad_w, const std::optional<at
                                 bool renormalize) {
   const char* op = "moe_routing_backward";
   const typename B::Call call(op, logits, "router_logits");
-  call.on_device(ids, "topk_ids");
-  call.on_device(grad_w, "grad_weights");
-  call.on_device(grad_scores, "grad_scores");
-  const DType dt = check_router_logits<DType>(logits, op);
+  const auto [dt, t] = moe_detail::routing_backward_tensors<B>(call, grad_w, grad_scores, logits, ids);
   const MoeScoring sc = check_moe_scoring(std::string(scoring), op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto idc = check_topk_ids(ids, T, E, op, B::kValueChecks);
-  const int64_t k = idc.size(1);
-  auto gw = check_moe_grad_weights(grad_w, T, k, op);
-  auto gs = check_moe_grad_scores(grad_scores, logits, op);
-  auto z = logits.contiguous();
-  auto dz = at::empty_like(z);
-  B::moe_routing_backward(call, make_moe_routing_params(dt, z, k, sc, renormalize, idc, {}, {}, gw, gs, dz));
-  return dz;
+  B::moe_routing_backward(call, make_moe_routing_params(dt, t, t.ids.size(1), sc, renormalize));
+  return t.dz;
 }
 
 // moe_grouped_routing (moe.h "grouped sigmoid routing"): (weights fp32 [T, k], ids int64 [T, k], scores fp32 [T, E]).
@@ -65,39 +92,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grouped_routing(const at::Ten
   const typename B::Call call(op, logits, "router_logits");
   call.on_device(bias, "correction_bias");
   const DType dt = check_moe_grouped_routing<DType>(logits, bias, top_k, n_group, topk_group, scale, op);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto z = logits.contiguous();
+  const auto t = moe_detail::routing_outputs(logits, top_k);
   auto b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  auto f32 = z.options().dtype(at::kFloat);
-  auto scores = at::empty({T, E}, f32);
-  auto w = at::empty({T, top_k}, f32);
-  auto ids = at::empty({T, top_k}, z.options().dtype(at::kLong));
-  B::moe_grouped_routing(call, make_moe_grouped_routing_params(dt, z, b, top_k, n_group, topk_group, renormalize,
-                                                               scale, ids, scores, w, {}, {}, {}));
-  return {w, ids, scores};
+  B::moe_grouped_routing(call, make_moe_grouped_routing_params(dt, t, b, top_k, n_group, topk_group, renormalize,
+                                                               scale));
+  return {t.w, t.ids, t.scores};
 }
 
+// The backward needs no groups and no bias: the selection is given (ids); n_group = topk_group = 1 (moe.h).
 template <class B>
 at::Tensor moe_grouped_routing_backward(const at::Tensor& grad_w, const std::optional<at::Tensor>& grad_scores,
                                         const at::Tensor& logits, const at::Tensor& ids, bool renormalize,
                                         double scale) {
   const char* op = "moe_grouped_routing_backward";
   const typename B::Call call(op, logits, "router_logits");
-  call.on_device(ids, "topk_ids");
-  call.on_device(grad_w, "grad_weights");
-  call.on_device(grad_scores, "grad_scores");
-  const DType dt = check_router_logits<DType>(logits, op);
+  const auto [dt, t] = moe_detail::routing_backward_tensors<B>(call, grad_w, grad_scores, logits, ids);
   TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": routed_scaling_factor must be finite, got ", scale);
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto idc = check_topk_ids(ids, T, E, op, B::kValueChecks);
-  const int64_t k = idc.size(1);
-  auto gw = check_moe_grad_weights(grad_w, T, k, op);
-  auto gs = check_moe_grad_scores(grad_scores, logits, op);
-  auto z = logits.contiguous();
-  auto dz = at::empty_like(z);
-  B::moe_grouped_routing_backward(call, make_moe_grouped_routing_params(dt, z, {}, k, 1, 1, renormalize, scale, idc,
-                                                                        {}, {}, gw, gs, dz));
-  return dz;
+  B::moe_grouped_routing_backward(call, make_moe_grouped_routing_params(dt, t, {}, t.ids.size(1), 1, 1, renormalize,
+                                                                        scale));
+  return t.dz;
 }
 
 namespace moe_detail {

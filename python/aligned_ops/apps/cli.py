@@ -62,9 +62,10 @@ def check_temperature_flag(value: float) -> None:
 
 def _check_linear_profile(args) -> None:
     """--linear (or ALIGNED_OPS_LINEAR) names a registered profile that can run this model here (the mma profile:
-    --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. Unset: fma, which
-    runs everywhere (no torch import for it)."""
-    from ..choices import PROFILE_ENV_VAR, profile_name  # torch-free: a bad name fails before torch loads
+    --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. A profile that runs
+    every model (unset: fma; exact) needs no torch import for it."""
+    # torch-free: a bad name fails before torch loads
+    from ..choices import MODEL_REFUSING_PROFILES, PROFILE_ENV_VAR, profile_name
 
     env = os.environ.get(PROFILE_ENV_VAR, "").strip()
     if args.linear is None and not env:
@@ -76,6 +77,8 @@ def _check_linear_profile(args) -> None:
         raise UsageError(str(e)) from None
     if args.linear is not None:
         args.linear = name
+    if name not in MODEL_REFUSING_PROFILES:
+        return
     from .. import profiles
 
     profile = profiles.get(name, where)

@@ -15,6 +15,8 @@ One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for th
       or sparse MoE:  router linear -> moe_routing -> moe_experts (aligned_ops.models.moe)
 
 Returns ``(mlp_out, residual)`` like vLLM's decoder layers; the model's final norm folds the last residual in.
+Everything but the attention (qkv through the attention op) is :func:`pre_norm_block`, which DeepSeek-V3's block
+(models/deepseek_v3.py, MLA attention) runs too: the norms, residuals, o_proj and MLP / MoE are written once.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ def _head_norm(rules, norm, x):
     return rules.apply_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def block(arch, side, ctx, layer, hidden, residual):
-    """One decoder layer (module docstring). ``layer``: the side's decoder-layer module (HF's or vLLM's); its
-    norms and attention/MLP submodules are read by the names both sides share."""
+def pre_norm_block(arch, side, ctx, layer, hidden, residual, attention):
+    """One pre-norm decoder layer around ``attention`` — the part every architecture shares (the Llama family
+    and DeepSeek-V3): input norm, ``attention(arch, side, ctx, layer.self_attn, x, rules)`` (``[T, Hq * d_v]``)
+    then o_proj, post-attention norm, then the MLP or the sparse MoE block; returns ``(mlp_out, residual)``.
+    ``layer``: the side's decoder-layer module (HF's or vLLM's); its norms and attention/MLP submodules are read by
+    the names both sides share."""
     rules = rules_of(layer)
     norm = layer.input_layernorm
     if residual is None:
@@ -46,6 +51,20 @@ def block(arch, side, ctx, layer, hidden, residual):
     else:
         x, residual = rules.apply_norm(hidden, norm.weight, norm.variance_epsilon, residual)
     attn = layer.self_attn
+    (h,) = side.parts(ctx, attn, O_PROJ, attention(arch, side, ctx, attn, x, rules))
+    post = layer.post_attention_layernorm
+    x, residual = rules.apply_norm(h, post.weight, post.variance_epsilon, residual)
+    mlp = layer.mlp
+    if arch.moe and side.is_sparse(arch, mlp):
+        return side.sparse_mlp(arch, ctx, mlp, x, rules), residual
+    gate_up = side.joined(ctx, mlp, GATE_UP, x)
+    (out,) = side.parts(ctx, mlp, DOWN, rules.activate(gate_up))
+    return out, residual
+
+
+def attention(arch, side, ctx, attn, x, rules):
+    """The Llama family's attention on ``x [T, H]`` (module docstring: qkv, q/k norms, rotary, causal attention):
+    ``[T, Hq * D]`` before o_proj."""
     q, k, v = side.parts(ctx, attn, QKV, x)
     T, D = x.shape[0], attn.head_dim
     # Head counts from the widths, not view(T, -1, D): a batch with no real token has T = 0.
@@ -56,16 +75,12 @@ def block(arch, side, ctx, layer, hidden, residual):
     rotary_dim = cos_sin_cache.shape[-1]  # the table's width
     q = rules.rotary(positions, q, cos_sin_cache, rotary_dim)
     k = rules.rotary(positions, k, cos_sin_cache, rotary_dim)
-    o = side.attention(ctx, attn, q, k, v, rules.scale(D))
-    (h,) = side.parts(ctx, attn, O_PROJ, o)
-    post = layer.post_attention_layernorm
-    x, residual = rules.apply_norm(h, post.weight, post.variance_epsilon, residual)
-    mlp = layer.mlp
-    if arch.moe and side.is_sparse(arch, mlp):
-        return side.sparse_mlp(arch, ctx, mlp, x, rules), residual
-    gate_up = side.joined(ctx, mlp, GATE_UP, x)
-    (out,) = side.parts(ctx, mlp, DOWN, rules.activate(gate_up))
-    return out, residual
+    return side.attention(ctx, attn, q, k, v, rules.scale(D))
+
+
+def block(arch, side, ctx, layer, hidden, residual):
+    """One decoder layer of the Llama family (module docstring)."""
+    return pre_norm_block(arch, side, ctx, layer, hidden, residual, attention)
 
 
 def spec(arch, config, rules, profile) -> list[Step]:

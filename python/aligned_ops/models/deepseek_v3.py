@@ -37,9 +37,8 @@ import torch
 
 from ..rope import deepseek_attention_scale
 from .base import Architecture, Projection
-from .decoder import DOWN, GATE_UP
+from .decoder import DOWN, GATE_UP, O_PROJ, pre_norm_block
 from .moe import MoEWeights
-from .registry import rules_of
 from .spec import LayerRules, Step
 
 NAME = "DeepseekV3ForCausalLM"
@@ -51,7 +50,6 @@ KV_A = Projection(("kv_a_proj_with_mqa",))
 Q_A = Projection(("q_a_proj",))
 Q_B = Projection(("q_b_proj",))
 KV_B = Projection(("kv_b_proj",))
-O_PROJ = Projection(("o_proj",))
 PROJECTIONS = {"q": Q, "kv_a": KV_A, "q_a": Q_A, "q_b": Q_B, "kv_b": KV_B, "o_proj": O_PROJ, "gate_up": GATE_UP,
                "down": DOWN}
 
@@ -69,7 +67,7 @@ def _norm(rules, norm, x):
     return rules.apply_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def attention(side, ctx, attn, x, rules):
+def attention(arch, side, ctx, attn, x, rules):
     """Expanded MLA on ``x [T, H]`` (module docstring): ``[T, Hq * d_v]`` before o_proj."""
     T = x.shape[0]
     Hq, dn, dr, dv, rank = _dims(attn)
@@ -99,24 +97,9 @@ def attention(side, ctx, attn, x, rules):
 
 
 def block(arch, side, ctx, layer, hidden, residual):
-    """One DeepSeek-V3 decoder layer (module docstring); returns ``(mlp_out, residual)`` like vLLM."""
-    rules = rules_of(layer)
-    norm = layer.input_layernorm
-    if residual is None:
-        residual = hidden
-        x = rules.apply_norm(hidden, norm.weight, norm.variance_epsilon)
-    else:
-        x, residual = rules.apply_norm(hidden, norm.weight, norm.variance_epsilon, residual)
-    attn = layer.self_attn
-    (h,) = side.parts(ctx, attn, O_PROJ, attention(side, ctx, attn, x, rules))
-    post = layer.post_attention_layernorm
-    x, residual = rules.apply_norm(h, post.weight, post.variance_epsilon, residual)
-    mlp = layer.mlp
-    if side.is_sparse(arch, mlp):
-        return side.sparse_mlp(arch, ctx, mlp, x, rules), residual
-    gate_up = side.joined(ctx, mlp, GATE_UP, x)
-    (out,) = side.parts(ctx, mlp, DOWN, rules.activate(gate_up))
-    return out, residual
+    """One DeepSeek-V3 decoder layer (module docstring): the shared pre-norm layer (norms, residuals, o_proj, MLP
+    or MoE: models/decoder.py) around the expanded MLA attention; returns ``(mlp_out, residual)`` like vLLM."""
+    return pre_norm_block(arch, side, ctx, layer, hidden, residual, attention)
 
 
 # ---- config ------------------------------------------------------------------------------------------------
