@@ -81,6 +81,16 @@ def validate_vllm_config(vllm_config) -> None:
             f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
             "row-parallel layer must hold whole lanes of the 8-lane linear tree)"
         )
+    if arch is not None and arch.moe and pc.tensor_parallel_size > 1:
+        # MoE at TP > 1: the experts' route (moe.py -> collective.row_parallel_moe_experts) groups tokens by expert
+        # on the host (data-dependent shapes) around its tree all-reduce: eager only, and tensor parallelism only
+        if not bool(getattr(mc, "enforce_eager", True)):
+            reasons.append(f"{arch.name} at tensor_parallel_size {pc.tensor_parallel_size} runs its MoE layers in "
+                           "eager mode only (their experts' tensor-parallel route is not traced): use "
+                           "enforce_eager=True or tensor_parallel_size=1")
+        if getattr(pc, "enable_expert_parallel", False):
+            reasons.append(f"expert parallelism (enable_expert_parallel) is not covered for {arch.name}: its MoE "
+                           "layers run tensor parallel (every expert's intermediate slice per rank)")
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
                        "data-parallel replicas are fine)")
