@@ -56,9 +56,11 @@ def records_for(name, group):
         cases.append(("mma", torch.bfloat16))
     for pname, dtype in cases:
         profile = profiles.get(pname)
-        for shared in (False, True):
+        for shared in (False, True, "ungated"):  # Qwen2-MoE's gated shared expert, DeepSeek-V3's ungated one
             tag = f"{pname},{str(dtype)[6:]},shared={shared}"
-            x, tw, ids, w13, w2, sw13, sw2, sgate = block(7 + shared, dtype, shared)
+            x, tw, ids, w13, w2, sw13, sw2, sgate = block(7 + bool(shared), dtype, bool(shared))
+            if shared == "ungated":
+                sgate = None
             ref = profile.moe_experts(x, tw, ids, w13, w2, sw13, sw2, sgate)
             l13, l2 = shard(w13, w2, t, r)
             s13 = s2 = None

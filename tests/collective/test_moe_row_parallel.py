@@ -1,8 +1,9 @@
 """MoE experts at tensor parallelism: ``row_parallel_moe_experts`` over 2 and 4 gloo processes (each rank every
 expert's I slice, as vLLM shards FusedMoE, shared expert likewise) equals the unsplit ``aligned::moe_experts`` bit
-for bit (integer views) — fma in fp32 and bf16, mma in bf16 where the CPU has the unit, with and without a gated
-shared expert, a token alone ≡ in the batch. Negative control: the order vLLM's fused-MoE all-reduce takes
-(each rank weights and sums its own partial experts, then the ranks' sums are added) differs (fp32 outputs). Errors name the op
+for bit (integer views) — fma in fp32 and bf16, mma in bf16 where the CPU has the unit, with no, a gated and an
+ungated shared expert, a token alone ≡ in the batch. Negative control: the order vLLM's fused-MoE all-reduce takes
+(each rank weights and sums its own partial experts into a model-dtype output, then the ranks' outputs are added)
+differs. Errors name the op
 and the argument on every rank. One 4-process world per module (see _moe_tp_worker.py)."""
 
 import json
@@ -38,6 +39,7 @@ def test_row_parallel_moe_experts_equal_unsplit(records, t):
     got = _select(records, "equals_unsplit", t)
     assert len({(r["group"], r["rank"]) for r in got}) == 4  # every rank of every group of size t
     assert {r["check"] for r in got} >= {"equals_unsplit[fma,float32,shared=True]",
+                                         "equals_unsplit[fma,float32,shared=ungated]",
                                          "equals_unsplit[fma,bfloat16,shared=False]"}
     bad = [r for r in got if r["value"] is not True]
     assert not bad, bad[:5]
@@ -46,11 +48,8 @@ def test_row_parallel_moe_experts_equal_unsplit(records, t):
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_negative_control_late_combine_differs(records, t):
-    """In fp32 outputs, where a one-ulp change of the fp32 sum shows (a bf16 rounding absorbs nearly all of them on
-    this small block; the e2e test shows the bf16 engine's log-probs move)."""
-    got = _select(records, "late_combine_differs[fma,float32", t)
-    print({r["check"]: r["value"] for r in _select(records, "late_combine_differs", t) if r["rank"] == 0})
-    assert len(got) == 8
+    got = _select(records, "late_combine_differs", t)
+    print({r["check"]: r["value"] for r in got if r["rank"] == 0})
     assert all(r["value"] > 0 for r in got), [r for r in got if r["value"] == 0][:5]
 
 

@@ -10,7 +10,8 @@ hook finishes each expert's down-projection tree across the ranks before moe.h's
 (module-scoped, run once): sampled rollouts with chunked prefill (a 100-token prompt, 64-token budget) ≡ trainer;
 greedy rollouts ≡ trainer; DeepSeek-V3 also after a refit from the trainer's in-memory state dict (HF's fused
 experts split and sharded by vLLM's loader, the fp32 bias kept). Negative control on the same running engine: the
-MoE blocks' experts combined in vLLM's order (each rank's weighted sum, then the ranks' sums: "moe-late") differ
+MoE blocks' experts combined in vLLM's order (each rank's weighted sum as a model-dtype output, then the ranks'
+sum: "moe-late") differ
 from the tree's rollouts and the trainer's; switched back, equal again.
 """
 

@@ -455,7 +455,7 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
 
 # ---- MoE experts at TP > 1 ------------------------------------------------------------------------------------
 
-MOE_COMBINES = ("tree", "late")  # "late": NEGATIVE CONTROL ONLY (vLLM's order: combine per rank, then sum ranks)
+MOE_COMBINES = ("tree", "late")  # "late": NEGATIVE CONTROL ONLY (vLLM's order: each rank's output, then the sum)
 
 
 def _moe_expert_linears(linear_profile: str):
@@ -513,14 +513,14 @@ def _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, lanes, lin
 
 def _moe_combine(y, topk_weights, gate, dtype):
     """moe.h's combine on full fp32 rows: acc = +0; acc = acc + w_r * y_r (rank order, product rounded, then
-    added); + g * y_s; one rounding."""
+    added); + g * y_s (``gate`` [T, 1] fp32, None: g = 1); one rounding."""
     k = topk_weights.shape[1]
     acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
     w = topk_weights.float()
     for r in range(k):
         acc = acc + w[:, r:r + 1] * y[:, r]
-    if y.shape[1] > k:
-        acc = acc + gate * y[:, k]
+    if y.shape[1] > k:  # the shared expert: g * y_s, g = 1 without a gate (1 * y == y)
+        acc = acc + (y[:, k] if gate is None else gate * y[:, k])
     return acc.to(dtype)
 
 
@@ -538,8 +538,9 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
     elements); each down projection's 8/t-lane sub-tree over the rank's I slice goes through
     :func:`tree_all_reduce` (one call for all slots), then moe.h's combine and one rounding (module docstring).
     ``linear_profile``: the experts' profile ("fma", "mma"), as ``moe_experts``. ``combine="late"``: NEGATIVE
-    CONTROL ONLY — each rank weights and sums its own sub-trees and the ranks' sums are then tree-added (the
-    order of vLLM's fused-MoE all-reduce); it breaks the contract. No backward (rollout only)."""
+    CONTROL ONLY — each rank weights and sums its own sub-trees into an output in the model dtype and the ranks'
+    outputs are then added (vLLM's order: its fused-MoE kernel writes each rank's output, the all-reduce sums
+    them); it breaks the contract. No backward (rollout only)."""
     what = "row_parallel_moe_experts"
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
@@ -563,8 +564,8 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
         if shared_gate is not None:
             logit = _moe_expert_linears(linear_profile)[2](x, shared_gate.reshape(1, x.shape[1]))
             gate = 1.0 / (1.0 + ops._exp_f32(-logit))  # moe.h moe_shared_gate, fp32 [T, 1]
-        if combine == "late":  # negative control: weighted sum per rank first
-            partial = _moe_combine(partial, topk_weights, gate, torch.float32).unsqueeze(1)
+        if combine == "late":  # negative control: each rank's weighted sum in the model dtype first (vLLM's)
+            partial = _moe_combine(partial, topk_weights, gate, x.dtype).float().unsqueeze(1)
     except _LOCAL_ERRORS as e:
         local_error = e
     y = _tree_all_reduce(partial, group, algorithm, check, what, local_error)

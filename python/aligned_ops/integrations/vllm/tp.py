@@ -26,8 +26,8 @@ from . import patches
 TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma": NEGATIVE CONTROLS ONLY (break the contract)
 # "tree": each layer's own profile route; "sequential": the lane sums left to right; a profile name: that
 # profile's route whatever the layer's profile (the route the exact profile took at TP > 1 before it had its own).
-# "moe-late": the row-parallel linears keep the tree; the MoE blocks weight and sum each rank's partial experts and
-# then add the ranks' sums (the order of vLLM's fused-MoE all-reduce).
+# "moe-late": the row-parallel linears keep the tree; the MoE blocks weight and sum each rank's partial experts into
+# an output in the model dtype and then add the ranks' outputs (the order of vLLM's fused-MoE all-reduce).
 TP_COMBINES = ("tree", "sequential", profiles.FMA.name, "moe-late")
 _tp_combine = "tree"
 _tp_forced_profile: profiles.Profile | None = None
@@ -76,7 +76,7 @@ def set_tp_combine(llm, mode: str) -> None:
     """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree", "sequential" or "fma")
     in every worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show
     the log-probs then differ from the trainer's); "moe-late" keeps the linears' tree and combines the MoE
-    blocks' experts in vLLM's order (each rank's weighted sum, then the ranks' sums); "fma" runs the fma profile's tree whatever the layer's profile
+    blocks' experts in vLLM's order (each rank's weighted sum rounded to the model dtype, then the ranks' sum); "fma" runs the fma profile's tree whatever the layer's profile
     (the route the exact profile took at TP > 1 before it had its own: its log-probs differ from an exact
     trainer's). "tree": the layer's profile's own route (fma: the tree; exact: integer partials)."""
     llm.collective_rpc(_set_tp_combine_in_worker, args=(mode,))
