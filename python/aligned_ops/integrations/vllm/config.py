@@ -5,7 +5,8 @@ configurations it cannot keep aligned: other architectures (the supported ones: 
 RoPE variants (and partial rotary), quantization, a non-``auto`` KV-cache dtype, speculative decoding, a
 tensor-parallel size other than 1, 2, 4 or 8, pipeline parallelism, ``logprobs_mode`` ``raw_logits`` /
 ``processed_logits``, a linear profile that cannot serve the setting (its capabilities: e.g. ``exact`` at TP > 1
-in compiled mode) and, on CUDA/ROCm, missing GPU kernels or a stock attention backend asked for.
+in compiled mode), a MoE model at TP > 1 in compiled mode or with expert parallelism and, on CUDA/ROCm, missing
+GPU kernels or a stock attention backend asked for.
 
 The engine's linear profile (:mod:`aligned_ops.profiles`: the architecture's pin, else
 ``additional_config["aligned_ops_linear"]``, else ``ALIGNED_OPS_LINEAR``) is resolved here and written into
