@@ -46,6 +46,7 @@ ARCHITECTURE = Architecture(
     hf_moe_weights=hf_moe_weights,
     check_config=check_config,
     partial_rotary=True,
+    grouped_routing=True,
     refit_weights=refit_weights,
     fp32_weights=("e_score_correction_bias",),
 )

@@ -25,7 +25,10 @@ from .layers import keep_weight_after_loading
 
 def _gate_linear_forward(self, x):
     # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
-    # picked.
+    # picked; a router whose weight vLLM keeps in fp32 (GLM-4.5: params_dtype fp32, fp32 logits) takes x widened
+    # exactly to fp32 — linear(x.float(), W.float()), what the trainer's grouped block computes (models.moe)
+    if self.weight.dtype == torch.float32 and x.dtype != torch.float32:
+        x = x.float()
     out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
@@ -50,8 +53,8 @@ def _moe_layer_spec(runner):
             reasons.append("grouped top-k with softmax scores")
         if bias is not None and bias.dtype != torch.float32:
             reasons.append(f"e_score_correction_bias in {bias.dtype} (must stay float32)")
-        if getattr(runner, "gate", None) is None:
-            reasons.append("grouped routing without the gate module (precomputed router logits)")
+        # without the gate module (GLM-4.5 runs its GateLinear before the layer) the router logits come in: they
+        # must be the fp32 ones of the hooked GateLinear (checked per call, _moe_runner_forward)
     else:
         if bias is not None:
             reasons.append("e_score_correction_bias")
@@ -150,6 +153,9 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
             _moe_trace.append((self.layer_name, ids))
 
     profile = profile_of(self)
+    if self.gate is None and weights.scoring == "sigmoid_grouped" and router_logits.dtype != torch.float32:
+        raise NotImplementedError(f"aligned_ops: grouped MoE routing needs fp32 router logits (a GateLinear with an "
+                                  f"fp32 weight, as GLM-4.5's); got {router_logits.dtype}")
     experts = None
     if self.moe_config.tp_size > 1:
         # TP: this rank holds every expert's I slice; the replicated router routes identically on every rank (x is
