@@ -272,6 +272,8 @@ def build_tiny_glm4_moe(path: str | os.PathLike, dtype: torch.dtype = torch.floa
     ``use_qk_norm=False`` as GLM-4.5 itself, ``n_group=1, topk_group=1``)."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
+    from .glm4_moe import NAME
+
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"build_tiny_glm4_moe: unsupported dtype {dtype}; use float32 or bfloat16")
     path = str(path)
@@ -282,7 +284,7 @@ def build_tiny_glm4_moe(path: str | os.PathLike, dtype: torch.dtype = torch.floa
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Glm4MoeConfig(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
                            attention_dropout=0.0)
-    config.architectures = ["Glm4MoeForCausalLM"]
+    config.architectures = [NAME]
     model = Glm4MoeForCausalLM(config)
     gen = torch.Generator().manual_seed(seed + 1)
     biases = {name: bias_scale * torch.randn(b.shape, generator=gen)

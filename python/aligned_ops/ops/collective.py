@@ -463,14 +463,18 @@ def _moe_expert_linears(linear_profile: str):
     of an experts profile: the ops ``aligned::moe_experts`` runs (ops/moe.py's recomputation table)."""
     from .linear_mma import linear_mma_partial
 
-    if linear_profile == "fma":
-        return (lambda x, w: ops.linear(x, w, None), lambda a, w, lanes: linear_partial(a.float(), w.float(), lanes),
-                lambda x, g: ops.linear(x.float(), g.float(), None))
-    if linear_profile == "mma":
-        return (lambda x, w: ops.linear_mma(x, w, None), lambda a, w, lanes: linear_mma_partial(a, w, lanes),
-                lambda x, g: linear_mma_partial(x, g, LINEAR_LANES))
-    raise ValueError(f"aligned_ops.row_parallel_moe_experts: linear_profile must be 'fma' or 'mma', got "
-                     f"{linear_profile!r}")
+    table = {  # keyed by moe_experts' linear_profile values (ops/moe.py EXPERT_PROFILES)
+        "fma": (lambda x, w: ops.linear(x, w, None),
+                lambda a, w, lanes: linear_partial(a.float(), w.float(), lanes),
+                lambda x, g: ops.linear(x.float(), g.float(), None)),
+        "mma": (lambda x, w: ops.linear_mma(x, w, None),
+                lambda a, w, lanes: linear_mma_partial(a, w, lanes),
+                lambda x, g: linear_mma_partial(x, g, LINEAR_LANES)),
+    }
+    if linear_profile not in table:
+        raise ValueError(f"aligned_ops.row_parallel_moe_experts: linear_profile must be one of {tuple(table)}, got "
+                         f"{linear_profile!r}")
+    return table[linear_profile]
 
 
 def _check_moe_slice(what: str, name: str, k_local: int, t: int, r: int) -> None:
