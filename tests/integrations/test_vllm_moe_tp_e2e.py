@@ -2,7 +2,8 @@
 workers) vs the patched HF trainer (one process: TP = 1), bitwise (integer views), for a tiny Qwen2-MoE (gated
 shared expert, qkv bias; the router runs before the fused-MoE layer) and a tiny DeepSeek-V3 (expanded MLA, grouped
 sigmoid routing with the fp32 correction bias, routed scaling 2.5, shared expert, a dense first layer; the router
-runs inside the layer), both bf16.
+runs inside the layer) and a tiny GLM-4.5 (q/k norms, partial rotary, DeepSeek-V3's routing with the fp32 router
+run before the layer), all bf16.
 
 vLLM shards every expert's intermediate dimension (and the shared expert's) over the ranks; the plugin's fused-MoE
 hook finishes each expert's down-projection tree across the ranks before moe.h's combine
@@ -28,18 +29,20 @@ from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3, build_tiny_moe  # noqa: E402
+from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3, build_tiny_glm4_moe, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PROMPT_LENS = [3, 100, 17, 40]  # 100 > max_num_batched_tokens=64: chunked prefill
 DSV3_SHAPE = dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
-MODELS = ("qwen2_moe", "deepseek_v3")
+MODELS = ("qwen2_moe", "deepseek_v3", "glm4_moe")
 
 
 def _build(name, root):
     if name == "qwen2_moe":
         return build_tiny_moe(root / name, torch.bfloat16, seed=3, arch="qwen2_moe", num_hidden_layers=2)
+    if name == "glm4_moe":
+        return build_tiny_glm4_moe(root / name, torch.bfloat16, seed=0)
     return build_tiny_deepseek_v3(root / name, torch.bfloat16, seed=0, **DSV3_SHAPE)
 
 
@@ -73,7 +76,7 @@ def _run(name, path):
             r["late"] = generate_with_logprobs(llm, greedy, temperature=0.0, max_tokens=6)
             vllm_plugin.set_tp_combine(llm, "tree")
             r["again"] = generate_with_logprobs(llm, greedy, temperature=0.0, max_tokens=6)
-            if name == "deepseek_v3":
+            if name == "deepseek_v3":  # (GLM-4.5's refit: the same code path, test_vllm_glm4_moe_e2e.py)
                 with torch.no_grad():
                     g = torch.Generator().manual_seed(11)
                     for _, p in trainer.named_parameters():
