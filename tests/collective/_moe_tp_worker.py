@@ -73,6 +73,8 @@ def records_for(name, group):
             # one token alone equals its row in the batch (the routing slots do not mix tokens)
             one = profile.row_parallel_moe_experts(x[5:6], tw[5:6], ids[5:6], l13, l2, s13, s2, sgate, group)
             add(f"token_alone[{tag}]", bool(torch.equal(bits(one), bits(ref[5:6]))))
+            none = profile.row_parallel_moe_experts(x[:0], tw[:0], ids[:0], l13, l2, s13, s2, sgate, group)
+            add(f"no_tokens[{tag}]", list(none.shape) == [0, H] and none.dtype == dtype)
     # errors name the op and the argument, on every rank
     x, tw, ids, w13, w2, *_ = block(3, torch.float32, False)
     l13, l2 = shard(w13, w2, t, r)

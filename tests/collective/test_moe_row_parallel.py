@@ -44,6 +44,7 @@ def test_row_parallel_moe_experts_equal_unsplit(records, t):
     bad = [r for r in got if r["value"] is not True]
     assert not bad, bad[:5]
     assert all(r["value"] is True for r in _select(records, "token_alone", t))
+    assert all(r["value"] is True for r in _select(records, "no_tokens", t))  # an empty step (T = 0)
 
 
 @pytest.mark.parametrize("t", [2, 4])
