@@ -23,7 +23,7 @@ from ... import profiles
 from ...profiles import profile_of
 from . import patches
 
-TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma": NEGATIVE CONTROLS ONLY (break the contract)
+TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma", "moe-late": NEGATIVE CONTROLS ONLY (break the contract)
 # "tree": each layer's own profile route; "sequential": the lane sums left to right; a profile name: that
 # profile's route whatever the layer's profile (the route the exact profile took at TP > 1 before it had its own).
 # "moe-late": the row-parallel linears keep the tree; the MoE blocks weight and sum each rank's partial experts into
