@@ -121,7 +121,8 @@ def test_profile_comparison_checker_negative_control():
 
 def test_the_architecture_list_is_defined_once():
     by_file = {rel: lits for rel, src in _sources() for lits in [architecture_literals(src)] if lits}
-    arch_files = {f"models/{m}.py" for m in ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3")}
+    arch_files = {f"models/{m}.py" for m in ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+                                                   "glm4_moe")}
     # every architecture name is written in exactly one place: its own module, once
     assert set(by_file) == arch_files, by_file
     assert all(len(v) == 1 for v in by_file.values()), by_file

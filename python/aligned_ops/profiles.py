@@ -12,6 +12,7 @@ object that carries, together:
   :meth:`Profile.refusals` when a model is patched or an engine is configured; what the model and the machine
   must have (a dtype, a matrix unit): :meth:`Profile.model_refusals`;
 - ``moe_experts(...)`` — the MoE experts' projections under the profile (``fma`` chains unless it has its own);
+  ``row_parallel_moe_experts(...)`` the same at TP > 1 (each rank an I slice of every expert);
 - ``invariant_to`` — what its bits do not depend on (the start-up log and the README print it);
 - ``op`` — the aligned op its linears run (the name a traced forward shows; ``aligned_ops.model_spec`` steps).
 
@@ -86,6 +87,17 @@ class Profile:
         """The routed experts (+ shared expert) of a MoE block, their projections under this profile. The base:
         the ``fma`` chains (``exact`` has no expert kernel: its experts run, on both sides, the fma profile's)."""
         return _moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate)
+
+    # the experts' profile of moe_experts (ops/moe.py EXPERT_PROFILES); exact has none: its experts run fma's
+    experts_profile = "fma"
+
+    def row_parallel_moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None,
+                                 shared_gate=None, group=None, *, combine="tree", check=True):
+        """:meth:`moe_experts` of a tensor-parallel MoE block (each rank holds every expert's I slice), the
+        single-device bits at every TP degree (``aligned_ops.ops.collective.row_parallel_moe_experts``)."""
+        return collective.row_parallel_moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2,
+                                                   shared_gate, group, linear_profile=self.experts_profile,
+                                                   combine=combine, check=check)
 
     def model_refusals(self, dtype) -> list[str]:
         """Why a model of ``dtype`` cannot run this profile on this machine (empty: it can): what the profile's
@@ -222,6 +234,8 @@ class MmaProfile(Profile):
     def moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None):
         return _moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate,
                             linear_profile=self.name)
+
+    experts_profile = "mma"
 
     def model_refusals(self, dtype) -> list[str]:
         return _mma.mma_model_reasons(dtype)

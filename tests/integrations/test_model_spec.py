@@ -246,3 +246,26 @@ def test_vllm_plugin_runs_the_same_spec(tiny_checkpoint, monkeypatch):
     assert torch.equal(bits(engine_lp), bits(changed_lp))
     assert not torch.equal(bits(engine_lp), bits(default_lp))  # negative control: the default rules' bits
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_glm4_moe_trainer_runs_the_spec(qk_norm):
+    """GLM-4.5: q/k norms as its config says (use_qk_norm), NeoX rotary on half of each head (the table's width),
+    grouped routing in the sparse layers, the first layer dense."""
+    import transformers
+
+    config = transformers.Glm4MoeConfig(
+        **{k: v for k, v in SMALL.items() if k != "rope_theta"}, head_dim=16, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=qk_norm, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        architectures=["Glm4MoeForCausalLM"])
+    torch.manual_seed(0)
+    model = patch_model(transformers.Glm4MoeForCausalLM(config).float().eval())
+    spec = model_spec(model.config)
+    calls = _trainer_calls(model)
+    assert logical_steps(calls) == spec_steps(spec)
+    assert spec.qk_norm == qk_norm and spec.qkv_bias
+    ops = [s.op for s in spec.steps]
+    assert "moe_grouped_routing" in ops and "moe_routing" not in ops and "silu_and_mul" in ops
+    assert op_scalars(calls, "rotary_embedding") == {(8, True)}  # half of head_dim 16, NeoX halves

@@ -84,3 +84,18 @@ def test_quantized_or_padded_experts_refused():
     r.moe_config.activation = "gelu"
     with pytest.raises(NotImplementedError, match="activation gelu"):
         vllm_moe._moe_layer_spec(r)
+
+
+def test_tensor_parallel_moe_accepted_expert_data_sequence_parallel_refused():
+    """TP (every expert's I slice per rank) runs the experts' TP route; placements it does not cover refuse."""
+    r = _runner()
+    r.moe_config.tp_size = 2
+    assert vllm_moe._moe_layer_spec(r) == (2, "softmax", True)
+    for field, value, reason in (("ep_size", 2, "expert parallel MoE"), ("use_ep", True, "expert parallel MoE"),
+                                 ("dp_size", 2, "data parallel MoE"), ("is_sequence_parallel", True,
+                                                                       "sequence parallel MoE"),
+                                 ("skip_final_all_reduce", True, "all-reduce is deferred to the model")):
+        r = _runner()
+        setattr(r.moe_config, field, value)
+        with pytest.raises(NotImplementedError, match="this MoE layer cannot be kept aligned: .*" + reason):
+            vllm_moe._moe_layer_spec(r)

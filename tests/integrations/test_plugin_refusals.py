@@ -255,10 +255,39 @@ def test_tensor_parallel_degrees_accepted(tiny_dir, tp):
     vllm_plugin.validate_vllm_config(c)
 
 
+def test_moe_tensor_parallel_eager_accepted_compiled_and_expert_parallel_refused(tmp_path):
+    """A MoE model at TP 2 passes validation in eager mode (its experts' TP route: tests/collective/
+    test_moe_row_parallel.py, tests/integrations/test_vllm_moe_tp_e2e.py); compiled mode at TP > 1 and expert
+    parallelism are refused by name (negative control: the same config at TP 1 compiled is accepted)."""
+    from aligned_ops.testing.tiny_model import build_tiny_moe
+
+    path = build_tiny_moe(tmp_path / "moe", torch.float32, num_hidden_layers=1)
+    base = _engine_config(path)
+
+    def at(tp, eager=True, ep=False):
+        c = copy.copy(base)
+        c.parallel_config = copy.copy(base.parallel_config)
+        c.parallel_config.tensor_parallel_size = tp
+        c.parallel_config.enable_expert_parallel = ep
+        c.model_config = copy.copy(base.model_config)
+        c.model_config.enforce_eager = eager
+        return c
+
+    vllm_plugin.validate_vllm_config(at(2))
+    vllm_plugin.validate_vllm_config(at(1, eager=False))
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM at tensor_parallel_size 2 runs its MoE layers in eager "
+                                         "mode only .*use enforce_eager=True or tensor_parallel_size=1"):
+        vllm_plugin.validate_vllm_config(at(2, eager=False))
+    with pytest.raises(ValueError, match="expert parallelism \\(enable_expert_parallel\\) is not covered for "
+                                         "Qwen3MoeForCausalLM"):
+        vllm_plugin.validate_vllm_config(at(2, ep=True))
+
+
 def test_tp_combine_env_refused(monkeypatch):
     monkeypatch.setenv(vllm_plugin.TP_COMBINE_ENV, "ring")
     monkeypatch.setattr(vinstall, "_installed", False)
-    with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential', 'fma'\\), got 'ring'"):
+    with pytest.raises(ValueError, match="ALIGNED_OPS_TP_COMBINE must be one of \\('tree', 'sequential', 'fma', "
+                                         "'moe-late'\\), got 'ring'"):
         vllm_plugin.install()
 
 

@@ -66,7 +66,7 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"aligned_ops ({where}): rope parameters {params} are not usable: {e}") from e
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if spec.rotary_dim != head_dim:
+    if spec.rotary_dim != head_dim and not arch.partial_rotary:
         # HF's Llama/Qwen2/Qwen3 forward rotates the whole head (no partial rotary): no reference semantics.
         raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
     if getattr(config, "use_sliding_window", False):

@@ -16,12 +16,13 @@ below. See :mod:`.base` for what a block receives.
 - :mod:`.decoder` the Llama-family decoder block (Llama, Qwen2, Qwen3 and their MoE variants);
 - :mod:`.moe` the sparse MoE block's op sequence;
 - :mod:`.deepseek_v3` DeepSeek-V3 / Kimi-K2: its own block (expanded MLA, grouped sigmoid routing, shared experts);
+- :mod:`.glm4_moe` GLM-4.5: the Llama-family block (partial rotary, optional q/k norms) with DeepSeek-V3's MoE;
 - :mod:`.tiny` tiny random-weight checkpoints (the CLI's default model, tests).
 """
 
 from __future__ import annotations
 
-from . import deepseek_v3, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek_v3, glm4_moe, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .base import Architecture, Projection, Side
 from .registry import (
     ARCHITECTURES,
@@ -38,7 +39,7 @@ from .spec import DECODER_RULES, LayerRules, ModelSpec, Step
 
 # The supported architectures: this tuple is the one list (in this order in error messages).
 for _arch in (qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, llama.ARCHITECTURE, qwen3_moe.ARCHITECTURE,
-              qwen2_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE):
+              qwen2_moe.ARCHITECTURE, deepseek_v3.ARCHITECTURE, glm4_moe.ARCHITECTURE):
     register(_arch)
 del _arch
 

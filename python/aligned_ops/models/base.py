@@ -105,6 +105,10 @@ class Architecture:
     # expanded attention the trainer runs); said in the log
     vllm_env: dict = field(default_factory=dict)
     refuse_fp16: bool = False               # the vLLM decoder layer rescales hidden states in fp16 (DeepSeek)
+    # True: rotary on the first partial_rotary_factor * head_dim dims of each head (GLM-4.5: HF's and vLLM's forward
+    # rotate that slice, NeoX halves, the rest passes); False: a config asking for it is refused
+    partial_rotary: bool = False
+    grouped_routing: bool = False           # the Llama-family spec's sparse layers route with moe_grouped_routing
     # refit (integrations.rollout.refit): the HF trainer's in-memory state dict -> the checkpoint names vLLM's
     # loader takes (None: as is), and the weight-name suffixes that stay float32 in any model dtype
     refit_weights: Callable | None = None

@@ -6,8 +6,9 @@ One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for th
 
     input norm:       rms_norm (layer 0) / fused_add_rms_norm (later: normalises the *rounded* sum)
     qkv projection:   one logical linear (HF: q_proj, k_proj, v_proj; vLLM: qkv_proj), + bias per architecture
-    [q_norm, k_norm]: per-head rms_norm before rotary (Qwen3, Qwen3-MoE)
-    rotary:           q, then k, with the shared fp32 cos/sin table (aligned_ops.rope)
+    [q_norm, k_norm]: per-head rms_norm before rotary (Qwen3, Qwen3-MoE; GLM-4.5 when use_qk_norm)
+    rotary:           q, then k, with the shared fp32 cos/sin table (aligned_ops.rope; its width: GLM-4.5 rotates
+                      the first half of each head)
     attention:        causal; varlen in training, paged in the engine (the same per-(row, head) function)
     o_proj:           linear (row-parallel in the engine at TP > 1: the profile's route)
     post-attn norm:   fused_add_rms_norm
@@ -69,7 +70,7 @@ def attention(arch, side, ctx, attn, x, rules):
     T, D = x.shape[0], attn.head_dim
     # Head counts from the widths, not view(T, -1, D): a batch with no real token has T = 0.
     q, k, v = (t.view(T, t.shape[-1] // D, D) for t in (q, k, v))
-    if arch.qk_norm:  # per-head RMSNorm before RoPE
+    if arch.qk_norm or getattr(attn, "use_qk_norm", False):  # per-head RMSNorm before RoPE (GLM: per config)
         q, k = _head_norm(rules, attn.q_norm, q), _head_norm(rules, attn.k_norm, k)
     positions, cos_sin_cache = side.rope(ctx, attn)
     rotary_dim = cos_sin_cache.shape[-1]  # the table's width
@@ -100,7 +101,7 @@ def spec(arch, config, rules, profile) -> list[Step]:
         p = f"L{i}."
         steps.append(Step(norm if i == 0 else res_norm, p + "input_norm", n=H))
         steps.append(Step(lin, p + "qkv_proj", k=H, n=(Hq + 2 * Hkv) * D, bias=qkv_bias))
-        if arch.qk_norm:
+        if arch.qk_norm or getattr(config, "use_qk_norm", False):
             steps.append(Step(norm, p + "q_norm", n=D))
             steps.append(Step(norm, p + "k_norm", n=D))
         steps.append(Step("rotary", p + "rotary_q", n=D))
@@ -110,7 +111,7 @@ def spec(arch, config, rules, profile) -> list[Step]:
         steps.append(Step(res_norm, p + "post_attention_norm", n=H))
         if i in sparse:
             steps.append(Step(rules.router_profile.op, p + "router", k=H, n=num_experts(config)))
-            steps.append(Step("moe_routing", p + "moe_routing"))
+            steps.append(Step("moe_grouped_routing" if arch.grouped_routing else "moe_routing", p + "moe_routing"))
             steps.append(Step("moe_experts", p + "moe_experts"))
         else:
             steps.append(Step(lin, p + "gate_up_proj", k=H, n=2 * config.intermediate_size, bias=mlp_bias))

@@ -43,16 +43,21 @@ class MoEWeights:
 
 
 def sparse_moe(rules, x: torch.Tensor, w: MoEWeights, router_logits: torch.Tensor | None = None,
-               record=None, profile=None) -> torch.Tensor:
+               record=None, profile=None, experts=None) -> torch.Tensor:
     """One sparse MoE block on packed tokens ``x [T, H]`` (differentiable). ``router_logits``: given when the
     caller computed them (vLLM's Qwen2-MoE block runs its gate before the fused-MoE layer); else computed here
     with ``rules.router_linear``. ``record(ids, scores)``: called with the routing's choices (diagnostics).
     ``profile``: the model's linear profile (an :mod:`aligned_ops.profiles` object; None: ``fma``), whose
-    ``moe_experts`` runs the experts' projections."""
+    ``moe_experts`` runs the experts' projections. ``experts``: a callable with ``moe_experts``' arguments that
+    replaces it (the vLLM plugin's tensor-parallel route: the profile's ``row_parallel_moe_experts``)."""
     if router_logits is not None:
         logits = router_logits
     elif w.router_dtype is not None:
-        logits = rules.router_linear(x.to(w.router_dtype), w.router.to(w.router_dtype))
+        # the weight's copy in the router dtype is kept per weight state where its owner registered it (the
+        # engine's weights: ops.linear_exact.cached_cast), not redone every forward
+        from ..ops.linear_exact import cached_cast
+
+        logits = rules.router_linear(x.to(w.router_dtype), cached_cast(w.router, w.router_dtype))
     else:
         logits = rules.router_linear(x, w.router)
     if w.scoring == "sigmoid_grouped":
@@ -63,7 +68,8 @@ def sparse_moe(rules, x: torch.Tensor, w: MoEWeights, router_logits: torch.Tenso
         weights, ids, scores = aligned_ops.moe_routing(logits.contiguous(), w.top_k, w.scoring, w.renormalize)
     if record is not None:
         record(ids, scores)
-    experts = aligned_ops.moe_experts if profile is None else profile.moe_experts
+    if experts is None:
+        experts = aligned_ops.moe_experts if profile is None else profile.moe_experts
     return experts(x, weights, ids, w.w13, w.w2, w.shared_w13, w.shared_w2, w.shared_gate)
 
 

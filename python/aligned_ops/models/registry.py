@@ -74,5 +74,6 @@ def model_spec(config, profile=None) -> ModelSpec:
     H, Hq = config.hidden_size, config.num_attention_heads
     return ModelSpec(name, H, Hq, getattr(config, "num_key_value_heads", None) or Hq,
                      getattr(config, "head_dim", None) or H // Hq, config.intermediate_size, config.vocab_size,
-                     config.num_hidden_layers, arch.attention_biases(config)[0], arch.qk_norm,
+                     config.num_hidden_layers, arch.attention_biases(config)[0],
+                     arch.qk_norm or bool(getattr(config, "use_qk_norm", False)),
                      float(config.rms_norm_eps), tuple(steps))

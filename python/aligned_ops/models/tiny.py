@@ -238,6 +238,60 @@ def build_tiny_deepseek_v3(path: str | os.PathLike, dtype: torch.dtype = torch.f
     return path
 
 
+DEFAULT_GLM4_MOE_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,            # the dense layers' MLP (first_k_dense_replace)
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    use_qk_norm=True,
+    attention_bias=True,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def build_tiny_glm4_moe(path: str | os.PathLike, dtype: torch.dtype = torch.float32, seed: int = 0,
+                        router_scale: float = 0.08, bias_scale: float = 0.05, **overrides) -> str:
+    """A random-weight GLM-4.5-style causal LM (``Glm4MoeForCausalLM``: q/k/v biases, per-head q/k norms, NeoX
+    rotary on half of each head, DeepSeek-V3's grouped sigmoid routing with a random fp32 correction bias, routed
+    scaling 2.5, one shared expert, a dense first layer) and its tokenizer. ``overrides`` change the config (e.g.
+    ``use_qk_norm=False`` as GLM-4.5 itself, ``n_group=1, topk_group=1``)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from .glm4_moe import NAME
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"build_tiny_glm4_moe: unsupported dtype {dtype}; use float32 or bfloat16")
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(DEFAULT_GLM4_MOE_CONFIG)
+    cfg.update(overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Glm4MoeConfig(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                           attention_dropout=0.0)
+    config.architectures = [NAME]
+    model = Glm4MoeForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    biases = {name: bias_scale * torch.randn(b.shape, generator=gen)
+              for name, b in sorted(model.named_buffers()) if name.endswith("e_score_correction_bias")}
+    return _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=router_scale, fp32_buffers=biases)
+
+
 def _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=None, fp32_buffers=None):
     """Overwrite every parameter from a generator seeded with ``seed`` (norm weights near 1, biases 0.02,
     MoE router weights ``router_scale``, the rest 0.08: larger than the usual 0.02 so logits are spread),

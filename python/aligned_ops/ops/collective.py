@@ -26,6 +26,14 @@ is the matrix unit's instruction — so its row-parallel route is :func:`row_par
 ``aligned::linear_mma_partial`` for the rank's sub-tree: the same slices, the same :func:`tree_all_reduce`, the
 same epilogue.
 
+A MoE block at TP > 1 (:func:`row_parallel_moe_experts`; vLLM shards every expert's intermediate dimension I, as a
+column-parallel gate/up and a row-parallel down projection, and the shared expert likewise) is the same idea one
+level up: moe.h's experts keep each expert's down projection ``y_r`` in fp32 and combine ``sum_r w_r * y_r`` (+
+``g * y_s``) before the one rounding, so the cross-rank part must finish each ``y_r``'s tree BEFORE the weighted
+sum: every rank computes the 8/t-lane sub-trees of its I slice for every (token, rank) slot and the shared
+expert, :func:`tree_all_reduce` finishes them, and the combine runs on the full ``y`` — moe_experts' bits at
+every t. (vLLM all-reduces the already weighted and summed outputs: another order.)
+
 The ``exact`` profile (csrc/common/exact_linear.h, "tensor parallelism"; docs/exact_linear.md, "TP") needs no
 tree: its sum is an exact integer, so :func:`exact_row_parallel_linear` exchanges integers only. The full
 rows' canonical forms come from an all-reduce MAX of the ranks' row scans (int32 [rows, 3]: of x per call,
@@ -70,6 +78,7 @@ __all__ = [
     "row_parallel_linear",
     "exact_row_parallel_linear",
     "sharded_rows_all_reduce",
+    "row_parallel_moe_experts",
 ]
 
 LINEAR_LANES = 8  # the fma linear's lanes (contract.h); the cross-rank tree is the top of that tree
@@ -442,3 +451,128 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
     out = _tree_all_reduce(None if filled is None else filled.to(torch.float32), group, "auto", check, what,
                            local_error)
     return out.to(local.dtype)
+
+
+# ---- MoE experts at TP > 1 ------------------------------------------------------------------------------------
+
+MOE_COMBINES = ("tree", "late")  # "late": NEGATIVE CONTROL ONLY (vLLM's order: each rank's output, then the sum)
+
+
+def _moe_expert_linears(linear_profile: str):
+    """(first projection -> model dtype, the rank's down-projection sub-tree -> fp32, the shared gate's fp32 logit)
+    of an experts profile: the ops ``aligned::moe_experts`` runs (ops/moe.py's recomputation table)."""
+    from .linear_mma import linear_mma_partial
+
+    table = {  # keyed by moe_experts' linear_profile values (ops/moe.py EXPERT_PROFILES)
+        "fma": (lambda x, w: ops.linear(x, w, None),
+                lambda a, w, lanes: linear_partial(a.float(), w.float(), lanes),
+                lambda x, g: ops.linear(x.float(), g.float(), None)),
+        "mma": (lambda x, w: ops.linear_mma(x, w, None),
+                lambda a, w, lanes: linear_mma_partial(a, w, lanes),
+                lambda x, g: linear_mma_partial(x, g, LINEAR_LANES)),
+    }
+    if linear_profile not in table:
+        raise ValueError(f"aligned_ops.row_parallel_moe_experts: linear_profile must be one of {tuple(table)}, got "
+                         f"{linear_profile!r}")
+    return table[linear_profile]
+
+
+def _check_moe_slice(what: str, name: str, k_local: int, t: int, r: int) -> None:
+    """vLLM gives rank r the contiguous I/t slice; it must be the whole lanes linear_tp_slices(I, t)[r]."""
+    k = k_local * t
+    try:
+        k0, k1 = linear_tp_slices(k, t)[r]
+    except ValueError as e:
+        raise ValueError(f"aligned_ops.{what}: {name} intermediate size {k} does not split into whole lanes over {t} "
+                         f"ranks ({e})") from None
+    if k1 - k0 != k_local:
+        raise ValueError(f"aligned_ops.{what}: {name} intermediate size {k} over {t} ranks: rank {r} must hold "
+                         f"[{k0}:{k1}] ({k1 - k0}), it holds {k_local}")
+
+
+def _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, lanes, linear_profile):
+    """This rank's fp32 sub-trees ``[T, k (+1), H]``: slot r = expert ids[:, r]'s down projection over this rank's
+    I slice, the last slot the shared expert's (moe.h's y_r / y_s before the cross-rank part of their trees)."""
+    first, sub_tree, _ = _moe_expert_linears(linear_profile)
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    routed = torch.zeros((T * k, H), dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.sort(flat, stable=True).indices  # expert-major; the slots are independent rows
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        a = ops.silu_and_mul(first(x.index_select(0, sel // k).contiguous(), w13[e]))
+        routed[sel] = sub_tree(a, w2[e], lanes)
+    parts = [routed.view(T, k, H)]
+    if shared_w13 is not None:
+        a = ops.silu_and_mul(first(x, shared_w13))
+        parts.append(sub_tree(a, shared_w2, lanes).view(T, 1, H))
+    return torch.cat(parts, dim=1)
+
+
+def _moe_combine(y, topk_weights, gate, dtype):
+    """moe.h's combine on full fp32 rows: acc = +0; acc = acc + w_r * y_r (rank order, product rounded, then
+    added); + g * y_s (``gate`` [T, 1] fp32, None: g = 1); one rounding."""
+    k = topk_weights.shape[1]
+    acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
+    w = topk_weights.float()
+    for r in range(k):
+        acc = acc + w[:, r:r + 1] * y[:, r]
+    if y.shape[1] > k:  # the shared expert: g * y_s, g = 1 without a gate (1 * y == y)
+        acc = acc + (y[:, k] if gate is None else gate * y[:, k])
+    return acc.to(dtype)
+
+
+def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                             w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
+                             shared_w2: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                             group=None, *, linear_profile: str = "fma", combine: str = "tree",
+                             algorithm: str = "auto", check: bool = True) -> torch.Tensor:
+    """``aligned::moe_experts`` of a tensor-parallel MoE block, bit for bit at every t in {1, 2, 4, 8}.
+
+    Rank r holds every expert's I slice (vLLM's layout): ``w13 [E, 2I/t, H]`` (its gate rows, then its up rows),
+    ``w2 [E, H, I/t]``, and the shared expert's ``shared_w13 [2Is/t, H]``, ``shared_w2 [H, Is/t]``; ``x [T, H]``,
+    the routing (``topk_weights`` fp32, ``topk_ids``) and ``shared_gate [1, H]`` are the same on every rank (the
+    router and the gate are replicated). The first projection and silu_and_mul are column-parallel (whole
+    elements); each down projection's 8/t-lane sub-tree over the rank's I slice goes through
+    :func:`tree_all_reduce` (one call for all slots), then moe.h's combine and one rounding (module docstring).
+    ``linear_profile``: the experts' profile ("fma", "mma"), as ``moe_experts``. ``combine="late"``: NEGATIVE
+    CONTROL ONLY — each rank weights and sums its own sub-trees into an output in the model dtype and the ranks'
+    outputs are then added (vLLM's order: its fused-MoE kernel writes each rank's output, the all-reduce sums
+    them); it breaks the contract. No backward (rollout only)."""
+    what = "row_parallel_moe_experts"
+    t, r = _group_info(group, what)
+    check_tp_degree(t, what)
+    partial, local_error = None, None
+    try:
+        if combine not in MOE_COMBINES:
+            raise ValueError(f"aligned_ops.{what}: combine must be one of {MOE_COMBINES}, got {combine!r}")
+        if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or x.shape[0] != topk_ids.shape[0]:
+            raise ValueError(f"aligned_ops.{what}: x must be [T, H] and topk_weights, topk_ids [T, k], got "
+                             f"{list(x.shape)}, {list(topk_weights.shape)}, {list(topk_ids.shape)}")
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[1]:
+            raise ValueError(f"aligned_ops.{what}: w13 must be [E, 2I/t, H] and w2 [E, H, I/t], got "
+                             f"{list(w13.shape)}, {list(w2.shape)}")
+        if (shared_w13 is None) != (shared_w2 is None) or (shared_gate is not None and shared_w13 is None):
+            raise ValueError(f"aligned_ops.{what}: shared_w13 and shared_w2 (and shared_gate) go together")
+        _check_moe_slice(what, "w2", w2.shape[2], t, r)
+        if shared_w2 is not None:
+            _check_moe_slice(what, "shared_w2", shared_w2.shape[1], t, r)
+        partial = _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, LINEAR_LANES // t, linear_profile)
+        gate = None
+        if shared_gate is not None:
+            logit = _moe_expert_linears(linear_profile)[2](x, shared_gate.reshape(1, x.shape[1]))
+            gate = 1.0 / (1.0 + ops._exp_f32(-logit))  # moe.h moe_shared_gate, fp32 [T, 1]
+        if combine == "late":  # negative control: each rank's weighted sum in the model dtype first (vLLM's)
+            partial = _moe_combine(partial, topk_weights, gate, x.dtype).float().unsqueeze(1)
+    except _LOCAL_ERRORS as e:
+        local_error = e
+    y = _tree_all_reduce(partial, group, algorithm, check, what, local_error)
+    if combine == "late":
+        return y[:, 0].to(x.dtype)
+    return _moe_combine(y, topk_weights, gate, x.dtype)

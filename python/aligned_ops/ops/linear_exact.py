@@ -174,6 +174,7 @@ def clear_exact_weight_cache() -> None:
     counter's back (``param.data.copy_``, a broadcast into the storage)."""
     _cache.clear()
     _tp_cache.clear()
+    _cast_cache.clear()
 
 
 def _pack(weight: torch.Tensor):
@@ -229,6 +230,29 @@ def pack_weight_slice(weight: torch.Tensor, merge, tag=None):
 
 def packed_weight(weight: torch.Tensor):
     return _packed(weight)[1]
+
+
+# A registered weight's copy in another dtype (the MoE router's fp32 weight, which DeepSeek-V3's routing reads
+# every forward): the same registration, key (version counter included) and invalidation as the packings above.
+_cast_cache = WeakIdKeyDictionary()
+
+
+def cached_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.to(dtype)``, kept across calls for a registered weight (:func:`cache_exact_weights`) while its
+    state (:func:`_weight_key`: storage, shape, strides, version counter) is the one it was cast from; cleared with
+    the packings (:func:`clear_exact_weight_cache`: vLLM's load_weights, refit). A weight autograd tracks (grad
+    mode on and ``requires_grad``: the trainer's) or not registered is cast on every call, as ``.to`` does."""
+    if weight.dtype == dtype or not is_exact_weight_cacheable(weight) or (
+            torch.is_grad_enabled() and weight.requires_grad):
+        return weight.to(dtype)
+    key = _weight_key(weight, dtype)
+    hit = _cast_cache.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        copy = weight.detach().to(dtype)
+    _cast_cache[weight] = (key, copy)
+    return copy
 
 
 def exact_weight_cache_bytes() -> int:

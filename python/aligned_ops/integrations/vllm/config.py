@@ -5,7 +5,8 @@ configurations it cannot keep aligned: other architectures (the supported ones: 
 RoPE variants (and partial rotary), quantization, a non-``auto`` KV-cache dtype, speculative decoding, a
 tensor-parallel size other than 1, 2, 4 or 8, pipeline parallelism, ``logprobs_mode`` ``raw_logits`` /
 ``processed_logits``, a linear profile that cannot serve the setting (its capabilities: e.g. ``exact`` at TP > 1
-in compiled mode) and, on CUDA/ROCm, missing GPU kernels or a stock attention backend asked for.
+in compiled mode), a MoE model at TP > 1 in compiled mode or with expert parallelism and, on CUDA/ROCm, missing
+GPU kernels or a stock attention backend asked for.
 
 The engine's linear profile (:mod:`aligned_ops.profiles`: the architecture's pin, else
 ``additional_config["aligned_ops_linear"]``, else ``ALIGNED_OPS_LINEAR``) is resolved here and written into
@@ -81,6 +82,16 @@ def validate_vllm_config(vllm_config) -> None:
             f"tensor_parallel_size {pc.tensor_parallel_size} is not supported (1, 2, 4 or 8: each rank of a "
             "row-parallel layer must hold whole lanes of the 8-lane linear tree)"
         )
+    if arch is not None and arch.moe and pc.tensor_parallel_size > 1:
+        # MoE at TP > 1: the experts' route (moe.py -> collective.row_parallel_moe_experts) groups tokens by expert
+        # on the host (data-dependent shapes) around its tree all-reduce: eager only, and tensor parallelism only
+        if not bool(getattr(mc, "enforce_eager", True)):
+            reasons.append(f"{arch.name} at tensor_parallel_size {pc.tensor_parallel_size} runs its MoE layers in "
+                           "eager mode only (their experts' tensor-parallel route is not traced): use "
+                           "enforce_eager=True or tensor_parallel_size=1")
+        if getattr(pc, "enable_expert_parallel", False):
+            reasons.append(f"expert parallelism (enable_expert_parallel) is not covered for {arch.name}: its MoE "
+                           "layers run tensor parallel (every expert's intermediate slice per rank)")
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
                        "data-parallel replicas are fine)")

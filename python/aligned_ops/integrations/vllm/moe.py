@@ -5,9 +5,12 @@ linear (the rules' router profile on the gate weight) -> ``aligned::moe_routing`
 with the shared expert and its sigmoid gate folded in (the same function the trainer's HF blocks run);
 ``GateLinear.forward`` -> the rules' router linear. The experts' CPU weight pre-packing is skipped
 (``w13_weight``/``w2_weight`` stay plain ``[E, 2I, H]`` / ``[E, H, I]``, so refit works). vLLM's routed-experts
-capture hook still sees the chosen ids. Anything else in a MoE layer (grouped top-k, score-correction bias,
-routed scaling, quantized experts, expert parallelism, other activations) raises ``NotImplementedError`` when
-the layer first runs.
+capture hook still sees the chosen ids. At tensor parallelism (vLLM gives each rank every expert's I slice and
+the shared expert's; router and shared gate replicated) the experts run the profile's
+``row_parallel_moe_experts``: each expert's down-projection sub-trees meet in the tree all-reduce before moe.h's
+combine, so the block's bits are the single-device ones (vLLM would all-reduce the combined outputs).
+Anything else in a MoE layer (quantized experts, expert/data/sequence parallelism, other activations, ...)
+raises ``NotImplementedError`` when the layer first runs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from .layers import keep_weight_after_loading
 
 def _gate_linear_forward(self, x):
     # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
-    # picked.
+    # picked; a router whose weight vLLM keeps in fp32 (GLM-4.5: params_dtype fp32, fp32 logits) takes x widened
+    # exactly to fp32 — linear(x.float(), W.float()), what the trainer's grouped block computes (models.moe)
+    if self.weight.dtype == torch.float32 and x.dtype != torch.float32:
+        x = x.float()
     out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
@@ -47,8 +53,8 @@ def _moe_layer_spec(runner):
             reasons.append("grouped top-k with softmax scores")
         if bias is not None and bias.dtype != torch.float32:
             reasons.append(f"e_score_correction_bias in {bias.dtype} (must stay float32)")
-        if getattr(runner, "gate", None) is None:
-            reasons.append("grouped routing without the gate module (precomputed router logits)")
+        # without the gate module (GLM-4.5 runs its GateLinear before the layer) the router logits come in: they
+        # must be the fp32 ones of the hooked GateLinear (checked per call, _moe_runner_forward)
     else:
         if bias is not None:
             reasons.append("e_score_correction_bias")
@@ -84,8 +90,17 @@ def _moe_layer_spec(runner):
         reasons.append("a runner-level shared_expert_gate")
     if re.w13_weight.dim() != 3 or re.w2_weight.dim() != 3 or re.w13_weight.shape[1] != 2 * re.w2_weight.shape[2]:
         reasons.append("padded or re-packed expert weights")
-    if getattr(mc, "ep_size", 1) != 1 or getattr(mc, "tp_size", 1) != 1 or getattr(mc, "dp_size", 1) != 1:
-        reasons.append("expert/tensor/data parallel MoE")
+    # Tensor parallelism (every expert's I sliced per rank, the router and the shared gate replicated) is covered:
+    # the experts' down-projection sub-trees meet in the tree all-reduce before moe.h's combine
+    # (_moe_runner_forward). Expert and data parallel MoE (experts placed per rank, all-to-all dispatch) are not.
+    if getattr(mc, "ep_size", 1) != 1 or getattr(mc, "use_ep", False):
+        reasons.append("expert parallel MoE (enable_expert_parallel): use tensor parallelism")
+    if getattr(mc, "dp_size", 1) != 1:
+        reasons.append("data parallel MoE (experts shared across data-parallel ranks)")
+    if getattr(mc, "is_sequence_parallel", False):
+        reasons.append("sequence parallel MoE")
+    if getattr(mc, "skip_final_all_reduce", False):
+        reasons.append("a fused-MoE layer whose all-reduce is deferred to the model (reduce_results=False)")
     if reasons:
         raise NotImplementedError("aligned_ops: this MoE layer cannot be kept aligned: " + "; ".join(reasons))
     spec = (int(router.top_k), "sigmoid_grouped" if grouped else scoring, bool(getattr(router, "renormalize", True)))
@@ -137,10 +152,26 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
         if _moe_trace is not None:
             _moe_trace.append((self.layer_name, ids))
 
+    profile = profile_of(self)
+    if self.gate is None and weights.scoring == "sigmoid_grouped" and router_logits.dtype != torch.float32:
+        raise NotImplementedError(f"aligned_ops: grouped MoE routing needs fp32 router logits (a GateLinear with an "
+                                  f"fp32 weight, as GLM-4.5's); got {router_logits.dtype}")
+    experts = None
+    if self.moe_config.tp_size > 1:
+        # TP: this rank holds every expert's I slice; the replicated router routes identically on every rank (x is
+        # the same there: the attention's row-parallel route gave every rank the single-device bits)
+        from .tp import _tp_group, moe_combine
+
+        group = _tp_group().device_group
+        combine = moe_combine()
+
+        def experts(*args):  # check=False: the ranks hold one configured model's shards (tp.py, row-parallel)
+            return profile.row_parallel_moe_experts(*args, group=group, combine=combine, check=False)
+
     # Qwen3-MoE hands the router to the runner (router_logits is then the hidden state): routed here;
     # Qwen2-MoE runs its gate (GateLinear, hooked) before the layer and passes the logits in.
     return sparse_moe(rules_of(self), x, weights, router_logits=None if self.gate is not None else router_logits,
-                      record=record, profile=profile_of(self))
+                      record=record, profile=profile, experts=experts)
 
 
 def oot_hooks() -> dict:

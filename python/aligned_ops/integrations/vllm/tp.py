@@ -23,10 +23,12 @@ from ... import profiles
 from ...profiles import profile_of
 from . import patches
 
-TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma": NEGATIVE CONTROLS ONLY (break the contract)
+TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma", "moe-late": NEGATIVE CONTROLS ONLY (break the contract)
 # "tree": each layer's own profile route; "sequential": the lane sums left to right; a profile name: that
 # profile's route whatever the layer's profile (the route the exact profile took at TP > 1 before it had its own).
-TP_COMBINES = ("tree", "sequential", profiles.FMA.name)
+# "moe-late": the row-parallel linears keep the tree; the MoE blocks weight and sum each rank's partial experts into
+# an output in the model dtype and then add the ranks' outputs (the order of vLLM's fused-MoE all-reduce).
+TP_COMBINES = ("tree", "sequential", profiles.FMA.name, "moe-late")
 _tp_combine = "tree"
 _tp_forced_profile: profiles.Profile | None = None
 
@@ -51,6 +53,12 @@ def set_combine(mode: str) -> str:
     return mode
 
 
+def moe_combine() -> str:
+    """The MoE experts' cross-rank combine of this process (collective.MOE_COMBINES): "late" only under the
+    "moe-late" negative control."""
+    return "late" if _tp_combine == "moe-late" else "tree"
+
+
 def combine_from_env() -> str:
     import os
 
@@ -67,7 +75,8 @@ def _set_tp_combine_in_worker(worker, mode):
 def set_tp_combine(llm, mode: str) -> None:
     """NEGATIVE CONTROLS ONLY: switch a running engine's row-parallel combine ("tree", "sequential" or "fma")
     in every worker. "sequential" adds the same 8 lane sums left to right, which breaks the contract (tests show
-    the log-probs then differ from the trainer's); "fma" runs the fma profile's tree whatever the layer's profile
+    the log-probs then differ from the trainer's); "moe-late" keeps the linears' tree and combines the MoE
+    blocks' experts in vLLM's order (each rank's weighted sum rounded to the model dtype, then the ranks' sum); "fma" runs the fma profile's tree whatever the layer's profile
     (the route the exact profile took at TP > 1 before it had its own: its log-probs differ from an exact
     trainer's). "tree": the layer's profile's own route (fma: the tree; exact: integer partials)."""
     llm.collective_rpc(_set_tp_combine_in_worker, args=(mode,))
@@ -127,7 +136,7 @@ def _row_parallel_forward(self, input_):
         input_ = split_tensor_along_last_dim(input_, num_partitions=self.tp_size)[self.tp_rank].contiguous()
     group = _tp_group()
     bias = None if self.skip_bias_add else self.bias
-    if _tp_combine == "sequential":
+    if _tp_combine == "sequential":  # ("moe-late" leaves the linears on their profile's route)
         out = _sequential_lane_combine(input_, self.weight, group, profile)
         if bias is not None:
             out = out + bias.to(torch.float32)
