@@ -64,6 +64,7 @@ def _load() -> None:
         paged_attention,
         reshape_and_cache,
     )
+    from .ops.mla import mla_attention_varlen, mla_paged_attention, mla_reshape_and_cache
     from .emulation import emulate
     from .ops.moe import moe_experts, moe_grouped_routing, moe_layer, moe_routing
     from .ops.lm_head import fused_token_logprobs
@@ -105,6 +106,9 @@ __all__ = [
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",
+    "mla_attention_varlen",
+    "mla_paged_attention",
+    "mla_reshape_and_cache",
     "emulate",
     "check_device_errors",
     "moe_routing",
