@@ -188,7 +188,8 @@ inline void check_paged_metadata(const at::Tensor& block_table, const at::Tensor
 template <class DTypeEnum>
 AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                           const at::Tensor& qsl, double scale, const char* op = "paged_attention") {
+                                           const at::Tensor& qsl, double scale,
+                                           const char* op = "paged_attention") {
   const auto c = check_paged_q_cache<DTypeEnum>(q, k_cache, v_cache, scale, op);
   check_paged_metadata(block_table, seq_lens, qsl, op);
   return c;

@@ -23,9 +23,9 @@
 namespace aligned::glue {
 
 template <class B>
-std::tuple<at::Tensor, at::Tensor> attention_varlen_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-                                                    bool causal) {
+std::tuple<at::Tensor, at::Tensor> attention_varlen_run(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& cu_q,
+                                                        const at::Tensor& cu_k, double scale, bool causal) {
   const typename B::Call call(op, q, "q");
   call.on_device(k, "k");
   call.on_device(v, "v");
@@ -49,10 +49,10 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_run(const char* op, const at
 // from cu_seqlens (the key tiles are the backward's own), so it first checks that these are the offsets that plan
 // was made from — never a gradient of another segmentation than the forward's.
 template <class B>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(const char* op, 
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
-    const std::optional<at::Tensor>& plan_info) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
+    bool causal, const std::optional<at::Tensor>& plan_info) {
   const typename B::Call call(op, grad_out, "grad_out");
   call.on_device(out, "out");
   call.on_device(lse, "lse");
@@ -112,9 +112,9 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 }
 
 template <class B>
-at::Tensor paged_attention_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
-                           double scale) {
+at::Tensor paged_attention_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                               const at::Tensor& qsl, double scale) {
   const typename B::Call call(op, q, "q");
   call.on_device(k_cache, "k_cache");
   call.on_device(v_cache, "v_cache");
@@ -158,6 +158,32 @@ void attention_plan(const at::Tensor& plan, const at::Tensor& table, const at::T
 
 // The run forms: the call checked against the plan's host info (a clear error), then the launches over the plan
 // buffers — no planning, no copy, no read of device memory (the kernels check the device header again).
+// attention_run_planned is their one body after the op's own checks: packed K/V (block_size 0, no table; the
+// call's cu_seqlens checked against the plan's fingerprint) or the paged cache (block_size > 0, the plan's table).
+template <class B>
+std::tuple<at::Tensor, at::Tensor> attention_run_planned(const typename B::Call& call, const char* op,
+                                                         const AttnCheck<DType>& c, const at::Tensor& q,
+                                                         const at::Tensor& k, const at::Tensor& v, int64_t kv_rows,
+                                                         int64_t block_size, const at::Tensor& plan,
+                                                         const at::Tensor& table, const at::Tensor& plan_info,
+                                                         int64_t workspace_floats, double scale,
+                                                         const at::Tensor* cu_q, const at::Tensor* cu_k) {
+  call.on_device(plan, "plan");
+  if (block_size > 0) call.on_device(table, "plan_table");
+  check_plan_buffers(plan, table, workspace_floats, op);
+  const AttnPlanInfo info = plan_info_of(plan_info, op);
+  const AttnRunDims run =
+      check_plan_call(info, c.shape, q.size(0), kv_rows, block_size, plan, table, workspace_floats, op);
+  if (cu_q != nullptr) check_plan_offsets(info, *cu_q, *cu_k, op, "the plan");  // no other segmentation silently
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
+  B::attention_forward_planned(call, make_attn_problem(c.dt, c.shape, scale, c.shape.causal, qc.data_ptr(),
+                                                       k.data_ptr(), v.data_ptr(), block_size),
+                               info, plan, table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
 template <class B>
 std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, const at::Tensor& cu_q,
@@ -172,42 +198,20 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q,
   check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
   const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
-  call.on_device(plan, "plan");
-  check_plan_buffers(plan, no_table, workspace_floats, op);
-  const AttnPlanInfo info = plan_info_of(plan_info, op);
-  const AttnRunDims run =
-      check_plan_call(info, c.shape, q.size(0), k.size(0), 0, plan, no_table, workspace_floats, op);
-  check_plan_offsets(info, cu_q, cu_k, op, "the plan");  // host metadata: no other segmentation runs silently
-  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  auto out = at::empty_like(qc);
-  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  B::attention_forward_planned(
-      call, make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0), info,
-      plan, no_table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
-  return {out, lse};
+  return attention_run_planned<B>(call, op, c, q, k.contiguous(), v.contiguous(), k.size(0), 0, plan, no_table,
+                                  plan_info, workspace_floats, scale, &cu_q, &cu_k);
 }
 
 template <class B>
-at::Tensor paged_attention_planned_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& plan, const at::Tensor& table, const at::Tensor& plan_info,
-                                   int64_t workspace_floats, double scale) {
+at::Tensor paged_attention_planned_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& plan, const at::Tensor& table,
+                                       const at::Tensor& plan_info, int64_t workspace_floats, double scale) {
   const typename B::Call call(op, q, "q");
   call.on_device(k_cache, "k_cache");
   call.on_device(v_cache, "v_cache");
   const auto c = check_paged_q_cache<DType>(q, k_cache, v_cache, scale, op);
-  call.on_device(plan, "plan");
-  call.on_device(table, "plan_table");
-  check_plan_buffers(plan, table, workspace_floats, op);
-  const AttnPlanInfo info = plan_info_of(plan_info, op);
-  const AttnRunDims run = check_plan_call(info, c.shape, q.size(0), k_cache.size(0), k_cache.size(1), plan, table,
-                                          workspace_floats, op);
-  auto qc = q.contiguous();
-  auto out = at::empty_like(qc);
-  auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
-  B::attention_forward_planned(call, make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(),
-                                                       v_cache.data_ptr(), k_cache.size(1)),
-                               info, plan, table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
-  return out;
+  return std::get<0>(attention_run_planned<B>(call, op, c, q, k_cache, v_cache, k_cache.size(0), k_cache.size(1),
+                                              plan, table, plan_info, workspace_floats, scale, nullptr, nullptr));
 }
 
 // What a plan of this host metadata needs (host only: the same on every backend).
