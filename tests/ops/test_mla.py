@@ -454,3 +454,102 @@ def test_isa_levels_identical(isa_matrix):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert bitwise_equal(a, b)
+
+
+# ---- the absorbed projections ---------------------------------------------------------------------------------------
+
+
+def kv_b(H, dn, dv, R, dtype, seed):
+    return (torch.randn(H * (dn + dv), R, generator=torch.Generator().manual_seed(seed)) * R ** -0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_projections_match_float64(dtype):
+    H, dn, dv, R, T = 3, 24, 20, 40, 11
+    w = kv_b(H, dn, dv, R, dtype, 40)
+    g = torch.Generator().manual_seed(41)
+    q_nope = torch.randn(T, H, dn, generator=g).to(dtype)
+    o_lat = torch.randn(T, H, R, generator=g).to(dtype)
+    ab = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+    wv = w.double().view(H, dn + dv, R)
+    rtol, atol = TOL[dtype]
+    q_lat = aligned_ops.mla_absorb_q(q_nope, ab)
+    assert q_lat.shape == (T, H, R) and q_lat.dtype == dtype
+    torch.testing.assert_close(q_lat.double(), torch.einsum("thd,hdr->thr", q_nope.double(), wv[:, :dn]),
+                               rtol=rtol, atol=atol)
+    o = aligned_ops.mla_absorb_out(o_lat, ab)
+    assert o.shape == (T, H, dv)
+    torch.testing.assert_close(o.double(), torch.einsum("thr,hvr->thv", o_lat.double(), wv[:, dn:]), rtol=rtol,
+                               atol=atol)
+    # head h is the profile's linear of that head's slice (the layout of the derivation)
+    assert bitwise_equal(q_lat[:, 1], aligned_ops.linear(q_nope[:, 1], wv[1, :dn].T.to(dtype).contiguous()))
+    assert bitwise_equal(o[:, 2], aligned_ops.linear(o_lat[:, 2], wv[2, dn:].to(dtype).contiguous()))
+
+
+def _split_k_by_batch(x, w):
+    """A linear whose K split depends on the batch size (a batch-dependent split-K heuristic)."""
+    k = w.shape[1] // (2 if x.shape[0] > 4 else 3)
+    return (x[:, :k] @ w[:, :k].T + x[:, k:] @ w[:, k:].T).to(x.dtype)
+
+
+def test_absorbed_projections_batch_invariant_with_negative_control():
+    H, dn, dv, R = 2, 32, 16, 64
+    w = kv_b(H, dn, dv, R, torch.float32, 42)
+    ab = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+    x = torch.randn(9, H, dn, generator=torch.Generator().manual_seed(43))
+    o = torch.randn(9, H, R, generator=torch.Generator().manual_seed(44))
+    qb, ob = aligned_ops.mla_absorb_q(x, ab), aligned_ops.mla_absorb_out(o, ab)
+    for t in (0, 4, 8):
+        assert bitwise_equal(aligned_ops.mla_absorb_q(x[t : t + 1], ab), qb[t : t + 1])
+        assert bitwise_equal(aligned_ops.mla_absorb_out(o[t : t + 1], ab), ob[t : t + 1])
+    # the same check on a batch-dependent split-K linear fails
+    bad_b = aligned_ops.mla_absorb_out(o, ab, linear=_split_k_by_batch)
+    assert any(not bitwise_equal(aligned_ops.mla_absorb_out(o[t : t + 1], ab, linear=_split_k_by_batch),
+                                 bad_b[t : t + 1]) for t in range(9))
+
+
+def test_absorbed_weights_cached_per_version_and_refit_invalidates():
+    H, dn, dv, R = 2, 8, 8, 16
+    w = kv_b(H, dn, dv, R, torch.float32, 45)
+    with torch.no_grad():
+        a = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+        assert aligned_ops.mla_absorbed_weights(w, H, dn, dv) is a  # derived once per weight version
+        w.copy_(kv_b(H, dn, dv, R, torch.float32, 46))  # a refit writes in place
+        b = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+    assert b is not a and bitwise_equal(b.w_uv, w.view(H, dn + dv, R)[:, dn:].contiguous())
+    assert not bitwise_equal(a.w_uv, b.w_uv)
+    with pytest.raises(ValueError, match=r"aligned_ops.MlaAbsorbedWeights: kv_b_proj weight must be"):
+        aligned_ops.mla_absorbed_weights(w, 3, dn, dv)
+
+
+def test_absorbed_attention_gradients_reach_kv_b_proj():
+    """The absorbed attention of one layer (q_nope·W_UK ‖ q_rope over the latent rows, then ·W_UV), differentiated
+    through the ops, against float64 autograd of the same formula."""
+    H, dn, dr, dv, R, lens = 2, 16, 8, 12, 24, [5, 9]
+    g = torch.Generator().manual_seed(47)
+    T = sum(lens)
+    q_nope, q_rope = torch.randn(T, H, dn, generator=g), torch.randn(T, H, dr, generator=g)
+    kv = torch.randn(T, R + dr, generator=g)
+    w = kv_b(H, dn, dv, R, torch.float32, 48)
+    cq = cu(lens)
+    scale = (dn + dr) ** -0.5
+
+    def absorbed(q_nope, q_rope, kv, w):
+        ab = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+        q = torch.cat([aligned_ops.mla_absorb_q(q_nope, ab), q_rope], -1)
+        o, _ = aligned_ops.mla_attention_varlen(q, kv, cq, cq, R, scale)
+        return aligned_ops.mla_absorb_out(o, ab)
+
+    def reference(q_nope, q_rope, kv, w):
+        wv = w.view(H, dn + dv, R)
+        q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, wv[:, :dn]), q_rope], -1)
+        o = ref_mla(q, kv, cq, cq, R, scale)[0]
+        return torch.einsum("thr,hvr->thv", o, wv[:, dn:])
+
+    ins = [t.clone().requires_grad_() for t in (q_nope, q_rope, kv, w)]
+    gw = torch.randn(T, H, dv, generator=g)
+    (absorbed(*ins) * gw).sum().backward()
+    ins64 = [t.double().requires_grad_() for t in (q_nope, q_rope, kv, w)]
+    (reference(*ins64) * gw.double()).sum().backward()
+    for a, b in zip(ins, ins64):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)

@@ -143,3 +143,80 @@ def mla_paged_attention(q, kv_cache, block_table=None, seq_lens=None, query_star
         return ops.mla_paged_attention_planned(q, kv_cache, plan.plan, plan.table, plan.info, plan.workspace_floats,
                                                int(kv_lora_rank), scale)
     return ops.mla_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, int(kv_lora_rank), scale)
+
+
+# ---- the absorbed projections (W_UK, W_UV per head, from kv_b_proj) ------------------------------------------------
+
+
+class MlaAbsorbedWeights:
+    """The per-head absorbed projections of an MLA layer, derived from its ``kv_b_proj`` weight
+    [H · (qk_nope_head_dim + v_head_dim), kv_lora_rank] (the expanded form's up-projection: per head the rows of
+    k_nope, then of v):
+
+    * ``w_uk_t`` [H, kv_lora_rank, qk_nope]: head h's ``W_UK`` transposed, the weight (N = kv_lora_rank,
+      K = qk_nope) of the linear that maps q_nope[h] into the latent space (:func:`mla_absorb_q`);
+    * ``w_uv`` [H, v_head_dim, kv_lora_rank]: head h's ``W_UV``, the weight (N = v_head_dim, K = kv_lora_rank) of
+      the linear that maps the latent output o[h] to the head's value space (:func:`mla_absorb_out`).
+
+    Derived with views and one contiguous copy (exact: no arithmetic), so gradients flow back to ``kv_b_proj``.
+    :func:`mla_absorbed_weights` caches the derivation per weight version for inference (a refit — any in-place
+    write to the weight — bumps the version and invalidates it)."""
+
+    def __init__(self, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
+        H, dn, dv = int(num_heads), int(qk_nope_head_dim), int(v_head_dim)
+        if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != H * (dn + dv):
+            raise ValueError(f"aligned_ops.MlaAbsorbedWeights: kv_b_proj weight must be [num_heads * (qk_nope_head_dim "
+                             f"+ v_head_dim), kv_lora_rank] = [{H * (dn + dv)}, R], got {tuple(kv_b_weight.shape)}")
+        w = kv_b_weight.view(H, dn + dv, kv_b_weight.shape[1])
+        self.num_heads, self.qk_nope_head_dim, self.v_head_dim = H, dn, dv
+        self.kv_lora_rank = int(kv_b_weight.shape[1])
+        self.w_uk_t = w[:, :dn, :].transpose(1, 2).contiguous()
+        self.w_uv = w[:, dn:, :].contiguous()
+
+
+_ABSORBED_CACHE: dict = {}
+
+
+def mla_absorbed_weights(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
+    """:class:`MlaAbsorbedWeights` of ``kv_b_weight``; with autograd off (inference, a rollout engine) the result
+    is cached per (tensor, weight version): derived once per weight version, re-derived after a refit (an in-place
+    write bumps ``tensor._version``). With autograd on (training) it is derived per call, so gradients reach the
+    weight."""
+    if torch.is_grad_enabled() and kv_b_weight.requires_grad:
+        return MlaAbsorbedWeights(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
+    key = (id(kv_b_weight), kv_b_weight.data_ptr(), int(num_heads), int(qk_nope_head_dim), int(v_head_dim))
+    hit = _ABSORBED_CACHE.get(key)
+    if hit is not None and hit[0] == kv_b_weight._version and hit[1]() is kv_b_weight:
+        return hit[2]
+    import weakref
+
+    w = MlaAbsorbedWeights(kv_b_weight.detach(), num_heads, qk_nope_head_dim, v_head_dim)
+    _ABSORBED_CACHE[key] = (kv_b_weight._version, weakref.ref(kv_b_weight), w)
+    return w
+
+
+def _per_head(x, weights, linear):
+    """[T, H, K] x per-head weights [H, N, K] -> [T, H, N]: head h is ``linear(x[:, h], weights[h])``, one aligned
+    linear per head (its profile's order over K; rows never depend on the batch)."""
+    if x.dim() != 3 or x.shape[1] != weights.shape[0] or x.shape[2] != weights.shape[2]:
+        raise ValueError(f"aligned_ops.mla_absorb: x must be [tokens, {weights.shape[0]}, {weights.shape[2]}], got "
+                         f"{tuple(x.shape)}")
+    return torch.stack([linear(x[:, h], weights[h]) for h in range(weights.shape[0])], 1)
+
+
+def mla_absorb_q(q_nope, absorbed, linear=None):
+    """q_nope [T, H, qk_nope] -> q_latent [T, H, kv_lora_rank] = per head ``q_nope[h] · W_UK[h]``, as the aligned
+    linear ``linear(q_nope[:, h], absorbed.w_uk_t[h])`` (``linear``: the model's profile's linear, e.g.
+    ``profile.linear``; default the ``fma`` profile's :func:`aligned_ops.linear`). Concatenated with q_rope it is
+    the absorbed query of :func:`mla_attention_varlen` / :func:`mla_paged_attention`."""
+    from .linear import linear as fma_linear
+
+    return _per_head(q_nope, absorbed.w_uk_t, linear or fma_linear)
+
+
+def mla_absorb_out(o_latent, absorbed, linear=None):
+    """o_latent [T, H, kv_lora_rank] (the MLA ops' output) -> [T, H, v_head_dim] = per head
+    ``o_latent[h] · W_UV[h]ᵀ``, as the aligned linear ``linear(o_latent[:, h], absorbed.w_uv[h])``."""
+    from .linear import linear as fma_linear
+
+    return _per_head(o_latent, absorbed.w_uv, linear or fma_linear)
