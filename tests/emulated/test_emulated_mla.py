@@ -3,7 +3,7 @@
 The MLA ops are the attention ops with one KV head whose keys and values are the latent row, so under
 ``aligned_ops.emulate(arch)`` they run the GPU attention kernels (the launch records prove it) and must equal the
 CPU backend bit for bit: varlen forward and backward, the latent cache write, paged decode / chunked prefill
-(per-call and planned). Row widths up to the GPU kernels' head_dim limit (256) run here; wider rows (DeepSeek-V3's
+(per-call and planned forms). Row widths up to the GPU kernels' head_dim limit (256) run here; wider rows (DeepSeek-V3's
 576) are refused by name on the GPU path until the kernels take them (the refusal is tested, and the CPU path is
 in tests/ops/test_mla.py). Negative control: the emulator's neighbour-first shuffle tree must change the bits."""
 
@@ -46,6 +46,8 @@ def run_all(q, kv, go, table, slots, n_blocks, lens, R, bs=16):
     D, scale = q.shape[-1], q.shape[-1] ** -0.5
     cq = cu(lens)
     out, lse = ops.mla_attention_varlen(q, kv, cq, cq, R, scale, True)
+    vplan = aligned_ops.AttentionPlan().plan_varlen(cq, cq, q.shape[1], 1, D)
+    out_planned = aligned_ops.mla_attention_varlen(q, kv, cq, cq, R, scale, plan=vplan)[0]
     dq, dkv = ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, R, scale, True)
     cache = torch.full((n_blocks, bs, D), float("nan"), dtype=q.dtype)
     ops.mla_reshape_and_cache(kv[:, :R], kv[:, R:], cache, slots)
@@ -56,7 +58,7 @@ def run_all(q, kv, go, table, slots, n_blocks, lens, R, bs=16):
     paged = ops.mla_paged_attention(qm, cache, table, sl, ql, R, scale)
     plan = aligned_ops.AttentionPlan().plan_paged(ql, sl, table, q.shape[1], 1, D, n_blocks, bs)
     planned = aligned_ops.mla_paged_attention(qm, cache, kv_lora_rank=R, scale=scale, plan=plan)
-    return out, lse, dq, dkv, cache, paged, planned
+    return out, lse, dq, dkv, cache, paged, planned, out_planned
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
@@ -69,9 +71,10 @@ def test_emulated_equals_cpu(arch, dtype):
         gpu = run_all(*c, R)
     assert {"attention_split_kernel", "attention_merge_kernel", "cache_write_kernel", "attention_bwd_dq_kernel",
             "attention_bwd_dkdv_kernel"} <= emu.kernels(), emu.kernels()
-    for name, a, b in zip(["out", "lse", "dq", "dkv", "cache", "paged", "planned"], cpu, gpu):
+    for name, a, b in zip(["out", "lse", "dq", "dkv", "cache", "paged", "planned", "out_planned"], cpu, gpu):
         assert bitwise_equal(a, b), f"{arch} {name}"
-    out, lse, *_, paged, planned = cpu
+    out, lse, *_, paged, planned, out_planned = cpu
+    assert bitwise_equal(out_planned, out)
     lens = c[-1]
     want = torch.cat([out[lens[0] - 7 : lens[0]], out[-1:]])
     assert bitwise_equal(paged, want) and bitwise_equal(planned, want)

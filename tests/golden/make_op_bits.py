@@ -398,6 +398,11 @@ def cases():
             key = f"{tag}/r{R}+{rope}/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}"
             yield f"mla_attention_varlen/{key}", lambda q=q, kv=kv, cq=cq, ck=ck, R=R: _grads(
                 lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, R, 0.3), (q, kv))
+
+            def mla_planned_varlen(q=q, kv=kv, cq=cq, ck=ck, R=R, D=D):
+                plan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, 3, 1, D)
+                return _grads(lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, R, 0.3, plan=plan), (q, kv))
+            yield f"mla_attention_varlen_planned/{key}", mla_planned_varlen
         nb, bs, R, rope = 40, 16, 40, 8
         cache = rand(72, (nb, bs, R + rope), dt)
         table = integers(73, (3, 39), 0, nb).to(torch.int32)

@@ -84,6 +84,11 @@ DIFFERENTIABLE = {
     "mla_attention_varlen": (lambda: (_rows(9, 3, 12), _rows(9, 12, seed=1)),
                              lambda q, kv: ops.mla_attention_varlen(q, kv, CU, CU, 8, 0.3, True)[0],
                              lambda q, kv: _attn_ref(q, kv[:, None, :], kv[:, None, :8], LENS, 0.3)),
+    "mla_attention_varlen_planned": (lambda: (_rows(9, 3, 12), _rows(9, 12, seed=1)),
+                                     lambda q, kv: aligned_ops.mla_attention_varlen(
+                                         q, kv, CU, CU, 8, 0.3, plan=aligned_ops.AttentionPlan().plan_varlen(
+                                             CU, CU, 3, 1, 12))[0],
+                                     lambda q, kv: _attn_ref(q, kv[:, None, :], kv[:, None, :8], LENS, 0.3)),
 }
 
 

@@ -223,6 +223,30 @@ def test_planned_equals_per_call():
         aligned_ops.mla_paged_attention(qq[:, :1].contiguous(), cache, kv_lora_rank=R, scale=0.1, plan=plan)
 
 
+def test_varlen_planned_equals_per_call_forward_and_backward():
+    """The trainer's run form (one plan per step, every layer): same bits as the per-call form, gradients included;
+    the backward refuses offsets its forward's plan was not made from (negative control of the plan check)."""
+    R, rope, lens = 64, 16, [30, 1, 530]
+    q, kv, cq, ck = make(lens, lens, 2, R, rope, torch.bfloat16, seed=22)
+    go = torch.randn(q.shape[0], 2, R, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    plan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, 2, 1, R + rope)
+    res = []
+    for p in (None, plan):
+        qa, ka = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, lse = aligned_ops.mla_attention_varlen(qa, ka, cq, ck, R, scale_of(R + rope), plan=p)
+        out.backward(go)
+        res.append((out, lse, qa.grad, ka.grad))
+    for a, b in zip(*res):
+        assert bitwise_equal(a, b)
+    other = cu([31, 530])
+    with pytest.raises(RuntimeError, match="mla_attention_varlen_planned: cu_seqlens_q / cu_seqlens_k are not the "
+                       "offsets the plan"):
+        aligned_ops.mla_attention_varlen(q, kv, other, other, R, 0.1, plan=plan)
+    out, lse = aligned_ops.mla_attention_varlen(q, kv, cq, ck, R, 0.1, plan=plan)
+    with pytest.raises(RuntimeError, match="mla_attention_varlen_backward: cu_seqlens_q / cu_seqlens_k are not"):
+        ops.mla_attention_varlen_backward(go, q, kv, out, lse, other, other, R, 0.1, True, plan.info)
+
+
 def test_threads_and_repeats():
     q, kv, cq, ck = make([70, 33], [70, 33], 4, 64, 16, torch.bfloat16, seed=10)
     go = torch.randn(q.shape[0], 4, 64).to(torch.bfloat16)
@@ -340,6 +364,10 @@ def test_opcheck(dtype):
     out, lse = varlen(q, kv, cq, ck, R)
     torch.library.opcheck(ops.mla_attention_varlen_backward.default,
                           (torch.ones_like(out), q, kv, out, lse, cq, ck, R, 0.25, True))
+    vplan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, 2, 1, R + rope)
+    torch.library.opcheck(ops.mla_attention_varlen_planned.default,
+                          (q.clone().requires_grad_(), kv.clone().requires_grad_(), cq, ck, vplan.plan, vplan.info,
+                           vplan.workspace_floats, R, 0.25, True))
     cache, table = fill_cache(kv[5:], [12], R, bs)
     slots = torch.arange(kv.shape[0], dtype=torch.int64)
     cache2 = torch.zeros(6, bs, R + rope, dtype=dtype)

@@ -294,7 +294,8 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_varlen_backward(const at::Tenso
                                                                  const at::Tensor& kv, const at::Tensor& out,
                                                                  const at::Tensor& lse, const at::Tensor& cu_q,
                                                                  const at::Tensor& cu_k, int64_t kv_lora_rank,
-                                                                 double scale, bool causal) {
+                                                                 double scale, bool causal,
+                                                                 const std::optional<at::Tensor>& plan_info) {
   const char* op = "mla_attention_varlen_backward";
   const typename B::Call call(op, grad_out, "grad_out");
   call.on_device(q, "q");
@@ -309,10 +310,31 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_varlen_backward(const at::Tenso
   const at::Tensor kvh = mla_head(kv.to(at::kFloat));
   auto [dq, dk, dv] = attention_varlen_backward_run<B>(op, mla_widen_padded(grad_out, D), q.to(at::kFloat).contiguous(),
                                                        kvh, kvh, mla_widen_padded(out, D), lse, cu_q, cu_k, scale,
-                                                       causal, std::nullopt);
+                                                       causal, plan_info);
   at::Tensor dkv = dk.squeeze(1);
   dkv.narrow(1, 0, kv_lora_rank).add_(dv.squeeze(1).narrow(1, 0, kv_lora_rank));
   return {dq.to(q.scalar_type()), dkv.to(q.scalar_type())};
+}
+
+// The run form (aligned_ops.AttentionPlan.plan_varlen(cu_q, cu_k, H, 1, D)): the call checked against the plan's host
+// info and offsets, then only the launches; the same bits as the per-call form.
+template <class B>
+std::tuple<at::Tensor, at::Tensor> mla_attention_varlen_planned(const at::Tensor& q, const at::Tensor& kv,
+                                                                const at::Tensor& cu_q, const at::Tensor& cu_k,
+                                                                const at::Tensor& plan, const at::Tensor& plan_info,
+                                                                int64_t workspace_floats, int64_t kv_lora_rank,
+                                                                double scale, bool causal) {
+  const char* op = "mla_attention_varlen_planned";
+  const typename B::Call call(op, q, "q");
+  call.on_device(kv, "kv");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_mla_varlen<DType>(q, kv, cu_q, cu_k, kv_lora_rank, scale, causal, op);
+  const at::Tensor kvh = mla_head(kv);
+  const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
+  auto [out, lse] = attention_run_planned<B>(call, op, c, q, kvh, kvh, kv.size(0), 0, plan, no_table, plan_info,
+                                             workspace_floats, scale, &cu_q, &cu_k);
+  return {mla_values(out, kv_lora_rank), lse};
 }
 
 // One latent row per token, [kv_c || k_pe], into the cache [num_blocks, block_size, D] at slot_mapping (vLLM's
@@ -374,6 +396,7 @@ struct Attention {
       Op{"paged_attention_planned", &paged_attention_planned<B>},
       Op{"mla_attention_varlen", &mla_attention_varlen<B>},
       Op{"mla_attention_varlen_backward", &mla_attention_varlen_backward<B>},
+      Op{"mla_attention_varlen_planned", &mla_attention_varlen_planned<B>},
       Op{"mla_reshape_and_cache", &mla_reshape_and_cache<B>},
       Op{"mla_paged_attention", &mla_paged_attention<B>},
       Op{"mla_paged_attention_planned", &mla_paged_attention_planned<B>},

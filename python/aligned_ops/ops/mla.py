@@ -37,8 +37,17 @@ def _(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale, causal=True):
     return _latent_out(q, kv_lora_rank), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
+@torch.library.register_fake(_lib + "mla_attention_varlen_planned")
+def _(q, kv, cu_seqlens_q, cu_seqlens_k, plan, plan_info, workspace_floats, kv_lora_rank, scale, causal=True):
+    _check_same_device("mla_attention_varlen_planned", q=q, kv=kv, plan=plan)
+    _check_host_or_same("mla_attention_varlen_planned", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    torch._check(q.dim() == 3, lambda: "aligned::mla_attention_varlen_planned: q must be [tokens, heads, "
+                 "kv_lora_rank + rope_dim]")
+    return _latent_out(q, kv_lora_rank), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
 @torch.library.register_fake(_lib + "mla_attention_varlen_backward")
-def _(grad_out, q, kv, out, lse, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale, causal):
+def _(grad_out, q, kv, out, lse, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale, causal, plan_info=None):
     _check_same_device("mla_attention_varlen_backward", grad_out=grad_out, q=q, kv=kv, out=out, lse=lse)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(kv, memory_format=torch.contiguous_format))
@@ -69,11 +78,14 @@ def _(q, kv_cache, plan, plan_table, plan_info, workspace_floats, kv_lora_rank, 
     return _latent_out(q, kv_lora_rank)
 
 
-def _mla_setup(ctx, inputs, output):
+def _mla_setup(ctx, inputs, output, plan_info=None):
     q, kv, cu_q, cu_k, kv_lora_rank, scale, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, kv, out, lse, cu_q, cu_k)
     ctx.kv_lora_rank, ctx.scale, ctx.causal = kv_lora_rank, scale, causal
+    # the planned form: a copy of the info of the plan the forward ran (the caller may replan before the backward);
+    # the backward refuses cu_seqlens that plan was not made from
+    ctx.plan_info = None if plan_info is None else plan_info.clone()
     ctx.mark_non_differentiable(lse)
 
 
@@ -82,11 +94,25 @@ def _mla_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dkv = ops.mla_attention_varlen_backward(grad_out.contiguous(), q, kv, out, lse, cu_q, cu_k,
-                                                ctx.kv_lora_rank, ctx.scale, ctx.causal)
+                                                ctx.kv_lora_rank, ctx.scale, ctx.causal, ctx.plan_info)
     return dq, dkv, None, None, None, None, None
 
 
 torch.library.register_autograd(_lib + "mla_attention_varlen", _mla_backward, setup_context=_mla_setup)
+
+
+def _mla_planned_setup(ctx, inputs, output):
+    q, kv, cu_q, cu_k, _plan, plan_info, _workspace_floats, kv_lora_rank, scale, causal = inputs
+    _mla_setup(ctx, (q, kv, cu_q, cu_k, kv_lora_rank, scale, causal), output, plan_info)
+
+
+def _mla_planned_backward(ctx, grad_out, grad_lse):
+    dq, dkv = _mla_backward(ctx, grad_out, grad_lse)[:2]
+    return dq, dkv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_lib + "mla_attention_varlen_planned", _mla_planned_backward,
+                                setup_context=_mla_planned_setup)
 
 from ._registry import register_no_backward  # noqa: E402
 
@@ -106,7 +132,7 @@ def _mla_scale(op, q, scale):
                      "1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times its YaRN mscale², not 1/sqrt(row width))")
 
 
-def mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale, causal=True):
+def mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale, causal=True, plan=None):
     """Packed variable-length MLA (prefill and training). q [Tq, H, D] (absorbed: [q_nope·W_UK || q_rope]),
     kv [Tk, D] (each token's latent row [c_kv || k_rope]), cu_seqlens_* int32 [B+1] host tensors,
     D = kv_lora_rank + rope_dim. Returns (out [Tq, H, kv_lora_rank] in q's dtype, lse [Tq, H] fp32 — natural log
@@ -114,8 +140,14 @@ def mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale,
     dims, fp32 arithmetic in attention's fixed order (csrc/common/attention.h "MLA"), one rounding. Causal masks
     are bottom-right aligned. Differentiable in q and kv (not through lse): the backward's dkv sums the key and
     value gradients of the shared row in fp32 before its one rounding. Bitwise equal to :func:`mla_paged_attention`
-    on the same tokens."""
+    on the same tokens.
+    ``plan``: an :class:`AttentionPlan` made by ``plan_varlen(cu_seqlens_q, cu_seqlens_k, H, 1, D, causal)`` (one
+    plan per step serves every layer): the run form, same bits; the call (and the backward's cu_seqlens) are
+    checked against it."""
     scale = _mla_scale("mla_attention_varlen", q, scale)
+    if plan is not None:
+        return ops.mla_attention_varlen_planned(q, kv, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.info,
+                                                plan.workspace_floats, int(kv_lora_rank), scale, causal)
     return ops.mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, int(kv_lora_rank), scale, causal)
 
 
