@@ -34,6 +34,7 @@ namespace aligned::gpu::ALIGNED_GPU_BUILD {
 constexpr int kAttnGroups = 8;  // reduction groups per block (256 threads); any value gives the same bits
 constexpr int kAttnThreads = kAttnGroups * kGroupLanes;
 constexpr int kAttnChunks = (int)(kGpuAttnMaxD / kGroupLanes);  // accumulators per lane
+constexpr int kAttnChunksWide = (int)(kGpuAttnMaxDWide / kGroupLanes);  // the wide forward's (kStageK = false)
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
 // The padded fp32 K row of a head_dim: D + 1 floats (lane j reads row j: consecutive lanes, consecutive banks).
 __host__ __device__ inline int64_t kAttnKStrideOf(int64_t D) { return D + 1; }
@@ -76,8 +77,11 @@ constexpr int kAttnPrefetchVecs = (int)(kAttnTile * kGpuAttnMaxD * 4 / 16 / kAtt
 // (3) keeps the NEXT tile's vectors in flight in registers while the groups compute this one (prefetch). kStageV is
 // false only where the K and V tiles do not fit the device's shared memory (fp32, D > 224 on a 64 KB-LDS gfx942):
 // then V is read from global memory as before. The arithmetic per (row, head) is the same in both (attention.h).
-template <typename T, bool kStageV>
+// The wide variant (kStageK = false, kChunks = kAttnChunksWide; head_dim up to kGpuAttnMaxDWide) stages nothing: lane
+// j reads key j's row from global memory for its score, V comes from global memory; the chains are the same.
+template <typename T, bool kStageV, int kChunks = kAttnChunks, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdParams p) {
+  static_assert(kStageK || !kStageV, "V is staged only with K");
   float* const ktile = dynamic_shared<float>();
   float* const vtile = ktile + kAttnTile * kAttnKStrideOf(p.D);
   __shared__ int64_t key_off[kAttnTile];  // element offset of key j0 + j's row for KV head g (attention.h KvRows)
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
   const int64_t key_end = nk_max < key0 + kAttnSplit ? nk_max : key0 + kAttnSplit;
   // 16-byte staging: every key row of K / V starts 16-byte aligned (base, Hkv * D and D multiples of a vector)
   constexpr int kV = kVecElems<T>;
-  const bool vec = D % kV == 0 && (p.Hkv * D) % kV == 0 && is_vec_aligned(K) && is_vec_aligned(V) &&
+  const bool vec = kStageK && D % kV == 0 && (p.Hkv * D) % kV == 0 && is_vec_aligned(K) && is_vec_aligned(V) &&
                    D / kV * kAttnTile <= (int64_t)kAttnPrefetchVecs * kAttnThreads;
   const int vpr = (int)(D / kV);  // vectors per key row
   int4 kpre[kAttnPrefetchVecs], vpre[kAttnPrefetchVecs];
@@ -119,6 +123,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     }
   };
   auto stage = [&](int n_tile) {  // registers (vec) or element loads -> shared memory, fp32; rows >= n_tile are 0
+    if (!kStageK) return;
     if (vec) {
 #pragma unroll
       for (int u = 0; u < kAttnPrefetchVecs; ++u) {
@@ -147,9 +152,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     const int64_t nk = pr < P ? work_row_keys(p, w, r) : 0;
     const bool active = nk > key0;  // uniform over the group
     const int64_t qrow = ((w[kWqBegin] + w[kWr0] + r) * p.Hq + w[kWg] * G + h) * D;
-    float m = neg_inf_f32(), l = 0.0f, acc[kAttnChunks];
+    float m = neg_inf_f32(), l = 0.0f, acc[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) acc[i] = 0.0f;
     if (key0 < key_end) {  // the first tile's offsets and vectors
       __syncthreads();  // key_off / the tiles of the previous round are no longer read
       tile_offsets(key0);
@@ -169,7 +174,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       }
       if (!active || nk <= j0) continue;  // uniform over the group; barriers above are reached by all
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
-      const float s_lane = attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale;
+      // (wide: the key row's own offset — key_off already holds the next tile's —; lanes past the tile's keys have
+      // no row to read and their score is never used, attention.h step 3)
+      const float s_lane =
+          kStageK ? attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale
+                  : (lane < n_tile ? attn_dot((const T*)p.q + qrow, K + key_off_v(kv, j0 + lane, w[kWg]), D) * p.scale
+                                   : 0.0f);
       float s[kAttnTile];
 #pragma unroll
       for (int j = 0; j < kAttnTile; ++j) s[j] = shfl_idx32(s_lane, j);
@@ -178,21 +188,21 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       const float alpha = exp_f32(m - mu);
       const float p_lane = attn_tile_prob(s_lane, lane, nv, mu);
       l = attn_tile_l(l, alpha, group_sum_tree(p_lane));
-      float pv[kAttnChunks];
+      float pv[kChunks];
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) pv[i] = 0.0f;
+      for (int i = 0; i < kChunks; ++i) pv[i] = 0.0f;
 #pragma unroll 4
       for (int j = 0; j < kAttnTile; ++j) {
         const float pj = shfl_idx32(p_lane, j);  // every lane shuffles (uniform), only j < nv is used
         if (j >= nv) continue;
 #pragma unroll
-        for (int i = 0; i < kAttnChunks; ++i) {
+        for (int i = 0; i < kChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
           if (d < D) pv[i] = attn_pv_step(pj, kStageV ? vtile[j * D + d] : to_f32(V[key_off_v(kv, j0 + j, w[kWg]) + d]), pv[i]);
         }
       }
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) acc[i] = attn_acc_step(acc[i], alpha, pv[i]);
+      for (int i = 0; i < kChunks; ++i) acc[i] = attn_acc_step(acc[i], alpha, pv[i]);
       m = m_new;
     }
     if (!active) continue;
@@ -202,7 +212,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       st[1] = l;
     }
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) st[2 + d] = acc[i];
     }
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
 }
 
 // One row block: merge every (row, head)'s splits in split order into out and lse.
-template <typename T>
+template <typename T, int kChunks = kAttnChunks>
 __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdParams p) {
   if (!attn_plan_fits(p)) {  // a plan for another call: NaN outputs (never stale bits), flag set above
     const float nan = float_of(0x7fc00000u);
@@ -239,19 +249,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdPa
     const int64_t row = (w[kWqBegin] + w[kWr0] + r) * p.Hq + w[kWg] * G + h;
     float M, Mu, L;
     attn_merge_stats(part, stride, ns, &M, &Mu, &L);
-    float O[kAttnChunks];
+    float O[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) O[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) O[i] = 0.0f;
     for (int64_t s = 0; s < ns; ++s) {
       const float ws = attn_merge_weight(part, stride, s, Mu);
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) {
+      for (int i = 0; i < kChunks; ++i) {
         const int64_t d = lane + (int64_t)i * kGroupLanes;
         if (d < D) O[i] = attn_merge_step(part[s * stride + 2 + d], ws, O[i]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) ((T*)p.out)[row * D + d] = from_f32<T>(attn_merge_out(O[i], L));
     }

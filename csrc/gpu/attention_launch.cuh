@@ -15,10 +15,18 @@ namespace {
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
   const char* err = nullptr;
-  if (p.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
+  if (p.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU forward's maximum (640)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
+    if (p.D > kGpuAttnMaxD) {  // the wide variant: nothing staged (attention_split_kernel), the same bits
+      if (p.n_items > 0)
+        ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, 0, (gpu_stream_t)stream,
+                       attention_split_kernel<T, false, kAttnChunksWide, false>)(p);
+      ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream,
+                     attention_merge_kernel<T, kAttnChunksWide>)(p);
+      return;
+    }
     // splits first, then the merge: same stream, so the merge sees every partial
     if (p.n_items > 0) {
       // K and V tiles staged in shared memory when both fit the device (all CUDA archs; gfx942's 64 KB LDS holds

@@ -3,9 +3,9 @@
 The MLA ops are the attention ops with one KV head whose keys and values are the latent row, so under
 ``aligned_ops.emulate(arch)`` they run the GPU attention kernels (the launch records prove it) and must equal the
 CPU backend bit for bit: varlen forward and backward, the latent cache write, paged decode / chunked prefill
-(per-call and planned forms). Row widths up to the GPU kernels' head_dim limit (256) run here; wider rows (DeepSeek-V3's
-576) are refused by name on the GPU path until the kernels take them (the refusal is tested, and the CPU path is
-in tests/ops/test_mla.py). Negative control: the emulator's neighbour-first shuffle tree must change the bits."""
+(per-call and planned forms). Rows up to 256 wide run the staged kernels; wider rows (DeepSeek-V3's 512 + 64) run
+the forward's wide variant (nothing staged), also ≡ CPU; the GPU backward stops at 256 and refuses wider rows by
+name (the CPU backward runs them: tests/ops/test_mla.py). Negative control: the emulator's neighbour-first shuffle tree must change the bits."""
 
 from __future__ import annotations
 
@@ -92,12 +92,44 @@ def test_negative_control_neighbour_tree():
     assert not bitwise_equal(cpu, bad)
 
 
-def test_wide_rows_refused_by_name_on_the_gpu_path():
-    """DeepSeek-V3's 512 + 64 row is above the GPU kernels' head_dim (256): refused, naming the op, before a launch."""
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_wide_rows_forward_equals_cpu(arch):
+    """DeepSeek-V3 / Kimi-K2's 512 + 64 row (above the staged kernels' 256): the wide forward variant (nothing staged
+    in shared memory) — varlen, paged decode / chunk, planned — equals the CPU bit for bit."""
+    R, rope, lens = 512, 64, (40, 3)
+    q, kv, go, table, slots, n_blocks, lens = case(torch.bfloat16, R=R, rope=rope, lens=lens, h=2, seed=3)
+    D, scale = R + rope, (R + rope) ** -0.5
+    cq, sl, ql = cu(lens), torch.tensor(lens, dtype=torch.int32), cu([7, 1])
+    qm = torch.cat([q[lens[0] - 7 : lens[0]], q[-1:]])
+
+    def forward():
+        out, lse = ops.mla_attention_varlen(q, kv, cq, cq, R, scale, True)
+        cache = torch.full((n_blocks, 16, D), float("nan"), dtype=q.dtype)
+        ops.mla_reshape_and_cache(kv[:, :R], kv[:, R:], cache, slots)
+        paged = ops.mla_paged_attention(qm, cache, table, sl, ql, R, scale)
+        plan = aligned_ops.AttentionPlan().plan_paged(ql, sl, table, 2, 1, D, n_blocks, 16)
+        planned = aligned_ops.mla_paged_attention(qm, cache, kv_lora_rank=R, scale=scale, plan=plan)
+        return out, lse, paged, planned
+
+    cpu = forward()
+    with aligned_ops.emulate(arch) as emu:
+        gpu = forward()
+    assert {"attention_split_kernel", "attention_merge_kernel"} <= emu.kernels()
+    splits = [l for l in emu.launches if l.kernel_base == "attention_split_kernel"]
+    assert splits and all(l.shared_bytes == 0 for l in splits), [(l.kernel, l.shared_bytes) for l in splits]
+    for name, a, b in zip(["out", "lse", "paged", "planned"], cpu, gpu):
+        assert bitwise_equal(a, b), f"{arch} {name}"
+    assert bitwise_equal(cpu[2], torch.cat([cpu[0][lens[0] - 7 : lens[0]], cpu[0][-1:]]))
+
+
+def test_wide_rows_backward_refused_by_name_on_the_gpu_path():
+    """The GPU backward stops at head_dim 256: the 576-wide MLA backward is refused, naming the op, before a launch
+    (the CPU backward runs it: tests/ops/test_mla.py)."""
     c = case(torch.bfloat16, R=512, rope=64, lens=(4,))
-    q, kv = c[0], c[1]
+    q, kv, go = c[0], c[1], c[2]
     cq = cu(c[-1])
+    out, lse = ops.mla_attention_varlen(q, kv, cq, cq, 512, 0.04, True)
     with aligned_ops.emulate("sm_90") as emu:
-        with pytest.raises(RuntimeError, match="mla_attention_varlen: head_dim must be <= 256"):
-            ops.mla_attention_varlen(q, kv, cq, cq, 512, 0.04, True)
+        with pytest.raises(RuntimeError, match="mla_attention_varlen_backward: head_dim must be <= 256"):
+            ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, 512, 0.04, True)
     assert not emu.launches

@@ -306,7 +306,7 @@ struct Gpu {
   // it knows from its own plan.
   static void launch_forward(const Call& c, gpu::AttnFwdParams p, const int64_t* plan, const int32_t* table,
                              float* part, int64_t grid_items, int64_t grid_blocks) {
-    TORCH_CHECK(p.D <= gpu::kGpuAttnMaxD, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxD,
+    TORCH_CHECK(p.D <= gpu::kGpuAttnMaxDWide, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxDWide,
                 " on the GPU, got ", p.D);
     const int64_t C = p.run.capacity;
     p.plan_header = plan;
