@@ -279,7 +279,8 @@ __global__ void attention_bwd_delta_kernel(AttnBwdParams p) {
 
 // dq of one row block: a group per (row, head) pair; lane j owns key j of each tile (s_j, dp_j, ds_j), lane i
 // owns the elements d = i, i + 32, ...: dq[d] = scale * (fma chain over keys ascending of (ds_j, k_j[d])).
-template <typename T>
+// kStageK = false (the wide variant, head_dim up to kGpuAttnMaxDWide): K read from global memory, same chains.
+template <typename T, int kChunks = kAttnChunks, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdParams p) {
   __shared__ float ktile[kAttnTile * kAttnKStride];
   const AttnFwdParams& f = p.f;
@@ -299,39 +300,44 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
     const int64_t nk = pr < P ? work_row_keys(f, w, r) : 0;
     const int64_t row = (w[kWqBegin] + w[kWr0] + r) * f.Hq + w[kWg] * G + h;
     const float l = pr < P ? p.lse[row] : 0.0f, dl = pr < P ? p.delta[row] : 0.0f;
-    float acc[kAttnChunks];
+    float acc[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) acc[i] = 0.0f;
     for (int64_t j0 = 0; j0 < nk_max; j0 += kAttnTile) {
       const int n_tile = (int)(nk_max - j0 < kAttnTile ? nk_max - j0 : kAttnTile);
-      __syncthreads();
-      for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
-        const int j = (int)(e / D);
-        const int64_t d = e % D;
-        ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
+      if (kStageK) {
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+          const int j = (int)(e / D);
+          const int64_t d = e % D;
+          ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
+        }
+        __syncthreads();
       }
-      __syncthreads();
       if (nk <= j0) continue;  // uniform over the group
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
       float ds_lane = 0.0f;
       if (lane < nv) {
-        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float s = (kStageK ? attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D)
+                                 : attn_dot((const T*)f.q + row * D, K + kv.offset(j0 + lane, w[kWg]), D)) *
+                        f.scale;
         const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, w[kWg]), D);
         ds_lane = attn_bwd_ds(attn_bwd_prob(s, l), dp, dl);
       }
       for (int j = 0; j < kAttnTile; ++j) {
         const float dsj = shfl_idx32(ds_lane, j);
         if (j >= nv) continue;
+        const T* kj = kStageK ? nullptr : K + kv.offset(j0 + j, w[kWg]);
 #pragma unroll
-        for (int i = 0; i < kAttnChunks; ++i) {
+        for (int i = 0; i < kChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
-          if (d < D) acc[i] = fma_f32(dsj, ktile[j * kAttnKStride + d], acc[i]);
+          if (d < D) acc[i] = fma_f32(dsj, kStageK ? ktile[j * kAttnKStride + d] : to_f32(kj[d]), acc[i]);
         }
       }
     }
     if (pr >= P) continue;
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) ((T*)p.dq)[row * D + d] = from_f32<T>(acc[i] * f.scale);
     }
@@ -343,7 +349,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
 // ascending, then head), to the elements it owns (e = thread + 256 i of the tile's 32 x D): one fma chain per
 // element in attention.h's order, whatever the number of groups.
 constexpr int kAttnTileElems = (int)(kAttnTile * kGpuAttnMaxD / kAttnThreads);  // elements per thread
-template <typename T>
+constexpr int kAttnTileElemsWide = (int)(kAttnTile * kGpuAttnMaxDWide / kAttnThreads);
+// kStageK = false: the wide variant (K read from global memory for the scores; the same chains).
+template <typename T, int kElems = kAttnTileElems, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBwdParams p) {
   __shared__ float ktile[kAttnTile * kAttnKStride];
   __shared__ float pbuf[kAttnGroups][kAttnTile];
@@ -359,17 +367,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
   const T* K = (const T*)f.k;
   const T* V = (const T*)f.v;
   const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
-  for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
-    const int j = (int)(e / D);
-    const int64_t d = e % D;
-    ktile[j * kAttnKStride + d] = j < n ? to_f32(K[kv.offset(j0 + j, g) + d]) : 0.0f;
+  if (kStageK) {
+    for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+      const int j = (int)(e / D);
+      const int64_t d = e % D;
+      ktile[j * kAttnKStride + d] = j < n ? to_f32(K[kv.offset(j0 + j, g) + d]) : 0.0f;
+    }
   }
   int64_t r_first = 0;
   if (f.causal) r_first = j0 - (n_ctx - q_len) > 0 ? j0 - (n_ctx - q_len) : 0;
   const int64_t P = (q_len - (r_first < q_len ? r_first : q_len)) * G;
-  float dk[kAttnTileElems], dv[kAttnTileElems];
+  float dk[kElems], dv[kElems];
 #pragma unroll
-  for (int i = 0; i < kAttnTileElems; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < kElems; ++i) dk[i] = dv[i] = 0.0f;
   __syncthreads();
   for (int64_t round0 = 0; round0 < P; round0 += kAttnGroups) {
     const int64_t pr = round0 + grp;
@@ -380,7 +390,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
       const int nv = (int)(nk < n ? nk : n);
       float pj = 0.0f, dsj = 0.0f;
       if (lane < nv) {
-        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float s = (kStageK ? attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D)
+                                 : attn_dot((const T*)f.q + row * D, K + kv.offset(j0 + lane, g), D)) *
+                        f.scale;
         const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, g), D);
         pj = attn_bwd_prob(s, p.lse[row]);
         dsj = attn_bwd_ds(pj, dp, p.delta[row]);
@@ -399,7 +411,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
       const T* qrow = (const T*)f.q + rowbuf[gi] * D;
       const T* dorow = (const T*)p.dout + rowbuf[gi] * D;
 #pragma unroll
-      for (int i = 0; i < kAttnTileElems; ++i) {
+      for (int i = 0; i < kElems; ++i) {
         const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
         const int j = (int)(e / D);
         const int64_t d = e % D;
@@ -412,7 +424,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
     __syncthreads();  // the next round overwrites the buffers
   }
 #pragma unroll
-  for (int i = 0; i < kAttnTileElems; ++i) {
+  for (int i = 0; i < kElems; ++i) {
     const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
     const int j = (int)(e / D);
     const int64_t d = e % D;

@@ -3,9 +3,9 @@
 The MLA ops are the attention ops with one KV head whose keys and values are the latent row, so under
 ``aligned_ops.emulate(arch)`` they run the GPU attention kernels (the launch records prove it) and must equal the
 CPU backend bit for bit: varlen forward and backward, the latent cache write, paged decode / chunked prefill
-(per-call and planned forms). Rows up to 256 wide run the staged kernels; wider rows (DeepSeek-V3's 512 + 64) run
-the forward's wide variant (nothing staged), also ≡ CPU; the GPU backward stops at 256 and refuses wider rows by
-name (the CPU backward runs them: tests/ops/test_mla.py). Negative control: the emulator's neighbour-first shuffle tree must change the bits."""
+(per-call and planned forms). Rows up to 256 wide run the staged kernels; wider rows up to 640 (DeepSeek-V3's
+512 + 64) the wide variants (nothing staged in shared memory), forward and backward, also ≡ CPU; wider still is
+refused by name. Negative control: the emulator's neighbour-first shuffle tree must change the bits."""
 
 from __future__ import annotations
 
@@ -122,14 +122,25 @@ def test_wide_rows_forward_equals_cpu(arch):
     assert bitwise_equal(cpu[2], torch.cat([cpu[0][lens[0] - 7 : lens[0]], cpu[0][-1:]]))
 
 
-def test_wide_rows_backward_refused_by_name_on_the_gpu_path():
-    """The GPU backward stops at head_dim 256: the 576-wide MLA backward is refused, naming the op, before a launch
-    (the CPU backward runs it: tests/ops/test_mla.py)."""
-    c = case(torch.bfloat16, R=512, rope=64, lens=(4,))
-    q, kv, go = c[0], c[1], c[2]
-    cq = cu(c[-1])
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_wide_rows_backward_equals_cpu(arch):
+    """The 512 + 64 backward (the trainer's): the wide dq / dk-dv variants equal the CPU bit for bit."""
+    q, kv, go, _table, _slots, _n, lens = case(torch.bfloat16, R=512, rope=64, lens=(9, 35), h=2, seed=4)
+    cq = cu(lens)
     out, lse = ops.mla_attention_varlen(q, kv, cq, cq, 512, 0.04, True)
+    cpu = ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, 512, 0.04, True)
+    with aligned_ops.emulate(arch) as emu:
+        gpu = ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, 512, 0.04, True)
+    assert {"attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"} <= emu.kernels()
+    assert bitwise_equal(cpu[0], gpu[0]) and bitwise_equal(cpu[1], gpu[1]), arch
+
+
+def test_rows_above_the_gpu_maximum_refused_by_name():
+    """Above 640 the GPU path refuses, naming the op, before a launch."""
+    c = case(torch.bfloat16, R=600, rope=48, lens=(4,))
+    q, kv = c[0], c[1]
+    cq = cu(c[-1])
     with aligned_ops.emulate("sm_90") as emu:
-        with pytest.raises(RuntimeError, match="mla_attention_varlen_backward: head_dim must be <= 256"):
-            ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, 512, 0.04, True)
+        with pytest.raises(RuntimeError, match="mla_attention_varlen: head_dim must be <= 640 on the GPU"):
+            ops.mla_attention_varlen(q, kv, cq, cq, 600, 0.04, True)
     assert not emu.launches
