@@ -425,8 +425,8 @@ def cases():
             return {"kv_cache": c2}
         yield f"mla_reshape_and_cache/{tag}", mla_cache_write
 
-    # ---- MLA at DeepSeek-V3 / Kimi-K2 width (512 + 64): the GPU forward's wide variant under emulation (forward
-    # only: the GPU backward stops at 256); added by --add
+    # ---- MLA at DeepSeek-V3 / Kimi-K2 width (512 + 64): the GPU forward's wide variant under emulation; added by
+    # --add
     for tag, dt in _dtypes():
         R, rope = 512, 64
         q, kv = rand(76, (9, 2, R + rope), dt), rand(77, (40, R + rope), dt)
@@ -437,6 +437,13 @@ def cases():
         table = torch.tensor([[4, 1, 5], [0, 2, 3]], dtype=torch.int32)
         yield f"mla_wide_paged_attention/{tag}", lambda q=q, c=cache, t=table: {
             "out": ops.mla_paged_attention(q, c, t, torch.tensor([40, 20], dtype=torch.int32), cu([5, 4]), 512, 0.04)}
+
+    # ---- MLA backward at 512 + 64 (the GPU backward's wide variants under emulation); added by --add
+    for tag, dt in _dtypes():
+        q, kv = rand(79, (9, 2, 576), dt), rand(80, (40, 576), dt)
+        cq, ck = cu([5, 4]), cu([5, 35])
+        yield f"mla_wide_backward/{tag}", lambda q=q, kv=kv, cq=cq, ck=ck: _grads(
+            lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, 512, 0.04), (q, kv))
 
     # ---- elementwise hooks and the error words ----
     xe = torch.cat([uniform(60, (200,), -100.0, 100.0), torch.tensor([0.0, -0.0, 1e-40, float("inf"), -1.0])])
