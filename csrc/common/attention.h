@@ -47,6 +47,23 @@
 // Token at absolute position j of sequence b lives in block block_table[b, j / block_size], offset
 // j % block_size. reshape_and_cache writes token t to slot = block * block_size + offset (slot_mapping[t];
 // -1 = padding, skipped). Any block_size >= 1; the tiles above are independent of block_size.
+//
+// ---- MLA: latent attention (aligned::mla_attention_varlen / mla_paged_attention / mla_reshape_and_cache) ------
+// DeepSeek-V2/V3, Kimi-K2 in the absorbed form: every token has ONE latent KV row c = [c_latent (R dims) ||
+// k_rope (D - R dims)] shared by all query heads (R = kv_lora_rank, D - R = qk_rope_head_dim: parameters, e.g.
+// 512 + 64), and q = [q_nope W_UK || q_rope] of width D per head. MLA is the attention above with Hkv = 1,
+// head_dim = D, K = V = the row, and the outputs' first R dims kept:
+//   s_j = dot(q, c_j) * scale over all D dims (step 1's chain); values v_j[d] = c_j[d] for d < R.
+// Every output element d is its own chain (steps 3 and 4), so out[d < R] does not depend on the dims >= R that
+// a kernel may also compute; lse is the row's as above. Same tiles (32 keys), splits (512 keys), merge order,
+// plan (attention_plan with num_kv_heads = 1, head_dim = D) as every other attention path: MLA decode from the
+// cache ≡ chunked prefill ≡ prefix hit ≡ the trainer's varlen, bit for bit.
+// Backward: the backward above with dO[d] = 0 and O[d] = 0 for d >= R (delta = the chain over d < R: each
+// extra step is fma(0, 0, acc) = acc), operands widened exactly to fp32, then
+//   dq[d] = round(scale * chain_k) (as above);  dc_j[d] = round(dk_j[d] + dv_j[d]) for d < R (one fp32 add of
+//   the fp32 key and value gradients, then one rounding), dc_j[d] = round(dk_j[d]) for d >= R.
+// Cache: one row of D values per token, kv_cache [num_blocks, block_size, D] (vLLM's MLA layout), written at
+// slot = block * block_size + offset (slot_mapping; -1 skips) as [kv_c || k_pe].
 #pragma once
 
 #include "numerics.h"

@@ -20,6 +20,11 @@ namespace aligned::gpu {
 // Largest head_dim of the GPU kernels: a K tile is staged in shared memory as fp32 [32][D + 1] (33 KB at
 // D = 256) and every lane holds ceil(D / 32) <= 8 accumulators in registers.
 constexpr int64_t kGpuAttnMaxD = 256;
+// Largest head_dim of the GPU kernels' wide variants (above kGpuAttnMaxD: MLA's latent row, 512 + 64): K and V are
+// read from global memory (no tile staging: a 576-wide fp32 K tile is 74 KB, above gfx942's 64 KB LDS) and every
+// lane holds ceil(D / 32) <= 20 accumulators (the backward's dk/dv: 80 elements per thread). Same arithmetic, same
+// bits; correct first — their speed on a real GPU (uncoalesced key-row reads, register pressure) is unmeasured.
+constexpr int64_t kGpuAttnMaxDWide = 640;
 
 // The problem (common/params_attention.h, shared with the CPU backend) plus the work list and the outputs.
 struct AttnFwdParams : AttnProblem {

@@ -34,6 +34,7 @@ namespace aligned::gpu::ALIGNED_GPU_BUILD {
 constexpr int kAttnGroups = 8;  // reduction groups per block (256 threads); any value gives the same bits
 constexpr int kAttnThreads = kAttnGroups * kGroupLanes;
 constexpr int kAttnChunks = (int)(kGpuAttnMaxD / kGroupLanes);  // accumulators per lane
+constexpr int kAttnChunksWide = (int)(kGpuAttnMaxDWide / kGroupLanes);  // the wide forward's (kStageK = false)
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
 // The padded fp32 K row of a head_dim: D + 1 floats (lane j reads row j: consecutive lanes, consecutive banks).
 __host__ __device__ inline int64_t kAttnKStrideOf(int64_t D) { return D + 1; }
@@ -76,8 +77,11 @@ constexpr int kAttnPrefetchVecs = (int)(kAttnTile * kGpuAttnMaxD * 4 / 16 / kAtt
 // (3) keeps the NEXT tile's vectors in flight in registers while the groups compute this one (prefetch). kStageV is
 // false only where the K and V tiles do not fit the device's shared memory (fp32, D > 224 on a 64 KB-LDS gfx942):
 // then V is read from global memory as before. The arithmetic per (row, head) is the same in both (attention.h).
-template <typename T, bool kStageV>
+// The wide variant (kStageK = false, kChunks = kAttnChunksWide; head_dim up to kGpuAttnMaxDWide) stages nothing: lane
+// j reads key j's row from global memory for its score, V comes from global memory; the chains are the same.
+template <typename T, bool kStageV, int kChunks = kAttnChunks, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdParams p) {
+  static_assert(kStageK || !kStageV, "V is staged only with K");
   float* const ktile = dynamic_shared<float>();
   float* const vtile = ktile + kAttnTile * kAttnKStrideOf(p.D);
   __shared__ int64_t key_off[kAttnTile];  // element offset of key j0 + j's row for KV head g (attention.h KvRows)
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
   const int64_t key_end = nk_max < key0 + kAttnSplit ? nk_max : key0 + kAttnSplit;
   // 16-byte staging: every key row of K / V starts 16-byte aligned (base, Hkv * D and D multiples of a vector)
   constexpr int kV = kVecElems<T>;
-  const bool vec = D % kV == 0 && (p.Hkv * D) % kV == 0 && is_vec_aligned(K) && is_vec_aligned(V) &&
+  const bool vec = kStageK && D % kV == 0 && (p.Hkv * D) % kV == 0 && is_vec_aligned(K) && is_vec_aligned(V) &&
                    D / kV * kAttnTile <= (int64_t)kAttnPrefetchVecs * kAttnThreads;
   const int vpr = (int)(D / kV);  // vectors per key row
   int4 kpre[kAttnPrefetchVecs], vpre[kAttnPrefetchVecs];
@@ -119,6 +123,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     }
   };
   auto stage = [&](int n_tile) {  // registers (vec) or element loads -> shared memory, fp32; rows >= n_tile are 0
+    if (!kStageK) return;
     if (vec) {
 #pragma unroll
       for (int u = 0; u < kAttnPrefetchVecs; ++u) {
@@ -147,9 +152,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     const int64_t nk = pr < P ? work_row_keys(p, w, r) : 0;
     const bool active = nk > key0;  // uniform over the group
     const int64_t qrow = ((w[kWqBegin] + w[kWr0] + r) * p.Hq + w[kWg] * G + h) * D;
-    float m = neg_inf_f32(), l = 0.0f, acc[kAttnChunks];
+    float m = neg_inf_f32(), l = 0.0f, acc[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) acc[i] = 0.0f;
     if (key0 < key_end) {  // the first tile's offsets and vectors
       __syncthreads();  // key_off / the tiles of the previous round are no longer read
       tile_offsets(key0);
@@ -169,7 +174,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       }
       if (!active || nk <= j0) continue;  // uniform over the group; barriers above are reached by all
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
-      const float s_lane = attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale;
+      // (wide: the key row's own offset — key_off already holds the next tile's —; lanes past the tile's keys have
+      // no row to read and their score is never used, attention.h step 3)
+      const float s_lane =
+          kStageK ? attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale
+                  : (lane < n_tile ? attn_dot((const T*)p.q + qrow, K + key_off_v(kv, j0 + lane, w[kWg]), D) * p.scale
+                                   : 0.0f);
       float s[kAttnTile];
 #pragma unroll
       for (int j = 0; j < kAttnTile; ++j) s[j] = shfl_idx32(s_lane, j);
@@ -178,21 +188,21 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       const float alpha = exp_f32(m - mu);
       const float p_lane = attn_tile_prob(s_lane, lane, nv, mu);
       l = attn_tile_l(l, alpha, group_sum_tree(p_lane));
-      float pv[kAttnChunks];
+      float pv[kChunks];
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) pv[i] = 0.0f;
+      for (int i = 0; i < kChunks; ++i) pv[i] = 0.0f;
 #pragma unroll 4
       for (int j = 0; j < kAttnTile; ++j) {
         const float pj = shfl_idx32(p_lane, j);  // every lane shuffles (uniform), only j < nv is used
         if (j >= nv) continue;
 #pragma unroll
-        for (int i = 0; i < kAttnChunks; ++i) {
+        for (int i = 0; i < kChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
           if (d < D) pv[i] = attn_pv_step(pj, kStageV ? vtile[j * D + d] : to_f32(V[key_off_v(kv, j0 + j, w[kWg]) + d]), pv[i]);
         }
       }
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) acc[i] = attn_acc_step(acc[i], alpha, pv[i]);
+      for (int i = 0; i < kChunks; ++i) acc[i] = attn_acc_step(acc[i], alpha, pv[i]);
       m = m_new;
     }
     if (!active) continue;
@@ -202,7 +212,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       st[1] = l;
     }
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) st[2 + d] = acc[i];
     }
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
 }
 
 // One row block: merge every (row, head)'s splits in split order into out and lse.
-template <typename T>
+template <typename T, int kChunks = kAttnChunks>
 __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdParams p) {
   if (!attn_plan_fits(p)) {  // a plan for another call: NaN outputs (never stale bits), flag set above
     const float nan = float_of(0x7fc00000u);
@@ -239,19 +249,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_merge_kernel(AttnFwdPa
     const int64_t row = (w[kWqBegin] + w[kWr0] + r) * p.Hq + w[kWg] * G + h;
     float M, Mu, L;
     attn_merge_stats(part, stride, ns, &M, &Mu, &L);
-    float O[kAttnChunks];
+    float O[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) O[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) O[i] = 0.0f;
     for (int64_t s = 0; s < ns; ++s) {
       const float ws = attn_merge_weight(part, stride, s, Mu);
 #pragma unroll
-      for (int i = 0; i < kAttnChunks; ++i) {
+      for (int i = 0; i < kChunks; ++i) {
         const int64_t d = lane + (int64_t)i * kGroupLanes;
         if (d < D) O[i] = attn_merge_step(part[s * stride + 2 + d], ws, O[i]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) ((T*)p.out)[row * D + d] = from_f32<T>(attn_merge_out(O[i], L));
     }
@@ -269,7 +279,8 @@ __global__ void attention_bwd_delta_kernel(AttnBwdParams p) {
 
 // dq of one row block: a group per (row, head) pair; lane j owns key j of each tile (s_j, dp_j, ds_j), lane i
 // owns the elements d = i, i + 32, ...: dq[d] = scale * (fma chain over keys ascending of (ds_j, k_j[d])).
-template <typename T>
+// kStageK = false (the wide variant, head_dim up to kGpuAttnMaxDWide): K read from global memory, same chains.
+template <typename T, int kChunks = kAttnChunks, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdParams p) {
   __shared__ float ktile[kAttnTile * kAttnKStride];
   const AttnFwdParams& f = p.f;
@@ -289,39 +300,44 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
     const int64_t nk = pr < P ? work_row_keys(f, w, r) : 0;
     const int64_t row = (w[kWqBegin] + w[kWr0] + r) * f.Hq + w[kWg] * G + h;
     const float l = pr < P ? p.lse[row] : 0.0f, dl = pr < P ? p.delta[row] : 0.0f;
-    float acc[kAttnChunks];
+    float acc[kChunks];
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kChunks; ++i) acc[i] = 0.0f;
     for (int64_t j0 = 0; j0 < nk_max; j0 += kAttnTile) {
       const int n_tile = (int)(nk_max - j0 < kAttnTile ? nk_max - j0 : kAttnTile);
-      __syncthreads();
-      for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
-        const int j = (int)(e / D);
-        const int64_t d = e % D;
-        ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
+      if (kStageK) {
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+          const int j = (int)(e / D);
+          const int64_t d = e % D;
+          ktile[j * kAttnKStride + d] = j < n_tile ? to_f32(K[kv.offset(j0 + j, w[kWg]) + d]) : 0.0f;
+        }
+        __syncthreads();
       }
-      __syncthreads();
       if (nk <= j0) continue;  // uniform over the group
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
       float ds_lane = 0.0f;
       if (lane < nv) {
-        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float s = (kStageK ? attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D)
+                                 : attn_dot((const T*)f.q + row * D, K + kv.offset(j0 + lane, w[kWg]), D)) *
+                        f.scale;
         const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, w[kWg]), D);
         ds_lane = attn_bwd_ds(attn_bwd_prob(s, l), dp, dl);
       }
       for (int j = 0; j < kAttnTile; ++j) {
         const float dsj = shfl_idx32(ds_lane, j);
         if (j >= nv) continue;
+        const T* kj = kStageK ? nullptr : K + kv.offset(j0 + j, w[kWg]);
 #pragma unroll
-        for (int i = 0; i < kAttnChunks; ++i) {
+        for (int i = 0; i < kChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
-          if (d < D) acc[i] = fma_f32(dsj, ktile[j * kAttnKStride + d], acc[i]);
+          if (d < D) acc[i] = fma_f32(dsj, kStageK ? ktile[j * kAttnKStride + d] : to_f32(kj[d]), acc[i]);
         }
       }
     }
     if (pr >= P) continue;
 #pragma unroll
-    for (int i = 0; i < kAttnChunks; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int64_t d = lane + (int64_t)i * kGroupLanes;
       if (d < D) ((T*)p.dq)[row * D + d] = from_f32<T>(acc[i] * f.scale);
     }
@@ -333,7 +349,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
 // ascending, then head), to the elements it owns (e = thread + 256 i of the tile's 32 x D): one fma chain per
 // element in attention.h's order, whatever the number of groups.
 constexpr int kAttnTileElems = (int)(kAttnTile * kGpuAttnMaxD / kAttnThreads);  // elements per thread
-template <typename T>
+constexpr int kAttnTileElemsWide = (int)(kAttnTile * kGpuAttnMaxDWide / kAttnThreads);
+// kStageK = false: the wide variant (K read from global memory for the scores; the same chains).
+template <typename T, int kElems = kAttnTileElems, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBwdParams p) {
   __shared__ float ktile[kAttnTile * kAttnKStride];
   __shared__ float pbuf[kAttnGroups][kAttnTile];
@@ -349,17 +367,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
   const T* K = (const T*)f.k;
   const T* V = (const T*)f.v;
   const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
-  for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
-    const int j = (int)(e / D);
-    const int64_t d = e % D;
-    ktile[j * kAttnKStride + d] = j < n ? to_f32(K[kv.offset(j0 + j, g) + d]) : 0.0f;
+  if (kStageK) {
+    for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
+      const int j = (int)(e / D);
+      const int64_t d = e % D;
+      ktile[j * kAttnKStride + d] = j < n ? to_f32(K[kv.offset(j0 + j, g) + d]) : 0.0f;
+    }
   }
   int64_t r_first = 0;
   if (f.causal) r_first = j0 - (n_ctx - q_len) > 0 ? j0 - (n_ctx - q_len) : 0;
   const int64_t P = (q_len - (r_first < q_len ? r_first : q_len)) * G;
-  float dk[kAttnTileElems], dv[kAttnTileElems];
+  float dk[kElems], dv[kElems];
 #pragma unroll
-  for (int i = 0; i < kAttnTileElems; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < kElems; ++i) dk[i] = dv[i] = 0.0f;
   __syncthreads();
   for (int64_t round0 = 0; round0 < P; round0 += kAttnGroups) {
     const int64_t pr = round0 + grp;
@@ -370,7 +390,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
       const int nv = (int)(nk < n ? nk : n);
       float pj = 0.0f, dsj = 0.0f;
       if (lane < nv) {
-        const float s = attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D) * f.scale;
+        const float s = (kStageK ? attn_dot((const T*)f.q + row * D, ktile + lane * kAttnKStride, D)
+                                 : attn_dot((const T*)f.q + row * D, K + kv.offset(j0 + lane, g), D)) *
+                        f.scale;
         const float dp = attn_dot((const T*)p.dout + row * D, V + kv.offset(j0 + lane, g), D);
         pj = attn_bwd_prob(s, p.lse[row]);
         dsj = attn_bwd_ds(pj, dp, p.delta[row]);
@@ -389,7 +411,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
       const T* qrow = (const T*)f.q + rowbuf[gi] * D;
       const T* dorow = (const T*)p.dout + rowbuf[gi] * D;
 #pragma unroll
-      for (int i = 0; i < kAttnTileElems; ++i) {
+      for (int i = 0; i < kElems; ++i) {
         const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
         const int j = (int)(e / D);
         const int64_t d = e % D;
@@ -402,7 +424,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
     __syncthreads();  // the next round overwrites the buffers
   }
 #pragma unroll
-  for (int i = 0; i < kAttnTileElems; ++i) {
+  for (int i = 0; i < kElems; ++i) {
     const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
     const int j = (int)(e / D);
     const int64_t d = e % D;

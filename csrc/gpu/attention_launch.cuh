@@ -15,10 +15,18 @@ namespace {
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
   const char* err = nullptr;
-  if (p.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
+  if (p.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU forward's maximum (640)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
+    if (p.D > kGpuAttnMaxD) {  // the wide variant: nothing staged (attention_split_kernel), the same bits
+      if (p.n_items > 0)
+        ALIGNED_LAUNCH((unsigned)p.n_items, kAttnThreads, 0, (gpu_stream_t)stream,
+                       attention_split_kernel<T, false, kAttnChunksWide, false>)(p);
+      ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream,
+                     attention_merge_kernel<T, kAttnChunksWide>)(p);
+      return;
+    }
     // splits first, then the merge: same stream, so the merge sees every partial
     if (p.n_items > 0) {
       // K and V tiles staged in shared memory when both fit the device (all CUDA archs; gfx942's 64 KB LDS holds
@@ -44,7 +52,8 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
 }
 
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
-  if (p.f.D > kGpuAttnMaxD) return "aligned attention: head_dim above the GPU kernels' maximum (256)";
+  if (p.f.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU kernels' maximum (640)";
+  const bool wide = p.f.D > kGpuAttnMaxD;  // the unstaged variants (attention_bwd_dq_kernel), the same bits
   if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.f.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
@@ -54,10 +63,20 @@ const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
       ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<T>)(p);
     }
     // delta first (same stream), then dq per row block and dk/dv per key tile: independent outputs
-    if (p.f.n_blocks > 0)
-      ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dq_kernel<T>)(p);
-    if (p.n_tiles > 0)
-      ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T>)(p);
+    if (p.f.n_blocks > 0) {
+      if (wide)
+        ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream,
+                       attention_bwd_dq_kernel<T, kAttnChunksWide, false>)(p);
+      else
+        ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dq_kernel<T>)(p);
+    }
+    if (p.n_tiles > 0) {
+      if (wide)
+        ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream,
+                       attention_bwd_dkdv_kernel<T, kAttnTileElemsWide, false>)(p);
+      else
+        ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T>)(p);
+    }
   });
   return last_error();
 }

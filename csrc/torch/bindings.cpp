@@ -101,6 +101,29 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "paged_attention_planned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, Tensor plan_table, "
       "Tensor plan_info, int workspace_floats, float scale) -> Tensor");
+  // MLA, latent attention (csrc/common/attention.h "MLA"): one shared KV row per token, kv = [latent || k_rope]
+  // of width D = kv_lora_rank + rope_dim, as the one KV head of the attention above (keys: the whole row; values:
+  // its first kv_lora_rank dims). q [T, H, D] (absorbed: [q_nope W_UK || q_rope]), out [T, H, kv_lora_rank];
+  // kv_cache [num_blocks, block_size, D] (vLLM's MLA layout). The plan of the planned forms: attention_plan with
+  // num_kv_heads = 1, head_dim = D; the backward's plan_info: the forward's plan (its offsets are checked).
+  m.def(
+      "mla_attention_varlen(Tensor q, Tensor kv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int kv_lora_rank, "
+      "float scale, bool causal=True) -> (Tensor out, Tensor lse)");
+  m.def(
+      "mla_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor kv, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int kv_lora_rank, float scale, bool causal, "
+      "Tensor? plan_info=None) -> (Tensor dq, Tensor dkv)");
+  m.def(
+      "mla_attention_varlen_planned(Tensor q, Tensor kv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor plan, "
+      "Tensor plan_info, int workspace_floats, int kv_lora_rank, float scale, bool causal=True) -> (Tensor out, "
+      "Tensor lse)");
+  m.def("mla_reshape_and_cache(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+      "int kv_lora_rank, float scale) -> Tensor");
+  m.def(
+      "mla_paged_attention_planned(Tensor q, Tensor kv_cache, Tensor plan, Tensor plan_table, Tensor plan_info, "
+      "int workspace_floats, int kv_lora_rank, float scale) -> Tensor");
   // The contract's scalar math, exposed elementwise so tests can check it against float64 and backends
   // against each other (fp32 in, fp32 out).
   m.def("_exp_f32(Tensor x) -> Tensor");

@@ -64,6 +64,14 @@ def _load() -> None:
         paged_attention,
         reshape_and_cache,
     )
+    from .ops.mla import (
+        mla_absorb_out,
+        mla_absorb_q,
+        mla_absorbed_weights,
+        mla_attention_varlen,
+        mla_paged_attention,
+        mla_reshape_and_cache,
+    )
     from .emulation import emulate
     from .ops.moe import moe_experts, moe_grouped_routing, moe_layer, moe_routing
     from .ops.lm_head import fused_token_logprobs
@@ -105,6 +113,12 @@ __all__ = [
     "attention_varlen",
     "paged_attention",
     "reshape_and_cache",
+    "mla_attention_varlen",
+    "mla_paged_attention",
+    "mla_reshape_and_cache",
+    "mla_absorbed_weights",
+    "mla_absorb_q",
+    "mla_absorb_out",
     "emulate",
     "check_device_errors",
     "moe_routing",

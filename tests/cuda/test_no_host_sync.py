@@ -283,7 +283,9 @@ def test_dispatch_mode_negative_control():
 # Beyond the host reads above, a captured graph must not contain a host-to-device copy (it would replay stale
 # host data): the run functions may call nothing that uploads. Emulated proof: tests/emulated/
 # test_emulated_attention_plan.py (copy records, identical launches).
-RUN_PATH = {ATTENTION_GLUE: ("attention_varlen_planned", "paged_attention_planned"),
+RUN_PATH = {ATTENTION_GLUE: ("attention_varlen_planned", "paged_attention_planned", "paged_attention_planned_run",
+                             "attention_run_planned", "mla_attention_varlen_planned", "mla_paged_attention_planned",
+                             "mla_head", "mla_values"),
             GPU_BACKEND: ("attention_forward_planned", "launch_forward", "forward_params"),
             CUDA_DEVICE[1]: ("error_flags", "stream"),
             TORCH / "checks" / "attention.h": ("plan_info_of", "check_plan_call", "check_plan_offsets")}

@@ -195,8 +195,8 @@ def test_bad_inputs_under_emulation():
                                 torch.tensor([5], dtype=torch.int32), cu([5]), 0.25)
         with pytest.raises(RuntimeError, match=r"aligned::reshape_and_cache: slot_mapping\[1\] = 99 is out of range"):
             ops.reshape_and_cache(k[:2], v[:2], cache.k, cache.v, torch.tensor([0, 99]))
-        with pytest.raises(RuntimeError, match=r"aligned::paged_attention: head_dim must be <= 256 on the GPU"):
-            ops.paged_attention(torch.zeros(1, 1, 264), torch.zeros(2, 4, 1, 264), torch.zeros(2, 4, 1, 264),
+        with pytest.raises(RuntimeError, match=r"aligned::paged_attention: head_dim must be <= 640 on the GPU"):
+            ops.paged_attention(torch.zeros(1, 1, 648), torch.zeros(2, 4, 1, 648), torch.zeros(2, 4, 1, 648),
                                 torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                                 cu([1]), 0.25)
     assert not emu.launches  # every bad call was refused before a launch

@@ -388,6 +388,63 @@ def cases():
                 lambda z=z, b=bias, k=k, ng=ng, tg=tg, r=renorm, c=scale: _grads(
                     lambda a: ops.moe_grouped_routing(a, b, k, ng, tg, r, c), (z,))
 
+    # ---- MLA: latent attention (one shared [latent || rope] row per token; added by --add, existing entries
+    # untouched). Row widths within the GPU kernels' head_dim (the emulated configs run the GPU source).
+    for tag, dt in _dtypes():
+        for R, rope, lens_q, lens_k in ((40, 8, [5, 1, 9], [5, 1, 9]), (24, 0, [3, 2], [7, 600])):
+            D = R + rope
+            q, kv = rand(70, (sum(lens_q), 3, D), dt), rand(71, (sum(lens_k), D), dt)
+            cq, ck = cu(lens_q), cu(lens_k)
+            key = f"{tag}/r{R}+{rope}/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}"
+            yield f"mla_attention_varlen/{key}", lambda q=q, kv=kv, cq=cq, ck=ck, R=R: _grads(
+                lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, R, 0.3), (q, kv))
+
+            def mla_planned_varlen(q=q, kv=kv, cq=cq, ck=ck, R=R, D=D):
+                plan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, 3, 1, D)
+                return _grads(lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, R, 0.3, plan=plan), (q, kv))
+            yield f"mla_attention_varlen_planned/{key}", mla_planned_varlen
+        nb, bs, R, rope = 40, 16, 40, 8
+        cache = rand(72, (nb, bs, R + rope), dt)
+        table = integers(73, (3, 39), 0, nb).to(torch.int32)
+        seq_lens = torch.tensor([13, 2, 610], dtype=torch.int32)
+        qsl = cu([6, 1, 3])
+        q = rand(74, (10, 2, R + rope), dt)
+        yield f"mla_paged_attention/{tag}", lambda q=q, c=cache, t=table, s=seq_lens, l=qsl: {
+            "out": ops.mla_paged_attention(q, c, t, s, l, 40, 0.25)}
+
+        def mla_planned(q=q, c=cache, t=table, s=seq_lens, l=qsl, nb=nb, bs=bs):
+            plan = aligned_ops.AttentionPlan().plan_paged(l, s, t, 2, 1, 48, nb, bs)
+            return {"out": aligned_ops.mla_paged_attention(q, c, kv_lora_rank=40, scale=0.25, plan=plan)}
+        yield f"mla_paged_attention_planned/{tag}", mla_planned
+
+        def mla_cache_write(c=cache, dt=dt):
+            row = rand(75, (5, 48 + 3), dt)
+            slots = torch.tensor([3, -1, 17, 639, 2], dtype=torch.int64)
+            c2 = c.clone()
+            ops.mla_reshape_and_cache(row[:, :40], row[:, 40:48], c2, slots)
+            return {"kv_cache": c2}
+        yield f"mla_reshape_and_cache/{tag}", mla_cache_write
+
+    # ---- MLA at DeepSeek-V3 / Kimi-K2 width (512 + 64): the GPU forward's wide variant under emulation; added by
+    # --add
+    for tag, dt in _dtypes():
+        R, rope = 512, 64
+        q, kv = rand(76, (9, 2, R + rope), dt), rand(77, (40, R + rope), dt)
+        cq, ck = cu([5, 4]), cu([5, 35])
+        yield f"mla_wide_attention_varlen/{tag}", lambda q=q, kv=kv, cq=cq, ck=ck: dict(
+            zip(("out", "lse"), ops.mla_attention_varlen(q, kv, cq, ck, 512, 0.04, True)))
+        cache = rand(78, (6, 16, R + rope), dt)
+        table = torch.tensor([[4, 1, 5], [0, 2, 3]], dtype=torch.int32)
+        yield f"mla_wide_paged_attention/{tag}", lambda q=q, c=cache, t=table: {
+            "out": ops.mla_paged_attention(q, c, t, torch.tensor([40, 20], dtype=torch.int32), cu([5, 4]), 512, 0.04)}
+
+    # ---- MLA backward at 512 + 64 (the GPU backward's wide variants under emulation); added by --add
+    for tag, dt in _dtypes():
+        q, kv = rand(79, (9, 2, 576), dt), rand(80, (40, 576), dt)
+        cq, ck = cu([5, 4]), cu([5, 35])
+        yield f"mla_wide_backward/{tag}", lambda q=q, kv=kv, cq=cq, ck=ck: _grads(
+            lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, 512, 0.04), (q, kv))
+
     # ---- elementwise hooks and the error words ----
     xe = torch.cat([uniform(60, (200,), -100.0, 100.0), torch.tensor([0.0, -0.0, 1e-40, float("inf"), -1.0])])
     yield "exp_f32", lambda: {"out": ops._exp_f32(xe)}

@@ -80,6 +80,15 @@ DIFFERENTIABLE = {
                                      q, k, v, CU, CU, 0.3, True, plan=aligned_ops.AttentionPlan().plan_varlen(
                                          CU, CU, 4, 2, 8))[0],
                                  lambda q, k, v: _attn_ref(q, k, v, LENS, 0.3)),
+    # MLA: one latent row per token (8 latent + 4 rope dims) as keys, its first 8 dims as values
+    "mla_attention_varlen": (lambda: (_rows(9, 3, 12), _rows(9, 12, seed=1)),
+                             lambda q, kv: ops.mla_attention_varlen(q, kv, CU, CU, 8, 0.3, True)[0],
+                             lambda q, kv: _attn_ref(q, kv[:, None, :], kv[:, None, :8], LENS, 0.3)),
+    "mla_attention_varlen_planned": (lambda: (_rows(9, 3, 12), _rows(9, 12, seed=1)),
+                                     lambda q, kv: aligned_ops.mla_attention_varlen(
+                                         q, kv, CU, CU, 8, 0.3, plan=aligned_ops.AttentionPlan().plan_varlen(
+                                             CU, CU, 3, 1, 12))[0],
+                                     lambda q, kv: _attn_ref(q, kv[:, None, :], kv[:, None, :8], LENS, 0.3)),
 }
 
 
@@ -173,6 +182,17 @@ NO_BACKWARD = {
         plan=aligned_ops.AttentionPlan().plan_paged(
             torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
             torch.tensor([[0, 1]], dtype=torch.int32), 1, 1, 4, 2, 4)),
+    "mla_attention_varlen_backward": lambda x: ops.mla_attention_varlen_backward(
+        x[:, :4].reshape(5, 1, 4), x.reshape(5, 1, 5), x, x[:, :4].reshape(5, 1, 4), torch.zeros(5, 1),
+        *(torch.tensor([0, 5], dtype=torch.int32),) * 2, 4, 0.5, True)[0],
+    "mla_paged_attention": lambda x: ops.mla_paged_attention(
+        x.reshape(5, 1, 5), torch.randn(2, 4, 5), torch.tensor([[0, 1]], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 0.5),
+    "mla_paged_attention_planned": lambda x: aligned_ops.mla_paged_attention(
+        x.reshape(5, 1, 5), torch.randn(2, 4, 5), kv_lora_rank=4, scale=0.5,
+        plan=aligned_ops.AttentionPlan().plan_paged(
+            torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+            torch.tensor([[0, 1]], dtype=torch.int32), 1, 1, 5, 2, 4)),
 }
 
 _W3 = torch.randn(3, 5)
@@ -207,7 +227,7 @@ NO_BACKWARD.update({
 
 # Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the
 # packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
-NOT_DIFFERENTIABLE = {"reshape_and_cache", "_cpu_isa", "_exact_unit", "_cpu_mma_unit", "linear_exact_pack_weight",
+NOT_DIFFERENTIABLE = {"reshape_and_cache", "mla_reshape_and_cache", "_cpu_isa", "_exact_unit", "_cpu_mma_unit", "linear_exact_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_linear_exact_f64_routes", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
                       "attention_plan", "attention_plan_size", "attention_plan_layout",  # host planning, int buffers

@@ -206,7 +206,7 @@ struct Gpu {
   static void attention_backward(const Call& c, const AttnBackwardRun& r) {
     const AttnProblem& f = r.problem;
     const AttnPlan& plan = *r.plan;
-    TORCH_CHECK(f.D <= gpu::kGpuAttnMaxD, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxD,
+    TORCH_CHECK(f.D <= gpu::kGpuAttnMaxDWide, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxDWide,
                 " on the GPU, got ", f.D);
     std::vector<int64_t> work(plan.blocks);
     work.insert(work.end(), plan.key_tiles.begin(), plan.key_tiles.end());
@@ -306,7 +306,7 @@ struct Gpu {
   // it knows from its own plan.
   static void launch_forward(const Call& c, gpu::AttnFwdParams p, const int64_t* plan, const int32_t* table,
                              float* part, int64_t grid_items, int64_t grid_blocks) {
-    TORCH_CHECK(p.D <= gpu::kGpuAttnMaxD, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxD,
+    TORCH_CHECK(p.D <= gpu::kGpuAttnMaxDWide, "aligned::", c.op, ": head_dim must be <= ", gpu::kGpuAttnMaxDWide,
                 " on the GPU, got ", p.D);
     const int64_t C = p.run.capacity;
     p.plan_header = plan;

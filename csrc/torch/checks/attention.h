@@ -188,11 +188,101 @@ inline void check_paged_metadata(const at::Tensor& block_table, const at::Tensor
 template <class DTypeEnum>
 AttnCheck<DTypeEnum> check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                           const at::Tensor& qsl, double scale) {
-  const char* op = "paged_attention";
+                                           const at::Tensor& qsl, double scale,
+                                           const char* op = "paged_attention") {
   const auto c = check_paged_q_cache<DTypeEnum>(q, k_cache, v_cache, scale, op);
   check_paged_metadata(block_table, seq_lens, qsl, op);
   return c;
+}
+
+// ---- MLA (attention.h "MLA: latent attention") -----------------------------------------------------------
+// One shared latent KV row per token, [latent (kv_lora_rank) || k_rope], as the single KV head; values are its first
+// kv_lora_rank dims. The sizes are the caller's (q's last dim = the row width), never constants.
+inline void check_mla_rank(int64_t kv_lora_rank, int64_t D, const char* op) {
+  TORCH_CHECK(kv_lora_rank >= 1 && kv_lora_rank <= D, "aligned::", op, ": kv_lora_rank must be in [1, ", D,
+              "] (the latent part of the ", D, "-wide [latent || rope] row), got ", kv_lora_rank);
+}
+
+template <class DTypeEnum>
+AttnCheck<DTypeEnum> check_mla_varlen(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& cu_q,
+                                      const at::Tensor& cu_k, int64_t kv_lora_rank, double scale, bool causal,
+                                      const char* op) {
+  using namespace attn_detail;
+  DTypeEnum dt = dtype_of<DTypeEnum>(q, op, "q");
+  check_same_dtype(q, kv, op, "q", "kv");
+  TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, kv_lora_rank + rope_dim], got shape ",
+              q.sizes());
+  TORCH_CHECK(kv.dim() == 2, "aligned::", op, ": kv must be [tokens, kv_lora_rank + rope_dim] (one latent row per "
+              "token), got shape ", kv.sizes());
+  const int64_t Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(kv.size(1) == D, "aligned::", op, ": the row width of kv (", kv.size(1), ") must equal q's last dim (",
+              D, ")");
+  TORCH_CHECK(Hq >= 1, "aligned::", op, ": q must have >= 1 head, got ", Hq);
+  check_mla_rank(kv_lora_rank, D, op);
+  check_scale(scale, op);
+  check_offsets_meta(cu_q, op, "cu_seqlens_q");
+  check_offsets_meta(cu_k, op, "cu_seqlens_k");
+  TORCH_CHECK(cu_q.size(0) == cu_k.size(0), "aligned::", op,
+              ": cu_seqlens_q and cu_seqlens_k must have the same length, got ", cu_q.size(0), " and ", cu_k.size(0));
+  return {dt, AttnShape{Hq, 1, D, causal}};
+}
+
+inline void check_mla_varlen_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,
+                                      const at::Tensor& lse, int64_t kv_lora_rank, const char* op) {
+  const std::vector<int64_t> want{q.size(0), q.size(1), kv_lora_rank};
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(want) && grad_out.scalar_type() == q.scalar_type(), "aligned::", op,
+              ": grad_out must be [", want[0], ", ", want[1], ", ", want[2], "] in q's dtype, got ", grad_out.sizes(),
+              " ", grad_out.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(want) && out.scalar_type() == q.scalar_type(), "aligned::", op,
+              ": out must be [", want[0], ", ", want[1], ", ", want[2], "] in q's dtype, got ", out.sizes(), " ",
+              out.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "aligned::", op, ": lse must be float32 [", q.size(0), ", ", q.size(1), "], got ", lse.scalar_type(), " ",
+              lse.sizes());
+}
+
+// The latent cache: [num_blocks, block_size, kv_lora_rank + rope_dim], contiguous (vLLM's MLA layout).
+inline void check_mla_cache(const at::Tensor& cache, const at::Tensor& ref, const char* ref_name, const char* op) {
+  attn_detail::check_same_dtype(ref, cache, op, ref_name, "kv_cache");
+  TORCH_CHECK(cache.dim() == 3, "aligned::", op,
+              ": kv_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], got shape ", cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), "aligned::", op, ": kv_cache must be contiguous");
+  TORCH_CHECK(cache.size(1) >= 1, "aligned::", op, ": block_size must be >= 1");
+}
+
+template <class DTypeEnum>
+AttnCheck<DTypeEnum> check_mla_paged(const at::Tensor& q, const at::Tensor& kv_cache, int64_t kv_lora_rank,
+                                     double scale, const char* op) {
+  DTypeEnum dt = dtype_of<DTypeEnum>(q, op, "q");
+  TORCH_CHECK(q.dim() == 3, "aligned::", op, ": q must be [tokens, heads, kv_lora_rank + rope_dim], got shape ",
+              q.sizes());
+  check_mla_cache(kv_cache, q, "q", op);
+  const int64_t Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(kv_cache.size(2) == D, "aligned::", op, ": the row width of kv_cache (", kv_cache.size(2),
+              ") must equal q's last dim (", D, ")");
+  TORCH_CHECK(Hq >= 1, "aligned::", op, ": q must have >= 1 head, got ", Hq);
+  check_mla_rank(kv_lora_rank, D, op);
+  attn_detail::check_scale(scale, op);
+  return {dt, AttnShape{Hq, 1, D, true}};
+}
+
+template <class DTypeEnum>
+DTypeEnum check_mla_reshape_and_cache(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
+                                      const at::Tensor& slot_mapping, const char* op) {
+  DTypeEnum dt = dtype_of<DTypeEnum>(kv_c, op, "kv_c");
+  attn_detail::check_same_dtype(kv_c, k_pe, op, "kv_c", "k_pe");
+  TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && kv_c.size(0) == k_pe.size(0), "aligned::", op,
+              ": kv_c must be [tokens, kv_lora_rank] and k_pe [tokens, rope_dim], got ", kv_c.sizes(), " and ",
+              k_pe.sizes());
+  TORCH_CHECK(kv_c.size(1) >= 1, "aligned::", op, ": kv_lora_rank (kv_c's last dim) must be >= 1");
+  check_mla_cache(kv_cache, kv_c, "kv_c", op);
+  TORCH_CHECK(kv_cache.size(2) == kv_c.size(1) + k_pe.size(1), "aligned::", op, ": the row width of kv_cache (",
+              kv_cache.size(2), ") must equal kv_lora_rank + rope_dim (", kv_c.size(1), " + ", k_pe.size(1), ")");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "aligned::", op, ": slot_mapping must be int64, got ",
+              slot_mapping.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv_c.size(0), "aligned::", op,
+              ": slot_mapping must be [", kv_c.size(0), "], got ", slot_mapping.sizes());
+  return dt;
 }
 
 // ---- plan/run form (attention_plan.h "the plan buffer") ---------------------------------------------------

@@ -9,6 +9,7 @@ documented wrappers. Schemas and checks live in C++ (csrc/torch/bindings.cpp, cs
 - :mod:`.logits`       log_softmax, logsumexp, token_logprobs (fp32, at a temperature);
 - :mod:`.lm_head`      the fused LM-head log-prob (no [T, V] logits, the unfused bits);
 - :mod:`.attention`    varlen / paged attention, cache write;
+- :mod:`.mla`          latent (MLA) attention over the shared [latent || rope] row, its cache write;
 - :mod:`.moe`          routing and experts;
 - :mod:`.collective`   the tree all-reduce that finishes the linear tree across TP ranks (Python, no kernel).
 - :mod:`.device_errors` the GPU ops' in-kernel value checks, read back outside the hot path.
@@ -27,6 +28,7 @@ from . import collective  # noqa: F401, E402
 from . import linear_exact  # noqa: F401, E402
 from . import linear_mma  # noqa: F401, E402
 from . import attention  # noqa: F401, E402
+from . import mla  # noqa: F401, E402
 from . import moe  # noqa: F401, E402
 from . import device_errors  # noqa: F401, E402
 from . import lm_head  # noqa: F401, E402
