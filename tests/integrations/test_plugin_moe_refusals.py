@@ -86,6 +86,28 @@ def test_quantized_or_padded_experts_refused():
         vllm_moe._moe_layer_spec(r)
 
 
+def test_consistently_padded_experts_refused():
+    """Backends that round I per rank up (vLLM: FLASHINFER_TRTLLM, AITER) pad w13 and w2 alike: the shapes agree
+    with each other, so the model's sizes decide (otherwise the lane cut would silently move)."""
+    r = _runner()
+    r.moe_config.intermediate_size, r.moe_config.tp_size = 16, 2  # 8 per rank: what the fake holds
+    r.moe_config.hidden_dim_unpadded = 8
+    assert vllm_moe._moe_layer_spec(r) == (2, "softmax", True)  # control: unpadded passes
+    r = _runner()
+    r.moe_config.intermediate_size, r.moe_config.tp_size = 12, 2  # 6 per rank, padded to 8 in both weights
+    with pytest.raises(NotImplementedError, match="expert intermediate size padded per rank \\(8 held, the model's 12 "
+                                                  "over 2 ranks\\)"):
+        vllm_moe._moe_layer_spec(r)
+    r = _runner()
+    r.moe_config.intermediate_size_per_partition_unpadded = 6
+    with pytest.raises(NotImplementedError, match="expert intermediate size padded per rank"):
+        vllm_moe._moe_layer_spec(r)
+    r = _runner()
+    r.moe_config.hidden_dim_unpadded = 6
+    with pytest.raises(NotImplementedError, match="expert hidden size padded \\(8 held, the model's 6\\)"):
+        vllm_moe._moe_layer_spec(r)
+
+
 def test_tensor_parallel_moe_accepted_expert_data_sequence_parallel_refused():
     """TP (every expert's I slice per rank) runs the experts' TP route; placements it does not cover refuse."""
     r = _runner()

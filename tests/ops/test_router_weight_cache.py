@@ -80,3 +80,19 @@ def test_sparse_moe_fp32_router_sees_a_step():
     out, scores = run(router)
     ref_out, ref_scores = run(router.detach().clone())  # a fresh, unregistered copy of the new weight
     assert torch.equal(bits(scores), bits(ref_scores)) and torch.equal(bits(out), bits(ref_out))
+
+
+def test_compiled_forward_casts_plainly_and_sees_a_refit():
+    # vLLM's compiled mode traces the MoE forward with fullgraph=True: the cached lookup must not be traced (Dynamo
+    # cannot inline the weak-keyed dictionary), and a copy captured at trace time would go stale after a refit
+    # that writes behind the version counter (vLLM drops the guards after the first compile).
+    w = _router(5)
+    aligned_ops.cache_exact_weights(w)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    fn = torch.compile(lambda x: x.float() @ cached_cast(w, torch.float32).t(), fullgraph=True, dynamic=False)
+    first = fn(x)
+    assert torch.equal(bits(first), bits(x.float() @ w.float().t()))
+    w.data.copy_(_router(6).data)  # a refit through .data: no version bump, no clear
+    second = fn(x)
+    assert torch.equal(bits(second), bits(x.float() @ w.float().t()))
+    assert not torch.equal(bits(first), bits(second))  # control: the refit changed the result

@@ -241,8 +241,11 @@ def cached_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight.to(dtype)``, kept across calls for a registered weight (:func:`cache_exact_weights`) while its
     state (:func:`_weight_key`: storage, shape, strides, version counter) is the one it was cast from; cleared with
     the packings (:func:`clear_exact_weight_cache`: vLLM's load_weights, refit). A weight autograd tracks (grad
-    mode on and ``requires_grad``: the trainer's) or not registered is cast on every call, as ``.to`` does."""
-    if weight.dtype == dtype or not is_exact_weight_cacheable(weight) or (
+    mode on and ``requires_grad``: the trainer's) or not registered is cast on every call, as ``.to`` does.
+
+    Under torch.compile (vLLM's compiled mode) it is always the plain cast: Dynamo cannot trace the weak-keyed
+    lookup, and a copy captured at trace time would go stale after a refit (vLLM drops the guards)."""
+    if torch.compiler.is_compiling() or weight.dtype == dtype or not is_exact_weight_cacheable(weight) or (
             torch.is_grad_enabled() and weight.requires_grad):
         return weight.to(dtype)
     key = _weight_key(weight, dtype)

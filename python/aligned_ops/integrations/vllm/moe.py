@@ -90,6 +90,20 @@ def _moe_layer_spec(runner):
         reasons.append("a runner-level shared_expert_gate")
     if re.w13_weight.dim() != 3 or re.w2_weight.dim() != 3 or re.w13_weight.shape[1] != 2 * re.w2_weight.shape[2]:
         reasons.append("padded or re-packed expert weights")
+    else:
+        # Backends that pad I per rank (vLLM rounds it up for FLASHINFER_TRTLLM / AITER) or H pad w13 and w2 alike, so
+        # the shapes agree with each other: compare with the model's sizes, or the lane cut (and the TP slices'
+        # lanes) would silently move.
+        tp = max(int(getattr(mc, "tp_size", 1) or 1), 1)
+        inter = getattr(mc, "intermediate_size", None)
+        unpadded = getattr(mc, "intermediate_size_per_partition_unpadded", None)
+        width = int(re.w2_weight.shape[2])
+        if (inter is not None and width * tp != int(inter)) or (unpadded is not None and width != int(unpadded)):
+            reasons.append(f"expert intermediate size padded per rank ({width} held, the model's "
+                           f"{inter} over {tp} ranks)")
+        hidden = getattr(mc, "hidden_dim_unpadded", None)
+        if hidden is not None and int(re.w2_weight.shape[1]) != int(hidden):
+            reasons.append(f"expert hidden size padded ({int(re.w2_weight.shape[1])} held, the model's {hidden})")
     # Tensor parallelism (every expert's I sliced per rank, the router and the shared gate replicated) is covered:
     # the experts' down-projection sub-trees meet in the tree all-reduce before moe.h's combine
     # (_moe_runner_forward). Expert and data parallel MoE (experts placed per rank, all-to-all dispatch) are not.
