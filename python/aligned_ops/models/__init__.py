@@ -15,7 +15,8 @@ below. See :mod:`.base` for what a block receives.
 - :mod:`.registry` the registry, per-call rule lookup (``rules_of``), ``model_spec``;
 - :mod:`.decoder` the Llama-family decoder block (Llama, Qwen2, Qwen3 and their MoE variants);
 - :mod:`.moe` the sparse MoE block's op sequence;
-- :mod:`.deepseek_v3` DeepSeek-V3 / Kimi-K2: its own block (expanded MLA, grouped sigmoid routing, shared experts);
+- :mod:`.deepseek_v3` DeepSeek-V3 / Kimi-K2: its MLA attention (expanded form) inside the shared pre-norm block,
+  grouped sigmoid routing, shared experts;
 - :mod:`.glm4_moe` GLM-4.5: the Llama-family block (partial rotary, optional q/k norms) with DeepSeek-V3's MoE;
 - :mod:`.tiny` tiny random-weight checkpoints (the CLI's default model, tests).
 """
