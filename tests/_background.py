@@ -100,6 +100,12 @@ class Background:
                 key = self._queue.pop(0)
             self._run(key, nice=5)
 
+    def job(self, key: str) -> dict:
+        """The job as its module declared it (argv, env, timeout and any keys of the module's own)."""
+        if key not in self._jobs:
+            raise KeyError(f"background job {key!r} is not declared by this test's module (BACKGROUND_JOBS)")
+        return self._jobs[key]
+
     def result(self, key: str) -> JobResult:
         """The job's result; waits for it if it is running, runs it now (in the foreground) if it is queued."""
         if key not in self._jobs:

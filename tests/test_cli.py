@@ -5,19 +5,46 @@ aligned kernels give 100 % bitwise-equal log-probs, standard kernels do not (neg
 
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 pytest.importorskip("vllm")
 
 
+def cli_job(*argv, timeout=600):
+    """The CLI run as a process: argv, environment and timeout (a test runs it, or tests/_background.py does)."""
+    return dict(argv=[sys.executable, "-m", "aligned_ops.apps.cli", *argv], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                timeout=timeout)
+
+
 def run_cli(*argv, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    job = cli_job(*argv, timeout=timeout)
+    proc = subprocess.run(job["argv"], env=job["env"], capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+# The two engine runs need nothing from the test process: tests/_background.py starts them at the beginning of the
+# run (one at a time, beside the in-process tests). The demo writes into a folder of its own made here (the test
+# removes it).
+VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
+DEMO_ARGV = ("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
+             "--sft-steps", "2", "--lr-warmup", "0")
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    out = tempfile.mkdtemp(prefix="aligned_cli_demo_")
+    return {"cli_verify": cli_job(*VERIFY_ARGV),
+            "cli_demo": dict(cli_job(*DEMO_ARGV, "--out", out, timeout=900), out=out)}
+
+
+def background_cli(background, key):
+    res = background.result(key)
+    return res.returncode, res.stdout + res.stderr
 
 
 def table_row(output: str, metric: str) -> list[str]:
@@ -28,8 +55,9 @@ def table_row(output: str, metric: str) -> list[str]:
     raise AssertionError(f"no row {metric!r} in:\n{output[-3000:]}")
 
 
-def test_verify_standard_mismatches_aligned_is_bitwise():
-    code, out = run_cli("verify", "--num-prompts", "4", "--max-tokens", "8")
+@pytest.mark.slow  # two vLLM engines (standard, aligned) in a fresh process
+def test_verify_standard_mismatches_aligned_is_bitwise(background):
+    code, out = background_cli(background, "cli_verify")
     assert code == 0, out[-4000:]
     standard, aligned = table_row(out, "bitwise equal (%)")
     assert float(aligned) == 100.0
@@ -39,12 +67,19 @@ def test_verify_standard_mismatches_aligned_is_bitwise():
 
 
 @pytest.mark.slow
-def test_demo_runs_four_configurations_and_prints_one_table(tmp_path):
+def test_demo_runs_four_configurations_and_prints_one_table(background):
     # Structure and the claims that hold at any size (the README's numbers come from the default run): four train
     # runs of one tiny MoE; aligned kernels are bitwise at every step (sync: no lag, so D3 is exactly 0 and the IS
     # ratio exactly 1); stock kernels are not (negative control); one table, the headline lines, a PNG.
-    code, out = run_cli("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
-                        "--sft-steps", "2", "--lr-warmup", "0", "--out", str(tmp_path), timeout=900)
+    code, out = background_cli(background, "cli_demo")
+    tmp_path = pathlib.Path(background.job("cli_demo")["out"])
+    try:
+        _check_demo(code, out, tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_demo(code, out, tmp_path):
     assert code == 0, out[-4000:]
     cols = table_row(out, "metric")
     assert cols == ["standard async", "aligned async", "standard sync", "aligned sync"]
