@@ -5,11 +5,8 @@ aligned kernels give 100 % bitwise-equal log-probs, standard kernels do not (neg
 
 import json
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -28,18 +25,13 @@ def run_cli(*argv, timeout=600):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-# The two engine runs need nothing from the test process: tests/_background.py starts them at the beginning of the
-# run (one at a time, beside the in-process tests). The demo writes into a folder of its own made here (the test
-# removes it).
+# The verify run needs nothing from the test process: tests/_background.py starts it at the beginning of the run
+# (one job at a time, beside the in-process tests).
 VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
-DEMO_ARGV = ("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
-             "--sft-steps", "2", "--lr-warmup", "0")
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    out = tempfile.mkdtemp(prefix="aligned_cli_demo_")
-    return {"cli_verify": cli_job(*VERIFY_ARGV),
-            "cli_demo": dict(cli_job(*DEMO_ARGV, "--out", out, timeout=900), out=out)}
+    return {"cli_verify": cli_job(*VERIFY_ARGV)}
 
 
 def background_cli(background, key):
@@ -67,19 +59,12 @@ def test_verify_standard_mismatches_aligned_is_bitwise(background):
 
 
 @pytest.mark.slow
-def test_demo_runs_four_configurations_and_prints_one_table(background):
+def test_demo_runs_four_configurations_and_prints_one_table(tmp_path):
     # Structure and the claims that hold at any size (the README's numbers come from the default run): four train
     # runs of one tiny MoE; aligned kernels are bitwise at every step (sync: no lag, so D3 is exactly 0 and the IS
     # ratio exactly 1); stock kernels are not (negative control); one table, the headline lines, a PNG.
-    code, out = background_cli(background, "cli_demo")
-    tmp_path = pathlib.Path(background.job("cli_demo")["out"])
-    try:
-        _check_demo(code, out, tmp_path)
-    finally:
-        shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-def _check_demo(code, out, tmp_path):
+    code, out = run_cli("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
+                        "--sft-steps", "2", "--lr-warmup", "0", "--out", str(tmp_path), timeout=900)
     assert code == 0, out[-4000:]
     cols = table_row(out, "metric")
     assert cols == ["standard async", "aligned async", "standard sync", "aligned sync"]
