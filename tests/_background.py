@@ -22,6 +22,7 @@ started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job whe
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -69,8 +70,10 @@ class Background:
         t0 = time.monotonic()
         argv = (["nice", "-n", str(nice)] if nice else []) + list(job["argv"])  # (no preexec_fn: threads here)
         try:
+            # its own process group: a timeout or close() kills the job's children too (a CLI job's engine and
+            # train processes hold its pipes; killing the job alone left communicate() waiting on them)
             proc = subprocess.Popen(argv, env=job.get("env"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
+                                    text=True, start_new_session=True)
         except OSError as e:  # recorded as the job's failure: a waiting test fails, never waits forever
             res = JobResult(-1, "", f"[could not start {argv!r}: {e}]", time.monotonic() - t0)
             with self._cv:
@@ -83,7 +86,7 @@ class Background:
             out, err = proc.communicate(timeout=job.get("timeout", 600))
             res = JobResult(proc.returncode, out, err, time.monotonic() - t0)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
             out, err = proc.communicate()
             res = JobResult(-9, out, err + f"\n[timed out after {job.get('timeout', 600)} s]", time.monotonic() - t0)
         with self._cv:
@@ -123,7 +126,15 @@ class Background:
             self._queue.clear()
             running = list(self._running.values())
         for p in running:  # a job no selected test still waits for (the run was interrupted)
-            p.kill()
+            _kill_group(p)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the job's process group (start_new_session: the job and every process it started)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,30 @@ import pytest
 pytest.importorskip("vllm")
 
 
+def cli_job(*argv, timeout=600):
+    """The CLI run as a process: argv, environment and timeout (a test runs it, or tests/_background.py does)."""
+    return dict(argv=[sys.executable, "-m", "aligned_ops.apps.cli", *argv], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                timeout=timeout)
+
+
 def run_cli(*argv, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    job = cli_job(*argv, timeout=timeout)
+    proc = subprocess.run(job["argv"], env=job["env"], capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+# The verify run needs nothing from the test process: tests/_background.py starts it at the beginning of the run
+# (one job at a time, beside the in-process tests).
+VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    return {"cli_verify": cli_job(*VERIFY_ARGV)}
+
+
+def background_cli(background, key):
+    res = background.result(key)
+    return res.returncode, res.stdout + res.stderr
 
 
 def table_row(output: str, metric: str) -> list[str]:
@@ -28,8 +47,9 @@ def table_row(output: str, metric: str) -> list[str]:
     raise AssertionError(f"no row {metric!r} in:\n{output[-3000:]}")
 
 
-def test_verify_standard_mismatches_aligned_is_bitwise():
-    code, out = run_cli("verify", "--num-prompts", "4", "--max-tokens", "8")
+@pytest.mark.slow  # two vLLM engines (standard, aligned) in a fresh process
+def test_verify_standard_mismatches_aligned_is_bitwise(background):
+    code, out = background_cli(background, "cli_verify")
     assert code == 0, out[-4000:]
     standard, aligned = table_row(out, "bitwise equal (%)")
     assert float(aligned) == 100.0

@@ -158,10 +158,27 @@ except ValueError as e:
 """
 
 
+_NO_UNIT_DIR: list = []
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The no-unit process needs nothing from this one: tests/_background.py starts it at the beginning of the run
+    (its model folder is made here and removed by its test)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="aligned_mma_no_unit_")
+    _NO_UNIT_DIR.append(d)
+    return {"mma_no_unit_refusals": dict(argv=[sys.executable, "-c", _NO_UNIT_SCRIPT, os.path.join(d, "m")],
+                                         env=NO_UNIT_ENV, timeout=300)}
+
+
 @pytest.mark.slow
-def test_a_cpu_without_the_unit_is_refused_at_start_up_on_both_sides(tmp_path):
-    res = subprocess.run([sys.executable, "-c", _NO_UNIT_SCRIPT, str(tmp_path / "m")], env=NO_UNIT_ENV,
-                         capture_output=True, text=True, timeout=300)
+def test_a_cpu_without_the_unit_is_refused_at_start_up_on_both_sides(background):
+    import shutil
+
+    res = background.result("mma_no_unit_refusals")
+    for d in _NO_UNIT_DIR:
+        shutil.rmtree(d, ignore_errors=True)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("trainer:", "engine:"))]
     assert lines == [f"trainer: aligned_ops (patch_model): {REFUSAL}",

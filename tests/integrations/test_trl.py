@@ -11,8 +11,9 @@ colocated engine owns the process's torch.distributed group.
 
 import json
 import os
-import subprocess
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -26,21 +27,39 @@ WORKER = os.path.join(os.path.dirname(__file__), "_trl_grpo_worker.py")
 REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
 
 
-def _run(model_dir, out_dir, adapter, profile, *extra):
+# The four runs need nothing from the test process: tests/_background.py starts them at the beginning of the test
+# run (one job at a time, beside the in-process tests); each writes into a folder of its own made here, removed
+# when its test has the result.
+RUNS = {  # job key: (adapter, profile, extra worker flags)
+    "trl_grpo_fma": (True, "fma"),
+    "trl_grpo_exact": (True, "exact"),
+    "trl_grpo_no_adapter": (False, "fma"),
+    "trl_grpo_exact_skip_cache_clear": (True, "exact", "--skip-cache-clear"),
+}
+_OUT_DIRS: dict = {}
+
+
+def _job(model_dir, key, adapter, profile, *extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_PYTHON + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("ALIGNED_OPS_LINEAR", None)
-    proc = subprocess.run([sys.executable, WORKER, model_dir, str(out_dir), "--adapter" if adapter else "--no-adapter",
-                           "--profile", profile, *extra], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out_dir = _OUT_DIRS[key] = tempfile.mkdtemp(prefix=f"aligned_{key}_")
+    return dict(argv=[sys.executable, WORKER, model_dir, out_dir, "--adapter" if adapter else "--no-adapter",
+                      "--profile", profile, *extra], env=env, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
+def BACKGROUND_JOBS(tiny_checkpoint):
     import torch
 
-    return tiny_checkpoint("qwen2", torch.bfloat16, seed=0)
+    model_dir = tiny_checkpoint("qwen2", torch.bfloat16, seed=0)
+    return {key: _job(model_dir, key, *run) for key, run in RUNS.items()}
+
+
+def _run(background, key):
+    res = background.result(key)
+    shutil.rmtree(_OUT_DIRS.pop(key, ""), ignore_errors=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def _check_runs_two_steps_with_new_weights(r):
@@ -54,8 +73,8 @@ def _check_runs_two_steps_with_new_weights(r):
 
 
 @pytest.mark.parametrize("profile", ["fma", "exact"])
-def test_trl_grpo_logp_difference_is_zero_with_aligned_grpo(model_dir, tmp_path, profile):
-    m = _check_runs_two_steps_with_new_weights(_run(model_dir, tmp_path, True, profile))
+def test_trl_grpo_logp_difference_is_zero_with_aligned_grpo(background, profile):
+    m = _check_runs_two_steps_with_new_weights(_run(background, f"trl_grpo_{profile}"))
     assert m["sampling/sampling_logp_difference/max"] == [0.0, 0.0], m
     assert m["sampling/sampling_logp_difference/mean"] == [0.0, 0.0], m
     assert m["sampling/importance_sampling_ratio/min"] == [1.0, 1.0], m
@@ -63,18 +82,18 @@ def test_trl_grpo_logp_difference_is_zero_with_aligned_grpo(model_dir, tmp_path,
     assert all(e > 0 for e in m["entropy"]), m  # the aligned entropy reaches TRL's metric
 
 
-def test_negative_control_trl_grpo_without_the_adapter_differs(model_dir, tmp_path):
-    m = _check_runs_two_steps_with_new_weights(_run(model_dir, tmp_path, False, "fma"))
+def test_negative_control_trl_grpo_without_the_adapter_differs(background):
+    m = _check_runs_two_steps_with_new_weights(_run(background, "trl_grpo_no_adapter"))
     assert max(m["sampling/sampling_logp_difference/max"]) > 0.0, m
     ratios = m["sampling/importance_sampling_ratio/min"] + m["sampling/importance_sampling_ratio/max"]
     assert any(r != 1.0 for r in ratios), m
 
 
-def test_exact_stays_fresh_without_the_cache_clearing(model_dir, tmp_path):
+def test_exact_stays_fresh_without_the_cache_clearing(background):
     """Two mechanisms keep the exact profile's packed weights fresh across TRL's syncs: the adapter's / plugin's
     cache clearing, and the engine's weight loaders bumping the version counter the cache is keyed by
     (integrations/vllm/layers.py track_weight_writes). With the clearing undone, the second alone keeps step 2
     exact. (That a stale packing would show: tests/integrations/test_vllm_exact_weight_sync.py, whose negative
     control scores the new rollouts with the old weights and sees them differ.)"""
-    m = _check_runs_two_steps_with_new_weights(_run(model_dir, tmp_path, True, "exact", "--skip-cache-clear"))
+    m = _check_runs_two_steps_with_new_weights(_run(background, "trl_grpo_exact_skip_cache_clear"))
     assert m["sampling/sampling_logp_difference/max"] == [0.0, 0.0], m

@@ -54,15 +54,17 @@ def engine(request, model_dirs):
 
     dtype, profile = engine_param(request.param)
     path = model_dirs[dtype]
+    # The engine and the trainer resolve the profile once, when made: the variable is set only while they are
+    # made, never across the yield.
     with linear_profile_env(profile):
         llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512)
         trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-        try:
-            yield dtype, llm, trainer
-        finally:
-            shutdown(llm)  # now, not at garbage collection (its process group with it: tests/conftest.py)
-            del llm
-            gc.collect()
+    try:
+        yield dtype, llm, trainer
+    finally:
+        shutdown(llm)  # now, not at garbage collection (its process group with it: tests/conftest.py)
+        del llm
+        gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature):

@@ -57,16 +57,18 @@ def engine(request, model_dirs):
 
     dtype, profile = engine_param(request.param)
     path = model_dirs[dtype]
+    # The engine and the trainer resolve the profile once, when made: the variable is set only while they are
+    # made, never across the yield (the module's other tests, e.g. the Qwen2-MoE one, see the process's own).
     with linear_profile_env(profile):
         llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
         trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-        if profile is not None:
-            from aligned_ops import profiles
+    if profile is not None:
+        from aligned_ops import profiles
 
-            assert profiles.profile_of(trainer) is profiles.get(profile)
-        yield dtype, llm, trainer
-        del llm
-        gc.collect()
+        assert profiles.profile_of(trainer) is profiles.get(profile)
+    yield dtype, llm, trainer
+    del llm
+    gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature, return_routing=False):
@@ -127,8 +129,6 @@ def test_qwen2_moe_shared_expert_bitwise(tmp_path, param):
     from transformers import AutoModelForCausalLM
 
     dtype, profile = engine_param(param)
-    # explicit: a module-scoped engine fixture of this module may still hold ALIGNED_OPS_LINEAR=mma (pytest keeps
-    # its last parametrisation alive until the module ends)
     with linear_profile_env(profile or "fma"):
         path = build_tiny_moe(tmp_path / "q2moe", getattr(torch, dtype), seed=3, arch="qwen2_moe", num_hidden_layers=1)
         llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
