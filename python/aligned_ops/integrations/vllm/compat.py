@@ -75,3 +75,22 @@ def installed_version() -> str:
 def installed() -> tuple[int, int, int]:
     """The installed vLLM's release numbers (the key of every difference below)."""
     return parse_version(installed_version())
+
+
+# ---- per-release differences ------------------------------------------------------------------------------------
+# Each entry: which releases, what differs, who asks. The plugin's own hooks (layers, decoders, attention, sampler,
+# MoE runner, TP) needed no difference over 0.29.0 ... 0.32.0: the classes and signatures they patch are the same
+# in every release of the range (read, and run end to end).
+
+CPU_MOE_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+
+
+def stock_cpu_moe_routes_in_experts() -> bool:
+    """Where *stock* vLLM-CPU chooses a MoE layer's experts (asked by ``integrations.routing_capture``, which records
+    stock vLLM's choices for the routing-flip diagnostics; the plugin replaces the MoE runner and is not concerned).
+
+    vLLM <= 0.29: the CPU's unquantized experts are monolithic (``CPUUnquantizedExperts.forward_monolithic``) and
+    route inside the module function ``experts.cpu_moe.select_experts``; ``FusedMoERouter.select_experts`` is never
+    called on the CPU. vLLM >= 0.30: a ``CPURouter`` (a ``FusedMoERouter``) routes, through ``select_experts``, and
+    that module function is gone."""
+    return installed() < (0, 30, 0)
