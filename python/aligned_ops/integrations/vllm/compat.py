@@ -22,7 +22,15 @@ import re
 import warnings
 
 # The releases the end-to-end proof ran on (oldest first). The range [first, last] is what install() accepts.
-TESTED_VLLM_VERSIONS = ("0.29.0", "0.32.0")
+# Below it (docs/integrations.md, "Supported vLLM releases"):
+# - 0.27.x / 0.28.0 (torch 2.13 like the range): their attention-backend API has no KV-cache layout negotiation
+#   (vllm.v1.kv_cache_interface.KVCacheLayout, AttentionBackend.supported_kv_cache_layouts arrived in 0.29), which
+#   attention.py uses to receive K and V as two contiguous caches without a copy (LHBNC); they give only
+#   get_kv_cache_shape / get_kv_cache_stride_order. Supporting them = a second KV-cache path in attention.py
+#   (shape [2, blocks, block_size, Hkv, D]) and a run of the proof; no framework pins them.
+# - 0.24.0 ... 0.26.0 (verl's pin 0.24): they pin torch 2.11.0+cpu; aligned_ops is built against one torch (its C++
+#   ABI), and torch 2.11.0+cpu is not on this workplace's package index, so they were never run.
+TESTED_VLLM_VERSIONS = ("0.29.0", "0.30.0", "0.31.0", "0.32.0")
 ANY_VERSION_ENV = "ALIGNED_OPS_VLLM_ANY_VERSION"
 
 
