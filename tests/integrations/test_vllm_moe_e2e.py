@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from aligned_ops.testing import bitwise_equal  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.integrations.routing_capture import scored_token_experts, vllm_teacher_forced_routing  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
@@ -67,6 +67,7 @@ def engine(request, model_dirs):
 
         assert profiles.profile_of(trainer) is profiles.get(profile)
     yield dtype, llm, trainer
+    shutdown(llm)  # vLLM <= 0.29 keeps its process group past `del llm` (tests/conftest.py checks)
     del llm
     gc.collect()
 

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import completion_logprobs, patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, teacher_forced  # noqa: E402
@@ -56,6 +56,7 @@ def engine(model_dir):
     assert cfg.compilation_config.backend == "inductor"
     assert cfg.cache_config.enable_prefix_caching and cfg.cache_config.block_size == BLOCK
     yield llm
+    shutdown(llm)  # vLLM <= 0.29 keeps its process group past `del llm` (tests/conftest.py checks)
     del llm
     gc.collect()
 
@@ -231,6 +232,7 @@ def test_yarn_qwen2_bitwise(tmp_path):
         prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (300, 40)]
         out = generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=6, n=2)
     finally:
+        shutdown(llm)
         del llm
         gc.collect()
     model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))

@@ -2,7 +2,8 @@
 
 vLLM 0.32's own routed-experts output (``enable_return_routed_experts``) needs Model Runner V2, which the CPU
 runner is not; so :func:`capture_vllm_routing` hooks the router instead: every MoE layer call appends its
-``topk_ids`` (in layer order, step by step). It works for stock vLLM (``FusedMoERouter.select_experts``) and
+``topk_ids`` (in layer order, step by step). It works for stock vLLM (``FusedMoERouter.select_experts``; before
+0.30 the CPU experts' own ``select_experts`` function: ``vllm/compat.py``) and
 with the aligned plugin (``integrations.vllm.moe._moe_runner_forward``). :func:`vllm_teacher_forced_routing` runs one
 sequence as a single prefill and returns ``[T, layers, k]``. :func:`capture_hf_routing` does the same for a
 stock HF model (forward hooks on the routers); a patched model returns ``routed_experts`` itself.
@@ -10,10 +11,12 @@ stock HF model (forward hooks on the routers); a patched model returns ``routed_
 
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
 
 import torch
 
+from .vllm import compat
 from .vllm import moe as vllm_moe
 
 
@@ -34,13 +37,27 @@ def capture_vllm_routing():
         def append(self, item):
             records.append(item[1].detach().to(torch.int64).clone())
 
+    # stock vLLM-CPU <= 0.29 routes inside a module function of its monolithic CPU experts instead (compat.py)
+    cpu_moe = (importlib.import_module(compat.CPU_MOE_EXPERTS_MODULE) if compat.stock_cpu_moe_routes_in_experts()
+               else None)
+    orig_fn = cpu_moe.select_experts if cpu_moe is not None else None
+
+    def select_experts_fn(*args, **kwargs):
+        w, ids = orig_fn(*args, **kwargs)
+        records.append(ids.detach().to(torch.int64).clone())
+        return w, ids
+
     FusedMoERouter.select_experts = select_experts
+    if cpu_moe is not None:
+        cpu_moe.select_experts = select_experts_fn
     prev = vllm_moe._moe_trace
     vllm_moe._moe_trace = _Trace()
     try:
         yield records
     finally:
         FusedMoERouter.select_experts = orig
+        if cpu_moe is not None:
+            cpu_moe.select_experts = orig_fn
         vllm_moe._moe_trace = prev
 
 

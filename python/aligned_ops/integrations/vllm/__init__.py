@@ -1,6 +1,7 @@
 """The vLLM plugin, one module per concern (the overview: :mod:`.plugin`).
 
-- :mod:`.plugin` entry point (``register``), ``install`` / ``uninstall``, the version pin;
+- :mod:`.plugin` entry point (``register``), ``install`` / ``uninstall``;
+- :mod:`.compat` the supported vLLM releases (the version gate) and every difference between them;
 - :mod:`.patches` the patch registry (every change to vLLM, with its reason; what ``uninstall`` undoes);
 - :mod:`.bind` what a built layer records: the architecture and the engine's linear profile;
 - :mod:`.config` start-up validation and the engine's profile, resolved once;

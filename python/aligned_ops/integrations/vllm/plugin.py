@@ -7,7 +7,7 @@ set in the environment. (``aligned_ops.integrations.rollout.make_llm(aligned=Tru
 :func:`install` directly, which also works where the package is not pip-installed.)
 
 What it replaces (for every model vLLM builds in the process afterwards), one module per concern, every change
-recorded in the patch registry (``patches.py``: vLLM's out-of-tree ``register_oot`` where vLLM 0.32 offers it,
+recorded in the patch registry (``patches.py``: vLLM's out-of-tree ``register_oot`` where vLLM offers it,
 a class patch with its reason where it does not):
 
 - ``decoders.py`` — each supported architecture's decoder-layer ``forward`` -> its block function, the one the
@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import os
 
-from . import config, decoders, layers, moe, patches, sampler, tp
+from . import compat, config, decoders, layers, moe, patches, sampler, tp
 from .bind import record_architecture
 
 ENV_VAR = "ALIGNED_OPS_VLLM"
 # The same switch under a VLLM_ name: vLLM's Ray executor forwards only VLLM_* variables to its workers, so a
 # variable set after ray.init (or outside the actors' runtime_env) still reaches every worker under this name.
 ENV_ALIASES = ("VLLM_ALIGNED_OPS",)
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+# The releases the end-to-end proof ran on; install() accepts [first, last] (compat.py: the gate and every
+# per-release difference of the hooks).
+SUPPORTED_VLLM_VERSIONS = compat.TESTED_VLLM_VERSIONS
 
 _installed = False
 
@@ -62,16 +64,8 @@ def is_installed() -> bool:
 
 
 def check_vllm_version() -> str:
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VLLM_VERSIONS:
-        raise RuntimeError(
-            f"aligned_ops vLLM plugin supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; found {version}. "
-            f"Install the pinned version or unset {ENV_VAR}."
-        )
-    return version
+    """The installed vLLM's version; ``RuntimeError`` (one line naming the supported range) outside it."""
+    return compat.check_version(compat.installed_version())
 
 
 def oot_hooks() -> dict:
