@@ -58,8 +58,9 @@
 // a kernel may also compute; lse is the row's as above. Same tiles (32 keys), splits (512 keys), merge order,
 // plan (attention_plan with num_kv_heads = 1, head_dim = D) as every other attention path: MLA decode from the
 // cache ≡ chunked prefill ≡ prefix hit ≡ the trainer's varlen, bit for bit.
-// Backward: the backward above with dO[d] = 0 and O[d] = 0 for d >= R (delta = the chain over d < R: each
-// extra step is fma(0, 0, acc) = acc), operands widened exactly to fp32, then
+// Backward: the backward above with dO[d] = 0 and O[d] = 0 for d >= R (delta = that padded chain over all D dims:
+// each extra step is fma(0, 0, acc), which is acc except that a -0 accumulator becomes +0 — the contract is the
+// padded chain, which every backend runs), operands widened exactly to fp32, then
 //   dq[d] = round(scale * chain_k) (as above);  dc_j[d] = round(dk_j[d] + dv_j[d]) for d < R (one fp32 add of
 //   the fp32 key and value gradients, then one rounding), dc_j[d] = round(dk_j[d]) for d >= R.
 // Cache: one row of D values per token, kv_cache [num_blocks, block_size, D] (vLLM's MLA layout), written at

@@ -537,15 +537,38 @@ def test_absorbed_projections_batch_invariant_with_negative_control():
 
 
 def test_absorbed_weights_cached_per_version_and_refit_invalidates():
+    """A registered (engine) weight's W_UK / W_UV are derived once per weight state: an in-place write (version
+    counter) is seen; a write through ``.data`` (vLLM's weight loaders, a broadcast) is not until
+    ``clear_exact_weight_cache()`` (what load_weights / refit call) — negative control: without the clear the stale
+    derivation is returned. Unregistered and inference tensors are derived per call."""
     H, dn, dv, R = 2, 8, 8, 16
     w = kv_b(H, dn, dv, R, torch.float32, 45)
+    aligned_ops.cache_exact_weights(w)
+
+    def fresh_uv(w):
+        return w.view(H, dn + dv, R)[:, dn:].contiguous()
+
     with torch.no_grad():
         a = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
-        assert aligned_ops.mla_absorbed_weights(w, H, dn, dv) is a  # derived once per weight version
-        w.copy_(kv_b(H, dn, dv, R, torch.float32, 46))  # a refit writes in place
+        assert aligned_ops.mla_absorbed_weights(w, H, dn, dv) is a  # derived once per weight state
+        w.copy_(kv_b(H, dn, dv, R, torch.float32, 46))  # an in-place write: the version counter moves
         b = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
-    assert b is not a and bitwise_equal(b.w_uv, w.view(H, dn + dv, R)[:, dn:].contiguous())
+    assert b is not a and bitwise_equal(b.w_uv, fresh_uv(w))
     assert not bitwise_equal(a.w_uv, b.w_uv)
+    with torch.no_grad():
+        w.data.copy_(kv_b(H, dn, dv, R, torch.float32, 47))  # behind the counter's back
+        stale = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+        assert stale is b and not bitwise_equal(stale.w_uv, fresh_uv(w))  # negative control: stale without the clear
+        aligned_ops.clear_exact_weight_cache()
+        c = aligned_ops.mla_absorbed_weights(w, H, dn, dv)
+    assert bitwise_equal(c.w_uv, fresh_uv(w))
+    plain = kv_b(H, dn, dv, R, torch.float32, 48)  # not registered: per call
+    with torch.no_grad():
+        assert aligned_ops.mla_absorbed_weights(plain, H, dn, dv) is not aligned_ops.mla_absorbed_weights(
+            plain, H, dn, dv)
+    with torch.inference_mode():
+        inf = kv_b(H, dn, dv, R, torch.float32, 49)
+        assert bitwise_equal(aligned_ops.mla_absorbed_weights(inf, H, dn, dv).w_uv, fresh_uv(inf))
     with pytest.raises(ValueError, match=r"aligned_ops.MlaAbsorbedWeights: kv_b_proj weight must be"):
         aligned_ops.mla_absorbed_weights(w, 3, dn, dv)
 

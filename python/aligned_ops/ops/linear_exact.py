@@ -174,7 +174,7 @@ def clear_exact_weight_cache() -> None:
     counter's back (``param.data.copy_``, a broadcast into the storage)."""
     _cache.clear()
     _tp_cache.clear()
-    _cast_cache.clear()
+    _derived_cache.clear()
 
 
 def _pack(weight: torch.Tensor):
@@ -232,30 +232,42 @@ def packed_weight(weight: torch.Tensor):
     return _packed(weight)[1]
 
 
-# A registered weight's copy in another dtype (the MoE router's fp32 weight, which DeepSeek-V3's routing reads
-# every forward): the same registration, key (version counter included) and invalidation as the packings above.
-_cast_cache = WeakIdKeyDictionary()
+# Values derived from a registered weight and read every forward (the MoE router's fp32 copy, MLA's absorbed W_UK /
+# W_UV): the same registration, key (version counter included) and invalidation as the packings above, one entry
+# per (weight, tag), dropped with the weight (weak keys).
+_derived_cache = WeakIdKeyDictionary()
+
+
+def cached_derivation(weight: torch.Tensor, tag, derive):
+    """``derive(weight.detach())``, kept across calls for a registered weight (:func:`cache_exact_weights`) while
+    its state (:func:`_weight_key`: storage, shape, strides, version counter) and ``tag`` are the ones it was
+    derived from; cleared with the packings (:func:`clear_exact_weight_cache`: vLLM's load_weights, refit — writes
+    through ``.data`` do not move the version counter). Derived on every call (``derive(weight)``, autograd
+    intact) for a weight autograd tracks (grad mode on and ``requires_grad``: the trainer's), one not registered,
+    an inference tensor, and under torch.compile (Dynamo cannot trace the weak-keyed lookup, and a value captured
+    at trace time would go stale after a refit: vLLM drops the guards)."""
+    if torch.compiler.is_compiling() or not is_exact_weight_cacheable(weight) or (
+            torch.is_grad_enabled() and weight.requires_grad):
+        return derive(weight)
+    key = _weight_key(weight, tag)
+    entries = _derived_cache.get(weight)
+    if entries is not None and tag in entries and entries[tag][0] == key:
+        return entries[tag][1]
+    with torch.no_grad():
+        value = derive(weight.detach())
+    if entries is None or any(v[0][:-1] != key[:-1] for v in entries.values()):
+        entries = {}  # the weight changed: every derivation of its old state goes
+        _derived_cache[weight] = entries
+    entries[tag] = (key, value)
+    return value
 
 
 def cached_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.to(dtype)``, kept across calls for a registered weight (:func:`cache_exact_weights`) while its
-    state (:func:`_weight_key`: storage, shape, strides, version counter) is the one it was cast from; cleared with
-    the packings (:func:`clear_exact_weight_cache`: vLLM's load_weights, refit). A weight autograd tracks (grad
-    mode on and ``requires_grad``: the trainer's) or not registered is cast on every call, as ``.to`` does.
-
-    Under torch.compile (vLLM's compiled mode) it is always the plain cast: Dynamo cannot trace the weak-keyed
-    lookup, and a copy captured at trace time would go stale after a refit (vLLM drops the guards)."""
-    if torch.compiler.is_compiling() or weight.dtype == dtype or not is_exact_weight_cacheable(weight) or (
-            torch.is_grad_enabled() and weight.requires_grad):
-        return weight.to(dtype)
-    key = _weight_key(weight, dtype)
-    hit = _cast_cache.get(weight)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.no_grad():
-        copy = weight.detach().to(dtype)
-    _cast_cache[weight] = (key, copy)
-    return copy
+    """``weight.to(dtype)`` through :func:`cached_derivation` (the MoE router's fp32 weight, which DeepSeek-V3's
+    routing reads every forward)."""
+    if weight.dtype == dtype:
+        return weight
+    return cached_derivation(weight, ("cast", dtype), lambda w: w.to(dtype))
 
 
 def exact_weight_cache_bytes() -> int:

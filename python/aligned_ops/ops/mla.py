@@ -206,25 +206,17 @@ class MlaAbsorbedWeights:
         self.w_uv = w[:, dn:, :].contiguous()
 
 
-_ABSORBED_CACHE: dict = {}
-
-
 def mla_absorbed_weights(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
-    """:class:`MlaAbsorbedWeights` of ``kv_b_weight``; with autograd off (inference, a rollout engine) the result
-    is cached per (tensor, weight version): derived once per weight version, re-derived after a refit (an in-place
-    write bumps ``tensor._version``). With autograd on (training) it is derived per call, so gradients reach the
-    weight."""
-    if torch.is_grad_enabled() and kv_b_weight.requires_grad:
-        return MlaAbsorbedWeights(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
-    key = (id(kv_b_weight), kv_b_weight.data_ptr(), int(num_heads), int(qk_nope_head_dim), int(v_head_dim))
-    hit = _ABSORBED_CACHE.get(key)
-    if hit is not None and hit[0] == kv_b_weight._version and hit[1]() is kv_b_weight:
-        return hit[2]
-    import weakref
+    """:class:`MlaAbsorbedWeights` of ``kv_b_weight``. For a weight registered with
+    :func:`aligned_ops.cache_exact_weights` (a rollout engine's) and autograd off, derived once per weight state and
+    kept (:func:`aligned_ops.ops.linear_exact.cached_derivation`: the version counter, and
+    :func:`aligned_ops.clear_exact_weight_cache` after writes through ``.data`` — vLLM's load_weights and refit
+    call it); otherwise (training: gradients reach the weight; unregistered or inference tensors) derived per
+    call."""
+    from .linear_exact import cached_derivation
 
-    w = MlaAbsorbedWeights(kv_b_weight.detach(), num_heads, qk_nope_head_dim, v_head_dim)
-    _ABSORBED_CACHE[key] = (kv_b_weight._version, weakref.ref(kv_b_weight), w)
-    return w
+    dims = (int(num_heads), int(qk_nope_head_dim), int(v_head_dim))
+    return cached_derivation(kv_b_weight, ("mla_absorbed", dims), lambda w: MlaAbsorbedWeights(w, *dims))
 
 
 def _per_head(x, weights, linear):
