@@ -144,3 +144,46 @@ def test_rows_above_the_gpu_maximum_refused_by_name():
         with pytest.raises(RuntimeError, match="mla_attention_varlen: head_dim must be <= 640 on the GPU"):
             ops.mla_attention_varlen(q, kv, cq, cq, 600, 0.04, True)
     assert not emu.launches
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("dtype, R, rope, lens", [(torch.bfloat16, 268, 32, (600, 5)),  # D = 300: not a multiple of 32
+                                                  (torch.float32, 257, 0, (530,))])  # D = 257, fp32
+def test_wide_rows_over_several_splits_equal_cpu(arch, dtype, R, rope, lens):
+    """Wide rows whose sequences pass one 512-key split: the wide merge over several splits, forward and backward,
+    at widths that are no multiple of the vector width, equal the CPU bit for bit."""
+    q, kv, go, *_ = case(dtype, R=R, rope=rope, lens=lens, h=2, seed=5)
+    cq, scale = cu(list(lens)), (R + rope) ** -0.5
+
+    def run():
+        out, lse = ops.mla_attention_varlen(q, kv, cq, cq, R, scale, True)
+        return (out, lse, *ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, R, scale, True))
+
+    cpu = run()
+    with aligned_ops.emulate(arch) as emu:
+        gpu = run()
+    merges = [l for l in emu.launches if l.kernel_base == "attention_merge_kernel"]
+    assert merges and {"attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"} <= emu.kernels()
+    for name, a, b in zip(["out", "lse", "dq", "dkv"], cpu, gpu):
+        assert bitwise_equal(a, b), f"{arch} {name}"
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_wide_heads_of_ordinary_attention_equal_cpu(arch):
+    """The wide kernels also serve ordinary attention (several KV heads) at 256 < head_dim <= 640: ≡ CPU."""
+    g = torch.Generator().manual_seed(6)
+    lens, H, Hkv, D = [33, 20], 4, 2, 264
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(torch.bfloat16) for h in (H, Hkv, Hkv))
+    go = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    cq, scale = cu(lens), D ** -0.5
+
+    def run():
+        out, lse = ops.attention_varlen(q, k, v, cq, cq, scale, True)
+        return (out, lse, *ops.attention_varlen_backward(go, q, k, v, out, lse, cq, cq, scale, True))
+
+    cpu = run()
+    with aligned_ops.emulate(arch):
+        gpu = run()
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], cpu, gpu):
+        assert bitwise_equal(a, b), f"{arch} {name}"
