@@ -138,7 +138,7 @@ def test_close_to_expanded(models):
 @pytest.mark.parametrize("q_lora_rank", [96, None])
 def test_gradients_match_float64_autograd(tmp_path, q_lora_rank):
     """Backward through mla_attention_varlen and the absorbed projections: the gradients of every attention
-    projection (incl. kv_b_proj, reached through W_UK and W_UV) match float64 autograd of stock HF within 1e-3 of
+    projection (incl. kv_b_proj, reached through W_UK and W_UV) match float64 autograd of stock HF within 1e-4 of
     their scale, as the expanded form's do. All layers dense (no routing flip can move a gradient)."""
     from transformers import AutoModelForCausalLM
 
@@ -166,7 +166,7 @@ def test_gradients_match_float64_autograd(tmp_path, q_lora_rank):
         for k, g in ref.items():
             assert float(g.abs().max()) > 0, k
             err = float((got[k] - g).abs().max() / g.abs().max())
-            assert err < 1e-3, (form, k, err)
+            assert err < 1e-4, (form, k, err)  # measured <= 1.7e-6
 
 
 def test_refusals_and_repatch(tmp_path):
