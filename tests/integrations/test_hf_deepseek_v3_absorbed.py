@@ -65,6 +65,48 @@ def test_batch_padding_packing_chunking_invariance(models):
     check_batch_padding_packing_chunking(models[0], LENS, pad=3)
 
 
+def test_one_latent_plan_per_forward_same_bits_and_gradients(models, monkeypatch):
+    """Every layer's mla_attention_varlen runs the ONE plan the forward made from the host cu_seqlens (one KV head
+    of width kv_lora_rank + d_rope); the log-probs and every parameter's gradient are the same bits as planning
+    inside each call (the backward through the planned form included)."""
+    import aligned_ops
+    from aligned_ops.integrations import hf
+    from aligned_ops.testing.rollouts import padded_batch
+
+    model = models[0]
+    if next(model.parameters()).dtype != torch.float32:
+        pytest.skip("fp32 model only")
+    seqs = random_sequences([7, 40, 3], 1)
+    ids, mask, cm, _ = padded_batch(seqs, [1, 5, 1])
+    plans = []
+    real_plan = aligned_ops.AttentionPlan.plan_varlen
+
+    def spy_plan(self, cu_q, cu_k, *a, **k):
+        plans.append(a[:3])
+        return real_plan(self, cu_q, cu_k, *a, **k)
+
+    monkeypatch.setattr(aligned_ops.AttentionPlan, "plan_varlen", spy_plan)
+
+    def score():
+        model.zero_grad()
+        lp = completion_logprobs(model, ids, cm, attention_mask=mask)
+        lp.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+        return lp.detach(), grads
+
+    lp_plan, g_plan = score()
+    attn = model.model.layers[0].self_attn
+    assert plans == [(attn.num_heads, 1, attn.kv_lora_rank + attn.qk_rope_head_dim)], plans
+    monkeypatch.setattr(hf._ForwardPlans, "get", lambda self, *a: None)  # plan inside every call, per layer
+    lp_call, g_call = score()
+    assert len(plans) == 1
+    assert_bitwise_equal(lp_plan, lp_call)
+    assert len(g_plan) == len(g_call) > 0
+    for a, b in zip(g_plan, g_call):
+        assert_bitwise_equal(a, b)
+
+
 def test_negative_control_kv_b_proj_reaches_the_bits(models):
     """The invariance above can fail: one element of a layer's kv_b_proj changed (its W_UK part, then its W_UV
     part) gives other bits; restored, the same bits again. Also the expanded form's bits differ from the absorbed
