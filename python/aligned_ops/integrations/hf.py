@@ -240,6 +240,16 @@ class TrainerSide(Side):
                                             plan=plan)
         return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
 
+    def linear(self, ctx, x, weight):
+        return ctx.profile.linear(x, weight)
+
+    def mla_attention(self, ctx, attn, q, kv, kv_lora_rank, scale):
+        # one KV head of width D = kv_lora_rank + rope_dim: the plan of the latent row (one per forward)
+        plan = ctx.plans.get(q.shape[1], 1, q.shape[2]) if ctx.plans is not None else None
+        o, _ = aligned_ops.mla_attention_varlen(q, kv, ctx.cu_seqlens, ctx.cu_seqlens, kv_lora_rank, scale, True,
+                                                plan=plan)
+        return o
+
     def is_sparse(self, arch, mlp):
         return hf_moe.is_moe_block(mlp)
 
@@ -551,7 +561,19 @@ def _refuse_adapters(model: torch.nn.Module) -> None:
                 "weights first (peft: model.merge_and_unload())")
 
 
-def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None) -> torch.nn.Module:
+def _resolve_mla_form(arch, mla_form, where):
+    if mla_form is None:
+        return None
+    if not arch.mla_forms:
+        raise ValueError(f"aligned_ops ({where}): mla_form={mla_form!r}, but {arch.name} has no MLA attention")
+    form = arch.mla_forms.get(mla_form) if isinstance(mla_form, str) else mla_form
+    if form is None or form not in arch.mla_forms.values():
+        raise ValueError(f"aligned_ops ({where}): mla_form must be one of {sorted(arch.mla_forms)}, got {mla_form!r}")
+    return form
+
+
+def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None,
+                mla_form=None) -> torch.nn.Module:
     """Route ``model`` (a HF ``*ForCausalLM`` of a supported architecture, :mod:`aligned_ops.models`) through
     ``torch.ops.aligned``; returns it.
 
@@ -562,8 +584,22 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     In place and idempotent (patching a patched model again changes nothing; :func:`unpatch_model` first to
     change its profile). Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding window,
     quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
+
+    ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"expanded"`` (the default: per-head k and v
+    from kv_b_proj, what the vLLM plugin runs today) or ``"absorbed"`` (one latent row per token, q and o through
+    the absorbed kv_b_proj: ``models.deepseek_v3.absorbed_attention``), or the form object
+    (``Architecture.mla_forms``). The two forms are the same function in exact arithmetic, not the same bits;
+    rollout and trainer must run the same one.
     """
     if getattr(model, "_aligned_patched", False):
+        if mla_form is not None:
+            arch = get_architecture(model._aligned_arch, "patch_model")
+            form = _resolve_mla_form(arch, mla_form, "patch_model")
+            layers = model.model.layers
+            have = layers[0].__dict__.get("_aligned_mla_form", arch.mla_forms["expanded"]) if len(layers) else form
+            if form is not have:
+                raise ValueError(f"aligned_ops (patch_model): mla_form={form.name!r}, but the model is already "
+                                 "patched with another form; call unpatch_model(model) first to change it")
         if profile is not None:
             wanted = rules_for(model._aligned_arch).resolve_profile(profile)
             if wanted is not model._aligned_profile:
@@ -586,6 +622,9 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
     _refuse_adapters(model)
     arch.check_hf_model(model, "patch_model")
+    form = _resolve_mla_form(arch, mla_form, "patch_model")
+    for i, layer in enumerate(model.model.layers if form is not None else ()):
+        form.check_hf_layer(layer.self_attn, i, "patch_model")
     rules = rules_for(arch.name)
     for layer in model.model.layers if not arch.own_attention_scale else ():
         attn = layer.self_attn
@@ -607,6 +646,8 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     for layer in model.model.layers:
         layer._aligned_arch = arch.name  # the layer's rules are looked up per call (model_spec.rules_for)
         layer._aligned_profile = resolved
+        if form is not None:
+            layer._aligned_mla_form = form  # read by the architecture's block (models.deepseek_v3.block)
         layer.forward = types.MethodType(_layer_forward, layer)
     # The backbone too (model.model(...), which frameworks call when they apply the LM head themselves): HF's
     # backbone forward would call the patched layers with its own keyword arguments.
@@ -627,7 +668,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if not getattr(model, "_aligned_patched", False):
         return model
     for layer in model.model.layers:
-        for key in ("forward", "_aligned_arch", "_aligned_profile"):
+        for key in ("forward", "_aligned_arch", "_aligned_profile", "_aligned_mla_form"):
             layer.__dict__.pop(key, None)
     for key in ("forward", "_aligned_arch", "_aligned_profile", "_aligned_cos_sin_cache"):
         model.model.__dict__.pop(key, None)

@@ -64,6 +64,16 @@ class Side:
         """Causal attention of ``q [T, Hq, D]`` over ``k``/``v [T, Hkv, D]`` at ``scale``: ``[T, Hq * D]``."""
         raise NotImplementedError
 
+    def linear(self, ctx, x, weight):
+        """``x [T, K] · weight [N, K]ᵀ`` through the side's linear profile, for a weight no module holds (MLA's
+        absorbed per-head projections, derived from ``kv_b_proj``)."""
+        raise NotImplementedError
+
+    def mla_attention(self, ctx, attn, q, kv, kv_lora_rank: int, scale: float):
+        """Causal absorbed MLA of ``q [T, Hq, D]`` over each token's latent row ``kv [T, D]`` at ``scale``:
+        ``o_latent [T, Hq, kv_lora_rank]`` (:func:`aligned_ops.mla_attention_varlen`'s contract)."""
+        raise NotImplementedError
+
     def is_sparse(self, arch, mlp) -> bool:
         """Whether the layer's MLP module is a sparse MoE block."""
         raise NotImplementedError
@@ -113,6 +123,9 @@ class Architecture:
     # loader takes (None: as is), and the weight-name suffixes that stay float32 in any model dtype
     refit_weights: Callable | None = None
     fp32_weights: tuple = ()
+    # MLA architectures: the attention forms the trainer patch can select by name (patch_model(mla_form=...)),
+    # name -> form object (models.deepseek_v3.MlaForm); empty: no choice. The block's default is the expanded form.
+    mla_forms: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<aligned_ops architecture {self.name}>"

@@ -29,9 +29,19 @@ results, then odds'): the same q.k up to a fixed permutation of the summed dims,
 not in bits — both sides of aligned_ops use the layout above. In vLLM the plugin selects the non-MLA path
 (``VLLM_MLA_DISABLE=1``, ``Architecture.vllm_env``): ``DeepseekV2Attention`` with the standard ``Attention`` layer,
 whose decoder layer runs this block.
+
+The ABSORBED form (issue 26; trainer only until the plugin's MLA backend lands): ``patch_model(model,
+mla_form="absorbed")`` records :data:`ABSORBED` (an :class:`MlaForm`) on each decoder layer and the block runs
+:func:`absorbed_attention` instead — the same q, latent c, k_pe and rope; per head q_nope·W_UK, one latent row
+``[c || rope(k_pe)]`` per token as the only KV head (``aligned::mla_attention_varlen``), o_latent·W_UV; W_UK and
+W_UV are views of kv_b_proj's weight. Both forms compute the same function; their bits differ (other sums), so
+rollout and trainer must run the same form. The spec below (and ``model_spec``) describe the expanded form.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -67,11 +77,11 @@ def _norm(rules, norm, x):
     return rules.apply_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def attention(arch, side, ctx, attn, x, rules):
-    """Expanded MLA on ``x [T, H]`` (module docstring): ``[T, Hq * d_v]`` before o_proj."""
+def _q_and_latent(side, ctx, attn, x, rules):
+    """What both forms share: ``(q [T, Hq, d_nope + d_rope], c = kv_a_layernorm(latent) [T, kv_lora_rank],
+    k_pe [T, 1, d_rope])`` — the down-projections of x, q's up-projection, the latent's norm (rope not applied)."""
     T = x.shape[0]
     Hq, dn, dr, dv, rank = _dims(attn)
-    dqk = dn + dr
     if getattr(attn, "q_lora_rank", None) is None:
         (q,) = side.parts(ctx, attn, Q, x)
         (kva,) = side.parts(ctx, attn, KV_A, x)
@@ -79,9 +89,16 @@ def attention(arch, side, ctx, attn, x, rules):
         (qa,) = side.parts(ctx, attn, Q_A, x)
         (kva,) = side.parts(ctx, attn, KV_A, x)
         (q,) = side.parts(ctx, attn, Q_B, _norm(rules, attn.q_a_layernorm, qa))
-    q = q.view(T, Hq, dqk)
     c = _norm(rules, attn.kv_a_layernorm, kva[:, :rank].contiguous())
-    k_pe = kva[:, rank:].contiguous().view(T, 1, dr)
+    return q.view(T, Hq, dn + dr), c, kva[:, rank:].contiguous().view(T, 1, dr)
+
+
+def attention(arch, side, ctx, attn, x, rules):
+    """Expanded MLA on ``x [T, H]`` (module docstring): ``[T, Hq * d_v]`` before o_proj."""
+    T = x.shape[0]
+    Hq, dn, dr, dv, rank = _dims(attn)
+    dqk = dn + dr
+    q, c, k_pe = _q_and_latent(side, ctx, attn, x, rules)
     (kv,) = side.parts(ctx, attn, KV_B, c)
     kv = kv.view(T, Hq, dn + dv)
     positions, cos_sin_cache = side.rope(ctx, attn)
@@ -96,10 +113,64 @@ def attention(arch, side, ctx, attn, x, rules):
     return o.view(T, Hq, dqk)[..., :dv].reshape(T, Hq * dv)
 
 
+def absorbed_attention(arch, side, ctx, attn, x, rules):
+    """Absorbed (latent) MLA on ``x [T, H]``: ``[T, Hq * d_v]`` before o_proj. The same q, latent c and k_pe as
+    the expanded form (:func:`_q_and_latent`, the same rope), then per head ``q_latent = q_nope · W_UK``
+    (:func:`aligned_ops.mla_absorb_q`, the side's profile linear), the row ``[q_latent || q_pe]`` against each
+    token's one latent row ``[c || k_pe]`` (:func:`aligned_ops.mla_attention_varlen`: scores over all
+    kv_lora_rank + d_rope dims, values = c), ``o = o_latent · W_UV`` per head (:func:`aligned_ops.mla_absorb_out`).
+    W_UK / W_UV are views of ``kv_b_proj.weight`` (gradients reach it). The scale is the layer's own (DeepSeek's
+    1/sqrt(d_nope + d_rope) · mscale², as the expanded form)."""
+    from ..ops.mla import mla_absorb_out, mla_absorb_q, mla_absorbed_weights
+
+    T = x.shape[0]
+    Hq, dn, dr, dv, rank = _dims(attn)
+    q, c, k_pe = _q_and_latent(side, ctx, attn, x, rules)
+    positions, cos_sin_cache = side.rope(ctx, attn)
+    q_pe = rules.rotary(positions, q[..., dn:].contiguous(), cos_sin_cache, dr)
+    k_pe = rules.rotary(positions, k_pe, cos_sin_cache, dr)
+    w = mla_absorbed_weights(attn.kv_b_proj.weight, Hq, dn, dv)
+
+    def linear(a, weight):
+        return side.linear(ctx, a, weight)
+
+    q_latent = mla_absorb_q(q[..., :dn], w, linear)
+    q_row = torch.cat([q_latent, q_pe], dim=-1).contiguous()
+    kv_row = torch.cat([c, k_pe.view(T, dr)], dim=-1).contiguous()
+    o_latent = side.mla_attention(ctx, attn, q_row, kv_row, rank, float(attn.scaling))
+    return mla_absorb_out(o_latent, w, linear).reshape(T, Hq * dv)
+
+
+@dataclass(frozen=True)
+class MlaForm:
+    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj; the default on
+    both sides — what the vLLM plugin runs today) or ``absorbed`` (one latent row per token; trainer only until the
+    plugin's MLA backend lands). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
+    decoder layer (``layer._aligned_mla_form``); the block reads that object, never a string."""
+
+    name: str
+    attention: Callable
+
+    def check_hf_layer(self, attn, i, where):
+        if self.name == "absorbed" and getattr(attn.kv_b_proj, "bias", None) is not None:
+            raise ValueError(f"aligned_ops ({where}): layer {i} kv_b_proj has a bias; the absorbed MLA form folds "
+                             "kv_b_proj into q and o (no bias term): use mla_form='expanded'")
+
+    def __repr__(self) -> str:
+        return f"<aligned_ops MLA form {self.name}>"
+
+
+EXPANDED = MlaForm("expanded", attention)
+ABSORBED = MlaForm("absorbed", absorbed_attention)
+MLA_FORMS = {f.name: f for f in (EXPANDED, ABSORBED)}
+
+
 def block(arch, side, ctx, layer, hidden, residual):
     """One DeepSeek-V3 decoder layer (module docstring): the shared pre-norm layer (norms, residuals, o_proj, MLP
-    or MoE: models/decoder.py) around the expanded MLA attention; returns ``(mlp_out, residual)`` like vLLM."""
-    return pre_norm_block(arch, side, ctx, layer, hidden, residual, attention)
+    or MoE: models/decoder.py) around the layer's MLA form (:class:`MlaForm`; expanded unless the trainer patch
+    chose another); returns ``(mlp_out, residual)`` like vLLM."""
+    form = layer.__dict__.get("_aligned_mla_form", EXPANDED)
+    return pre_norm_block(arch, side, ctx, layer, hidden, residual, form.attention)
 
 
 # ---- config ------------------------------------------------------------------------------------------------
@@ -247,4 +318,5 @@ ARCHITECTURE = Architecture(
     refuse_fp16=True,
     refit_weights=refit_weights,
     fp32_weights=("e_score_correction_bias",),
+    mla_forms=MLA_FORMS,
 )
