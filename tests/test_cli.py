@@ -31,7 +31,7 @@ VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    return {"cli_verify": cli_job(*VERIFY_ARGV)}
+    return {"cli_verify": cli_job(*VERIFY_ARGV, timeout=1200)}  # generous: it runs beside the suite
 
 
 def background_cli(background, key):

@@ -244,3 +244,23 @@ def test_refusals_and_repatch(tmp_path):
     with pytest.raises(ValueError, match="mla_form='absorbed', but Qwen2ForCausalLM has no MLA attention"):
         patch_model(q, mla_form="absorbed")
     patch_model(copy.deepcopy(q))  # positive control
+
+
+def test_trl_repatch_keeps_the_form_and_refuses_absorbed(tmp_path):
+    """The TRL adapter re-patches the policy under TRL's wrapper: it keeps the model's profile and MLA form, and
+    refuses the absorbed form while the vLLM plugin runs the expanded one (the two would never agree bit for bit)."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    from aligned_ops.integrations.trl import _repatch
+    from aligned_ops.models.deepseek_v3 import EXPANDED
+
+    d = build_tiny_deepseek_v3(tmp_path / "m", torch.float32, seed=2)
+    m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), mla_form="absorbed")
+    with pytest.raises(ValueError, match="patched with mla_form='absorbed', but the vLLM plugin runs the expanded"):
+        _repatch(m, None)
+    assert m.model.layers[0].__dict__["_aligned_mla_form"].name == "absorbed"  # refused before unpatching
+    unpatch_model(m)
+    patch_model(m, mla_form="expanded")
+    _repatch(m, None)  # control: the expanded form is carried through
+    assert m.model.layers[0].__dict__["_aligned_mla_form"] is EXPANDED

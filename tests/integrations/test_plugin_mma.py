@@ -169,7 +169,7 @@ def BACKGROUND_JOBS(tiny_checkpoint):
     d = tempfile.mkdtemp(prefix="aligned_mma_no_unit_")
     _NO_UNIT_DIR.append(d)
     return {"mma_no_unit_refusals": dict(argv=[sys.executable, "-c", _NO_UNIT_SCRIPT, os.path.join(d, "m")],
-                                         env=NO_UNIT_ENV, timeout=300)}
+                                         env=NO_UNIT_ENV, timeout=900)}  # generous: beside the suite
 
 
 @pytest.mark.slow

@@ -96,11 +96,19 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
 def _repatch(model, profile):
     """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
     patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword)."""
+    form = None
     if getattr(model, "_aligned_patched", False):
         if profile is None:
             profile = model._aligned_profile
+        layers = getattr(getattr(model, "model", None), "layers", None) or ()
+        form = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
+        if form is not None and form.name != "expanded":
+            # the vLLM plugin runs the expanded form (the latent backend is issue 26's next step): an absorbed
+            # trainer would never match the rollout's bits, silently
+            raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={form.name!r}, but "
+                             "the vLLM plugin runs the expanded MLA form; patch with mla_form='expanded' (the default)")
         unpatch_model(model)
-    return patch_model(model, profile)
+    return patch_model(model, profile, mla_form=form)
 
 
 def _engine_model(trainer):
