@@ -23,6 +23,14 @@ from aligned_ops.integrations import vllm as vllm_plugin  # noqa: E402
 from aligned_ops.integrations.vllm import gpu_platform as vgpu  # noqa: E402
 from aligned_ops.integrations.vllm.attention import AlignedAttentionBackend  # noqa: E402
 
+# Every vLLM module the plugin's install imports is imported now, on the real (CPU) platform: imported first under
+# a mocked GPU platform, the hooked layer modules would initialise CUDA, and modules that bind
+# `from vllm.platforms import current_platform` at import would keep the mock for the rest of the session (the
+# module then depended on earlier tests having imported them, and broke later ones).
+if not vllm_plugin.is_installed():
+    vllm_plugin.install()
+    vllm_plugin.uninstall()
+
 FLASH_ATTN_PATH = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
 ROCM_ATTN_PATH = "vllm.v1.attention.backends.rocm_attn.RocmAttentionBackend"
 
