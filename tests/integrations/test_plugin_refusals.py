@@ -258,17 +258,19 @@ def test_tensor_parallel_degrees_accepted(tiny_dir, tp):
 def test_moe_tensor_parallel_eager_accepted_compiled_and_expert_parallel_refused(tmp_path):
     """A MoE model at TP 2 passes validation in eager mode (its experts' TP route: tests/collective/
     test_moe_row_parallel.py, tests/integrations/test_vllm_moe_tp_e2e.py); compiled mode at TP > 1 and expert
-    parallelism are refused by name (negative control: the same config at TP 1 compiled is accepted)."""
+    parallelism and data parallelism are refused by name (negative control: the same config at TP 1 compiled is
+    accepted; a dense model at data_parallel_size 2 is accepted: test_dense_data_parallel_accepted)."""
     from aligned_ops.testing.tiny_model import build_tiny_moe
 
     path = build_tiny_moe(tmp_path / "moe", torch.float32, num_hidden_layers=1)
     base = _engine_config(path)
 
-    def at(tp, eager=True, ep=False):
+    def at(tp, eager=True, ep=False, dp=1):
         c = copy.copy(base)
         c.parallel_config = copy.copy(base.parallel_config)
         c.parallel_config.tensor_parallel_size = tp
         c.parallel_config.enable_expert_parallel = ep
+        c.parallel_config.data_parallel_size = dp
         c.model_config = copy.copy(base.model_config)
         c.model_config.enforce_eager = eager
         return c
@@ -281,6 +283,18 @@ def test_moe_tensor_parallel_eager_accepted_compiled_and_expert_parallel_refused
     with pytest.raises(ValueError, match="expert parallelism \\(enable_expert_parallel\\) is not covered for "
                                          "Qwen3MoeForCausalLM"):
         vllm_plugin.validate_vllm_config(at(2, ep=True))
+    # data parallelism flattens the MoE layers' TP over the DP ranks (vLLM's own expert sum): refused up front
+    with pytest.raises(ValueError, match="data_parallel_size 2 is not covered for Qwen3MoeForCausalLM: vLLM spreads "
+                                         "each expert over the data-parallel ranks"):
+        vllm_plugin.validate_vllm_config(at(1, dp=2))
+
+
+def test_dense_data_parallel_accepted(tiny_dir):
+    """Data-parallel replicas of a dense model are independent engines' worth of tokens: accepted."""
+    c = copy.copy(_engine_config(tiny_dir))
+    c.parallel_config = copy.copy(c.parallel_config)
+    c.parallel_config.data_parallel_size = 2
+    vllm_plugin.validate_vllm_config(c)
 
 
 def test_tp_combine_env_refused(monkeypatch):

@@ -92,9 +92,16 @@ def validate_vllm_config(vllm_config) -> None:
         if getattr(pc, "enable_expert_parallel", False):
             reasons.append(f"expert parallelism (enable_expert_parallel) is not covered for {arch.name}: its MoE "
                            "layers run tensor parallel (every expert's intermediate slice per rank)")
+    if arch is not None and arch.moe and int(getattr(pc, "data_parallel_size", 1) or 1) > 1:
+        # vLLM's MoE layers under data parallelism (without expert parallelism) flatten TP across the DP ranks: each
+        # expert's intermediate slice is spread over dp x tp ranks and summed by vLLM's own all-reduce, so a DP
+        # replica's tokens would not get the single-device bits (the fused-MoE hook would refuse it at model build)
+        reasons.append(f"data_parallel_size {pc.data_parallel_size} is not covered for {arch.name}: vLLM spreads each "
+                       "expert over the data-parallel ranks and sums them in its own order; run one engine per "
+                       "replica (data_parallel_size=1) instead")
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
-                       "data-parallel replicas are fine)")
+                       "data-parallel replicas of dense models are fine)")
     # Compiled mode (enforce_eager=False) is allowed, dense, MoE and TP 2: every arithmetic op of the model is
     # an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested bitwise
     # against eager and the trainer: test_vllm_rl_features.py dense, test_vllm_moe_compiled.py MoE,
