@@ -58,22 +58,28 @@ def check_batch_padding_packing_chunking(model, lens, pad):
         assert torch.equal(ex_prefix, alone[i][1][:cut])
 
 
-def check_close_to_float64_stock_hf(model):
-    """The patched model's log-probs of a 30-token sequence's last 20 tokens are within the dtype's tolerance of
-    the unpatched model's in float64, compared where both chose the same experts in every layer (a flip is a
-    legitimate, discrete difference) — at least 10 tokens."""
-    s = random_sequences([30], 3)[0]
+def check_close_to_float64_stock_hf(model, need: int = 10, max_sequences: int = 8):
+    """The patched model's log-probs of 30-token sequences' last 20 tokens are within the dtype's tolerance of the
+    unpatched model's in float64, compared at the positions where both chose the same experts in every layer at that
+    position and at every earlier one (a flip is a legitimate, discrete difference, and later tokens see it through
+    attention) — sequences are drawn until at least ``need`` tokens compare."""
     m64 = unpatch_model(copy.deepcopy(model)).to(torch.float64)
     m64.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    with torch.no_grad(), capture_hf_routing(m64) as rec:
-        ref = torch.log_softmax(m64(s[None]).logits[0], -1)[9:29].gather(-1, s[10:, None])[:, 0]
-    lp, ex = single(model, s, 10)
-    assert len(rec) == ex.shape[1]  # one record per sparse layer
-    same = torch.ones(30, dtype=torch.bool)
-    for layer, ids in enumerate(rec):
-        same &= (ids.sort(-1).values == ex[:, layer].sort(-1).values).all(-1)
-    keep = same[9:29]
     tol = 2e-4 if next(model.parameters()).dtype == torch.float32 else 0.15
-    assert keep.sum() >= 10, keep
-    err = (lp[keep].double() - ref[keep]).abs().max()
-    assert err < tol, err
+    errs = []
+    for seed in range(3, 3 + max_sequences):
+        s = random_sequences([30], seed)[0]
+        with torch.no_grad(), capture_hf_routing(m64) as rec:
+            ref = torch.log_softmax(m64(s[None]).logits[0], -1)[9:29].gather(-1, s[10:, None])[:, 0]
+        lp, ex = single(model, s, 10)
+        assert len(rec) == ex.shape[1]  # one record per sparse layer
+        same = torch.ones(30, dtype=torch.bool)
+        for layer, ids in enumerate(rec):
+            same &= (ids.sort(-1).values == ex[:, layer].sort(-1).values).all(-1)
+        keep = same.cumprod(0).bool()[9:29]  # position 9 + i scores token 10 + i
+        errs.append((lp[keep].double() - ref[keep]).abs())
+        if sum(e.numel() for e in errs) >= need:
+            break
+    err = torch.cat(errs)
+    assert err.numel() >= need, f"only {err.numel()} tokens free of route flips in {max_sequences} sequences"
+    assert err.max() < tol, err.max()
