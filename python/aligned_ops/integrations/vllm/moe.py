@@ -27,9 +27,16 @@ def _gate_linear_forward(self, x):
     # GateLinear (the MoE router projection): the rules' router linear in the model dtype, whatever tier vLLM
     # picked; a router whose weight vLLM keeps in fp32 (GLM-4.5: params_dtype fp32, fp32 logits) takes x widened
     # exactly to fp32 — linear(x.float(), W.float()), what the trainer's grouped block computes (models.moe)
-    if self.weight.dtype == torch.float32 and x.dtype != torch.float32:
+    weight = self.weight
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        # HF (and so the trainer) holds this weight in the model dtype: a checkpoint that stores it in fp32 is
+        # rounded at load there, kept whole here. Round it the same way (once per weight version; a checkpoint in
+        # the model dtype round-trips exactly), or an fp32 checkpoint would route by other logits than the trainer's
+        from ...ops.linear_exact import cached_derivation
+
+        weight = cached_derivation(weight, ("router_through", x.dtype), lambda w: w.to(x.dtype).float())
         x = x.float()
-    out = rules_of(self).router_linear(x, self.weight, getattr(self, "bias", None))
+    out = rules_of(self).router_linear(x, weight, getattr(self, "bias", None))
     return (out, None) if getattr(self, "return_bias", True) else out
 
 
