@@ -6,7 +6,10 @@ What it proves: the absorbed trainer is close to float64 stock HF and to the exp
 other rounding); a sequence's log-probs are the same bits alone, in a padded batch (left/right), packed and chunked;
 it really runs the latent op (trace) and reads kv_b_proj through W_UK/W_UV (negative controls: a changed kv_b_proj
 element moves the bits; the expanded form's bits differ); gradients reach q_b_proj / q_proj, kv_a_proj_with_mqa
-and kv_b_proj and match float64 autograd of stock HF; bad ``mla_form`` values are refused by message."""
+and kv_b_proj and match float64 autograd of stock HF; bad ``mla_form`` values are refused by message; compiled
+(torch.compile, inductor) the model gives eager's log-probs and gradients, and a dense decoder layer compiles with
+fullgraph=True to eager's bits, forward and backward (negative control: a changed kv_b_proj element moves the
+compiled bits). Cases include v_head_dim != qk_nope_head_dim (the tiny builder's "dv-ne-dn" variant)."""
 
 import copy
 
@@ -24,6 +27,9 @@ CASES = {
     "bf16": (torch.bfloat16, {}),
     "fp32-no-q-lora-kimi-groups": (torch.float32, {"q_lora_rank": None, "n_group": 1, "topk_group": 1,
                                                    "routed_scaling_factor": 2.827, "num_experts_per_tok": 3}),
+    # v_head_dim (36) != qk_nope_head_dim (24), 6 heads: W_UK and W_UV have other shapes (models/tiny.py variant)
+    "fp32-dv-ne-dn": (torch.float32, {"variant": "dv-ne-dn"}),
+    "bf16-dv-ne-dn": (torch.bfloat16, {"variant": "dv-ne-dn"}),
 }
 LENS = [5, 33, 2, 47, 9]
 
@@ -178,15 +184,17 @@ def test_close_to_expanded(models):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("q_lora_rank", [96, None])
-def test_gradients_match_float64_autograd(tmp_path, q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,variant", [(96, "default"), (None, "default"), (96, "dv-ne-dn")])
+def test_gradients_match_float64_autograd(tmp_path, q_lora_rank, variant):
     """Backward through mla_attention_varlen and the absorbed projections: the gradients of every attention
     projection (incl. kv_b_proj, reached through W_UK and W_UV) match float64 autograd of stock HF within 1e-4 of
     their scale, as the expanded form's do. All layers dense (no routing flip can move a gradient)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     d = build_tiny_deepseek_v3(tmp_path / "m", torch.float32, seed=5, first_k_dense_replace=3,
-                               q_lora_rank=q_lora_rank)
+                               q_lora_rank=q_lora_rank, variant=variant)
+    assert (variant == "dv-ne-dn") == (AutoConfig.from_pretrained(d).v_head_dim != AutoConfig.from_pretrained(d)
+                                        .qk_nope_head_dim)
     s = random_sequences([26], 2)[0]
     cm = torch.zeros(1, 26, dtype=torch.long)
     cm[0, 6:] = 1
@@ -224,6 +232,8 @@ def test_refusals_and_repatch(tmp_path):
         patch_model(m, mla_form="latent")
     with pytest.raises(ValueError, match="mla_form must be one of"):
         patch_model(m, mla_form=object())
+    with pytest.raises(ValueError, match=r"variant must be one of \['default', 'dv-ne-dn'\], got 'dv'"):
+        build_tiny_deepseek_v3(tmp_path / "bad", torch.float32, variant="dv")
     attn = m.model.layers[0].self_attn
     attn.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(attn.kv_b_proj.weight.shape[0]))
     with pytest.raises(ValueError, match="layer 0 kv_b_proj has a bias; the absorbed MLA form"):
@@ -264,3 +274,90 @@ def test_trl_repatch_keeps_the_form_and_refuses_absorbed(tmp_path):
     patch_model(m, mla_form="expanded")
     _repatch(m, None)  # control: the expanded form is carried through
     assert m.model.layers[0].__dict__["_aligned_mla_form"] is EXPANDED
+
+
+@pytest.fixture(scope="module")
+def dv_model(tmp_path_factory):
+    """A fresh fp32 absorbed model of the dv != dn variant (its own: the compile tests change a weight)."""
+    d = build_tiny_deepseek_v3(tmp_path_factory.mktemp("ds_dv") / "m", torch.float32, seed=6, variant="dv-ne-dn")
+    return _load(d, torch.float32, "absorbed")
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow  # inductor compiles a forward and a backward graph (minutes on 2 busy cores)
+def test_torch_compile_matches_eager_forward_and_gradients(dv_model):
+    """The whole absorbed trainer under torch.compile (inductor; not fullgraph: the patched forward packs the batch
+    with host-side checks, as every patched model — test_hf.py) gives eager's log-probs and every parameter's
+    gradient, bit for bit. Negative control: a kv_b_proj element changed in place moves the compiled log-probs
+    (the compiled graph reads the weight, and the comparison can fail)."""
+    from aligned_ops.testing.rollouts import padded_batch
+
+    model = dv_model
+    seqs = random_sequences([19, 7, 12], 4)
+    ids, mask, cm, _ = padded_batch(seqs, [3, 2, 5])
+
+    def run(m):
+        model.zero_grad(set_to_none=True)
+        lp = m(ids, attention_mask=mask, completion_mask=cm, return_logits=False).logprobs
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+        return lp.detach(), _grads(model)
+
+    lp_eager, g_eager = run(model)
+    compiled = torch.compile(model, backend="inductor")
+    lp_comp, g_comp = run(compiled)
+    assert_bitwise_equal(lp_comp, lp_eager)
+    assert g_comp.keys() == g_eager.keys() and "model.layers.1.self_attn.kv_b_proj.weight" in g_comp
+    for n in g_eager:
+        assert_bitwise_equal(g_comp[n], g_eager[n], n)
+    with torch.no_grad():
+        assert_bitwise_equal(compiled(ids, attention_mask=mask, completion_mask=cm, return_logits=False).logprobs,
+                             lp_eager)
+        w = model.model.layers[1].self_attn.kv_b_proj.weight
+        old = w[2, 5].clone()
+        w[2, 5] += 0.25
+        try:
+            moved = compiled(ids, attention_mask=mask, completion_mask=cm, return_logits=False).logprobs
+        finally:
+            w[2, 5] = old
+    assert count_bitwise_equal(moved, lp_eager) < lp_eager.numel()
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow  # inductor compiles a forward and a backward graph (minutes on 2 busy cores)
+def test_dense_decoder_layer_compiles_fullgraph(dv_model):
+    """A dense decoder layer in the absorbed form (norms, q / latent down-projections, rope, W_UK / W_UV derivation,
+    the absorbed projections, mla_attention_varlen with the forward's plan, o_proj, MLP) compiles with
+    fullgraph=True (inductor) and gives eager's output, input gradient and parameter gradients bit for bit. (A
+    sparse layer breaks the graph at the MoE routing recorder, as in every MoE model: not the absorbed form's.)"""
+    model = dv_model
+    layer = model.model.layers[0]
+    assert not hasattr(layer.mlp, "gate")  # dense
+    caught = []
+    handle = layer.register_forward_pre_hook(lambda mod, args: caught.append(args))
+    try:
+        with torch.no_grad():
+            model(random_sequences([23], 9)[0][None])
+    finally:
+        handle.remove()
+    hidden, residual, ctx = caught[0]
+    assert residual is None
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        h = hidden.detach().clone().requires_grad_(True)
+        out, res = fn(h, None, ctx)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), res.detach(), h.grad, {n: p.grad.clone() for n, p in layer.named_parameters()
+                                                     if p.grad is not None}
+
+    eager = run(layer)
+    comp = run(torch.compile(layer, backend="inductor", fullgraph=True))
+    for a, b in zip(eager[:3], comp[:3]):
+        assert_bitwise_equal(b, a)
+    assert eager[3].keys() == comp[3].keys() and "self_attn.kv_b_proj.weight" in eager[3]
+    for n in eager[3]:
+        assert_bitwise_equal(comp[3][n], eager[3][n], n)
+    layer.zero_grad(set_to_none=True)

@@ -30,8 +30,26 @@ from .hf import patch_model
 __all__ = ["shard_aligned"]
 
 
-def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = True, **fsdp_kwargs) -> torch.nn.Module:
-    """``patch_model(model)``, then FSDP2 ``fully_shard`` on every decoder layer and on the root; returns it.
+def _reshard_after_no_grad_forward(module, args, output):
+    if not torch.is_grad_enabled():
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in module.modules():  # the root, and any layer sharded with reshard_after_forward=False
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = True, profile=None, mla_form=None,
+                  **fsdp_kwargs) -> torch.nn.Module:
+    """``patch_model(model, profile, mla_form)``, then FSDP2 ``fully_shard`` on every decoder layer and on the
+    root; returns it.
+
+    ``mla_form="absorbed"`` (DeepSeek-V3 / Kimi-K2): W_UK / W_UV are derived from the gathered ``kv_b_proj``
+    weight inside each forward (views and a copy of the unsharded parameter, so gradients reach it and FSDP2
+    reduce-scatters them); nothing derived from a gathered weight outlives the forward's autograd graph
+    (``aligned_ops.ops.mla.mla_absorbed_weights`` caches only for registered weights, and
+    :func:`aligned_ops.cache_exact_weights` refuses FSDP2-managed modules and DTensors: FSDP2 all-gathers into
+    the same storage every step without moving its version counter).
 
     ``mesh``: a 1-D ``DeviceMesh`` (default: FSDP2's world mesh on the current device type). ``fsdp_kwargs``
     go to every ``fully_shard`` call (e.g. ``reshard_after_forward``). With ``sum_gradients`` (default) the
@@ -39,12 +57,19 @@ def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = Tr
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    patch_model(model)
+    patch_model(model, profile, mla_form)
     if mesh is not None:
         fsdp_kwargs["mesh"] = mesh
     for layer in model.model.layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
+    # FSDP2 keeps the root's parameters (embedding, final norm, LM head) unsharded after its forward, for the
+    # backward that follows; after a forward under no_grad (scoring old log-probs between steps) no backward
+    # follows, and the next training step's root gradients came out wrong (measured, torch 2.13, gloo: the
+    # embedding / norm / LM-head gradients of the step after a no-grad forward differ from one process's by
+    # more than their own size; tests/integrations/test_fsdp2_deepseek_absorbed.py). Reshard after a no-grad
+    # forward.
+    model._aligned_root_reshard = model.register_forward_hook(_reshard_after_no_grad_forward)
     if sum_gradients:
         for m in model.modules():  # each fully_shard'ed module reduces its own parameter group
             if isinstance(m, FSDPModule):

@@ -43,6 +43,11 @@ from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import check_sampling_options, check_temperature, effective_temperature
 from . import check_hf_config, hf_moe
 
+# The temperature check reads the vLLM release from package metadata (importlib.metadata, a try/except per
+# distribution name): Dynamo cannot trace that (InternalTorchDynamoError under torch.compile of the patched model
+# with a completion_mask); it validates Python values only, so it runs outside the graph.
+check_temperature = torch.compiler.disable(check_temperature)
+
 __all__ = ["patch_model", "unpatch_model", "completion_logprobs", "AlignedCausalLMOutput"]
 
 

@@ -35,7 +35,10 @@ mla_form="absorbed")`` records :data:`ABSORBED` (an :class:`MlaForm`) on each de
 :func:`absorbed_attention` instead — the same q, latent c, k_pe and rope; per head q_nope·W_UK, one latent row
 ``[c || rope(k_pe)]`` per token as the only KV head (``aligned::mla_attention_varlen``), o_latent·W_UV; W_UK and
 W_UV are views of kv_b_proj's weight. Both forms compute the same function; their bits differ (other sums), so
-rollout and trainer must run the same form. The spec below (and ``model_spec``) describe the expanded form.
+rollout and trainer must run the same form. Under FSDP2 (``integrations.fsdp.shard_aligned(model,
+mla_form="absorbed")``) W_UK / W_UV are derived from the gathered kv_b_proj inside each forward; compiled
+(torch.compile) the form gives eager's bits, forward and backward. The spec below (and ``model_spec``) describe the
+expanded form.
 """
 
 from __future__ import annotations

@@ -200,14 +200,26 @@ DEFAULT_DEEPSEEK_V3_CONFIG = dict(
 )
 
 
+# Named config changes of the tiny DeepSeek-V3 (``build_tiny_deepseek_v3(..., variant=NAME)``). "dv-ne-dn": the
+# value head dim differs from the nope query/key dim (and from d_nope + d_rope), and 6 heads — the default's
+# v_head_dim == qk_nope_head_dim (as DeepSeek-V3's own 128 / 128) would hide a W_UK / W_UV slice or a reshape
+# that reads one dim for the other.
+DEEPSEEK_V3_VARIANTS = {
+    "default": {},
+    "dv-ne-dn": dict(num_attention_heads=6, num_key_value_heads=6, qk_nope_head_dim=24, v_head_dim=36),
+}
+
+
 def build_tiny_deepseek_v3(path: str | os.PathLike, dtype: torch.dtype = torch.float32, seed: int = 0,
-                           router_scale: float = 0.08, bias_scale: float = 0.05, **overrides) -> str:
+                           router_scale: float = 0.08, bias_scale: float = 0.05, variant: str = "default",
+                           **overrides) -> str:
     """A random-weight DeepSeek-V3 causal LM (MLA, grouped sigmoid routing with a correction bias, a shared expert,
     dense first layer, DeepSeek YaRN) and its tokenizer. Default: 3 layers (``first_k_dense_replace=1``), 8 routed
     experts top-2 in 4 groups keeping 2, 1 shared expert, ``routed_scaling_factor=2.5``; ``config.json`` carries
     ``scoring_func: sigmoid`` and ``topk_method: noaux_tc`` (what vLLM reads). ``e_score_correction_bias`` is random
     (``bias_scale``) and stays float32 in the checkpoint whatever ``dtype``. ``overrides`` change the config
-    (e.g. ``q_lora_rank=None``, ``n_group=1, topk_group=1`` for Kimi-K2's single group)."""
+    (e.g. ``q_lora_rank=None``, ``n_group=1, topk_group=1`` for Kimi-K2's single group); ``variant`` first applies
+    one of :data:`DEEPSEEK_V3_VARIANTS` (``"dv-ne-dn"``: v_head_dim != qk_nope_head_dim)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from .deepseek_v3 import NAME
@@ -216,7 +228,11 @@ def build_tiny_deepseek_v3(path: str | os.PathLike, dtype: torch.dtype = torch.f
         raise ValueError(f"build_tiny_deepseek_v3: unsupported dtype {dtype}; use float32 or bfloat16")
     path = str(path)
     os.makedirs(path, exist_ok=True)
+    if variant not in DEEPSEEK_V3_VARIANTS:
+        raise ValueError(f"build_tiny_deepseek_v3: variant must be one of {sorted(DEEPSEEK_V3_VARIANTS)}, got "
+                         f"{variant!r}")
     cfg = dict(DEFAULT_DEEPSEEK_V3_CONFIG)
+    cfg.update(DEEPSEEK_V3_VARIANTS[variant])
     cfg.update(overrides)
     tokenizer = build_tokenizer(cfg["vocab_size"])
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -146,16 +146,35 @@ def cache_exact_weights(*weights) -> int:
 
     The caller vouches for invalidation: in-place changes the version counter sees are picked up by themselves;
     writes that bypass it (through ``.data``, collectives into the storage, FSDP-style storage reuse) need
-    :func:`clear_exact_weight_cache` afterwards. Inference tensors are never cached (no version counter)."""
+    :func:`clear_exact_weight_cache` afterwards. Inference tensors are never cached (no version counter).
+    FSDP2-managed modules and DTensors are refused (ValueError): FSDP2 all-gathers every step into the same
+    unsharded storage without moving its version counter, and frees it between forwards, so a cached packing or
+    derivation (MLA's W_UK / W_UV) would go stale or outlive its buffer; an FSDP2 trainer derives per forward."""
     n = 0
     for obj in weights:
+        _refuse_fsdp(obj)
         tensors = obj.parameters() if isinstance(obj, torch.nn.Module) else (obj,)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"aligned_ops.cache_exact_weights: expected tensors or modules, got {type(t).__name__}")
+            _refuse_fsdp(t)
             _registered[t] = True
             n += 1
     return n
+
+
+def _refuse_fsdp(obj) -> None:
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = isinstance(obj, DTensor) or (isinstance(obj, torch.nn.Module) and any(
+        isinstance(m, FSDPModule) for m in obj.modules()))
+    if sharded:
+        raise ValueError("aligned_ops.cache_exact_weights: FSDP2-managed parameters cannot be cached (FSDP2 "
+                         "all-gathers into reused storage without a version bump: a cached packing or derivation "
+                         "would go stale); register the rollout engine's weights, not the FSDP2 trainer's")
 
 
 def is_exact_weight_cacheable(weight: torch.Tensor) -> bool:
