@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _aligned_engine import engine_job, engine_result  # noqa: E402
 from _vllm_moe_checks import (PROMPT_LENS, check_routing, check_sampled_chunked,  # noqa: E402
                               check_stock_vllm_differs, engine_and_trainer, stock_probe_job, train_like_step)
 
@@ -48,8 +49,11 @@ def BACKGROUND_JOBS(tiny_checkpoint):
     env.pop("ALIGNED_OPS_VLLM", None)
     cli = [sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--model", path, "--num-prompts", "2",
            "--max-tokens", "4", "--threads", "2"]
+    compiled = engine_job(path, dict(dtype="bfloat16", max_num_batched_tokens=64, max_model_len=512,
+                                     enforce_eager=False), random_prompts(PROMPT_LENS, 4), 0.9, 6)
     return {"stock_vllm_probe_deepseek_v3": stock_probe_job(path),
-            "cli_verify_deepseek_v3": dict(argv=cli, env=env, timeout=1200)}  # generous: it runs beside the suite
+            "cli_verify_deepseek_v3": dict(argv=cli, env=env, timeout=1200),  # generous: it runs beside the suite
+            "compiled_engine_deepseek_v3": compiled}
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -127,21 +131,17 @@ def _engine_modules(llm):
     return list(model.modules())
 
 
-def test_compiled_mode_bitwise(model_dirs):
-    """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer."""
+def test_compiled_mode_bitwise(background, model_dirs):
+    """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer. The
+    engine runs in a fresh process (a background job, _aligned_engine.py: the plugin selects the expanded attention
+    there by itself)."""
     from transformers import AutoModelForCausalLM
 
-    path = model_dirs["bfloat16"]
-    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512,
-                   enforce_eager=False)
-    try:
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-        rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 4), temperature=0.9, max_tokens=6)
-        assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
-    finally:
-        shutdown(llm)
-        del llm
-        gc.collect()
+    info, rollouts = engine_result(background.result("compiled_engine_deepseek_v3"))
+    assert info["enforce_eager"] is False, info
+    assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
+    trainer = patch_model(AutoModelForCausalLM.from_pretrained(model_dirs["bfloat16"], dtype=torch.bfloat16))
+    assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
 
 
 def test_cli_verify_on_a_deepseek_checkpoint(background):

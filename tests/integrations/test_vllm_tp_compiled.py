@@ -4,21 +4,18 @@ The row-parallel layers finish the 8-lane linear tree with ``aligned_ops.collect
 the compiled model. Proven here: a tiny random Qwen2 (bf16, chunked prefill) in a compiled TP = 2 engine gives,
 for every sampled token, the TP = 1 trainer's teacher-forced log-prob bit for bit (integer views), and the engine
 really compiled. The engines run in fresh processes started at the beginning of the run (tests/_background.py,
-_tp_compiled_engine.py); the trainer side runs here. Negative controls of the TP path (a sequential combine
+_aligned_engine.py); the trainer side runs here. Negative controls of the TP path (a sequential combine
 differs; stock TP 2 vs TP 1 differs) are in test_vllm_tp_e2e.py.
 """
-
-import json
-import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from _aligned_engine import engine_job, engine_result  # noqa: E402
+
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import Rollout  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     assert_rollouts_bitwise,
     linear_profile_env,
@@ -31,6 +28,8 @@ pytestmark = pytest.mark.slow
 PROMPT_LENS = [3, 200, 17, 64]  # 200 > max_num_batched_tokens=128: chunked prefill
 PROFILES = {"default": None, "mma": "mma"}
 TEMPERATURE = 0.7
+ENGINE = dict(dtype="bfloat16", max_num_batched_tokens=128, max_model_len=512, tensor_parallel_size=2,
+              distributed_executor_backend="mp", enforce_eager=False)
 
 
 def _checkpoint(tiny_checkpoint):
@@ -38,22 +37,17 @@ def _checkpoint(tiny_checkpoint):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The engines need nothing from this process: tests/_background.py runs each (in a fresh process,
-    _tp_compiled_engine.py) beside the in-process tests; the tests compare their rollouts with the trainer here."""
+    """The engines need nothing from this process: tests/_background.py runs each (a fresh process,
+    _aligned_engine.py) beside the in-process tests; the tests compare their rollouts with the trainer here."""
     from aligned_ops import profiles
 
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    engine = os.path.join(os.path.dirname(__file__), "_tp_compiled_engine.py")
     jobs = {}
     for key, profile in PROFILES.items():
-        env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if profile is not None:
-            if profiles.get(profile).model_refusals("bfloat16"):
-                continue  # the test skips (linear_profile_env)
-            env["ALIGNED_OPS_LINEAR"] = profile
-        jobs[f"compiled_tp2_engine_{key}"] = dict(
-            argv=[sys.executable, engine, _checkpoint(tiny_checkpoint), json.dumps(random_prompts(PROMPT_LENS, 5)),
-                  str(TEMPERATURE), "8"], env=env, timeout=1200)  # generous: it runs beside the suite
+        if profile is not None and profiles.get(profile).model_refusals("bfloat16"):
+            continue  # the test skips (linear_profile_env)
+        env = {} if profile is None else {"ALIGNED_OPS_LINEAR": profile}
+        jobs[f"compiled_tp2_engine_{key}"] = engine_job(_checkpoint(tiny_checkpoint), ENGINE,
+                                                        random_prompts(PROMPT_LENS, 5), TEMPERATURE, 8, env)
     return jobs
 
 
@@ -64,13 +58,8 @@ def test_compiled_tp2_engine_bitwise_equals_tp1_trainer(background, tiny_checkpo
     from transformers import AutoModelForCausalLM
 
     with linear_profile_env(PROFILES[profile]):
-        res = background.result(f"compiled_tp2_engine_{profile}")
-        assert res.returncode == 0, res.stderr[-3000:]
-        out = json.loads(res.stdout.strip().splitlines()[-1])
-        assert out["tp_size"] == 2 and out["enforce_eager"] is False, out
-        rollouts = [Rollout(r["prompt"], r["tokens"], [float.fromhex(h) for h in r["logprobs"]])
-                    for r in out["rollouts"]]
+        info, rollouts = engine_result(background.result(f"compiled_tp2_engine_{profile}"))
+        assert info["tp_size"] == 2 and info["enforce_eager"] is False, info
         assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
-        path = _checkpoint(tiny_checkpoint)
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        trainer = patch_model(AutoModelForCausalLM.from_pretrained(_checkpoint(tiny_checkpoint), dtype=torch.bfloat16))
         assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=TEMPERATURE))
