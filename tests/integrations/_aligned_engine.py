@@ -27,6 +27,22 @@ def engine_job(path: str, llm: dict, prompts, temperature: float, max_tokens: in
     return dict(argv=[sys.executable, os.path.abspath(__file__), path, json.dumps(spec)], env=e, timeout=timeout)
 
 
+def profile_engine_jobs(prefix: str, profiles: dict, path: str, llm: dict, prompts, temperature: float,
+                        max_tokens: int) -> dict:
+    """One :func:`engine_job` per linear profile: ``{f"{prefix}_{key}": job}`` for ``profiles`` ``{key: profile}``
+    (None: the process's; otherwise ``ALIGNED_OPS_LINEAR`` set for the job). A profile this machine cannot run is
+    left out (its test skips: ``linear_profile_env``)."""
+    from aligned_ops import profiles as registry
+
+    jobs = {}
+    for key, profile in profiles.items():
+        if profile is not None and registry.get(profile).model_refusals("bfloat16"):
+            continue
+        env = {} if profile is None else {"ALIGNED_OPS_LINEAR": profile}
+        jobs[f"{prefix}_{key}"] = engine_job(path, llm, prompts, temperature, max_tokens, env)
+    return jobs
+
+
 def engine_result(res):
     """``(info, rollouts)`` of a finished job: info has ``tp_size`` and ``enforce_eager``; rollouts are
     ``aligned_ops.integrations.rollout.Rollout`` with the engine's exact log-probs."""

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _aligned_engine import engine_job, engine_result  # noqa: E402
+from _aligned_engine import engine_result, profile_engine_jobs  # noqa: E402
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
@@ -39,16 +39,8 @@ def _checkpoint(tiny_checkpoint):
 def BACKGROUND_JOBS(tiny_checkpoint):
     """The engines need nothing from this process: tests/_background.py runs each (a fresh process,
     _aligned_engine.py) beside the in-process tests; the tests compare their rollouts with the trainer here."""
-    from aligned_ops import profiles
-
-    jobs = {}
-    for key, profile in PROFILES.items():
-        if profile is not None and profiles.get(profile).model_refusals("bfloat16"):
-            continue  # the test skips (linear_profile_env)
-        env = {} if profile is None else {"ALIGNED_OPS_LINEAR": profile}
-        jobs[f"compiled_tp2_engine_{key}"] = engine_job(_checkpoint(tiny_checkpoint), ENGINE,
-                                                        random_prompts(PROMPT_LENS, 5), TEMPERATURE, 8, env)
-    return jobs
+    return profile_engine_jobs("compiled_tp2_engine", PROFILES, _checkpoint(tiny_checkpoint), ENGINE,
+                               random_prompts(PROMPT_LENS, 5), TEMPERATURE, 8)
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
