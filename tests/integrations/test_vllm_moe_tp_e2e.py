@@ -24,26 +24,27 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _vllm_moe_checks import PROMPT_LENS, train_like_step  # noqa: E402
+
 from aligned_ops.integrations import vllm_plugin  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3, build_tiny_glm4_moe, build_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LENS = [3, 100, 17, 40]  # 100 > max_num_batched_tokens=64: chunked prefill
 DSV3_SHAPE = dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
 MODELS = ("qwen2_moe", "deepseek_v3", "glm4_moe")
 
 
-def _build(name, root):
+def _build(name, tiny_checkpoint):
+    """The session's tiny checkpoints (the DeepSeek-V3 and GLM-4.5 ones are those of their single-device e2e tests)."""
     if name == "qwen2_moe":
-        return build_tiny_moe(root / name, torch.bfloat16, seed=3, arch="qwen2_moe", num_hidden_layers=2)
+        return tiny_checkpoint("moe", torch.bfloat16, seed=3, arch="qwen2_moe", num_hidden_layers=2)
     if name == "glm4_moe":
-        return build_tiny_glm4_moe(root / name, torch.bfloat16, seed=0)
-    return build_tiny_deepseek_v3(root / name, torch.bfloat16, seed=0, **DSV3_SHAPE)
+        return tiny_checkpoint("glm4_moe", torch.bfloat16, seed=0)
+    return tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **DSV3_SHAPE)
 
 
 def _differing(a, b):
@@ -77,16 +78,7 @@ def _run(name, path):
             vllm_plugin.set_tp_combine(llm, "tree")
             r["again"] = generate_with_logprobs(llm, greedy, temperature=0.0, max_tokens=6)
             if name == "deepseek_v3":  # (GLM-4.5's refit: the same code path, test_vllm_glm4_moe_e2e.py)
-                with torch.no_grad():
-                    g = torch.Generator().manual_seed(11)
-                    for _, p in trainer.named_parameters():
-                        p.add_((0.01 * torch.randn(p.shape, generator=g)).to(p.dtype))
-                    for layer in trainer.model.layers[1:]:
-                        b = layer.mlp.gate.e_score_correction_bias
-                        b.add_(1e-3 * torch.randn(b.shape, generator=g) + 3e-9)  # below bf16's resolution
-                sd = trainer.state_dict()
-                assert "model.layers.1.mlp.experts.gate_up_proj" in sd  # HF's fused in-memory experts
-                refit(llm, sd)
+                refit(llm, train_like_step(trainer))
                 r["after"] = generate_with_logprobs(llm, random_prompts(PROMPT_LENS, 2), temperature=0.8,
                                                     max_tokens=6)
                 r["after_trainer"] = teacher_forced(trainer, r["after"], temperature=0.8)
@@ -98,13 +90,12 @@ def _run(name, path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_tp")
+def runs(tiny_checkpoint):
     done = {}
 
     def get(name):
         if name not in done:
-            done[name] = _run(name, _build(name, root))
+            done[name] = _run(name, _build(name, tiny_checkpoint))
         return done[name]
 
     return get

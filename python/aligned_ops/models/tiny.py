@@ -224,26 +224,13 @@ def build_tiny_deepseek_v3(path: str | os.PathLike, dtype: torch.dtype = torch.f
 
     from .deepseek_v3 import NAME
 
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"build_tiny_deepseek_v3: unsupported dtype {dtype}; use float32 or bfloat16")
-    path = str(path)
-    os.makedirs(path, exist_ok=True)
     if variant not in DEEPSEEK_V3_VARIANTS:
         raise ValueError(f"build_tiny_deepseek_v3: variant must be one of {sorted(DEEPSEEK_V3_VARIANTS)}, got "
                          f"{variant!r}")
-    cfg = dict(DEFAULT_DEEPSEEK_V3_CONFIG)
-    cfg.update(DEEPSEEK_V3_VARIANTS[variant])
-    cfg.update(overrides)
-    tokenizer = build_tokenizer(cfg["vocab_size"])
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = DeepseekV3Config(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    overrides = dict(DEEPSEEK_V3_VARIANTS[variant], **overrides)
+    path = _build_grouped_moe("build_tiny_deepseek_v3", DeepseekV3Config, DeepseekV3ForCausalLM, NAME,
+                              DEFAULT_DEEPSEEK_V3_CONFIG, overrides, path, dtype, seed, router_scale, bias_scale,
                               attention_bias=False, attention_dropout=0.0, rope_interleave=True)
-    config.architectures = [NAME]
-    model = DeepseekV3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed + 1)
-    biases = {name: bias_scale * torch.randn(b.shape, generator=gen)
-              for name, b in sorted(model.named_buffers()) if name.endswith("e_score_correction_bias")}
-    _save_random(model, tokenizer, path, dtype, seed, eos, router_scale=router_scale, fp32_buffers=biases)
     # HF's config class does not declare these; vLLM reads them (without them it uses softmax and no bias).
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
@@ -290,18 +277,27 @@ def build_tiny_glm4_moe(path: str | os.PathLike, dtype: torch.dtype = torch.floa
 
     from .glm4_moe import NAME
 
+    return _build_grouped_moe("build_tiny_glm4_moe", Glm4MoeConfig, Glm4MoeForCausalLM, NAME,
+                              DEFAULT_GLM4_MOE_CONFIG, overrides, path, dtype, seed, router_scale, bias_scale,
+                              attention_dropout=0.0)
+
+
+def _build_grouped_moe(builder, config_cls, model_cls, arch_name, defaults, overrides, path, dtype, seed,
+                       router_scale, bias_scale, **fixed):
+    """The grouped-sigmoid-routing builders' common body (DeepSeek-V3, GLM-4.5): dtype check, ``defaults`` with
+    ``overrides``, the tiny tokenizer and its eos as bos/pad, ``fixed`` config fields, random weights and a random
+    float32 ``e_score_correction_bias`` (``bias_scale``, kept float32 in any ``dtype``); returns ``str(path)``."""
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"build_tiny_glm4_moe: unsupported dtype {dtype}; use float32 or bfloat16")
+        raise ValueError(f"{builder}: unsupported dtype {dtype}; use float32 or bfloat16")
     path = str(path)
     os.makedirs(path, exist_ok=True)
-    cfg = dict(DEFAULT_GLM4_MOE_CONFIG)
+    cfg = dict(defaults)
     cfg.update(overrides)
     tokenizer = build_tokenizer(cfg["vocab_size"])
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Glm4MoeConfig(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                           attention_dropout=0.0)
-    config.architectures = [NAME]
-    model = Glm4MoeForCausalLM(config)
+    config = config_cls(**cfg, hidden_act="silu", bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **fixed)
+    config.architectures = [arch_name]
+    model = model_cls(config)
     gen = torch.Generator().manual_seed(seed + 1)
     biases = {name: bias_scale * torch.randn(b.shape, generator=gen)
               for name, b in sorted(model.named_buffers()) if name.endswith("e_score_correction_bias")}

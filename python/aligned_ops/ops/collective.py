@@ -386,6 +386,20 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
     return ops.linear_exact_finish(partial, x_scan, we, wb, bias, x.dtype)
 
 
+def _check_lane_slice(what: str, label: str, k: int, k_local: int, t: int, r: int) -> None:
+    """Rank r's contiguous slice of a reduction dim (``label``, ``k`` long, ``k_local`` held: the row-parallel
+    linear's K, a MoE expert's I as vLLM shards it) must be whole lanes: exactly ``linear_tp_slices(k, t)[r]``."""
+    try:
+        k0, k1 = linear_tp_slices(k, t)[r]
+    except ValueError as e:
+        raise ValueError(f"aligned_ops.{what}: {label} = {k} does not split into whole lanes over {t} ranks ({e})") \
+            from None
+    if k1 - k0 != k_local:
+        raise ValueError(f"aligned_ops.{what}: {label} = {k} does not split into whole lanes over {t} ranks as this "
+                         f"rank's weight does: rank {r} must hold {label}[{k0}:{k1}] ({k1 - k0} features), it holds "
+                         f"{k_local}")
+
+
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
                         *, in_features: int | None = None, algorithm: str = "auto",
                         check: bool = True, sub_tree=linear_partial) -> torch.Tensor:
@@ -411,16 +425,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     try:
         k_local = weight.shape[-1]
         if in_features is not None:
-            try:
-                k0, k1 = linear_tp_slices(in_features, t)[r]
-            except ValueError as e:
-                raise ValueError(f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} "
-                                 f"ranks ({e})") from None
-            if k1 - k0 != k_local:
-                raise ValueError(
-                    f"aligned_ops.{what}: K = {in_features} does not split into whole lanes over {t} ranks as "
-                    f"this rank's weight does: rank {r} must hold K[{k0}:{k1}] ({k1 - k0} features), it holds "
-                    f"{k_local}")
+            _check_lane_slice(what, "K", in_features, k_local, t, r)
         partial = sub_tree(x, weight, LINEAR_LANES // t)
     except _LOCAL_ERRORS as e:
         local_error = e
@@ -475,19 +480,6 @@ def _moe_expert_linears(linear_profile: str):
         raise ValueError(f"aligned_ops.row_parallel_moe_experts: linear_profile must be one of {tuple(table)}, got "
                          f"{linear_profile!r}")
     return table[linear_profile]
-
-
-def _check_moe_slice(what: str, name: str, k_local: int, t: int, r: int) -> None:
-    """vLLM gives rank r the contiguous I/t slice; it must be the whole lanes linear_tp_slices(I, t)[r]."""
-    k = k_local * t
-    try:
-        k0, k1 = linear_tp_slices(k, t)[r]
-    except ValueError as e:
-        raise ValueError(f"aligned_ops.{what}: {name} intermediate size {k} does not split into whole lanes over {t} "
-                         f"ranks ({e})") from None
-    if k1 - k0 != k_local:
-        raise ValueError(f"aligned_ops.{what}: {name} intermediate size {k} over {t} ranks: rank {r} must hold "
-                         f"[{k0}:{k1}] ({k1 - k0}), it holds {k_local}")
 
 
 def _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, lanes, linear_profile):
@@ -560,9 +552,9 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
                              f"{list(w13.shape)}, {list(w2.shape)}")
         if (shared_w13 is None) != (shared_w2 is None) or (shared_gate is not None and shared_w13 is None):
             raise ValueError(f"aligned_ops.{what}: shared_w13 and shared_w2 (and shared_gate) go together")
-        _check_moe_slice(what, "w2", w2.shape[2], t, r)
+        _check_lane_slice(what, "w2's I", w2.shape[2] * t, w2.shape[2], t, r)
         if shared_w2 is not None:
-            _check_moe_slice(what, "shared_w2", shared_w2.shape[1], t, r)
+            _check_lane_slice(what, "shared_w2's I", shared_w2.shape[1] * t, shared_w2.shape[1], t, r)
         partial = _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, LINEAR_LANES // t, linear_profile)
         gate = None
         if shared_gate is not None:
