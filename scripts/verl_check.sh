@@ -5,7 +5,8 @@
 #
 # Builds (or reuses) a venv with --system-site-packages next to the current python3: verl and transformers 5.10.4 go
 # into the venv, everything else (torch 2.13.0+cpu, aligned_ops) comes from the main environment, which is never
-# changed. The venv gets, --no-deps, exactly what pip's resolver says verl==0.9.1 + transformers==5.10.4 need beyond
+# changed. The venv gets, --no-deps, exactly what pip's resolver says verl==0.9.1 + transformers==5.10.4 (+ trl==0.27.0,
+# the pin of verl's [fsdp] extra, whose value-head class verl's monkey patch imports) need beyond
 # the main environment; a resolution that would replace torch is refused (aligned_ops is built against one torch).
 # Cache-friendly: the venv is kept ($ALIGNED_VERL_VENV, default build/venvs/verl-0.9.1) and reused only when its
 # install finished (.complete).
@@ -19,6 +20,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VERL_VERSION=0.9.1
 TRANSFORMERS_VERSION=5.10.4
+# verl's [fsdp] extra pins trl 0.27.0: verl's apply_monkey_patch imports trl's AutoModelForCausalLMWithValueHead,
+# which the main environment's trl (1.x) no longer has
+TRL_VERSION=0.27.0
 VENV=${ALIGNED_VERL_VENV:-build/venvs/verl-$VERL_VERSION}
 start=$(date +%s)
 stamp() { echo "== [verl $VERL_VERSION, $(( $(date +%s) - start ))s] $*"; }
@@ -33,7 +37,7 @@ else
   torch_version=$("$PY" -c "import torch; print(torch.__version__)")
   report="$VENV/resolve.json"
   if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check --dry-run --report "$report" \
-      "verl==$VERL_VERSION" "transformers==$TRANSFORMERS_VERSION" >"$VENV/resolve.log" 2>&1; then
+      "verl==$VERL_VERSION" "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" >"$VENV/resolve.log" 2>&1; then
     tail -5 "$VENV/resolve.log"
     echo "FAILED: pip cannot resolve verl==$VERL_VERSION transformers==$TRANSFORMERS_VERSION next to the main environment"
     exit 1

@@ -73,6 +73,18 @@ def main(rollouts_path, out_path):
         def set_device(self, device_index):
             pass
 
+        def synchronize(self, device_index=None):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        manual_seed_all = manual_seed
+
+    CPUPlatform.__abstractmethods__ = frozenset()  # the rest (CUDA/Ray/profiler hooks) is never reached here
     set_platform(CPUPlatform())
     torch.distributed.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0,
                                          world_size=1)
@@ -143,7 +155,9 @@ def main(rollouts_path, out_path):
         return -lp.sum(), {}
 
     eng.module.zero_grad(set_to_none=True)
-    eng.forward_backward_batch(batch(True, True), loss_fn, forward_only=False)
+    train = batch(True, True)
+    tu.assign_non_tensor(train, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)  # one micro-batch per sequence
+    eng.forward_backward_batch(train, loss_fn, forward_only=False)
     grads = [p.grad for p in eng.module.parameters() if p.requires_grad]
     out["train_grads"] = {"with_grad": sum(g is not None for g in grads), "params": len(grads),
                           "finite_nonzero": bool(all(g is not None and torch.isfinite(g).all() for g in grads)
@@ -156,10 +170,10 @@ def main(rollouts_path, out_path):
         try:
             e = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
             e.model_config = types.SimpleNamespace(model_type="language_model", use_liger=False,
-                                                   use_fused_kernels=True, lora_rank=0, **{})
+                                                   use_fused_kernels=True, lora_rank=0)
             for k, v in overrides.items():
                 setattr(e.model_config, k, v)
-            e.engine_config = types.SimpleNamespace(ulysses_sequence_parallel_size=1, **eng_over)
+            e.engine_config = types.SimpleNamespace(**{"ulysses_sequence_parallel_size": 1, **eng_over})
             plugin.check_engine(e)
             refusals[key] = None
         except ValueError as err:
@@ -185,8 +199,10 @@ def main(rollouts_path, out_path):
 
     with initialize_config_dir(config_dir=os.path.dirname(plugin.config_path()), version_base=None):
         cfg = compose(config_name=plugin.CONFIG_NAME)
-    algo = omega_conf_to_dataclass(cfg.algorithm)
-    rc = algo.rollout_correction
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    omega_conf_to_dataclass(cfg.algorithm)  # verl's AlgoConfig accepts the section
+    rc = omega_conf_to_dataclass(cfg.algorithm.rollout_correction, RolloutCorrectionConfig)
     out["config"] = {
         "rollout_correction": {k: getattr(rc, k) for k in ("bypass_mode", "loss_type", "rollout_is",
                                                             "rollout_is_threshold", "rollout_rs",
