@@ -178,6 +178,13 @@ def main(rollouts_path, out_path):
             refusals[key] = None
         except ValueError as err:
             refusals[key] = str(err)
+    from verl.workers.engine.base import EngineRegistry
+
+    try:  # an engine the plugin does not patch is refused where verl picks it
+        EngineRegistry.new("language_model", "megatron", None)
+        refusals["megatron"] = None
+    except ValueError as err:
+        refusals["megatron"] = str(err)
     out["refusals"] = refusals
 
     # 4. negative controls: verl's own numerics

@@ -266,6 +266,7 @@ def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path
     assert out["train_grads"]["with_grad"] == out["train_grads"]["params"] and out["train_grads"]["finite_nonzero"]
     assert "Ulysses" in out["refusals"]["liger_and_sp"] and "Liger" in out["refusals"]["liger_and_sp"]
     assert "use_fused_kernels=False" in out["refusals"]["unfused"]
+    assert "the 'megatron' training engine is not patched" in out["refusals"]["megatron"]
     # negative controls: verl's own numerics are not the rollout's bits
     assert out["stock_fused"]["equal"] < total, out["stock_fused"]
     assert out["aligned_logits_verl_logsoftmax"]["equal"] < total, out["aligned_logits_verl_logsoftmax"]

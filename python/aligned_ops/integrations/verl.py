@@ -29,7 +29,8 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
   sequence parallelism > 1 (a rank sees a slice of each sequence), Liger kernels (replace the norms / SwiGLU),
   ``use_fused_kernels=False`` (verl then divides bf16 logits by T and runs its own log-softmax: 0/118 tokens bitwise
   on aligned logits), LoRA (applied after the build: the aligned forward would skip the adapters), the vLLM plugin's
-  switch missing in the worker (the rollout would run stock vLLM).
+  switch missing in the worker (the rollout would run stock vLLM), a training engine other than FSDP (Megatron,
+  VeOmni, TorchTitan, ...: ``EngineRegistry.new`` refuses it, they are not patched).
 - **Config**: ``verl_aligned.yaml`` (:func:`config_path`), a Hydra config on top of verl's ``ppo_trainer``:
   rollout log-probs reused as the old policy (``algorithm.rollout_correction.bypass_mode``), REINFORCE loss with
   token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``), the fused
@@ -251,6 +252,21 @@ def _build_module_hook(original):
     return _build_module
 
 
+_PATCHED_BACKENDS = ("fsdp", "fsdp2")
+
+
+def _engine_new_hook(original_new):
+    def new(cls, model_type, backend, *args, **kwargs):
+        if model_type == "language_model" and backend not in _PATCHED_BACKENDS:
+            raise ValueError(f"aligned_ops verl plugin: refused: the {backend!r} training engine is not patched (only "
+                             f"verl's FSDP engine is: strategy {' / '.join(_PATCHED_BACKENDS)}); its log-probs would "
+                             f"not be the rollout's. Use actor_rollout_ref.actor.strategy=fsdp2, or unset {ENV_VAR}")
+        return original_new.__func__(cls, model_type, backend, *args, **kwargs)
+
+    new._aligned_original = original_new
+    return classmethod(new)
+
+
 def is_installed() -> bool:
     return bool(_installed)
 
@@ -261,9 +277,14 @@ def install() -> None:
         return
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
+    from verl.workers.engine.base import EngineRegistry
+
     original = FSDPEngine.__dict__["_build_module"]
     FSDPEngine._build_module = _build_module_hook(original)
     _installed["FSDPEngine._build_module"] = (FSDPEngine, original)
+    original_new = EngineRegistry.__dict__["new"]
+    EngineRegistry.new = _engine_new_hook(original_new)
+    _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
     import verl
 
     log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time",
