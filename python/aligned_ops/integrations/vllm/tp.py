@@ -21,7 +21,7 @@ import aligned_ops.ops.collective
 
 from ... import profiles
 from ...profiles import profile_of
-from . import patches
+from . import compat, patches
 
 TP_COMBINE_ENV = "ALIGNED_OPS_TP_COMBINE"  # "sequential", "fma", "moe-late": NEGATIVE CONTROLS ONLY (break the contract)
 # "tree": each layer's own profile route; "sequential": the lane sums left to right; a profile name: that
@@ -163,9 +163,10 @@ def _vocab_embedding_forward(self, input_):
         input_, si.org_vocab_start_index, si.org_vocab_end_index, si.num_org_vocab_padding,
         si.added_vocab_start_index, si.added_vocab_end_index)
     local = self.quant_method.embedding(self, masked_input.long())
-    if not self.reduce_results:
+    reduce_results, parallel_group = compat.vocab_embedding_reduction(self)
+    if not reduce_results:
         return local.masked_fill(not_owned.unsqueeze(-1), 0)
-    group = self.parallel_group if self.parallel_group is not None else _tp_group()
+    group = parallel_group if parallel_group is not None else _tp_group()
     return aligned_ops.ops.collective.sharded_rows_all_reduce(local, not_owned, group.device_group,
                                                               check=False)  # as above
 

@@ -1,0 +1,310 @@
+"""verl: the FSDP actor's log-probs bitwise equal to the aligned vLLM rollout's (verl 0.9.1's engine workers).
+
+Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and verl's vLLM servers)::
+
+    from aligned_ops.integrations.verl import config_path, ray_runtime_env
+    # python -m verl.trainer.main_ppo --config-path <dir of config_path()> --config-name verl_aligned ...
+    # or, where the job calls ray.init itself:
+    ray.init(runtime_env=ray_runtime_env(profile="fma"))
+
+- **Plugin**: aligned_ops declares a ``verl.plugins`` entry point (``aligned_ops = aligned_ops.integrations.verl``).
+  ``import verl`` loads every such entry point in every process (``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS``
+  = ``auto`` / ``none`` / a list of names) and swallows a failing one at DEBUG level, so this module never raises on
+  import: it installs its hook when ``ALIGNED_OPS_VERL=1`` (:func:`install`) and logs an error itself otherwise.
+- **Build time**: the hook wraps ``FSDPEngine._build_module`` (verl/workers/engine/fsdp/transformer_impl.py): after
+  verl loaded the HF model and applied its own monkey patch, a ``language_model`` (actor, reference) is checked
+  (:func:`check_engine`: one ``ValueError`` listing every refusal) and patched (:func:`patch_actor`): aligned_ops'
+  forward (``hf.patch_model``) with verl's fused-kernel interface on top. Its ``forward`` takes ``cu_seqlens``, so
+  verl's ``_build_model_optimizer`` sets ``pass_packed_cu_seqlens`` and the remove-padding path passes the packed
+  sequences' boundaries (``input_ids.offsets()``, plus the static pad segment); without them a packed row is split
+  where ``position_ids`` restart at 0. Logs one line per patched model.
+- **Fused-kernel interface** (verl's ``use_fused_kernels=True``; ``forward_with_torch_backend`` in
+  verl/models/transformers/dense_common.py): ``temperature`` in, ``.log_probs`` / ``.entropy`` out, where
+  ``log_probs[i] = log softmax(z_i / T)[shift_labels[i]]`` — the token after ``i`` scored by row ``i``. Here it is
+  the aligned model's ``completion_logprobs`` (the function the TRL adapter and the vLLM plugin's sampler share:
+  ``aligned_ops.token_logprobs`` of the aligned LM head at ``T``), so each response token's log-prob is the vLLM
+  plugin's bit for bit. A sequence's last position predicts the next sequence's first token (verl's roll): it is 0
+  here; verl never reads it (the response slice ends one before).
+- **Refused by name** (each would make the trainer compute other numbers than the rollout, silently): Ulysses
+  sequence parallelism > 1 (a rank sees a slice of each sequence), Liger kernels (replace the norms / SwiGLU),
+  ``use_fused_kernels=False`` (verl then divides bf16 logits by T and runs its own log-softmax: 0/118 tokens bitwise
+  on aligned logits), LoRA (applied after the build: the aligned forward would skip the adapters), the vLLM plugin's
+  switch missing in the worker (the rollout would run stock vLLM), a training engine other than FSDP (Megatron,
+  VeOmni, TorchTitan, ...: ``EngineRegistry.new`` refuses it, they are not patched).
+- **Config**: ``verl_aligned.yaml`` (:func:`config_path`), a Hydra config on top of verl's ``ppo_trainer``:
+  rollout log-probs reused as the old policy (``algorithm.rollout_correction.bypass_mode``), REINFORCE loss with
+  token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``), the fused
+  log-prob interface, full-vocabulary sampling, and the Ray ``runtime_env`` switches.
+
+The verl trainer side is tested in a venv with verl 0.9.1 + transformers 5.10.4 (``scripts/verl_check.sh``) against
+log-probs saved from the vLLM plugin; verl's GPU-only Ray/FSDP job itself needs a GPU machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from .. import profiles
+
+__all__ = ["ENV_VAR", "AlignedPPOOutput", "check_engine", "config_path", "enabled_by_env", "install",
+           "is_installed", "patch_actor", "ray_runtime_env", "uninstall"]
+
+ENV_VAR = "ALIGNED_OPS_VERL"
+CONFIG_NAME = "verl_aligned"
+
+log = logging.getLogger("aligned_ops.integrations.verl")
+# verl configures the root logger at WARNING; our one "active" line is INFO and must still show
+log.setLevel(logging.INFO)
+
+_installed: dict = {}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def enabled_by_env() -> bool:
+    return _truthy(ENV_VAR)
+
+
+def config_path() -> str:
+    """The Hydra config file shipped with the package (``verl_aligned.yaml``; ``--config-path`` its folder,
+    ``--config-name verl_aligned``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{CONFIG_NAME}.yaml")
+
+
+def ray_runtime_env(profile: str | profiles.Profile | None = None, extra_env: dict | None = None,
+                    verl: bool = True) -> dict:
+    """The Ray ``runtime_env`` that turns aligned_ops on in every worker of a verl job: ``{"env_vars": {...}}`` with
+    ``ALIGNED_OPS_VERL=1`` (this plugin, trainer side), ``ALIGNED_OPS_VLLM=1`` and its ``VLLM_ALIGNED_OPS=1`` alias
+    (the vLLM plugin; vLLM's own Ray executor forwards only ``VLLM_*``), ``ALIGNED_OPS_LINEAR`` (one linear profile
+    on both sides; default: this process's, else the default profile). verl's ``main_ppo`` merges
+    ``ray_kwargs.ray_init.runtime_env`` into its own; pass it to ``ray.init`` where the job starts Ray itself.
+    ``verl=False``: without ``ALIGNED_OPS_VERL`` (the same job variables for another framework, e.g. OpenRLHF)."""
+    from .vllm.plugin import ENV_ALIASES
+    from .vllm.plugin import ENV_VAR as VLLM_ENV_VAR
+
+    if profile is None:
+        profile = os.environ.get(profiles.ENV_VAR) or profiles.DEFAULT.name
+    name = profile.name if isinstance(profile, profiles.Profile) else str(profile)
+    profiles.get(name)  # an unknown profile raises here, not in a worker
+    env = {ENV_VAR: "1"} if verl else {}
+    env.update({VLLM_ENV_VAR: "1", **{alias: "1" for alias in ENV_ALIASES}, profiles.ENV_VAR: name})
+    env.update(extra_env or {})
+    return {"env_vars": env}
+
+
+# ---- build time -------------------------------------------------------------------------------------------
+
+
+def _get(cfg, name, default=None):
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def check_engine(engine) -> None:
+    """Raise one ``ValueError`` naming every setting of a verl FSDP engine the aligned actor cannot honour."""
+    from .vllm.plugin import ENV_ALIASES, enabled_by_env as vllm_enabled
+    from .vllm.plugin import ENV_VAR as VLLM_ENV_VAR
+
+    model_config = getattr(engine, "model_config", None)
+    engine_config = getattr(engine, "engine_config", None)
+    reasons = []
+    sp = int(_get(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        reasons.append(f"Ulysses sequence parallelism (ulysses_sequence_parallel_size={sp}) splits every sequence "
+                       "across ranks; set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (and ref's)")
+    if _get(model_config, "use_liger", False):
+        reasons.append("Liger kernels (use_liger=True) replace the norms and SwiGLU with their own; set "
+                       "actor_rollout_ref.model.use_liger=False")
+    if not _get(model_config, "use_fused_kernels", False):
+        reasons.append("use_fused_kernels=False makes verl compute log-probs from the logits itself (bf16 division "
+                       "by the temperature, its own log-softmax); set actor_rollout_ref.model.use_fused_kernels=True")
+    if getattr(engine, "_is_lora", False) or int(_get(model_config, "lora_rank", 0) or 0) > 0:
+        reasons.append("LoRA adapters are added after the build and the aligned forward would skip them; merge "
+                       "them or set actor_rollout_ref.model.lora_rank=0")
+    if not vllm_enabled():
+        reasons.append(f"{ENV_VAR}=1 but {VLLM_ENV_VAR} / {ENV_ALIASES[0]} is not set in this worker: verl's vLLM "
+                       "rollout would run stock vLLM; pass aligned_ops.integrations.verl.ray_runtime_env() as the "
+                       "job's runtime_env")
+    if reasons:
+        raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
+
+
+@dataclass
+class _OutputFields:
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+try:  # verl reads output.log_probs / output.entropy; an HF ModelOutput also indexes like a dict
+    from transformers.utils import ModelOutput as _OutputBase
+
+    @dataclass
+    class AlignedPPOOutput(_OutputBase):
+        """What the patched actor returns to verl's fused-kernel path: fp32 ``log_probs`` and ``entropy`` shaped like
+        ``input_ids`` (row ``i`` scores the token after ``i``)."""
+
+        log_probs: torch.Tensor | None = None
+        entropy: torch.Tensor | None = None
+except ImportError:  # pragma: no cover - without transformers there is no HF model to patch
+    AlignedPPOOutput = _OutputFields
+
+
+def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, temperature=1.0, shift_labels=None,
+                  labels=None, cu_seqlens=None, cu_seqlens_cpu=None, return_dict=True, use_cache=False,
+                  past_key_values=None, inputs_embeds=None, **unused):
+    """verl's fused-kernel forward (``temperature`` in, ``.log_probs`` / ``.entropy`` out) through the aligned model."""
+    from . import hf
+
+    if inputs_embeds is not None or past_key_values is not None or use_cache:
+        raise ValueError("aligned_ops verl actor: inputs_embeds / past_key_values / use_cache=True are not supported "
+                         "(the trainer scores token ids without a KV cache)")
+    if return_dict is False:
+        raise ValueError("aligned_ops verl actor: return_dict=False is not supported (verl's fused path reads "
+                         "output.log_probs)")
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            raise ValueError("aligned_ops verl actor: one temperature per batch (verl's fused kernels take a scalar)")
+        temperature = float(temperature)
+    if position_ids is not None and position_ids.dim() == 3:
+        raise ValueError("aligned_ops verl actor: 3-D (mRoPE) position_ids are not supported")
+    flat, _, cu = hf._pack(input_ids, attention_mask, position_ids, cu_seqlens)
+    cu = cu.to(torch.int64)
+    n = flat.numel()
+    lens = cu[1:] - cu[:-1]
+    first = torch.zeros(n, dtype=torch.bool, device=flat.device)
+    first[cu[:-1][lens > 0]] = True
+    # row k scores the token k+1 when both are in one sequence
+    scored = ~first[1:]
+    completion = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
+    completion[flat[1:][scored]] = True
+    completion = completion.view(input_ids.shape)
+    ids = input_ids.reshape(-1)
+    if shift_labels is None and labels is not None:
+        shift_labels = torch.roll(labels, shifts=-1, dims=-1)
+    if shift_labels is not None:
+        if shift_labels.numel() != input_ids.numel():
+            raise ValueError(f"aligned_ops verl actor: shift_labels {tuple(shift_labels.shape)} must have one entry per "
+                             f"token of input_ids {tuple(input_ids.shape)}")
+        want = ids.index_select(0, flat[1:][scored])
+        got = shift_labels.reshape(-1).to(ids.device).index_select(0, flat[:-1][scored])
+        if not torch.equal(want, got):
+            raise ValueError("aligned_ops verl actor: shift_labels are not the next token of each sequence (a "
+                             "sequence-parallel slice?); the aligned actor scores each sequence's own next tokens")
+    # The aligned ops fix their own dtypes: verl's forward_step autocast must not recast what feeds them.
+    with torch.autocast(input_ids.device.type, enabled=False):
+        out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
+                                       return_logits=False, return_entropy=True, **unused)
+    src = flat[1:][scored]  # where the model put the log-prob of token k+1 ...
+    dst = flat[:-1][scored]  # ... and where verl wants it: row k
+    lp = out.logprobs.reshape(-1)
+    ent = out.entropy.reshape(-1)
+    log_probs = lp.new_zeros(input_ids.numel()).index_copy(0, dst, lp.index_select(0, src))
+    entropy = ent.new_zeros(input_ids.numel()).index_copy(0, dst, ent.index_select(0, src))
+    return AlignedPPOOutput(log_probs=log_probs.view(input_ids.shape), entropy=entropy.view(input_ids.shape))
+
+
+def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None = None) -> torch.nn.Module:
+    """Patch a HF causal LM for verl's actor: ``hf.patch_model`` (profile: ``profile`` or ``ALIGNED_OPS_LINEAR``),
+    then verl's fused-kernel ``forward`` on top (takes ``cu_seqlens``). Idempotent; returns the module."""
+    from .hf import patch_model, unpatch_model
+
+    if getattr(module, "_aligned_verl", False):
+        return module
+    if getattr(module, "_aligned_patched", False):
+        unpatch_model(module)
+    patch_model(module, profile)
+    module._aligned_hf_forward = module.forward
+    module.forward = types.MethodType(_verl_forward, module)
+    module._aligned_verl = True
+    return module
+
+
+def _build_module_hook(original):
+    @functools.wraps(original)
+    def _build_module(self, *args, **kwargs):
+        module = original(self, *args, **kwargs)
+        model_config = getattr(self, "model_config", None)
+        if _get(model_config, "model_type", "language_model") != "language_model":
+            return module  # the critic's value head: no log-probs
+        check_engine(self)
+        patch_actor(module)
+        from ..profiles import profile_of
+
+        log.info("aligned_ops verl plugin active: %s runs aligned (linear profile %r, fused log-prob/entropy "
+                 "interface, packed sequences by cu_seqlens; replaced: the model's and its %d decoder layers' "
+                 "forward)", type(module).__name__, profile_of(module).name,
+                 len(getattr(getattr(module, "model", None), "layers", ())))
+        return module
+
+    _build_module._aligned_original = original
+    return _build_module
+
+
+_PATCHED_BACKENDS = ("fsdp", "fsdp2")
+
+
+def _engine_new_hook(original_new):
+    def new(cls, model_type, backend, *args, **kwargs):
+        if model_type == "language_model" and backend not in _PATCHED_BACKENDS:
+            raise ValueError(f"aligned_ops verl plugin: refused: the {backend!r} training engine is not patched (only "
+                             f"verl's FSDP engine is: strategy {' / '.join(_PATCHED_BACKENDS)}); its log-probs would "
+                             f"not be the rollout's. Use actor_rollout_ref.actor.strategy=fsdp2, or unset {ENV_VAR}")
+        return original_new.__func__(cls, model_type, backend, *args, **kwargs)
+
+    new._aligned_original = original_new
+    return classmethod(new)
+
+
+def is_installed() -> bool:
+    return bool(_installed)
+
+
+def install() -> None:
+    """Wrap verl's ``FSDPEngine._build_module`` (idempotent). Imports verl's FSDP engine module."""
+    if _installed:
+        return
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from verl.workers.engine.base import EngineRegistry
+
+    original = FSDPEngine.__dict__["_build_module"]
+    FSDPEngine._build_module = _build_module_hook(original)
+    _installed["FSDPEngine._build_module"] = (FSDPEngine, original)
+    original_new = EngineRegistry.__dict__["new"]
+    EngineRegistry.new = _engine_new_hook(original_new)
+    _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
+    import verl
+
+    log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time",
+             getattr(verl, "__version__", "?"))
+
+
+def uninstall() -> None:
+    for key, (cls, original) in list(_installed.items()):
+        setattr(cls, key.split(".")[1], original)
+        del _installed[key]
+
+
+def _load_from_verl() -> None:
+    """The entry point's body: ``import verl`` imports this module in every process."""
+    if not enabled_by_env():
+        return
+    try:
+        install()
+    except Exception:  # verl would swallow it at DEBUG level: say it where it shows
+        log.exception("aligned_ops verl plugin: %s=1 but the plugin could not install", ENV_VAR)
+
+
+_load_from_verl()

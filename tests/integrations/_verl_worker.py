@@ -1,0 +1,255 @@
+"""Run in the verl venv (verl 0.9.1 + transformers 5.10.4 over the main torch) by test_verl.py:
+``python _verl_worker.py ROLLOUTS.json OUT.json``.
+
+Loads the aligned_ops verl plugin through verl's own entry-point discovery (``import verl``; a dist-info on sys.path
+declares the ``verl.plugins`` entry point as the wheel's pyproject does), builds the actor with verl's real
+``FSDPEngineWithLMHead._build_module`` (verl's apply_monkey_patch, then our build-time hook), and computes the
+rollouts' log-probs with verl's real ``forward_step`` / ``prepare_model_inputs`` / ``prepare_model_outputs``
+(remove-padding with cu_seqlens, the static pad segment, the padded path) and ``forward_backward_batch`` (training).
+FSDP wrapping and Ray need GPUs: the engine is built without them (a CPU stand-in for verl's platform, a 1-rank gloo
+group). Writes, per case, the response log-probs' int32 bits and the count equal to the vLLM plugin's saved bits.
+"""
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import types
+from inspect import signature
+
+import torch
+
+
+def _entry_point_dir():
+    d = tempfile.mkdtemp(prefix="verl_ep_")
+    info = os.path.join(d, "aligned_ops_verl_entry-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: aligned-ops-verl-entry\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:  # what pyproject.toml declares
+        f.write("[verl.plugins]\naligned_ops = aligned_ops.integrations.verl\n")
+    return d
+
+
+def main(rollouts_path, out_path):
+    data = json.load(open(rollouts_path))
+    sys.path.insert(0, _entry_point_dir())
+    records = []
+    logging.getLogger("aligned_ops.integrations.verl").addHandler(_Capture(records))
+
+    import verl  # loads the verl.plugins entry points: our module, which installs its hook (ALIGNED_OPS_VERL=1)
+
+    loaded_by_verl = "aligned_ops.integrations.verl" in sys.modules
+    from aligned_ops.integrations import verl as plugin
+
+    out = {"loaded_by_verl": loaded_by_verl, "installed_on_import": plugin.is_installed(),
+           "verl": verl.__version__}
+
+    import transformers
+    from tensordict import TensorDict  # noqa: F401
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import set_platform
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    out["transformers"] = transformers.__version__
+
+    class CPUPlatform(PlatformBase):  # verl's engine asks its platform for the device; this machine has no GPU
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = types.SimpleNamespace()
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        manual_seed_all = manual_seed
+
+    CPUPlatform.__abstractmethods__ = frozenset()  # the rest (CUDA/Ray/profiler hooks) is never reached here
+    set_platform(CPUPlatform())
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0,
+                                         world_size=1)
+
+    model_dir, T = data["model_dir"], data["temperature"]
+    prompts, completions = data["prompt_token_ids"], data["token_ids"]
+    want = torch.tensor([b for seq in data["logprob_bits"] for b in seq], dtype=torch.int32)
+
+    def engine(fused=True, rmpad=True, pad_to_length=False, **model_overrides):
+        eng = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+        cfg = transformers.AutoConfig.from_pretrained(model_dir)
+        eng.model_config = types.SimpleNamespace(
+            hf_config=cfg, local_path=model_dir, trust_remote_code=False, model_type="language_model",
+            use_liger=False, fused_kernel_options={"impl_backend": "torch"}, use_fused_kernels=fused,
+            enable_gradient_checkpointing=False, lora_rank=0)
+        for k, v in model_overrides.items():
+            setattr(eng.model_config, k, v)
+        eng.engine_config = types.SimpleNamespace(
+            model_dtype=data["dtype"], forward_only=False, ulysses_sequence_parallel_size=1,
+            entropy_from_logits_with_chunking=False, entropy_checkpointing=False)
+        eng.use_remove_padding, eng.ulysses_sequence_parallel_size, eng.use_ulysses_sp = rmpad, 1, False
+        eng.ulysses_device_mesh = eng.device_mesh = None
+        eng.pad_to_length, eng.pad_to_length_bucket, eng._is_lora = pad_to_length, 64, False
+        from verl.utils import torch_functional as verl_F
+
+        eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+        module = eng._build_module()  # verl's: from_pretrained, apply_monkey_patch, ... (and our hook)
+        # verl's _build_model_optimizer, verbatim: a forward that takes cu_seqlens gets the packed boundaries
+        eng.pass_packed_cu_seqlens = "cu_seqlens" in signature(module.forward).parameters
+        eng.module, eng._autocast_dtype = module, torch.bfloat16  # verl's default autocast: our forward ignores it
+        return eng
+
+    def batch(rmpad, fused):
+        ids = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompts, completions)]
+        nested = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
+        pos = torch.nested.as_nested_tensor([torch.arange(len(i)) for i in ids], layout=torch.jagged)
+        mask = torch.nested.as_nested_tensor([torch.tensor([0] * len(p) + [1] * len(c), dtype=torch.float32)
+                                              for p, c in zip(prompts, completions)], layout=torch.jagged)
+        return tu.get_tensordict({"input_ids": nested, "position_ids": pos, "loss_mask": mask},
+                                 {"temperature": T, "use_remove_padding": rmpad, "use_fused_kernels": fused,
+                                  "calculate_entropy": True, "pad_mode": DatasetPadMode.NO_PADDING})
+
+    def responses(nested):  # row i scores token i+1: the completion's tokens are rows len(p)-1 .. len(p)+len(c)-2
+        rows = nested.unbind()
+        return torch.cat([r[len(p) - 1:len(p) + len(c) - 1] for r, p, c in zip(rows, prompts, completions)])
+
+    def case(name, eng, rmpad=True, fused=True):
+        with torch.no_grad():
+            _, res = eng.forward_step(batch(rmpad, fused), loss_function=None, forward_only=True)
+        lp = responses(res["model_output"]["log_probs"]).float().contiguous()
+        ent = responses(res["model_output"]["entropy"]).float()
+        got = lp.view(torch.int32)
+        out[name] = {"equal": int((got == want).sum()), "total": want.numel(), "max_abs_diff":
+                     float((lp - want.view(torch.float32)).abs().max()),
+                     "entropy_finite_positive": bool(torch.isfinite(ent).all() and (ent > 0).all()),
+                     "pass_packed_cu_seqlens": bool(getattr(eng, "pass_packed_cu_seqlens", False))}
+        return eng
+
+    # 1. aligned, verl's remove-padding path (cu_seqlens), its static pad segment, its padded path
+    eng = case("aligned_rmpad", engine())
+    out["active_lines"] = [r for r in records if "verl plugin active" in r]
+    case("aligned_rmpad_static_pad", engine(pad_to_length=True))
+    case("aligned_padded", engine(rmpad=False), rmpad=False)
+
+    # 2. training: verl's forward_backward_batch with a loss over the log-probs; gradients reach the weights
+    def loss_fn(model_output, data, dp_group=None):
+        lp = model_output["log_probs"].values()
+        return -lp.sum(), {}
+
+    eng.module.zero_grad(set_to_none=True)
+    train = batch(True, True)
+    tu.assign_non_tensor(train, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)  # one micro-batch per sequence
+    eng.forward_backward_batch(train, loss_fn, forward_only=False)
+    grads = [p.grad for p in eng.module.parameters() if p.requires_grad]
+    out["train_grads"] = {"with_grad": sum(g is not None for g in grads), "params": len(grads),
+                          "finite_nonzero": bool(all(g is not None and torch.isfinite(g).all() for g in grads)
+                                                 and any(g.abs().sum() > 0 for g in grads if g is not None))}
+
+    # 3. refusals, by name, at build time
+    refusals = {}
+    for key, overrides, eng_over in (("liger_and_sp", {"use_liger": True}, {"ulysses_sequence_parallel_size": 2}),
+                                     ("unfused", {"use_fused_kernels": False}, {})):
+        try:
+            e = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+            e.model_config = types.SimpleNamespace(model_type="language_model", use_liger=False,
+                                                   use_fused_kernels=True, lora_rank=0)
+            for k, v in overrides.items():
+                setattr(e.model_config, k, v)
+            e.engine_config = types.SimpleNamespace(**{"ulysses_sequence_parallel_size": 1, **eng_over})
+            plugin.check_engine(e)
+            refusals[key] = None
+        except ValueError as err:
+            refusals[key] = str(err)
+    from verl.workers.engine.base import EngineRegistry
+
+    try:  # an engine the plugin does not patch is refused where verl picks it
+        EngineRegistry.new("language_model", "megatron", None)
+        refusals["megatron"] = None
+    except ValueError as err:
+        refusals["megatron"] = str(err)
+    out["refusals"] = refusals
+
+    # 4. negative controls: verl's own numerics
+    plugin.uninstall()
+    # 4a. no plugin: verl's fused torch backend (FusedLinearForPPO) on the stock HF model
+    case("stock_fused", engine())
+    # 4b. aligned logits, verl's own bf16 division + log-softmax (use_fused_kernels=False on a patch_model model)
+    from aligned_ops.integrations.hf import patch_model
+
+    e = engine(fused=False)
+    patch_model(e.module)
+    e.pass_packed_cu_seqlens = False  # (its forward refuses verl's cu_seqlens_cpu; packed rows split at restarts)
+    case("aligned_logits_verl_logsoftmax", e, fused=False)
+
+    # 5. the shipped config file composes on verl's ppo_trainer and verl's dataclasses accept it
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    with initialize_config_dir(config_dir=os.path.dirname(plugin.config_path()), version_base=None):
+        cfg = compose(config_name=plugin.CONFIG_NAME)
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    omega_conf_to_dataclass(cfg.algorithm)  # verl's AlgoConfig accepts the section
+    rc = omega_conf_to_dataclass(cfg.algorithm.rollout_correction, RolloutCorrectionConfig)
+    out["config"] = {
+        "rollout_correction": {k: getattr(rc, k) for k in ("bypass_mode", "loss_type", "rollout_is",
+                                                            "rollout_is_threshold", "rollout_rs",
+                                                            "rollout_is_batch_normalize")},
+        "use_fused_kernels": cfg.actor_rollout_ref.model.use_fused_kernels,
+        "actor_use_fused_kernels": cfg.actor_rollout_ref.actor.use_fused_kernels,
+        "calculate_log_probs": cfg.actor_rollout_ref.rollout.calculate_log_probs,
+        "logprobs_mode": cfg.actor_rollout_ref.rollout.logprobs_mode,
+        "top_k": cfg.actor_rollout_ref.rollout.top_k, "top_p": cfg.actor_rollout_ref.rollout.top_p,
+        "ulysses": cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+        "ref_ulysses": cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
+        "env_vars": OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars),
+        "ray_runtime_env": plugin.ray_runtime_env(profile="fma"),
+    }
+    # verl's own IS weights on equal log-probs under this config: exactly 1 (no truncation, no rejection)
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    lp = want.view(torch.float32)[None, :]
+    w, mask, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=lp, rollout_log_prob=lp.clone(), response_mask=torch.ones_like(lp),
+        rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold)
+    weights = w.batch["rollout_is_weights"]
+    big = compute_rollout_correction_and_rejection_mask(  # and a ratio of e^3 is not truncated
+        old_log_prob=lp + 3.0, rollout_log_prob=lp, response_mask=torch.ones_like(lp), rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs)[0].batch["rollout_is_weights"]
+    out["is_weights"] = {"min": float(weights.min()), "max": float(weights.max()), "kept": int(mask.sum()),
+                         "e3_min": float(big.min())}
+    json.dump(out, open(out_path, "w"), indent=1)
+
+
+class _Capture(logging.Handler):
+    def __init__(self, records):
+        super().__init__()
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

