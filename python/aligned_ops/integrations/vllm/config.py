@@ -2,7 +2,7 @@
 
 At ``EngineArgs.create_engine_config`` the plugin refuses, with one ``ValueError`` listing every reason,
 configurations it cannot keep aligned: an MLA form vLLM does not build as asked (``ALIGNED_OPS_MLA_FORM``, default
-``absorbed``: the latent backend, ``mla.py``, CPU, TP 1, eager; ``expanded``: vLLM's non-MLA path), other
+``absorbed``: the latent backend, ``mla.py``, CPU, eager; ``expanded``: vLLM's non-MLA path), other
 architectures (the supported ones: :mod:`aligned_ops.models`) or
 RoPE variants (and partial rotary), quantization, a non-``auto`` KV-cache dtype, speculative decoding, a
 tensor-parallel size other than 1, 2, 4 or 8, pipeline parallelism, ``logprobs_mode`` ``raw_logits`` /
@@ -169,7 +169,8 @@ def validate_vllm_config(vllm_config) -> None:
 def mla_form_reasons(vllm_config, arch) -> list:
     """Why the engine's MLA form cannot run: the form asked for (:func:`resolve_mla_form`) must be the one vLLM
     builds (``use_mla``: absorbed; ``VLLM_MLA_DISABLE=1``: expanded); the absorbed form has its backend on the CPU
-    platform only (``mla.py``) and is tested at TP 1 in eager mode."""
+    platform only (``mla.py``) and runs in eager mode (tested at TP 1 and 2: each rank's heads are its own, the
+    latent row is replicated, o_proj takes the row-parallel route)."""
     mc = vllm_config.model_config
     use_mla = bool(getattr(mc, "use_mla", False))
     if arch is None or not arch.mla_forms:
@@ -190,9 +191,6 @@ def mla_form_reasons(vllm_config, arch) -> list:
     if _platform_device() != "cpu":
         reasons.append(f"{arch.name} in the absorbed MLA form runs on the CPU platform only (no GPU build of the "
                        f"latent backend yet): set {MLA_FORM_ENV}=expanded")
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        reasons.append(f"{arch.name} in the absorbed MLA form is tested at tensor_parallel_size 1 only: use "
-                       f"tensor_parallel_size=1 or {MLA_FORM_ENV}=expanded")
     if not bool(getattr(mc, "enforce_eager", True)):
         reasons.append(f"{arch.name} in the absorbed MLA form runs in eager mode only so far: use "
                        f"enforce_eager=True or {MLA_FORM_ENV}=expanded")
