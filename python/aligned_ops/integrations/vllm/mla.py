@@ -27,6 +27,10 @@ Plan once per step, run per layer: the metadata builder is the aligned attention
 (:class:`~.attention.AlignedAttentionMetadataBuilder`: host metadata, one ``AttentionPlan`` of one KV head of
 width D serves every layer). The CPU platform turns chunked prefill and prefix caching off for any MLA model (its
 reference backend cannot chunk); with this backend they stay as the user asked (:func:`_cpu_check_and_update_config`).
+
+Tested (tests/integrations/test_vllm_deepseek_v3_mla*_e2e.py): CPU, eager, TP 1 and 2. Compiled mode is refused at
+start-up (config.py) until tested; an AMX CPU selects the ``AMX_MLA`` slot, which holds this backend too (not run
+here: no AMX on the test machines).
 """
 
 from __future__ import annotations
