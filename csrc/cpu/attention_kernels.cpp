@@ -339,7 +339,8 @@ static void cache_write(DType dt, const void* k, const void* v, void* k_cache, v
     const int64_t slot = slots[t];
     if (slot < 0) continue;
     memcpy((char*)k_cache + slot * row_elems * es, (const char*)k + t * row_elems * es, (size_t)(row_elems * es));
-    memcpy((char*)v_cache + slot * row_elems * es, (const char*)v + t * row_elems * es, (size_t)(row_elems * es));
+    if (v_cache != nullptr)  // nullptr: one cache (MLA's latent row is its own value)
+      memcpy((char*)v_cache + slot * row_elems * es, (const char*)v + t * row_elems * es, (size_t)(row_elems * es));
   }
 }
 

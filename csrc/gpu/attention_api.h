@@ -49,7 +49,7 @@ struct CacheWriteParams {
   const void* k;        // [T, Hkv, D]
   const void* v;
   void* k_cache;        // [num_blocks, block_size, Hkv, D]
-  void* v_cache;
+  void* v_cache;        // nullptr: no V cache (MLA: the latent row is keys and values; written once)
   const int64_t* slots; // [T], -1 = padding
   int64_t T, row_elems, n_slots;
 };

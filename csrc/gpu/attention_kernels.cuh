@@ -436,7 +436,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
   }
 }
 
-// cache[slot] = k[t] for every token with a slot in [0, n_slots) (-1: padding). The glue validated host
+// cache[slot] = k[t] (and v_cache[slot] = v[t] unless v_cache is null: MLA's one latent cache) for every token
+// with a slot in [0, n_slots) (-1: padding). The glue validated host
 // slot mappings with the planner; the bound test here keeps a device slot mapping memory-safe too.
 template <typename T>
 __global__ void cache_write_kernel(CacheWriteParams p) {
@@ -445,7 +446,7 @@ __global__ void cache_write_kernel(CacheWriteParams p) {
     const int64_t t = i / p.row_elems, e = i % p.row_elems, slot = p.slots[t];
     if (slot < 0 || slot >= p.n_slots) continue;
     ((T*)p.k_cache)[slot * p.row_elems + e] = ((const T*)p.k)[i];
-    ((T*)p.v_cache)[slot * p.row_elems + e] = ((const T*)p.v)[i];
+    if (p.v_cache != nullptr) ((T*)p.v_cache)[slot * p.row_elems + e] = ((const T*)p.v)[i];
   }
 }
 

@@ -256,23 +256,29 @@ def test_refusals_and_repatch(tmp_path):
     patch_model(copy.deepcopy(q))  # positive control
 
 
-def test_trl_repatch_keeps_the_form_and_refuses_absorbed(tmp_path):
+def test_trl_repatch_keeps_the_form_and_refuses_the_other(tmp_path, monkeypatch):
     """The TRL adapter re-patches the policy under TRL's wrapper: it keeps the model's profile and MLA form, and
-    refuses the absorbed form while the vLLM plugin runs the expanded one (the two would never agree bit for bit)."""
+    refuses a form the vLLM plugin does not run (ALIGNED_OPS_MLA_FORM, default absorbed: the two forms never agree
+    bit for bit)."""
     pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM
 
     from aligned_ops.integrations.trl import _repatch
-    from aligned_ops.models.deepseek_v3 import EXPANDED
+    from aligned_ops.models.deepseek_v3 import ABSORBED, EXPANDED
 
+    monkeypatch.delenv("ALIGNED_OPS_MLA_FORM", raising=False)
+    monkeypatch.delenv("VLLM_ALIGNED_OPS_MLA_FORM", raising=False)
     d = build_tiny_deepseek_v3(tmp_path / "m", torch.float32, seed=2)
     m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), mla_form="absorbed")
-    with pytest.raises(ValueError, match="patched with mla_form='absorbed', but the vLLM plugin runs the expanded"):
+    _repatch(m, None)  # the plugin's default form: carried through
+    assert m.model.layers[0].__dict__["_aligned_mla_form"] is ABSORBED
+    monkeypatch.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
+    with pytest.raises(ValueError, match="patched with mla_form='absorbed', but the vLLM plugin runs the 'expanded'"):
         _repatch(m, None)
     assert m.model.layers[0].__dict__["_aligned_mla_form"].name == "absorbed"  # refused before unpatching
     unpatch_model(m)
     patch_model(m, mla_form="expanded")
-    _repatch(m, None)  # control: the expanded form is carried through
+    _repatch(m, None)  # control: the expanded form is carried through when the plugin runs it
     assert m.model.layers[0].__dict__["_aligned_mla_form"] is EXPANDED
 
 

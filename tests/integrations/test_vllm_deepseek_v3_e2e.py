@@ -2,8 +2,9 @@
 
 A tiny random DeepSeek-V3 (3 layers, dense first, 8 routed experts top-2 in 4 groups keeping 2, a shared expert,
 routed scaling 2.5, random fp32 correction bias, q/kv LoRA, qk head 64 = 48 nope + 16 rope, v head 32, DeepSeek
-YaRN) in bf16 and fp32. The plugin selects vLLM's non-MLA path itself (VLLM_MLA_DISABLE=1: the expanded form),
-whose decoder layer runs the same block as the trainer. Chunked prefill is on (a 100-token prompt, 64-token
+YaRN) in bf16 and fp32, in the EXPANDED MLA form (ALIGNED_OPS_MLA_FORM=expanded for this module; the plugin's
+default is the absorbed form, test_vllm_deepseek_v3_mla_e2e.py): the plugin then selects vLLM's non-MLA path itself
+(VLLM_MLA_DISABLE=1), whose decoder layer runs the same block as the trainer. Chunked prefill is on (a 100-token prompt, 64-token
 budget); a prefix-caching engine samples n = 4 per prompt; a compiled-mode engine; a refit from the trainer's
 state dict. Every sampled token's vLLM log-prob equals the trainer's
 teacher-forced log-prob bit for bit (integer views). The negative control runs stock vLLM (same non-MLA path, no
@@ -32,6 +33,14 @@ from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SHAPE = dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def expanded_form():
+    """This module runs the expanded form on both sides (the trainer patch's default)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
+        yield
 
 
 @pytest.fixture(scope="module")

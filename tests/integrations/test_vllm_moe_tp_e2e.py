@@ -60,6 +60,7 @@ def _run(name, path):
     r = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # refit ships tensors to the mp workers
+        mp.setenv("ALIGNED_OPS_MLA_FORM", "expanded")  # DeepSeek-V3 here: the expanded form (the absorbed one: TP 1)
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # auto binding wants one NUMA node per rank
             ncpu = os.cpu_count() or 1
             mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % ncpu) for rank in range(2)))

@@ -125,7 +125,8 @@ void Cpu::cache_write(const Call&, DType dt, const at::Tensor& k, const at::Tens
   const int64_t* s = slots.data_ptr<int64_t>();
   const auto& kern = attention_kernels();
   at::parallel_for(0, k.size(0), 64, [&](int64_t t0, int64_t t1) {
-    kern.cache_write(dt, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), s, row, t0, t1);
+    kern.cache_write(dt, k.data_ptr(), v.defined() ? v.data_ptr() : nullptr, k_cache.data_ptr(),
+                     v_cache.defined() ? v_cache.data_ptr() : nullptr, s, row, t0, t1);
   });
 }
 

@@ -238,9 +238,9 @@ struct Gpu {
     gpu::CacheWriteParams p{};
     p.dt = dt;
     p.k = k.data_ptr();
-    p.v = v.data_ptr();
+    p.v = v.defined() ? v.data_ptr() : nullptr;  // undefined v / v_cache: one cache (MLA's latent row)
     p.k_cache = k_cache.data_ptr();
-    p.v_cache = v_cache.data_ptr();
+    p.v_cache = v_cache.defined() ? v_cache.data_ptr() : nullptr;
     p.slots = dslots.data_ptr<int64_t>();
     p.T = k.size(0);
     p.row_elems = k.size(1) * k.size(2);

@@ -92,6 +92,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   return {r.dq, r.dk, r.dv};
 }
 
+// The slot mapping of a cache write into a cache of n_slots rows (both cache writes): host metadata is
+// range-checked here, by the planner's rule; a slot mapping on the op's device is not read by the host (the kernel
+// skips any slot outside the cache). Returns it contiguous.
+template <class Call>
+at::Tensor cache_slots(const Call& call, const at::Tensor& slot_mapping, int64_t n_slots, const char* op) {
+  const bool host_slots = slot_mapping.device().is_cpu();
+  if (!host_slots) call.on_device(slot_mapping, "slot_mapping");
+  auto sm = slot_mapping.contiguous();
+  if (host_slots) check_plan(check_slots(sm.data_ptr<int64_t>(), sm.size(0), n_slots, op));
+  return sm;
+}
+
 template <class B>
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& slot_mapping) {
@@ -101,13 +113,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   call.on_device(k_cache, "k_cache");
   call.on_device(v_cache, "v_cache");
   const DType dt = check_reshape_and_cache<DType>(k, v, k_cache, v_cache, slot_mapping);
-  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
-  // slot_mapping may be host metadata (range-checked here, by the planner's rule) or on the op's device (not
-  // read by the host; the kernel skips any slot outside the cache).
-  const bool host_slots = slot_mapping.device().is_cpu();
-  if (!host_slots) call.on_device(slot_mapping, "slot_mapping");
-  auto sm = slot_mapping.contiguous();
-  if (host_slots) check_plan(check_slots(sm.data_ptr<int64_t>(), sm.size(0), n_slots, op));
+  const at::Tensor sm = cache_slots(call, slot_mapping, k_cache.size(0) * k_cache.size(1), op);
   B::cache_write(call, dt, k.contiguous(), v.contiguous(), k_cache, v_cache, sm);
 }
 
@@ -337,9 +343,9 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_varlen_planned(const at::Tensor
   return {mla_values(out, kv_lora_rank), lse};
 }
 
-// One latent row per token, [kv_c || k_pe], into the cache [num_blocks, block_size, D] at slot_mapping (vLLM's
-// concat_and_cache_mla layout): the attention cache write with the row as the one KV head (keys and values are
-// the same row, so the write's K and V halves store the same bytes to the same slot).
+// One latent row per token, [kv_c || k_pe], into the ONE cache [num_blocks, block_size, D] at slot_mapping (vLLM's
+// MLA layout, concat_and_cache_mla's): the attention cache write with the row as the one KV head and no V cache
+// (keys and values are the same row: each row is written once).
 template <class B>
 void mla_reshape_and_cache(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                            const at::Tensor& slot_mapping) {
@@ -348,14 +354,9 @@ void mla_reshape_and_cache(const at::Tensor& kv_c, const at::Tensor& k_pe, const
   call.on_device(k_pe, "k_pe");
   call.on_device(kv_cache, "kv_cache");
   const DType dt = check_mla_reshape_and_cache<DType>(kv_c, k_pe, kv_cache, slot_mapping, op);
-  const int64_t n_slots = kv_cache.size(0) * kv_cache.size(1);
-  const bool host_slots = slot_mapping.device().is_cpu();
-  if (!host_slots) call.on_device(slot_mapping, "slot_mapping");
-  auto sm = slot_mapping.contiguous();
-  if (host_slots) check_plan(check_slots(sm.data_ptr<int64_t>(), sm.size(0), n_slots, op));
+  const at::Tensor sm = cache_slots(call, slot_mapping, kv_cache.size(0) * kv_cache.size(1), op);
   const at::Tensor row = at::cat({kv_c, k_pe}, 1).unsqueeze(1);  // [T, 1, D]
-  const at::Tensor cache = kv_cache.unsqueeze(2);                 // [num_blocks, block_size, 1, D]
-  B::cache_write(call, dt, row, row, cache, cache, sm);
+  B::cache_write(call, dt, row, at::Tensor(), kv_cache.unsqueeze(2), at::Tensor(), sm);  // cache [blocks, bs, 1, D]
 }
 
 template <class B>

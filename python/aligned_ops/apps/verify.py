@@ -100,9 +100,11 @@ def child(args) -> dict:
 
 
 def _architecture_env(model_dir: str) -> dict:
-    """What the checkpoint's architecture needs in BOTH children (``Architecture.vllm_env``; DeepSeek-V3:
-    ``VLLM_MLA_DISABLE=1``), so the standard column runs stock vLLM on the same attention form as the aligned one
-    (the plugin would set it for the aligned child only)."""
+    """What the checkpoint's architecture needs in BOTH children (``Architecture.vllm_env``; an MLA architecture,
+    DeepSeek-V3: the expanded form, ``ALIGNED_OPS_MLA_FORM=expanded`` and ``VLLM_MLA_DISABLE=1``), so the standard
+    column runs stock vLLM on the same attention form as the aligned one (the plugin would set it for the aligned
+    child only; vLLM-CPU's stock MLA backend takes only a 576-wide latent row, and the trainer patch's default is
+    the expanded form)."""
     import json
 
     from ..models import ARCHITECTURES
@@ -116,6 +118,8 @@ def _architecture_env(model_dir: str) -> dict:
     for name in names:
         arch = ARCHITECTURES.get(name)
         env.update(arch.vllm_env if arch is not None else {})
+        if arch is not None and arch.mla_forms:
+            env.update(ALIGNED_OPS_MLA_FORM="expanded", VLLM_MLA_DISABLE="1")
     return env
 
 

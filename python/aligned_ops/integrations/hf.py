@@ -591,8 +591,9 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
 
     ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"expanded"`` (the default: per-head k and v
-    from kv_b_proj, what the vLLM plugin runs today) or ``"absorbed"`` (one latent row per token, q and o through
-    the absorbed kv_b_proj: ``models.deepseek_v3.absorbed_attention``), or the form object
+    from kv_b_proj) or ``"absorbed"`` (one latent row per token, q and o through the absorbed kv_b_proj:
+    ``models.deepseek_v3.absorbed_attention``; the vLLM plugin's default form — pair with the engine:
+    ``mla_form=aligned_ops.integrations.vllm.engine_mla_form(llm)``), or the form object
     (``Architecture.mla_forms``). The two forms are the same function in exact arithmetic, not the same bits;
     rollout and trainer must run the same one.
     """

@@ -95,18 +95,25 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
 
 def _repatch(model, profile):
     """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
-    patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword)."""
-    form = None
+    patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword).
+    An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the vLLM plugin runs (``ALIGNED_OPS_MLA_FORM``,
+    default ``absorbed``); a policy already patched in the other form is refused (its bits would never match)."""
+    from ..models import ARCHITECTURES
+    from ..models.registry import architecture_of
+    from .vllm.config import MLA_FORM_ENV, resolve_mla_form
+
+    arch = ARCHITECTURES.get(architecture_of(model.config)) if getattr(model, "config", None) is not None else None
+    want = resolve_mla_form() if arch is not None and arch.mla_forms else None
+    form = want
     if getattr(model, "_aligned_patched", False):
         if profile is None:
             profile = model._aligned_profile
         layers = getattr(getattr(model, "model", None), "layers", None) or ()
-        form = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
-        if form is not None and form.name != "expanded":
-            # the vLLM plugin runs the expanded form (the latent backend is issue 26's next step): an absorbed
-            # trainer would never match the rollout's bits, silently
-            raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={form.name!r}, but "
-                             "the vLLM plugin runs the expanded MLA form; patch with mla_form='expanded' (the default)")
+        have = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
+        if have is not None and want is not None and have.name != want:
+            raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={have.name!r}, but "
+                             f"the vLLM plugin runs the {want!r} MLA form ({MLA_FORM_ENV}); patch with "
+                             f"mla_form={want!r}")
         unpatch_model(model)
     return patch_model(model, profile, mla_form=form)
 

@@ -27,10 +27,10 @@ One decoder layer, on packed tokens ``hidden [T, H]`` (``residual``: None for th
 HF (``rope_interleave=True``) rotates the same pairs but writes each head's rope slice de-interleaved (evens'
 results, then odds'): the same q.k up to a fixed permutation of the summed dims, i.e. equal in exact arithmetic,
 not in bits — both sides of aligned_ops use the layout above. In vLLM the plugin selects the non-MLA path
-(``VLLM_MLA_DISABLE=1``, ``Architecture.vllm_env``): ``DeepseekV2Attention`` with the standard ``Attention`` layer,
-whose decoder layer runs this block.
+(``VLLM_MLA_DISABLE=1``, set by the plugin for this form): ``DeepseekV2Attention`` with the standard ``Attention``
+layer, whose decoder layer runs this block.
 
-The ABSORBED form (issue 26; trainer only until the plugin's MLA backend lands): ``patch_model(model,
+The ABSORBED form (issue 26; the vLLM plugin's default: vLLM's MLA modules, ``integrations/vllm/mla.py``): ``patch_model(model,
 mla_form="absorbed")`` records :data:`ABSORBED` (an :class:`MlaForm`) on each decoder layer and the block runs
 :func:`absorbed_attention` instead — the same q, latent c, k_pe and rope; per head q_nope·W_UK, one latent row
 ``[c || rope(k_pe)]`` per token as the only KV head (``aligned::mla_attention_varlen``), o_latent·W_UV; W_UK and
@@ -62,6 +62,7 @@ KV_A = Projection(("kv_a_proj_with_mqa",))
 # DeepseekV2Attention keeps them as two modules, its MLA path fuses them as fused_qkv_a_proj)
 Q_A = Projection(("q_a_proj",))
 Q_B = Projection(("q_b_proj",))
+QKV_A = Projection(("q_a_proj", "kv_a_proj_with_mqa"), fused="fused_qkv_a_proj")  # vLLM's MLA path only
 KV_B = Projection(("kv_b_proj",))
 PROJECTIONS = {"q": Q, "kv_a": KV_A, "q_a": Q_A, "q_b": Q_B, "kv_b": KV_B, "o_proj": O_PROJ, "gate_up": GATE_UP,
                "down": DOWN}
@@ -88,6 +89,9 @@ def _q_and_latent(side, ctx, attn, x, rules):
     if getattr(attn, "q_lora_rank", None) is None:
         (q,) = side.parts(ctx, attn, Q, x)
         (kva,) = side.parts(ctx, attn, KV_A, x)
+    elif hasattr(attn, "fused_qkv_a_proj"):  # vLLM's MLA modules hold the two down-projections fused
+        qa, kva = side.parts(ctx, attn, QKV_A, x)
+        (q,) = side.parts(ctx, attn, Q_B, _norm(rules, attn.q_a_layernorm, qa))
     else:
         (qa,) = side.parts(ctx, attn, Q_A, x)
         (kva,) = side.parts(ctx, attn, KV_A, x)
@@ -146,9 +150,9 @@ def absorbed_attention(arch, side, ctx, attn, x, rules):
 
 @dataclass(frozen=True)
 class MlaForm:
-    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj; the default on
-    both sides — what the vLLM plugin runs today) or ``absorbed`` (one latent row per token; trainer only until the
-    plugin's MLA backend lands). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
+    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj; the trainer
+    patch's default) or ``absorbed`` (one latent row per token; the vLLM plugin's default, ``ALIGNED_OPS_MLA_FORM``
+    selects either there). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
     decoder layer (``layer._aligned_mla_form``); the block reads that object, never a string."""
 
     name: str
@@ -317,7 +321,6 @@ ARCHITECTURE = Architecture(
     check_hf_model=check_hf_model,
     rules=RULES,
     own_attention_scale=True,
-    vllm_env={"VLLM_MLA_DISABLE": "1"},
     refuse_fp16=True,
     refit_weights=refit_weights,
     fp32_weights=("e_score_correction_bias",),

@@ -11,6 +11,7 @@
 - :mod:`.moe` the router and the fused-MoE runner;
 - :mod:`.sampler` the returned log-probs;
 - :mod:`.attention` the attention backend (imports vLLM: loaded by ``install``, not by this package);
+- :mod:`.mla` the latent MLA backend (vLLM's MLA slot; imports vLLM, loaded by ``install``);
 - :mod:`.gpu_platform` CUDA/ROCm backend selection and refusals.
 
 Importing this package does not import vLLM (the entry point runs early in every vLLM process).
@@ -19,7 +20,7 @@ Importing this package does not import vLLM (the entry point runs early in every
 
 from __future__ import annotations
 
-from .config import installed_profile, validate_vllm_config
+from .config import MLA_FORM_ENV, engine_mla_form, installed_profile, mla_form_from_env, validate_vllm_config
 from .gpu_platform import GPU_REQUIRED_OPS, gpu_platform_reasons, missing_gpu_kernels
 from .plugin import (
     ENV_ALIASES,
@@ -36,7 +37,7 @@ from .plugin import (
 from .layers import rope_spec_from_vllm
 from .tp import TP_COMBINE_ENV, TP_COMBINES, check_row_parallel_profile, set_tp_combine
 
-__all__ = ["ENV_ALIASES", "ENV_VAR", "GPU_REQUIRED_OPS", "SUPPORTED_VLLM_VERSIONS", "TP_COMBINES", "TP_COMBINE_ENV",
+__all__ = ["ENV_ALIASES", "ENV_VAR", "GPU_REQUIRED_OPS", "MLA_FORM_ENV", "engine_mla_form", "mla_form_from_env", "SUPPORTED_VLLM_VERSIONS", "TP_COMBINES", "TP_COMBINE_ENV",
            "check_row_parallel_profile", "check_vllm_version", "enabled_by_env", "gpu_platform_reasons",
            "install", "installed_profile", "is_installed", "missing_gpu_kernels", "register", "rope_spec_from_vllm",
            "set_tp_combine", "uninstall", "validate_vllm_config", "vllm_status"]

@@ -1,7 +1,9 @@
 """Engine start-up: the configuration is validated, and the engine's linear profile resolved, once.
 
 At ``EngineArgs.create_engine_config`` the plugin refuses, with one ``ValueError`` listing every reason,
-configurations it cannot keep aligned: other architectures (the supported ones: :mod:`aligned_ops.models`) or
+configurations it cannot keep aligned: an MLA form vLLM does not build as asked (``ALIGNED_OPS_MLA_FORM``, default
+``absorbed``: the latent backend, ``mla.py``, CPU, eager; ``expanded``: vLLM's non-MLA path), other
+architectures (the supported ones: :mod:`aligned_ops.models`) or
 RoPE variants (and partial rotary), quantization, a non-``auto`` KV-cache dtype, speculative decoding, a
 tensor-parallel size other than 1, 2, 4 or 8, pipeline parallelism, ``logprobs_mode`` ``raw_logits`` /
 ``processed_logits``, a linear profile that cannot serve the setting (its capabilities: e.g. ``exact`` at TP > 1
@@ -23,6 +25,53 @@ from .bind import PROFILE_KEY, engine_profile
 from .gpu_platform import gpu_platform_reasons
 
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+# ---- the MLA form of an engine (DeepSeek-V3 / Kimi-K2; the backend: mla.py) ------------------------------------
+MLA_FORMS = ("absorbed", "expanded")
+DEFAULT_MLA_FORM = "absorbed"
+MLA_FORM_ENV = "ALIGNED_OPS_MLA_FORM"
+MLA_FORM_ENV_ALIASES = ("VLLM_ALIGNED_OPS_MLA_FORM",)  # forwarded by vLLM's Ray executor (VLLM_* only)
+MLA_FORM_KEY = "aligned_ops_mla_form"  # additional_config key: the engine's form (set at config creation)
+# what vLLM needs in the environment for each form (read when it builds the model config and the layers)
+VLLM_ENV_OF_FORM = {"absorbed": {"VLLM_MLA_DISABLE": "0"}, "expanded": {"VLLM_MLA_DISABLE": "1"}}
+
+
+def mla_form_from_env() -> str | None:
+    """The form ``ALIGNED_OPS_MLA_FORM`` (or its alias) names, None when unset; ``ValueError`` (one line) for
+    another value or two different values."""
+    import os
+
+    seen = {}
+    for name in (MLA_FORM_ENV, *MLA_FORM_ENV_ALIASES):
+        value = os.environ.get(name, "").strip().lower()
+        if value:
+            if value not in MLA_FORMS:
+                raise ValueError(f"{name} must be 'absorbed' or 'expanded', got {os.environ[name]!r}")
+            seen[name] = value
+    if len(set(seen.values())) > 1:
+        raise ValueError(f"{' and '.join(seen)} disagree ({', '.join(map(repr, seen.values()))}): set one")
+    return next(iter(seen.values()), None)
+
+
+def resolve_mla_form(additional_config=None) -> str:
+    """The MLA form of an engine: ``additional_config[MLA_FORM_KEY]``, else the environment, else ``absorbed``."""
+    requested = additional_config.get(MLA_FORM_KEY) if isinstance(additional_config, dict) else None
+    if requested is not None:
+        if requested not in MLA_FORMS:
+            raise ValueError(f"additional_config[{MLA_FORM_KEY!r}] must be 'absorbed' or 'expanded', got "
+                             f"{requested!r}")
+        return requested
+    return mla_form_from_env() or DEFAULT_MLA_FORM
+
+
+def engine_mla_form(llm_or_config) -> str | None:
+    """The MLA form an engine (a ``vllm.LLM`` or its ``VllmConfig``) runs, as ``patch_model(mla_form=...)``
+    takes it; None for a model without MLA or an engine the plugin did not configure."""
+    cfg = getattr(getattr(llm_or_config, "llm_engine", None), "vllm_config", llm_or_config)
+    extra = getattr(cfg, "additional_config", None)
+    return extra.get(MLA_FORM_KEY) if isinstance(extra, dict) else None
+
+
 
 # The linear profile (an aligned_ops.profiles object) of the model the last engine config was created for in this
 # process (`aligned-ops verify` compares it with the trainer's). None: no engine created in this process.
@@ -59,9 +108,7 @@ def validate_vllm_config(vllm_config) -> None:
     if arch is not None and arch.refuse_fp16 and dtype == "float16":
         reasons.append(f"{arch.name} in float16 is not covered (vLLM's decoder layer rescales hidden states in fp16); "
                        "use bfloat16 or float32")
-    if getattr(mc, "use_mla", False):
-        reasons.append("MLA (the latent attention form) is not covered: the plugin runs the expanded form "
-                       "(VLLM_MLA_DISABLE=1, set by the plugin for a local checkpoint folder; set it yourself otherwise)")
+    reasons.extend(mla_form_reasons(vllm_config, arch))
     if dtype not in SUPPORTED_DTYPES:
         reasons.append(f"dtype {dtype} is not supported ({', '.join(SUPPORTED_DTYPES)})")
     if getattr(mc, "quantization", None) or getattr(vllm_config, "quant_config", None) is not None:
@@ -126,6 +173,37 @@ def validate_vllm_config(vllm_config) -> None:
         raise ValueError("aligned_ops vLLM plugin refuses this configuration: " + "; ".join(reasons))
 
 
+def mla_form_reasons(vllm_config, arch) -> list:
+    """Why the engine's MLA form cannot run: the form asked for (:func:`resolve_mla_form`) must be the one vLLM
+    builds (``use_mla``: absorbed; ``VLLM_MLA_DISABLE=1``: expanded); the absorbed form has its backend on the CPU
+    platform only (``mla.py``) and runs in eager mode (tested at TP 1 and 2: each rank's heads are its own, the
+    latent row is replicated, o_proj takes the row-parallel route)."""
+    mc = vllm_config.model_config
+    use_mla = bool(getattr(mc, "use_mla", False))
+    if arch is None or not arch.mla_forms:
+        return ["MLA (the latent attention form) is not covered for this architecture"] if use_mla and arch else []
+    try:
+        requested = resolve_mla_form(getattr(vllm_config, "additional_config", None))
+    except ValueError as e:
+        return [str(e)]
+    running = "absorbed" if use_mla else "expanded"
+    if running != requested:
+        return [f"{arch.name}: the MLA form asked for is {requested!r} ({MLA_FORM_ENV}, default "
+                f"{DEFAULT_MLA_FORM!r}), but vLLM builds the {running} form (VLLM_MLA_DISABLE="
+                f"{VLLM_ENV_OF_FORM[running]['VLLM_MLA_DISABLE']}; the plugin sets it for a local checkpoint folder, "
+                "set it yourself otherwise)"]
+    if running != "absorbed":
+        return []
+    reasons = []
+    if _platform_device() != "cpu":
+        reasons.append(f"{arch.name} in the absorbed MLA form runs on the CPU platform only (no GPU build of the "
+                       f"latent backend yet): set {MLA_FORM_ENV}=expanded")
+    if not bool(getattr(mc, "enforce_eager", True)):
+        reasons.append(f"{arch.name} in the absorbed MLA form runs in eager mode only so far: use "
+                       f"enforce_eager=True or {MLA_FORM_ENV}=expanded")
+    return reasons
+
+
 def _clear_rope_cache() -> None:
     """Empty vLLM's get_rope cache (``_ROPE_DICT``): it is keyed by the rotary module's shape parameters, not by
     model, so without this a second engine in one process would reuse the first model's rotary module and the
@@ -135,10 +213,15 @@ def _clear_rope_cache() -> None:
     rotary_embedding._ROPE_DICT.clear()
 
 
-def _architecture_env(engine_args) -> None:
-    """Set what the checkpoint's architecture needs before vLLM builds the config (``Architecture.vllm_env``,
-    e.g. DeepSeek-V3's ``VLLM_MLA_DISABLE=1``), read from a local folder's config.json; a conflicting value
-    already in the environment is refused. A hub id is not read here: validation then refuses what it gets."""
+# the values the plugin itself last wrote into the environment (a later engine in the process may change them)
+_env_written: dict = {}
+
+
+def _architecture_env(engine_args) -> str | None:
+    """Set what the checkpoint's architecture needs before vLLM builds the config (``Architecture.vllm_env``; for
+    an MLA architecture its form's ``VLLM_MLA_DISABLE``, :data:`VLLM_ENV_OF_FORM`), read from a local folder's
+    config.json; a conflicting value the user put in the environment is refused. Returns the MLA form (None: not
+    an MLA architecture, or a hub id, which is not read here: validation then refuses what vLLM built)."""
     import json
     import logging
     import os
@@ -149,20 +232,40 @@ def _architecture_env(engine_args) -> None:
         with open(os.path.join(str(engine_args.model), "config.json")) as f:
             names = json.load(f).get("architectures") or []
     except (OSError, ValueError, TypeError):
-        return
+        return None
+    form = None
     for name in names:
         arch = ARCHITECTURES.get(name)
-        for key, value in (arch.vllm_env if arch is not None else {}).items():
-            if os.environ.get(key, value) != value:
-                raise ValueError(f"aligned_ops vLLM plugin refuses this configuration: {name} needs {key}={value} "
-                                 f"(the attention form the trainer runs), the environment has {os.environ[key]!r}")
-            os.environ[key] = value
+        if arch is None:
+            continue
+        env = dict(arch.vllm_env)
+        if arch.mla_forms:
+            form = resolve_mla_form(getattr(engine_args, "additional_config", None))
+            env.update(VLLM_ENV_OF_FORM[form])
+        for key, value in env.items():
+            have = os.environ.get(key)
+            if have is not None and have != value and _env_written.get(key) != have:
+                hint = f" (the {form} MLA form; {MLA_FORM_ENV} selects the form)" if form else ""
+                raise ValueError(f"aligned_ops vLLM plugin refuses this configuration: {name} needs {key}={value}"
+                                 f"{hint}, the environment has {have!r}")
+            os.environ[key] = _env_written[key] = value
             logging.getLogger("aligned_ops").info("aligned_ops vLLM plugin: %s runs with %s=%s", name, key, value)
+    if names:
+        # vLLM caches its environment variables once an engine has started (envs.enable_envs_cache): a second
+        # engine in this process must see the value just written
+        import vllm.envs as envs
+
+        if envs._is_envs_cache_enabled():
+            envs.disable_envs_cache()
+    return form
 
 
 def _create_engine_config(self, *args, **kwargs):
     global installed_linear_profile
     from vllm.engine.arg_utils import EngineArgs
+
+    from ...models import ARCHITECTURES
+    from ...models.registry import architecture_of
 
     _architecture_env(self)
     config = patches.original(EngineArgs, "create_engine_config")(self, *args, **kwargs)
@@ -173,6 +276,9 @@ def _create_engine_config(self, *args, **kwargs):
     if not isinstance(config.additional_config, dict):  # pragma: no cover - a user's SupportsHash object
         raise ValueError("aligned_ops vLLM plugin: additional_config must be a dict (it carries the linear profile)")
     config.additional_config[PROFILE_KEY] = profile.name
+    arch = ARCHITECTURES.get(architecture_of(config.model_config.hf_config))
+    if arch is not None and arch.mla_forms:  # the form the engine runs (validated): the trainer pairs with it
+        config.additional_config[MLA_FORM_KEY] = "absorbed" if config.model_config.use_mla else "expanded"
     installed_linear_profile = profile
     active_logger().info("%s", active_line(profile))
     return config

@@ -23,17 +23,29 @@ is hooked, ``moe.py``).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
 from ...models import ARCHITECTURES, Side
+from ...profiles import profile_of
 from . import patches
 from .bind import record_architecture
 from .layers import rotary_table
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """The engine's per-forward context of one decoder layer: the forward's ``positions`` and the linear profile
+    the layer was built with (the engine's, ``bind.py``), for linears no vLLM module holds (MLA's absorbed
+    per-head projections)."""
+
+    positions: torch.Tensor
+    profile: object
+
+
 class EngineSide(Side):
-    """The engine's side of a block function (module docstring); ``ctx`` is the forward's ``positions``."""
+    """The engine's side of a block function (module docstring); ``ctx`` is an :class:`EngineContext`."""
 
     def parts(self, ctx, owner, projection, x):
         module = getattr(owner, projection.engine_module)
@@ -47,10 +59,24 @@ class EngineSide(Side):
         return out
 
     def rope(self, ctx, attn):
+        positions = ctx.positions
         cache = rotary_table(attn.rotary_emb)
-        if cache.device != ctx.device:  # pragma: no cover - vLLM moves buffers with the module
-            cache = cache.to(ctx.device)
-        return ctx.flatten().to(torch.int64), cache
+        if cache.device != positions.device:  # pragma: no cover - vLLM moves buffers with the module
+            cache = cache.to(positions.device)
+        return positions.flatten().to(torch.int64), cache
+
+    def linear(self, ctx, x, weight):
+        return ctx.profile.linear(x, weight)
+
+    def mla_attention(self, ctx, attn, q, kv, kv_lora_rank, scale):
+        # vLLM's MLAAttention layer (its KV-cache write and attention custom ops) -> the aligned MLA backend
+        # (mla.py): the latent row into the [blocks, block_size, D] cache, the latent op with the step's plan
+        layer = attn.mla_attn.mla_attn
+        if float(layer.impl.scale) != scale:
+            raise ValueError(f"aligned_ops: {layer.layer_name} MLA scale {layer.impl.scale} != the block's {scale}")
+        T, H = q.shape[0], q.shape[1]
+        out = layer(q, kv[:, :kv_lora_rank], kv[:, kv_lora_rank:].unsqueeze(1), output_shape=(T, H * kv_lora_rank))
+        return out.view(T, H, kv_lora_rank)
 
     def attention(self, ctx, attn, q, k, v, scale):
         # vLLM's Attention layer -> the aligned backend (attention.py), which applies the same rules' scale
@@ -73,10 +99,14 @@ def vllm_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _make_init(cls):
+def _make_init(cls, arch):
     def __init__(self, *args, **kwargs):
         patches.original(cls, "__init__")(self, *args, **kwargs)
         record_architecture(self)  # the block looks the layer's rules up from it
+        if arch.mla_forms and hasattr(getattr(self, "self_attn", None), "mla_attn"):
+            # vLLM built its MLA modules (use_mla: the plugin's absorbed form, mla.py): the block runs that form;
+            # the non-MLA attention (VLLM_MLA_DISABLE=1) keeps the block's default, the expanded form
+            self._aligned_mla_form = arch.mla_forms["absorbed"]
 
     return __init__
 
@@ -88,7 +118,8 @@ def _make_forward(arch):
         if any(v is not None for v in extra) or any(v is not None for v in options.values()):
             raise NotImplementedError(f"aligned_ops: {arch.name} decoder layer called with extra inputs "
                                       f"{sorted(options) or len(extra)} the block does not cover")
-        return arch.block(arch, ENGINE_SIDE, positions, self, hidden_states, residual)
+        ctx = EngineContext(positions, profile_of(self))
+        return arch.block(arch, ENGINE_SIDE, ctx, self, hidden_states, residual)
 
     forward.__qualname__ = f"aligned_{arch.name}_decoder_forward"
     return forward
@@ -102,5 +133,5 @@ def decoder_classes() -> dict:
 def install() -> None:
     why = "a model's decoder layer (plain nn.Module, no hook): its forward becomes the architecture's block"
     for cls, arch in decoder_classes().items():
-        patches.patch(cls, "__init__", _make_init(cls), why)
+        patches.patch(cls, "__init__", _make_init(cls, arch), why)
         patches.patch(cls, "forward", _make_forward(arch), why)

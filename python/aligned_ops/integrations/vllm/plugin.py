@@ -21,6 +21,10 @@ a class patch with its reason where it does not):
   processed_logprobs truncation recipe);
 - ``attention.py`` — the attention backend (``CPU_ATTN`` slot on CPU; ``CUSTOM`` on CUDA/ROCm, selected by
   ``gpu_platform.py``, which replaces the platform's selector or refuses);
+- ``mla.py`` — MLA models (DeepSeek-V3 / Kimi-K2) in the absorbed (latent) form, the default: the latent backend
+  in vLLM's MLA slot (``CPU_MLA`` / ``AMX_MLA`` on CPU), one 576-value row per token and layer in the KV cache;
+  ``ALIGNED_OPS_MLA_FORM=expanded`` (or ``additional_config={"aligned_ops_mla_form": "expanded"}``) selects the
+  expanded form (vLLM's non-MLA path). The trainer pairs with ``patch_model(mla_form=engine_mla_form(llm))``;
 - ``config.py`` — start-up validation (one ``ValueError`` listing every reason) and the engine's linear profile,
   resolved once and carried to every worker (``bind.py``: what a built layer records).
 
@@ -86,7 +90,7 @@ def install() -> None:
     check_vllm_version()
     from vllm.platforms import current_platform
 
-    from . import attention, gpu_platform
+    from . import attention, gpu_platform, mla
 
     for base, methods in oot_hooks().items():
         patches.register_oot(base, on_init=record_architecture, **methods)
@@ -96,6 +100,7 @@ def install() -> None:
     config.install()
     tp.install(combine)
     attention.install()
+    mla.install()
     if not current_platform.is_cpu():  # CUDA/ROCm: the platform selects the aligned backend, or refuses
         gpu_platform.install_gpu_attention_selection(current_platform)
     _installed = True
@@ -123,7 +128,8 @@ def model_status(model) -> dict:
 
 def vllm_status(llm) -> dict:
     """Whether the engine ``llm`` (a ``vllm.LLM``) runs aligned, asked of its workers (``LLM.apply_model``):
-    ``{"aligned": bool, "profile": name or None, "vllm": version, "workers": [model_status of each]}``.
+    ``{"aligned": bool, "profile": name or None, "vllm": version, "mla_form": the MLA form of an MLA model
+    (``patch_model(mla_form=...)`` of the trainer) or None, "workers": [model_status of each]}``.
     ``aligned`` is True only if every worker runs the plugin with one profile. A multi-process engine needs
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to run the probe in its workers (vLLM's rule for apply_model)."""
     import vllm
@@ -133,4 +139,5 @@ def vllm_status(llm) -> dict:
     aligned = bool(workers) and all(w["aligned"] and isinstance(w["profile"], str) for w in workers) \
         and len(profiles) == 1
     return {"aligned": aligned, "profile": profiles.pop() if aligned else None,
-            "vllm": getattr(vllm, "__version__", "unknown"), "workers": workers}
+            "vllm": getattr(vllm, "__version__", "unknown"), "mla_form": config.engine_mla_form(llm),
+            "workers": workers}
