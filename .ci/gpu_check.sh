@@ -18,7 +18,8 @@
 #   sanitize:*  compute-sanitizer memcheck and racecheck over tests/cuda/sanitizer_probe.py (NVIDIA only)
 #   bench     bench/bench_gpu.py: the ceilings of this run (1 GiB device copy, 8192^3 bf16 matmul) and every
 #             op's achieved GB/s or TFLOP/s, its fraction of the ceiling and of the roofline, vs torch
-#   mma:*     RESERVED for the `mma` profile's hardware checks (another issue): see "mma profile" in STEPS
+#   mma:*     the `mma` profile's hardware checks: the bf16 instruction vs the emulator's model, the kernel vs
+#             the emulated kernel, batch invariance (tests/cuda/test_cuda_linear_mma.py)
 #
 # $OUT receives (≤ 8 files, flat — the device tool returns at most 8 files, 2 folders deep):
 #   summary.md   one table: step, status, seconds, detail (pytest counts, sanitizer verdicts); then the bench table
@@ -55,12 +56,11 @@ STEPS=(
   "sanitize:memcheck|30|0|yes|step_sanitize memcheck"
   "sanitize:racecheck|30|0|yes|step_sanitize racecheck"
   "bench|60|25|yes|step_bench"
-  # ---- mma profile: hardware checks (RESERVED; the matrix-unit issue fills these in) -------------------------
-  # Planned: (1) instruction vs emulator model agreement on 10^6 random dot products per MMA shape;
-  # (2) invariance of the mma profile on the hardware (batch / chunking / TP bits); (3) speed vs cuBLAS and
-  # FlashAttention. Budget kept free for them: 15 s in full mode. Replace the line below with real steps
-  # (same format, timeouts summing to ≤ 15 s, or take time from other steps so the total stays ≤ 540 s).
-  "mma:reserved|15|0|yes|step_reserved"
+  # ---- mma profile: hardware checks (tests/cuda/test_cuda_linear_mma.py) -----------------------------------
+  # The bf16 instruction vs the emulator's MMA-Sim model of this arch (agreement printed in tests.log), the
+  # kernel vs the emulated kernel, batch invariance on the hardware. Not yet: speed vs cuBLAS (bench/), and
+  # attention under mma (no kernel yet).
+  "mma:test_cuda_linear_mma.py|15|0|yes|step_pytest tests/cuda/test_cuda_linear_mma.py"
 )
 # The GPU test files of tests/cuda. The others there (test_gpu_isa_scan.py, test_gpu_sources.py,
 # test_no_host_sync.py) need no GPU and run in CI.
@@ -212,7 +212,6 @@ step_bench() {
   return $rc
 }
 
-step_reserved() { DETAIL="reserved for the mma profile's hardware checks (not yet present)"; return 0; }
 
 # ---- the driver ------------------------------------------------------------------------------------------------
 log_of() {

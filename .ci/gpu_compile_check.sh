@@ -52,6 +52,11 @@ CU
   "$NVCC" -arch=sm_90 --fmad=false -ptx "$tmp/twosum.cu" -o "$tmp/twosum_exact.ptx"
   "$PY" cmake/gpu_isa_check.py ptx "$tmp/twosum_exact.ptx" "$tmp/tw.ok" \
     || { echo "POSITIVE CONTROL FAILED: the PTX checker rejected an unfused f64 TwoSum"; control_ok=0; }
+  # the mma linear's PTX must contain its bf16 mma.sync (gpu_isa_check.py REQUIRED): a clean file without it fails
+  cp "$tmp/twosum_exact.ptx" "$tmp/linear_mma.compute_90.ptx"
+  if "$PY" cmake/gpu_isa_check.py ptx "$tmp/linear_mma.compute_90.ptx" "$tmp/lm.ok" 2>/dev/null; then
+    echo "NEGATIVE CONTROL FAILED: the PTX checker accepted a linear_mma PTX without mma.sync m16n8k16 bf16"; control_ok=0
+  fi
 fi
 if command -v clang++-22 >/dev/null; then
   cat >"$tmp/bad.hip" <<'HIP'

@@ -19,6 +19,8 @@ the source did not write. This script proves, on what the compilers actually emi
   s    (AMDGPU asm):  no v_exp_f32 / v_log_f32 / v_rsq_f32, no f64 fma (v_fma_f64 / v_fmac_f64: contracted,
                       as above), and every kernel preserves f32 denormals (.amdhsa_float_denorm_mode_32 3).
   ll   also: no llvm.fma.f64 / llvm.fmuladd.f64 (the same f64 rule in the device IR).
+  REQUIRED: the matrix instructions a kernel file must contain (ptx / s), e.g. linear_mma's bf16 mma.sync
+                      m16n8k16 / v_mfma_f32_16x16x16_bf16.
 
 Usage: gpu_isa_check.py KIND FILE STAMP   (KIND in ptx, ll, s). Exit status 1 lists the violations.
 
@@ -64,6 +66,19 @@ CHECKS = {
         (re.compile(r"\.amdhsa_float_denorm_mode_32\s+[012]\b"), "kernel flushes f32 denormals"),
         (re.compile(r"\bv_fmac?_f64"), "f64 fma (no kernel writes one: a contraction)"),
     ],
+}
+
+
+# The matrix instructions a kernel file must contain (keyed by a substring of the checked file's name: the PTX
+# keep files are <name>.compute_NN.ptx, the asm hip_<name>.<arch>.s): the `mma` linear's bf16 instruction
+# (csrc/gpu/bf16_mma.cuh). A build that lost it (a fallback path, a dead-code-eliminated kernel) fails the scan.
+REQUIRED = {
+    "linear_mma": {
+        "ptx": (re.compile(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b"),
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (the mma linear's bf16 instruction)"),
+        "s": (re.compile(r"\bv_mfma_f32_16x16x16_?bf16(_1k)?\b"),
+              "v_mfma_f32_16x16x16_bf16 (the mma linear's bf16 instruction)"),
+    },
 }
 
 
@@ -141,6 +156,9 @@ def main() -> int:
         hits = [m.group(0).strip() for m in rx.finditer(text)]
         if hits:
             bad.append(f"  {what}: {len(hits)} hit(s), e.g. {hits[0]!r}")
+    for key, need in REQUIRED.items():
+        if key in os.path.basename(path) and kind in need and not need[kind][0].search(text):
+            bad.append(f"  missing matrix instruction: {need[kind][1]}")
     if kind == "s" and ".amdhsa_float_denorm_mode_32" not in text:
         bad.append("  no kernel descriptor found (.amdhsa_float_denorm_mode_32 missing)")
     if bad:

@@ -33,15 +33,22 @@
 //     the profile ("mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"). AMX-BF16 `tdpbf16ps` is NOT used: its
 //     arithmetic has no simple model (measured: 14/256 K = 2048 chains equal to any tried), so a kernel on it
 //     could not be held to a reference, and an AMX and a non-AMX CPU would then disagree.
-//   * GPU (a later kernel): the arch's pinned matrix instruction (mma.sync / wgmma k16 bf16, MFMA bf16), block
-//     = its K, the fp32 accumulator carried in C from block to block, no K split beyond the 8 lanes. Its model
-//     is the emulator's (MMA-Sim characterisation), added next to the CPU's below when the kernel lands.
+//   * GPU (csrc/gpu/mma_linear_kernels.cuh): the arch's pinned matrix instruction — CUDA mma.sync
+//     m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+), HIP v_mfma_f32_16x16x16_bf16 (gfx942 / gfx950) — block =
+//     kMmaGpuKBlock = 16 k-elements per STEP, the fp32 accumulator carried in C from block to block, no K split
+//     beyond the 8 lanes, one instruction shape and operand order for every M. STEP is the unit's fused dot of
+//     16 products onto C (NOT an fma chain); its models (MMA-Sim's characterisation per arch, and a deliberately
+//     order-sensitive one) are the emulator's, csrc/emu/bf16_mma_models.h; mma_block_chain below is the chain
+//     they are applied in (the emulated reference, _linear_mma_reference under aligned_ops.emulate). Bits: one
+//     GPU model and build; NOT across vendors or generations (A100's step differs from H100's, CDNA3's from both).
 //
 // INVARIANT (on one unit): batch size M, the row's position, other rows, M/N tiling, thread count, prompt
 // chunking, prefill vs decode, run, TP degree t ∈ {1, 2, 4, 8} (whole lanes per rank, tree all-reduce); across
-// CPUs with avx512_bf16 (one instruction semantics on Intel and AMD, measured).
-// NOT INVARIANT: across profiles (fma / exact give other bits), across units (CPU vs a GPU, GPU generations,
-// a CPU's AMX unit), other lane counts or TP splits that cut a lane.
+// CPUs with avx512_bf16 (one instruction semantics on Intel and AMD, measured); on a GPU: the thread-block
+// schedule and the kernel's tiling too, on ONE GPU model and build.
+// NOT INVARIANT: across profiles (fma / exact give other bits), across units (CPU vs a GPU, GPU vendors and
+// generations: A100 vs H100 vs MI300X differ in MMA-Sim's models, a CPU's AMX unit), other lane counts or TP
+// splits that cut a lane.
 //
 // Backward (aligned::linear_mma_backward) — on the unit, every GEMM of it the profile's linear above:
 //   dx[m, k] = round_bf16(lane tree of the unit's chains over n of (g[m, n], w[n, k]))   8 lanes of N
@@ -61,6 +68,7 @@
 namespace aligned {
 
 // The matrix units a backend can run the profile on. The enum names the STEP of the chain above.
+// (The GPU units are the arch's instruction, chosen at compile time: csrc/gpu/bf16_mma.cuh.)
 enum class MmaUnit : int { kNone = 0, kAvx512Bf16 = 1 };
 
 // ---- the CPU unit: AVX512-BF16 vdpbf16ps ----------------------------------------------------------------
@@ -95,6 +103,28 @@ ALIGNED_HD float mma_bf16_chain(const bf16_t* x, int64_t x_sk, const bf16_t* w, 
     const bool full = k + 1 < k1;
     acc = mma_bf16_pair_step(acc, x[k * x_sk], full ? x[(k + 1) * x_sk] : zero, w[k * w_sk],
                              full ? w[(k + 1) * w_sk] : zero);
+  }
+  return acc;
+}
+
+// ---- the GPU units: one instruction per block of 16 k ------------------------------------------------------
+constexpr int kMmaGpuKBlock = 16;  // k-elements per step of the GPU units (mma.sync m16n8k16, MFMA 16x16x16)
+
+// A GPU unit's chain over k in [k0, k1) for one output: acc = +0, then acc = step(acc, xb, wb) for the blocks
+// (k0 .. k0+15), (k0+16 ..), ... in ascending order, xb / wb the block's 16 bf16 bit patterns, k >= k1 padded
+// with +0. `step` is the unit's instruction for one output element (a model: csrc/emu/bf16_mma_models.h).
+template <class Step>
+ALIGNED_HD float mma_block_chain(const bf16_t* x, int64_t x_sk, const bf16_t* w, int64_t w_sk, int64_t k0,
+                                 int64_t k1, const Step& step) {
+  float acc = 0.0f;
+  for (int64_t kb = k0; kb < k1; kb += kMmaGpuKBlock) {
+    uint16_t xb[kMmaGpuKBlock], wb[kMmaGpuKBlock];
+    for (int e = 0; e < kMmaGpuKBlock; ++e) {
+      const int64_t k = kb + e;
+      xb[e] = k < k1 ? x[k * x_sk].bits : (uint16_t)0;
+      wb[e] = k < k1 ? w[k * w_sk].bits : (uint16_t)0;
+    }
+    acc = step(acc, xb, wb);
   }
   return acc;
 }

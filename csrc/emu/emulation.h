@@ -26,7 +26,8 @@ struct Arch {
   // launch fails until cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, n) raised
   // the kernel's limit); HIP has no such step on CDNA, so there it is the whole LDS.
   size_t default_dynamic_shared_bytes;
-  const char* matrix_model; // the bit model of its MMA instructions (documentation: none is emulated yet)
+  const char* matrix_model; // the bit model of its MMA instructions (documentation)
+  int bf16_mma_unit;        // bf16_mma_models.h Bf16MmaUnit: which published model its bf16 MMA follows
 };
 
 // nullptr for an unknown name. known_archs(): "sm_80, sm_90, sm_100, sm_120, gfx942, gfx950".
@@ -41,6 +42,10 @@ enum class Fault : int {
   kShuffleNeighbourTree = 1,  // shfl_xor mask bits reversed: a butterfly 16..1 sums neighbours first
   kBarrierNoop = 2,    // __syncthreads does not wait for the other threads
   kMatrixLayout = 3,   // integer MMA models read a wrong fragment layout (A's k halves / B's k words swapped)
+  // Kernel variants the mma linear's emulated launcher builds on request (csrc/gpu/mma_launch.cuh), each
+  // breaking mma.h's order only for M > 16, so a batch-invariance test must catch them:
+  kMmaSplitKByM = 4,     // each K-lane's chain cut in two halves summed afterwards (a split-K chosen by M)
+  kMmaBlockOrderByM = 5, // each K-lane's k-blocks issued in descending order
 };
 
 struct LaunchRecord {
@@ -52,10 +57,13 @@ struct LaunchRecord {
 
 // Process-wide (every OS thread, so autograd's worker threads see it too). Scopes nest: exit() restores the
 // arch that was active before the matching enter() and returns the launches made since it.
-void enter(const Arch* arch, Fault fault);
+// mma_model: bf16_mma_models.h MmaModel (0 kMmaSim, 1 kFmaChain), the arithmetic of the bf16 matrix
+// instructions in the scope.
+void enter(const Arch* arch, Fault fault, int mma_model = 0);
 std::vector<LaunchRecord> exit();
 const Arch* active_arch();  // nullptr: the CPU backend runs
 Fault active_fault();
+int active_mma_model();
 // A host-to-device copy made by the emulated GPU glue (under emulation: a memcpy), recorded among the launches
 // as kernel kHostCopyRecord, grid = block = (1, 1, 1), shared_bytes = the bytes copied: so a test can prove a
 // run makes no copy (the CUDA-graph-safe attention run forms), with the per-call forms as negative control.

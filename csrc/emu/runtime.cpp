@@ -60,6 +60,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_mma_models.h"
 #include "emulation.h"
 #include "simt_api.h"
 
@@ -86,24 +87,31 @@ constexpr size_t kCudaDefaultDynamicShared = 48 * 1024;  // every CUDA arch, bef
 // (99 KB); the LDS of a CDNA3 (64 KB) and CDNA4 (160 KB) workgroup.
 const Arch kArchs[] = {
     {"sm_80", Vendor::kCuda, 32, 163 * 1024, kCudaDefaultDynamicShared,
-     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; bf16/fp16 mma.sync on "
-     "A100 would follow MMA-Sim's A100 model: k16 split into two k8 steps, 24 fractional bits"},
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); bf16 mma.sync m16n8k16 under mma_model 'mmasim': "
+     "MMA-Sim's Ampere model (k16 as two chained fused k8 steps, 24 fractional bits, round toward zero)",
+     (int)Bf16MmaUnit::kNvSplitF24},
     {"sm_90", Vendor::kCuda, 32, 227 * 1024, kCudaDefaultDynamicShared,
-     "integer mma.sync m16n8k32 s8 (exact: int32 sums of int8 products, PTX fragment layout); no float MMA is "
-     "emulated; bf16/fp16 wgmma would follow MMA-Sim's Hopper model: K=16 fused dot "
-     "+ C, terms aligned to the largest exponent, truncated to 25 fractional bits, round toward zero"},
+     "integer mma.sync m16n8k32 s8 (exact: int32 sums of int8 products, PTX fragment layout); bf16 mma.sync "
+     "m16n8k16 under mma_model 'mmasim': MMA-Sim's Hopper model (K=16 fused dot + C, terms aligned to the largest "
+     "exponent, truncated to 25 fractional bits, round toward zero)",
+     (int)Bf16MmaUnit::kNvFusedF25},
     {"sm_100", Vendor::kCuda, 32, 227 * 1024, kCudaDefaultDynamicShared,
-     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; bf16/fp16 tcgen05 would follow MMA-Sim's Blackwell model (as Hopper)"},
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); bf16 mma.sync m16n8k16 under mma_model 'mmasim': "
+     "MMA-Sim's Blackwell model (as Hopper: 25 fractional bits, no split)",
+     (int)Bf16MmaUnit::kNvFusedF25},
     {"sm_120", Vendor::kCuda, 32, 99 * 1024, kCudaDefaultDynamicShared,
-     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); no float MMA is emulated; no published model of "
-     "the consumer Blackwell mma.sync"},
+     "integer mma.sync m16n8k32 s8 (exact, PTX fragment layout); bf16 mma.sync m16n8k16 under mma_model 'mmasim': "
+     "MMA-Sim's RTX Blackwell mma model (as Hopper: 25 fractional bits, no split)",
+     (int)Bf16MmaUnit::kNvFusedF25},
     {"gfx942", Vendor::kHip, 64, 64 * 1024, 64 * 1024,
-     "integer v_mfma_i32_16x16x32_i8 (exact: int32 sums of int8 products, CDNA3 fragment layout); no float "
-     "MFMA is emulated; bf16/fp16 MFMA would follow MMA-Sim's CDNA3 model: groups of 8 "
-     "products truncated to 24 bits, group sum floored to 31 bits, round to nearest even"},
+     "integer v_mfma_i32_16x16x32_i8 (exact: int32 sums of int8 products, CDNA3 fragment layout); bf16 "
+     "v_mfma_f32_16x16x16_bf16 under mma_model 'mmasim': MMA-Sim's CDNA3 model (two chained groups of 8 products "
+     "truncated to 24 bits, group sum floored to 31 bits, c floored to 24, round to nearest even)",
+     (int)Bf16MmaUnit::kCdna3},
     {"gfx950", Vendor::kHip, 64, 160 * 1024, 160 * 1024,
-     "integer v_mfma_i32_16x16x32_i8 (exact, CDNA3 fragment layout, kept on CDNA4); no float MFMA is emulated; "
-     "MMA-Sim has no CDNA4 model"},
+     "integer v_mfma_i32_16x16x32_i8 (exact, CDNA3 fragment layout, kept on CDNA4); bf16 v_mfma_f32_16x16x16_bf16 "
+     "under mma_model 'mmasim': the CDNA3 model, an ASSUMPTION (MMA-Sim has no CDNA4 model)",
+     (int)Bf16MmaUnit::kCdna3},
 };
 }  // namespace
 
@@ -128,6 +136,7 @@ namespace {
 struct Scope {
   const Arch* prev_arch;
   Fault prev_fault;
+  int prev_mma_model;
   size_t first_record;
 };
 std::mutex g_state_mutex;
@@ -135,12 +144,14 @@ std::vector<Scope> g_scopes;
 std::vector<LaunchRecord> g_records;
 std::atomic<const Arch*> g_arch{nullptr};
 std::atomic<int> g_fault{0};
+std::atomic<int> g_mma_model{0};
 }  // namespace
 
-void enter(const Arch* arch, Fault fault) {
+void enter(const Arch* arch, Fault fault, int mma_model) {
   std::lock_guard<std::mutex> lock(g_state_mutex);
-  g_scopes.push_back({g_arch.load(), (Fault)g_fault.load(), g_records.size()});
+  g_scopes.push_back({g_arch.load(), (Fault)g_fault.load(), g_mma_model.load(), g_records.size()});
   g_fault.store((int)fault);
+  g_mma_model.store(mma_model);
   g_arch.store(arch);
 }
 std::vector<LaunchRecord> exit() {
@@ -152,6 +163,7 @@ std::vector<LaunchRecord> exit() {
   if (g_scopes.empty()) g_records.clear();
   g_arch.store(s.prev_arch);
   g_fault.store((int)s.prev_fault);
+  g_mma_model.store(s.prev_mma_model);
   return mine;
 }
 const Arch* active_arch() { return g_arch.load(std::memory_order_acquire); }
@@ -161,6 +173,7 @@ void record_host_copy(size_t bytes) {
   if (!g_scopes.empty() && arch) g_records.push_back(LaunchRecord{kHostCopyRecord, arch->name, {1, 1, 1}, {1, 1, 1}, bytes});
 }
 Fault active_fault() { return (Fault)g_fault.load(std::memory_order_relaxed); }
+int active_mma_model() { return g_mma_model.load(std::memory_order_relaxed); }
 
 // ---- errors (sticky per calling thread, like cudaGetLastError) -----------------------------------------------
 namespace {
@@ -297,6 +310,7 @@ struct Job {
   LaunchConfig cfg;
   const Arch* arch;
   Fault fault;
+  int mma_model = 0;  // bf16_mma_models.h MmaModel of the scope that launched
   Schedule schedule;
   uint64_t launch_key = 0;  // mixes the kernel's name and shape into the random schedule
   void (*thunk)(const void*);
@@ -625,6 +639,67 @@ void model_mfma_i32_16x16x32_i8(MatrixFragment* const* f, bool wrong_layout) {
     for (int r = 0; r < 4; ++r) f[l]->c[r] = (int32_t)(uint32_t)(uint64_t)C[4 * (l >> 4) + r][l & 15];
 }
 
+// ---- bf16 matrix instruction models: the vendors' fragment layouts, then bf16_mma_models.h per element --------
+uint16_t frag_half(uint32_t word, int i) { return (uint16_t)(word >> (16 * i)); }
+float frag_f32(int32_t v) {
+  float f;
+  memcpy(&f, &v, 4);
+  return f;
+}
+int32_t f32_frag(float f) {
+  int32_t v;
+  memcpy(&v, &f, 4);
+  return v;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 — PTX ISA "Matrix Fragments for mma.m16n8k16" (.bf16):
+// lane l, g = l >> 2, q = l & 3 (element 0 of a register is its low half): a[0] A[g][2q + i], a[1]
+// A[g + 8][2q + i], a[2] A[g][8 + 2q + i], a[3] A[g + 8][8 + 2q + i]; b[0] B[2q + i][g], b[1] B[8 + 2q + i][g];
+// c[r] C[g + 8 (r >> 1)][2q + (r & 1)] (fp32 bits).
+void model_mma_m16n8k16_bf16(MatrixFragment* const* f, Bf16MmaUnit unit, MmaModel model, bool wrong_layout) {
+  uint16_t A[16][16], Bt[8][16];  // Bt[n][k]: a column of B, contiguous in k
+  float C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, q = l & 3;
+    const int a1 = wrong_layout ? 2 : 1, a2 = wrong_layout ? 1 : 2;  // negative control: a[1] <-> a[2]
+    for (int i = 0; i < 2; ++i) {
+      A[g][2 * q + i] = frag_half(f[l]->a[0], i);
+      A[g + 8][2 * q + i] = frag_half(f[l]->a[a1], i);
+      A[g][8 + 2 * q + i] = frag_half(f[l]->a[a2], i);
+      A[g + 8][8 + 2 * q + i] = frag_half(f[l]->a[3], i);
+      Bt[g][2 * q + i] = frag_half(f[l]->b[0], i);
+      Bt[g][8 + 2 * q + i] = frag_half(f[l]->b[1], i);
+    }
+    for (int r = 0; r < 4; ++r) C[g + 8 * (r >> 1)][2 * q + (r & 1)] = frag_f32(f[l]->c[r]);
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j) C[i][j] = bf16_mma_step(unit, model, A[i], Bt[j], C[i][j]);
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, q = l & 3;
+    for (int r = 0; r < 4; ++r) f[l]->c[r] = f32_frag(C[g + 8 * (r >> 1)][2 * q + (r & 1)]);
+  }
+}
+
+// v_mfma_f32_16x16x16_bf16 (_1k) — AMD matrix instruction calculator (CDNA3, gfx942; same on gfx950): lane l,
+// i = l & 15, h = l >> 4: A[i][4h + e] = half e of the 64-bit a (a[0] low word, a[1] high), B[4h + e][i]
+// likewise from b; c[r] = C[4h + r][i] (fp32 bits).
+void model_mfma_f32_16x16x16_bf16(MatrixFragment* const* f, Bf16MmaUnit unit, MmaModel model, bool wrong_layout) {
+  uint16_t A[16][16], Bt[16][16];
+  float C[16][16];
+  for (int l = 0; l < 64; ++l) {
+    const int i = l & 15, h = l >> 4;
+    for (int e = 0; e < 4; ++e) {
+      A[i][4 * h + e] = frag_half(f[l]->a[e >> 1], e & 1);
+      Bt[i][4 * h + e] = frag_half(f[l]->b[(e >> 1) ^ (wrong_layout ? 1 : 0)], e & 1);  // control: words swapped
+    }
+    for (int r = 0; r < 4; ++r) C[4 * h + r][i] = frag_f32(f[l]->c[r]);
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) C[i][j] = bf16_mma_step(unit, model, A[i], Bt[j], C[i][j]);
+  for (int l = 0; l < 64; ++l)
+    for (int r = 0; r < 4; ++r) f[l]->c[r] = f32_frag(C[4 * (l >> 4) + r][l & 15]);
+}
+
 // The whole warp is at one matrix instruction (checked by the caller): run its model.
 bool run_matrix(Worker& w, int first, int lanes, int op, const Arch* arch, std::string& err) {
   MatrixFragment* f[64];
@@ -635,6 +710,16 @@ bool run_matrix(Worker& w, int first, int lanes, int op, const Arch* arch, std::
   }
   if (op == (int)MatrixOp::kMfmaI32x16x16x32I8 && arch->vendor == Vendor::kHip && lanes == 64) {
     model_mfma_i32_16x16x32_i8(f, w.job->fault == Fault::kMatrixLayout);
+    return true;
+  }
+  const Bf16MmaUnit unit = (Bf16MmaUnit)arch->bf16_mma_unit;
+  const MmaModel model = (MmaModel)w.job->mma_model;
+  if (op == (int)MatrixOp::kMmaM16N8K16Bf16 && arch->vendor == Vendor::kCuda && lanes == 32) {
+    model_mma_m16n8k16_bf16(f, unit, model, w.job->fault == Fault::kMatrixLayout);
+    return true;
+  }
+  if (op == (int)MatrixOp::kMfmaF32x16x16x16Bf16 && arch->vendor == Vendor::kHip && lanes == 64) {
+    model_mfma_f32_16x16x16_bf16(f, unit, model, w.job->fault == Fault::kMatrixLayout);
     return true;
   }
   err = "matrix instruction " + std::to_string(op) + " does not exist on " + arch->name;
@@ -1069,6 +1154,7 @@ void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg,
   job.cfg = cfg;
   job.arch = arch;
   job.fault = active_fault();
+  job.mma_model = active_mma_model();
   job.schedule = schedule;
   uint64_t key = mix64((uint64_t)g.x | ((uint64_t)g.y << 32)) ^ mix64((uint64_t)g.z | ((uint64_t)threads << 32));
   for (const char* c = kernel; *c; ++c) key = mix64(key ^ (unsigned char)*c);

@@ -48,6 +48,10 @@ void sync_threads();
 enum class MatrixOp : int {
   kMmaM16N8K32S8 = 1,     // CUDA mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (sm_80+), 32 lanes
   kMfmaI32x16x16x32I8 = 2, // HIP v_mfma_i32_16x16x32_i8 (gfx942, gfx950), 64 lanes
+  // bf16 x bf16 -> fp32 (csrc/gpu/bf16_mma.cuh): float arithmetic, so the runtime applies the scope's arithmetic
+  // model (bf16_mma_models.h) per output element; c holds the fp32 accumulator's bits.
+  kMmaM16N8K16Bf16 = 3,     // CUDA mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+), 32 lanes
+  kMfmaF32x16x16x16Bf16 = 4, // HIP v_mfma_f32_16x16x16_bf16 (_1k; gfx942, gfx950), 64 lanes
 };
 // One lane's registers: a, b the A / B fragment words (bytes little-endian, element 0 in the low byte),
 // c the accumulator fragment, replaced by D when the instruction completes.

@@ -3,7 +3,7 @@
 //   device          the nvcc / hip-clang build (linked into a CUDA or ROCm torch's extension only);
 //   emulated_cuda   the emulation target's CUDA spelling (32-lane warps; sm_80, sm_90, sm_100, sm_120);
 //   emulated_hip    the emulation target's HIP spelling (wave64; gfx942, gfx950).
-// Each build defines its tables in its own namespace (dense_launch.cuh, attention_launch.cuh, exact_launch.cuh),
+// Each build defines its tables in its own namespace (dense_launch.cuh, attention_launch.cuh, exact_launch.cuh, mma_launch.cuh),
 // exactly as each CPU ISA level defines its kernel tables (csrc/cpu/cpu_dispatch.cpp). Torch-free.
 #pragma once
 
@@ -13,6 +13,7 @@
 #include "attention_api.h"
 #include "dense_api.h"
 #include "exact_api.h"
+#include "mma_api.h"
 
 namespace aligned::gpu {
 
@@ -20,12 +21,14 @@ namespace device {
 extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
+extern const MmaLaunchers kMmaLaunchers;
 }  // namespace device
 
 namespace emulated_cuda {
 extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
+extern const MmaLaunchers kMmaLaunchers;
 // The SIMT runtime's self-test kernels (csrc/emu/selftest_kernels.cuh) in this spelling.
 const char* run_selftest(const std::string& name, std::vector<long long>& out);
 }  // namespace emulated_cuda
@@ -34,6 +37,7 @@ namespace emulated_hip {
 extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
+extern const MmaLaunchers kMmaLaunchers;
 const char* run_selftest(const std::string& name, std::vector<long long>& out);
 }  // namespace emulated_hip
 

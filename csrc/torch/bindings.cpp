@@ -211,7 +211,7 @@ TORCH_LIBRARY(aligned, m) {
   m.def("_cpu_mma_unit() -> str");  // the CPU's mma unit: "avx512_bf16", or "" (none: the mma ops refuse) (cpu_mma.cpp)
   // aligned_ops.emulate (csrc/torch/backends/emulated.cpp): enter/leave an emulated GPU arch, its launch records,
   // the emulated archs, the SIMT runtime's self-test kernels.
-  m.def("_emulate_enter(str arch, int fault=0) -> ()");
+  m.def("_emulate_enter(str arch, int fault=0, int mma_model=0) -> ()");
   m.def("_emulate_exit() -> str[]");
   m.def("_emulated_archs() -> str[]");
   m.def("_emulate_selftest(str name) -> int[]");

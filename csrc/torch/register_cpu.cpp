@@ -13,8 +13,8 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   register_family<LmHeadPieces, Cpu>(m);
   register_family<Linear, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<LinearReference, Cpu>(m);
-  register_family<LinearMma, Cpu>(m);  // no GPU kernels yet: under emulate(arch) the CPU unit runs
-  register_family<LinearMmaReference, Cpu>(m);
+  register_family<LinearMma, Cpu, EmulatedCuda, EmulatedHip>(m);
+  register_family<LinearMmaReference, Cpu, EmulatedCuda, EmulatedHip>(m);  // emulated: the arch's unit model
   register_family<Hooks, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<ExactLinear, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<ExactF64, Cpu>(m);

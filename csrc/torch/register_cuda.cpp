@@ -9,6 +9,8 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   register_family<Dense, Cuda>(m);
   register_family<Logits, Cuda>(m);
   register_family<Linear, Cuda>(m);
+  register_family<LinearMma, Cuda>(m);
+  register_family<LinearMmaReference, Cuda>(m);  // refuses: the unit's model is the emulator's
   register_family<Hooks, Cuda>(m);
   register_family<ExactLinear, Cuda>(m);
   register_family<Attention, Cuda>(m);

@@ -13,8 +13,15 @@ threads see it too); scopes nest.
 
 The integer matrix instructions of the exact linear are emulated (CUDA ``mma.sync`` m16n8k32 s8, HIP
 ``v_mfma_i32_16x16x32_i8``): integer MMA is exact, so the model is the definition; what it checks is the
-vendors' fragment layouts (csrc/gpu/int_mma.cuh, csrc/emu/runtime.cpp). No float MMA is emulated (the fp32
-GEMM is fma on CUDA cores / VALU); ``emu.matrix_model`` says which published model one would follow.
+vendors' fragment layouts (csrc/gpu/int_mma.cuh, csrc/emu/runtime.cpp). The bf16 matrix instructions of the
+``mma`` linear (CUDA ``mma.sync`` m16n8k16 bf16, HIP ``v_mfma_f32_16x16x16_bf16``; csrc/gpu/bf16_mma.cuh) are
+emulated with a SELECTABLE arithmetic model, ``emulate(arch, mma_model=...)``, one of :data:`MMA_MODELS`
+(csrc/emu/bf16_mma_models.h): ``"mmasim"`` (the default) follows MMA-Sim's published characterisation of the
+arch's unit (sm_80: two fused k8 steps, 24 bits; sm_90/100/120: one fused k16 step, 25 bits, round toward zero;
+gfx942: two groups of 8, CDNA3's truncate/floor/round-to-nearest; gfx950: CDNA3's, an assumption — MMA-Sim has no
+CDNA4 model); ``"fma_chain"`` is deliberately different (16 sequential fp32 fmas per instruction, k ascending):
+it rounds after every product, so a kernel whose k-block order or K split follows M gives other bits under it.
+Neither is measured on hardware here; ``emu.matrix_model`` describes the arch's.
 
 Schedules: a GPU runs the threads of a block, its warps and the blocks of a grid in no promised order. The
 runtime's order is ``ALIGNED_EMU_SCHEDULE`` (read at every launch): ``forward`` (index order, the default),
@@ -36,7 +43,11 @@ import torch
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
 # Negative controls (tests only): deliberate runtime deviations that must make GPU != CPU.
 _HOST_COPY_RECORD = "<host-to-device copy>"  # csrc/emu/emulation.h kHostCopyRecord
-_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3}
+_FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
+           # kernel variants of the mma linear's emulated launcher that break mma.h's order for M > 16 only
+           "mma_split_k_by_m": 4, "mma_block_order_by_m": 5}
+# The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
+MMA_MODELS = ("mmasim", "fma_chain")
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"
 _SCHEDULE_RE = re.compile(r"forward|reverse|random:[0-9]{1,19}")
 
@@ -46,6 +57,14 @@ def check_schedule(schedule: str) -> str:
     if not isinstance(schedule, str) or not _SCHEDULE_RE.fullmatch(schedule):
         raise ValueError(f"aligned_ops.emulate: schedule must be forward, reverse or random:SEED, got {schedule!r}")
     return schedule
+
+
+_ACTIVE: list["Emulation"] = []  # the scopes entered and not yet left, innermost last
+
+
+def active() -> "Emulation | None":
+    """The innermost active :func:`emulate` scope, or None (the CPU backend runs)."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +92,12 @@ def _archs() -> dict[str, dict]:
 class Emulation:
     """The context manager returned by :func:`emulate`; ``launches`` fills in when the block exits."""
 
-    def __init__(self, arch: str, _fault: str | None = None, schedule: str | None = None):
+    def __init__(self, arch: str, _fault: str | None = None, schedule: str | None = None, mma_model: str = "mmasim"):
         if arch not in ARCHS:
             raise ValueError(f"aligned_ops.emulate: arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        if mma_model not in MMA_MODELS:
+            raise ValueError(f"aligned_ops.emulate: mma_model must be one of {', '.join(MMA_MODELS)}, got {mma_model!r}")
+        self.mma_model = mma_model
         self.schedule = check_schedule(schedule) if schedule is not None else None
         self._saved_schedule: str | None = None
         if _fault not in _FAULTS:
@@ -99,12 +121,15 @@ class Emulation:
         if self.schedule is not None:
             self._saved_schedule = os.environ.get(SCHEDULE_ENV)
             os.environ[SCHEDULE_ENV] = self.schedule
-        torch.ops.aligned._emulate_enter(self.arch, _FAULTS[self._fault])
+        torch.ops.aligned._emulate_enter(self.arch, _FAULTS[self._fault], MMA_MODELS.index(self.mma_model))
         self._active = True
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self._active = False
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self.schedule is not None:
             if self._saved_schedule is None:
                 os.environ.pop(SCHEDULE_ENV, None)
@@ -124,11 +149,13 @@ class Emulation:
         return {launch.kernel_base for launch in self.launches}
 
     def __repr__(self) -> str:
-        return f"Emulation(arch={self.arch!r}, warp_size={self.warp_size}, launches={len(self.launches)})"
+        return (f"Emulation(arch={self.arch!r}, mma_model={self.mma_model!r}, warp_size={self.warp_size}, "
+                f"launches={len(self.launches)})")
 
 
-def emulate(arch: str, *, schedule: str | None = None, _fault: str | None = None) -> Emulation:
+def emulate(arch: str, *, schedule: str | None = None, mma_model: str = "mmasim",
+            _fault: str | None = None) -> Emulation:
     """Run the aligned ops on CPU tensors through the GPU kernel source of ``arch`` (see the module doc).
     ``schedule``: the runtime's thread/warp/block order for the scope (default: ``ALIGNED_EMU_SCHEDULE``, else
-    ``forward``)."""
-    return Emulation(arch, _fault, schedule)
+    ``forward``). ``mma_model``: the arithmetic of the bf16 matrix instructions, one of :data:`MMA_MODELS`."""
+    return Emulation(arch, _fault, schedule, mma_model)

@@ -99,9 +99,9 @@ class Profile:
                                                    shared_gate, group, linear_profile=self.experts_profile,
                                                    combine=combine, check=check)
 
-    def model_refusals(self, dtype) -> list[str]:
-        """Why a model of ``dtype`` cannot run this profile on this machine (empty: it can): what the profile's
-        unit multiplies, and whether the machine has that unit. Checked at start-up by the trainer patch, the
+    def model_refusals(self, dtype, device: str = "cpu") -> list[str]:
+        """Why a model of ``dtype`` cannot run this profile on this machine's ``device`` type (empty: it can): what
+        the profile's unit multiplies, and whether the machine has that unit. Checked at start-up by the trainer patch, the
         vLLM plugin (through :meth:`refusals`) and ``aligned-ops verify``. The base profiles take any dtype."""
         return []
 
@@ -206,18 +206,21 @@ class ExactProfile(Profile):
 
 class MmaProfile(Profile):
     """``mma``: the machine's bf16 matrix instruction in the ``fma`` profile's 8 lanes and tree, + bias once, one
-    rounding (csrc/common/mma.h; on the CPU AVX512-BF16 ``vdpbf16ps``). Same bits on one unit for rollout and
-    trainer — not equal to ``fma``'s, nor across units. No GPU kernels yet (issue 27's GPU half)."""
+    rounding (csrc/common/mma.h; on the CPU AVX512-BF16 ``vdpbf16ps``, on a GPU ``mma.sync`` m16n8k16 / MFMA
+    16x16x16 bf16 in k-blocks of 16, csrc/gpu/mma_linear_kernels.cuh). Same bits on one unit for rollout and
+    trainer — not equal to ``fma``'s, nor across units (CPU vs GPU, GPU vendors or generations)."""
 
     name = "mma"
     op = "linear_mma"
-    capabilities = Capabilities(devices=("cpu",), tp_degrees=collective.TP_DEGREES, tp_devices=("cpu",),
+    capabilities = Capabilities(devices=("cpu", "cuda"), tp_degrees=collective.TP_DEGREES, tp_devices=("cpu", "cuda"),
                                 tp_traceable=True, compile=True, cuda_graphs=False, fused_lm_head=False)
     invariant_to = ("the batch (size, a row's position, the other rows), chunking, prefill vs decode, thread count, "
                     "the M/N tiling, the run, and the tensor-parallel degree 1, 2, 4 or 8 (the fma profile's 8 lanes "
                     "and tree; each lane one chain of the unit's instruction) — on one unit: the CPU's AVX512-BF16 "
-                    "vdpbf16ps (one semantics on Intel and AMD, csrc/common/mma.h). Not the fma or exact bits, and "
-                    "not a GPU's. bfloat16 models only.")
+                    "vdpbf16ps (one semantics on Intel and AMD, csrc/common/mma.h), or ONE GPU model and build (the "
+                    "arch's bf16 matrix instruction: mma.sync m16n8k16 on NVIDIA sm_80+, MFMA 16x16x16 bf16 on "
+                    "CDNA3/4; tested under emulation with MMA-Sim's models, not yet on hardware). Not across GPU "
+                    "vendors or generations, not the CPU's bits, not the fma or exact bits. bfloat16 models only.")
     backward = ("aligned::linear_mma_backward on the unit: dx the profile's 8-lane linear over N, dW over the tokens "
                 "in order (8 fixed token blocks), db fp32 column chains (deterministic; dW follows the batch "
                 "composition like any sum over the batch).")
@@ -237,17 +240,18 @@ class MmaProfile(Profile):
 
     experts_profile = "mma"
 
-    def model_refusals(self, dtype) -> list[str]:
-        return _mma.mma_model_reasons(dtype)
+    def model_refusals(self, dtype, device: str = "cpu") -> list[str]:
+        return _mma.mma_model_reasons(dtype, device)
 
     def refusals(self, *, device="cpu", tp_size=1, compiled=False, cuda_graphs=False, dtype=None):
-        if device != "cpu":  # said in the profile's own words (the base's "runs on cpu" is true, but not why)
-            out = [f"the mma profile has no {device} kernels yet (its GPU tensor-core kernels are a later change); "
-                   f"use {ENV_VAR}={DEFAULT.name}"]
-            return out + [r for r in super().refusals(device="cpu", tp_size=tp_size, compiled=compiled,
-                                                       cuda_graphs=cuda_graphs, dtype=dtype) if r not in out]
-        return super().refusals(device=device, tp_size=tp_size, compiled=compiled, cuda_graphs=cuda_graphs,
-                                dtype=dtype)
+        out = super().refusals(device=device, tp_size=tp_size, compiled=compiled, cuda_graphs=cuda_graphs)
+        if device != "cpu":  # the GPU kernels must be in this build (said in the profile's own words)
+            refusal = _mma.gpu_refusal(device)
+            if refusal is not None:
+                out.insert(0, refusal)
+        if dtype is not None:
+            out.extend(r for r in self.model_refusals(dtype, device) if r not in out)
+        return out
 
 
 def _moe_experts(*args, **kwargs):

@@ -22,7 +22,7 @@ def test_dry_run_lists_steps_within_the_budget():
     rows = {m.group(1): (int(m.group(2)), m.group(3)) for m in
             re.finditer(r"^(\S+)\s+(\d+)\s+(\d+|-)\s+(?:yes|no)$", p.stdout, re.M)}
     for step in ("env", "gpu", "build", "test:test_cuda_dense.py", "test:test_cuda_realistic.py", "sanitize:memcheck",
-                 "sanitize:racecheck", "bench", "mma:reserved"):
+                 "sanitize:racecheck", "bench", "mma:test_cuda_linear_mma.py"):
         assert step in rows, p.stdout
     full = sum(t for t, _ in rows.values())
     quick = sum(int(q) for _, q in rows.values() if q != "-")

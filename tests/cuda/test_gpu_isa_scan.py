@@ -273,3 +273,25 @@ def test_fatbin_listing_matches_the_gencode(tmp_path):
     stamp = tmp_path / "s"
     assert gpu_isa_check.check_fatbin(str(obj), "sm_80,sm_90+compute_80", str(stamp)) == 0
     assert gpu_isa_check.check_fatbin(str(obj), "sm_80,sm_90,sm_100+compute_80", str(stamp)) == 1  # control
+
+
+@pytest.mark.parametrize("kind,name,present", [
+    ("ptx", "linear_mma.compute_90.ptx",
+     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};"),
+    ("s", "hip_linear_mma.gfx942.s", "v_mfma_f32_16x16x16_bf16 a[0:3], v[0:1], v[2:3], a[0:3]"),
+])
+def test_scan_requires_the_mma_linears_matrix_instruction(tmp_path, kind, name, present):
+    """The mma linear's files must contain its bf16 matrix instruction (gpu_isa_check.py REQUIRED); a file
+    without it fails naming the instruction (negative control), other files are not held to it."""
+    tail = "\n.amdhsa_float_denorm_mode_32 3\n" if kind == "s" else "\n"
+    good = tmp_path / name
+    good.write_text(present + tail)
+    assert run_scan(kind, good)[0] == 0
+    bad = tmp_path / "missing" / name
+    bad.parent.mkdir()
+    bad.write_text("add.rn.f32 %f3, %f1, %f2;" + tail if kind == "ptx" else tail)
+    rc, err = run_scan(kind, bad)
+    assert rc == 1 and "missing matrix instruction" in err, err
+    other = tmp_path / ("dense.compute_90.ptx" if kind == "ptx" else "hip_dense.gfx942.s")
+    other.write_text(tail)
+    assert run_scan(kind, other)[0] == 0

@@ -22,12 +22,17 @@ FORBIDDEN = {
     "tensor-core / matrix instruction": re.compile(r"\b(wmma|mma\.sync|wgmma|__builtin_amdgcn_mfma\w*)\b"),
 }
 
-# The `exact` profile's integer MMA (int8 x int8 -> int32, exact on every unit) is the one matrix instruction
-# allowed, and only in its wrapper header: floating-point MMA (whose rounding differs between vendors) stays
-# forbidden everywhere, int_mma.cuh included.
+# Matrix instructions are allowed only in their wrapper headers, each only its own: the `exact` profile's integer
+# MMA (int8 x int8 -> int32, exact on every unit) in int_mma.cuh, and the `mma` profile's ONE pinned bf16
+# instruction per vendor (its bits are the unit's by contract, csrc/common/mma.h) in bf16_mma.cuh. Any other
+# floating-point MMA (another shape, fp16, tf32, wgmma) stays forbidden everywhere, those headers included.
 INTEGER_MMA_HEADER = "int_mma.cuh"
 INTEGER_MMA = re.compile(r"mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col\.s32\.s8\.s8\.s32|"
                          r"__builtin_amdgcn_mfma_i32_\w+_i8\b")
+BF16_MMA_HEADER = "bf16_mma.cuh"
+BF16_MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32|"
+                      r"__builtin_amdgcn_mfma_f32_16x16x16bf16_1k\b")
+ALLOWED_MMA = {INTEGER_MMA_HEADER: INTEGER_MMA, BF16_MMA_HEADER: BF16_MMA}
 
 
 def _code(text: str) -> str:
@@ -36,10 +41,12 @@ def _code(text: str) -> str:
     return re.sub(r"//[^\n]*", "", text)
 
 
-def violations(text: str, integer_mma_allowed: bool = False) -> list[str]:
+def violations(text: str, integer_mma_allowed: bool = False, allowed_mma: re.Pattern | None = None) -> list[str]:
     code = _code(text)
     if integer_mma_allowed:
         code = INTEGER_MMA.sub("", code)
+    if allowed_mma is not None:
+        code = allowed_mma.sub("", code)
     return [what for what, rx in FORBIDDEN.items() if rx.search(code)]
 
 
@@ -50,7 +57,7 @@ def test_sources_exist():
 
 def test_no_forbidden_constructs():
     bad = {str(p.relative_to(ROOT)): v for p in GPU_SOURCES
-           if (v := violations(p.read_text(), integer_mma_allowed=p.name == INTEGER_MMA_HEADER))}
+           if (v := violations(p.read_text(), allowed_mma=ALLOWED_MMA.get(p.name)))}
     assert not bad, bad
 
 
@@ -69,6 +76,13 @@ def test_scanner_detects_violations():
     assert violations(bf16, integer_mma_allowed=True) == ["tensor-core / matrix instruction"]
     assert violations("c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);",
                       integer_mma_allowed=True) == ["tensor-core / matrix instruction"]
+    # the mma profile's header: its one bf16 instruction per vendor passes, any other float MMA still fires
+    assert violations(bf16, allowed_mma=BF16_MMA) == []
+    assert violations("c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);", allowed_mma=BF16_MMA) == []
+    assert violations('asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 ...");', allowed_mma=BF16_MMA) != []
+    assert violations("c = __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, 0, 0, 0);", allowed_mma=BF16_MMA) != []
+    assert violations('asm("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 ...");', allowed_mma=BF16_MMA) != []
+    assert violations(s8, allowed_mma=BF16_MMA) != []
 
 
 def test_exact_numerics_flags_everywhere():

@@ -224,23 +224,27 @@ def cases():
         x, w = rand(24, (3, 21), dt), rand(25, (5, 21), dt)
         yield f"linear_partial_reference/{tag}", lambda x=x, w=w: {"out": ops._linear_partial_reference(x, w, 4)}
 
-    # ---- the mma linear (bf16 only; the CPU's unit, AVX512-BF16 vdpbf16ps) ----
-    # Where the process has no unit (the generic / avx2 levels, and the emulated GPUs run in the generic level's
-    # process: the mma profile has no GPU kernels yet) every op but the scalar reference refuses by name: the entry
-    # is then "<name>/refused", the hash of the refusal's first line (the refusal is part of the contract too).
+    # ---- the mma linear (bf16 only; the CPU's unit, AVX512-BF16 vdpbf16ps; the emulated GPUs' bf16 MMA) ----
+    # Where the process has no unit (the generic / avx2 levels) every op but the scalar reference refuses by name:
+    # the entry is then "<name>/refused", the hash of the refusal's first line (the refusal is part of the
+    # contract too). The emulated GPUs (run in the generic level's process) run the GPU kernels under the
+    # default model ("mmasim"); there _linear_mma_reference is the arch's unit model too.
     has_unit = aligned_ops.mma_unit() is not None
+
+    def refused(thunk):
+        try:
+            thunk()
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+            return {"refused": torch.tensor(list(msg.encode()), dtype=torch.uint8)}
+        raise AssertionError("an mma op ran without the unit")
 
     def mma_case(thunk):
         if has_unit:
             return thunk
-        def refused(thunk=thunk):
-            try:
-                thunk()
-            except RuntimeError as e:
-                msg = str(e).splitlines()[0]
-                return {"refused": torch.tensor(list(msg.encode()), dtype=torch.uint8)}
-            raise AssertionError("an mma op ran without the unit")
-        return refused
+        def unit_or_refused(thunk=thunk):
+            return thunk() if aligned_ops.emulation.active() is not None else refused(thunk)
+        return unit_or_refused
 
     bf = torch.bfloat16
     for M, K, N in ((1, 37, 19), (5, 64, 40), (12, 96, 33), (40, 24, 40)):  # M=12: the row-lane path

@@ -99,7 +99,7 @@ def test_mma_refusals(monkeypatch):
     assert profiles.MMA.refusals(dtype=torch.float32) == [BF16_REFUSAL]
     assert profiles.MMA.model_refusals("float32") == [BF16_REFUSAL]
     (gpu,) = profiles.MMA.refusals(device="cuda", dtype=torch.bfloat16)
-    assert gpu.startswith("the mma profile has no cuda kernels yet") and gpu.endswith("use ALIGNED_OPS_LINEAR=fma")
+    assert gpu.startswith("the mma profile has no cuda kernels in this build") and gpu.endswith("use ALIGNED_OPS_LINEAR=fma")
     # negative control: the other profiles take any dtype
     assert profiles.FMA.refusals(dtype=torch.float32) == [] and profiles.EXACT.model_refusals(torch.float16) == []
 

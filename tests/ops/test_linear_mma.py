@@ -625,4 +625,12 @@ def test_mma_model_refusals():
     assert mma_model_reasons(torch.bfloat16) == [] and profiles.MMA.model_refusals(torch.bfloat16) == []
     assert mma_model_reasons("float32") == [
         "the mma profile takes bfloat16 models (its matrix units multiply bf16), got float32; use ALIGNED_OPS_LINEAR=fma"]
-    assert "no cuda kernels yet" in profiles.MMA.refusals(device="cuda", dtype=torch.bfloat16)[0]
+    # a GPU: refused only where this build has no GPU kernels (this CPU build), in the profile's own words
+    cuda = profiles.MMA.refusals(device="cuda", dtype=torch.bfloat16)
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aligned::linear_mma", "CUDA"):
+        assert cuda == []
+    else:
+        assert cuda == ["the mma profile has no cuda kernels in this build (aligned_ops was built without CUDA / "
+                        "ROCm); use ALIGNED_OPS_LINEAR=fma"]
+        # the GPU refusal does not depend on the CPU's unit, and the dtype refusal is still given
+        assert profiles.MMA.model_refusals("float32", "cuda")[-1].startswith("the mma profile takes bfloat16")

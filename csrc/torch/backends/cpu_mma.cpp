@@ -19,6 +19,8 @@
 #include "../glue/linear_mma.h"
 #include "../registration_impl.h"
 #include "cpu.h"
+#include "emulated.h"
+#include "gpu.h"
 
 namespace aligned::glue {
 
@@ -41,8 +43,8 @@ void Cpu::linear_mma_reference(const Call&, const GemmParams& p) {
 }
 
 // ---- the CPU key's registrations of the families (register_cpu.cpp) -----------------------------------------
-template void register_family<LinearMma, Cpu>(torch::Library&);
-template void register_family<LinearMmaReference, Cpu>(torch::Library&);
+template void register_family<LinearMma, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
+template void register_family<LinearMmaReference, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
 
 }  // namespace aligned::glue
 

@@ -18,6 +18,7 @@
 #include "../glue/exact.h"
 #include "../glue/hooks.h"
 #include "../glue/linear.h"
+#include "../glue/linear_mma.h"
 #include "../glue/logits.h"
 #include "../registration_impl.h"
 #include "cuda.h"
@@ -51,6 +52,8 @@ at::Tensor CudaDevice::error_flags_tensor(const at::Tensor& first) {
 template void register_family<Dense, Cuda>(torch::Library&);
 template void register_family<Logits, Cuda>(torch::Library&);
 template void register_family<Linear, Cuda>(torch::Library&);
+template void register_family<LinearMma, Cuda>(torch::Library&);
+template void register_family<LinearMmaReference, Cuda>(torch::Library&);
 template void register_family<Hooks, Cuda>(torch::Library&);
 template void register_family<ExactLinear, Cuda>(torch::Library&);
 template void register_family<Attention, Cuda>(torch::Library&);

@@ -52,6 +52,13 @@ struct CudaDevice {
   static const gpu::DenseLaunchers& dense() { return gpu::device::kDenseLaunchers; }
   static const gpu::AttentionLaunchers& attention() { return gpu::device::kAttentionLaunchers; }
   static const gpu::ExactLaunchers& exact() { return gpu::device::kExactLaunchers; }
+  static const gpu::MmaLaunchers& mma() { return gpu::device::kMmaLaunchers; }
+  // _linear_mma_reference: the unit's arithmetic model exists only in the emulator (csrc/emu/bf16_mma_models.h);
+  // on the device the op refuses (tests/cuda/test_cuda_linear_mma.py compares the device with that model).
+  static void mma_reference(const char* op, const GemmParams&) {
+    TORCH_CHECK(false, "aligned::", op, ": the GPU's matrix unit has no scalar model on the device; call it on CPU "
+                "tensors under aligned_ops.emulate(arch) (the emulator's model of that arch's unit)");
+  }
 };
 
 }  // namespace aligned::glue

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "../../common/mma.h"
+#include "../../emu/bf16_mma_models.h"
 #include "../../gpu/dense_api.h"
 #include "emulated.h"
 
@@ -29,6 +31,28 @@ at::Tensor EmulatedDevice<V>::error_flags_tensor(const at::Tensor& first) {
   return at::from_blob(error_flags(first), {gpu::kNumDeviceErrors}, first.options().dtype(at::kInt));
 }
 
+template <emu::Vendor V>
+void EmulatedDevice<V>::mma_reference(const char* op, const GemmParams& p) {
+  const emu::Arch* arch = emu::active_arch();
+  TORCH_CHECK(arch != nullptr, "aligned::", op, ": no emulated arch is active");
+  const auto unit = (emu::Bf16MmaUnit)arch->bf16_mma_unit;
+  const auto model = (emu::MmaModel)emu::active_mma_model();
+  const auto step = [&](float acc, const uint16_t* xb, const uint16_t* wb) {
+    return emu::bf16_mma_step(unit, model, xb, wb, acc);
+  };
+  const auto* x = (const bf16_t*)p.A;
+  const auto* w = (const bf16_t*)p.B;
+  float* o = (float*)p.C;
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = 0; n < p.N; ++n) {
+      float s[kLinearLanes];
+      for (int l = 0; l < p.lanes; ++l)
+        s[l] = mma_block_chain(x + m * p.a_sm, p.a_sk, w + n * p.b_sn, p.b_sk, linear_lane_begin(l, p.K, p.lanes),
+                               linear_lane_begin(l + 1, p.K, p.lanes), step);
+      o[m * p.c_sm + n] = linear_lane_fold(s, p.lanes);
+    }
+}
+
 template struct EmulatedDevice<emu::Vendor::kCuda>;
 template struct EmulatedDevice<emu::Vendor::kHip>;
 
@@ -48,11 +72,12 @@ std::vector<int64_t> emulate_selftest(const std::string& name) {
   return std::vector<int64_t>(out.begin(), out.end());
 }
 
-void emulate_enter(const std::string& arch, int64_t fault) {
+void emulate_enter(const std::string& arch, int64_t fault, int64_t mma_model) {
   const Arch* a = find_arch(arch);
   TORCH_CHECK(a != nullptr, "aligned_ops.emulate: arch must be one of ", known_archs(), ", got '", arch, "'");
-  TORCH_CHECK(fault >= 0 && fault <= 3, "aligned_ops.emulate: unknown fault ", fault);
-  enter(a, (Fault)fault);
+  TORCH_CHECK(fault >= 0 && fault <= 5, "aligned_ops.emulate: unknown fault ", fault);
+  TORCH_CHECK(mma_model >= 0 && mma_model <= 1, "aligned_ops.emulate: unknown mma_model ", mma_model);
+  enter(a, (Fault)fault, (int)mma_model);
 }
 
 // One string per launch: "kernel|arch|gx,gy,gz|bx,by,bz|shared_bytes" (parsed by emulation.py).

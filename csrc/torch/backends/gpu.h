@@ -9,7 +9,7 @@
 // A Device supplies: check_device(t, first, op, name), Guard, stream(first), error_flags(first) and
 // error_flags_tensor(first) (the persistent words of the in-kernel value checks, dense_api.h DeviceError),
 // upload(...) and copy_into(...) (the only host-to-device copies; a run form of attention makes none),
-// selected() (whether it stands in for the CPU now), and its launcher tables dense(), attention(), exact()
+// selected() (whether it stands in for the CPU now), and its launcher tables dense(), attention(), exact(), mma()
 // (csrc/gpu/launchers.h).
 //
 // No run function here reads device data on the host (no .item(), no copy back, no synchronisation): the data
@@ -120,6 +120,14 @@ struct Gpu {
   static void column_sum(const Call& c, const ColumnSumParams& p) {
     c.launched(Device::dense().column_sum(p, c.stream()));
   }
+
+  // ---- the mma linear (csrc/gpu/mma_linear_kernels.cuh; order: csrc/common/mma.h) ----------------------------
+  // No workspace: each output's lane sums stay in registers / shared memory. The backward's GEMMs are the same
+  // launcher (strided operands).
+  static void mma_gemm(const Call& c, const GemmParams& p) { c.launched(Device::mma().mma_gemm(p, c.stream())); }
+  // The scalar model of the unit's chain: the emulated devices run the arch's model on the host
+  // (backends/emulated.h); a real GPU has none and refuses by the op's name (backends/cuda.h).
+  static void linear_mma_reference(const Call& c, const GemmParams& p) { Device::mma_reference(c.op, p); }
 
   // ---- the exact linear (csrc/gpu/exact_linear_kernels.cuh; numbers: csrc/common/exact_linear.h) ------------
   // Same packed form as the CPU (checks/exact.h): (wd int8 [Sw, Np * Kp], w_exp int32 [N + 1] with K at [N],

@@ -646,7 +646,7 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     # What the profile needs of the model and this machine (the mma profile: bf16 and the CPU's unit): refused
     # now, in one line, in the words the vLLM plugin uses.
     param = next(model.parameters(), None)
-    bad = resolved.model_refusals(param.dtype) if param is not None else []
+    bad = resolved.model_refusals(param.dtype, param.device.type) if param is not None else []
     if bad:
         raise ValueError("aligned_ops (patch_model): " + "; ".join(bad))
     for layer in model.model.layers:

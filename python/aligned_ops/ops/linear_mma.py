@@ -50,11 +50,31 @@ def check_mma_available(where: str) -> str:
     return unit
 
 
-def mma_model_reasons(dtype) -> list[str]:
-    """Why a model of ``dtype`` cannot run the ``mma`` profile on this machine (empty: it can): no unit, or not
-    bfloat16 — each one line (``aligned_ops.profiles.MMA.model_refusals``: the start-up refusals of the trainer
-    patch, the vLLM plugin and ``aligned-ops verify``)."""
-    reasons = [] if mma_unit() is not None else [MMA_REFUSAL]
+@functools.lru_cache(maxsize=None)
+def gpu_kernels_built() -> bool:
+    """Whether this build of the extension holds the ``mma`` profile's GPU kernels (csrc/gpu/mma_linear_kernels.cuh:
+    bf16 mma.sync on CUDA, MFMA on ROCm), i.e. ``aligned::linear_mma`` has a CUDA-key kernel."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aligned::linear_mma", "CUDA"))
+
+
+def gpu_refusal(device: str) -> str | None:
+    """Why the ``mma`` profile cannot run on the GPU ``device`` type with this build (None: it can)."""
+    if gpu_kernels_built():
+        return None
+    return (f"the mma profile has no {device} kernels in this build (aligned_ops was built without CUDA / ROCm); "
+            f"use ALIGNED_OPS_LINEAR=fma")
+
+
+def mma_model_reasons(dtype, device: str = "cpu") -> list[str]:
+    """Why a model of ``dtype`` cannot run the ``mma`` profile on this machine's ``device`` (empty: it can): no unit
+    (the CPU's avx512_bf16; on a GPU, kernels in this build), or not bfloat16 — each one line
+    (``aligned_ops.profiles.MMA.model_refusals``: the start-up refusals of the trainer patch, the vLLM plugin and
+    ``aligned-ops verify``)."""
+    if device == "cpu":
+        reasons = [] if mma_unit() is not None else [MMA_REFUSAL]
+    else:
+        refusal = gpu_refusal(device)
+        reasons = [] if refusal is None else [refusal]
     name = str(dtype).replace("torch.", "")
     if name != "bfloat16":
         reasons.append(f"the mma profile takes bfloat16 models (its matrix units multiply bf16), got {name}; "
