@@ -92,15 +92,26 @@ if(EXISTS "${ALIGNED_NVCC}")
     set(_keep "${_gc_dir}/cuda_${_name}.keep")
     set(_res "${_gc_dir}/cuda_${_name}.resources.txt")
     set(_ptxs)
+    list(LENGTH _virtual _n_virtual)
     foreach(_v IN LISTS _virtual)
-      list(APPEND _ptxs "${_keep}/${_name}.${_v}.ptx")
+      if(_n_virtual EQUAL 1)
+        # one virtual arch (a device build for its own GPU, TORCH_CUDA_ARCH_LIST=9.0): nvcc --keep names the PTX
+        # <name>.ptx; the arch suffix appears only when it emits several
+        list(APPEND _ptxs "${_keep}/${_name}.ptx")
+      else()
+        list(APPEND _ptxs "${_keep}/${_name}.${_v}.ptx")
+      endif()
     endforeach()
     add_custom_command(OUTPUT "${_obj}" "${_res}" ${_ptxs}
       COMMAND "${Python_EXECUTABLE}" "${_isa_check}" nvcc "${_res}" --
               "${ALIGNED_NVCC}" ${_nvcc_flags} ${_gencode} -Xptxas -v --keep --keep-dir "${_keep}" -c "${src}" -o "${_obj}"
       DEPENDS "${src}" ${_gc_gpu_headers} "${_isa_check}" COMMENT "nvcc ${ALIGNED_CUDA_CHECK_ARCHS}: ${_name}.cu" VERBATIM)
     foreach(_v IN LISTS _virtual)
-      set(_ptx "${_keep}/${_name}.${_v}.ptx")
+      if(_n_virtual EQUAL 1)
+        set(_ptx "${_keep}/${_name}.ptx")
+      else()
+        set(_ptx "${_keep}/${_name}.${_v}.ptx")
+      endif()
       set(_ok "${_gc_dir}/cuda_${_name}.${_v}.ptx.ok")
       add_custom_command(OUTPUT "${_ok}"
         COMMAND "${Python_EXECUTABLE}" "${_isa_check}" ptx "${_ptx}" "${_ok}"
