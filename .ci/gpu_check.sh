@@ -19,7 +19,8 @@
 #   bench     bench/bench_gpu.py: the ceilings of this run (1 GiB device copy, 8192^3 bf16 matmul) and every
 #             op's achieved GB/s or TFLOP/s, its fraction of the ceiling and of the roofline, vs torch
 #   mma:*     the `mma` profile's hardware checks: the bf16 instruction vs the emulator's model, the kernel vs
-#             the emulated kernel, batch invariance (tests/cuda/test_cuda_linear_mma.py)
+#             the emulated kernel, batch invariance (tests/cuda/test_cuda_linear_mma.py); its speed against
+#             cuBLAS and the fma linear in the same run (bench/bench_gpu_mma.py)
 #
 # $OUT receives (≤ 8 files, flat — the device tool returns at most 8 files, 2 folders deep):
 #   summary.md   one table: step, status, seconds, detail (pytest counts, sanitizer verdicts); then the bench table
@@ -47,20 +48,21 @@ BUDGET_QUICK=240
 STEPS=(
   "env|10|10|no|step_env"
   "gpu|15|15|yes|step_gpu"
-  "build|230|150|yes|step_build"
-  "test:test_cuda_dense.py|55|25|yes|step_pytest tests/cuda/test_cuda_dense.py"
-  "test:test_cuda_realistic.py|30|15|yes|step_pytest tests/cuda/test_cuda_realistic.py"
+  "build|230|130|yes|step_build"
+  "test:test_cuda_dense.py|55|20|yes|step_pytest tests/cuda/test_cuda_dense.py"
+  "test:test_cuda_realistic.py|25|0|yes|step_pytest tests/cuda/test_cuda_realistic.py"
   "test:test_cuda_attention.py|25|0|yes|step_pytest tests/cuda/test_cuda_attention.py"
   "test:test_cuda_exact_linear.py|20|0|yes|step_pytest tests/cuda/test_cuda_exact_linear.py"
   "test:test_cuda_trainer.py|20|0|yes|step_pytest tests/cuda/test_cuda_trainer.py"
   "sanitize:memcheck|30|0|yes|step_sanitize memcheck"
   "sanitize:racecheck|30|0|yes|step_sanitize racecheck"
-  "bench|60|25|yes|step_bench"
+  "bench|30|20|yes|step_bench"
   # ---- mma profile: hardware checks (tests/cuda/test_cuda_linear_mma.py) -----------------------------------
   # The bf16 instruction vs the emulator's MMA-Sim model of this arch (agreement printed in tests.log), the
   # kernel vs the emulated kernel, batch invariance on the hardware. Not yet: speed vs cuBLAS (bench/), and
   # attention under mma (no kernel yet).
-  "mma:test_cuda_linear_mma.py|15|0|yes|step_pytest tests/cuda/test_cuda_linear_mma.py"
+  "mma:test_cuda_linear_mma.py|25|25|yes|step_pytest tests/cuda/test_cuda_linear_mma.py"
+  "mma:bench|20|20|yes|step_bench_mma"
 )
 # The GPU test files of tests/cuda. The others there (test_gpu_isa_scan.py, test_gpu_sources.py,
 # test_no_host_sync.py) need no GPU and run in CI.
@@ -209,6 +211,15 @@ step_bench() {
     --out "$SCRATCH/bench.md" --json "$OUT/bench.json"
   rc=$?
   DETAIL="$(grep -c '^| [a-z]' "$SCRATCH/bench.md" 2>/dev/null || echo 0) rows"
+  return $rc
+}
+
+step_bench_mma() {  # the mma linear vs cuBLAS and the fma linear, same run (bench/bench_gpu_mma.py)
+  local limit=$1 rc
+  timeout --kill-after=5 $((limit - 3)) env PYTHONPATH="$TEST_PATH" "$PY" bench/bench_gpu_mma.py \
+    $([ "$MODE" = quick ] && echo --quick) --out "$SCRATCH/bench.md"
+  rc=$?
+  DETAIL="$(grep -c '^| [0-9]' "$SCRATCH/bench.md" 2>/dev/null || echo 0) mma rows"
   return $rc
 }
 
