@@ -34,6 +34,14 @@ function(aligned_torch_arch_to_cmake out torch_list)
 endfunction()
 
 function(aligned_select_cuda_archs out)
+  # A value CMake cached itself (enable_language(CUDA) without a list caches nvcc's default, sm_75 for nvcc 13, with
+  # the help string "CUDA architectures") is not a user's choice: a re-configure of the same build folder (scikit-
+  # build-core reuses build/{wheel_tag}) would otherwise silently target it instead of TORCH_CUDA_ARCH_LIST.
+  get_property(_doc CACHE CMAKE_CUDA_ARCHITECTURES PROPERTY HELPSTRING)
+  if(_doc STREQUAL "CUDA architectures")
+    unset(CMAKE_CUDA_ARCHITECTURES CACHE)
+    unset(CMAKE_CUDA_ARCHITECTURES)
+  endif()
   if(DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT CMAKE_CUDA_ARCHITECTURES STREQUAL "")
     set(_archs "${CMAKE_CUDA_ARCHITECTURES}")
     set(_why "CMAKE_CUDA_ARCHITECTURES")
@@ -47,6 +55,13 @@ function(aligned_select_cuda_archs out)
     set(_archs "${ALIGNED_CUDA_ARCHS_DEFAULT}")
     set(_why "default")
   endif()
+  foreach(_a IN LISTS _archs)
+    string(REGEX MATCH "^[0-9]+" _n "${_a}")
+    if(_n LESS 80)
+      message(FATAL_ERROR "aligned_ops: CUDA target ${_a} (from ${_why}) is older than sm_80: the exact and mma "
+                          "linears use sm_80's integer / bf16 mma.sync")
+    endif()
+  endforeach()
   set(${out} "${_archs}" PARENT_SCOPE)
   set(${out}_REASON "${_why}" PARENT_SCOPE)
 endfunction()
