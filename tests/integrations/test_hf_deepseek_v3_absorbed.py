@@ -11,6 +11,7 @@ and kv_b_proj and match float64 autograd of stock HF; bad ``mla_form`` values ar
 fullgraph=True to eager's bits, forward and backward (negative control: a changed kv_b_proj element moves the
 compiled bits). Cases include v_head_dim != qk_nope_head_dim (the tiny builder's "dv-ne-dn" variant)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -27,9 +28,11 @@ CASES = {
     "bf16": (torch.bfloat16, {}),
     "fp32-no-q-lora-kimi-groups": (torch.float32, {"q_lora_rank": None, "n_group": 1, "topk_group": 1,
                                                    "routed_scaling_factor": 2.827, "num_experts_per_tok": 3}),
-    # v_head_dim (36) != qk_nope_head_dim (24), 6 heads: W_UK and W_UV have other shapes (models/tiny.py variant)
+    # v_head_dim (36) != qk_nope_head_dim (24), 5 heads: W_UK and W_UV have other shapes (models/tiny.py variant)
     "fp32-dv-ne-dn": (torch.float32, {"variant": "dv-ne-dn"}),
-    "bf16-dv-ne-dn": (torch.bfloat16, {"variant": "dv-ne-dn"}),
+    # seed 4: with seed 3's 5-head bf16 weights a routing near-tie flips between the forms at the 8th token (the
+    # close-to-expanded / float64 checks need >= 16 / 24 tokens whose whole prefix routed alike)
+    "bf16-dv-ne-dn": (torch.bfloat16, {"variant": "dv-ne-dn", "seed": 4}),
 }
 LENS = [5, 33, 2, 47, 9]
 
@@ -44,7 +47,9 @@ def _load(d, dtype, form):
 def models(request, tmp_path_factory):
     """(absorbed, expanded): the same checkpoint patched in each form."""
     dtype, over = CASES[request.param]
-    d = build_tiny_deepseek_v3(tmp_path_factory.mktemp("ds") / "m", dtype, seed=3, **over)
+    over = dict(over)
+    seed = over.pop("seed", 3)
+    d = build_tiny_deepseek_v3(tmp_path_factory.mktemp("ds") / "m", dtype, seed=seed, **over)
     return _load(d, dtype, "absorbed"), _load(d, dtype, "expanded")
 
 
@@ -293,6 +298,24 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@contextlib.contextmanager
+def _inductor_compiles():
+    """Asserts, on exit, that Dynamo captured at least one graph and inductor generated at least one kernel in
+    the block (a compiled call that fell back to eager everywhere would pass a bits-equal-to-eager check by
+    itself). The FX-graph and AOTAutograd caches are off so a cache hit cannot stand in for codegen."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    counters.clear()
+    metrics.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert metrics.generated_kernel_count > 0
+
+
 @pytest.mark.slow  # inductor compiles a forward and a backward graph (minutes on 2 busy cores)
 def test_torch_compile_matches_eager_forward_and_gradients(dv_model):
     """The whole absorbed trainer under torch.compile (inductor; not fullgraph: the patched forward packs the batch
@@ -313,7 +336,8 @@ def test_torch_compile_matches_eager_forward_and_gradients(dv_model):
 
     lp_eager, g_eager = run(model)
     compiled = torch.compile(model, backend="inductor")
-    lp_comp, g_comp = run(compiled)
+    with _inductor_compiles():
+        lp_comp, g_comp = run(compiled)
     assert_bitwise_equal(lp_comp, lp_eager)
     assert g_comp.keys() == g_eager.keys() and "model.layers.1.self_attn.kv_b_proj.weight" in g_comp
     for n in g_eager:
@@ -360,10 +384,35 @@ def test_dense_decoder_layer_compiles_fullgraph(dv_model):
                                                      if p.grad is not None}
 
     eager = run(layer)
-    comp = run(torch.compile(layer, backend="inductor", fullgraph=True))
+    with _inductor_compiles():
+        comp = run(torch.compile(layer, backend="inductor", fullgraph=True))
     for a, b in zip(eager[:3], comp[:3]):
         assert_bitwise_equal(b, a)
     assert eager[3].keys() == comp[3].keys() and "self_attn.kv_b_proj.weight" in eager[3]
     for n in eager[3]:
         assert_bitwise_equal(comp[3][n], eager[3][n], n)
     layer.zero_grad(set_to_none=True)
+
+
+def test_compiled_model_refuses_negative_temperature(dv_model):
+    """The temperature check runs outside the compiled graph (hf.py: torch.compiler.disable) but still runs: a
+    compiled patched model given a completion_mask and temperature=-1.0 raises ValueError by message (the check's
+    own, not a tracing error), as eager does."""
+    from aligned_ops.testing.rollouts import padded_batch
+
+    ids, mask, cm, _ = padded_batch(random_sequences([6, 4], 5), [2, 3])
+    compiled = torch.compile(dv_model, backend="eager")  # Dynamo only: the check sits in front of any backend
+    with torch.no_grad():
+        for m in (dv_model, compiled):
+            with pytest.raises(ValueError,
+                               match=r"completion_logprobs: temperature must be non-negative \(0 = greedy\), got -1\.0"):
+                m(ids, attention_mask=mask, completion_mask=cm, temperature=-1.0, return_logits=False)
+
+
+def test_inductor_compiles_check_fails_without_compilation(dv_model):
+    """Negative control of _inductor_compiles (the compile tests' proof that something was compiled): an eager
+    call in the block captures no graph and generates no kernel, and the check fails."""
+    ids = random_sequences([6], 5)[0][None]
+    with pytest.raises(AssertionError):
+        with _inductor_compiles(), torch.no_grad():
+            dv_model(ids)

@@ -25,18 +25,41 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.linear_exact import mark_fsdp2_model
 from .hf import patch_model
 
-__all__ = ["shard_aligned"]
+__all__ = ["shard_aligned", "reshard_after_no_grad_forward"]
 
 
-def _reshard_after_no_grad_forward(module, args, output):
-    if not torch.is_grad_enabled():
-        from torch.distributed.fsdp import FSDPModule
+def reshard_after_no_grad_forward(model: torch.nn.Module):
+    """Reshard every FSDP2 module of ``model`` (the root and any layer kept unsharded) after a forward run with
+    autograd off; returns the hook's handle (``shard_aligned`` stores it as ``model._aligned_root_reshard``).
 
-        for m in module.modules():  # the root, and any layer sharded with reshard_after_forward=False
-            if isinstance(m, FSDPModule):
+    Why: FSDP2 (torch 2.13, ``reshard_after_forward`` left at its default) does not reshard the ROOT module —
+    embedding, final norm, LM head — after its forward (``FSDPState._lazy_init`` sets the root group's
+    ``post_forward_mesh_info = None``: the backward would gather it again at once); only the post-backward hook
+    reshards it. A forward under ``no_grad`` (scoring old log-probs between steps) has no backward, so the root
+    stays unsharded until the next backward, and two things go wrong without an error:
+
+    * while unsharded, ``module.parameters()`` yields the plain unsharded tensors, not the sharded DTensors that
+      carry ``.grad``: ``model.zero_grad()`` and ``clip_grad_norm_(model.parameters())`` miss the root's
+      gradients, so the previous step's root gradient is still there and the next backward accumulates into it;
+    * ``FSDPParamGroup.unshard()`` returns at once when the group is already unsharded, so after ``opt.step()``
+      (which updates the sharded parameters) the next forward does not gather again and computes with the OLD
+      root weights: wrong log-probs and loss.
+
+    Both are tested, with and without this hook, in tests/integrations/test_fsdp2_root_reshard.py. The module
+    list is built once here, not walked per forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled():
+            for m in sharded:
                 m.reshard()
+
+    return model.register_forward_hook(hook)
 
 
 def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = True, profile=None, mla_form=None,
@@ -45,11 +68,21 @@ def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = Tr
     root; returns it.
 
     ``mla_form="absorbed"`` (DeepSeek-V3 / Kimi-K2): W_UK / W_UV are derived from the gathered ``kv_b_proj``
-    weight inside each forward (views and a copy of the unsharded parameter, so gradients reach it and FSDP2
-    reduce-scatters them); nothing derived from a gathered weight outlives the forward's autograd graph
-    (``aligned_ops.ops.mla.mla_absorbed_weights`` caches only for registered weights, and
-    :func:`aligned_ops.cache_exact_weights` refuses FSDP2-managed modules and DTensors: FSDP2 all-gathers into
-    the same storage every step without moving its version counter).
+    weight inside each forward (contiguous copies of its slices, made through autograd, so gradients reach the
+    unsharded parameter and FSDP2 reduce-scatters them); nothing derived from a gathered weight outlives the
+    forward's autograd graph (``aligned_ops.ops.mla.mla_absorbed_weights`` caches only for registered weights,
+    and :func:`aligned_ops.cache_exact_weights` refuses DTensors, FSDP2-managed modules, and the model returned
+    here, any module inside it and any of its parameters, sharded or not: FSDP2 all-gathers into the same
+    storage every step without moving its version counter).
+
+    The root module (embedding, final norm, LM head) stays unsharded after its forward until a backward
+    reshards it (FSDP2's default for the root). After a forward under ``no_grad`` the model reshards itself
+    (:func:`reshard_after_no_grad_forward`: stale root gradients and stale root weights otherwise). NOT covered:
+    a forward with autograd ON and no backward (e.g. scoring without ``torch.no_grad()``) leaves the root
+    unsharded: call ``model.reshard()`` after it; prefer ``optimizer.zero_grad(set_to_none=True)`` (it holds the
+    sharded parameters, so it clears their gradients whatever the model's state) over ``model.zero_grad()``. If
+    you call ``fully_shard`` yourself instead of this function, pass ``reshard_after_forward=True`` to the root's
+    call, or reshard the root after every scoring forward.
 
     ``mesh``: a 1-D ``DeviceMesh`` (default: FSDP2's world mesh on the current device type). ``fsdp_kwargs``
     go to every ``fully_shard`` call (e.g. ``reshard_after_forward``). With ``sum_gradients`` (default) the
@@ -63,13 +96,9 @@ def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = Tr
     for layer in model.model.layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
-    # FSDP2 keeps the root's parameters (embedding, final norm, LM head) unsharded after its forward, for the
-    # backward that follows; after a forward under no_grad (scoring old log-probs between steps) no backward
-    # follows, and the next training step's root gradients came out wrong (measured, torch 2.13, gloo: the
-    # embedding / norm / LM-head gradients of the step after a no-grad forward differ from one process's by
-    # more than their own size; tests/integrations/test_fsdp2_deepseek_absorbed.py). Reshard after a no-grad
-    # forward.
-    model._aligned_root_reshard = model.register_forward_hook(_reshard_after_no_grad_forward)
+    # the root stays unsharded after a forward: reshard after a no-grad one (reshard_after_no_grad_forward's doc)
+    model._aligned_root_reshard = reshard_after_no_grad_forward(model)
+    mark_fsdp2_model(model)  # cache_exact_weights refuses it, its modules and its parameters, sharded or not
     if sum_gradients:
         for m in model.modules():  # each fully_shard'ed module reduces its own parameter group
             if isinstance(m, FSDPModule):

@@ -34,10 +34,13 @@ The ABSORBED form (issue 26; the vLLM plugin's default: vLLM's MLA modules, ``in
 mla_form="absorbed")`` records :data:`ABSORBED` (an :class:`MlaForm`) on each decoder layer and the block runs
 :func:`absorbed_attention` instead — the same q, latent c, k_pe and rope; per head q_nope·W_UK, one latent row
 ``[c || rope(k_pe)]`` per token as the only KV head (``aligned::mla_attention_varlen``), o_latent·W_UV; W_UK and
-W_UV are views of kv_b_proj's weight. Both forms compute the same function; their bits differ (other sums), so
+W_UV are contiguous copies of slices of kv_b_proj's weight (``W[:, :dn, :]`` transposed, ``W[:, dn:, :]``; exact,
+and autograd carries their gradients back to kv_b_proj), made per forward unless the weight is registered with
+``cache_exact_weights``. Both forms compute the same function; their bits differ (other sums), so
 rollout and trainer must run the same form. Under FSDP2 (``integrations.fsdp.shard_aligned(model,
 mla_form="absorbed")``) W_UK / W_UV are derived from the gathered kv_b_proj inside each forward; compiled
-(torch.compile) the form gives eager's bits, forward and backward. The spec below (and ``model_spec``) describe the
+(torch.compile) the form gives eager's bits, forward and backward — tested with the CPU inductor backend only
+(tests/integrations/test_hf_deepseek_v3_absorbed.py); GPU inductor is untested. The spec below (and ``model_spec``) describe the
 expanded form.
 """
 

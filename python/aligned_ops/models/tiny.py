@@ -201,12 +201,13 @@ DEFAULT_DEEPSEEK_V3_CONFIG = dict(
 
 
 # Named config changes of the tiny DeepSeek-V3 (``build_tiny_deepseek_v3(..., variant=NAME)``). "dv-ne-dn": the
-# value head dim differs from the nope query/key dim (and from d_nope + d_rope), and 6 heads — the default's
+# value head dim differs from the nope query/key dim (and from d_nope + d_rope), and 5 heads — the default's
 # v_head_dim == qk_nope_head_dim (as DeepSeek-V3's own 128 / 128) would hide a W_UK / W_UV slice or a reshape
-# that reads one dim for the other.
+# that reads one dim for the other; an odd head count puts a 2-rank FSDP2 shard boundary of kv_b_proj
+# ((24 + 36) * 5 = 300 rows, 150 per rank) inside a head (head 2's W_UV), not on a head boundary.
 DEEPSEEK_V3_VARIANTS = {
     "default": {},
-    "dv-ne-dn": dict(num_attention_heads=6, num_key_value_heads=6, qk_nope_head_dim=24, v_head_dim=36),
+    "dv-ne-dn": dict(num_attention_heads=5, num_key_value_heads=5, qk_nope_head_dim=24, v_head_dim=36),
 }
 
 

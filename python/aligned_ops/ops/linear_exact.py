@@ -14,6 +14,8 @@ The profile as an object (its linear, TP route, capabilities) and the ``ALIGNED_
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -147,34 +149,97 @@ def cache_exact_weights(*weights) -> int:
     The caller vouches for invalidation: in-place changes the version counter sees are picked up by themselves;
     writes that bypass it (through ``.data``, collectives into the storage, FSDP-style storage reuse) need
     :func:`clear_exact_weight_cache` afterwards. Inference tensors are never cached (no version counter).
-    FSDP2-managed modules and DTensors are refused (ValueError): FSDP2 all-gathers every step into the same
-    unsharded storage without moving its version counter, and frees it between forwards, so a cached packing or
-    derivation (MLA's W_UK / W_UV) would go stale or outlive its buffer; an FSDP2 trainer derives per forward."""
+    Refused (ValueError): DTensors (FSDP2/TP), FSDP2-managed modules, and — for models sharded by
+    ``integrations.fsdp.shard_aligned`` — any module inside the model and any of its parameters, sharded or
+    unsharded (the root's parameters are plain ``nn.Parameter``s between its forward and backward). FSDP2
+    all-gathers every step into the same unsharded storage without moving its version counter, and frees it
+    between forwards, so a cached packing or derivation (MLA's W_UK / W_UV) would go stale or outlive its
+    buffer; an FSDP2 trainer derives per forward."""
     n = 0
+    sharded = _fsdp2_views()
     for obj in weights:
-        _refuse_fsdp(obj)
+        _refuse_fsdp(obj, sharded)
         tensors = obj.parameters() if isinstance(obj, torch.nn.Module) else (obj,)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"aligned_ops.cache_exact_weights: expected tensors or modules, got {type(t).__name__}")
-            _refuse_fsdp(t)
+            _refuse_fsdp(t, sharded)
             _registered[t] = True
             n += 1
     return n
 
 
-def _refuse_fsdp(obj) -> None:
+_fsdp2_models = weakref.WeakSet()  # models sharded by integrations.fsdp.shard_aligned (mark_fsdp2_model)
+
+
+def mark_fsdp2_model(model: torch.nn.Module) -> None:
+    """Record a model FSDP2 shards (``shard_aligned`` calls it): :func:`cache_exact_weights` then refuses it, any
+    module inside it and any of its parameters, sharded or not (a root FSDP2 module's parameters are plain
+    ``nn.Parameter``s between its forward and backward, in storage FSDP2 reuses)."""
+    _fsdp2_models.add(model)
+
+
+def _fsdp2_views():
+    """``(module ids, tensor ids, storage pointers)`` of every model :func:`mark_fsdp2_model` recorded: its
+    modules, and every tensor through which its parameters are reachable — its current parameters (DTensors, or
+    plain Parameters while unsharded) and each FSDPParam's sharded and unsharded parameter — with the storage
+    they hold now (a freed unsharded buffer holds none)."""
+    modules, tensors, ptrs = set(), set(), set()
+    if not _fsdp2_models:
+        return modules, tensors, ptrs
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in list(_fsdp2_models):
+        views = list(model.parameters())
+        for m in model.modules():
+            modules.add(id(m))
+            if isinstance(m, FSDPModule):
+                group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)  # private: torch 2.13's layout
+                for fp in getattr(group, "fsdp_params", ()):
+                    views += [t for t in (getattr(fp, "sharded_param", None), getattr(fp, "_unsharded_param", None))
+                              if isinstance(t, torch.Tensor)]
+        for t in views:
+            tensors.add(id(t))
+            ptrs.add(_storage_ptr(t))
+    ptrs.discard(0)
+    return modules, tensors, ptrs
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors: no storage to share
+        return 0
+    return s.data_ptr() if s.nbytes() > 0 else 0
+
+
+def _refuse_fsdp(obj, sharded) -> None:
     if not torch.distributed.is_available():
         return
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    sharded = isinstance(obj, DTensor) or (isinstance(obj, torch.nn.Module) and any(
-        isinstance(m, FSDPModule) for m in obj.modules()))
-    if sharded:
-        raise ValueError("aligned_ops.cache_exact_weights: FSDP2-managed parameters cannot be cached (FSDP2 "
-                         "all-gathers into reused storage without a version bump: a cached packing or derivation "
-                         "would go stale); register the rollout engine's weights, not the FSDP2 trainer's")
+    modules, tensors, ptrs = sharded
+    what = None
+    if isinstance(obj, DTensor):
+        what = "a DTensor (FSDP2/TP)"
+    elif isinstance(obj, torch.nn.Module):
+        if any(isinstance(m, FSDPModule) or m in _fsdp2_models for m in obj.modules()):
+            what = "an FSDP2-managed module"
+        elif id(obj) in modules:
+            what = "a module inside an FSDP2-sharded model"
+    elif isinstance(obj, torch.Tensor) and (id(obj) in tensors or (ptrs and _storage_ptr(obj) in ptrs)):
+        # the tensor itself, or a view of its storage (``p.data``, ``p.detach()``) while that holds memory
+        what = "a parameter of an FSDP2-sharded model"
+    if what:
+        raise ValueError(f"aligned_ops.cache_exact_weights: refused {what}: FSDP2-managed parameters cannot be "
+                         "cached (FSDP2 all-gathers into reused storage without a version bump: a cached packing "
+                         "or derivation would go stale); register the rollout engine's weights, not the FSDP2 "
+                         "trainer's")
 
 
 def is_exact_weight_cacheable(weight: torch.Tensor) -> bool:
