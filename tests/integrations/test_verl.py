@@ -51,6 +51,24 @@ def test_ray_runtime_env_turns_on_both_sides(monkeypatch):
         aligned_verl.ray_runtime_env(profile="nope")
 
 
+def test_runtime_env_module_is_framework_neutral():
+    """The OpenRLHF recipe imports ray_runtime_env from aligned_ops.integrations.runtime_env: that imports neither the
+    verl plugin (its loader) nor vLLM; the verl module re-exports the same function (negative control: importing
+    the verl module does load it)."""
+    from aligned_ops.integrations import runtime_env
+
+    assert aligned_verl.ray_runtime_env is runtime_env.ray_runtime_env
+    assert runtime_env.VERL_ENV_VAR == aligned_verl.ENV_VAR and runtime_env.VERL_MODULE == aligned_verl.__name__
+    probe = ("import sys, json\nfrom aligned_ops.integrations.{m} import ray_runtime_env\nray_runtime_env(verl=False)\n"
+             "print(json.dumps([k for k in ('aligned_ops.integrations.verl', 'vllm') if k in sys.modules]))")
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env.pop("ALIGNED_OPS_VERL", None)
+    loaded = {m: json.loads(subprocess.run([sys.executable, "-c", probe.format(m=m)], env=env, capture_output=True,
+                                           text=True, check=True, timeout=120).stdout.strip().splitlines()[-1])
+              for m in ("runtime_env", "verl")}
+    assert loaded == {"runtime_env": [], "verl": ["aligned_ops.integrations.verl"]}, loaded
+
+
 def test_shipped_config_sets_bypass_reinforce_untruncated_token_is(monkeypatch):
     yaml = pytest.importorskip("yaml")
     cfg = yaml.safe_load(open(aligned_verl.config_path()))

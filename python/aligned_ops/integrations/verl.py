@@ -53,14 +53,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import profiles
+from .runtime_env import VERL_EXTERNAL_MODULES_VAR as EXTERNAL_MODULES_VAR  # noqa: F401  (re-exported)
+from .runtime_env import ray_runtime_env  # noqa: F401  (re-exported; framework-neutral home)
 
 __all__ = ["ENV_VAR", "TESTED_VERL_VERSIONS", "AlignedPPOOutput", "check_engine", "config_path", "enabled_by_env",
            "install", "is_installed", "patch_actor", "ray_runtime_env", "uninstall", "version_refusal"]
 
 ENV_VAR = "ALIGNED_OPS_VERL"
-# verl/__init__.py imports each module listed here with a plain importlib.import_module (no try): unlike the
-# entry point (errors swallowed at DEBUG), a failing install stops the process
-EXTERNAL_MODULES_VAR = "VERL_USE_EXTERNAL_MODULES"
 # The verl releases the proof (scripts/verl_check.sh) ran on: the hooks read FSDPEngine._build_module,
 # EngineRegistry.new and the fused-kernel interface of these releases only. Another release is refused at install;
 # ALIGNED_OPS_VERL_ANY_VERSION=1 lets it through with a warning (nothing is then proven).
@@ -89,37 +88,6 @@ def config_path() -> str:
     """The Hydra config file shipped with the package (``verl_aligned.yaml``; ``--config-path`` its folder,
     ``--config-name verl_aligned``)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{CONFIG_NAME}.yaml")
-
-
-def ray_runtime_env(profile: str | profiles.Profile | None = None, extra_env: dict | None = None,
-                    verl: bool = True) -> dict:
-    """The Ray ``runtime_env`` that turns aligned_ops on in every worker of a verl job: ``{"env_vars": {...}}`` with
-    ``ALIGNED_OPS_VERL=1`` (this plugin, trainer side), ``ALIGNED_OPS_VLLM=1`` and its ``VLLM_ALIGNED_OPS=1`` alias
-    (the vLLM plugin; vLLM's own Ray executor forwards only ``VLLM_*``), ``ALIGNED_OPS_LINEAR`` (one linear profile
-    on both sides; default: this process's, else the default profile), and ``VERL_USE_EXTERNAL_MODULES`` with this
-    module appended to the user's own list (``extra_env``'s, else this process's; comma-separated): verl imports
-    those without a try, so a failed install stops the worker instead of training unaligned. verl's ``main_ppo`` merges
-    ``ray_kwargs.ray_init.runtime_env`` into its own; pass it to ``ray.init`` where the job starts Ray itself.
-    ``verl=False``: without ``ALIGNED_OPS_VERL`` (the same job variables for another framework, e.g. OpenRLHF)."""
-    from .vllm.plugin import ENV_ALIASES
-    from .vllm.plugin import ENV_VAR as VLLM_ENV_VAR
-
-    if profile is None:
-        profile = os.environ.get(profiles.ENV_VAR) or profiles.DEFAULT.name
-    name = profile.name if isinstance(profile, profiles.Profile) else str(profile)
-    profiles.get(name)  # an unknown profile raises here, not in a worker
-    env = {ENV_VAR: "1"} if verl else {}
-    env.update({VLLM_ENV_VAR: "1", **{alias: "1" for alias in ENV_ALIASES}, profiles.ENV_VAR: name})
-    extra_env = dict(extra_env or {})
-    if verl:
-        # the user's own list (extra_env, else this process's) keeps its modules; ours is added once
-        user = extra_env.pop(EXTERNAL_MODULES_VAR, None)
-        if user is None:
-            user = os.environ.get(EXTERNAL_MODULES_VAR, "")
-        mods = [m.strip() for m in user.split(",") if m.strip()]
-        env[EXTERNAL_MODULES_VAR] = ",".join(mods + [__name__] if __name__ not in mods else mods)
-    env.update(extra_env)
-    return {"env_vars": env}
 
 
 # ---- build time -------------------------------------------------------------------------------------------
