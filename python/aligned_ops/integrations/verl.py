@@ -13,9 +13,10 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
   this module installs its hook on import (:func:`install`); if that fails it logs the error and re-raises, and
   :func:`ray_runtime_env` / the shipped config also list it in ``VERL_USE_EXTERNAL_MODULES``, which verl imports
   without a try: the worker stops rather than train unaligned. Without the switch the import does nothing.
-- **Build time**: the hook wraps ``FSDPEngine._build_module`` (verl/workers/engine/fsdp/transformer_impl.py): after
-  verl loaded the HF model and applied its own monkey patch, a ``language_model`` (actor, reference) is checked
-  (:func:`check_engine`: one ``ValueError`` listing every refusal) and patched (:func:`patch_actor`): aligned_ops'
+- **Build time**: the hook wraps ``FSDPEngine._build_module`` (verl/workers/engine/fsdp/transformer_impl.py): a
+  ``language_model`` (actor, reference) is checked first (:func:`check_engine` on its configs: one ``ValueError``
+  listing every refusal, before the model is loaded); after verl loaded the HF model and applied its own monkey
+  patch it is patched (:func:`patch_actor`): aligned_ops'
   forward (``hf.patch_model``) with verl's fused-kernel interface on top. Its ``forward`` takes ``cu_seqlens``, so
   verl's ``_build_model_optimizer`` sets ``pass_packed_cu_seqlens`` and the remove-padding path passes the packed
   sequences' boundaries (``input_ids.offsets()``, plus the static pad segment); without them a packed row is split
@@ -31,11 +32,17 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
   sequence parallelism > 1 (a rank sees a slice of each sequence), Liger kernels (replace the norms / SwiGLU),
   ``use_fused_kernels=False`` (verl then divides bf16 logits by T and runs its own log-softmax: 0/118 tokens bitwise
   on aligned logits), LoRA (applied after the build: the aligned forward would skip the adapters), the vLLM plugin's
-  switch missing in the worker (the rollout would run stock vLLM), a training engine other than FSDP (Megatron,
-  VeOmni, TorchTitan, ...: ``EngineRegistry.new`` refuses it, they are not patched).
+  switch missing in the worker (the rollout would run stock vLLM), an FSDP compute dtype
+  (``mixed_precision.param_dtype``) other than the rollout's bf16 (fp32 compute: log-probs off by up to 0.016), QAT
+  (``qat.enable``), a training engine other than FSDP (Megatron, VeOmni, TorchTitan, ...: ``EngineRegistry.new``
+  refuses it, they are not patched). :func:`check_engine` runs on the configs before verl loads the model.
+- **Versions**: installs on verl ``TESTED_VERL_VERSIONS`` (0.9.1) only; ``ALIGNED_OPS_VERL_ANY_VERSION=1`` lets
+  another release through with a warning (unproven).
 - **Config**: ``verl_aligned.yaml`` (:func:`config_path`), a Hydra config on top of verl's ``ppo_trainer``:
   rollout log-probs reused as the old policy (``algorithm.rollout_correction.bypass_mode``), REINFORCE loss with
-  token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``), the fused
+  token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``) -- the actor's
+  loss is chosen by ``actor.policy_loss.loss_mode: bypass_mode`` fed ``${algorithm.rollout_correction}`` (verl's
+  trainer never hands that section to the actor; stock ``vanilla`` is PPO-clip), the fused
   log-prob interface, full-vocabulary sampling, and the Ray ``runtime_env`` switches.
 
 The verl trainer side is tested in a venv with verl 0.9.1 + transformers 5.10.4 (``scripts/verl_check.sh``) against
