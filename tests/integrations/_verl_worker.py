@@ -282,8 +282,8 @@ def main(rollouts_path, out_path):
     # `import verl`; the same process with the module intact installs (control); entry-point discovery off in both.
     probe = ("import sys\nif sys.argv[1] == 'break':\n    sys.modules['verl.workers.engine.fsdp.transformer_impl'] = None\n"
              "import verl\nfrom aligned_ops.integrations import verl as p\nprint('INSTALLED', p.is_installed())\n")
-    env = dict(os.environ, ALIGNED_OPS_VERL="1", VERL_USE_EXTERNAL_PLUGINS="none",
-               **plugin.ray_runtime_env(profile="fma", extra_env={"VERL_USE_EXTERNAL_MODULES": ""})["env_vars"])
+    env = {**os.environ, **plugin.ray_runtime_env(profile="fma", extra_env={"VERL_USE_EXTERNAL_MODULES": ""})["env_vars"],
+           "VERL_USE_EXTERNAL_PLUGINS": "none"}
     runs = {mode: subprocess.run([sys.executable, "-c", probe, mode], env=env, capture_output=True, text=True,
                                  timeout=300) for mode in ("intact", "break")}
     out["external_modules"] = {
