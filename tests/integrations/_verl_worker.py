@@ -13,6 +13,7 @@ group). Writes, per case, the response log-probs' int32 bits and the count equal
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import types
@@ -224,21 +225,73 @@ def main(rollouts_path, out_path):
         "env_vars": OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars),
         "ray_runtime_env": plugin.ray_runtime_env(profile="fma"),
     }
-    # verl's own IS weights on equal log-probs under this config: exactly 1 (no truncation, no rejection)
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    # 6. verl's real actor loss under the shipped config (the loss verl's trainer runs: get_policy_loss_fn of
+    # actor.policy_loss.loss_mode on the actor's dataclass): rollout log-probs mu (the vLLM bits) as old log-probs
+    # (bypass mode), log pi = mu except one token with log pi - log mu = 3, advantage 1. Gradient weight per token
+    # = -dL/dlog pi * N (token-mean): REINFORCE with untruncated token IS gives w = e^3 there and exactly 1 elsewhere;
+    # verl's stock ppo_trainer (vanilla PPO-clip +-0.2) gives 0 there (clipped) -- the negative control.
+    import verl as verl_pkg
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    lp = want.view(torch.float32)[None, :]
-    w, mask, _ = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=lp, rollout_log_prob=lp.clone(), response_mask=torch.ones_like(lp),
-        rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
-        rollout_rs_threshold=rc.rollout_rs_threshold)
-    weights = w.batch["rollout_is_weights"]
-    big = compute_rollout_correction_and_rejection_mask(  # and a ratio of e^3 is not truncated
-        old_log_prob=lp + 3.0, rollout_log_prob=lp, response_mask=torch.ones_like(lp), rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs)[0].batch["rollout_is_weights"]
-    out["is_weights"] = {"min": float(weights.min()), "max": float(weights.max()), "kept": int(mask.sum()),
-                         "e3_min": float(big.min())}
+    def loss_weights(config_dir, config_name):
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            c = compose(config_name=config_name, overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+        actor_cfg = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
+        mu = want.view(torch.float32)[None, :].clone()
+        n = mu.numel()
+        actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=n, global_batch_size=1)
+        log_pi = (mu + torch.nn.functional.pad(torch.tensor([3.0]), (0, n - 1))).requires_grad_()
+        loss, _ = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)(
+            old_log_prob=mu, log_prob=log_pi, advantages=torch.ones_like(mu), response_mask=torch.ones_like(mu),
+            loss_agg_mode=actor_cfg.loss_agg_mode, config=actor_cfg, rollout_is_weights=None)
+        loss.backward()
+        w = (-log_pi.grad * n)[0]
+        return {"loss_mode": actor_cfg.policy_loss.loss_mode, "agg": actor_cfg.loss_agg_mode, "n": n,
+                "w_shifted": float(w[0]), "rest_min": float(w[1:].min()), "rest_max": float(w[1:].max())}
+
+    out["loss_weights"] = {
+        "aligned": loss_weights(os.path.dirname(plugin.config_path()), plugin.CONFIG_NAME),
+        "stock_ppo_trainer": loss_weights(os.path.join(os.path.dirname(verl_pkg.__file__), "trainer", "config"),
+                                          "ppo_trainer")}
+    # 6b. the refusals on verl's own engine config (the actor's FSDPEngineConfig from the composed shipped config):
+    # accepted as shipped; fp32 compute (mixed_precision.param_dtype) and QAT refused by name
+    def engine_refusal(overrides):
+        with initialize_config_dir(config_dir=os.path.dirname(plugin.config_path()), version_base=None):
+            c = compose(config_name=plugin.CONFIG_NAME,
+                        overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *overrides])
+        e = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+        e.model_config = types.SimpleNamespace(model_type="language_model", use_liger=False, use_fused_kernels=True,
+                                               lora_rank=0)
+        e.engine_config = omega_conf_to_dataclass(c.actor_rollout_ref.actor).fsdp_config
+        try:
+            plugin.check_engine(e)
+            return None
+        except ValueError as err:
+            return str(err)
+
+    out["engine_refusals"] = {
+        "shipped": engine_refusal([]),
+        "fp32": engine_refusal(["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"]),
+        "qat": engine_refusal(["actor_rollout_ref.actor.fsdp_config.qat.enable=true"])}
+    out["config"]["actor_policy_loss"] = {
+        "loss_mode": cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
+        "rollout_correction": OmegaConf.to_container(cfg.actor_rollout_ref.actor.policy_loss.rollout_correction,
+                                                     resolve=True)}
+    # 7. VERL_USE_EXTERNAL_MODULES (what ray_runtime_env / the shipped config set): `import verl` imports the plugin
+    # without a try. A fresh process whose install fails (the FSDP engine module made unimportable) must fail on
+    # `import verl`; the same process with the module intact installs (control); entry-point discovery off in both.
+    probe = ("import sys\nif sys.argv[1] == 'break':\n    sys.modules['verl.workers.engine.fsdp.transformer_impl'] = None\n"
+             "import verl\nfrom aligned_ops.integrations import verl as p\nprint('INSTALLED', p.is_installed())\n")
+    env = {**os.environ, **plugin.ray_runtime_env(profile="fma", extra_env={"VERL_USE_EXTERNAL_MODULES": ""})["env_vars"],
+           "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    runs = {mode: subprocess.run([sys.executable, "-c", probe, mode], env=env, capture_output=True, text=True,
+                                 timeout=300) for mode in ("intact", "break")}
+    out["external_modules"] = {
+        "value": env["VERL_USE_EXTERNAL_MODULES"],
+        "intact": {"rc": runs["intact"].returncode, "stdout": runs["intact"].stdout[-500:],
+                   "stderr": runs["intact"].stderr[-1500:]},
+        "break": {"rc": runs["break"].returncode, "stdout": runs["break"].stdout[-500:],
+                  "stderr": runs["break"].stderr[-3000:]}}
     json.dump(out, open(out_path, "w"), indent=1)
 
 

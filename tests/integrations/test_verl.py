@@ -12,6 +12,7 @@ own log-prob paths (stock model, and its log-softmax over aligned logits) must n
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,17 +32,44 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ---- runtime env, config file, entry point ------------------------------------------------------------------
 
 
-def test_ray_runtime_env_turns_on_both_sides():
+def test_ray_runtime_env_turns_on_both_sides(monkeypatch):
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     env = aligned_verl.ray_runtime_env(profile="exact")["env_vars"]
     assert env == {"ALIGNED_OPS_VERL": "1", "ALIGNED_OPS_VLLM": "1", "VLLM_ALIGNED_OPS": "1",
-                   "ALIGNED_OPS_LINEAR": "exact"}
+                   "ALIGNED_OPS_LINEAR": "exact", "VERL_USE_EXTERNAL_MODULES": "aligned_ops.integrations.verl"}
+    # a user's own external modules are kept, ours appended once (from extra_env, else this process's variable)
+    mods = lambda **kw: aligned_verl.ray_runtime_env(**kw)["env_vars"]["VERL_USE_EXTERNAL_MODULES"]  # noqa: E731
+    assert mods(extra_env={"VERL_USE_EXTERNAL_MODULES": "a.b, c"}) == "a.b,c,aligned_ops.integrations.verl"
+    assert mods(extra_env={"VERL_USE_EXTERNAL_MODULES": "aligned_ops.integrations.verl,x"}) == \
+        "aligned_ops.integrations.verl,x"
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "mine")
+    assert mods() == "mine,aligned_ops.integrations.verl"
     assert aligned_verl.ray_runtime_env(extra_env={"X": "y"})["env_vars"]["X"] == "y"
     assert "ALIGNED_OPS_VERL" not in aligned_verl.ray_runtime_env(verl=False)["env_vars"]
+    assert "VERL_USE_EXTERNAL_MODULES" not in aligned_verl.ray_runtime_env(verl=False)["env_vars"]
     with pytest.raises(ValueError, match="nope"):
         aligned_verl.ray_runtime_env(profile="nope")
 
 
-def test_shipped_config_sets_bypass_reinforce_untruncated_token_is():
+def test_runtime_env_module_is_framework_neutral():
+    """The OpenRLHF recipe imports ray_runtime_env from aligned_ops.integrations.runtime_env: that imports neither the
+    verl plugin (its loader) nor vLLM; the verl module re-exports the same function (negative control: importing
+    the verl module does load it)."""
+    from aligned_ops.integrations import runtime_env
+
+    assert aligned_verl.ray_runtime_env is runtime_env.ray_runtime_env
+    assert runtime_env.VERL_ENV_VAR == aligned_verl.ENV_VAR and runtime_env.VERL_MODULE == aligned_verl.__name__
+    probe = ("import sys, json\nfrom aligned_ops.integrations.{m} import ray_runtime_env\nray_runtime_env(verl=False)\n"
+             "print(json.dumps([k for k in ('aligned_ops.integrations.verl', 'vllm') if k in sys.modules]))")
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env.pop("ALIGNED_OPS_VERL", None)
+    loaded = {m: json.loads(subprocess.run([sys.executable, "-c", probe.format(m=m)], env=env, capture_output=True,
+                                           text=True, check=True, timeout=120).stdout.strip().splitlines()[-1])
+              for m in ("runtime_env", "verl")}
+    assert loaded == {"runtime_env": [], "verl": ["aligned_ops.integrations.verl"]}, loaded
+
+
+def test_shipped_config_sets_bypass_reinforce_untruncated_token_is(monkeypatch):
     yaml = pytest.importorskip("yaml")
     cfg = yaml.safe_load(open(aligned_verl.config_path()))
     rc = cfg["algorithm"]["rollout_correction"]
@@ -51,7 +79,11 @@ def test_shipped_config_sets_bypass_reinforce_untruncated_token_is():
     assert model["use_fused_kernels"] is True and model["use_liger"] is False
     assert cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] == 1
     assert cfg["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     assert cfg["ray_kwargs"]["ray_init"]["runtime_env"] == aligned_verl.ray_runtime_env(profile="fma")
+    # the actor's loss is bypass-mode REINFORCE fed by the algorithm section (stock: PPO-clip)
+    assert cfg["actor_rollout_ref"]["actor"]["policy_loss"] == {
+        "loss_mode": "bypass_mode", "rollout_correction": "${algorithm.rollout_correction}"}
     assert cfg["defaults"] == ["ppo_trainer", "_self_"]
 
 
@@ -67,14 +99,32 @@ def test_import_without_the_switch_installs_nothing(monkeypatch):
     assert not aligned_verl.is_installed()
 
 
+def test_switch_on_and_install_failure_raises(monkeypatch, caplog):
+    """ALIGNED_OPS_VERL=1 and the hook cannot install: the import raises (verl's VERL_USE_EXTERNAL_MODULES import
+    has no try, so the worker stops) and the error is logged (verl's entry-point loader would hide it)."""
+    def broken():
+        raise ImportError("no FSDPEngine here")
+
+    monkeypatch.setattr(aligned_verl, "install", broken)
+    monkeypatch.setenv(aligned_verl.ENV_VAR, "1")
+    with caplog.at_level("ERROR", logger="aligned_ops.integrations.verl"):
+        with pytest.raises(ImportError, match="no FSDPEngine here"):
+            aligned_verl._load_from_verl()
+    assert "ALIGNED_OPS_VERL=1 but the plugin could not install" in caplog.text
+    monkeypatch.delenv(aligned_verl.ENV_VAR)  # negative control: switched off, the same failure is never reached
+    aligned_verl._load_from_verl()
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------
 
 
-def _engine(sp=1, **model):
+def _engine(sp=1, mixed_precision=None, qat=False, **model):
     cfg = dict(model_type="language_model", use_liger=False, use_fused_kernels=True, lora_rank=0)
     cfg.update(model)
     return types.SimpleNamespace(model_config=types.SimpleNamespace(**cfg),
-                                 engine_config=types.SimpleNamespace(ulysses_sequence_parallel_size=sp))
+                                 engine_config=types.SimpleNamespace(ulysses_sequence_parallel_size=sp,
+                                                                     mixed_precision=mixed_precision,
+                                                                     qat=types.SimpleNamespace(enable=qat)))
 
 
 def test_refusals_name_each_setting(monkeypatch):
@@ -94,6 +144,60 @@ def test_refusals_name_each_setting(monkeypatch):
         aligned_verl.check_engine(_engine())
     monkeypatch.setenv("VLLM_ALIGNED_OPS", "1")  # the alias alone is enough
     aligned_verl.check_engine(_engine())
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "32", "float32", "fp16", torch.float32, "nonsense"])
+def test_refuses_compute_dtype_other_than_the_rollouts(monkeypatch, param_dtype):
+    monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
+    with pytest.raises(ValueError, match=r"mixed_precision.param_dtype=.* another dtype than the bf16 rollout"):
+        aligned_verl.check_engine(_engine(mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32"}))
+
+
+@pytest.mark.parametrize("mixed_precision", [None, {}, {"param_dtype": "bf16"}, {"param_dtype": "bfloat16"},
+                                             {"param_dtype": torch.bfloat16}])
+def test_accepts_bf16_compute(monkeypatch, mixed_precision):
+    monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
+    aligned_verl.check_engine(_engine(mixed_precision=mixed_precision))  # verl's default (None / missing) is bf16
+
+
+def test_refuses_qat(monkeypatch):
+    monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
+    with pytest.raises(ValueError, match=r"QAT \(qat.enable=True\)"):
+        aligned_verl.check_engine(_engine(qat=True))
+    aligned_verl.check_engine(_engine(qat=False))
+
+
+def test_build_hook_refuses_before_the_model_load(monkeypatch):
+    """check_engine runs on the configs before verl's _build_module loads the model; the critic is left alone."""
+    monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
+    loads = []
+
+    def original(self):
+        loads.append(self)
+        return torch.nn.Linear(2, 2)
+
+    hook = aligned_verl._build_module_hook(original)
+    with pytest.raises(ValueError, match="Liger kernels"):
+        hook(_engine(use_liger=True))
+    assert loads == []  # refused before the load
+    critic = _engine(use_liger=True, model_type="value_model")
+    assert isinstance(hook(critic), torch.nn.Linear) and loads == [critic]  # not checked, not patched
+
+
+def test_verl_version_gate(monkeypatch):
+    assert aligned_verl.version_refusal("0.9.1") is None and aligned_verl.version_refusal("0.9.1+cpu") is None
+    for bad in ("0.9.0", "0.9.2", "0.10.0", "0.9.1rc1", "x"):
+        assert aligned_verl.version_refusal(bad), bad
+    monkeypatch.setitem(sys.modules, "verl", types.SimpleNamespace(__version__="0.10.0"))
+    monkeypatch.delenv("ALIGNED_OPS_VERL_ANY_VERSION", raising=False)
+    with pytest.raises(RuntimeError, match=r"verl 0.10.0 is not a tested release \(tested: 0.9.1\)"):
+        aligned_verl.install()
+    assert not aligned_verl.is_installed()
+    # the override lets it past the gate (with a warning); here it then stops at verl's engine module (no verl)
+    monkeypatch.setenv("ALIGNED_OPS_VERL_ANY_VERSION", "1")
+    with pytest.warns(UserWarning, match="trying it anyway"), pytest.raises(ImportError):
+        aligned_verl.install()
+    assert not aligned_verl.is_installed()
 
 
 # ---- the fused-kernel forward ----------------------------------------------------------------------------------
@@ -225,10 +329,10 @@ def _verl_python():
 
 @pytest.mark.slow
 def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path):
-    pytest.importorskip("vllm")
     python = _verl_python()
     if python is None:
         pytest.skip("ALIGNED_VERL_PYTHON is not set (scripts/verl_check.sh builds the verl venv and runs this test)")
+    import vllm  # noqa: F401  -- asked for by ALIGNED_VERL_PYTHON: a missing vLLM fails, never skips
     from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown
     from aligned_ops.testing.rollouts import random_prompts
 
@@ -278,5 +382,25 @@ def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path
     assert (cfg["top_k"], cfg["top_p"], cfg["ulysses"], cfg["ref_ulysses"]) == (-1, 1.0, 1, 1)
     assert cfg["logprobs_mode"] == "processed_logprobs"
     assert {"env_vars": cfg["env_vars"]} == cfg["ray_runtime_env"]
-    assert out["is_weights"]["min"] == out["is_weights"]["max"] == 1.0 and out["is_weights"]["kept"] == total
-    assert out["is_weights"]["e3_min"] > 20.0  # exp(3) = 20.09: not truncated
+    # the actor's loss is verl's bypass-mode REINFORCE with the algorithm's rollout_correction (not PPO-clip)
+    policy_loss = cfg["actor_policy_loss"]
+    assert policy_loss["loss_mode"] == "bypass_mode", policy_loss
+    assert {k: policy_loss["rollout_correction"][k] for k in cfg["rollout_correction"]} == cfg["rollout_correction"]
+    # verl's real loss: log pi - log mu = 3, advantage 1 -> gradient weight e^3 (untruncated); equal bits -> exactly 1
+    aligned, stock = out["loss_weights"]["aligned"], out["loss_weights"]["stock_ppo_trainer"]
+    assert aligned["n"] == total and aligned["loss_mode"] == "bypass_mode", aligned
+    assert abs(aligned["w_shifted"] - math.exp(3)) < 1e-4 * math.exp(3), aligned
+    assert aligned["rest_min"] == aligned["rest_max"] and abs(aligned["rest_max"] - 1.0) <= 1e-6, aligned
+    # negative control: verl's stock ppo_trainer (vanilla PPO-clip +-0.2) clips that token: gradient 0
+    assert stock["loss_mode"] == "vanilla" and stock["w_shifted"] == 0.0, stock
+    assert stock["rest_min"] == stock["rest_max"] and abs(stock["rest_max"] - 1.0) <= 1e-6, stock
+    refusals = out["engine_refusals"]  # on verl's own FSDPEngineConfig of the composed shipped config
+    assert refusals["shipped"] is None, refusals
+    assert "mixed_precision.param_dtype='fp32'" in (refusals["fp32"] or ""), refusals
+    assert "QAT (qat.enable=True)" in (refusals["qat"] or ""), refusals
+    # VERL_USE_EXTERNAL_MODULES: verl imports the plugin without a try -> a failed install stops `import verl`
+    ext = out["external_modules"]
+    assert ext["value"] == "aligned_ops.integrations.verl", ext
+    assert ext["intact"]["rc"] == 0 and "INSTALLED True" in ext["intact"]["stdout"], ext["intact"]
+    assert ext["break"]["rc"] != 0 and "INSTALLED" not in ext["break"]["stdout"], ext["break"]
+    assert "ALIGNED_OPS_VERL=1 but the plugin could not install" in ext["break"]["stderr"], ext["break"]

