@@ -101,6 +101,9 @@ def run_every_op(gen):
     ops.paged_attention(qa[:1], kc, vc, torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
                         torch.tensor([0, 1], dtype=torch.int32), 0.3)
     ops.linear_exact(x.bfloat16(), randn(11, 97, dtype=torch.bfloat16, gen=gen), None)  # int8 MMA / MFMA kernels
+    wb = randn(11, 97, dtype=torch.bfloat16, gen=gen)  # the mma linear's bf16 MMA / MFMA kernels:
+    ops.linear_mma(x.bfloat16(), wb, None)  # M = 5: mma_linear_lanes_kernel (the 8 lanes over 8 warps)
+    ops.linear_mma(randn(20, 97, dtype=torch.bfloat16, gen=gen), wb, None)  # M = 20: mma_linear_rows_kernel
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
