@@ -153,9 +153,9 @@ def absorbed_attention(arch, side, ctx, attn, x, rules):
 
 @dataclass(frozen=True)
 class MlaForm:
-    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj; the trainer
-    patch's default) or ``absorbed`` (one latent row per token; the vLLM plugin's default, ``ALIGNED_OPS_MLA_FORM``
-    selects either there). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
+    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj) or ``absorbed``
+    (one latent row per token): the default of both the trainer patch and the vLLM plugin, one resolver
+    (:func:`aligned_ops.models.mla_form.resolve_mla_form`, ``ALIGNED_OPS_MLA_FORM`` selects either). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
     decoder layer (``layer._aligned_mla_form``); the block reads that object, never a string."""
 
     name: str
