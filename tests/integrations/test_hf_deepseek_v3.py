@@ -27,7 +27,9 @@ def model(request, tmp_path_factory):
 
     dtype, over = CASES[request.param]
     d = build_tiny_deepseek_v3(tmp_path_factory.mktemp("ds") / "m", dtype, seed=3, **over)
-    return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=dtype))
+    # pinned: this module covers the expanded form (patch_model's default follows ALIGNED_OPS_MLA_FORM, absorbed;
+    # the absorbed form's tests: test_hf_deepseek_v3_absorbed.py)
+    return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=dtype), mla_form="expanded")
 
 
 LENS = [5, 33, 2, 47, 9]
@@ -121,6 +123,11 @@ def test_refusals(tmp_path):
         patch_model(m)
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float16)
     with pytest.raises(ValueError, match="in float16 is not supported"):
+        patch_model(m)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    m.config.rope_scaling = dict(m.config.rope_parameters or m.config.rope_scaling or {}, attention_factor=1.0)
+    m.config.rope_parameters = dict(m.config.rope_scaling)
+    with pytest.raises(ValueError, match="rope_scaling attention_factor=1.0 is not supported"):
         patch_model(m)
     # positive control: the untouched checkpoint patches
     patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32))

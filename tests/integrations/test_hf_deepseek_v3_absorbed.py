@@ -251,7 +251,7 @@ def test_refusals_and_repatch(tmp_path):
         patch_model(m, mla_form="expanded")
     unpatch_model(m)
     assert "_aligned_mla_form" not in m.model.layers[0].__dict__
-    patch_model(m)  # default: expanded
+    patch_model(m, mla_form="expanded")  # pinned (the default follows ALIGNED_OPS_MLA_FORM, absorbed)
     with pytest.raises(ValueError, match="already patched with another form"):
         patch_model(m, mla_form="absorbed")
     q = AutoModelForCausalLM.from_pretrained(build_tiny_qwen2(tmp_path / "q", torch.float32, seed=0),

@@ -131,3 +131,21 @@ def test_trl_adapter_pairs_with_the_plugin_form(ds_dir, monkeypatch):
     other = patch_model(AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.bfloat16), mla_form="expanded")
     _repatch(other, None)
     assert other.model.layers[0]._aligned_mla_form.name == "expanded"
+
+
+def test_attention_factor_one_refused_at_engine_config(ds_dir, tmp_path):
+    # vLLM runs a scaled RoPE with attention_factor == 1.0 as deepseek_llama_scaling (no YaRN mscale**2 on the
+    # softmax scale; HF applies it): the plugin refuses it before any layer is built, naming the field
+    import json
+    import shutil
+
+    d = shutil.copytree(ds_dir, tmp_path / "af1")
+    with open(d / "config.json") as f:
+        cfg = json.load(f)
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    cfg[key] = dict(cfg[key], attention_factor=1.0)
+    with open(d / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="rope_scaling attention_factor=1.0 is not supported"):
+        _engine_config(str(d))
+    _engine_config(ds_dir)  # positive control: the untouched folder builds its config

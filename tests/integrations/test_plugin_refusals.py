@@ -177,6 +177,11 @@ def test_quantization_and_spec_decode_and_tp_refused(tiny_dir):
     c.parallel_config = copy.copy(base.parallel_config)
     c.parallel_config.pipeline_parallel_size = 2
     cases.append((c, "pipeline parallelism is not covered; use pipeline_parallel_size=1"))
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        c = copy.copy(base)
+        c.parallel_config = copy.copy(base.parallel_config)
+        setattr(c.parallel_config, name, 2)
+        cases.append((c, f"{name} 2 is not covered; use {name}=1"))
     c = copy.copy(base)
     c.cache_config = copy.copy(base.cache_config)
     c.cache_config.cache_dtype = "fp8"

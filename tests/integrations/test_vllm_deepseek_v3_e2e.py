@@ -37,7 +37,7 @@ SHAPE = dict(qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
 
 @pytest.fixture(scope="module", autouse=True)
 def expanded_form():
-    """This module runs the expanded form on both sides (the trainer patch's default)."""
+    """This module runs the expanded form on both sides: the plugin and patch_model (its default) both read it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
         yield

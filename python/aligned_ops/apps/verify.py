@@ -103,8 +103,8 @@ def _architecture_env(model_dir: str) -> dict:
     """What the checkpoint's architecture needs in BOTH children (``Architecture.vllm_env``; an MLA architecture,
     DeepSeek-V3: the expanded form, ``ALIGNED_OPS_MLA_FORM=expanded`` and ``VLLM_MLA_DISABLE=1``), so the standard
     column runs stock vLLM on the same attention form as the aligned one (the plugin would set it for the aligned
-    child only; vLLM-CPU's stock MLA backend takes only a 576-wide latent row, and the trainer patch's default is
-    the expanded form)."""
+    child only; vLLM-CPU's stock MLA backend takes only a 576-wide latent row; the trainer patch in the child reads
+    the same variable, so it runs the expanded form too)."""
     import json
 
     from ..models import ARCHITECTURES

@@ -67,6 +67,7 @@ def shard_aligned(model: torch.nn.Module, mesh=None, *, sum_gradients: bool = Tr
     """``patch_model(model, profile, mla_form)``, then FSDP2 ``fully_shard`` on every decoder layer and on the
     root; returns it.
 
+    ``mla_form``: None (default) resolves like the vLLM plugin (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``).
     ``mla_form="absorbed"`` (DeepSeek-V3 / Kimi-K2): W_UK / W_UV are derived from the gathered ``kv_b_proj``
     weight inside each forward (contiguous copies of its slices, made through autograd, so gradients reach the
     unsharded parameter and FSDP2 reduce-scatters them); nothing derived from a gathered weight outlives the

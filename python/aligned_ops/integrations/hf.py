@@ -39,6 +39,7 @@ from .. import profiles
 from ..models import ARCHITECTURES, Side, rules_for, rules_of
 from ..models import get as get_architecture
 from ..profiles import profile_of
+from ..models.mla_form import resolve_mla_form
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import check_sampling_options, check_temperature, effective_temperature
 from . import check_hf_config, hf_moe
@@ -590,10 +591,12 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     change its profile). Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding window,
     quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
 
-    ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"expanded"`` (the default: per-head k and v
-    from kv_b_proj) or ``"absorbed"`` (one latent row per token, q and o through the absorbed kv_b_proj:
-    ``models.deepseek_v3.absorbed_attention``; the vLLM plugin's default form — pair with the engine:
-    ``mla_form=aligned_ops.integrations.vllm.engine_mla_form(llm)``), or the form object
+    ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"absorbed"`` (one latent row per token, q
+    and o through the absorbed kv_b_proj: ``models.deepseek_v3.absorbed_attention``) or ``"expanded"`` (per-head
+    k and v from kv_b_proj), or the form object. None (the default): the form the vLLM plugin runs, resolved by the
+    same function (``models.mla_form.resolve_mla_form``: ``ALIGNED_OPS_MLA_FORM``, default ``absorbed``); pair
+    with a configured engine explicitly by ``mla_form=aligned_ops.integrations.vllm.engine_mla_form(llm)``;
+    ignored (None) for an architecture without MLA. Or the form object
     (``Architecture.mla_forms``). The two forms are the same function in exact arithmetic, not the same bits;
     rollout and trainer must run the same one.
     """
@@ -628,6 +631,8 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         raise ValueError(f"aligned_ops (patch_model): {type(model).__name__} does not have the model.layers / lm_head layout")
     _refuse_adapters(model)
     arch.check_hf_model(model, "patch_model")
+    if mla_form is None and arch.mla_forms:  # the one default of trainer and engine (models/mla_form.py)
+        mla_form = resolve_mla_form()
     form = _resolve_mla_form(arch, mla_form, "patch_model")
     for i, layer in enumerate(model.model.layers if form is not None else ()):
         form.check_hf_layer(layer.self_attn, i, "patch_model")

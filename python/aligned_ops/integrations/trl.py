@@ -93,17 +93,19 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
             torch.stack(aux).mean() if compute_aux_loss else None)
 
 
-def _repatch(model, profile):
+def _repatch(model, profile, engine_form=None):
     """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
     patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword).
     An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the vLLM plugin runs (``ALIGNED_OPS_MLA_FORM``,
-    default ``absorbed``); a policy already patched in the other form is refused (its bits would never match)."""
+    default ``absorbed``; ``engine_form``: the colocated engine's own, ``engine_mla_form(llm)``, which wins); a policy
+    already patched in the other form is refused (its bits would never match)."""
     from ..models import ARCHITECTURES
     from ..models.registry import architecture_of
-    from .vllm.config import MLA_FORM_ENV, resolve_mla_form
+    from ..models.mla_form import MLA_FORM_ENV, resolve_mla_form
 
     arch = ARCHITECTURES.get(architecture_of(model.config)) if getattr(model, "config", None) is not None else None
-    want = resolve_mla_form() if arch is not None and arch.mla_forms else None
+    want = (engine_form or resolve_mla_form()) if arch is not None and arch.mla_forms else None
+    where = "the colocated vLLM engine runs" if engine_form else "the vLLM plugin runs"
     form = want
     if getattr(model, "_aligned_patched", False):
         if profile is None:
@@ -112,10 +114,22 @@ def _repatch(model, profile):
         have = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
         if have is not None and want is not None and have.name != want:
             raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={have.name!r}, but "
-                             f"the vLLM plugin runs the {want!r} MLA form ({MLA_FORM_ENV}); patch with "
+                             f"{where} the {want!r} MLA form ({MLA_FORM_ENV}); patch with "
                              f"mla_form={want!r}")
         unpatch_model(model)
     return patch_model(model, profile, mla_form=form)
+
+
+def _engine_form(trainer):
+    """The MLA form the colocated engine runs (recorded by the plugin at engine config), None otherwise."""
+    if not getattr(trainer, "use_vllm", False):
+        return None
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is None:  # server mode: the server's form follows ALIGNED_OPS_MLA_FORM like the trainer's default
+        return None
+    from .vllm.config import engine_mla_form
+
+    return engine_mla_form(llm)
 
 
 def _engine_model(trainer):
@@ -190,10 +204,11 @@ def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinfor
         raise ValueError(f"aligned_grpo: repetition_penalty={trainer.repetition_penalty} changes vLLM's sampled "
                          "distribution by the generated history, which the trainer does not score; use 1.0")
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    _repatch(policy, profile)
+    engine_form = _engine_form(trainer)
+    _repatch(policy, profile, engine_form)
     resolved = profile_of(policy)
     if trainer.ref_model is not None:
-        _repatch(trainer.accelerator.unwrap_model(trainer.ref_model), resolved)
+        _repatch(trainer.accelerator.unwrap_model(trainer.ref_model), resolved, engine_form)
     if getattr(trainer, "use_vllm", False):
         _check_engine(trainer, resolved)
     trainer._get_per_token_logps_and_entropies = types.MethodType(aligned_logps_and_entropies, trainer)

@@ -235,7 +235,8 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
 
 def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None = None) -> torch.nn.Module:
     """Patch a HF causal LM for verl's actor: ``hf.patch_model`` (profile: ``profile`` or ``ALIGNED_OPS_LINEAR``),
-    then verl's fused-kernel ``forward`` on top (takes ``cu_seqlens``). Idempotent; returns the module."""
+    then verl's fused-kernel ``forward`` on top (takes ``cu_seqlens``). An MLA model is patched in the vLLM plugin's
+    form (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``: ``patch_model``'s default). Idempotent; returns the module."""
     from .hf import patch_model, unpatch_model
 
     if getattr(module, "_aligned_verl", False):

@@ -153,9 +153,9 @@ def absorbed_attention(arch, side, ctx, attn, x, rules):
 
 @dataclass(frozen=True)
 class MlaForm:
-    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj; the trainer
-    patch's default) or ``absorbed`` (one latent row per token; the vLLM plugin's default, ``ALIGNED_OPS_MLA_FORM``
-    selects either there). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
+    """How a DeepSeek-V3 layer computes its attention: ``expanded`` (k, v per head from kv_b_proj) or ``absorbed``
+    (one latent row per token): the default of both the trainer patch and the vLLM plugin, one resolver
+    (:func:`aligned_ops.models.mla_form.resolve_mla_form`, ``ALIGNED_OPS_MLA_FORM`` selects either). Chosen once, by ``patch_model(model, mla_form=...)``, and carried by each patched
     decoder layer (``layer._aligned_mla_form``); the block reads that object, never a string."""
 
     name: str
@@ -215,6 +215,16 @@ def check_config(config, where: str) -> None:
         raise ValueError(f"aligned_ops ({where}): {NAME} moe_layer_freq != 1 is not supported (HF ignores it)")
     # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
     # the main model (HF's and vLLM's) does not run those layers.
+    # vLLM (DeepseekV2Attention) runs a scaled RoPE with attention_factor == 1.0 as "deepseek_llama_scaling": it
+    # skips YaRN's mscale**2 on the softmax scale (and the YaRN table), which HF and the aligned block apply
+    # (rope.deepseek_attention_scale): rollout and trainer would score with different scales.
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(getattr(config, "rope_scaling", None), dict):
+        params = {**config.rope_scaling, **params}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type != "default" and params.get("attention_factor") == 1.0:
+        raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling attention_factor=1.0 is not supported (vLLM "
+                         "then skips the YaRN mscale of the softmax scale that HF applies); remove attention_factor")
     if getattr(config, "rope_interleave", True) is False:
         raise ValueError(f"aligned_ops ({where}): {NAME} with rope_interleave=False (NeoX halves on the rope "
                          "slice) is not described; DeepSeek checkpoints use the interleaved layout")

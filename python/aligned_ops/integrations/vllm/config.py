@@ -27,47 +27,19 @@ from .gpu_platform import gpu_platform_reasons
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 # ---- the MLA form of an engine (DeepSeek-V3 / Kimi-K2; the backend: mla.py) ------------------------------------
-MLA_FORMS = ("absorbed", "expanded")
-DEFAULT_MLA_FORM = "absorbed"
-MLA_FORM_ENV = "ALIGNED_OPS_MLA_FORM"
-MLA_FORM_ENV_ALIASES = ("VLLM_ALIGNED_OPS_MLA_FORM",)  # forwarded by vLLM's Ray executor (VLLM_* only)
-MLA_FORM_KEY = "aligned_ops_mla_form"  # additional_config key: the engine's form (set at config creation)
+# One resolver for the engine and the trainer (patch_model's default): models/mla_form.py.
+from ...models.mla_form import (DEFAULT_MLA_FORM, MLA_FORM_ENV, MLA_FORM_ENV_ALIASES, MLA_FORM_KEY,  # noqa: F401
+                                MLA_FORMS, mla_form_from_env, resolve_mla_form)
+
 # what vLLM needs in the environment for each form (read when it builds the model config and the layers)
 VLLM_ENV_OF_FORM = {"absorbed": {"VLLM_MLA_DISABLE": "0"}, "expanded": {"VLLM_MLA_DISABLE": "1"}}
-
-
-def mla_form_from_env() -> str | None:
-    """The form ``ALIGNED_OPS_MLA_FORM`` (or its alias) names, None when unset; ``ValueError`` (one line) for
-    another value or two different values."""
-    import os
-
-    seen = {}
-    for name in (MLA_FORM_ENV, *MLA_FORM_ENV_ALIASES):
-        value = os.environ.get(name, "").strip().lower()
-        if value:
-            if value not in MLA_FORMS:
-                raise ValueError(f"{name} must be 'absorbed' or 'expanded', got {os.environ[name]!r}")
-            seen[name] = value
-    if len(set(seen.values())) > 1:
-        raise ValueError(f"{' and '.join(seen)} disagree ({', '.join(map(repr, seen.values()))}): set one")
-    return next(iter(seen.values()), None)
-
-
-def resolve_mla_form(additional_config=None) -> str:
-    """The MLA form of an engine: ``additional_config[MLA_FORM_KEY]``, else the environment, else ``absorbed``."""
-    requested = additional_config.get(MLA_FORM_KEY) if isinstance(additional_config, dict) else None
-    if requested is not None:
-        if requested not in MLA_FORMS:
-            raise ValueError(f"additional_config[{MLA_FORM_KEY!r}] must be 'absorbed' or 'expanded', got "
-                             f"{requested!r}")
-        return requested
-    return mla_form_from_env() or DEFAULT_MLA_FORM
 
 
 def engine_mla_form(llm_or_config) -> str | None:
     """The MLA form an engine (a ``vllm.LLM`` or its ``VllmConfig``) runs, as ``patch_model(mla_form=...)``
     takes it; None for a model without MLA or an engine the plugin did not configure."""
-    cfg = getattr(getattr(llm_or_config, "llm_engine", None), "vllm_config", llm_or_config)
+    cfg = (getattr(llm_or_config, "vllm_config", None)  # AsyncLLM / LLMEngine
+           or getattr(getattr(llm_or_config, "llm_engine", None), "vllm_config", None) or llm_or_config)
     extra = getattr(cfg, "additional_config", None)
     return extra.get(MLA_FORM_KEY) if isinstance(extra, dict) else None
 
@@ -149,6 +121,9 @@ def validate_vllm_config(vllm_config) -> None:
     if pc.pipeline_parallel_size != 1:
         reasons.append("pipeline parallelism is not covered; use pipeline_parallel_size=1 (TP 1/2/4/8 and "
                        "data-parallel replicas of dense models are fine)")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:  # a sequence's keys split over ranks: another reduction order
+            reasons.append(f"{name} {getattr(pc, name)} is not covered; use {name}=1")
     # Compiled mode (enforce_eager=False) is allowed, dense, MoE and TP 2: every arithmetic op of the model is
     # an opaque aligned custom op with a fake impl, so inductor only moves data around them (tested bitwise
     # against eager and the trainer: test_vllm_rl_features.py dense, test_vllm_moe_compiled.py MoE,

@@ -99,6 +99,26 @@ def vllm_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _check_mla_scale(layer, arch):
+    """vLLM's softmax scale of an MLA layer (``self_attn.scaling``) must be the trainer's
+    (``rope.deepseek_attention_scale``): vLLM applies YaRN's mscale**2 only for the rope it calls deepseek_yarn."""
+    from vllm.config import get_current_vllm_config
+
+    from ...rope import deepseek_attention_scale
+
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not hasattr(attn, "scaling") or not hasattr(attn, "qk_rope_head_dim"):
+        return
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    if model_config is None:  # pragma: no cover - vLLM builds its layers under the engine's config
+        return
+    cfg = model_config.hf_config
+    want = deepseek_attention_scale(attn.qk_nope_head_dim + attn.qk_rope_head_dim, cfg)
+    if float(attn.scaling) != want:
+        raise ValueError(f"aligned_ops: {arch.name} vLLM softmax scale {float(attn.scaling)!r} != the trainer's "
+                         f"{want!r} (config rope_scaling / rope_parameters: factor, mscale_all_dim, attention_factor)")
+
+
 def _make_init(cls, arch):
     def __init__(self, *args, **kwargs):
         patches.original(cls, "__init__")(self, *args, **kwargs)
@@ -107,6 +127,8 @@ def _make_init(cls, arch):
             # vLLM built its MLA modules (use_mla: the plugin's absorbed form, mla.py): the block runs that form;
             # the non-MLA attention (VLLM_MLA_DISABLE=1) keeps the block's default, the expanded form
             self._aligned_mla_form = arch.mla_forms["absorbed"]
+        if arch.mla_forms:
+            _check_mla_scale(self, arch)
 
     return __init__
 

@@ -143,6 +143,7 @@ class AlignedMLAImpl(MLAAttentionImpl):
         out = aligned_ops.mla_paged_attention(q[:n], kv_cache, kv_lora_rank=self.kv_lora_rank, scale=self.scale,
                                               plan=attn_metadata.plan)
         output[:n].copy_(out.reshape(n, -1))
+        output[n:].zero_()  # padded rows (CUDA-graph padding): defined values, not torch.empty's
         return output
 
 
