@@ -233,6 +233,26 @@ def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int):
     return k_cache, v_cache
 
 
+def unsupported_attention_features(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_cache_dtype,
+                                   kv_sharing_target_layer_name) -> list[str]:
+    """The vLLM attention-impl arguments the aligned kernels do not implement (the standard and the MLA impl
+    refuse them by name at construction)."""
+    unsupported = []
+    if alibi_slopes is not None:
+        unsupported.append("ALiBi")
+    if sliding_window is not None:
+        unsupported.append("sliding window")
+    if logits_soft_cap:
+        unsupported.append("logit soft-capping")
+    if attn_type != AttentionType.DECODER:
+        unsupported.append(f"attention type {attn_type}")
+    if kv_cache_dtype != "auto":
+        unsupported.append(f"kv_cache_dtype {kv_cache_dtype}")
+    if kv_sharing_target_layer_name is not None:
+        unsupported.append("KV sharing")
+    return unsupported
+
+
 class AlignedAttentionImpl(AttentionImpl):
     def __init__(
         self,
@@ -248,21 +268,10 @@ class AlignedAttentionImpl(AttentionImpl):
         kv_sharing_target_layer_name=None,
         sinks=None,
     ) -> None:
-        unsupported = []
-        if alibi_slopes is not None:
-            unsupported.append("ALiBi")
-        if sliding_window is not None:
-            unsupported.append("sliding window")
-        if logits_soft_cap:
-            unsupported.append("logit soft-capping")
-        if attn_type != AttentionType.DECODER:
-            unsupported.append(f"attention type {attn_type}")
-        if kv_cache_dtype != "auto":
-            unsupported.append(f"kv_cache_dtype {kv_cache_dtype}")
+        unsupported = unsupported_attention_features(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                                                     kv_cache_dtype, kv_sharing_target_layer_name)
         if sinks is not None:
             unsupported.append("attention sinks")
-        if kv_sharing_target_layer_name is not None:
-            unsupported.append("KV sharing")
         if unsupported:
             raise NotImplementedError("aligned_ops attention does not support: " + ", ".join(unsupported))
         record_architecture(self)  # the scale is the model spec's (LayerRules.scale), read per call

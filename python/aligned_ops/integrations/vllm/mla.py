@@ -44,7 +44,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType, MLAAttent
 import aligned_ops
 
 from . import patches
-from .attention import AlignedAttentionMetadata, AlignedAttentionMetadataBuilder
+from .attention import AlignedAttentionMetadata, AlignedAttentionMetadataBuilder, unsupported_attention_features
 
 # ---- the backend ------------------------------------------------------------------------------------------------
 
@@ -97,19 +97,8 @@ class AlignedMLAMetadataBuilder(AlignedAttentionMetadataBuilder):
 class AlignedMLAImpl(MLAAttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:
-        unsupported = []
-        if alibi_slopes is not None:
-            unsupported.append("ALiBi")
-        if sliding_window is not None:
-            unsupported.append("sliding window")
-        if logits_soft_cap:
-            unsupported.append("logit soft-capping")
-        if attn_type != AttentionType.DECODER:
-            unsupported.append(f"attention type {attn_type}")
-        if kv_cache_dtype != "auto":
-            unsupported.append(f"kv_cache_dtype {kv_cache_dtype}")
-        if kv_sharing_target_layer_name is not None:
-            unsupported.append("KV sharing")
+        unsupported = unsupported_attention_features(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                                                     kv_cache_dtype, kv_sharing_target_layer_name)
         if mla_args.get("indexer") is not None:
             unsupported.append("sparse MLA (an indexer: DeepSeek-V3.2)")
         if unsupported:
