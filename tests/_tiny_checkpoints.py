@@ -4,7 +4,8 @@
     path = tiny_checkpoint("moe", torch.float32, seed=3, arch="qwen2_moe", num_hidden_layers=1)
 
 The same arguments give the same folder (under the session's pytest tmp dir) for the whole run; an override equal
-to the builder's default is the same checkpoint as no override. The folders are read-only by contract: each
+to the builder's default (after the ``variant`` it names, if any: ``variant="dv-ne-dn", qk_nope_head_dim=32``
+keeps 32, the variant's own value is dropped as a default) is the same checkpoint as no override. The folders are read-only by contract: each
 reuse checks that no file of the folder changed since it was built (a test that edits a checkpoint builds its
 own with the builder).
 """
@@ -24,9 +25,19 @@ def _builders():
         "moe": (tm.build_tiny_moe, {**tm.DEFAULT_MOE_CONFIG, "arch": "qwen3_moe", "router_scale": 0.08}),
         "llama": (tm.build_tiny_llama, {}),
         "deepseek_v3": (tm.build_tiny_deepseek_v3, {**tm.DEFAULT_DEEPSEEK_V3_CONFIG, "router_scale": 0.08,
-                                                     "bias_scale": 0.05}),
+                                                     "bias_scale": 0.05, "variant": "default"}),
         "glm4_moe": (tm.build_tiny_glm4_moe, {**tm.DEFAULT_GLM4_MOE_CONFIG, "router_scale": 0.08, "bias_scale": 0.05}),
     }
+
+
+def _resolved_defaults(kind: str, defaults: dict, overrides: dict) -> dict:
+    """The values the builder uses for what ``overrides`` leaves out: its defaults after the named ``variant``
+    (the builder applies the variant first, then the overrides)."""
+    if kind == "deepseek_v3" and "variant" in overrides:
+        from aligned_ops.models.tiny import DEEPSEEK_V3_VARIANTS
+
+        return {**defaults, **DEEPSEEK_V3_VARIANTS.get(overrides["variant"], {})}  # (unknown: the builder refuses)
+    return defaults
 
 
 def _fingerprint(path: str) -> list:
@@ -47,6 +58,7 @@ def tiny_checkpoint(tmp_path_factory):
 
     def get(kind: str, dtype, seed: int = 0, **overrides) -> str:
         builder, defaults = _builders()[kind]
+        defaults = _resolved_defaults(kind, defaults, overrides)
         overrides = {k: v for k, v in overrides.items() if k not in defaults or defaults[k] != v}
         key = (kind, str(dtype), seed, repr(sorted(overrides.items())))
         if key not in built:

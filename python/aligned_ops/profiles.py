@@ -92,12 +92,15 @@ class Profile:
     experts_profile = "fma"
 
     def row_parallel_moe_experts(self, x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None,
-                                 shared_gate=None, group=None, *, combine="tree", check=True):
+                                 shared_gate=None, group=None, *, combine="tree", check=True,
+                                 intermediate_size=None, shared_intermediate_size=None):
         """:meth:`moe_experts` of a tensor-parallel MoE block (each rank holds every expert's I slice), the
-        single-device bits at every TP degree (``aligned_ops.ops.collective.row_parallel_moe_experts``)."""
+        single-device bits at every TP degree (``aligned_ops.ops.collective.row_parallel_moe_experts``; the
+        model's whole ``intermediate_size`` / ``shared_intermediate_size`` are checked against the slices)."""
         return collective.row_parallel_moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2,
                                                    shared_gate, group, linear_profile=self.experts_profile,
-                                                   combine=combine, check=check)
+                                                   combine=combine, check=check, intermediate_size=intermediate_size,
+                                                   shared_intermediate_size=shared_intermediate_size)
 
     def model_refusals(self, dtype, device: str = "cpu") -> list[str]:
         """Why a model of ``dtype`` cannot run this profile on this machine's ``device`` type (empty: it can): what

@@ -89,6 +89,21 @@ def records_for(name, group):
             add(f"error[{label}]", "NO ERROR")
         except (ValueError, TypeError) as e:
             add(f"error[{label}]", str(e))
+    # a true I that does not split into whole lanes (11: 5 + 6 at t = 2, 2 + 3 + 3 + 3 at t = 4), sharded
+    # consistently (w13 and w2 agree, so the shape check passes): only the model's intermediate_size can tell
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(E, 2 * 11, H, generator=g) / H ** 0.5).float()
+    w2 = (torch.randn(E, H, 11, generator=g) * torch.exp2(torch.randint(-8, 9, (E, H, 11), generator=g).float()))
+    l13, l2 = shard(w13, w2, t, r)
+    try:
+        profiles.FMA.row_parallel_moe_experts(x, tw, ids, l13, l2, group=group, intermediate_size=11)
+        add("error[intermediate_size]", "NO ERROR")
+    except (ValueError, TypeError) as e:
+        add("error[intermediate_size]", str(e))
+    # negative control: without it the local widths (5 -> 10, 6 -> 12 at t = 2) pass the check, and the lanes are
+    # not the unsplit op's: the bits differ
+    out = profiles.FMA.row_parallel_moe_experts(x, tw, ids, l13, l2, group=group)
+    add("no_size_equal_unsplit", bool(torch.equal(bits(out), bits(profiles.FMA.moe_experts(x, tw, ids, w13, w2)))))
     return rec
 
 

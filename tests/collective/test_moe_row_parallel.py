@@ -62,3 +62,16 @@ def test_errors_name_op_and_argument_on_every_rank(records, t):
     assert len(shapes) == 4
     assert all("row_parallel_moe_experts" in r["value"] for r in shapes), shapes
     assert any("w2" in r["value"] for r in shapes), shapes
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_intermediate_size_not_whole_lanes_raises_on_every_rank(records, t):
+    """I = 11 (5 + 6 at t = 2): the model's whole I, passed as intermediate_size, does not split into whole lanes;
+    every rank raises, naming the op and the argument. Negative control: without it each rank's local width passes
+    the check (t x width does split) and the result is not the unsplit op's bits."""
+    errors = _select(records, "error[intermediate_size]", t)
+    assert len(errors) == 4, errors
+    assert all("row_parallel_moe_experts" in r["value"] and "intermediate_size" in r["value"]
+               and "whole lanes" in r["value"] for r in errors), errors
+    control = _select(records, "no_size_equal_unsplit", t)
+    assert len(control) == 4 and not any(r["value"] for r in control), control

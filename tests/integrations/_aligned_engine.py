@@ -1,8 +1,11 @@
 """An aligned vLLM engine run in a fresh process (a background job, tests/_background.py; the test compares its
 rollouts with the trainer in the test process): ``make_llm(MODEL_DIR, aligned=True, **spec["llm"])`` samples
-``spec["prompts"]`` at ``spec["temperature"]`` for ``spec["max_tokens"]``; prints one JSON line: the engine's TP
-size and eager flag, and each rollout's prompt, sampled ids and log-probs (float.hex, exact). The linear profile is
-the environment's (``ALIGNED_OPS_LINEAR``, inherited by mp workers). Jobs and results: engine_job / engine_result.
+``spec["prompts"]`` at ``spec["temperature"]`` for ``spec["max_tokens"]``; prints one result line (RESULT_PREFIX +
+JSON; vLLM may print after it): the engine's TP size, eager flag, linear profile (``additional_config``'s
+``aligned_ops_linear``, what the workers bind) and MLA form (``aligned_ops_mla_form``, None for a model without
+MLA) with ``use_mla``, and each rollout's prompt, sampled ids and log-probs (int32 bit patterns: exact, NaN
+payloads too). The linear profile is the environment's (``ALIGNED_OPS_LINEAR``, inherited by mp workers) unless
+``spec["llm"]["additional_config"]`` names one. Jobs and results: engine_job / engine_result.
 Usage: python _aligned_engine.py MODEL_DIR SPEC_JSON
 """
 
@@ -10,7 +13,33 @@ import json
 import os
 import sys
 
-os.environ["HF_HUB_OFFLINE"] = "1"
+RESULT_PREFIX = "ALIGNED_RESULT "  # the line a job's result is on (other output may come before or after it)
+
+
+def emit_result(obj) -> None:
+    """Prints ``obj`` as the job's result line."""
+    print(RESULT_PREFIX + json.dumps(obj), flush=True)
+
+
+def parse_result(stdout: str):
+    """The object of the last result line of a job's stdout (AssertionError, with the tail, when none)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    assert lines, f"no {RESULT_PREFIX.strip()} line in the job's stdout: {stdout[-2000:]!r}"
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def logprob_bits(t) -> list:
+    """fp32 log-probs as their int32 bit patterns (JSON-exact, NaN sign and payload kept)."""
+    import torch
+
+    return t.to(torch.float32).contiguous().view(torch.int32).tolist()
+
+
+def logprobs_from_bits(bits: list) -> list:
+    """The inverse of :func:`logprob_bits`: a list of Python floats (exact: fp32 widens to float64 losslessly)."""
+    import torch
+
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).tolist()
 
 
 def engine_job(path: str, llm: dict, prompts, temperature: float, max_tokens: int, env: dict | None = None,
@@ -19,7 +48,8 @@ def engine_job(path: str, llm: dict, prompts, temperature: float, max_tokens: in
     process's environment (e.g. ``ALIGNED_OPS_LINEAR``). TP > 1 engines get one core per rank bound unless the
     environment binds them."""
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    e = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    e = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1",
+             **(env or {}))
     tp = llm.get("tensor_parallel_size", 1)
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in e:  # auto binding wants one NUMA node per rank
         e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
@@ -44,19 +74,22 @@ def profile_engine_jobs(prefix: str, profiles: dict, path: str, llm: dict, promp
 
 
 def engine_result(res):
-    """``(info, rollouts)`` of a finished job: info has ``tp_size`` and ``enforce_eager``; rollouts are
-    ``aligned_ops.integrations.rollout.Rollout`` with the engine's exact log-probs."""
+    """``(info, rollouts)`` of a finished job: info has ``tp_size``, ``enforce_eager``, ``linear_profile``,
+    ``mla_form`` and ``use_mla``; rollouts are ``aligned_ops.integrations.rollout.Rollout`` with the engine's exact
+    log-probs."""
     from aligned_ops.integrations.rollout import Rollout
 
     assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    rollouts = [Rollout(r["prompt"], r["tokens"], [float.fromhex(h) for h in r["logprobs"]])
-                for r in out.pop("rollouts")]
+    out = parse_result(res.stdout)
+    rollouts = [Rollout(r["prompt"], r["tokens"], logprobs_from_bits(r["logprobs"])) for r in out.pop("rollouts")]
     return out, rollouts
 
 
 def main():
+    os.environ["HF_HUB_OFFLINE"] = "1"  # (engine_job sets it too; here for a direct run)
     from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown
+    from aligned_ops.integrations.vllm.bind import PROFILE_KEY
+    from aligned_ops.integrations.vllm.config import MLA_FORM_KEY
 
     model_dir, spec = sys.argv[1], json.loads(sys.argv[2])
     llm = make_llm(model_dir, aligned=True, **spec["llm"])
@@ -64,12 +97,15 @@ def main():
         cfg = llm.llm_engine.vllm_config
         rollouts = generate_with_logprobs(llm, spec["prompts"], temperature=spec["temperature"],
                                           max_tokens=spec["max_tokens"])
+        extra = cfg.additional_config if isinstance(cfg.additional_config, dict) else {}
         out = {"tp_size": cfg.parallel_config.tensor_parallel_size, "enforce_eager": cfg.model_config.enforce_eager,
+               "linear_profile": extra.get(PROFILE_KEY), "mla_form": extra.get(MLA_FORM_KEY),
+               "use_mla": bool(cfg.model_config.use_mla),
                "rollouts": [{"prompt": r.prompt_token_ids, "tokens": r.token_ids,
-                             "logprobs": [float(x).hex() for x in r.logprobs_tensor().tolist()]} for r in rollouts]}
+                             "logprobs": logprob_bits(r.logprobs_tensor())} for r in rollouts]}
     finally:
         shutdown(llm)
-    print(json.dumps(out))
+    emit_result(out)
 
 
 if __name__ == "__main__":

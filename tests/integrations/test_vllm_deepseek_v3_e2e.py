@@ -48,19 +48,27 @@ def model_dirs(tiny_checkpoint):
     return {d: tiny_checkpoint("deepseek_v3", getattr(torch, d), seed=0, **SHAPE) for d in ("bfloat16", "float32")}
 
 
+EXPANDED_ENV = {"ALIGNED_OPS_MLA_FORM": "expanded"}  # the jobs' form, explicit (see BACKGROUND_JOBS)
+
+
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The stock probe and the CLI run need nothing from this process: tests/_background.py starts them at the
-    beginning of the run (one job at a time, beside the in-process tests)."""
+    """The stock probe, the CLI run and the compiled engine need nothing from this process: tests/_background.py
+    starts them at the beginning of the run (one job at a time, beside the in-process tests). They start with the
+    environment of the session's start, before this module's ``expanded_form`` fixture, so each names the expanded
+    form itself (env and, for the engine, additional_config) and reports the form it ran (the tests assert it)."""
+    from aligned_ops.integrations.vllm.config import MLA_FORM_KEY
+
     path = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **SHAPE)
-    env = dict(os.environ)
+    env = dict(os.environ, **EXPANDED_ENV)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("ALIGNED_OPS_VLLM", None)
     cli = [sys.executable, "-m", "aligned_ops.apps.cli", "verify", "--model", path, "--num-prompts", "2",
            "--max-tokens", "4", "--threads", "2"]
     compiled = engine_job(path, dict(dtype="bfloat16", max_num_batched_tokens=64, max_model_len=512,
-                                     enforce_eager=False), random_prompts(PROMPT_LENS, 4), 0.9, 6)
-    return {"stock_vllm_probe_deepseek_v3": stock_probe_job(path),
+                                     enforce_eager=False, additional_config={MLA_FORM_KEY: "expanded"}),
+                          random_prompts(PROMPT_LENS, 4), 0.9, 6, env=EXPANDED_ENV)
+    return {"stock_vllm_probe_deepseek_v3": stock_probe_job(path),  # (VLLM_MLA_DISABLE=1; reports use_mla)
             "cli_verify_deepseek_v3": dict(argv=cli, env=env, timeout=1200),  # generous: it runs beside the suite
             "compiled_engine_deepseek_v3": compiled}
 
@@ -142,12 +150,13 @@ def _engine_modules(llm):
 
 def test_compiled_mode_bitwise(background, model_dirs):
     """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer. The
-    engine runs in a fresh process (a background job, _aligned_engine.py: the plugin selects the expanded attention
-    there by itself)."""
+    engine runs in a fresh process (a background job, _aligned_engine.py, asked for the expanded form; the plugin
+    refuses the compiled mode with the absorbed form) and reports the form it built."""
     from transformers import AutoModelForCausalLM
 
     info, rollouts = engine_result(background.result("compiled_engine_deepseek_v3"))
     assert info["enforce_eager"] is False, info
+    assert info["mla_form"] == "expanded" and info["use_mla"] is False, info  # the form this module pins
     assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
     trainer = patch_model(AutoModelForCausalLM.from_pretrained(model_dirs["bfloat16"], dtype=torch.bfloat16))
     assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=0.9))
@@ -159,6 +168,8 @@ def test_cli_verify_on_a_deepseek_checkpoint(background):
     res = background.result("cli_verify_deepseek_v3")
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
     assert "routing flips (token·layer)" in res.stdout
+    form_rows = [ln.split("|")[2:4] for ln in res.stdout.splitlines() if ln.startswith("| MLA form ")]
+    assert [[c.strip() for c in row] for row in form_rows] == [["expanded", "expanded"]], res.stdout[-2000:]
     assert "aligned kernels: every sampled token's log-prob is bitwise equal" in res.stdout
 
 

@@ -175,8 +175,11 @@ def test_negative_control_stock_vllm_mla_differs(model_dir, trainer):
     res = subprocess.run([sys.executable, probe, model_dir, "bfloat16", json.dumps(random_prompts([20, 45, 60], 9))],
                          env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    stock = json.loads(res.stdout.strip().splitlines()[-1])
-    rollouts = [Rollout(s["prompt"], s["tokens"], [float.fromhex(h) for h in s["logprobs"]]) for s in stock]
+    from _aligned_engine import logprobs_from_bits, parse_result
+
+    out = parse_result(res.stdout)
+    assert out["use_mla"] is True, out["use_mla"]  # stock vLLM's own MLA path (ALIGNED_PROBE_STOCK_MLA=1)
+    rollouts = [Rollout(s["prompt"], s["tokens"], logprobs_from_bits(s["logprobs"])) for s in out["rollouts"]]
     ours = torch.cat(teacher_forced(trainer, rollouts, temperature=0.0))
     theirs = torch.cat([r.logprobs_tensor() for r in rollouts])
     equal = (bits(ours) == bits(theirs)).float().mean().item()

@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from _aligned_engine import engine_result, profile_engine_jobs  # noqa: E402
 
+from aligned_ops import profiles  # noqa: E402
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     assert_rollouts_bitwise,
@@ -52,6 +53,8 @@ def test_compiled_moe_engine_bitwise_equals_trainer(background, tiny_checkpoint,
     with linear_profile_env(PROFILES[profile]):
         info, rollouts = engine_result(background.result(f"compiled_moe_engine_{profile}"))
         assert info["enforce_eager"] is False, info  # really the compiled engine
+        # the profile the engine's workers bound (fma and mma give equal bits on this tiny model: only this tells)
+        assert info["linear_profile"] == profiles.resolve(PROFILES[profile]).name, info
         assert [len(r.prompt_token_ids) for r in rollouts] == PROMPT_LENS
         trainer = patch_model(AutoModelForCausalLM.from_pretrained(_checkpoint(tiny_checkpoint), dtype=torch.bfloat16))
         assert_rollouts_bitwise(rollouts, teacher_forced(trainer, rollouts, temperature=TEMPERATURE))

@@ -84,6 +84,9 @@ def child(args) -> dict:
     m = mismatch_metrics(lp_trainer, lp_rollout, comp, **experts)
     profile = check_profiles(model) if aligned else None
     m["linear_profile"] = profile.name if aligned else "stock"
+    mc = llm.llm_engine.vllm_config.model_config
+    if getattr(mc.hf_text_config, "kv_lora_rank", None):  # an MLA model: the attention form this engine built
+        m["mla_form"] = "absorbed" if mc.use_mla else "expanded"
     if aligned and profile is not profiles.DEFAULT:
         # How far this profile's log-probs are from the default (fma) profile's (same tokens, trainer side).
         from ..integrations import hf
@@ -162,6 +165,8 @@ def main(args) -> int:
         ("min ratio π/μ", [results[k]["ratio_min"] for k in KERNEL_SETS]),
         ("linear profile", [results[k].get("linear_profile", "-") for k in KERNEL_SETS]),
     ]
+    if "mla_form" in results["aligned"]:  # both columns must run the same attention form (see _architecture_env)
+        rows.append(("MLA form", [results[k].get("mla_form", "-") for k in KERNEL_SETS]))
     if "routing_flips" in results["aligned"]:  # MoE: the mechanism, split by routing agreement
         rows += [
             ("routing flips (token·layer)", [results[k]["routing_flips"] for k in KERNEL_SETS]),

@@ -524,7 +524,8 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
                              w2: torch.Tensor, shared_w13: torch.Tensor | None = None,
                              shared_w2: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
                              group=None, *, linear_profile: str = "fma", combine: str = "tree",
-                             algorithm: str = "auto", check: bool = True) -> torch.Tensor:
+                             algorithm: str = "auto", check: bool = True, intermediate_size: int | None = None,
+                             shared_intermediate_size: int | None = None) -> torch.Tensor:
     """``aligned::moe_experts`` of a tensor-parallel MoE block, bit for bit at every t in {1, 2, 4, 8}.
 
     Rank r holds every expert's I slice (vLLM's layout): ``w13 [E, 2I/t, H]`` (its gate rows, then its up rows),
@@ -536,7 +537,9 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
     ``linear_profile``: the experts' profile ("fma", "mma"), as ``moe_experts``. ``combine="late"``: NEGATIVE
     CONTROL ONLY — each rank weights and sums its own sub-trees into an output in the model dtype and the ranks'
     outputs are then added (vLLM's order: its fused-MoE kernel writes each rank's output, the all-reduce sums
-    them); it breaks the contract. No backward (rollout only)."""
+    them); it breaks the contract. ``intermediate_size`` / ``shared_intermediate_size``: the model's whole I (and
+    the shared expert's), checked to split into whole lanes with this rank holding exactly its slice (None: taken
+    as t times the local width, which only checks that width). No backward (rollout only)."""
     what = "row_parallel_moe_experts"
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
@@ -552,9 +555,11 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
                              f"{list(w13.shape)}, {list(w2.shape)}")
         if (shared_w13 is None) != (shared_w2 is None) or (shared_gate is not None and shared_w13 is None):
             raise ValueError(f"aligned_ops.{what}: shared_w13 and shared_w2 (and shared_gate) go together")
-        _check_lane_slice(what, "w2's I", w2.shape[2] * t, w2.shape[2], t, r)
+        i_full = w2.shape[2] * t if intermediate_size is None else int(intermediate_size)
+        _check_lane_slice(what, "intermediate_size (w2's I)", i_full, w2.shape[2], t, r)
         if shared_w2 is not None:
-            _check_lane_slice(what, "shared_w2's I", shared_w2.shape[1] * t, shared_w2.shape[1], t, r)
+            is_full = shared_w2.shape[1] * t if shared_intermediate_size is None else int(shared_intermediate_size)
+            _check_lane_slice(what, "shared_intermediate_size (shared_w2's I)", is_full, shared_w2.shape[1], t, r)
         partial = _moe_expert_partials(x, topk_ids, w13, w2, shared_w13, shared_w2, LINEAR_LANES // t, linear_profile)
         gate = None
         if shared_gate is not None:

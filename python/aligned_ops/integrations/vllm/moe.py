@@ -148,6 +148,12 @@ def _shared_expert_weights(runner):
     return layer.gate_up_proj.weight, layer.down_proj.weight, (gate.weight if gate is not None else None)
 
 
+def _shared_intermediate_size(runner) -> int | None:
+    """The shared expert's whole I (its down projection's input size before the TP split); None without one."""
+    shared = getattr(runner, "_shared_experts", None)
+    return None if shared is None else int(shared._layer.down_proj.input_size)
+
+
 def runner_weights(runner) -> MoEWeights:
     """A vLLM fused-MoE runner's routing and weights, after checking we can reproduce them."""
     top_k, scoring, renormalize = _moe_layer_spec(runner)
@@ -186,8 +192,11 @@ def _moe_runner_forward(self, hidden_states, router_logits, input_ids=None, shar
         group = _tp_group().device_group
         combine = moe_combine()
 
+        sizes = dict(intermediate_size=self.moe_config.intermediate_size,  # the model's whole I: its slices
+                     shared_intermediate_size=_shared_intermediate_size(self))  # must be whole lanes
+
         def experts(*args):  # check=False: the ranks hold one configured model's shards (tp.py, row-parallel)
-            return profile.row_parallel_moe_experts(*args, group=group, combine=combine, check=False)
+            return profile.row_parallel_moe_experts(*args, group=group, combine=combine, check=False, **sizes)
 
     # Qwen3-MoE hands the router to the runner (router_logits is then the hidden state): routed here;
     # Qwen2-MoE runs its gate (GateLinear, hooked) before the layer and passes the logits in.
