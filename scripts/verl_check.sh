@@ -24,6 +24,9 @@ TRANSFORMERS_VERSION=5.10.4
 # verl's [fsdp] extra pins trl 0.27.0: verl's apply_monkey_patch imports trl's AutoModelForCausalLMWithValueHead,
 # which the main environment's trl (1.x) no longer has
 TRL_VERSION=0.27.0
+# verl's omegaconf 2.3 reads its grammar with the antlr4 runtime 4.9 (its pin); the main environment may hold a newer
+# runtime (4.13 on this image) that the venv would otherwise import: "Could not deserialize ATN with version 3"
+OMEGACONF_ANTLR="antlr4-python3-runtime==4.9.3"
 VENV=${ALIGNED_VERL_VENV:-build/venvs/verl-$VERL_VERSION}
 start=$(date +%s)
 stamp() { echo "== [verl $VERL_VERSION, $(( $(date +%s) - start ))s] $*"; }
@@ -38,7 +41,8 @@ else
   torch_version=$("$PY" -c "import torch; print(torch.__version__)")
   report="$VENV/resolve.json"
   if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check --dry-run --report "$report" \
-      "verl==$VERL_VERSION" "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" >"$VENV/resolve.log" 2>&1; then
+      "verl==$VERL_VERSION" "transformers==$TRANSFORMERS_VERSION" "trl==$TRL_VERSION" "$OMEGACONF_ANTLR" \
+      >"$VENV/resolve.log" 2>&1; then
     tail -5 "$VENV/resolve.log"
     echo "FAILED: pip cannot resolve verl==$VERL_VERSION transformers==$TRANSFORMERS_VERSION next to the main environment"
     exit 1

@@ -61,7 +61,10 @@ def test_runtime_env_module_is_framework_neutral():
     assert runtime_env.VERL_ENV_VAR == aligned_verl.ENV_VAR and runtime_env.VERL_MODULE == aligned_verl.__name__
     probe = ("import sys, json\nfrom aligned_ops.integrations.{m} import ray_runtime_env\nray_runtime_env(verl=False)\n"
              "print(json.dumps([k for k in ('aligned_ops.integrations.verl', 'vllm') if k in sys.modules]))")
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    import aligned_ops
+
+    # the aligned_ops this process imported (the installed wheel in CI; a dev tree's python/ with its built _C)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(aligned_ops.__file__)))
     env.pop("ALIGNED_OPS_VERL", None)
     loaded = {m: json.loads(subprocess.run([sys.executable, "-c", probe.format(m=m)], env=env, capture_output=True,
                                            text=True, check=True, timeout=120).stdout.strip().splitlines()[-1])
