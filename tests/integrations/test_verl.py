@@ -51,6 +51,18 @@ def test_ray_runtime_env_turns_on_both_sides(monkeypatch):
         aligned_verl.ray_runtime_env(profile="nope")
 
 
+def _aligned_ops_path_for_venv() -> str:
+    """PYTHONPATH for the verl venv's worker: the aligned_ops this process imported. Installed into the main
+    environment's site-packages (CI), nothing: the venv (--system-site-packages) already sees it AFTER its own
+    packages — putting site-packages first would shadow the venv's pins (omegaconf's antlr4 4.9)."""
+    import site
+
+    import aligned_ops
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(aligned_ops.__file__)))
+    return "" if where in {os.path.abspath(p) for p in site.getsitepackages()} else where
+
+
 def test_runtime_env_module_is_framework_neutral():
     """The OpenRLHF recipe imports ray_runtime_env from aligned_ops.integrations.runtime_env: that imports neither the
     verl plugin (its loader) nor vLLM; the verl module re-exports the same function (negative control: importing
@@ -356,7 +368,7 @@ def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path
     import aligned_ops
 
     env = dict(os.environ, ALIGNED_OPS_VERL="1", ALIGNED_OPS_VLLM="1",
-               PYTHONPATH=os.path.dirname(os.path.dirname(aligned_ops.__file__)), VERL_USE_EXTERNAL_PLUGINS="auto")
+               PYTHONPATH=_aligned_ops_path_for_venv(), VERL_USE_EXTERNAL_PLUGINS="auto")
     proc = subprocess.run([python, os.path.join(os.path.dirname(__file__), "_verl_worker.py"), str(saved),
                            str(out_path)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
