@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
+from common import device_median_ms
 
 ops = torch.ops.aligned
 
@@ -36,22 +37,16 @@ class Timer:
         self.device, self.reps = device, reps
 
     def __call__(self, fn) -> float:
-        """Median milliseconds of fn() over self.reps runs after two warm-up runs."""
+        """Median milliseconds of fn() over self.reps runs after two warm-up runs (CPU: wall clock, --smoke)."""
+        if self.device != "cpu":
+            return device_median_ms(fn, self.reps, warmup=2)
         fn()
         fn()
         ts = []
         for _ in range(self.reps):
-            if self.device == "cpu":
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            t0 = time.perf_counter()
             fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
+            ts.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(ts)
 
 

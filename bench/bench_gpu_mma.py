@@ -15,25 +15,14 @@ import sys
 import torch
 
 import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
+from common import device_median_ms
 
 ops = torch.ops.aligned
 
 
 def timed(fn, reps: int) -> float:
-    """Median milliseconds of ``reps`` calls (CUDA events, after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of ``reps`` calls (CUDA events, after 3 warm-up calls): bench/common.py's timer."""
+    return device_median_ms(fn, reps, warmup=3)
 
 
 def main() -> int:

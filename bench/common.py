@@ -32,6 +32,26 @@ def cpu_time_us(fn, min_run_time: float = 0.3, blocks: int = 5) -> float:
     return statistics.median(per) * 1e6
 
 
+def device_median_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``reps`` calls of fn() on a GPU: each call between two CUDA events (the events
+    time the device's work, not the host's launch), after ``warmup`` calls and a synchronize. The GPU benches'
+    one timer (bench_gpu.py, bench_gpu_mma.py)."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def time_us(fn, min_run_time: float = 0.3, cpu_time: bool = False) -> float:
     """Median wall time of fn() in microseconds (blocked_autorange: repeats until min_run_time is spent);
     cpu_time=True: cpu_time_us instead."""
