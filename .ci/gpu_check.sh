@@ -2,10 +2,15 @@
 # gpu_check.sh — the one prepared script for a lent GPU machine: sized to finish inside one command of the
 # device tool (≤ 600 s) with room to spare, build included.
 #
-#   OUT=/some/dir bash .ci/gpu_check.sh [--quick] [--dry-run]     (the device tool sets OUT)
+#   OUT=/some/dir bash .ci/gpu_check.sh [--quick | --build-only] [--dry-run]     (the device tool sets OUT)
 #
-#   --dry-run   lists the steps and their timeouts (full and quick) and their sums, runs nothing
-#   --quick     the steps marked quick, with their quick timeouts (≤ 240 s in all)
+#   --dry-run     lists the steps and their timeouts (full and quick) and their sums, runs nothing
+#   --quick       the steps marked quick, with their quick timeouts (≤ 240 s in all)
+#   --build-only  env, gpu and the build alone, the build with BUILD_ONLY_TIMEOUT (≤ 540 s). The build lands in
+#                 build/gpu-site (inside the checkout: the device tool keeps ignored build outputs between calls
+#                 on a warm machine) with a stamp of the sources it was built from; the next call (full or quick)
+#                 reuses it when the sources are the same, so its whole budget goes to the tests. The lease plan:
+#                 call 1 `--build-only`, call 2 right after it (the machine goes back when idle ~30 s) without.
 #
 # NVIDIA (CUDA torch, nvcc) or AMD (ROCm torch, hipcc / ROCm clang): the backend follows the installed torch.
 # Steps (the table STEPS below; every step runs under its own timeout, and the timeouts add up to ≤ 540 s):
@@ -34,6 +39,7 @@ DRY=0
 for a in "$@"; do
   case "$a" in
     --quick) MODE=quick ;;
+    --build-only) MODE=build-only ;;
     --dry-run) DRY=1 ;;
     -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$a' (use --quick, --dry-run)" >&2; exit 2 ;;
@@ -42,6 +48,7 @@ done
 
 BUDGET_FULL=540
 BUDGET_QUICK=240
+BUILD_ONLY_TIMEOUT=540  # --build-only: the build step's timeout (one device command is ≤ 600 s)
 
 # ---- the steps ----------------------------------------------------------------------------------------------
 # name | full timeout (s) | quick timeout (s, 0 = not in --quick) | needs a GPU | function and arguments
@@ -59,8 +66,8 @@ STEPS=(
   "bench|30|20|yes|step_bench"
   # ---- mma profile: hardware checks (tests/cuda/test_cuda_linear_mma.py) -----------------------------------
   # The bf16 instruction vs the emulator's MMA-Sim model of this arch (agreement printed in tests.log), the
-  # kernel vs the emulated kernel, batch invariance on the hardware. Not yet: speed vs cuBLAS (bench/), and
-  # attention under mma (no kernel yet).
+  # kernel vs the emulated kernel, batch invariance on the hardware; then its speed against cuBLAS and the fma
+  # linear in the same run (bench/bench_gpu_mma.py).
   "mma:test_cuda_linear_mma.py|25|25|yes|step_pytest tests/cuda/test_cuda_linear_mma.py"
   "mma:bench|20|20|yes|step_bench_mma"
 )
@@ -74,13 +81,27 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 SCRATCH=$(mktemp -d)  # per-step scratch: $OUT holds only the files listed above
 trap 'rm -rf "$SCRATCH"' EXIT
-SITE=/tmp/aligned_site
+SITE=$PWD/build/gpu-site      # the wheel's install (kept between the device tool's calls: ignored, in the checkout)
+STAMP=$SITE/.sources-stamp    # what it was built from: source_stamp below
 TEST_PATH=""
 VENDOR=""
 GPU_ARCH=""
 
 field() { echo "$1" | cut -d'|' -f"$2"; }
-timeout_of() { if [ "$MODE" = quick ]; then field "$1" 3; else field "$1" 2; fi; }
+timeout_of() {
+  case "$MODE" in
+    quick) field "$1" 3 ;;
+    build-only) case "$(field "$1" 1)" in build) echo "$BUILD_ONLY_TIMEOUT" ;; env | gpu) field "$1" 2 ;; *) echo 0 ;; esac ;;
+    *) field "$1" 2 ;;
+  esac
+}
+# The build's inputs (no .git is needed: the device tool's copy of the tree may have none) plus the GPU and torch.
+source_stamp() {
+  { find csrc cmake python/aligned_ops -type f \( -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name '*.hip' \
+      -o -name '*.cpp' -o -name '*.cmake' -o -name '*.py' -o -name '*.in' -o -name '*.yaml' \) -print0 | sort -z |
+      xargs -0 sha256sum; sha256sum CMakeLists.txt pyproject.toml; echo "$VENDOR $GPU_ARCH"
+    "$PY" -c "import torch; print(torch.__version__)"; } 2>/dev/null | sha256sum | cut -c1-16
+}
 
 if [ "$DRY" = 1 ]; then
   printf '%-32s %8s %8s  %s\n' "step" "full(s)" "quick(s)" "needs GPU"
@@ -92,7 +113,8 @@ if [ "$DRY" = 1 ]; then
   done
   printf '%-32s %8s %8s\n' "total (timeouts)" "$tf" "$tq"
   printf '%-32s %8s %8s\n' "budget" "$BUDGET_FULL" "$BUDGET_QUICK"
-  if [ "$tf" -gt "$BUDGET_FULL" ] || [ "$tq" -gt "$BUDGET_QUICK" ]; then
+  printf '%-32s %8s\n' "--build-only: build" "$BUILD_ONLY_TIMEOUT"
+  if [ "$tf" -gt "$BUDGET_FULL" ] || [ "$tq" -gt "$BUDGET_QUICK" ] || [ "$BUILD_ONLY_TIMEOUT" -gt 540 ]; then
     echo "gpu_check.sh: the step timeouts exceed the budget" >&2; exit 1
   fi
   exit 0
@@ -155,6 +177,17 @@ step_build() {
     export PYTORCH_ROCM_ARCH="$GPU_ARCH"
   fi
   export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+  local stamp
+  stamp=$(source_stamp)
+  if [ "$MODE" != build-only ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp" ] && [ -d "$SITE/aligned_ops" ]; then
+    echo "== reusing the build of an earlier --build-only call (sources stamp $stamp)"
+    TEST_PATH=$SITE; DETAIL="prebuilt by --build-only (stamp $stamp)"; return 0
+  fi
+  if [ "$MODE" != build-only ] && [ -f build/gpu-device/.sources-stamp ] && [ "$(cat build/gpu-device/.sources-stamp)" = "$stamp" ] \
+      && ls python/aligned_ops/_C*.so >/dev/null 2>&1; then
+    echo "== reusing the CMake dev build of an earlier --build-only call (sources stamp $stamp)"
+    TEST_PATH=$PWD/python; DETAIL="prebuilt dev build (stamp $stamp)"; return 0
+  fi
   if "$PY" -c "import scikit_build_core" >/dev/null 2>&1; then
     echo "== wheel build for $VENDOR $GPU_ARCH (timeout $((limit - 5))s)"
     rm -rf "$SITE" build/gpu-wheel-dist
@@ -162,7 +195,8 @@ step_build() {
       "$PY -m pip wheel -q --no-build-isolation --no-deps -w build/gpu-wheel-dist . && $PY -m pip install -q --no-deps --target $SITE build/gpu-wheel-dist/aligned_ops-*.whl && ls build/gpu-wheel-dist"
     rc=$?
     if [ $rc = 0 ]; then
-      TEST_PATH=$SITE; DETAIL="wheel $(ls build/gpu-wheel-dist | head -1)"; return 0
+      echo "$stamp" >"$STAMP"
+      TEST_PATH=$SITE; DETAIL="wheel $(ls build/gpu-wheel-dist | head -1), $(($(date +%s) - t0)) s"; return 0
     fi
     echo "== wheel build failed (rc=$rc): falling back to the CMake dev build"
   else
@@ -175,7 +209,7 @@ step_build() {
   timeout --kill-after=5 "$left" bash -c \
     "cmake -S . -B build/gpu-device -G Ninja -DPython_EXECUTABLE=\"\$(command -v $PY)\" -DCMAKE_BUILD_TYPE=Release && cmake --build build/gpu-device -j $JOBS"
   rc=$?
-  [ $rc = 0 ] && { TEST_PATH=$PWD/python; DETAIL="CMake dev build (wheel failed or absent)"; }
+  [ $rc = 0 ] && { echo "$stamp" >build/gpu-device/.sources-stamp; TEST_PATH=$PWD/python; DETAIL="CMake dev build (wheel failed or absent)"; }
   return $rc
 }
 
@@ -272,7 +306,7 @@ done
 
 {
   echo
-  echo "total: $(($(date +%s) - START)) s ($MODE mode, budget $([ "$MODE" = quick ] && echo $BUDGET_QUICK || echo $BUDGET_FULL) s)"
+  echo "total: $(($(date +%s) - START)) s ($MODE mode, budget $(case $MODE in quick) echo $BUDGET_QUICK ;; build-only) echo $BUILD_ONLY_TIMEOUT ;; *) echo $BUDGET_FULL ;; esac) s)"
   if [ -f "$SCRATCH/bench.md" ]; then echo; cat "$SCRATCH/bench.md"; fi
 } >>"$SUMMARY"
 echo

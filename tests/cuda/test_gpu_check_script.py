@@ -29,6 +29,9 @@ def test_dry_run_lists_steps_within_the_budget():
     assert full <= 540 and quick <= 240, (full, quick)
     assert rows["build"][0] <= 240
     assert re.search(rf"total \(timeouts\)\s+{full}\s+{quick}", p.stdout)
+    # --build-only: one device command (<= 600 s) for the build alone; the next call reuses it
+    m = re.search(r"^--build-only: build\s+(\d+)$", p.stdout, re.M)
+    assert m and 240 < int(m.group(1)) <= 540, p.stdout
 
 
 def test_bad_flag_is_refused():
@@ -37,9 +40,10 @@ def test_bad_flag_is_refused():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_stops_cleanly_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("mode", ["--quick", "--build-only"])
+def test_stops_cleanly_without_a_gpu(tmp_path, mode):
     env = dict(os.environ, OUT=str(tmp_path / "out"))
-    p = subprocess.run(["bash", str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    p = subprocess.run(["bash", str(SCRIPT), mode], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 3, p.stdout + p.stderr
     assert "no GPU" in p.stdout and "Traceback" not in p.stdout + p.stderr
     files = [f for f in (tmp_path / "out").rglob("*") if f.is_file()]
