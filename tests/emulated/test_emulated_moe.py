@@ -259,3 +259,69 @@ def test_backward_mma_runs_and_is_row_local():
     for a, b in zip(full, alone):
         assert torch.isfinite(a.float()).all()
         assert_bitwise_equal(a[4], b[0])
+
+
+# ---- routing: one thread per token runs moe.h's row functions (the CPU kernels' own) ---------------------------
+
+
+def routing_logits(dt, T=33, E=16, seed=20):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(T, E, generator=g) * 3.0
+    z[2] = -100.0  # sigmoid: the logit form of the weights
+    z[3, :8] = 20.0  # saturated sigmoid scores: ties by the logit / bias, then the index
+    z[4, 5] = float("nan")  # NaN policy: the whole row
+    z[5] = z[5, 0]  # equal logits: the lower id wins
+    return z.to(dt)
+
+
+def routing_grads(fn, z, seed=21):
+    """(weights, ids, scores) and the logits' gradient for fixed fp32 gradients of weights and scores."""
+    zl = z.clone().requires_grad_(True)
+    w, ids, scores = fn(zl)
+    g = torch.Generator().manual_seed(seed)
+    gw, gs = torch.randn(w.shape, generator=g), torch.randn(scores.shape, generator=g)
+    (dz,) = torch.autograd.grad((w * gw).sum() + (scores * gs).sum(), zl)
+    return [w, ids, scores, dz]
+
+
+ROUTINGS = {
+    "softmax_renorm": lambda z: aligned_ops.moe_routing(z, 4, "softmax", True),
+    "sigmoid": lambda z: aligned_ops.moe_routing(z, 3, "sigmoid", False),
+    "sigmoid_renorm": lambda z: aligned_ops.moe_routing(z, 4, "sigmoid", True),
+    "grouped": lambda z: aligned_ops.moe_grouped_routing(
+        z, torch.linspace(-0.2, 0.2, z.shape[1]), 4, 4, 2, True, 2.5),
+    "grouped_nobias": lambda z: aligned_ops.moe_grouped_routing(z, None, 2, 1, 1, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_routing_equals_cpu(arch, dt):
+    z = routing_logits(dt)
+    cpu = {name: routing_grads(fn, z) for name, fn in ROUTINGS.items()}
+    with aligned_ops.emulate(arch) as em:
+        gpu = {name: routing_grads(fn, z) for name, fn in ROUTINGS.items()}
+    assert {"moe_routing_kernel", "moe_routing_backward_kernel", "moe_grouped_routing_kernel",
+            "moe_grouped_routing_backward_kernel"} <= em.kernels()
+    for name in ROUTINGS:
+        for i, (a, b) in enumerate(zip(gpu[name], cpu[name])):
+            assert_bitwise_equal(a, b, f"{name} output {i}")
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+def test_routing_backward_bad_ids(arch):
+    z = routing_logits(torch.float32, T=8)
+    w, ids, _ = ops.moe_routing(z, 2, "softmax", True)
+    bad = ids.clone()
+    bad[1, 0] = -1
+    gw = torch.ones_like(w)
+    cpu = ops.moe_routing_backward(gw, None, z, ids, "softmax", True)
+    with aligned_ops.emulate(arch):
+        aligned_ops.check_device_errors(z)
+        dz = ops.moe_routing_backward(gw, None, z, bad, "softmax", True)
+        dzg = ops.moe_grouped_routing_backward(gw, None, z, bad, True, 1.0)
+        with pytest.raises(RuntimeError, match=r"topk_ids must lie in \[0, experts\)"):
+            aligned_ops.check_device_errors(z)
+    assert torch.isnan(dz[1]).all() and torch.isnan(dzg[1]).all()
+    keep = [0, 2, 3, 5, 6, 7]
+    assert_bitwise_equal(dz[keep], cpu[keep])
