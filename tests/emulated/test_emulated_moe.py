@@ -220,6 +220,12 @@ def test_bad_arguments_by_message():
         with pytest.raises(RuntimeError, match="moe_experts: topk_weights must be float32"):
             ops.moe_experts(x, tw.double(), ids, w13, w2)
         assert ops.moe_experts(x[:0], tw[:0], ids[:0], w13, w2).shape == (0, H)
+        # int32 ids and non-contiguous inputs: the same bits as int64 / contiguous
+        ref = ops.moe_experts(x, tw, ids, w13, w2)
+        assert_bitwise_equal(ops.moe_experts(x, tw, ids.int(), w13, w2), ref)
+        xt = x.t().contiguous().t()
+        assert not xt.is_contiguous()
+        assert_bitwise_equal(ops.moe_experts(xt, tw, ids, w13, w2), ref)
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
