@@ -29,8 +29,12 @@ namespace aligned::gpu {
 
 constexpr int64_t kMoeTileRows = 16;  // rows of one grouped tile (the M <= 16 kernels of both profiles)
 
-// The most tiles N assignments over E experts can need: sum_e ceil(c_e / 16) <= N / 16 + E.
-inline int64_t moe_max_tiles(int64_t N, int64_t E) { return (N + kMoeTileRows - 1) / kMoeTileRows + E; }
+// The most tiles N assignments over E experts can need: sum_e ceil(c_e / 16) <= N / 16 + E, and <= N (every tile
+// holds a row): a decode step (N = k) launches k tiles, not E.
+inline int64_t moe_max_tiles(int64_t N, int64_t E) {
+  const int64_t bound = (N + kMoeTileRows - 1) / kMoeTileRows + E;
+  return bound < N ? bound : N;
+}
 
 // Step 1. A bad id (outside [0, E)) joins no expert: its pos is -1, the combine writes NaN for its token and
 // error_flags[kErrExpertId] = 1 (dense_api.h DeviceError).
