@@ -79,6 +79,13 @@ REQUIRED = {
         "s": (re.compile(r"\bv_mfma_f32_16x16x16_?bf16(_1k)?\b"),
               "v_mfma_f32_16x16x16_bf16 (the mma linear's bf16 instruction)"),
     },
+    # moe_experts' mma profile: its grouped tiles run the mma linear's kernel body (csrc/gpu/moe_kernels.cuh)
+    "moe": {
+        "ptx": (re.compile(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b"),
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (the mma experts' bf16 instruction)"),
+        "s": (re.compile(r"\bv_mfma_f32_16x16x16_?bf16(_1k)?\b"),
+              "v_mfma_f32_16x16x16_bf16 (the mma experts' bf16 instruction)"),
+    },
 }
 
 

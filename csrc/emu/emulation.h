@@ -45,7 +45,11 @@ enum class Fault : int {
   // Kernel variants the mma linear's emulated launcher builds on request (csrc/gpu/mma_launch.cuh), each
   // breaking mma.h's order only for M > 16, so a batch-invariance test must catch them:
   kMmaSplitKByM = 4,     // each K-lane's chain cut in two halves summed afterwards (a split-K chosen by M)
-  kMmaBlockOrderByM = 5, // each K-lane's k-blocks issued in descending order
+  kMmaBlockOrderByM = 5, // each K-lane's k-blocks issued in descending order (also moe_experts' grouped mma
+                         // tiles holding more than one token: csrc/gpu/moe_launch.cuh)
+  // moe_experts' emulated combine (csrc/gpu/moe_launch.cuh) adds a token's expert outputs in expert-id order
+  // instead of its top-k rank order (moe.h): a token's bits then depend on the ids, not the rank order.
+  kMoeCombineByExpert = 6,
 };
 
 struct LaunchRecord {

@@ -31,7 +31,8 @@ enum DeviceError : int {
   kErrTemperature = 1,        // the log-prob family: a per-row temperature not finite or < FLT_MIN
   kErrTokenId = 2,            // token_logprobs(_backward): a token id outside [0, V)
   kErrAttentionPlan = 3,      // attention_varlen_planned / paged_attention_planned: the plan does not fit the call
-  kNumDeviceErrors = 4,
+  kErrExpertId = 4,           // moe_experts: a topk id outside [0, experts) (moe_api.h; the token's row is NaN)
+  kNumDeviceErrors = 5,
 };
 
 // The params structs are the families' own, shared with the CPU backend (csrc/common/params_*.h); the

@@ -124,14 +124,18 @@ constexpr int kSmallCols = 16;  // output columns per block
 constexpr int kSmallThreads = kSmallCols * kLinearLanes;  // 128: 4 columns x 8 lanes per warp
 constexpr int kSmallPrefetch = 8;  // 16-byte vectors of W in flight per thread (128 B: ~4 MB over the chip)
 
-template <typename T, int kM>
-__global__ void __launch_bounds__(kSmallThreads)
-    gemm_small_m_kernel(const T* __restrict__ A, int64_t a_sm, int64_t a_sk, const T* __restrict__ B, int64_t b_sn,
-                        int64_t b_sk, const T* __restrict__ bias, T* __restrict__ C, int64_t c_sm, int64_t M, int64_t N,
-                        int64_t K) {
+// The block's work as a device function: output columns [col_block * kSmallCols, +kSmallCols) of all M rows.
+// TC = T (linear: bias + one rounding) or float (the unrounded 8-lane tree: moe_experts' down projection, whose
+// y stays fp32). The grouped launches of the moe family (moe_kernels.cuh) call it for one expert's row tile, so
+// an expert's rows run exactly the chains of aligned::linear.
+template <typename T, typename TC, int kM>
+__device__ __forceinline__ void gemm_small_m_cols(const T* __restrict__ A, int64_t a_sm, int64_t a_sk,
+                                                  const T* __restrict__ B, int64_t b_sn, int64_t b_sk,
+                                                  const TC* __restrict__ bias, TC* __restrict__ C, int64_t c_sm,
+                                                  int64_t M, int64_t N, int64_t K, int64_t col_block) {
   constexpr int kV = kVecElems<T>;
   const int tid = threadIdx.x, l = tid % kLinearLanes;
-  const int64_t n = (int64_t)blockIdx.x * kSmallCols + tid / kLinearLanes;
+  const int64_t n = col_block * kSmallCols + tid / kLinearLanes;
   const int64_t kb = linear_lane_begin(l, K, kLinearLanes), ke = linear_lane_begin(l + 1, K, kLinearLanes);
   float acc[kM];
 #pragma unroll
@@ -181,6 +185,14 @@ __global__ void __launch_bounds__(kSmallThreads)
     for (int j = 0; j < kLinearLanes; ++j) s[j] = shfl_idx32(acc[m], base + j);
     if (l == 0 && n < N) C[m * c_sm + n] = linear_epilogue(linear_lane_fold(s, kLinearLanes), bias, n);
   }
+}
+
+template <typename T, int kM>
+__global__ void __launch_bounds__(kSmallThreads)
+    gemm_small_m_kernel(const T* __restrict__ A, int64_t a_sm, int64_t a_sk, const T* __restrict__ B, int64_t b_sn,
+                        int64_t b_sk, const T* __restrict__ bias, T* __restrict__ C, int64_t c_sm, int64_t M, int64_t N,
+                        int64_t K) {
+  gemm_small_m_cols<T, T, kM>(A, a_sm, a_sk, B, b_sn, b_sk, bias, C, c_sm, M, N, K, (int64_t)blockIdx.x);
 }
 
 // out[m, n] = linear_epilogue(linear_lane_fold(ws[0..lanes)[m, n]), bias, n): the contract's lane tree, the bias

@@ -3,7 +3,7 @@
 //   device          the nvcc / hip-clang build (linked into a CUDA or ROCm torch's extension only);
 //   emulated_cuda   the emulation target's CUDA spelling (32-lane warps; sm_80, sm_90, sm_100, sm_120);
 //   emulated_hip    the emulation target's HIP spelling (wave64; gfx942, gfx950).
-// Each build defines its tables in its own namespace (dense_launch.cuh, attention_launch.cuh, exact_launch.cuh, mma_launch.cuh),
+// Each build defines its tables in its own namespace (dense_launch.cuh, attention_launch.cuh, exact_launch.cuh, mma_launch.cuh, moe_launch.cuh),
 // exactly as each CPU ISA level defines its kernel tables (csrc/cpu/cpu_dispatch.cpp). Torch-free.
 #pragma once
 
@@ -14,6 +14,7 @@
 #include "dense_api.h"
 #include "exact_api.h"
 #include "mma_api.h"
+#include "moe_api.h"
 
 namespace aligned::gpu {
 
@@ -22,6 +23,7 @@ extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
 extern const MmaLaunchers kMmaLaunchers;
+extern const MoeLaunchers kMoeLaunchers;
 }  // namespace device
 
 namespace emulated_cuda {
@@ -29,6 +31,7 @@ extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
 extern const MmaLaunchers kMmaLaunchers;
+extern const MoeLaunchers kMoeLaunchers;
 // The SIMT runtime's self-test kernels (csrc/emu/selftest_kernels.cuh) in this spelling.
 const char* run_selftest(const std::string& name, std::vector<long long>& out);
 }  // namespace emulated_cuda
@@ -38,6 +41,7 @@ extern const DenseLaunchers kDenseLaunchers;
 extern const AttentionLaunchers kAttentionLaunchers;
 extern const ExactLaunchers kExactLaunchers;
 extern const MmaLaunchers kMmaLaunchers;
+extern const MoeLaunchers kMoeLaunchers;
 const char* run_selftest(const std::string& name, std::vector<long long>& out);
 }  // namespace emulated_hip
 

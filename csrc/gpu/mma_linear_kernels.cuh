@@ -158,11 +158,13 @@ __global__ void __launch_bounds__(kMmaRowThreads) mma_linear_rows_kernel(GemmPar
     }
 }
 
+// The lanes kernel's work for the tile (m0, n0) as a device function (sums: its kMmaLanesSharedBytes of shared
+// memory). The grouped launches of the moe family (moe_kernels.cuh) call it for one expert's tile of <= 16 rows,
+// with p's operands pointing at that expert: the same instructions on the same operands as aligned::linear_mma.
 template <typename TC>
-__global__ void __launch_bounds__(kMmaLaneThreads) mma_linear_lanes_kernel(GemmParams p, int control) {
-  float* sums = dynamic_shared<float>();  // [kLinearLanes][kMmaTile][kMmaTile]
+__device__ __forceinline__ void mma_lanes_tile(const GemmParams& p, int64_t m0, int64_t n0, int control,
+                                               float* sums) {
   const int warp = (int)(threadIdx.x / kBf16MmaWarpLanes);
-  const int64_t m0 = (int64_t)blockIdx.y * kMmaTile, n0 = (int64_t)blockIdx.x * kMmaTile;
   if (warp < p.lanes) {  // warp-uniform: warp w runs K-lane w
     float s[kMmaNInstr][4];
     mma_lane_chain(p, m0, n0, warp, control, s);
@@ -183,6 +185,12 @@ __global__ void __launch_bounds__(kMmaLaneThreads) mma_linear_lanes_kernel(GemmP
     for (int l = 0; l < p.lanes; ++l) v[l] = sums[l * kMmaTile * kMmaTile + t];
     mma_store<TC>(p, v, row, col);
   }
+}
+
+template <typename TC>
+__global__ void __launch_bounds__(kMmaLaneThreads) mma_linear_lanes_kernel(GemmParams p, int control) {
+  float* sums = dynamic_shared<float>();  // [kLinearLanes][kMmaTile][kMmaTile]
+  mma_lanes_tile<TC>(p, (int64_t)blockIdx.y * kMmaTile, (int64_t)blockIdx.x * kMmaTile, control, sums);
 }
 
 }  // namespace aligned::gpu::ALIGNED_GPU_BUILD

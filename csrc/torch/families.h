@@ -24,7 +24,8 @@ struct ExactTp;          // linear_exact_row_scan, _pack_weight_scanned, _partia
 struct ExactReference;   // _linear_exact_reference (the scalar int128 model; a test hook)
 struct Attention;        // attention_varlen (+ backward), reshape_and_cache, paged_attention, the plan and its runs
 struct AttentionSizes;   // attention_plan_size, attention_plan_layout (host metadata only)
-struct Moe;              // moe_routing (+ backward), moe_experts, _moe_experts_reference
+struct Moe;              // moe_routing, moe_grouped_routing (+ backwards), moe_experts
+struct MoeReference;     // _moe_experts_reference (the plain per-token reference; a test hook)
 
 // ---- backends (csrc/torch/backends/) ---------------------------------------------------------------------
 struct Cpu;                                   // the CPU kernels, one ISA level per process (csrc/cpu)

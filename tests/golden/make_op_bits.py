@@ -228,7 +228,8 @@ def cases():
     # Where the process has no unit (the generic / avx2 levels) every op but the scalar reference refuses by name:
     # the entry is then "<name>/refused", the hash of the refusal's first line (the refusal is part of the
     # contract too). The emulated GPUs (run in the generic level's process) run the GPU kernels under the
-    # default model ("mmasim"); there _linear_mma_reference is the arch's unit model too.
+    # default model ("mmasim"), moe_experts' mma profile included (csrc/gpu/moe_kernels.cuh); there
+    # _linear_mma_reference is the arch's unit model too.
     has_unit = aligned_ops.mma_unit() is not None
 
     def refused(thunk):
@@ -247,7 +248,7 @@ def cases():
                 try:
                     return thunk()  # the emulated GPU's kernel (the linear_mma family)
                 except RuntimeError:
-                    pass  # an op with no GPU mma kernel (moe_experts) runs the CPU backend: its refusal, as below
+                    pass  # an op with no GPU mma kernel would run the CPU backend: its refusal, as below
             return refused(thunk)
         return unit_or_refused
 

@@ -246,7 +246,7 @@ void Cpu::log_f32(const Call&, const ElementwiseParams& p) {
 
 // The CPU checks data values on the host and raises at once: no error is ever deferred (zeros).
 at::Tensor Cpu::device_error_flags(const Call& call) {
-  return at::zeros({4}, call.first.options().dtype(at::kInt));  // gpu/dense_api.h kNumDeviceErrors
+  return at::zeros({gpu::kNumDeviceErrors}, call.first.options().dtype(at::kInt));  // as many words as a GPU's
 }
 
 // ---- the CPU key's registrations of these families (register_cpu.cpp) ---------------------------------------

@@ -1,7 +1,8 @@
 // cpu_moe.cpp — the CPU backend's runs of the moe family: the thread split of routing, the grouping of tokens by
 // expert, and the expert projections through the linear profile's GEMM kernel — the `fma` table's
 // (cpu_kernels().gemm, aligned::linear's) or the mma unit's (aligned::linear_mma's), by the op's linear_profile. Arithmetic: csrc/common/moe.h (routing, combine, the shared gate) via csrc/cpu/moe_kernels.cpp.
-// Also the CPU key's registration of the family (register_cpu.cpp).
+// Also the CPU key's registration of the families (register_cpu.cpp; Moe with the emulated GPUs, whose runs are
+// backends/gpu.h's).
 //
 // moe_experts, how a batch runs (none of it can change a token's bits):
 //   1. assignments (token t, rank r) are sorted by expert, tokens in order inside an expert (counting sort);
@@ -29,6 +30,8 @@
 #include "../make_params.h"
 #include "../registration_impl.h"
 #include "cpu.h"
+#include "emulated.h"
+#include "gpu.h"
 
 namespace aligned::glue {
 
@@ -167,6 +170,7 @@ void Cpu::moe_experts_reference(const Call&, const MoeExpertsParams& p) {
 }
 
 // ---- the CPU key's registration of the family (register_cpu.cpp) --------------------------------------------
-template void register_family<Moe, Cpu>(torch::Library&);
+template void register_family<Moe, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
+template void register_family<MoeReference, Cpu>(torch::Library&);
 
 }  // namespace aligned::glue

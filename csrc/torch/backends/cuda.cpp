@@ -20,6 +20,7 @@
 #include "../glue/linear.h"
 #include "../glue/linear_mma.h"
 #include "../glue/logits.h"
+#include "../glue/moe.h"
 #include "../registration_impl.h"
 #include "cuda.h"
 #include "gpu.h"
@@ -57,5 +58,6 @@ template void register_family<LinearMmaReference, Cuda>(torch::Library&);
 template void register_family<Hooks, Cuda>(torch::Library&);
 template void register_family<ExactLinear, Cuda>(torch::Library&);
 template void register_family<Attention, Cuda>(torch::Library&);
+template void register_family<Moe, Cuda>(torch::Library&);
 
 }  // namespace aligned::glue

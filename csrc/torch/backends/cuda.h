@@ -53,6 +53,7 @@ struct CudaDevice {
   static const gpu::AttentionLaunchers& attention() { return gpu::device::kAttentionLaunchers; }
   static const gpu::ExactLaunchers& exact() { return gpu::device::kExactLaunchers; }
   static const gpu::MmaLaunchers& mma() { return gpu::device::kMmaLaunchers; }
+  static const gpu::MoeLaunchers& moe() { return gpu::device::kMoeLaunchers; }
   // _linear_mma_reference: the unit's arithmetic model exists only in the emulator (csrc/emu/bf16_mma_models.h);
   // on the device the op refuses (tests/cuda/test_cuda_linear_mma.py compares the device with that model).
   static void mma_reference(const char* op, const GemmParams&) {

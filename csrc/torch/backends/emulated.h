@@ -70,6 +70,10 @@ struct EmulatedDevice {
     if constexpr (V == emu::Vendor::kHip) return gpu::emulated_hip::kMmaLaunchers;
     else return gpu::emulated_cuda::kMmaLaunchers;
   }
+  static const gpu::MoeLaunchers& moe() {
+    if constexpr (V == emu::Vendor::kHip) return gpu::emulated_hip::kMoeLaunchers;
+    else return gpu::emulated_cuda::kMoeLaunchers;
+  }
   // _linear_mma_reference under emulation: mma.h's mma_block_chain with the active arch's bf16 unit under the
   // scope's model (csrc/emu/bf16_mma_models.h), one output at a time on the host — what the kernels are held to
   // (emulated.cpp).

@@ -9,8 +9,8 @@
 // A Device supplies: check_device(t, first, op, name), Guard, stream(first), error_flags(first) and
 // error_flags_tensor(first) (the persistent words of the in-kernel value checks, dense_api.h DeviceError),
 // upload(...) and copy_into(...) (the only host-to-device copies; a run form of attention makes none),
-// selected() (whether it stands in for the CPU now), and its launcher tables dense(), attention(), exact(), mma()
-// (csrc/gpu/launchers.h).
+// selected() (whether it stands in for the CPU now), and its launcher tables dense(), attention(), exact(), mma(),
+// moe() (csrc/gpu/launchers.h).
 //
 // No run function here reads device data on the host (no .item(), no copy back, no synchronisation): the data
 // checks run in the kernels (kValueChecks = kInKernel), so every op is asynchronous and graph-capturable. The one
@@ -128,6 +128,102 @@ struct Gpu {
   // The scalar model of the unit's chain: the emulated devices run the arch's model on the host
   // (backends/emulated.h); a real GPU has none and refuses by the op's name (backends/cuda.h).
   static void linear_mma_reference(const Call& c, const GemmParams& p) { Device::mma_reference(c.op, p); }
+
+  // ---- the moe routing ops (csrc/gpu/moe_kernels.cuh: one thread per token, csrc/common/moe.h's row functions)
+  // Each call's per-token scratch is one fp32 buffer (moe_api.h moe_routing_scratch_floats); the backwards check
+  // the ids in the kernel (kValueChecks).
+  static void moe_routing(const Call& c, const MoeRoutingParams& p) {
+    const at::Tensor s = routing_scratch(c, p, 0);
+    c.launched(Device::moe().routing(p, s.data_ptr<float>(), c.stream()));
+  }
+  static void moe_routing_backward(const Call& c, const MoeRoutingParams& p) {
+    const at::Tensor s = routing_scratch(c, p, 0);
+    c.launched(Device::moe().routing_backward(p, s.data_ptr<float>(), Device::error_flags(c.first), c.stream()));
+  }
+  static void moe_grouped_routing(const Call& c, const MoeGroupedRoutingParams& p) {
+    const at::Tensor s = routing_scratch(c, p, p.n_group);
+    c.launched(Device::moe().grouped_routing(p, s.data_ptr<float>(), c.stream()));
+  }
+  static void moe_grouped_routing_backward(const Call& c, const MoeGroupedRoutingParams& p) {
+    const at::Tensor s = routing_scratch(c, p, p.n_group);
+    c.launched(
+        Device::moe().grouped_routing_backward(p, s.data_ptr<float>(), Device::error_flags(c.first), c.stream()));
+  }
+
+  // ---- moe_experts (csrc/gpu/moe_kernels.cuh; how a call runs: csrc/gpu/moe_api.h; order: csrc/common/moe.h) --
+  // Every buffer is sized from the shapes (N = T * k assignments, the tile list's capacity moe_max_tiles), every
+  // launch's grid too: no host read of ids, so the call is asynchronous and graph-capturable. The projections
+  // are the profile's linear kernels (grouped over the plan's tiles; the shared expert's and the gate's through
+  // the plain launchers over all T tokens), silu_and_mul the dense op's.
+  static void moe_experts(const Call& c, const MoeExpertsRun& r) {
+    const auto& a = r.a;
+    const int64_t T = a.T, H = a.H, k = a.k, E = a.E, I = a.I, N = T * k;
+    const bool mma = r.linear == ExpertsLinear::kMma;
+    const gpu::MoeLaunchers& L = Device::moe();
+    const auto opts = a.x.options(), i64 = opts.dtype(at::kLong), f32 = opts.dtype(at::kFloat);
+    // 1. the plan
+    const int64_t max_tiles = gpu::moe_max_tiles(N, E);
+    at::Tensor start = at::empty({E + 1}, i64), pos = at::empty({T, k}, i64), src = at::empty({N}, i64);
+    at::Tensor tiles = at::empty({max_tiles, 3}, i64);
+    gpu::MoePlanParams pp{};
+    pp.ids = a.ids.data_ptr<int64_t>();
+    pp.T = T;
+    pp.k = k;
+    pp.E = E;
+    pp.start = start.data_ptr<int64_t>();
+    pp.pos = pos.data_ptr<int64_t>();
+    pp.src = src.data_ptr<int64_t>();
+    pp.tiles = tiles.data_ptr<int64_t>();
+    pp.max_tiles = max_tiles;
+    pp.error_flags = Device::error_flags(c.first);
+    c.launched(L.plan(pp, c.stream()));
+    // 2. gather
+    at::Tensor xg = at::empty({N, H}, opts);
+    gpu::MoeGatherParams gp{};
+    gp.dt = a.dt;
+    gp.x = a.x.data_ptr();
+    gp.src = pp.src;
+    gp.out = xg.data_ptr();
+    gp.N = N;
+    gp.H = H;
+    c.launched(L.gather(gp, c.stream()));
+    // 3.-5. h = round_T(linear(xg, w13[e])), a = silu_and_mul(h), y = linear(a, w2[e]) (fp32) over the tiles
+    auto grouped = [&](const at::Tensor& A, const at::Tensor& B, DType cdt, const at::Tensor& C, int64_t Nout,
+                       int64_t K) {
+      gpu::MoeGroupedGemmParams g{};
+      g.g = row_major_gemm_params(a.dt, A.data_ptr(), B.data_ptr(), cdt, C.data_ptr(), N, Nout, K, kLinearLanes);
+      g.b_se = Nout * K;
+      g.tiles = pp.tiles;
+      g.max_tiles = max_tiles;
+      c.launched(mma ? L.grouped_mma_gemm(g, c.stream()) : L.grouped_gemm(g, c.stream()));
+    };
+    at::Tensor h = at::empty({N, 2 * I}, opts), act = at::empty({N, I}, opts), y = at::empty({N, H}, f32);
+    grouped(xg, a.w13, a.dt, h, 2 * I, H);
+    silu_and_mul(c, silu_and_mul_rows_params(a.dt, h.data_ptr(), act.data_ptr(), N, I));
+    grouped(act, a.w2, DType::F32, y, H, I);
+    // 6. the shared expert over all tokens, and its gate's logit (the plain launchers: row-independent chains)
+    at::Tensor ys, gl;
+    if (a.sw13.defined()) {
+      auto linear = [&](const at::Tensor& A, const at::Tensor& B, DType cdt, const at::Tensor& C, int64_t Nout,
+                        int64_t K) {
+        const GemmParams p =
+            row_major_gemm_params(a.dt, A.data_ptr(), B.data_ptr(), cdt, C.data_ptr(), T, Nout, K, kLinearLanes);
+        if (mma) mma_gemm(c, p);
+        else gemm(c, p);
+      };
+      at::Tensor hs = at::empty({T, 2 * a.Is}, opts), as = at::empty({T, a.Is}, opts);
+      ys = at::empty({T, H}, f32);
+      linear(a.x, a.sw13, a.dt, hs, 2 * a.Is, H);
+      silu_and_mul(c, silu_and_mul_rows_params(a.dt, hs.data_ptr(), as.data_ptr(), T, a.Is));
+      linear(as, a.sw2, DType::F32, ys, H, a.Is);
+      if (a.sgate.defined()) {
+        gl = at::empty({T}, f32);
+        linear(a.x, a.sgate, DType::F32, gl, 1, H);  // the logit; the combine applies moe_shared_gate
+      }
+    }
+    // 7. combine per token in rank order, rounded once
+    c.launched(L.combine(make_moe_combine_params(a.dt, y, pos, a.w, ys, gl, r.out), c.stream()));
+  }
 
   // ---- the exact linear (csrc/gpu/exact_linear_kernels.cuh; numbers: csrc/common/exact_linear.h) ------------
   // Same packed form as the CPU (checks/exact.h): (wd int8 [Sw, Np * Kp], w_exp int32 [N + 1] with K at [N],
@@ -270,6 +366,11 @@ struct Gpu {
 
  private:
   static constexpr int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+  static at::Tensor routing_scratch(const Call& c, const MoeTopkParams& p, int64_t n_group) {
+    const int64_t n = gpu::moe_routing_scratch_floats(p.T, p.E, p.k, n_group);
+    return at::empty({std::max<int64_t>(n, 1)}, c.first.options().dtype(at::kFloat));
+  }
 
   static void exact_row_forms(const Call& c, DType dt, const at::Tensor& v, int64_t rows, int64_t K, at::Tensor& E,
                               at::Tensor& S, at::Tensor& bad) {

@@ -1,6 +1,8 @@
 // glue/moe.h — the moe family's glue bodies (csrc/common/moe.h): moe_routing(+_backward),
-// moe_grouped_routing(+_backward), moe_experts and its per-token scalar reference. The four steps: glue/dense.h. Only the CPU has moe kernels today: under
-// aligned_ops.emulate the family keeps running them (register_cpu.cpp), and a device call fails naming the op.
+// moe_grouped_routing(+_backward), moe_experts and its per-token scalar reference. The four steps: glue/dense.h.
+// Two families: Moe (the routing ops and moe_experts) has GPU kernels (backends/gpu.h, csrc/gpu/moe_kernels.cuh) and
+// runs them on a CUDA / ROCm device and under aligned_ops.emulate; MoeReference (_moe_experts_reference, the plain
+// per-token reference the tests hold the kernels to) has CPU kernels only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -164,9 +166,15 @@ struct Moe {
       Op{"moe_routing", &moe_routing<B>},
       Op{"moe_routing_backward", &moe_routing_backward<B>},
       Op{"moe_experts", &moe_experts<B>},
-      Op{"_moe_experts_reference", &moe_experts_reference<B>},
       Op{"moe_grouped_routing", &moe_grouped_routing<B>},
       Op{"moe_grouped_routing_backward", &moe_grouped_routing_backward<B>},
+  };
+};
+
+struct MoeReference {
+  template <class B>
+  static constexpr std::tuple ops{
+      Op{"_moe_experts_reference", &moe_experts_reference<B>},
   };
 };
 

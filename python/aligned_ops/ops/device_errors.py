@@ -22,6 +22,7 @@ DEVICE_ERRORS = (
     "aligned::attention_varlen_planned/paged_attention_planned: the attention plan does not fit the call (planned "
     "for other heads/head_dim/block_size, more rows than q or the KV, or a larger workspace/table; the outputs are "
     "NaN)",
+    "aligned::moe_experts: topk_ids must lie in [0, experts) (the tokens routed to another id are NaN)",
 )
 
 

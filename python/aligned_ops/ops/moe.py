@@ -248,7 +248,10 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
     return dx.to(x.dtype), dtw, dw13.to(w13.dtype), dw2.to(w2.dtype), dsw13, dsw2, dgate
 
 
-torch.library.register_kernel(_lib + "moe_experts_backward", "cpu", _experts_backward_impl)
+# CPU tensors (the CPU backend, and the emulated GPUs under aligned_ops.emulate: every op it calls then runs the GPU
+# kernel source) and CUDA / ROCm tensors: the ops it is composed of have GPU kernels in both profiles. It reads the
+# experts' token counts on the host (one sync per call: a training step's backward, never a rollout's graph).
+torch.library.register_kernel(_lib + "moe_experts_backward", ("cpu", "cuda"), _experts_backward_impl)
 
 
 @torch.library.register_fake(_lib + "moe_experts_backward")

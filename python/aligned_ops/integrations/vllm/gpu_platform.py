@@ -16,8 +16,12 @@ import torch
 from .patches import MISSING as _MISSING
 
 # The ops a vLLM engine calls through the plugin's hooks (TP adds linear_partial; MoE adds moe_*).
+# The MoE layers' ops (moe.py -> models.moe.sparse_moe): the routing and the experts have GPU kernels
+# (csrc/gpu/moe_kernels.cuh, both linear profiles), so a MoE model's layers run them on CUDA/ROCm like any other
+# op; a build without them is refused at start-up by name instead of failing in the first MoE layer.
+GPU_MOE_OPS = ("moe_routing", "moe_grouped_routing", "moe_experts")
 GPU_REQUIRED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "linear",
-                    "log_softmax", "reshape_and_cache", "paged_attention")
+                    "log_softmax", "reshape_and_cache", "paged_attention") + GPU_MOE_OPS
 # GPUs on which .ci/gpu_check.sh has proven GPU == CPU bit for bit. Empty: nothing was run on a real GPU yet.
 GPU_VERIFIED_ON_HARDWARE: tuple = ()
 GPU_UNVERIFIED_WARNING = (
