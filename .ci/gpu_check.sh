@@ -55,21 +55,23 @@ BUILD_ONLY_TIMEOUT=540  # --build-only: the build step's timeout (one device com
 STEPS=(
   "env|10|10|no|step_env"
   "gpu|15|15|yes|step_gpu"
-  "build|230|130|yes|step_build"
+  "build|225|130|yes|step_build"
   "test:test_cuda_dense.py|55|20|yes|step_pytest tests/cuda/test_cuda_dense.py"
   "test:test_cuda_realistic.py|25|0|yes|step_pytest tests/cuda/test_cuda_realistic.py"
   "test:test_cuda_attention.py|25|0|yes|step_pytest tests/cuda/test_cuda_attention.py"
   "test:test_cuda_exact_linear.py|20|0|yes|step_pytest tests/cuda/test_cuda_exact_linear.py"
   "test:test_cuda_trainer.py|20|0|yes|step_pytest tests/cuda/test_cuda_trainer.py"
-  "sanitize:memcheck|30|0|yes|step_sanitize memcheck"
-  "sanitize:racecheck|30|0|yes|step_sanitize racecheck"
-  "bench|30|20|yes|step_bench"
+  "sanitize:memcheck|25|0|yes|step_sanitize memcheck"
+  "sanitize:racecheck|25|0|yes|step_sanitize racecheck"
+  "bench|25|20|yes|step_bench"
   # ---- mma profile: hardware checks (tests/cuda/test_cuda_linear_mma.py) -----------------------------------
   # The bf16 instruction vs the emulator's MMA-Sim model of this arch (agreement printed in tests.log), the
   # kernel vs the emulated kernel, batch invariance on the hardware; then its speed against cuBLAS and the fma
   # linear in the same run (bench/bench_gpu_mma.py).
   "mma:test_cuda_linear_mma.py|25|25|yes|step_pytest tests/cuda/test_cuda_linear_mma.py"
   "mma:bench|20|20|yes|step_bench_mma"
+  # ---- MoE on the GPU (both profiles): device vs CPU / emulated kernel, a token alone vs batches, graph replay ----
+  "test:test_cuda_moe.py|25|0|yes|step_pytest tests/cuda/test_cuda_moe.py"
 )
 # The GPU test files of tests/cuda. The others there (test_gpu_isa_scan.py, test_gpu_sources.py,
 # test_no_host_sync.py) need no GPU and run in CI.
