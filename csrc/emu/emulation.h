@@ -46,6 +46,9 @@ enum class Fault : int {
   // breaking mma.h's order only for M > 16, so a batch-invariance test must catch them:
   kMmaSplitKByM = 4,     // each K-lane's chain cut in two halves summed afterwards (a split-K chosen by M)
   kMmaBlockOrderByM = 5, // each K-lane's k-blocks issued in descending order
+  // The mma attention's emulated launcher (csrc/gpu/attention_launch.cuh): the score's head_dim blocks in
+  // descending order for sequences with more than one new row (an order that depends on prefill vs decode).
+  kMmaAttnBlockOrderByQLen = 6,
 };
 
 struct LaunchRecord {

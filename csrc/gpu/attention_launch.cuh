@@ -5,6 +5,10 @@
 #pragma once
 
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
+#include "attention_mma_kernels.cuh"
+#if defined(ALIGNED_GPU_EMULATED)
+#include "../emu/emulation.h"
+#endif
 
 namespace aligned::gpu::ALIGNED_GPU_BUILD {
 namespace {
@@ -12,9 +16,28 @@ namespace {
 
 }  // namespace
 
+// The `mma` profile (attention_mma.h): the split kernel on the matrix instruction, then the fma profile's merge.
+const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
+  if (p.dt != DType::BF16) return "aligned attention: the mma profile takes bfloat16 (the matrix unit's input type)";
+  if (p.D > kAttnMmaMaxD) return "aligned attention: head_dim above the mma forward's maximum (256)";
+  int control = kAttnMmaControlNone;
+#if defined(ALIGNED_GPU_EMULATED)
+  // Negative control of the tests only: a score order that depends on prefill vs decode (never built for a GPU).
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
+    control = kAttnMmaControlReverseDByQLen;
+#endif
+  if (p.n_items > 0)
+    ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream, attention_mma_split_kernel<bf16_t>)(
+        p, control);
+  ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_merge_kernel<bf16_t>)(p);
+  return last_error();
+}
+
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
   const char* err = nullptr;
+  if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
+  if (p.profile == kAttnProfileMma) return launch_attention_forward_mma(p, stream);
   if (p.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU forward's maximum (640)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {

@@ -24,6 +24,7 @@ struct ExactTp;          // linear_exact_row_scan, _pack_weight_scanned, _partia
 struct ExactReference;   // _linear_exact_reference (the scalar int128 model; a test hook)
 struct Attention;        // attention_varlen (+ backward), reshape_and_cache, paged_attention, the plan and its runs
 struct AttentionSizes;   // attention_plan_size, attention_plan_layout (host metadata only)
+struct AttentionMmaReference;  // _attention_mma_reference (attention_mma.h's scalar reference; a test hook)
 struct Moe;              // moe_routing (+ backward), moe_experts, _moe_experts_reference
 
 // ---- backends (csrc/torch/backends/) ---------------------------------------------------------------------

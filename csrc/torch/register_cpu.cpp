@@ -22,5 +22,6 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   register_family<ExactReference, Cpu>(m);
   register_family<Attention, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<AttentionSizes, Cpu>(m);
+  register_family<AttentionMmaReference, Cpu, EmulatedCuda, EmulatedHip>(m);  // emulated: the arch's unit model
   register_family<Moe, Cpu>(m);
 }

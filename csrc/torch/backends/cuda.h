@@ -59,6 +59,10 @@ struct CudaDevice {
     TORCH_CHECK(false, "aligned::", op, ": the GPU's matrix unit has no scalar model on the device; call it on CPU "
                 "tensors under aligned_ops.emulate(arch) (the emulator's model of that arch's unit)");
   }
+  static void attention_mma_reference(const char* op, const AttnProblem&, const int32_t*, const int32_t*, int64_t,
+                                      void*, float*) {
+    mma_reference(op, GemmParams{});
+  }
 };
 
 }  // namespace aligned::glue

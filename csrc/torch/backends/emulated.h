@@ -74,6 +74,10 @@ struct EmulatedDevice {
   // scope's model (csrc/emu/bf16_mma_models.h), one output at a time on the host — what the kernels are held to
   // (emulated.cpp).
   static void mma_reference(const char* op, const GemmParams& p);
+  // _attention_mma_reference under emulation: attention_mma.h's attn_mma_row_reference per (row, head) of a
+  // packed varlen batch with the same unit model (emulated.cpp).
+  static void attention_mma_reference(const char* op, const AttnProblem& problem, const int32_t* cu_q,
+                                      const int32_t* cu_k, int64_t n_seqs, void* out, float* lse);
 };
 
 }  // namespace aligned::glue
