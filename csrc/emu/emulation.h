@@ -49,6 +49,8 @@ enum class Fault : int {
   // The mma attention's emulated launcher (csrc/gpu/attention_launch.cuh): the score's head_dim blocks in
   // descending order for sequences with more than one new row (an order that depends on prefill vs decode).
   kMmaAttnBlockOrderByQLen = 6,
+  // ... and FlashAttention's shared V operand: one PV pass per tile with V cut at the group's longest row.
+  kMmaAttnSharedV = 7,
 };
 
 struct LaunchRecord {

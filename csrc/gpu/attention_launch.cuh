@@ -25,6 +25,7 @@ const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
   // Negative control of the tests only: a score order that depends on prefill vs decode (never built for a GPU).
   if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
     control = kAttnMmaControlReverseDByQLen;
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnSharedV) control = kAttnMmaControlSharedV;
 #endif
   if (p.n_items > 0)
     ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream, attention_mma_split_kernel<bf16_t>)(

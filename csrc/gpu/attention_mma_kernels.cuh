@@ -35,10 +35,16 @@ constexpr int kAttnMmaSInstr = kAttnTile / kBf16MmaTileN;           // S instruc
 constexpr int kAttnMmaDInstr = (int)(kGpuAttnMaxD / kBf16MmaTileN);  // PV column instructions at most
 constexpr int64_t kAttnMmaMaxD = kGpuAttnMaxD;                      // the largest head_dim of this kernel
 
-// Negative control (tests only; the emulated launcher builds it on request, emulation.h Fault): the score's
-// d-blocks in descending order for items of sequences with more than one new row — an order that depends on
-// prefill vs decode, which the invariance tests must catch. 0 everywhere else.
-enum AttnMmaControl : int { kAttnMmaControlNone = 0, kAttnMmaControlReverseDByQLen = 1 };
+// Negative controls (tests only; the emulated launcher builds them on request, emulation.h Fault), 0 everywhere
+// else: 1 = the score's d-blocks in descending order for items of sequences with more than one new row (an order
+// that depends on prefill vs decode); 2 = FlashAttention's shared V operand: ONE PV pass per tile with V cut at
+// the group's longest row, so a row multiplies its masked keys' values by P = +0 (attention_mma.h says why that
+// is not neutral on the unit). The invariance tests must catch both.
+enum AttnMmaControl : int {
+  kAttnMmaControlNone = 0,
+  kAttnMmaControlReverseDByQLen = 1,
+  kAttnMmaControlSharedV = 2,
+};
 
 // The warp's shared scratch: the tile's scaled scores, its bf16 P, each row's alpha and nv, and whether each row
 // is active in the split.
@@ -148,9 +154,12 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
       }
       warp_sync();
       // PV: one pass per distinct nv of the group's rows (in row order), V cut at that nv; a row keeps its own
+      int nv_max = 0;  // (the shared-V negative control's one pass)
+      for (int r1 = 0; r1 < kAttnMmaRows; ++r1) nv_max = sc.nv[r1] > nv_max ? sc.nv[r1] : nv_max;
+      const bool shared_v = control == kAttnMmaControlSharedV;
       for (int r0 = 0; r0 < kAttnMmaRows; ++r0) {  // uniform over the warp
-        const int nvp = sc.nv[r0];
-        bool seen = nvp <= 0;
+        const int nvp = shared_v ? nv_max : sc.nv[r0];
+        bool seen = nvp <= 0 || (shared_v && r0 > 0);
         for (int r1 = 0; r1 < r0 && !seen; ++r1) seen = sc.nv[r1] == nvp;
         if (seen) continue;
         const auto a_pv = [&](int kb) {
@@ -176,7 +185,8 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
           for (int r = 0; r < 4; ++r) {
             int row, col;
             bf16_mma_c_coords(r, row, col);
-            if (sc.nv[row] == nvp) acc[n][r] = attn_acc_step(acc[n][r], sc.alpha[row], pv[r]);
+            if (shared_v ? sc.nv[row] > 0 : sc.nv[row] == nvp)
+              acc[n][r] = attn_acc_step(acc[n][r], sc.alpha[row], pv[r]);
           }
         }
       }
