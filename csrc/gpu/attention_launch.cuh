@@ -27,9 +27,19 @@ const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
     control = kAttnMmaControlReverseDByQLen;
   if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnSharedV) control = kAttnMmaControlSharedV;
 #endif
-  if (p.n_items > 0)
-    ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream, attention_mma_split_kernel<bf16_t>)(
-        p, control);
+  if (p.n_items > 0) {  // the head_dim bucket (registers only: attn_mma_d_instr)
+    const int d_instr = attn_mma_d_instr(p.D);
+    constexpr int k64 = 64 / kBf16MmaTileN, k128 = 128 / kBf16MmaTileN;
+    if (d_instr == k64)
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, k64>)(p, control);
+    else if (d_instr == k128)
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, k128>)(p, control);
+    else
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr>)(p, control);
+  }
   ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_merge_kernel<bf16_t>)(p);
   return last_error();
 }

@@ -60,7 +60,15 @@ __device__ __forceinline__ uint16_t attn_mma_bits(const bf16_t* base, int64_t i,
   return ok ? base[i].bits : (uint16_t)0;
 }
 
-template <typename T>
+// The head_dim bucket of a launch (attention_launch.cuh): the C fragments of acc a lane holds, kDInstr instructions
+// of kBf16MmaTileN columns — registers only, never a bit (every bucket runs the same chains on the same operands).
+__host__ __device__ inline int attn_mma_d_instr(int64_t D) {
+  const int64_t need = (D + kBf16MmaTileN - 1) / kBf16MmaTileN;
+  const int64_t b64 = 64 / kBf16MmaTileN, b128 = 128 / kBf16MmaTileN;
+  return need <= b64 ? (int)b64 : need <= b128 ? (int)b128 : kAttnMmaDInstr;
+}
+
+template <typename T, int kDInstr = kAttnMmaDInstr>
 __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(AttnFwdParams p, int control) {
   static_assert(sizeof(T) == sizeof(bf16_t), "the mma profile's attention takes bfloat16");
   __shared__ AttnMmaWarpScratch scratch[kAttnMmaWarps];
@@ -95,9 +103,9 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
     const int64_t nk_i = lane < kAttnMmaRows && pr0 + lane < P ? work_row_keys(p, w, (pr0 + lane) / G) : 0;
     float m = neg_inf_f32(), l = 0.0f;
     if (lane < kAttnMmaRows) sc.active[lane] = nk_i > key0;
-    float acc[kAttnMmaDInstr][4];
+    float acc[kDInstr][4];
 #pragma unroll
-    for (int n = 0; n < kAttnMmaDInstr; ++n)
+    for (int n = 0; n < kDInstr; ++n)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[n][r] = 0.0f;
     for (int64_t j0 = key0; j0 < key_end; j0 += kAttnTile) {
@@ -169,7 +177,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
           };
         };
 #pragma unroll
-        for (int n = 0; n < kAttnMmaDInstr; ++n) {
+        for (int n = 0; n < kDInstr; ++n) {
           const int64_t c0 = (int64_t)n * kBf16MmaTileN;
           if (c0 >= D) break;
           float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -199,7 +207,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
       st[1] = l;
     }
 #pragma unroll
-    for (int n = 0; n < kAttnMmaDInstr; ++n) {
+    for (int n = 0; n < kDInstr; ++n) {
       const int64_t c0 = (int64_t)n * kBf16MmaTileN;
       if (c0 >= D) break;
 #pragma unroll

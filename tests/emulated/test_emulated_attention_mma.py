@@ -112,6 +112,34 @@ def test_kernel_equals_reference(arch, model, shape):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_wide_head_dim_kernel_equals_reference(arch):
+    """head_dim 160: the kernel's widest accumulator bucket (attn_mma_d_instr) against the reference, and the
+    paths over it."""
+    seqs = rand_seqs([34, 9], 2, 1, 160, seed=16)
+    q, k, v, cq, ck = varlen(seqs, [34, 2])
+    with aligned_ops.emulate(arch) as em:
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        ref_out, ref_lse = ops._attention_mma_reference(q, k, v, cq, ck, 160 ** -0.5, True)
+    assert any(l.kernel.startswith("attention_mma_split_kernel") for l in em.launches)
+    assert_bitwise_equal(out, ref_out)
+    assert_bitwise_equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_schedule_gives_the_same_bits(arch):
+    """The emulator's thread / warp / block orders (forward, reverse, random) never change a bit."""
+    seqs = rand_seqs([37, 30], 4, 2, 64, seed=17)
+    q, k, v, cq, ck = varlen(seqs, [37, 5])
+    outs = []
+    for schedule in ("forward", "reverse", "random:7", "random:8"):
+        with aligned_ops.emulate(arch, schedule=schedule):
+            outs.append(aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma"))
+    for out, lse in outs[1:]:
+        assert_bitwise_equal(out, outs[0][0])
+        assert_bitwise_equal(lse, outs[0][1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_non_causal_kernel_equals_reference(arch):
     seqs = rand_seqs([21, 50], 4, 2, 64, seed=2)
     q, k, v, cq, ck = varlen(seqs, [21, 9])
