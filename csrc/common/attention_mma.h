@@ -41,11 +41,28 @@
 // this profile: the CPU backend refuses mma attention by name (the CPU's mma profile covers linear, the LM head
 // and MoE experts only); the emulated backend runs the GPU kernel (csrc/gpu/attention_mma_kernels.cuh) and holds
 // it to attn_mma_row_reference below with the arch's unit model (aligned::_attention_mma_reference).
-// Backward: not yet on the unit — the autograd of an mma forward raises (naming the op), never returns zeros.
+//
+// ---- backward (aligned::attention_varlen_backward with profile = "mma"; packed K/V) ------------------------------
+// Per sequence and KV head g, the pairs e = (new row r ascending, then query head h of the group ascending), as
+// attention.h's backward; n_e = the keys row r sees. With the forward's lse and the bf16 forward output O:
+//   delta_e = attention.h's fma chain over d of (dO_e, O_e)                         (not a matrix product)
+//   s_ej    = attn_mma_dot(q_e, k_j) * scale (the forward's bits), dp_ej = attn_mma_dot(dO_e, v_j) (the unit's
+//             chain over head_dim), for j < n_e
+//   p_ej    = attn_bwd_prob(s_ej, lse_e), ds_ej = attn_bwd_ds(p_ej, dp_ej, delta_e) (fp32);
+//   P_ej = round_bf16(p_ej), dS_ej = round_bf16(ds_ej); both +0 for j >= n_e
+//   dq_e[d] = round(scale * chain over the key-blocks of 16 (keys 16b .. 16b+15) with b < ceil(n_e / 16), ascending,
+//             from +0, of (dS_e., k_.[d]))
+//   dk_j[d] = round(scale * chain over the pair-blocks of 16 (pairs 16b .. 16b+15) that hold a pair seeing key j,
+//             ascending, from +0, of (dS_.j, q_.[d]));   dv_j[d] = round(the same chain of (P_.j, dO_.[d]))
+// where, as in the forward, a masked element (j >= n_e) is +0 in BOTH operands (a kernel issues one pass per
+// distinct mask among an instruction's rows). dq is batch-invariant row by row; dk / dv depend on the sequence's
+// own rows (fixed blocks, fixed order: deterministic, run-to-run and schedule invariant), never on other sequences.
 #pragma once
 
 #include "attention.h"
 #include "mma.h"
+
+#include <vector>  // the host references below
 
 namespace aligned {
 
@@ -125,6 +142,84 @@ inline void attn_mma_row_reference(const bf16_t* q, const bf16_t* K, const bf16_
     st[1] = l;
   }
   attn_merge(part, stride, ns, D, w, out, lse);
+}
+
+// The unit's chain over blocks of 16 elements (element e = 16 b + i) for the blocks b < n_blocks whose live(b)
+// holds, ascending, from C = +0; a(e) / b(e) the operands' bit patterns (+0 where masked, the caller's).
+template <class AOf, class BOf, class Live, class Step>
+ALIGNED_HD float attn_mma_chain(int64_t n_blocks, const AOf& a, const BOf& b, const Live& live, const Step& step) {
+  float acc = 0.0f;
+  for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    if (!live(blk)) continue;
+    uint16_t ab[kMmaGpuKBlock], bb[kMmaGpuKBlock];
+    for (int i = 0; i < kMmaGpuKBlock; ++i) {
+      ab[i] = a(blk * kMmaGpuKBlock + i);
+      bb[i] = b(blk * kMmaGpuKBlock + i);
+    }
+    acc = step(acc, ab, bb);
+  }
+  return acc;
+}
+
+// The backward of one (sequence, KV head g) — the reference of the mma backward kernels. Packed K/V (rows k_begin +
+// j, [Tk, Hkv, D]); q, dO, O: [Tq, Hq, D] from row q_begin; lse [Tq, Hq]. Writes dq of the group's rows and dk, dv of
+// the group's keys (bf16). Host only (scratch vectors).
+template <class Step>
+inline void attn_mma_backward_reference(const bf16_t* q, const bf16_t* K, const bf16_t* V, const bf16_t* dO,
+                                        const bf16_t* O, const float* lse, int64_t q_begin, int64_t q_len,
+                                        int64_t k_begin, int64_t n_ctx, int64_t Hq, int64_t Hkv, int64_t D,
+                                        int64_t g, bool causal, float scale, const Step& step, bf16_t* dq,
+                                        bf16_t* dk, bf16_t* dv) {
+  const int64_t G = Hq / Hkv, P = q_len * G;
+  const auto qrow = [&](int64_t e) { return ((q_begin + e / G) * Hq + g * G + e % G); };  // (row, head) index
+  const auto krow = [&](int64_t j) { return ((k_begin + j) * Hkv + g) * D; };
+  const auto nkeys = [&](int64_t e) { return attn_row_keys(n_ctx - q_len + e / G, n_ctx, causal); };
+  std::vector<bf16_t> Pm((size_t)(P * n_ctx)), dS((size_t)(P * n_ctx));
+  for (int64_t e = 0; e < P; ++e) {
+    const int64_t i = qrow(e), n = nkeys(e);
+    const float delta = attn_dot(dO + i * D, O + i * D, D);
+    for (int64_t j = 0; j < n_ctx; ++j) {
+      float pj = 0.0f, dsj = 0.0f;
+      if (j < n) {
+        const float s = attn_mma_dot(q + i * D, K + krow(j), D, step) * scale;
+        const float dp = attn_mma_dot(dO + i * D, V + krow(j), D, step);
+        pj = attn_bwd_prob(s, lse[i]);
+        dsj = attn_bwd_ds(pj, dp, delta);
+      }
+      Pm[(size_t)(e * n_ctx + j)] = j < n ? attn_mma_prob(pj) : bf16_t{0};
+      dS[(size_t)(e * n_ctx + j)] = j < n ? attn_mma_prob(dsj) : bf16_t{0};
+    }
+  }
+  const auto all = [](int64_t) { return true; };
+  for (int64_t e = 0; e < P; ++e) {
+    const int64_t i = qrow(e), n = nkeys(e);
+    for (int64_t d = 0; d < D; ++d) {
+      const float acc = attn_mma_chain(
+          (n + kMmaGpuKBlock - 1) / kMmaGpuKBlock,
+          [&](int64_t j) { return j < n ? dS[(size_t)(e * n_ctx + j)].bits : (uint16_t)0; },
+          [&](int64_t j) { return j < n ? K[krow(j) + d].bits : (uint16_t)0; }, all, step);
+      dq[i * D + d] = from_f32<bf16_t>(acc * scale);
+    }
+  }
+  const int64_t pair_blocks = (P + kMmaGpuKBlock - 1) / kMmaGpuKBlock;
+  for (int64_t j = 0; j < n_ctx; ++j) {
+    const auto sees = [&](int64_t e) { return e < P && j < nkeys(e); };
+    const auto live = [&](int64_t b) {
+      for (int64_t e = b * kMmaGpuKBlock; e < (b + 1) * kMmaGpuKBlock; ++e)
+        if (sees(e)) return true;
+      return false;
+    };
+    for (int64_t d = 0; d < D; ++d) {
+      const float ak = attn_mma_chain(
+          pair_blocks, [&](int64_t e) { return sees(e) ? dS[(size_t)(e * n_ctx + j)].bits : (uint16_t)0; },
+          [&](int64_t e) { return sees(e) ? q[qrow(e) * D + d].bits : (uint16_t)0; }, live, step);
+      const float av = attn_mma_chain(
+          pair_blocks, [&](int64_t e) { return sees(e) ? Pm[(size_t)(e * n_ctx + j)].bits : (uint16_t)0; },
+          [&](int64_t e) { return sees(e) ? dO[qrow(e) * D + d].bits : (uint16_t)0; }, live, step);
+      dk[krow(j) + d] = from_f32<bf16_t>(ak * scale);
+      dv[krow(j) + d] = from_f32<bf16_t>(av);
+    }
+  }
 }
 
 }  // namespace aligned

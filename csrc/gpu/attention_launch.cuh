@@ -4,6 +4,8 @@
 // depends on the batch beyond the list itself, and no launch shape can change a bit.
 #pragma once
 
+#include <type_traits>
+
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
 #include "attention_mma_kernels.cuh"
 #if defined(ALIGNED_GPU_EMULATED)
@@ -85,7 +87,33 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   return err ? err : last_error();
 }
 
+// The `mma` profile's backward (attention_mma.h): delta (an fma chain), then dq per row block and dk / dv per key
+// tile on the matrix instruction.
+const char* launch_attention_backward_mma(const AttnBwdParams& p, void* stream) {
+  if (p.f.dt != DType::BF16) return "aligned attention: the mma profile takes bfloat16 (the matrix unit's input type)";
+  if (p.f.D > kAttnMmaMaxD) return "aligned attention: head_dim above the mma backward's maximum (256)";
+  if (p.rows > 0) {
+    int64_t blocks = (p.rows + 255) / 256;
+    if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
+    ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<bf16_t>)(p);
+  }
+  const int d_instr = attn_mma_d_instr(p.f.D);
+  auto run = [&](auto bucket) {
+    constexpr int kD = decltype(bucket)::value;
+    if (p.f.n_blocks > 0)
+      ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnMmaThreads, 0, (gpu_stream_t)stream, attention_mma_bwd_dq_kernel<kD>)(p);
+    if (p.n_tiles > 0)
+      ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnMmaBwdKeyThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_bwd_dkdv_kernel<kD>)(p);
+  };
+  if (d_instr == 64 / kBf16MmaTileN) run(std::integral_constant<int, 64 / kBf16MmaTileN>{});
+  else if (d_instr == 128 / kBf16MmaTileN) run(std::integral_constant<int, 128 / kBf16MmaTileN>{});
+  else run(std::integral_constant<int, kAttnMmaDInstr>{});
+  return last_error();
+}
+
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
+  if (p.f.profile == kAttnProfileMma) return launch_attention_backward_mma(p, stream);
   if (p.f.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU kernels' maximum (640)";
   const bool wide = p.f.D > kGpuAttnMaxD;  // the unstaged variants (attention_bwd_dq_kernel), the same bits
   if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";

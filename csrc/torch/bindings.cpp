@@ -73,11 +73,15 @@ TORCH_LIBRARY(aligned, m) {
   m.def(
       "_attention_mma_reference(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
       "bool causal=True) -> (Tensor out, Tensor lse)");
+  m.def(
+      "_attention_mma_backward_reference(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal=True) -> (Tensor dq, Tensor dk, Tensor dv)");
   // plan_info: the info of the plan the forward ran (attention_varlen_planned): the backward refuses offsets that
   // plan was not made from.
   m.def(
       "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, Tensor? plan_info=None) -> "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, Tensor? plan_info=None, "
+      "str profile=\"fma\") -> "
       "(Tensor dq, Tensor dk, Tensor dv)");
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(

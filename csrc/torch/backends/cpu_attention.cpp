@@ -88,6 +88,12 @@ void Cpu::attention_forward(const Call& call, const AttnProblem& problem, const 
   run_forward(problem, attn_plan_view(plan), out, lse);
 }
 
+void Cpu::attention_mma_backward_reference(const Call& call, const AttnBackwardRun&, const int32_t*,
+                                           const int32_t*, int64_t) {
+  TORCH_CHECK(false, "aligned::", call.op, ": needs aligned_ops.emulate(arch): the reference applies the emulator's "
+              "model of that arch's matrix unit");
+}
+
 void Cpu::attention_mma_reference(const Call& call, const AttnProblem&, const int32_t*, const int32_t*, int64_t,
                                   void*, float*) {
   TORCH_CHECK(false, "aligned::", call.op, ": needs aligned_ops.emulate(arch): the reference applies the emulator's "
@@ -109,7 +115,8 @@ void Cpu::attention_forward_planned(const Call& call, const AttnProblem& problem
   run_forward(problem, attn_plan_buffer_view(buffer_info, header, run.capacity, table.data_ptr<int32_t>()), out, lse);
 }
 
-void Cpu::attention_backward(const Call&, const AttnBackwardRun& r) {
+void Cpu::attention_backward(const Call& call, const AttnBackwardRun& r) {
+  refuse_mma_attention(call.op, r.problem);
   const auto& kern = attention_kernels();
   const AttnPlan& plan = *r.plan;
   const int64_t rows = r.q.size(0) * r.q.size(1);

@@ -11,6 +11,7 @@
 
 #include "../../gpu/launchers.h"
 #include "../families.h"
+#include "../run_args.h"
 
 namespace aligned::glue {
 
@@ -61,6 +62,10 @@ struct CudaDevice {
   }
   static void attention_mma_reference(const char* op, const AttnProblem&, const int32_t*, const int32_t*, int64_t,
                                       void*, float*) {
+    mma_reference(op, GemmParams{});
+  }
+  static void attention_mma_backward_reference(const char* op, const AttnBackwardRun&, const int32_t*,
+                                               const int32_t*, int64_t) {
     mma_reference(op, GemmParams{});
   }
 };

@@ -86,6 +86,27 @@ void EmulatedDevice<V>::attention_mma_reference(const char* op, const AttnProble
   }
 }
 
+template <emu::Vendor V>
+void EmulatedDevice<V>::attention_mma_backward_reference(const char* op, const AttnBackwardRun& r, const int32_t* cu_q,
+                                                         const int32_t* cu_k, int64_t n_seqs) {
+  const emu::Arch* arch = emu::active_arch();
+  TORCH_CHECK(arch != nullptr, "aligned::", op, ": no emulated arch is active");
+  const auto unit = (emu::Bf16MmaUnit)arch->bf16_mma_unit;
+  const auto model = (emu::MmaModel)emu::active_mma_model();
+  const auto step = [&](float acc, const uint16_t* xb, const uint16_t* wb) {
+    return emu::bf16_mma_step(unit, model, xb, wb, acc);
+  };
+  const AttnProblem& f = r.problem;
+  for (int64_t b = 0; b < n_seqs; ++b)
+    for (int64_t g = 0; g < f.Hkv; ++g)
+      attn_mma_backward_reference((const bf16_t*)r.q.data_ptr(), (const bf16_t*)r.k.data_ptr(),
+                                  (const bf16_t*)r.v.data_ptr(), (const bf16_t*)r.grad_out.data_ptr(),
+                                  (const bf16_t*)r.out.data_ptr(), r.lse.data_ptr<float>(), cu_q[b],
+                                  cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b], f.Hq, f.Hkv, f.D, g,
+                                  f.causal, f.scale, step, (bf16_t*)r.dq.data_ptr(), (bf16_t*)r.dk.data_ptr(),
+                                  (bf16_t*)r.dv.data_ptr());
+}
+
 template struct EmulatedDevice<emu::Vendor::kCuda>;
 template struct EmulatedDevice<emu::Vendor::kHip>;
 

@@ -54,7 +54,7 @@ template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
     const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-    bool causal, const std::optional<at::Tensor>& plan_info) {
+    bool causal, const std::optional<at::Tensor>& plan_info, c10::string_view profile = "fma") {
   const typename B::Call call(op, grad_out, "grad_out");
   call.on_device(out, "out");
   call.on_device(lse, "lse");
@@ -64,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
   check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const int prof = check_attention_profile<DType>(profile, c.dt, c.shape.D, op);
   if (plan_info.has_value() && plan_info->defined()) {
     const AttnPlanInfo info = plan_info_of(*plan_info, op);
     TORCH_CHECK(info.block_size == 0 && info.Hq == c.shape.Hq && info.Hkv == c.shape.Hkv && info.D == c.shape.D &&
@@ -81,7 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   r.q = q.contiguous();
   r.k = k.contiguous();
   r.v = v.contiguous();
-  r.problem = make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0);
+  r.problem =
+      make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0, prof);
   r.plan = &plan;
   r.grad_out = grad_out.contiguous();
   r.out = out.contiguous();
@@ -247,9 +249,9 @@ template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
-    const std::optional<at::Tensor>& plan_info) {
+    const std::optional<at::Tensor>& plan_info, c10::string_view profile) {
   return attention_varlen_backward_run<B>("attention_varlen_backward", grad_out, q, k, v, out, lse, cu_q, cu_k, scale,
-                                          causal, plan_info);
+                                          causal, plan_info, profile);
 }
 
 template <class B>
@@ -440,9 +442,49 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_reference(const at::Tensor& q, 
   return {out, lse};
 }
 
+// _attention_mma_backward_reference (a test hook): attention_mma.h's attn_mma_backward_reference per (sequence, KV
+// head), the unit's model as above; delta from out as the kernels compute it.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mma_backward_reference(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal) {
+  const char* op = "_attention_mma_backward_reference";
+  const typename B::Call call(op, grad_out, "grad_out");
+  call.on_device(q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  call.on_device(out, "out");
+  call.on_device(lse, "lse");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  check_attention_profile<DType>("mma", c.dt, c.shape.D, op);
+  check_attention_varlen_backward(grad_out, q, out, lse, op);
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         true, op, &plan));
+  AttnBackwardRun r;
+  r.q = q.contiguous();
+  r.k = k.contiguous();
+  r.v = v.contiguous();
+  r.problem = make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0,
+                                kAttnProfileMma);
+  r.plan = &plan;
+  r.grad_out = grad_out.contiguous();
+  r.out = out.contiguous();
+  r.lse = lse.contiguous();
+  r.dq = at::zeros_like(r.q);
+  r.dk = at::zeros_like(r.k);
+  r.dv = at::zeros_like(r.v);
+  B::attention_mma_backward_reference(call, r, cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0) - 1);
+  return {r.dq, r.dk, r.dv};
+}
+
 struct AttentionMmaReference {
   template <class B>
-  static constexpr std::tuple ops{Op{"_attention_mma_reference", &attention_mma_reference<B>}};
+  static constexpr std::tuple ops{Op{"_attention_mma_reference", &attention_mma_reference<B>},
+                                  Op{"_attention_mma_backward_reference", &attention_mma_backward_reference<B>}};
 };
 
 struct AttentionSizes {

@@ -11,7 +11,8 @@ Numerics profiles (the schemas' ``profile``): ``"fma"`` (attention.h: fp32 fma c
 HIP) and ``"mma"`` (``csrc/common/attention_mma.h``: QK^T and PV on the GPU's bf16 matrix instruction, bfloat16
 only; bitwise between rollout and trainer on ONE GPU model, not across vendors / generations nor equal to ``fma``).
 The CPU refuses ``"mma"`` attention (its mma profile covers linear, the LM head and MoE experts only); under
-:func:`aligned_ops.emulate` the GPU kernel runs. The backward of an ``"mma"`` forward is not implemented: it raises.
+:func:`aligned_ops.emulate` the GPU kernel runs. The backward of an ``"mma"`` forward runs on the unit too
+(attention_mma.h "backward": fixed dK/dV chains over blocks of 16 (row, head) pairs, no atomics).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True, profile="fma"):
 
 
 @torch.library.register_fake(_lib + "attention_varlen_backward")
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_info=None):
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_info=None, profile="fma"):
     _check_same_device("attention_varlen_backward", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
+    _check_profile("attention_varlen_backward", profile, q)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -136,6 +138,16 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
     return out, lse
 
 
+@torch.library.register_fake(_lib + "_attention_mma_backward_reference")
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+    _check_same_device("_attention_mma_backward_reference", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
 def _varlen_setup(ctx, inputs, output, plan_info=None):
     q, k, v, cu_q, cu_k, scale, causal = inputs[:7]
     ctx.profile = inputs[7] if len(inputs) > 7 else "fma"
@@ -150,16 +162,11 @@ def _varlen_setup(ctx, inputs, output, plan_info=None):
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    if ctx.profile != "fma":
-        # never zeros: the mma profile's backward (FA-style on the unit, fixed dK/dV order) is not written yet
-        raise NotImplementedError(
-            f"aligned::attention_varlen: the backward of profile={ctx.profile!r} attention is not implemented "
-            "(train through profile='fma', or run the mma forward without gradients)")
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = ops.attention_varlen_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal, ctx.plan_info
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal, ctx.plan_info, ctx.profile
     )
     return dq, dk, dv, None, None, None, None, None
 
@@ -188,6 +195,8 @@ register_no_backward("attention_varlen_backward", "it is a backward op; double b
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
 register_no_backward("paged_attention_planned", "inference only: train through attention_varlen, its bitwise twin")
 register_no_backward("_attention_mma_reference", "a test hook: attention_mma.h's scalar reference of the mma forward")
+register_no_backward("_attention_mma_backward_reference",
+                     "a test hook: attention_mma.h's scalar reference of the mma backward")
 
 
 def _default_scale(op, q):
@@ -207,8 +216,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
     (no copy, no read of device memory), same bits. The call is checked against the plan: other offsets, even with
     the same token count, or another head shape raise (naming the argument); the backward checks its cu_seqlens
     against the plan the forward ran.
-    ``profile``: ``"fma"`` (default) or ``"mma"`` (bfloat16, the GPU's matrix instruction; forward only — its
-    backward raises), a name or a profile object; see the module docstring."""
+    ``profile``: ``"fma"`` (default) or ``"mma"`` (bfloat16, the GPU's matrix instruction, forward and backward),
+    a name or a profile object; see the module docstring."""
     if scale is None:
         scale = _default_scale("attention_varlen", q)
     profile = _profile_name("attention_varlen", profile)
