@@ -161,6 +161,9 @@ ALIGNED_HD float attn_mma_chain(int64_t n_blocks, const AOf& a, const BOf& b, co
   return acc;
 }
 
+// (Host only, and hidden from nvcc: its front end (EDG, nvcc 13.0) stops with an internal error ("il.c",
+// i_copy_expr_tree) on this template's nested lambdas; the references run in the host library, never in a kernel.)
+#if !defined(__CUDACC__)
 // The backward of one (sequence, KV head g) — the reference of the mma backward kernels. Packed K/V (rows k_begin +
 // j, [Tk, Hkv, D]); q, dO, O: [Tq, Hq, D] from row q_begin; lse [Tq, Hq]. Writes dq of the group's rows and dk, dv of
 // the group's keys (bf16). Host only (scratch vectors).
@@ -221,5 +224,7 @@ inline void attn_mma_backward_reference(const bf16_t* q, const bf16_t* K, const 
     }
   }
 }
+
+#endif  // !__CUDACC__
 
 }  // namespace aligned

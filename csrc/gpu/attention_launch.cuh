@@ -4,8 +4,6 @@
 // depends on the batch beyond the list itself, and no launch shape can change a bit.
 #pragma once
 
-#include <type_traits>
-
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
 #include "attention_mma_kernels.cuh"
 #if defined(ALIGNED_GPU_EMULATED)
@@ -31,13 +29,12 @@ const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
 #endif
   if (p.n_items > 0) {  // the head_dim bucket (registers only: attn_mma_d_instr)
     const int d_instr = attn_mma_d_instr(p.D);
-    constexpr int k64 = 64 / kBf16MmaTileN, k128 = 128 / kBf16MmaTileN;
-    if (d_instr == k64)
+    if (d_instr == kAttnMmaDInstr64)
       ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
-                     attention_mma_split_kernel<bf16_t, k64>)(p, control);
-    else if (d_instr == k128)
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr64>)(p, control);
+    else if (d_instr == kAttnMmaDInstr128)
       ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
-                     attention_mma_split_kernel<bf16_t, k128>)(p, control);
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr128>)(p, control);
     else
       ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
                      attention_mma_split_kernel<bf16_t, kAttnMmaDInstr>)(p, control);
@@ -97,18 +94,24 @@ const char* launch_attention_backward_mma(const AttnBwdParams& p, void* stream) 
     if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
     ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<bf16_t>)(p);
   }
+  int control = kAttnMmaControlNone;
+#if defined(ALIGNED_GPU_EMULATED)
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
+    control = kAttnMmaControlReverseDByQLen;  // the tests' negative control (never built for a GPU)
+#endif
   const int d_instr = attn_mma_d_instr(p.f.D);
-  auto run = [&](auto bucket) {
-    constexpr int kD = decltype(bucket)::value;
-    if (p.f.n_blocks > 0)
-      ALIGNED_LAUNCH((unsigned)p.f.n_blocks, kAttnMmaThreads, 0, (gpu_stream_t)stream, attention_mma_bwd_dq_kernel<kD>)(p);
-    if (p.n_tiles > 0)
-      ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnMmaBwdKeyThreads, 0, (gpu_stream_t)stream,
-                     attention_mma_bwd_dkdv_kernel<kD>)(p);
-  };
-  if (d_instr == 64 / kBf16MmaTileN) run(std::integral_constant<int, 64 / kBf16MmaTileN>{});
-  else if (d_instr == 128 / kBf16MmaTileN) run(std::integral_constant<int, 128 / kBf16MmaTileN>{});
-  else run(std::integral_constant<int, kAttnMmaDInstr>{});
+  const unsigned nb = (unsigned)p.f.n_blocks, nt = (unsigned)p.n_tiles;
+  const gpu_stream_t st = (gpu_stream_t)stream;
+  if (d_instr == kAttnMmaDInstr64) {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr64>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr64>)(p, control);
+  } else if (d_instr == kAttnMmaDInstr128) {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr128>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr128>)(p, control);
+  } else {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr>)(p, control);
+  }
   return last_error();
 }
 

@@ -37,7 +37,7 @@ constexpr int64_t kAttnMmaMaxD = kGpuAttnMaxD;                      // the large
 
 // Negative controls (tests only; the emulated launcher builds them on request, emulation.h Fault), 0 everywhere
 // else: 1 = the score's d-blocks in descending order for items of sequences with more than one new row (an order
-// that depends on prefill vs decode); 2 = FlashAttention's shared V operand: ONE PV pass per tile with V cut at
+// that depends on prefill vs decode), and in the backward dk / dv's pair-blocks in descending order; 2 = FlashAttention's shared V operand: ONE PV pass per tile with V cut at
 // the group's longest row, so a row multiplies its masked keys' values by P = +0 (attention_mma.h says why that
 // is not neutral on the unit). The invariance tests must catch both.
 enum AttnMmaControl : int {
@@ -62,10 +62,11 @@ __device__ __forceinline__ uint16_t attn_mma_bits(const bf16_t* base, int64_t i,
 
 // The head_dim bucket of a launch (attention_launch.cuh): the C fragments of acc a lane holds, kDInstr instructions
 // of kBf16MmaTileN columns — registers only, never a bit (every bucket runs the same chains on the same operands).
+constexpr int kAttnMmaDInstr64 = 64 / kBf16MmaTileN;    // head_dim <= 64
+constexpr int kAttnMmaDInstr128 = 128 / kBf16MmaTileN;  // head_dim <= 128
 __host__ __device__ inline int attn_mma_d_instr(int64_t D) {
   const int64_t need = (D + kBf16MmaTileN - 1) / kBf16MmaTileN;
-  const int64_t b64 = 64 / kBf16MmaTileN, b128 = 128 / kBf16MmaTileN;
-  return need <= b64 ? (int)b64 : need <= b128 ? (int)b128 : kAttnMmaDInstr;
+  return need <= kAttnMmaDInstr64 ? kAttnMmaDInstr64 : need <= kAttnMmaDInstr128 ? kAttnMmaDInstr128 : kAttnMmaDInstr;
 }
 
 template <typename T, int kDInstr = kAttnMmaDInstr>
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
 }
 
 template <int kDInstr = kAttnMmaDInstr>
-__global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_kernel(AttnBwdParams p) {
+__global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_kernel(AttnBwdParams p, int control) {
   __shared__ AttnMmaBwdScratch scratch[kAttnMmaBwdKeyWarps];
   const AttnFwdParams& f = p.f;
   const int64_t* w = p.tiles + (int64_t)blockIdx.x * kAttnWorkFields;
@@ -408,7 +409,11 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
   for (int n = 0; n < kDInstr; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) ak[n][r] = av[n][r] = 0.0f;
-  for (int64_t e0 = 0; e0 < P; e0 += kAttnMmaRows) {  // pair-blocks ascending (uniform)
+  const int64_t n_pair_blocks = (P + kAttnMmaRows - 1) / kAttnMmaRows;
+  // (negative control 1: the pair-blocks in descending order for sequences with more than one new row)
+  const bool reverse = control == kAttnMmaControlReverseDByQLen && q_len > 1;
+  for (int64_t pb = 0; pb < n_pair_blocks; ++pb) {  // pair-blocks ascending (uniform)
+    const int64_t e0 = (reverse ? n_pair_blocks - 1 - pb : pb) * kAttnMmaRows;
     int64_t nk_blk = 0;
     for (int i = 0; i < kAttnMmaRows && e0 + i < P; ++i) {
       const int64_t n = pair_keys(e0 + i);

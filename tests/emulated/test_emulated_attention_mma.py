@@ -480,6 +480,37 @@ def test_backward_autograd_deterministic_and_row_invariant(arch):
         assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_control_pair_order_is_caught(arch):
+    """A dk / dv kernel whose pair-block order depends on prefill vs decode (fault mma_attn_block_order_by_q_len:
+    descending pair-blocks for q_len > 1) no longer equals the reference, while the correct kernel does. The data
+    make the order visible in bf16: q = 0 (every p equal, non-causal), dO = +2^16 on the first block of 16 pairs,
+    -2^16 on the second (they cancel exactly in ascending order), small values after."""
+    hq, hkv, d, n = 2, 1, 32, 40  # 80 pairs: 5 pair-blocks
+    g = torch.Generator().manual_seed(26)
+    q = torch.zeros(n, hq, d, dtype=BF16)
+    k = torch.randn(n, hkv, d, generator=g).to(BF16)
+    v = torch.randn(n, hkv, d, generator=g).to(BF16)
+    dout = torch.randn(n, hq, d, generator=g)
+    dout[:8] = 2.0 ** 16   # rows 0..7 x 2 heads = pairs 0..15
+    dout[8:16] = -(2.0 ** 16)
+    dout = dout.to(BF16)
+    cq = ck = cu([n])
+    res = {}
+    for fault in (None, "mma_attn_block_order_by_q_len"):
+        with aligned_ops.emulate(arch, _fault=fault):
+            out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, causal=False, profile="mma")
+            got = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, 0.125, False, None, "mma")
+            ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, 0.125, False)
+        res[fault] = (got, ref)
+    got, ref = res[None]
+    for a, b in zip(got, ref):
+        assert_bitwise_equal(a, b)
+    got, ref = res["mma_attn_block_order_by_q_len"]
+    assert_bitwise_equal(got[0], ref[0])  # dq is not faulted
+    assert not bitwise_equal(got[2], ref[2])
+
+
 def test_backward_differs_from_the_fma_backward():
     """A control that the comparison above can fail: the fma profile's backward of the same problem (its own
     chains) gives other bits than the mma reference."""
