@@ -511,6 +511,24 @@ def test_backward_control_pair_order_is_caught(arch):
     assert not bitwise_equal(got[2], ref[2])
 
 
+def test_planned_backward_equals_per_call():
+    """attention_varlen(plan=..., profile="mma"): its autograd runs the mma backward (the profile travels through
+    the planned form's autograd), the same bits as the per-call form's."""
+    seqs = rand_seqs([21, 12], 4, 2, 64, seed=28)
+    q, k, v, cq, ck = varlen(seqs)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(29)).to(BF16)
+    grads = []
+    for planned in (False, True):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        with aligned_ops.emulate("gfx942"):
+            plan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, 4, 2, 64) if planned else None
+            out, _ = aligned_ops.attention_varlen(qg, kg, vg, cq, ck, plan=plan, profile="mma")
+            out.backward(dout)
+        grads.append((qg.grad, kg.grad, vg.grad))
+    for a, b in zip(*grads):
+        assert_bitwise_equal(a, b)
+
+
 def test_backward_differs_from_the_fma_backward():
     """A control that the comparison above can fail: the fma profile's backward of the same problem (its own
     chains) gives other bits than the mma reference."""
