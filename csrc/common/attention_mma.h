@@ -1,4 +1,4 @@
-// attention_mma.h — attention under the `mma` numerics profile (issue 27): the order of its forward and backward, written once.
+// attention_mma.h — attention under the `mma` numerics profile (issue 27): its forward and backward order, once.
 // attention.h is the `fma` contract (fp32 fma chains: CPU == CUDA == HIP); this file changes ONLY its two matrix
 // products, which run on the GPU's bf16 matrix instruction (mma.h "the GPU units": mma.sync m16n8k16 bf16 on
 // CUDA, v_mfma_f32_16x16x16_bf16 on HIP; one STEP = the unit's fused dot of 16 products onto the fp32 C). Every
