@@ -57,6 +57,10 @@ CU
   if "$PY" cmake/gpu_isa_check.py ptx "$tmp/linear_mma.compute_90.ptx" "$tmp/lm.ok" 2>/dev/null; then
     echo "NEGATIVE CONTROL FAILED: the PTX checker accepted a linear_mma PTX without mma.sync m16n8k16 bf16"; control_ok=0
   fi
+  cp "$tmp/twosum_exact.ptx" "$tmp/attention.compute_90.ptx"
+  if "$PY" cmake/gpu_isa_check.py ptx "$tmp/attention.compute_90.ptx" "$tmp/at.ok" 2>/dev/null; then
+    echo "NEGATIVE CONTROL FAILED: the PTX checker accepted an attention PTX without mma.sync m16n8k16 bf16"; control_ok=0
+  fi
 fi
 if command -v clang++-22 >/dev/null; then
   cat >"$tmp/bad.hip" <<'HIP'

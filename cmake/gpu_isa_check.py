@@ -19,7 +19,7 @@ the source did not write. This script proves, on what the compilers actually emi
   s    (AMDGPU asm):  no v_exp_f32 / v_log_f32 / v_rsq_f32, no f64 fma (v_fma_f64 / v_fmac_f64: contracted,
                       as above), and every kernel preserves f32 denormals (.amdhsa_float_denorm_mode_32 3).
   ll   also: no llvm.fma.f64 / llvm.fmuladd.f64 (the same f64 rule in the device IR).
-  REQUIRED: the matrix instructions a kernel file must contain (ptx / s), e.g. linear_mma's bf16 mma.sync
+  REQUIRED: the matrix instructions a kernel file must contain (ptx / s), e.g. linear_mma's and attention's bf16 mma.sync
                       m16n8k16 / v_mfma_f32_16x16x16_bf16.
 
 Usage: gpu_isa_check.py KIND FILE STAMP   (KIND in ptx, ll, s). Exit status 1 lists the violations.
@@ -85,6 +85,14 @@ REQUIRED = {
                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (the mma experts' bf16 instruction)"),
         "s": (re.compile(r"\bv_mfma_f32_16x16x16_?bf16(_1k)?\b"),
               "v_mfma_f32_16x16x16_bf16 (the mma experts' bf16 instruction)"),
+    },
+    # csrc/cuda/attention.cu / csrc/hip/attention.hip always hold the mma profile's attention forward
+    # (csrc/gpu/attention_mma_kernels.cuh): its QK^T and PV are the same bf16 instruction
+    "attention": {
+        "ptx": (re.compile(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b"),
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (the mma attention's bf16 instruction)"),
+        "s": (re.compile(r"\bv_mfma_f32_16x16x16_?bf16(_1k)?\b"),
+              "v_mfma_f32_16x16x16_bf16 (the mma attention's bf16 instruction)"),
     },
 }
 

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "attention_mma.h"
 #include "attention_plan.h"
 #include "dtype.h"
 
@@ -21,10 +22,12 @@ struct AttnProblem {
   const void* k;        // packed [Tk, Hkv, D] or paged cache [num_blocks, block_size, Hkv, D]
   const void* v;
   int64_t block_size;   // 0: packed K/V
+  int profile;          // AttnProfile (attention_mma.h): kAttnProfileFma (attention.h) or kAttnProfileMma
 };
 
 inline AttnProblem make_attn_problem(DType dt, const AttnShape& sh, double scale, bool causal, const void* q,
-                                     const void* k, const void* v, int64_t block_size) {
+                                     const void* k, const void* v, int64_t block_size,
+                                     int profile = kAttnProfileFma) {
   AttnProblem p{};
   p.dt = dt;
   p.Hq = sh.Hq;
@@ -36,6 +39,7 @@ inline AttnProblem make_attn_problem(DType dt, const AttnShape& sh, double scale
   p.k = k;
   p.v = v;
   p.block_size = block_size;
+  p.profile = profile;
   return p;
 }
 

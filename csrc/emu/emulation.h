@@ -50,6 +50,11 @@ enum class Fault : int {
   // moe_experts' emulated combine (csrc/gpu/moe_launch.cuh) adds a token's expert outputs in expert-id order
   // instead of its top-k rank order (moe.h): a token's bits then depend on the ids, not the rank order.
   kMoeCombineByExpert = 6,
+  // The mma attention's emulated launcher (csrc/gpu/attention_launch.cuh): the score's head_dim blocks in
+  // descending order for sequences with more than one new row (an order that depends on prefill vs decode).
+  kMmaAttnBlockOrderByQLen = 7,
+  // ... and FlashAttention's shared V operand: one PV pass per tile with V cut at the group's longest row.
+  kMmaAttnSharedV = 8,
 };
 
 struct LaunchRecord {

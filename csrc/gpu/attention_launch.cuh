@@ -5,6 +5,10 @@
 #pragma once
 
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
+#include "attention_mma_kernels.cuh"
+#if defined(ALIGNED_GPU_EMULATED)
+#include "../emu/emulation.h"
+#endif
 
 namespace aligned::gpu::ALIGNED_GPU_BUILD {
 namespace {
@@ -12,9 +16,38 @@ namespace {
 
 }  // namespace
 
+// The `mma` profile (attention_mma.h): the split kernel on the matrix instruction, then the fma profile's merge.
+const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
+  if (p.dt != DType::BF16) return "aligned attention: the mma profile takes bfloat16 (the matrix unit's input type)";
+  if (p.D > kAttnMmaMaxD) return "aligned attention: head_dim above the mma forward's maximum (256)";
+  int control = kAttnMmaControlNone;
+#if defined(ALIGNED_GPU_EMULATED)
+  // Negative control of the tests only: a score order that depends on prefill vs decode (never built for a GPU).
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
+    control = kAttnMmaControlReverseDByQLen;
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnSharedV) control = kAttnMmaControlSharedV;
+#endif
+  if (p.n_items > 0) {  // the head_dim bucket (registers only: attn_mma_d_instr)
+    const int d_instr = attn_mma_d_instr(p.D);
+    if (d_instr == kAttnMmaDInstr64)
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr64>)(p, control);
+    else if (d_instr == kAttnMmaDInstr128)
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr128>)(p, control);
+    else
+      ALIGNED_LAUNCH((unsigned)p.n_items, kAttnMmaThreads, 0, (gpu_stream_t)stream,
+                     attention_mma_split_kernel<bf16_t, kAttnMmaDInstr>)(p, control);
+  }
+  ALIGNED_LAUNCH((unsigned)p.n_blocks, kAttnThreads, 0, (gpu_stream_t)stream, attention_merge_kernel<bf16_t>)(p);
+  return last_error();
+}
+
 const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_blocks == 0) return nullptr;
   const char* err = nullptr;
+  if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
+  if (p.profile == kAttnProfileMma) return launch_attention_forward_mma(p, stream);
   if (p.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU forward's maximum (640)";
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {
@@ -51,7 +84,39 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   return err ? err : last_error();
 }
 
+// The `mma` profile's backward (attention_mma.h): delta (an fma chain), then dq per row block and dk / dv per key
+// tile on the matrix instruction.
+const char* launch_attention_backward_mma(const AttnBwdParams& p, void* stream) {
+  if (p.f.dt != DType::BF16) return "aligned attention: the mma profile takes bfloat16 (the matrix unit's input type)";
+  if (p.f.D > kAttnMmaMaxD) return "aligned attention: head_dim above the mma backward's maximum (256)";
+  if (p.rows > 0) {
+    int64_t blocks = (p.rows + 255) / 256;
+    if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
+    ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<bf16_t>)(p);
+  }
+  int control = kAttnMmaControlNone;
+#if defined(ALIGNED_GPU_EMULATED)
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
+    control = kAttnMmaControlReverseDByQLen;  // the tests' negative control (never built for a GPU)
+#endif
+  const int d_instr = attn_mma_d_instr(p.f.D);
+  const unsigned nb = (unsigned)p.f.n_blocks, nt = (unsigned)p.n_tiles;
+  const gpu_stream_t st = (gpu_stream_t)stream;
+  if (d_instr == kAttnMmaDInstr64) {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr64>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr64>)(p, control);
+  } else if (d_instr == kAttnMmaDInstr128) {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr128>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr128>)(p, control);
+  } else {
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr>)(p);
+    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr>)(p, control);
+  }
+  return last_error();
+}
+
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
+  if (p.f.profile == kAttnProfileMma) return launch_attention_backward_mma(p, stream);
   if (p.f.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU kernels' maximum (640)";
   const bool wide = p.f.D > kGpuAttnMaxD;  // the unstaged variants (attention_bwd_dq_kernel), the same bits
   if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";

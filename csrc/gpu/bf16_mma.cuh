@@ -87,4 +87,49 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float (&c)[4], const uint32_t 
 }
 #endif
 
+// One instruction on operands given element-wise (shared by kernels whose operands are not plain strided matrices,
+// e.g. attention_mma_kernels.cuh): c (the C/D fragment of this lane, layout above) = STEP(c, A, B) with A 16 x 16
+// and B 16 x kBf16MmaTileN, a_at(row, k) / b_at(k, col) returning the elements' bf16 bit patterns (the caller
+// writes its own +0 padding there). The whole warp / wave calls it with the same operands.
+template <class AAt, class BAt>
+__device__ __forceinline__ void bf16_mma_step(float (&c)[4], const AAt& a_at, const BAt& b_at) {
+  const int lane = (int)(threadIdx.x % kBf16MmaWarpLanes);
+#if defined(ALIGNED_GPU_HIP)
+  const int i = lane & 15, h = lane >> 4;
+  uint64_t a = 0, b = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    a |= (uint64_t)a_at(i, 4 * h + e) << (16 * e);
+    b |= (uint64_t)b_at(4 * h + e, i) << (16 * e);
+  }
+  mfma_f32_16x16x16_bf16(c, a, b);
+#else
+  const int g = lane >> 2, q = lane & 3;
+  uint32_t a[4], b[2];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // a[r]: row g + 8 (r & 1), k 2q + 8 (r >> 1) and the next k
+    const int row = g + 8 * (r & 1), k = 2 * q + 8 * (r >> 1);
+    a[r] = (uint32_t)a_at(row, k) | (uint32_t)a_at(row, k + 1) << 16;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // b[r]: k 2q + 8r and the next k of column g
+    const int k = 2 * q + 8 * r;
+    b[r] = (uint32_t)b_at(k, g) | (uint32_t)b_at(k + 1, g) << 16;
+  }
+  mma_bf16_m16n8k16(c, a, b);
+#endif
+}
+
+// The (row, col) of the one-instruction tile (16 x kBf16MmaTileN) that register r of this lane's C fragment holds.
+__device__ __forceinline__ void bf16_mma_c_coords(int r, int& row, int& col) {
+  const int lane = (int)(threadIdx.x % kBf16MmaWarpLanes);
+#if defined(ALIGNED_GPU_HIP)
+  row = 4 * (lane >> 4) + r;
+  col = lane & 15;
+#else
+  row = (lane >> 2) + 8 * (r >> 1);
+  col = 2 * (lane & 3) + (r & 1);
+#endif
+}
+
 }  // namespace aligned::gpu::ALIGNED_GPU_BUILD

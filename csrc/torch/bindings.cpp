@@ -67,17 +67,26 @@ TORCH_LIBRARY(aligned, m) {
   // ---- attention (csrc/common/attention.h; planner csrc/common/attention_plan.h) ----
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
+      "bool causal=True, str profile=\"fma\") -> (Tensor out, Tensor lse)");
+  // _attention_mma_reference: attention_mma.h's scalar reference of the mma profile's forward (a test hook: under
+  // aligned_ops.emulate(arch, mma_model=...) the arch's unit model; refused elsewhere).
+  m.def(
+      "_attention_mma_reference(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
       "bool causal=True) -> (Tensor out, Tensor lse)");
+  m.def(
+      "_attention_mma_backward_reference(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal=True) -> (Tensor dq, Tensor dk, Tensor dv)");
   // plan_info: the info of the plan the forward ran (attention_varlen_planned): the backward refuses offsets that
   // plan was not made from.
   m.def(
       "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, Tensor? plan_info=None) -> "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, Tensor? plan_info=None, "
+      "str profile=\"fma\") -> "
       "(Tensor dq, Tensor dk, Tensor dv)");
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale) -> Tensor");
+      "Tensor query_start_loc, float scale, str profile=\"fma\") -> Tensor");
   // Plan/run form (CUDA-graph safe; csrc/common/attention_plan.h; aligned_ops.AttentionPlan). attention_plan plans
   // once from HOST metadata (block_table None: packed, query_start_loc = cu_seqlens_q, kv_lens = cu_seqlens_k; else
   // paged, kv_lens = seq_lens) into caller-owned buffers: plan and plan_table on the run's device, plan_info on the
@@ -97,10 +106,11 @@ TORCH_LIBRARY(aligned, m) {
   m.def("attention_plan_layout(int capacity) -> int[]");  // [plan rows, plan columns, plan_info length]
   m.def(
       "attention_varlen_planned(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor plan, "
-      "Tensor plan_info, int workspace_floats, float scale, bool causal=True) -> (Tensor out, Tensor lse)");
+      "Tensor plan_info, int workspace_floats, float scale, bool causal=True, str profile=\"fma\") -> (Tensor out, "
+      "Tensor lse)");
   m.def(
       "paged_attention_planned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, Tensor plan_table, "
-      "Tensor plan_info, int workspace_floats, float scale) -> Tensor");
+      "Tensor plan_info, int workspace_floats, float scale, str profile=\"fma\") -> Tensor");
   // MLA, latent attention (csrc/common/attention.h "MLA"): one shared KV row per token, kv = [latent || k_rope]
   // of width D = kv_lora_rank + rope_dim, as the one KV head of the attention above (keys: the whole row; values:
   // its first kv_lora_rank dims). q [T, H, D] (absorbed: [q_nope W_UK || q_rope]), out [T, H, kv_lora_rank];

@@ -26,6 +26,7 @@ struct Attention;        // attention_varlen (+ backward), reshape_and_cache, pa
 struct AttentionSizes;   // attention_plan_size, attention_plan_layout (host metadata only)
 struct Moe;              // moe_routing, moe_grouped_routing (+ backwards), moe_experts
 struct MoeReference;     // _moe_experts_reference (the plain per-token reference; a test hook)
+struct AttentionMmaReference;  // _attention_mma_reference (attention_mma.h's scalar reference; a test hook)
 
 // ---- backends (csrc/torch/backends/) ---------------------------------------------------------------------
 struct Cpu;                                   // the CPU kernels, one ISA level per process (csrc/cpu)

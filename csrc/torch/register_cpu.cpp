@@ -24,4 +24,5 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   register_family<AttentionSizes, Cpu>(m);
   register_family<Moe, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<MoeReference, Cpu>(m);
+  register_family<AttentionMmaReference, Cpu, EmulatedCuda, EmulatedHip>(m);  // emulated: the arch's unit model
 }

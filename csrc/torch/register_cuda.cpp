@@ -15,4 +15,5 @@ TORCH_LIBRARY_IMPL(aligned, CUDA, m) {
   register_family<ExactLinear, Cuda>(m);
   register_family<Attention, Cuda>(m);
   register_family<Moe, Cuda>(m);
+  register_family<AttentionMmaReference, Cuda>(m);  // refuses: the unit's model is the emulator's
 }

@@ -196,7 +196,20 @@ NO_BACKWARD = {
 }
 
 _W3 = torch.randn(3, 5)
+
+
+def _emulated(fn):
+    """fn() under aligned_ops.emulate("sm_90") (the mma attention references apply the emulator's unit model)."""
+    with aligned_ops.emulate("sm_90"):
+        return fn()
+
+
+_CU5 = torch.tensor([0, 5], dtype=torch.int32)
 NO_BACKWARD.update({
+    "_attention_mma_reference": lambda x: _emulated(lambda: ops._attention_mma_reference(
+        *(x.to(_BF).reshape(5, 1, 5),) * 3, _CU5, _CU5, 0.5, True)[0]),
+    "_attention_mma_backward_reference": lambda x: _emulated(lambda: ops._attention_mma_backward_reference(
+        *(x.to(_BF).reshape(5, 1, 5),) * 5, torch.zeros(5, 1), _CU5, _CU5, 0.5, True)[0]),
     "linear_partial": lambda x: ops.linear_partial(x, _W3, 8),
     "linear_mma_partial": lambda x: ops.linear_mma_partial(x.to(_BF), _W3.to(_BF), 8),
     "_linear_mma_reference": lambda x: ops._linear_mma_reference(x.to(_BF), _W3.to(_BF), 8),

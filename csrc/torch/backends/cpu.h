@@ -103,6 +103,11 @@ struct Cpu {
                                         const at::Tensor& plan, const at::Tensor& table, int64_t workspace_floats,
                                         const AttnRunDims& run, void* out, float* lse);
   static void attention_backward(const Call&, const AttnBackwardRun& r);
+  // the mma profile's attention (attention_mma.h) has no CPU kernel and no CPU model: refused by name
+  static void attention_mma_reference(const Call&, const AttnProblem& problem, const int32_t* cu_q,
+                                      const int32_t* cu_k, int64_t n_seqs, void* out, float* lse);
+  static void attention_mma_backward_reference(const Call&, const AttnBackwardRun& r, const int32_t* cu_q,
+                                               const int32_t* cu_k, int64_t n_seqs);
   static void cache_write(const Call&, DType dt, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slots);
   static void write_plan(const Call&, const at::Tensor& plan, const at::Tensor& table, const AttnPlan& p);

@@ -74,8 +74,30 @@ void run_forward(const AttnProblem& problem, const AttnPlanView& plan, void* out
 
 }  // namespace
 
-void Cpu::attention_forward(const Call&, const AttnProblem& problem, const AttnPlan& plan, void* out, float* lse) {
+// The CPU runs the `fma` attention only: its mma profile covers linear, the LM head and MoE experts (mma.h); the
+// mma attention is a GPU kernel (attention_mma.h), run here under aligned_ops.emulate(arch).
+static void refuse_mma_attention(const char* op, const AttnProblem& problem) {
+  TORCH_CHECK(problem.profile != kAttnProfileMma, "aligned::", op, ": profile='mma' attention runs on a GPU (or "
+              "under aligned_ops.emulate(arch)); the CPU's mma profile covers linear, the LM head and MoE experts "
+              "only — use profile='fma' on the CPU");
+}
+
+void Cpu::attention_forward(const Call& call, const AttnProblem& problem, const AttnPlan& plan, void* out,
+                            float* lse) {
+  refuse_mma_attention(call.op, problem);
   run_forward(problem, attn_plan_view(plan), out, lse);
+}
+
+void Cpu::attention_mma_backward_reference(const Call& call, const AttnBackwardRun&, const int32_t*,
+                                           const int32_t*, int64_t) {
+  TORCH_CHECK(false, "aligned::", call.op, ": needs aligned_ops.emulate(arch): the reference applies the emulator's "
+              "model of that arch's matrix unit");
+}
+
+void Cpu::attention_mma_reference(const Call& call, const AttnProblem&, const int32_t*, const int32_t*, int64_t,
+                                  void*, float*) {
+  TORCH_CHECK(false, "aligned::", call.op, ": needs aligned_ops.emulate(arch): the reference applies the emulator's "
+              "model of that arch's matrix unit");
 }
 
 // The host plan buffer: its header checked against the call (the GPU kernels' check, here as a clear error — the
@@ -84,6 +106,7 @@ void Cpu::attention_forward(const Call&, const AttnProblem& problem, const AttnP
 void Cpu::attention_forward_planned(const Call& call, const AttnProblem& problem, const AttnPlanInfo&,
                                     const at::Tensor& plan, const at::Tensor& table, int64_t, const AttnRunDims& run,
                                     void* out, float* lse) {
+  refuse_mma_attention(call.op, problem);
   const int64_t* header = plan.data_ptr<int64_t>();
   const int bad = attn_plan_mismatch(header, run);
   TORCH_CHECK(bad == 0, "aligned::", call.op, ": ", attn_plan_mismatch_text(bad));
@@ -92,7 +115,8 @@ void Cpu::attention_forward_planned(const Call& call, const AttnProblem& problem
   run_forward(problem, attn_plan_buffer_view(buffer_info, header, run.capacity, table.data_ptr<int32_t>()), out, lse);
 }
 
-void Cpu::attention_backward(const Call&, const AttnBackwardRun& r) {
+void Cpu::attention_backward(const Call& call, const AttnBackwardRun& r) {
+  refuse_mma_attention(call.op, r.problem);
   const auto& kern = attention_kernels();
   const AttnPlan& plan = *r.plan;
   const int64_t rows = r.q.size(0) * r.q.size(1);
@@ -143,6 +167,7 @@ void Cpu::write_plan(const Call&, const at::Tensor& plan, const at::Tensor& tabl
 // ---- the CPU key's registrations of these families (register_cpu.cpp) ---------------------------------------
 template void register_family<Attention, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
 template void register_family<AttentionSizes, Cpu>(torch::Library&);
+template void register_family<AttentionMmaReference, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
 
 }  // namespace aligned::glue
 

@@ -59,5 +59,6 @@ template void register_family<Hooks, Cuda>(torch::Library&);
 template void register_family<ExactLinear, Cuda>(torch::Library&);
 template void register_family<Attention, Cuda>(torch::Library&);
 template void register_family<Moe, Cuda>(torch::Library&);
+template void register_family<AttentionMmaReference, Cuda>(torch::Library&);
 
 }  // namespace aligned::glue

@@ -11,6 +11,7 @@
 
 #include "../../gpu/launchers.h"
 #include "../families.h"
+#include "../run_args.h"
 
 namespace aligned::glue {
 
@@ -59,6 +60,14 @@ struct CudaDevice {
   static void mma_reference(const char* op, const GemmParams&) {
     TORCH_CHECK(false, "aligned::", op, ": the GPU's matrix unit has no scalar model on the device; call it on CPU "
                 "tensors under aligned_ops.emulate(arch) (the emulator's model of that arch's unit)");
+  }
+  static void attention_mma_reference(const char* op, const AttnProblem&, const int32_t*, const int32_t*, int64_t,
+                                      void*, float*) {
+    mma_reference(op, GemmParams{});
+  }
+  static void attention_mma_backward_reference(const char* op, const AttnBackwardRun&, const int32_t*,
+                                               const int32_t*, int64_t) {
+    mma_reference(op, GemmParams{});
   }
 };
 

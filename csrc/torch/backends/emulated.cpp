@@ -3,10 +3,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "../../common/attention_mma.h"
 #include "../../common/mma.h"
 #include "../../emu/bf16_mma_models.h"
 #include "../../gpu/dense_api.h"
@@ -53,6 +55,58 @@ void EmulatedDevice<V>::mma_reference(const char* op, const GemmParams& p) {
     }
 }
 
+template <emu::Vendor V>
+void EmulatedDevice<V>::attention_mma_reference(const char* op, const AttnProblem& f, const int32_t* cu_q,
+                                                const int32_t* cu_k, int64_t n_seqs, void* out, float* lse) {
+  const emu::Arch* arch = emu::active_arch();
+  TORCH_CHECK(arch != nullptr, "aligned::", op, ": no emulated arch is active");
+  const auto unit = (emu::Bf16MmaUnit)arch->bf16_mma_unit;
+  const auto model = (emu::MmaModel)emu::active_mma_model();
+  const auto step = [&](float acc, const uint16_t* xb, const uint16_t* wb) {
+    return emu::bf16_mma_step(unit, model, xb, wb, acc);
+  };
+  const auto* q = (const bf16_t*)f.q;
+  const auto* k = (const bf16_t*)f.k;
+  const auto* v = (const bf16_t*)f.v;
+  const int64_t G = f.Hq / f.Hkv, D = f.D;
+  std::vector<float> part, w;
+  for (int64_t b = 0; b < n_seqs; ++b) {
+    const int64_t q0 = cu_q[b], q_len = cu_q[b + 1] - q0, k0 = cu_k[b], n_ctx = cu_k[b + 1] - k0;
+    const KvRows kv{f.Hkv, D, 0, k0, nullptr};
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t n_keys = attn_row_keys(n_ctx - q_len + i, n_ctx, f.causal), ns = attn_num_splits(n_keys);
+      part.assign((size_t)std::max<int64_t>(1, ns * (D + 2)), 0.0f);
+      w.assign((size_t)std::max<int64_t>(1, ns), 0.0f);
+      for (int64_t h = 0; h < f.Hq; ++h) {
+        const int64_t row = (q0 + i) * f.Hq + h;
+        attn_mma_row_reference(q + row * D, k, v, kv, h / G, n_keys, D, f.scale, step, part.data(), w.data(),
+                               (bf16_t*)out + row * D, lse + row);
+      }
+    }
+  }
+}
+
+template <emu::Vendor V>
+void EmulatedDevice<V>::attention_mma_backward_reference(const char* op, const AttnBackwardRun& r, const int32_t* cu_q,
+                                                         const int32_t* cu_k, int64_t n_seqs) {
+  const emu::Arch* arch = emu::active_arch();
+  TORCH_CHECK(arch != nullptr, "aligned::", op, ": no emulated arch is active");
+  const auto unit = (emu::Bf16MmaUnit)arch->bf16_mma_unit;
+  const auto model = (emu::MmaModel)emu::active_mma_model();
+  const auto step = [&](float acc, const uint16_t* xb, const uint16_t* wb) {
+    return emu::bf16_mma_step(unit, model, xb, wb, acc);
+  };
+  const AttnProblem& f = r.problem;
+  for (int64_t b = 0; b < n_seqs; ++b)
+    for (int64_t g = 0; g < f.Hkv; ++g)
+      attn_mma_backward_reference((const bf16_t*)r.q.data_ptr(), (const bf16_t*)r.k.data_ptr(),
+                                  (const bf16_t*)r.v.data_ptr(), (const bf16_t*)r.grad_out.data_ptr(),
+                                  (const bf16_t*)r.out.data_ptr(), r.lse.data_ptr<float>(), cu_q[b],
+                                  cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b], f.Hq, f.Hkv, f.D, g,
+                                  f.causal, f.scale, step, (bf16_t*)r.dq.data_ptr(), (bf16_t*)r.dk.data_ptr(),
+                                  (bf16_t*)r.dv.data_ptr());
+}
+
 template struct EmulatedDevice<emu::Vendor::kCuda>;
 template struct EmulatedDevice<emu::Vendor::kHip>;
 
@@ -75,7 +129,7 @@ std::vector<int64_t> emulate_selftest(const std::string& name) {
 void emulate_enter(const std::string& arch, int64_t fault, int64_t mma_model) {
   const Arch* a = find_arch(arch);
   TORCH_CHECK(a != nullptr, "aligned_ops.emulate: arch must be one of ", known_archs(), ", got '", arch, "'");
-  TORCH_CHECK(fault >= 0 && fault <= 6, "aligned_ops.emulate: unknown fault ", fault);
+  TORCH_CHECK(fault >= 0 && fault <= 8, "aligned_ops.emulate: unknown fault ", fault);
   TORCH_CHECK(mma_model >= 0 && mma_model <= 1, "aligned_ops.emulate: unknown mma_model ", mma_model);
   enter(a, (Fault)fault, (int)mma_model);
 }

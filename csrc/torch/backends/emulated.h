@@ -15,6 +15,7 @@
 #include "../../emu/emulation.h"
 #include "../../gpu/launchers.h"
 #include "../families.h"
+#include "../run_args.h"
 
 namespace aligned::glue {
 
@@ -78,6 +79,12 @@ struct EmulatedDevice {
   // scope's model (csrc/emu/bf16_mma_models.h), one output at a time on the host — what the kernels are held to
   // (emulated.cpp).
   static void mma_reference(const char* op, const GemmParams& p);
+  // _attention_mma_reference under emulation: attention_mma.h's attn_mma_row_reference per (row, head) of a
+  // packed varlen batch with the same unit model (emulated.cpp).
+  static void attention_mma_reference(const char* op, const AttnProblem& problem, const int32_t* cu_q,
+                                      const int32_t* cu_k, int64_t n_seqs, void* out, float* lse);
+  static void attention_mma_backward_reference(const char* op, const AttnBackwardRun& r, const int32_t* cu_q,
+                                               const int32_t* cu_k, int64_t n_seqs);
 };
 
 }  // namespace aligned::glue

@@ -305,8 +305,21 @@ struct Gpu {
                    part.data_ptr<float>(), grid, grid);
   }
 
+  // _attention_mma_reference / _attention_mma_backward_reference: the emulated devices' scalar references with the
+  // arch's unit model; a GPU refuses.
+  static void attention_mma_reference(const Call& c, const AttnProblem& problem, const int32_t* cu_q,
+                                      const int32_t* cu_k, int64_t n_seqs, void* out, float* lse) {
+    Device::attention_mma_reference(c.op, problem, cu_q, cu_k, n_seqs, out, lse);
+  }
+  static void attention_mma_backward_reference(const Call& c, const AttnBackwardRun& r, const int32_t* cu_q,
+                                               const int32_t* cu_k, int64_t n_seqs) {
+    Device::attention_mma_backward_reference(c.op, r, cu_q, cu_k, n_seqs);
+  }
+
   // The backward: delta per row, dq per row block, dk/dv per key tile (the plan's), every gradient element one
-  // fma chain in attention.h's order; the records (row blocks, then key tiles) uploaded in one copy.
+  // fma chain in attention.h's order (mma profile: attention_mma.h's chains); the records (row blocks, then key
+  // tiles) uploaded in one copy.
+
   static void attention_backward(const Call& c, const AttnBackwardRun& r) {
     const AttnProblem& f = r.problem;
     const AttnPlan& plan = *r.plan;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/attention_mma.h"
 #include "../../common/attention_plan.h"
 #include "common.h"
 
@@ -413,6 +414,20 @@ inline std::vector<int64_t> attention_plan_size(const at::Tensor& qsl, const at:
 inline std::vector<int64_t> attention_plan_layout(int64_t capacity) {
   TORCH_CHECK(capacity >= 0, "aligned::attention_plan_layout: capacity must be >= 0, got ", capacity);
   return {kAttnPlanHeaderRows + 2 * capacity, kAttnWorkFields, kAttnPlanFields};
+}
+
+// The numerics profile of an attention call (attention_varlen, paged_attention and their run forms: the schemas'
+// `profile`): "fma" (attention.h, every dtype) or "mma" (attention_mma.h: bfloat16 only, head_dim <= 256 — the
+// GPU kernel's; the backend's run refuses where it has no matrix unit kernel: the CPU).
+template <class DTypeEnum>
+int check_attention_profile(c10::string_view profile, DTypeEnum dt, int64_t D, const char* op) {
+  if (profile == "fma") return kAttnProfileFma;
+  TORCH_CHECK(profile == "mma", "aligned::", op, ": profile must be 'fma' or 'mma', got '", std::string(profile),
+              "'");
+  TORCH_CHECK(dt == DTypeEnum::BF16, "aligned::", op, ": the mma profile's attention takes bfloat16 q/k/v (the "
+              "matrix unit's input type; float16 / float32 run profile='fma')");
+  TORCH_CHECK(D <= 256, "aligned::", op, ": the mma profile's attention supports head_dim <= 256, got ", D);
+  return kAttnProfileMma;
 }
 
 }  // namespace aligned

@@ -25,13 +25,15 @@ namespace aligned::glue {
 template <class B>
 std::tuple<at::Tensor, at::Tensor> attention_varlen_run(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, const at::Tensor& cu_q,
-                                                        const at::Tensor& cu_k, double scale, bool causal) {
+                                                        const at::Tensor& cu_k, double scale, bool causal,
+                                                        c10::string_view profile = "fma") {
   const typename B::Call call(op, q, "q");
   call.on_device(k, "k");
   call.on_device(v, "v");
   check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
   check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const int prof = check_attention_profile<DType>(profile, c.dt, c.shape.D, op);
   const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
   AttnPlan plan;
   check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
@@ -40,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_run(const char* op, const at
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   B::attention_forward(call, make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(),
-                                               vc.data_ptr(), 0),
+                                               vc.data_ptr(), 0, prof),
                        plan, out.data_ptr(), lse.data_ptr<float>());
   return {out, lse};
 }
@@ -52,7 +54,7 @@ template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
     const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-    bool causal, const std::optional<at::Tensor>& plan_info) {
+    bool causal, const std::optional<at::Tensor>& plan_info, c10::string_view profile = "fma") {
   const typename B::Call call(op, grad_out, "grad_out");
   call.on_device(out, "out");
   call.on_device(lse, "lse");
@@ -62,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
   check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  const int prof = check_attention_profile<DType>(profile, c.dt, c.shape.D, op);
   if (plan_info.has_value() && plan_info->defined()) {
     const AttnPlanInfo info = plan_info_of(*plan_info, op);
     TORCH_CHECK(info.block_size == 0 && info.Hq == c.shape.Hq && info.Hkv == c.shape.Hkv && info.D == c.shape.D &&
@@ -79,7 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   r.q = q.contiguous();
   r.k = k.contiguous();
   r.v = v.contiguous();
-  r.problem = make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0);
+  r.problem =
+      make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0, prof);
   r.plan = &plan;
   r.grad_out = grad_out.contiguous();
   r.out = out.contiguous();
@@ -120,7 +124,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 template <class B>
 at::Tensor paged_attention_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                               const at::Tensor& qsl, double scale) {
+                               const at::Tensor& qsl, double scale, c10::string_view profile = "fma") {
   const typename B::Call call(op, q, "q");
   call.on_device(k_cache, "k_cache");
   call.on_device(v_cache, "v_cache");
@@ -128,6 +132,7 @@ at::Tensor paged_attention_run(const char* op, const at::Tensor& q, const at::Te
   check_attention_metadata_host(seq_lens, op, "seq_lens");
   check_attention_metadata_host(qsl, op, "query_start_loc");
   const auto c = check_paged_attention<DType>(q, k_cache, v_cache, block_table, seq_lens, qsl, scale, op);
+  const int prof = check_attention_profile<DType>(profile, c.dt, c.shape.D, op);
   auto bt = block_table.contiguous(), sl = seq_lens.contiguous(), ql = qsl.contiguous();
   AttnPlan plan;
   check_plan(plan_paged(ql.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), sl.size(0),
@@ -136,7 +141,7 @@ at::Tensor paged_attention_run(const char* op, const at::Tensor& q, const at::Te
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
   B::attention_forward(call, make_attn_problem(c.dt, c.shape, scale, true, qc.data_ptr(), k_cache.data_ptr(),
-                                               v_cache.data_ptr(), k_cache.size(1)),
+                                               v_cache.data_ptr(), k_cache.size(1), prof),
                        plan, out.data_ptr(), lse.data_ptr<float>());
   return out;
 }
@@ -173,7 +178,9 @@ std::tuple<at::Tensor, at::Tensor> attention_run_planned(const typename B::Call&
                                                          int64_t block_size, const at::Tensor& plan,
                                                          const at::Tensor& table, const at::Tensor& plan_info,
                                                          int64_t workspace_floats, double scale,
-                                                         const at::Tensor* cu_q, const at::Tensor* cu_k) {
+                                                         const at::Tensor* cu_q, const at::Tensor* cu_k,
+                                                         c10::string_view profile = "fma") {
+  const int prof = check_attention_profile<DType>(profile, c.dt, c.shape.D, op);
   call.on_device(plan, "plan");
   if (block_size > 0) call.on_device(table, "plan_table");
   check_plan_buffers(plan, table, workspace_floats, op);
@@ -185,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> attention_run_planned(const typename B::Call&
   auto out = at::empty_like(qc);
   auto lse = at::empty({q.size(0), c.shape.Hq}, q.options().dtype(at::kFloat));
   B::attention_forward_planned(call, make_attn_problem(c.dt, c.shape, scale, c.shape.causal, qc.data_ptr(),
-                                                       k.data_ptr(), v.data_ptr(), block_size),
+                                                       k.data_ptr(), v.data_ptr(), block_size, prof),
                                info, plan, table, workspace_floats, run, out.data_ptr(), lse.data_ptr<float>());
   return {out, lse};
 }
@@ -195,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q,
                                                             const at::Tensor& v, const at::Tensor& cu_q,
                                                             const at::Tensor& cu_k, const at::Tensor& plan,
                                                             const at::Tensor& plan_info, int64_t workspace_floats,
-                                                            double scale, bool causal) {
+                                                            double scale, bool causal, c10::string_view profile) {
   const char* op = "attention_varlen_planned";
   const typename B::Call call(op, q, "q");
   call.on_device(k, "k");
@@ -205,19 +212,21 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_planned(const at::Tensor& q,
   const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
   const at::Tensor no_table = at::empty({0}, plan.options().dtype(at::kInt));
   return attention_run_planned<B>(call, op, c, q, k.contiguous(), v.contiguous(), k.size(0), 0, plan, no_table,
-                                  plan_info, workspace_floats, scale, &cu_q, &cu_k);
+                                  plan_info, workspace_floats, scale, &cu_q, &cu_k, profile);
 }
 
 template <class B>
 at::Tensor paged_attention_planned_run(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& plan, const at::Tensor& table,
-                                       const at::Tensor& plan_info, int64_t workspace_floats, double scale) {
+                                       const at::Tensor& plan_info, int64_t workspace_floats, double scale,
+                                       c10::string_view profile = "fma") {
   const typename B::Call call(op, q, "q");
   call.on_device(k_cache, "k_cache");
   call.on_device(v_cache, "v_cache");
   const auto c = check_paged_q_cache<DType>(q, k_cache, v_cache, scale, op);
   return std::get<0>(attention_run_planned<B>(call, op, c, q, k_cache, v_cache, k_cache.size(0), k_cache.size(1),
-                                              plan, table, plan_info, workspace_floats, scale, nullptr, nullptr));
+                                              plan, table, plan_info, workspace_floats, scale, nullptr, nullptr,
+                                              profile));
 }
 
 // What a plan of this host metadata needs (host only: the same on every backend).
@@ -232,32 +241,32 @@ std::vector<int64_t> attention_plan_size_op(const at::Tensor& qsl, const at::Ten
 template <class B>
 std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& cu_q, const at::Tensor& cu_k, double scale,
-                                                    bool causal) {
-  return attention_varlen_run<B>("attention_varlen", q, k, v, cu_q, cu_k, scale, causal);
+                                                    bool causal, c10::string_view profile) {
+  return attention_varlen_run<B>("attention_varlen", q, k, v, cu_q, cu_k, scale, causal, profile);
 }
 
 template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
-    const std::optional<at::Tensor>& plan_info) {
+    const std::optional<at::Tensor>& plan_info, c10::string_view profile) {
   return attention_varlen_backward_run<B>("attention_varlen_backward", grad_out, q, k, v, out, lse, cu_q, cu_k, scale,
-                                          causal, plan_info);
+                                          causal, plan_info, profile);
 }
 
 template <class B>
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qsl,
-                           double scale) {
-  return paged_attention_run<B>("paged_attention", q, k_cache, v_cache, block_table, seq_lens, qsl, scale);
+                           double scale, c10::string_view profile) {
+  return paged_attention_run<B>("paged_attention", q, k_cache, v_cache, block_table, seq_lens, qsl, scale, profile);
 }
 
 template <class B>
 at::Tensor paged_attention_planned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& plan, const at::Tensor& table, const at::Tensor& plan_info,
-                                   int64_t workspace_floats, double scale) {
+                                   int64_t workspace_floats, double scale, c10::string_view profile) {
   return paged_attention_planned_run<B>("paged_attention_planned", q, k_cache, v_cache, plan, table, plan_info,
-                                        workspace_floats, scale);
+                                        workspace_floats, scale, profile);
 }
 
 // ---- MLA: latent attention (attention.h "MLA") ---------------------------------------------------------------
@@ -402,6 +411,80 @@ struct Attention {
       Op{"mla_paged_attention", &mla_paged_attention<B>},
       Op{"mla_paged_attention_planned", &mla_paged_attention_planned<B>},
   };
+};
+
+// _attention_mma_reference (a test hook): attention_mma.h's scalar reference of the mma profile's forward over a
+// packed varlen batch, with the unit's model — under aligned_ops.emulate(arch, mma_model=...) the arch's (the
+// emulated backends, backends/emulated.cpp); the CPU and a real GPU refuse by name (no model of the GPU's unit).
+template <class B>
+std::tuple<at::Tensor, at::Tensor> attention_mma_reference(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, const at::Tensor& cu_q,
+                                                           const at::Tensor& cu_k, double scale, bool causal) {
+  const char* op = "_attention_mma_reference";
+  const typename B::Call call(op, q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  check_attention_profile<DType>("mma", c.dt, c.shape.D, op);
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;  // validates the offsets (the reference reads them directly)
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         false, op, &plan));
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  B::attention_mma_reference(call, make_attn_problem(c.dt, c.shape, scale, causal, qc.data_ptr(), kc.data_ptr(),
+                                                     vc.data_ptr(), 0, kAttnProfileMma),
+                             cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0) - 1, out.data_ptr(),
+                             lse.data_ptr<float>());
+  return {out, lse};
+}
+
+// _attention_mma_backward_reference (a test hook): attention_mma.h's attn_mma_backward_reference per (sequence, KV
+// head), the unit's model as above; delta from out as the kernels compute it.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mma_backward_reference(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal) {
+  const char* op = "_attention_mma_backward_reference";
+  const typename B::Call call(op, grad_out, "grad_out");
+  call.on_device(q, "q");
+  call.on_device(k, "k");
+  call.on_device(v, "v");
+  call.on_device(out, "out");
+  call.on_device(lse, "lse");
+  check_attention_metadata_host(cu_q, op, "cu_seqlens_q");
+  check_attention_metadata_host(cu_k, op, "cu_seqlens_k");
+  const auto c = check_attention_varlen<DType>(q, k, v, cu_q, cu_k, scale, causal, op);
+  check_attention_profile<DType>("mma", c.dt, c.shape.D, op);
+  check_attention_varlen_backward(grad_out, q, out, lse, op);
+  const auto cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  AttnPlan plan;
+  check_plan(plan_varlen(cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0), q.size(0), k.size(0), c.shape,
+                         true, op, &plan));
+  AttnBackwardRun r;
+  r.q = q.contiguous();
+  r.k = k.contiguous();
+  r.v = v.contiguous();
+  r.problem = make_attn_problem(c.dt, c.shape, scale, causal, r.q.data_ptr(), r.k.data_ptr(), r.v.data_ptr(), 0,
+                                kAttnProfileMma);
+  r.plan = &plan;
+  r.grad_out = grad_out.contiguous();
+  r.out = out.contiguous();
+  r.lse = lse.contiguous();
+  r.dq = at::zeros_like(r.q);
+  r.dk = at::zeros_like(r.k);
+  r.dv = at::zeros_like(r.v);
+  B::attention_mma_backward_reference(call, r, cq.data_ptr<int32_t>(), ck.data_ptr<int32_t>(), cq.size(0) - 1);
+  return {r.dq, r.dk, r.dv};
+}
+
+struct AttentionMmaReference {
+  template <class B>
+  static constexpr std::tuple ops{Op{"_attention_mma_reference", &attention_mma_reference<B>},
+                                  Op{"_attention_mma_backward_reference", &attention_mma_backward_reference<B>}};
 };
 
 struct AttentionSizes {

@@ -6,6 +6,13 @@ offsets, seq_lens, block tables — as host tensors);
 the reduction order that makes every path bitwise identical (tiles of 32 keys and KV splits of 512 keys,
 both aligned to absolute position 0, merged in split order) and the paged cache layout
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` are written down in ``csrc/common/attention.h``.
+
+Numerics profiles (the schemas' ``profile``): ``"fma"`` (attention.h: fp32 fma chains, every dtype, CPU == CUDA ==
+HIP) and ``"mma"`` (``csrc/common/attention_mma.h``: QK^T and PV on the GPU's bf16 matrix instruction, bfloat16
+only; bitwise between rollout and trainer on ONE GPU model, not across vendors / generations nor equal to ``fma``).
+The CPU refuses ``"mma"`` attention (its mma profile covers linear, the LM head and MoE experts only); under
+:func:`aligned_ops.emulate` the GPU kernel runs. The backward of an ``"mma"`` forward runs on the unit too
+(attention_mma.h "backward": fixed dK/dV chains over blocks of 16 (row, head) pairs, no atomics).
 """
 
 from __future__ import annotations
@@ -35,9 +42,30 @@ def _check_host_or_same(op, ref, **meta):
         )
 
 
+# The attention profiles the schemas take (csrc/torch/checks/attention.h check_attention_profile), default first.
+ATTENTION_PROFILES = ("fma", "mma")
+
+
+def _check_profile(op, profile, q):
+    torch._check(profile in ATTENTION_PROFILES,
+                 lambda: f"aligned::{op}: profile must be 'fma' or 'mma', got {profile!r}")
+    torch._check(profile != "mma" or q.dtype == torch.bfloat16,
+                 lambda: f"aligned::{op}: the mma profile's attention takes bfloat16 q/k/v (the matrix unit's input "
+                         f"type; float16 / float32 run profile='fma'), got {q.dtype}")
+
+
+def _profile_name(op, profile):
+    """A profile given as a name or as a profile object (aligned_ops.profiles) -> its name."""
+    name = getattr(profile, "name", profile)
+    if name not in ATTENTION_PROFILES:
+        raise ValueError(f"aligned_ops.{op}: profile must be 'fma' or 'mma', got {profile!r}")
+    return name
+
+
 @torch.library.register_fake(_lib + "attention_varlen")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True, profile="fma"):
     _check_same_device("attention_varlen", q=q, k=k, v=v)
+    _check_profile("attention_varlen", profile, q)
     _check_host_or_same("attention_varlen", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch._check(q.dim() == 3, lambda: "aligned::attention_varlen: q must be [tokens, heads, head_dim]")
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "aligned::attention_varlen: k, v must be 3-D")
@@ -48,8 +76,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
 
 
 @torch.library.register_fake(_lib + "attention_varlen_backward")
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_info=None):
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_info=None, profile="fma"):
     _check_same_device("attention_varlen_backward", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
+    _check_profile("attention_varlen_backward", profile, q)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -65,8 +94,9 @@ def _(k, v, k_cache, v_cache, slot_mapping):
 
 
 @torch.library.register_fake(_lib + "paged_attention")
-def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, profile="fma"):
     _check_same_device("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_profile("paged_attention", profile, q)
     _check_host_or_same(
         "paged_attention", q, block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc
     )
@@ -81,8 +111,9 @@ def _(plan, plan_table, plan_info, query_start_loc, kv_lens, block_table, num_he
 
 
 @torch.library.register_fake(_lib + "attention_varlen_planned")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, plan_info, workspace_floats, scale, causal=True):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, plan_info, workspace_floats, scale, causal=True, profile="fma"):
     _check_same_device("attention_varlen_planned", q=q, k=k, v=v, plan=plan)
+    _check_profile("attention_varlen_planned", profile, q)
     _check_host_or_same("attention_varlen_planned", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     torch._check(q.dim() == 3, lambda: "aligned::attention_varlen_planned: q must be [tokens, heads, head_dim]")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -91,15 +122,35 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, plan, plan_info, workspace_floats, sc
 
 
 @torch.library.register_fake(_lib + "paged_attention_planned")
-def _(q, k_cache, v_cache, plan, plan_table, plan_info, workspace_floats, scale):
+def _(q, k_cache, v_cache, plan, plan_table, plan_info, workspace_floats, scale, profile="fma"):
     _check_same_device("paged_attention_planned", q=q, k_cache=k_cache, v_cache=v_cache, plan=plan,
                        plan_table=plan_table)
+    _check_profile("paged_attention_planned", profile, q)
     torch._check(q.dim() == 3, lambda: "aligned::paged_attention_planned: q must be [tokens, heads, head_dim]")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake(_lib + "_attention_mma_reference")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+    _check_same_device("_attention_mma_reference", q=q, k=k, v=v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake(_lib + "_attention_mma_backward_reference")
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale, causal=True):
+    _check_same_device("_attention_mma_backward_reference", grad_out=grad_out, q=q, k=k, v=v, out=out, lse=lse)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
 def _varlen_setup(ctx, inputs, output, plan_info=None):
-    q, k, v, cu_q, cu_k, scale, causal = inputs
+    q, k, v, cu_q, cu_k, scale, causal = inputs[:7]
+    ctx.profile = inputs[7] if len(inputs) > 7 else "fma"
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.scale = scale
@@ -115,23 +166,24 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = ops.attention_varlen_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal, ctx.plan_info
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal, ctx.plan_info, ctx.profile
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd(_lib + "attention_varlen", _varlen_backward, setup_context=_varlen_setup)
 
 
 def _varlen_planned_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _plan, plan_info, _workspace_floats, scale, causal = inputs
-    _varlen_setup(ctx, (q, k, v, cu_q, cu_k, scale, causal), output, plan_info)
+    q, k, v, cu_q, cu_k, _plan, plan_info, _workspace_floats, scale, causal = inputs[:10]
+    profile = inputs[10] if len(inputs) > 10 else "fma"
+    _varlen_setup(ctx, (q, k, v, cu_q, cu_k, scale, causal, profile), output, plan_info)
 
 
 def _varlen_planned_backward(ctx, grad_out, grad_lse):
     # The backward plans its key tiles from the host cu_seqlens, which it first checks against the forward's plan.
     dq, dk, dv = _varlen_backward(ctx, grad_out, grad_lse)[:3]
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(_lib + "attention_varlen_planned", _varlen_planned_backward,
@@ -142,6 +194,9 @@ from ._registry import register_no_backward  # noqa: E402
 register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
 register_no_backward("paged_attention_planned", "inference only: train through attention_varlen, its bitwise twin")
+register_no_backward("_attention_mma_reference", "a test hook: attention_mma.h's scalar reference of the mma forward")
+register_no_backward("_attention_mma_backward_reference",
+                     "a test hook: attention_mma.h's scalar reference of the mma backward")
 
 
 def _default_scale(op, q):
@@ -152,7 +207,7 @@ def _default_scale(op, q):
     return q.shape[-1] ** -0.5
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True, plan=None):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=True, plan=None, profile="fma"):
     """Packed variable-length attention. q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [B+1].
 
     Returns (out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] fp32). Causal masks are bottom-right aligned when
@@ -160,13 +215,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
     ``plan``: an :class:`AttentionPlan` made by ``plan_varlen`` from these cu_seqlens (host tensors): the run form
     (no copy, no read of device memory), same bits. The call is checked against the plan: other offsets, even with
     the same token count, or another head shape raise (naming the argument); the backward checks its cu_seqlens
-    against the plan the forward ran."""
+    against the plan the forward ran.
+    ``profile``: ``"fma"`` (default) or ``"mma"`` (bfloat16, the GPU's matrix instruction, forward and backward),
+    a name or a profile object; see the module docstring."""
     if scale is None:
         scale = _default_scale("attention_varlen", q)
+    profile = _profile_name("attention_varlen", profile)
     if plan is not None:
         return ops.attention_varlen_planned(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.info,
-                                            plan.workspace_floats, float(scale), causal)
-    return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal)
+                                            plan.workspace_floats, float(scale), causal, profile)
+    return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), causal, profile)
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
@@ -176,19 +234,21 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_start_loc=None, scale=None,
-                    plan=None):
+                    plan=None, profile="fma"):
     """Causal attention of the new tokens of several sequences over a paged KV cache (which must already hold
     them). q [Tq, Hq, D]; block_table int32 [B, max_blocks]; seq_lens int32 [B] (context incl. new tokens);
     query_start_loc int32 [B+1]. Bitwise equal to attention_varlen on the same tokens.
     ``plan``: an :class:`AttentionPlan` made by ``plan_paged`` (the metadata arguments are then not needed): the
     run form, no copy and no read of device memory (CUDA-graph safe), same bits; q must have exactly the rows the
-    plan covers."""
+    plan covers. ``profile``: ``"fma"`` (default) or ``"mma"``, as :func:`attention_varlen`'s (the same bits as it
+    under the same profile)."""
     if scale is None:
         scale = _default_scale("paged_attention", q)
+    profile = _profile_name("paged_attention", profile)
     if plan is not None:
         return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.info,
-                                           plan.workspace_floats, float(scale))
-    return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))
+                                           plan.workspace_floats, float(scale), profile)
+    return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), profile)
 
 
 # ---- plan/run form (CUDA-graph safe) -------------------------------------------------------------------------
