@@ -6,6 +6,9 @@ Each test changes the trainer's weights, syncs them into the engine one way, sam
 engine's log-probs equal the trainer's bit for bit:
   - TRL / OpenRLHF / verl: ``model.load_weights([(name, tensor)])`` on the engine's model, one weight per call
     (vLLM's loaders write through ``param.data``, which the version counter does not see);
+  - the same TRL call form with the plugin's cache clearing in ``AutoWeightsLoader.load_weights`` undone, so only
+    the second mechanism is left: the loaders bump the version counter the packing is keyed by
+    (integrations/vllm/layers.py ``track_weight_writes``; was a whole TRL + vLLM run in test_trl.py);
   - the project's ``rollout.refit`` (vLLM's ``reload_weights``);
   - a direct in-place update of the engine's parameters (``param.copy_`` under ``no_grad``).
 Negative control: the engine's log-probs after a sync differ from the trainer's log-probs before it (the sync
@@ -86,14 +89,21 @@ def test_engine_weights_are_registered_for_the_exact_cache(setup):
     assert exact_weight_cache_bytes() > 0  # the engine really runs on cached packings
 
 
-@pytest.mark.parametrize("how", ["trl_load_weights", "refit", "param_copy"])
-def test_weight_sync_reaches_the_cached_packing(setup, how):
+@pytest.mark.parametrize("how", ["trl_load_weights", "trl_load_weights_no_clearing", "refit", "param_copy"])
+def test_weight_sync_reaches_the_cached_packing(setup, how, monkeypatch):
     llm, trainer = setup
     _sample_and_check(llm, trainer, 1)  # packings of the current weights are cached now
     old_trainer = copy.deepcopy(trainer)
-    _perturb(trainer, {"trl_load_weights": 11, "refit": 12, "param_copy": 13}[how])
+    _perturb(trainer, {"trl_load_weights": 11, "refit": 12, "param_copy": 13, "trl_load_weights_no_clearing": 14}[how])
     model = _engine_model(llm)
-    if how == "trl_load_weights":  # TRL's sync: one (name, tensor) per call, HF names
+    if how == "trl_load_weights_no_clearing":
+        # the plugin's clearing after each load_weights undone: only the loaders' version-counter bumps are left
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        from aligned_ops.integrations.vllm import patches
+
+        monkeypatch.setattr(AutoWeightsLoader, "load_weights", patches.original(AutoWeightsLoader, "load_weights"))
+    if how.startswith("trl_load_weights"):  # TRL's sync: one (name, tensor) per call, HF names
         with torch.no_grad():
             for name, p in trainer.named_parameters():
                 model.load_weights([(name, p.detach())])
