@@ -50,6 +50,9 @@ enum class Fault : int {
   // moe_experts' emulated combine (csrc/gpu/moe_launch.cuh) adds a token's expert outputs in expert-id order
   // instead of its top-k rank order (moe.h): a token's bits then depend on the ids, not the rank order.
   kMoeCombineByExpert = 6,
+  // moe_experts' grouped `fma` tiles (csrc/gpu/moe_kernels.cuh) holding more than one row run each output as one
+  // sequential chain instead of the 8-lane tree: a token's bits then depend on how many tokens share its expert.
+  kMoeFmaChainByM = 7,
 };
 
 struct LaunchRecord {

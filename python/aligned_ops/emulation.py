@@ -47,7 +47,9 @@ _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
            # kernel variants of the mma linear's emulated launcher that break mma.h's order for M > 16 only
            "mma_split_k_by_m": 4, "mma_block_order_by_m": 5,
            # moe_experts' emulated combine in expert-id order instead of the token's rank order (moe.h)
-           "moe_combine_by_expert": 6}
+           "moe_combine_by_expert": 6,
+           # moe_experts' grouped fma tiles of more than one row as one chain per output (not the 8-lane tree)
+           "moe_fma_chain_by_m": 7}
 # The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
 MMA_MODELS = ("mmasim", "fma_chain")
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"
