@@ -70,6 +70,10 @@ namespace aligned {
 
 enum class MoeScoring : int { Softmax = 0, Sigmoid = 1 };
 
+// The quiet NaN every MoE kernel writes (a NaN router row's scores,
+// a token with a bad expert id: its output / dz row).
+ALIGNED_HD float moe_nan_f32() { return float_of(0x7fc00000u); }
+
 // sigmoid_score of the contract above (fp32 sigmoid without the 1/inf underflow below about -88.72).
 ALIGNED_HD float moe_sigmoid_score(float z) {
   const float e = exp_f32(-z);
@@ -88,7 +92,7 @@ ALIGNED_HD void moe_scores_row(const T* z, int64_t E, MoeScoring scoring, float*
     m = max_f32(m, v);
   }
   if (nan) {  // NaN policy: the whole row (both scorings)
-    for (int64_t i = 0; i < E; ++i) p[i] = float_of(0x7fc00000u);
+    for (int64_t i = 0; i < E; ++i) p[i] = moe_nan_f32();
     return;
   }
   if (scoring == MoeScoring::Sigmoid) {
@@ -190,8 +194,24 @@ ALIGNED_HD void moe_routing_backward_row(const float* gw, const float* gs, const
   for (int64_t i = 0; i < E; ++i) dz[i] = p[i] * (gp[i] - q);
 }
 
+// Floats of one routing thread's scratch on the GPU (gpu/moe_kernels.cuh moe_route_scratch, sized by
+// gpu/moe_api.h moe_routing_scratch_floats): p / key [E], gp [E], d [E], u [k], gscore [n_group], and the byte
+// flags taken [E] / kept [n_group] packed into the rest.
+ALIGNED_HD int64_t moe_route_scratch_floats(int64_t E, int64_t k, int64_t n_group) {
+  return 3 * E + k + 2 * n_group + 2;
+}
+
 // sigmoid of the shared-expert gate logit (fp32).
 ALIGNED_HD float moe_shared_gate(float logit) { return div_f32(1.0f, 1.0f + exp_f32(-logit)); }
+
+// One step of the combine (the contract above): acc + w * v, the product rounded to fp32, then added — never a
+// fused multiply-add. Every backend's combine is a chain of these from acc = +0 (the ranks in rank order, then the
+// shared expert with w = g): moe_combine_row, the CPU kernel (cpu/moe_kernels.cpp), the GPU kernel
+// (gpu/moe_kernels.cuh).
+ALIGNED_HD float moe_combine_step(float acc, float w, float v) {
+  const float prod = w * v;
+  return acc + prod;
+}
 
 // The combine of one token over the H outputs: acc = sum_r w_r * y_r (rank order) [+ g * y_s], rounded once.
 // y[r] points at the fp32 output row of rank r; ys is nullptr without a shared expert.
@@ -200,8 +220,8 @@ ALIGNED_HD void moe_combine_row(const float* const* y, const float* w, int64_t k
                                 int64_t H) {
   for (int64_t n = 0; n < H; ++n) {
     float acc = 0.0f;
-    for (int64_t r = 0; r < k; ++r) acc = acc + w[r] * y[r][n];
-    if (ys) acc = acc + g * ys[n];
+    for (int64_t r = 0; r < k; ++r) acc = moe_combine_step(acc, w[r], y[r][n]);
+    if (ys) acc = moe_combine_step(acc, g, ys[n]);
     out[n] = from_f32<T>(acc);
   }
 }
@@ -308,7 +328,7 @@ ALIGNED_HD void moe_grouped_routing_row(const T* z, const float* bias, int64_t E
                                         unsigned char* taken, unsigned char* kept, float* p, int64_t* ids, float* w) {
   bool nan = false;
   for (int64_t i = 0; i < E; ++i) nan = nan || is_nan_f32(to_f32(z[i]));
-  for (int64_t i = 0; i < E; ++i) p[i] = nan ? float_of(0x7fc00000u) : moe_sigmoid_score(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) p[i] = nan ? moe_nan_f32() : moe_sigmoid_score(to_f32(z[i]));
   for (int64_t i = 0; i < E; ++i) key[i] = bias ? p[i] + bias[i] : p[i];
   const int64_t G = E / n_group;
   for (int64_t g = 0; g < n_group; ++g) {
@@ -349,7 +369,7 @@ ALIGNED_HD void moe_grouped_routing_backward_row(const float* gw, const float* g
                                                  float* gp, float* u, float* dz) {
   bool nan = false;
   for (int64_t i = 0; i < E; ++i) nan = nan || is_nan_f32(to_f32(z[i]));
-  for (int64_t i = 0; i < E; ++i) p[i] = nan ? float_of(0x7fc00000u) : moe_sigmoid_score(to_f32(z[i]));
+  for (int64_t i = 0; i < E; ++i) p[i] = nan ? moe_nan_f32() : moe_sigmoid_score(to_f32(z[i]));
   for (int64_t i = 0; i < E; ++i) gp[i] = gs ? gs[i] : 0.0f;
   const float s = moe_grouped_unscaled_weights(z, p, ids, k, renormalize, u);
   if (!renormalize) {

@@ -77,12 +77,12 @@ void combine(const MoeCombineParams& prm, int64_t row_begin, int64_t row_end) {
       for (int64_t r = 0; r < k; ++r) {
         const float wr = w[t * k + r];
         const float* yr = y + pos[t * k + r] * H;
-        for (int64_t n = 0; n < H; ++n) a[n] = a[n] + wr * yr[n];
+        for (int64_t n = 0; n < H; ++n) a[n] = moe_combine_step(a[n], wr, yr[n]);
       }
       if (ys) {
         const float gt = g ? moe_shared_gate(g[t]) : 1.0f;  // moe.h: the gate of the logit
         const float* yst = ys + t * H;
-        for (int64_t n = 0; n < H; ++n) a[n] = a[n] + gt * yst[n];
+        for (int64_t n = 0; n < H; ++n) a[n] = moe_combine_step(a[n], gt, yst[n]);
       }
       T* o = (T*)out + t * H;
       for (int64_t n = 0; n < H; ++n) o[n] = from_f32<T>(a[n]);

@@ -55,6 +55,9 @@ enum class Fault : int {
   kMmaAttnBlockOrderByQLen = 7,
   // ... and FlashAttention's shared V operand: one PV pass per tile with V cut at the group's longest row.
   kMmaAttnSharedV = 8,
+  // moe_experts' grouped `fma` tiles (csrc/gpu/moe_kernels.cuh) holding more than one row run each output as one
+  // sequential chain instead of the 8-lane tree: a token's bits then depend on how many tokens share its expert.
+  kMoeFmaChainByM = 9,
 };
 
 struct LaunchRecord {

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "../common/params_linear.h"
+#include "../common/moe.h"  // moe_route_scratch_floats
 #include "../common/params_moe.h"
 
 namespace aligned::gpu {
@@ -72,11 +73,26 @@ struct MoeGroupedGemmParams {
 
 // The routing ops: one thread per token runs moe.h's row functions (moe_scores_row / moe_topk_row,
 // moe_routing_backward_row, moe_grouped_routing_row, moe_grouped_routing_backward_row) — the CPU kernels' very
-// functions, so every backend computes the same bits. scratch: moe_routing_scratch_floats(T, E, k, n_group)
-// fp32 per call (each token's own slice). The backwards check the ids in the kernel: a token with an id outside
-// [0, E) gets a NaN row of dz and error_flags[kErrExpertId] = 1.
+// functions, so every backend computes the same bits. The grid is capped (moe_route_blocks: at most
+// kMoeMaxRouteBlocks x kMoeRouteThreads threads, each looping over tokens), and scratch is one slice per thread
+// slot: moe_routing_scratch_floats(T, E, k, n_group) fp32 per call, bounded by the grid, not by T (at E = 256,
+// k = 8, n_group = 8: 16384 slots x 794 floats = 52 MB at most, where one slice per token took 208 MB at
+// T = 64K). A token's bits do not depend on which slot runs it (the row functions set what they read). The
+// backwards check the ids in the kernel: a token with an id outside [0, E) gets a NaN row of dz and
+// error_flags[kErrExpertId] = 1.
+constexpr int kMoeRouteThreads = 128;
+constexpr int64_t kMoeMaxRouteBlocks = 128;  // 16384 threads: one or more per SM / CU of an H200 or MI300X
+
+// Blocks of n work items at `threads` per block, at least 1 and at most cap (the kernels loop grid-stride).
+inline unsigned moe_capped_blocks(int64_t n, int64_t threads, int64_t cap) {
+  const int64_t b = (n + threads - 1) / threads;
+  return (unsigned)(b < cap ? (b > 0 ? b : 1) : cap);
+}
+inline unsigned moe_route_blocks(int64_t T) { return moe_capped_blocks(T, kMoeRouteThreads, kMoeMaxRouteBlocks); }
+
 inline int64_t moe_routing_scratch_floats(int64_t T, int64_t E, int64_t k, int64_t n_group) {
-  return T * (3 * E + k + 2 * n_group + 2);
+  const int64_t slots = (int64_t)moe_route_blocks(T) * kMoeRouteThreads;
+  return (T < slots ? T : slots) * moe_route_scratch_floats(E, k, n_group);
 }
 
 struct MoeLaunchers {

@@ -18,13 +18,19 @@ namespace aligned::gpu::ALIGNED_GPU_BUILD {
 
 constexpr int kMoePlanThreads = 256;
 
-// Negative control of the tests only (emulation.h Fault kMoeCombineByExpert, built by the emulated launcher on
-// request): the combine adds the ranks in the order of their grouped rows — by expert id — instead of the
-// token's rank order. 0 everywhere else.
-enum MoeControl : int { kMoeControlNone = 0, kMoeControlCombineByExpert = 1 };
+// Negative controls of the tests only (emulation.h Faults, built by the emulated launcher on request), 0
+// everywhere else: kMoeControlCombineByExpert (kMoeCombineByExpert) — the combine adds the ranks in the order
+// of their grouped rows, by expert id, instead of the token's rank order; kMoeControlFmaChainByM
+// (kMoeFmaChainByM) — a grouped `fma` tile holding more than one row runs each output as one sequential chain
+// instead of the 8-lane tree: a tile whose order follows how many tokens share the expert.
+enum MoeControl : int { kMoeControlNone = 0, kMoeControlCombineByExpert = 1, kMoeControlFmaChainByM = 2 };
 
 // Step 1 (moe_api.h), one block: no atomics — thread e counts and then places its own expert's assignments in
-// batch order, so every position is the same for every schedule and grid.
+// batch order, so every position is the same for every schedule and grid. One block on purpose (not in scope of
+// the merge's fixes, a known perf item): each thread scans the N = T * k ids twice per expert it owns, ~2 * N *
+// ceil(E / 256) cached loads — about 10 us at a decode step (N <= 4K), a few ms at T = 64K, k = 8 (N = 512K,
+// E = 256), small next to the grouped GEMMs there; a multi-block plan (per-block histograms, then a scan) would
+// need a second launch or a grid-wide sync to stay atomic-free.
 __global__ void __launch_bounds__(kMoePlanThreads) moe_plan_kernel(MoePlanParams p) {
   const int tid = (int)threadIdx.x, nt = (int)blockDim.x;
   const int64_t N = p.T * p.k, E = p.E;
@@ -73,7 +79,8 @@ __global__ void moe_gather_kernel(const T* __restrict__ x, const int64_t* __rest
                                   int64_t N, int64_t H) {
   for (int64_t i = global_thread_index(); i < N * H; i += global_thread_count()) {
     const int64_t s = src[i / H];
-    if (s >= 0) out[i] = x[s * H + i % H];
+    // rows past start[E] (their ids were bad): zeros, so silu_and_mul over all N rows never reads garbage
+    out[i] = s >= 0 ? x[s * H + i % H] : from_f32<T>(0.0f);
   }
 }
 
@@ -91,24 +98,37 @@ __device__ __forceinline__ bool moe_tile_params(const MoeGroupedGemmParams& p, i
   return true;
 }
 
-// Steps 3 and 5, `fma`: block (tile, column block) runs aligned::linear's decode kernel body on the tile's rows.
+// Steps 3 and 5, `fma`: block (x = column block, y = tile) runs aligned::linear's decode kernel body on the tile's rows.
 template <typename T, typename TC>
-__global__ void __launch_bounds__(kSmallThreads) moe_grouped_gemm_kernel(MoeGroupedGemmParams p, int64_t col_blocks) {
-  const int64_t tile = (int64_t)blockIdx.x / col_blocks, cb = (int64_t)blockIdx.x % col_blocks;
+__global__ void __launch_bounds__(kSmallThreads) moe_grouped_gemm_kernel(MoeGroupedGemmParams p, int64_t tile0,
+                                                                         int control) {
+  const int64_t tile = tile0 + (int64_t)blockIdx.y, cb = (int64_t)blockIdx.x;  // moe_launch.cuh: the 2-D grid
   GemmParams g;
   if (!moe_tile_params<T, TC>(p, tile, g)) return;  // the whole block
+  if (control == kMoeControlFmaChainByM && g.M > 1) {  // NEGATIVE CONTROL: one chain per output, not 8 lanes
+    const int64_t n = cb * kSmallCols + (int64_t)threadIdx.x;
+    if (threadIdx.x < kSmallCols && n < g.N)
+      for (int64_t m = 0; m < g.M; ++m) {
+        float acc = 0.0f;
+        for (int64_t kk = 0; kk < g.K; ++kk)
+          acc = fma_f32(to_f32(((const T*)g.A)[m * g.a_sm + kk * g.a_sk]),
+                        to_f32(((const T*)g.B)[n * g.b_sn + kk * g.b_sk]), acc);
+        ((TC*)g.C)[m * g.c_sm + n] = linear_epilogue(acc, (const TC*)nullptr, n);
+      }
+    return;
+  }
   gemm_small_m_cols<T, TC, (int)kMoeTileRows>((const T*)g.A, g.a_sm, g.a_sk, (const T*)g.B, g.b_sn, g.b_sk,
                                              (const TC*)nullptr, (TC*)g.C, g.c_sm, g.M, g.N, g.K, cb);
 }
 
-// Steps 3 and 5, `mma`: block (tile, column block) runs aligned::linear_mma's M <= 16 kernel body on the tile.
+// Steps 3 and 5, `mma`: block (x = column block, y = tile) runs aligned::linear_mma's M <= 16 kernel body on the tile.
 // control (emulated negative controls only, mma_linear_kernels.cuh MmaControl): applied to tiles of more than one
 // row — a kernel whose order follows how many tokens share the expert, which the batch-invariance test must catch.
 template <typename TC>
-__global__ void __launch_bounds__(kMmaLaneThreads) moe_grouped_mma_kernel(MoeGroupedGemmParams p, int64_t col_blocks,
+__global__ void __launch_bounds__(kMmaLaneThreads) moe_grouped_mma_kernel(MoeGroupedGemmParams p, int64_t tile0,
                                                                          int control) {
   float* sums = dynamic_shared<float>();
-  const int64_t tile = (int64_t)blockIdx.x / col_blocks, cb = (int64_t)blockIdx.x % col_blocks;
+  const int64_t tile = tile0 + (int64_t)blockIdx.y, cb = (int64_t)blockIdx.x;  // moe_launch.cuh: the 2-D grid
   GemmParams g;
   if (!moe_tile_params<bf16_t, TC>(p, tile, g)) return;  // the whole block
   mma_lanes_tile<TC>(g, 0, cb * kMmaTile, g.M > 1 ? control : (int)kMmaControlNone, sums);
@@ -134,7 +154,7 @@ __global__ void moe_combine_kernel(MoeCombineParams p, int control) {
           if (pos[r] > last && (best < 0 || pos[r] < pos[best])) best = r;
         if (best < 0) break;
         last = pos[best];
-        acc = acc + w[best] * y[pos[best] * H + n];
+        acc = moe_combine_step(acc, w[best], y[pos[best] * H + n]);
       }
       for (int64_t r = 0; r < k; ++r) bad = bad || pos[r] < 0;
     } else {
@@ -144,35 +164,40 @@ __global__ void moe_combine_kernel(MoeCombineParams p, int control) {
           bad = true;
           continue;
         }
-        acc = acc + w[r] * y[s * H + n];
+        acc = moe_combine_step(acc, w[r], y[s * H + n]);
       }
     }
-    if (p.ys) acc = acc + (p.gate_logit ? moe_shared_gate(p.gate_logit[t]) : 1.0f) * p.ys[t * H + n];
-    ((T*)p.out)[i] = from_f32<T>(bad ? float_of(0x7fc00000u) : acc);
+    if (p.ys) acc = moe_combine_step(acc, p.gate_logit ? moe_shared_gate(p.gate_logit[t]) : 1.0f, p.ys[t * H + n]);
+    ((T*)p.out)[i] = from_f32<T>(bad ? moe_nan_f32() : acc);
   }
 }
 
 // ---- routing: one thread per token, moe.h's row functions (the CPU kernels call the same) --------------------
-constexpr int kMoeRouteThreads = 128;
-
-// Token t's scratch slice: S = 3E + k + 2 * n_group + 2 floats (moe_routing_scratch_floats), the byte flags
-// (taken [E], kept [n_group]) packed into its first floats.
-__device__ __forceinline__ float* moe_route_scratch(float* scratch, int64_t t, int64_t E, int64_t k, int64_t G) {
-  return scratch + t * (3 * E + k + 2 * G + 2);
+// The calling thread's scratch slice: moe_route_scratch_floats(E, k, G) floats at its global thread slot (the
+// grid is capped, moe_api.h moe_route_blocks, and the kernels loop over tokens, so the buffer is bounded by the
+// grid, not by T), the byte flags (taken [E], kept [n_group]) packed into its floats.
+__device__ __forceinline__ float* moe_route_scratch(float* scratch, int64_t E, int64_t k, int64_t G) {
+  return scratch + global_thread_index() * moe_route_scratch_floats(E, k, G);
 }
 
-// Whether every id of the token lies in [0, E) (the backwards' in-kernel check).
-__device__ __forceinline__ bool moe_ids_ok(const int64_t* ids, int64_t k, int64_t E) {
+// The backwards' in-kernel id check: false (and error_flags[kErrExpertId] = 1, the token's dz row NaN) unless
+// every id of the token lies in [0, E).
+template <typename T>
+__device__ __forceinline__ bool moe_route_ids_ok_or_nan(const int64_t* ids, int64_t k, int64_t E,
+                                                        int32_t* error_flags, T* dz_row) {
   bool ok = true;
   for (int64_t r = 0; r < k; ++r) ok = ok && ids[r] >= 0 && ids[r] < E;
-  return ok;
+  if (ok) return true;
+  if (error_flags) error_flags[kErrExpertId] = 1;
+  for (int64_t i = 0; i < E; ++i) dz_row[i] = from_f32<T>(moe_nan_f32());
+  return false;
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kMoeRouteThreads) moe_routing_kernel(MoeRoutingParams p, float* scratch) {
   for (int64_t t = global_thread_index(); t < p.T; t += global_thread_count()) {
     const T* z = (const T*)p.z + t * p.E;
-    float* s = moe_route_scratch(scratch, t, p.E, p.k, 0);
+    float* s = moe_route_scratch(scratch, p.E, p.k, 0);
     moe_scores_row(z, p.E, p.scoring, p.scores + t * p.E);
     moe_topk_row(z, p.scores + t * p.E, p.E, p.k, p.scoring, p.renormalize, (unsigned char*)s, p.ids + t * p.k,
                  p.w + t * p.k);
@@ -184,13 +209,9 @@ __global__ void __launch_bounds__(kMoeRouteThreads) moe_routing_backward_kernel(
                                                                                int32_t* error_flags) {
   for (int64_t t = global_thread_index(); t < p.T; t += global_thread_count()) {
     const int64_t E = p.E, k = p.k;
-    float* s = moe_route_scratch(scratch, t, E, k, 0);
+    float* s = moe_route_scratch(scratch, E, k, 0);
     T* out = (T*)p.dz + t * E;
-    if (!moe_ids_ok(p.ids + t * k, k, E)) {
-      if (error_flags) error_flags[kErrExpertId] = 1;
-      for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(float_of(0x7fc00000u));
-      continue;
-    }
+    if (!moe_route_ids_ok_or_nan(p.ids + t * k, k, E, error_flags, out)) continue;
     moe_routing_backward_row(p.gw + t * k, p.gs ? p.gs + t * E : nullptr, (const T*)p.z + t * E, p.ids + t * k, E,
                              k, p.scoring, p.renormalize, s, s + E, s + 2 * E);
     for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(s[2 * E + i]);
@@ -202,7 +223,7 @@ __global__ void __launch_bounds__(kMoeRouteThreads) moe_grouped_routing_kernel(M
                                                                               float* scratch) {
   for (int64_t t = global_thread_index(); t < p.T; t += global_thread_count()) {
     const int64_t E = p.E, G = p.n_group;
-    float* s = moe_route_scratch(scratch, t, E, p.k, G);
+    float* s = moe_route_scratch(scratch, E, p.k, G);
     // key [E], gscore [G], then the byte flags taken [E] and kept [G] in the floats after them
     unsigned char* flags = (unsigned char*)(s + E + G);
     moe_grouped_routing_row((const T*)p.z + t * E, p.bias, E, p.k, G, p.topk_group, p.renormalize, p.scale, s,
@@ -216,13 +237,9 @@ __global__ void __launch_bounds__(kMoeRouteThreads) moe_grouped_routing_backward
                                                                                        int32_t* error_flags) {
   for (int64_t t = global_thread_index(); t < p.T; t += global_thread_count()) {
     const int64_t E = p.E, k = p.k;
-    float* s = moe_route_scratch(scratch, t, E, k, p.n_group);
+    float* s = moe_route_scratch(scratch, E, k, p.n_group);
     T* out = (T*)p.dz + t * E;
-    if (!moe_ids_ok(p.ids + t * k, k, E)) {
-      if (error_flags) error_flags[kErrExpertId] = 1;
-      for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(float_of(0x7fc00000u));
-      continue;
-    }
+    if (!moe_route_ids_ok_or_nan(p.ids + t * k, k, E, error_flags, out)) continue;
     moe_grouped_routing_backward_row(p.gw + t * k, p.gs ? p.gs + t * E : nullptr, (const T*)p.z + t * E,
                                      p.ids + t * k, E, k, p.renormalize, p.scale, s, s + E, s + 3 * E, s + 2 * E);
     for (int64_t i = 0; i < E; ++i) out[i] = from_f32<T>(s[2 * E + i]);

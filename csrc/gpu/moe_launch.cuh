@@ -19,19 +19,33 @@ namespace {
 constexpr int kMoeElemThreads = 256;
 constexpr int64_t kMoeMaxElemBlocks = 65535;
 
-unsigned moe_elem_blocks(int64_t n) {
-  const int64_t b = (n + kMoeElemThreads - 1) / kMoeElemThreads;
-  return (unsigned)(b < kMoeMaxElemBlocks ? (b > 0 ? b : 1) : kMoeMaxElemBlocks);
-}
+unsigned moe_elem_blocks(int64_t n) { return moe_capped_blocks(n, kMoeElemThreads, kMoeMaxElemBlocks); }
 
 template <class T>
 using MoeElem = typename std::remove_pointer<T>::type;
 
-const char* check_grouped(const MoeGroupedGemmParams& p, int64_t col_blocks) {
+// The grouped GEMMs' grid is 2-D: x = the column block (cb of them), y = the tile, in launches of at most
+// kMoeMaxTilesPerLaunch tiles (gridDim.y's limit on both vendors) starting at tile0. Each output is still one
+// row's chain inside one block, so how the tiles are split over launches changes no bit. A 1-D grid of
+// max_tiles * cb blocks broke HIP's gridDim.x * blockDim.x < 2^32 at DeepSeek-V3 sizes (T ~ 40K, k = 8: the mma
+// kernel runs 512 threads a block on wave64); the x extent left, cb * threads, is the only limit, checked here.
+constexpr int64_t kMoeMaxTilesPerLaunch = 65535;
+
+const char* check_grouped(const MoeGroupedGemmParams& p, int64_t col_blocks, int64_t threads) {
   if (p.g.lanes != kLinearLanes) return "aligned moe grouped gemm: the experts' projections run 8 lanes";
   if (p.g.bias != nullptr) return "aligned moe grouped gemm: no bias";
-  if (p.max_tiles * col_blocks > 0x7fffffff) return "aligned moe grouped gemm: problem too large for one grid";
+  if (col_blocks * threads > 0xffffffffll || col_blocks > 0x7fffffffll)
+    return "aligned moe grouped gemm: too many output columns for one grid row (column blocks x threads >= 2^32)";
   return nullptr;
+}
+
+// Runs launch(grid, tile0) over the tile list in chunks of at most kMoeMaxTilesPerLaunch tiles.
+template <class Launch>
+void for_tile_chunks(const MoeGroupedGemmParams& p, int64_t col_blocks, Launch&& launch) {
+  for (int64_t tile0 = 0; tile0 < p.max_tiles; tile0 += kMoeMaxTilesPerLaunch) {
+    const int64_t n = p.max_tiles - tile0 < kMoeMaxTilesPerLaunch ? p.max_tiles - tile0 : kMoeMaxTilesPerLaunch;
+    launch(dim3((unsigned)col_blocks, (unsigned)n, 1), tile0);
+  }
 }
 
 }  // namespace
@@ -57,15 +71,20 @@ const char* launch_moe_grouped_gemm(const MoeGroupedGemmParams& p, void* stream)
   if (p.g.adt != p.g.bdt || (p.g.cdt != p.g.adt && p.g.cdt != DType::F32))
     return "aligned moe grouped gemm: A and B must share one dtype, C that dtype or float32";
   const int64_t cb = (p.g.N + kSmallCols - 1) / kSmallCols;
-  if (const char* e = check_grouped(p, cb)) return e;
+  if (const char* e = check_grouped(p, cb, kSmallThreads)) return e;
+  int control = kMoeControlNone;
+#if defined(ALIGNED_GPU_EMULATED)
+  // Negative control of the tests only: tiles of more than one row as one chain per output (moe_kernels.cuh).
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMoeFmaChainByM) control = kMoeControlFmaChainByM;
+#endif
   with_type(p.g.adt, [&](auto* tp) {
     using T = MoeElem<decltype(tp)>;
-    if (p.g.cdt == p.g.adt)
-      ALIGNED_LAUNCH((unsigned)(p.max_tiles * cb), kSmallThreads, 0, (gpu_stream_t)stream,
-                     moe_grouped_gemm_kernel<T, T>)(p, cb);
-    else
-      ALIGNED_LAUNCH((unsigned)(p.max_tiles * cb), kSmallThreads, 0, (gpu_stream_t)stream,
-                     moe_grouped_gemm_kernel<T, float>)(p, cb);
+    for_tile_chunks(p, cb, [&](dim3 grid, int64_t tile0) {
+      if (p.g.cdt == p.g.adt)
+        ALIGNED_LAUNCH(grid, kSmallThreads, 0, (gpu_stream_t)stream, moe_grouped_gemm_kernel<T, T>)(p, tile0, control);
+      else
+        ALIGNED_LAUNCH(grid, kSmallThreads, 0, (gpu_stream_t)stream, moe_grouped_gemm_kernel<T, float>)(p, tile0, control);
+    });
   });
   return last_error();
 }
@@ -77,19 +96,20 @@ const char* launch_moe_grouped_mma_gemm(const MoeGroupedGemmParams& p, void* str
   if (p.g.cdt != DType::BF16 && p.g.cdt != DType::F32)
     return "aligned moe grouped mma gemm: the output must be bfloat16 or float32";
   const int64_t cb = (p.g.N + kMmaTile - 1) / kMmaTile;
-  if (const char* e = check_grouped(p, cb)) return e;
-  const unsigned grid = (unsigned)(p.max_tiles * cb);
+  if (const char* e = check_grouped(p, cb, kMmaLaneThreads)) return e;
   int control = kMmaControlNone;
 #if defined(ALIGNED_GPU_EMULATED)
   // Negative control of the tests only: the k-block order reversed in tiles holding more than one token.
   if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaBlockOrderByM) control = kMmaControlReverseBlocks;
 #endif
-  if (p.g.cdt == DType::F32)
-    ALIGNED_LAUNCH(grid, kMmaLaneThreads, kMmaLanesSharedBytes, (gpu_stream_t)stream, moe_grouped_mma_kernel<float>)(
-        p, cb, control);
-  else
-    ALIGNED_LAUNCH(grid, kMmaLaneThreads, kMmaLanesSharedBytes, (gpu_stream_t)stream, moe_grouped_mma_kernel<bf16_t>)(
-        p, cb, control);
+  for_tile_chunks(p, cb, [&](dim3 grid, int64_t tile0) {
+    if (p.g.cdt == DType::F32)
+      ALIGNED_LAUNCH(grid, kMmaLaneThreads, kMmaLanesSharedBytes, (gpu_stream_t)stream, moe_grouped_mma_kernel<float>)(
+          p, tile0, control);
+    else
+      ALIGNED_LAUNCH(grid, kMmaLaneThreads, kMmaLanesSharedBytes, (gpu_stream_t)stream,
+                     moe_grouped_mma_kernel<bf16_t>)(p, tile0, control);
+  });
   return last_error();
 }
 
@@ -107,11 +127,6 @@ const char* launch_moe_combine(const MoeCombineParams& p, void* stream) {
         p, control);
   });
   return last_error();
-}
-
-unsigned moe_route_blocks(int64_t T) {
-  const int64_t b = (T + kMoeRouteThreads - 1) / kMoeRouteThreads;
-  return (unsigned)(b < kMoeMaxElemBlocks ? (b > 0 ? b : 1) : kMoeMaxElemBlocks);
 }
 
 const char* launch_moe_routing(const MoeRoutingParams& p, float* scratch, void* stream) {

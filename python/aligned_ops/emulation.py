@@ -51,7 +51,9 @@ _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
            # the mma attention's emulated launcher: score d-blocks reversed for sequences with q_len > 1
            "mma_attn_block_order_by_q_len": 7,
            # ... and FlashAttention's shared V operand (one PV pass per tile, V cut at the group's longest row)
-           "mma_attn_shared_v": 8}
+           "mma_attn_shared_v": 8,
+           # moe_experts' grouped fma tiles of more than one row as one chain per output (not the 8-lane tree)
+           "moe_fma_chain_by_m": 9}
 # The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
 MMA_MODELS = ("mmasim", "fma_chain")
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"

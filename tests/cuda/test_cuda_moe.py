@@ -1,9 +1,10 @@
 """The GPU MoE (csrc/gpu/moe_kernels.cuh: routing, the grouped expert projections of both profiles, the combine) on
 a real GPU — what the emulated suite (tests/emulated/test_emulated_moe.py) cannot prove:
 
-* `fma`: the device equals the CPU backend bit for bit (routing, experts, the backward);
+* `fma`: the device equals the CPU backend bit for bit (routing and grouped routing with their backwards,
+  experts, the experts' backward through autograd.grad);
 * `mma`: the device equals the emulated kernel under this arch's MMA-Sim model (the record the emulated suite
-  rests on; tests/cuda/test_cuda_linear_mma.py proves the instruction itself);
+  rests on; tests/cuda/test_cuda_linear_mma.py proves the instruction itself), forward and autograd.grad;
 * on the hardware: a token alone == inside batches up to 4096 tokens, run to run, both profiles;
 * a captured CUDA graph replays the experts for other ids and weights of the same shapes (no host read).
 
@@ -98,3 +99,55 @@ def test_cuda_graph_replays_other_ids():
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(out.cpu(), ops.moe_experts(*b))
+
+
+def experts_grads(case, go, profile):
+    """moe_experts' output and autograd.grad of every differentiable input (x, weights, experts, shared)."""
+    x, tw, ids, w13, w2, sw13, sw2, sg = case
+    leaves = [t.clone().requires_grad_(True) for t in (x, tw, w13, w2, sw13, sw2, sg)]
+    out = aligned_ops.moe_experts(leaves[0], leaves[1], ids, *leaves[2:], linear_profile=profile)
+    return [out] + list(torch.autograd.grad(out, leaves, go))
+
+
+@pytest.mark.parametrize("profile", ["fma", "mma"])
+def test_backward_device_equals_cpu(profile):
+    """The experts' backward on the device (ops/moe.py, composed of the GPU kernels) gives the bits of the same
+    call on the CPU: the CPU backend (fma) or the emulated kernels under this arch's MMA-Sim model (mma)."""
+    _, case = make_case(96, 4, seed=8)
+    go = torch.randn(96, H, generator=torch.Generator().manual_seed(9)).bfloat16()
+    dev = experts_grads(cuda(case), go.cuda(), profile)
+    if profile == "fma":
+        ref = experts_grads(case, go, profile)
+    else:
+        with aligned_ops.emulate(emulated_arch(), mma_model="mmasim"):
+            ref = experts_grads(case, go, profile)
+    for i, (a, b) in enumerate(zip(dev, ref)):
+        assert_bitwise_equal(a.cpu(), b, f"output/gradient {i}")
+    aligned_ops.check_device_errors("cuda")
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_grouped_routing_and_backwards_device_equal_cpu(renorm):
+    """moe_grouped_routing (DeepSeek-V3 style: bias, groups) and both routings' backwards: the CPU's bits."""
+    E64 = 64
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(300, E64, generator=g) * 3.0
+    bias = torch.randn(E64, generator=g) * 0.1
+
+    def grads(z, bias, grouped):
+        zl = z.clone().requires_grad_(True)
+        if grouped:
+            w, ids, sc = aligned_ops.moe_grouped_routing(zl, bias, 8, 8, 4, renorm, 2.5)
+        else:
+            w, ids, sc = aligned_ops.moe_routing(zl, 8, "sigmoid", renorm)
+        gg = torch.Generator().manual_seed(12)
+        gw, gs = torch.randn(w.shape, generator=gg).to(w.device), torch.randn(sc.shape, generator=gg).to(sc.device)
+        (dz,) = torch.autograd.grad((w * gw).sum() + (sc * gs).sum(), zl)
+        return [w, ids, sc, dz]
+
+    for grouped in (True, False):
+        dev = grads(z.cuda(), bias.cuda(), grouped)
+        cpu = grads(z, bias, grouped)
+        for i, (a, b) in enumerate(zip(dev, cpu)):
+            assert_bitwise_equal(a.cpu(), b, f"grouped={grouped} output {i}")
+    aligned_ops.check_device_errors("cuda")

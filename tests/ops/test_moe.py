@@ -513,3 +513,43 @@ def test_shared_gate_shape_is_checked_not_reinterpreted(shape):
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
             ops.moe_experts(*(mode.from_tensor(t) for t in (x, w, ids, w13, w2, sw13, sw2, torch.randn(shape))))
     ops.moe_experts(x, w, ids, w13, w2, sw13, sw2, torch.randn(1, 16))  # positive control
+
+
+def _backward_args(ids, E=4, H=8, I=8, seed=0):
+    T, k = ids.shape
+    w13, w2 = _weights(E, H, I, torch.float32, seed)
+    x = torch.randn(T, H, generator=_g(seed + 1))
+    tw = torch.rand(T, k, generator=_g(seed + 2))
+    return torch.randn(T, H, generator=_g(seed + 3)), x, tw, ids, w13, w2
+
+
+@pytest.mark.parametrize("bad,what", [([[0, 1], [2, 3], [1, 4]], r"0 id\(s\) < 0 and 1 id\(s\) >= 4"),
+                                      ([[0, 1], [-1, 3], [1, 2]], r"1 id\(s\) < 0 and 0 id\(s\) >= 4")])
+def test_experts_backward_refuses_out_of_range_ids_by_name(bad, what):
+    """An id >= E used to give its rank a zero gradient silently, a negative one to fail inside torch.bincount."""
+    args = _backward_args(torch.tensor(bad))
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts_backward: topk_ids must lie in \[0, 4\), got " + what):
+        ops.moe_experts_backward(*args)
+    ops.moe_experts_backward(*_backward_args(torch.tensor([[0, 1], [2, 3], [1, 2]])))  # the control: in range runs
+
+
+def test_experts_forward_defines_a_repeated_expert_backward_refuses_it():
+    """The forward's contract (moe.h) takes each rank on its own: ids [e, e] equal ids [e, e'] with expert e' a copy
+    of e, bit for bit. The backward refuses the repeat by name (dx would sum two rows of one expert in a
+    run-dependent order on a GPU)."""
+    E, H, I = 4, 16, 8
+    w13, w2 = _weights(E, H, I, torch.bfloat16, 5)
+    w13[3], w2[3] = w13[1], w2[1]
+    x = torch.randn(3, H, generator=_g(6)).to(torch.bfloat16)
+    tw = torch.rand(3, 2, generator=_g(7))
+    rep = ops.moe_experts(x, tw, torch.tensor([[1, 1], [0, 2], [2, 2]]), w13, w2)
+    twin = ops.moe_experts(x, tw, torch.tensor([[1, 3], [0, 2], [2, 2]]), w13, w2)
+    assert_bitwise_equal(rep[:2], twin[:2])
+    args = _backward_args(torch.tensor([[1, 1], [0, 2], [2, 3]]))
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts_backward: topk_ids must not list an expert twice "
+                                           r"in a token .* got 1 such token"):
+        ops.moe_experts_backward(*args)
+    x2 = args[1].clone().requires_grad_()
+    out = ops.moe_experts(x2, args[2], args[3], args[4], args[5])
+    with pytest.raises(RuntimeError, match="aligned::moe_experts_backward: topk_ids must not list an expert twice"):
+        out.sum().backward()  # through autograd too

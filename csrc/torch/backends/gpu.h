@@ -130,7 +130,8 @@ struct Gpu {
   static void linear_mma_reference(const Call& c, const GemmParams& p) { Device::mma_reference(c.op, p); }
 
   // ---- the moe routing ops (csrc/gpu/moe_kernels.cuh: one thread per token, csrc/common/moe.h's row functions)
-  // Each call's per-token scratch is one fp32 buffer (moe_api.h moe_routing_scratch_floats); the backwards check
+  // Each call's scratch is one fp32 buffer, a slice per thread slot of the capped grid (moe_api.h
+  // moe_routing_scratch_floats: bounded by the grid, not by T); the backwards check
   // the ids in the kernel (kValueChecks).
   static void moe_routing(const Call& c, const MoeRoutingParams& p) {
     const at::Tensor s = routing_scratch(c, p, 0);

@@ -197,6 +197,29 @@ def _row_sums(v: torch.Tensor) -> torch.Tensor:
     return ops.linear(v.contiguous(), ones, None)[:, 0]
 
 
+def _checked_expert_counts(op: str, ids: torch.Tensor, E: int) -> list:
+    """Rows per expert ``[E]`` of int64 ``ids [T, k]``, read on the host in the one sync the backward makes, with the
+    ids checked in the same read: every id in [0, E) (an id >= E would otherwise get no gradient, a negative one
+    fail inside torch), and no expert twice in a token. The forward defines a repeated expert (moe.h: each rank's
+    y_r is its own, combined in rank order), but its gradient would reach dx through two adds of the same row
+    (index_add_, atomics on a GPU: run-dependent order), so the backward refuses it by name."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    # slot 0: ids < 0, slots 1..E: the experts, slot E+1: ids >= E; then the number of tokens with a repeated id
+    binned = torch.bincount(flat.clamp(-1, E) + 1, minlength=E + 2)
+    srt = ids.sort(dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1).sum().reshape(1) if k > 1 else binned.new_zeros(1)
+    host = torch.cat([binned, dup.to(binned.dtype)]).tolist()
+    below, above, ndup = host[0], host[E + 1], host[E + 2]
+    if below or above:
+        raise RuntimeError(f"aligned::{op}: topk_ids must lie in [0, {E}), got {below} id(s) < 0 and {above} id(s) "
+                           f">= {E}")
+    if ndup:
+        raise RuntimeError(f"aligned::{op}: topk_ids must not list an expert twice in a token (its gradient would be "
+                           f"summed in a run-dependent order), got {ndup} such token(s)")
+    return host[1 : E + 1]
+
+
 def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate=None, linear_profile="fma"):
     """CPU/any-device kernel of ``aligned::moe_experts_backward`` (experts in increasing id, tokens in order)."""
     if linear_profile not in EXPERT_PROFILES:
@@ -210,8 +233,8 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
     dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1).to(torch.int64)
+    counts = _checked_expert_counts("moe_experts_backward", ids.to(torch.int64), E)
     order = torch.sort(flat, stable=True).indices  # expert-major, (token, rank) order inside an expert
-    counts = torch.bincount(flat, minlength=E).tolist()
     start = 0
     for e in range(E):
         n = counts[e]
