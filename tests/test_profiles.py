@@ -123,3 +123,28 @@ def test_verify_passes_the_profile_to_its_children_not_through_os_environ(monkey
     # negative control: without --linear the children get what the variable selects
     assert verify.main(cli.build_parser().parse_args(["verify", "--model", str(tmp_path)])) == 0
     assert seen["aligned"] == {profiles.ENV_VAR: "fma"}
+
+
+def test_attention_profile_per_linear_profile_and_device():
+    """Profile.attention_profile: fma / exact run fma attention everywhere; mma runs mma attention on a GPU
+    (cuda covers ROCm builds) and on CPU tensors inside an emulate scope (the emulated GPU runs them, as it runs
+    linear_mma), fma on a plain CPU (no mma attention there) and for MLA architectures (no mma MLA kernel)."""
+    for p in (profiles.FMA, profiles.EXACT):
+        for dev in ("cpu", "cuda", torch.device("cuda", 1), torch.device("cpu")):
+            assert p.attention_profile(dev) == "fma"
+        with aligned_ops.emulate("sm_90"):
+            assert p.attention_profile("cpu") == "fma"
+    m = profiles.MMA
+    assert m.attention_profile("cuda") == "mma" and m.attention_profile(torch.device("cuda", 3)) == "mma"
+    assert m.attention_profile("cuda:0") == "mma"
+    assert m.attention_profile("cpu") == "fma" and m.attention_profile(torch.device("cpu")) == "fma"
+    assert m.attention_profile("meta") == "fma"
+    assert m.attention_profile("cuda", mla=True) == "fma"
+    for arch in ("sm_90", "gfx942"):
+        with aligned_ops.emulate(arch):
+            assert m.attention_profile("cpu") == "mma" and m.attention_profile(torch.device("cpu")) == "mma"
+            assert m.attention_profile("cpu", mla=True) == "fma"
+    assert m.attention_profile("cpu") == "fma"  # the scope is left: the plain CPU again
+    # the start-up text says which attention runs
+    assert "profile='mma' on a GPU" in m.describe() and "profile='fma' on a plain CPU" in m.describe()
+    assert "profile='fma'" in profiles.FMA.describe() and "mma" not in profiles.FMA.attention_description()

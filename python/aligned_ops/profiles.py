@@ -13,6 +13,9 @@ object that carries, together:
   must have (a dtype, a matrix unit): :meth:`Profile.model_refusals`;
 - ``moe_experts(...)`` — the MoE experts' projections under the profile (``fma`` chains unless it has its own);
   ``row_parallel_moe_experts(...)`` the same at TP > 1 (each rank an I slice of every expert);
+- ``attention_profile(device)`` — the attention it runs there (``"fma"`` / ``"mma"``: mma attention on a GPU under
+  the ``mma`` profile, fma on a plain CPU, which has no mma attention), decided once per engine layer / trainer
+  forward and passed to every ``attention_varlen`` / ``paged_attention`` call; ``attention_description()`` says it;
 - ``invariant_to`` — what its bits do not depend on (the start-up log and the README print it);
 - ``op`` — the aligned op its linears run (the name a traced forward shows; ``aligned_ops.model_spec`` steps).
 
@@ -136,9 +139,44 @@ class Profile:
             out.extend(r for r in self.model_refusals(dtype) if r not in out)
         return out
 
+    # True: the profile runs the mma attention (aligned_ops.attention_varlen / paged_attention profile="mma")
+    # where its kernel runs; False: fma attention everywhere (see attention_profile)
+    mma_attention = False
+
+    def attention_profile(self, device, mla: bool = False) -> str:
+        """The attention profile (``"fma"`` or ``"mma"``) a model of this linear profile runs on ``device`` (a
+        ``torch.device`` or device type), decided once per engine step / trainer forward by the caller, never per
+        layer. ``fma`` and ``exact`` linears run ``fma`` attention everywhere. ``mma`` runs ``mma`` attention where
+        the mma attention kernel runs — a CUDA/ROCm device, or CPU tensors under an active
+        :func:`aligned_ops.emulate` scope (the emulated GPU runs them, as it runs ``linear_mma``) — and ``fma``
+        attention on a plain CPU: the CPU has no mma attention (its mma profile covers linear, LM head and MoE
+        experts), and rollout and trainer on one CPU both run fma attention, so they still agree bit for bit.
+        ``mla``: an MLA architecture (DeepSeek-V3 style: its expanded form's attention and the latent op) runs ``fma``
+        attention under every profile on both sides — no mma MLA kernel is built yet."""
+        if not self.mma_attention or mla:
+            return FMA.name
+        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+        if kind == "cuda":
+            return MMA.name
+        if kind == "cpu":
+            from .emulation import active  # the dispatch's own test: CPU tensors go to the emulated GPU in scope
+
+            return MMA.name if active() is not None else FMA.name
+        return FMA.name
+
+    def attention_description(self) -> str:
+        """Which attention a model of this profile runs (the start-up log and the description say it)."""
+        if not self.mma_attention:
+            return "attention: the fma profile's (aligned_ops.attention_varlen / paged_attention, profile='fma')."
+        return (f"attention: profile={MMA.name!r} on a GPU (CUDA/ROCm, and the emulated GPUs), "
+                "QK^T and PV on the unit (csrc/common/attention_mma.h); profile='fma' on a plain CPU (the CPU has no "
+                "mma attention; rollout and trainer there both run fma attention, so they still agree). MLA "
+                "attention (DeepSeek) runs fma under every profile (no mma MLA kernel yet).")
+
     def describe(self) -> str:
         """One paragraph for a start-up log or a README table."""
-        return f"linear profile {self.name!r} ({self.op}): invariant to {self.invariant_to} Backward: {self.backward}"
+        return (f"linear profile {self.name!r} ({self.op}): invariant to {self.invariant_to} Backward: {self.backward} "
+                f"{self.attention_description()}")
 
     def __repr__(self) -> str:
         return f"<aligned_ops linear profile {self.name!r}>"
@@ -242,6 +280,7 @@ class MmaProfile(Profile):
                             linear_profile=self.name)
 
     experts_profile = "mma"
+    mma_attention = True  # attention_profile: "mma" on a GPU (and the emulated GPUs), "fma" on a plain CPU
 
     def model_refusals(self, dtype, device: str = "cpu") -> list[str]:
         return _mma.mma_model_reasons(dtype, device)

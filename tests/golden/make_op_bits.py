@@ -10,7 +10,8 @@ gradient), the `fma` linear (linear, linear_partial, linear_backward, autograd),
 linear_mma_partial, linear_mma_backward, autograd, the scalar model; moe_experts under mma; refusals where the
 process has no unit), the `exact` linear (one-shot,
 packed, k_parts, the CPU fp64 routes, the TP pieces, the scalar references), attention (varlen + backward, the
-KV-cache write, paged, and the planned forms), moe (routing softmax / sigmoid + backward, experts with and
+KV-cache write, paged, and the planned forms; under the mma profile on the emulated GPUs, the CPU's refusal
+on the CPU levels), moe (routing softmax / sigmoid + backward, experts with and
 without a shared expert and gate + backward, the reference), and the elementwise test hooks. Every dtype an op
 accepts (fp32 / bf16 / fp16), odd shapes, few-row shapes that take the CPU's split-row paths (4 threads).
 
@@ -454,6 +455,40 @@ def cases():
         cq, ck = cu([5, 4]), cu([5, 35])
         yield f"mla_wide_backward/{tag}", lambda q=q, kv=kv, cq=cq, ck=ck: _grads(
             lambda a, b: aligned_ops.mla_attention_varlen(a, b, cq, ck, 512, 0.04), (q, kv))
+
+    # ---- attention under the mma profile (bf16; csrc/common/attention_mma.h): the GPU kernel, which the emulated
+    # configs run (forward, backward, paged, planned); the CPU levels record the CPU's refusal by name (the CPU's
+    # mma profile has no attention). Added by --add attention_mma, existing entries untouched.
+    def gpu_mma_attention(thunk):
+        def run(thunk=thunk):
+            return thunk() if aligned_ops.emulation.active() is not None else refused(thunk)
+        return run
+
+    bf = torch.bfloat16
+    for lens_q, lens_k, Hq, Hkv, D, causal in (
+        ([5, 1, 9], [5, 1, 9], 4, 2, 16, True),
+        ([3, 2], [7, 600], 2, 1, 32, True),  # 600 keys: two 512-key splits
+        ([4, 6], [9, 6], 3, 3, 16, False),
+    ):
+        q = rand(90, (sum(lens_q), Hq, D), bf)
+        k, v = rand(91, (sum(lens_k), Hkv, D), bf), rand(92, (sum(lens_k), Hkv, D), bf)
+        cq, ck = cu(lens_q), cu(lens_k)
+        key = f"bf16/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}/h{Hq}x{Hkv}x{D}/c{int(causal)}"
+        yield f"attention_mma_varlen/{key}", gpu_mma_attention(lambda q=q, k=k, v=v, cq=cq, ck=ck, c=causal: _grads(
+            lambda a, b, e: aligned_ops.attention_varlen(a, b, e, cq, ck, 0.3, c, profile="mma"), (q, k, v)))
+
+        def mma_planned(q=q, k=k, v=v, cq=cq, ck=ck, c=causal, Hq=Hq, Hkv=Hkv, D=D):
+            plan = aligned_ops.AttentionPlan().plan_varlen(cq, ck, Hq, Hkv, D, c)
+            return {"out": aligned_ops.attention_varlen(q, k, v, cq, ck, 0.3, c, plan=plan, profile="mma")[0]}
+        yield f"attention_mma_varlen_planned/{key}", gpu_mma_attention(mma_planned)
+    nb, bs, Hq, Hkv, D = 40, 16, 4, 2, 16
+    kc, vc = rand(93, (nb, bs, Hkv, D), bf), rand(94, (nb, bs, Hkv, D), bf)
+    table = integers(95, (3, 39), 0, nb).to(torch.int32)
+    seq_lens = torch.tensor([13, 2, 610], dtype=torch.int32)
+    qsl = cu([6, 1, 3])
+    q = rand(96, (10, Hq, D), bf)
+    yield "attention_mma_paged/bf16", gpu_mma_attention(lambda q=q, kc=kc, vc=vc, t=table, s=seq_lens, l=qsl: {
+        "out": aligned_ops.paged_attention(q, kc, vc, t, s, l, 0.25, profile="mma")})
 
     # ---- elementwise hooks and the error words ----
     xe = torch.cat([uniform(60, (200,), -100.0, 100.0), torch.tensor([0.0, -0.0, 1e-40, float("inf"), -1.0])])

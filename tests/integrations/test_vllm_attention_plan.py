@@ -141,3 +141,41 @@ def test_the_plugin_tags_the_block_table_device_view(monkeypatch):
                                   dev=torch.zeros(3, 4, dtype=torch.int32, device="meta"))
     view = va._block_table_get_device_tensor(owner, 2)
     assert_bitwise_equal(getattr(view, va._HOST_TABLE_ATTR), owner.block_table.cpu[:2])
+
+
+@pytest.mark.emulated
+def test_the_backend_runs_the_engine_profiles_attention():
+    """The engine's linear profile decides the attention profile (profiles.Profile.attention_profile), once per
+    layer on its first forward: under the mma profile the layer runs paged_attention(profile="mma") where the mma
+    kernel runs (here: the emulated GPU), bit for bit the op called directly and not the fma bits (negative
+    control); on the plain CPU it runs fma attention (the CPU has no mma attention); the fma profile: fma."""
+    from aligned_ops import profiles
+
+    d = 16  # the mma kernel's k-blocks of 16
+    g = torch.Generator().manual_seed(4)
+    table = torch.stack([torch.randperm(NB, generator=g)[:4] for _ in range(2)]).to(torch.int32)
+    seq_lens, qsl = torch.tensor([11, 3], dtype=torch.int32), torch.tensor([0, 5, 6], dtype=torch.int32)
+    kv = torch.randn(2, NB, BS, HKV * d, generator=g).to(torch.bfloat16).transpose(0, 1)
+    q = torch.randn(6, HQ, d, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = va.split_kv_cache(kv, HKV, d)
+
+    def layer_out(profile):
+        impl = va.AlignedAttentionImpl(HQ, d, d ** -0.5, HKV, None, None, "auto")
+        impl._aligned_profile = profile  # what record_architecture binds from the engine config
+        plan = aligned_ops.AttentionPlan().plan_paged(qsl, seq_lens, table, HQ, HKV, d, NB, BS)
+        meta = va.AlignedAttentionMetadata(6, 5, qsl, 11, seq_lens, table, torch.zeros(6, dtype=torch.int64),
+                                           plan=plan)
+        out = torch.empty(6, HQ * d, dtype=torch.bfloat16)
+        impl.forward(None, q, None, None, kv, meta, out)
+        return out.view(6, HQ, d)
+
+    def direct(profile):
+        return aligned_ops.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, profile=profile)
+
+    with aligned_ops.emulate("sm_90"):
+        mma_layer, fma_layer = layer_out(profiles.MMA), layer_out(profiles.FMA)
+        mma_ref, fma_ref = direct("mma"), direct("fma")
+    assert_bitwise_equal(mma_layer, mma_ref)
+    assert_bitwise_equal(fma_layer, fma_ref)
+    assert not torch.equal(mma_ref.view(torch.int16), fma_ref.view(torch.int16))  # the profiles' bits differ
+    assert_bitwise_equal(layer_out(profiles.MMA), direct("fma"))  # plain CPU: fma attention under mma

@@ -222,6 +222,7 @@ class _ForwardContext:
     cos_sin_cache: torch.Tensor
     plans: _ForwardPlans | None
     profile: profiles.Profile
+    attention_profile: str = "fma"  # profile.attention_profile(device), decided once per forward (profiles.py)
 
 
 class TrainerSide(Side):
@@ -243,14 +244,16 @@ class TrainerSide(Side):
     def attention(self, ctx, attn, q, k, v, scale):
         plan = ctx.plans.get(q.shape[1], k.shape[1], q.shape[2]) if ctx.plans is not None else None
         o, _ = aligned_ops.attention_varlen(q, k, v.contiguous(), ctx.cu_seqlens, ctx.cu_seqlens, scale, True,
-                                            plan=plan)
+                                            plan=plan, profile=ctx.attention_profile)
         return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
 
     def linear(self, ctx, x, weight):
         return ctx.profile.linear(x, weight)
 
     def mla_attention(self, ctx, attn, q, kv, kv_lora_rank, scale):
-        # one KV head of width D = kv_lora_rank + rope_dim: the plan of the latent row (one per forward)
+        # one KV head of width D = kv_lora_rank + rope_dim: the plan of the latent row (one per forward). The latent
+        # op runs fma under every linear profile (no mma MLA kernel is built; Profile.attention_profile(mla=True)),
+        # as the vLLM MLA backend does (integrations/vllm/mla.py)
         plan = ctx.plans.get(q.shape[1], 1, q.shape[2]) if ctx.plans is not None else None
         o, _ = aligned_ops.mla_attention_varlen(q, kv, ctx.cu_seqlens, ctx.cu_seqlens, kv_lora_rank, scale, True,
                                                 plan=plan)
@@ -299,7 +302,12 @@ def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens)
     # one host sync (a [B+1] int32 copy; _pack's checks read the same offsets); every layer then runs one plan.
     cu_host = cu if cu.device.type == "cpu" else cu.cpu()
     profile = profile_of(owner)  # resolved once, by patch_model
-    ctx = _ForwardContext(positions, cu_host, cache, _ForwardPlans(cu_host, hidden.device), profile)
+    # the attention profile of this linear profile on this device (mma attention on a GPU / emulated GPU under the
+    # mma profile, fma on a plain CPU and for MLA architectures): the vLLM backend decides it the same way
+    arch = ARCHITECTURES[owner._aligned_arch]
+    attention_profile = profile.attention_profile(hidden.device, mla=bool(arch.mla_forms))
+    ctx = _ForwardContext(positions, cu_host, cache, _ForwardPlans(cu_host, hidden.device), profile,
+                          attention_profile)
     residual = None
     with hf_moe.RoutingRecorder() as routing:
         for layer in inner.layers:

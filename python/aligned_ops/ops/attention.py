@@ -44,13 +44,13 @@ def _check_host_or_same(op, ref, **meta):
 
 # The attention profiles the schemas take (csrc/torch/checks/attention.h check_attention_profile), default first.
 ATTENTION_PROFILES = ("fma", "mma")
-_BF16_ONLY_PROFILES = ATTENTION_PROFILES[1:]  # the matrix unit's: its input type is bfloat16
+_BF16_ONLY = frozenset(ATTENTION_PROFILES[1:])  # the matrix unit's profile takes bfloat16 only
 
 
 def _check_profile(op, profile, q):
     torch._check(profile in ATTENTION_PROFILES,
                  lambda: f"aligned::{op}: profile must be 'fma' or 'mma', got {profile!r}")
-    torch._check(profile not in _BF16_ONLY_PROFILES or q.dtype == torch.bfloat16,
+    torch._check(profile not in _BF16_ONLY or q.dtype == torch.bfloat16,
                  lambda: f"aligned::{op}: the mma profile's attention takes bfloat16 q/k/v (the matrix unit's input "
                          f"type; float16 / float32 run profile='fma'), got {q.dtype}")
 

@@ -43,6 +43,7 @@ import aligned_ops
 
 from ...models import rules_of
 from . import patches
+from ...profiles import profile_of
 from .bind import record_architecture
 
 
@@ -291,6 +292,10 @@ class AlignedAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         self._paged_attention, self._reshape_and_cache = aligned_ops.paged_attention, aligned_ops.reshape_and_cache
+        # the engine's linear profile (bound by record_architecture) and whether this is an MLA architecture's
+        # expanded attention: the attention profile is decided from them and the device on the first forward
+        self._mla = bool(arch is not None and arch.mla_forms)
+        self._attention_profile = None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_cache, v_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
@@ -316,7 +321,9 @@ class AlignedAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
         # the step's plan (built once by the metadata builder from host metadata): no host work per layer
+        if self._attention_profile is None:  # once per layer (the trainer: once per forward, hf._backbone)
+            self._attention_profile = profile_of(self).attention_profile(query.device, mla=self._mla)
         out = self._paged_attention(query[:n], k_cache, v_cache, scale=self.scale if self._own_scale else rules_of(self).scale(self.head_size),
-                                    plan=attn_metadata.plan)
+                                    plan=attn_metadata.plan, profile=self._attention_profile)
         output[:n].copy_(out.view(output[:n].shape))
         return output

@@ -276,7 +276,7 @@ def active_line(profile) -> str:
     return (f"aligned_ops vLLM plugin active: aligned_ops {aligned_ops.__version__} (built for torch "
             f"{_built_with_torch()}), vLLM {getattr(vllm, '__version__', 'unknown')}, linear profile "
             f"{profile.name!r} ({profile.op}); replaced: {len(oot)} layer ops out of tree ({', '.join(oot)}), "
-            f"{len(classes)} classes patched ({', '.join(classes)})")
+            f"{len(classes)} classes patched ({', '.join(classes)}); {profile.attention_description()}")
 
 
 def installed_profile():

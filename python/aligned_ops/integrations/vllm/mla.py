@@ -129,6 +129,8 @@ class AlignedMLAImpl(MLAAttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
+        # fma under every linear profile: no mma MLA kernel is built (profiles.Profile.attention_profile, mla=True);
+        # the trainer's latent op runs the same (hf.TrainerSide.mla_attention)
         out = aligned_ops.mla_paged_attention(q[:n], kv_cache, kv_lora_rank=self.kv_lora_rank, scale=self.scale,
                                               plan=attn_metadata.plan)
         output[:n].copy_(out.reshape(n, -1))
