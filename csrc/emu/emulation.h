@@ -53,11 +53,15 @@ enum class Fault : int {
   // The mma attention's emulated launcher (csrc/gpu/attention_launch.cuh): the score's head_dim blocks in
   // descending order for sequences with more than one new row (an order that depends on prefill vs decode).
   kMmaAttnBlockOrderByQLen = 7,
-  // ... and FlashAttention's shared V operand: one PV pass per tile with V cut at the group's longest row.
+  // ... and FlashAttention's shared operand: one PV pass per tile with V cut at the group's longest row (and in
+  // the backward: dq's K and dk / dv's q and dO cut at the group's union, attention_mma_kernels.cuh).
   kMmaAttnSharedV = 8,
   // moe_experts' grouped `fma` tiles (csrc/gpu/moe_kernels.cuh) holding more than one row run each output as one
   // sequential chain instead of the 8-lane tree: a token's bits then depend on how many tokens share its expert.
   kMoeFmaChainByM = 9,
+  // The mma attention's emulated dk / dv kernel counts its pair-blocks of 16 (row, head) pairs from the batch's
+  // global pair index (offset q_begin * G mod 16) instead of the sequence's own: batch-dependent gradients.
+  kMmaAttnPairBlocksGlobal = 10,
 };
 
 struct LaunchRecord {

@@ -11,10 +11,6 @@
 #endif
 
 namespace aligned::gpu::ALIGNED_GPU_BUILD {
-namespace {
-
-
-}  // namespace
 
 // The `mma` profile (attention_mma.h): the split kernel on the matrix instruction, then the fma profile's merge.
 const char* launch_attention_forward_mma(const AttnFwdParams& p, void* stream) {
@@ -49,7 +45,6 @@ const char* launch_attention_forward(const AttnFwdParams& p, void* stream) {
   if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   if (p.profile == kAttnProfileMma) return launch_attention_forward_mma(p, stream);
   if (p.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU forward's maximum (640)";
-  if (p.n_items > 0x7fffffff || p.n_blocks > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     if (p.D > kGpuAttnMaxD) {  // the wide variant: nothing staged (attention_split_kernel), the same bits
@@ -94,32 +89,38 @@ const char* launch_attention_backward_mma(const AttnBwdParams& p, void* stream) 
     if (blocks > 65535) blocks = 65535;  // grid-stride loop inside
     ALIGNED_LAUNCH((unsigned)blocks, 256, 0, (gpu_stream_t)stream, attention_bwd_delta_kernel<bf16_t>)(p);
   }
-  int control = kAttnMmaControlNone;
+  int control = kAttnMmaControlNone;  // the tests' negative controls (never built for a GPU)
 #if defined(ALIGNED_GPU_EMULATED)
   if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnBlockOrderByQLen)
-    control = kAttnMmaControlReverseDByQLen;  // the tests' negative control (never built for a GPU)
+    control = kAttnMmaControlReverseDByQLen;
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnSharedV) control = kAttnMmaControlSharedV;
+  if (::aligned::emu::active_fault() == ::aligned::emu::Fault::kMmaAttnPairBlocksGlobal)
+    control = kAttnMmaControlPairBlocksGlobal;
 #endif
+  // the dq kernel has no pair-blocks nor a d-block order of its own to fault: only the shared operand reaches it
+  const int dq_control = control == kAttnMmaControlSharedV ? control : kAttnMmaControlNone;
   const int d_instr = attn_mma_d_instr(p.f.D);
   const unsigned nb = (unsigned)p.f.n_blocks, nt = (unsigned)p.n_tiles;
   const gpu_stream_t st = (gpu_stream_t)stream;
   if (d_instr == kAttnMmaDInstr64) {
-    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr64>)(p);
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr64>)(p, dq_control);
     if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr64>)(p, control);
   } else if (d_instr == kAttnMmaDInstr128) {
-    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr128>)(p);
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr128>)(p, dq_control);
     if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr128>)(p, control);
   } else {
-    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr>)(p);
+    if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr>)(p, dq_control);
     if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr>)(p, control);
   }
   return last_error();
 }
 
 const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
+  // before either profile's launches: both cast the work lists' lengths to a grid size
+  if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";
   if (p.f.profile == kAttnProfileMma) return launch_attention_backward_mma(p, stream);
   if (p.f.D > kGpuAttnMaxDWide) return "aligned attention: head_dim above the GPU kernels' maximum (640)";
   const bool wide = p.f.D > kGpuAttnMaxD;  // the unstaged variants (attention_bwd_dq_kernel), the same bits
-  if (p.f.n_blocks > 0x7fffffff || p.n_tiles > 0x7fffffff) return "aligned attention: work list too long for one grid";
   with_type(p.f.dt, [&](auto* tp) {
     using T = typename std::remove_pointer<decltype(tp)>::type;
     if (p.rows > 0) {

@@ -37,13 +37,18 @@ constexpr int64_t kAttnMmaMaxD = kGpuAttnMaxD;                      // the large
 
 // Negative controls (tests only; the emulated launcher builds them on request, emulation.h Fault), 0 everywhere
 // else: 1 = the score's d-blocks in descending order for items of sequences with more than one new row (an order
-// that depends on prefill vs decode), and in the backward dk / dv's pair-blocks in descending order; 2 = FlashAttention's shared V operand: ONE PV pass per tile with V cut at
-// the group's longest row, so a row multiplies its masked keys' values by P = +0 (attention_mma.h says why that
-// is not neutral on the unit). The invariance tests must catch both.
+// that depends on prefill vs decode), and in the backward dk / dv's pair-blocks in descending order;
+// 2 = FlashAttention's shared operand: ONE pass per tile with the operand cut at the group's longest row — the
+// forward's PV with V (a row multiplies its masked keys' values by P = +0: attention_mma.h says why that is not
+// neutral on the unit), the backward's dq with K (dS = +0 times a masked key) and dk / dv with q and dO (dS / P =
+// +0 times a pair that does not see the key); 3 = dk / dv's pair-blocks counted from the batch's global (row,
+// head) pair index (offset q_begin * G mod 16) instead of the sequence's own: a sequence's gradients then depend
+// on the rows before it in the batch. The invariance tests must catch each.
 enum AttnMmaControl : int {
   kAttnMmaControlNone = 0,
   kAttnMmaControlReverseDByQLen = 1,
   kAttnMmaControlSharedV = 2,
+  kAttnMmaControlPairBlocksGlobal = 3,
 };
 
 // The warp's shared scratch: the tile's scaled scores, its bf16 P, each row's alpha and nv, and whether each row
@@ -277,7 +282,7 @@ __device__ __forceinline__ void attn_mma_head_dim_products(const bf16_t* A, cons
 }
 
 template <int kDInstr = kAttnMmaDInstr>
-__global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(AttnBwdParams p) {
+__global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(AttnBwdParams p, int control) {
   __shared__ AttnMmaBwdScratch scratch[kAttnMmaWarps];
   const AttnFwdParams& f = p.f;
   const int64_t* w = f.blocks + (int64_t)blockIdx.x * kAttnWorkFields;
@@ -337,14 +342,17 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
       warp_sync();
       for (int kb = 0; kb < kAttnMmaKeyBlocks; ++kb) {
         const int64_t k0 = j0 + kb * kMmaGpuKBlock;
+        const auto nv_of = [&](int i) -> int {
+          const int64_t ii = pr0 + i;
+          const int64_t n = ii < P ? work_row_keys(f, w, ii / G) - k0 : 0;
+          return n <= 0 ? 0 : (n < kMmaGpuKBlock ? (int)n : kMmaGpuKBlock);
+        };
+        int nv_max = 0;  // (the shared-operand negative control's one pass)
+        for (int r1 = 0; r1 < kAttnMmaRows; ++r1) nv_max = nv_of(r1) > nv_max ? nv_of(r1) : nv_max;
+        const bool shared_k = control == kAttnMmaControlSharedV;
         for (int r0 = 0; r0 < kAttnMmaRows; ++r0) {  // one pass per distinct nv of the block (uniform)
-          const auto nv_of = [&](int i) -> int {
-            const int64_t ii = pr0 + i;
-            const int64_t n = ii < P ? work_row_keys(f, w, ii / G) - k0 : 0;
-            return n <= 0 ? 0 : (n < kMmaGpuKBlock ? (int)n : kMmaGpuKBlock);
-          };
-          const int nvp = nv_of(r0);
-          bool seen = nvp <= 0;
+          const int nvp = shared_k ? nv_max : nv_of(r0);
+          bool seen = nvp <= 0 || (shared_k && r0 > 0);
           for (int r1 = 0; r1 < r0 && !seen; ++r1) seen = nv_of(r1) == nvp;
           if (seen) continue;
           const auto a_at = [&](int row, int k) -> uint16_t {
@@ -364,7 +372,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
             for (int r = 0; r < 4; ++r) {
               int row, col;
               bf16_mma_c_coords(r, row, col);
-              if (nv_of(row) == nvp) acc[n][r] = t[r];
+              if (shared_k ? nv_of(row) > 0 : nv_of(row) == nvp) acc[n][r] = t[r];
             }
           }
         }
@@ -409,18 +417,23 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
   for (int n = 0; n < kDInstr; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) ak[n][r] = av[n][r] = 0.0f;
-  const int64_t n_pair_blocks = (P + kAttnMmaRows - 1) / kAttnMmaRows;
+  // (negative control 3: the blocks start at the batch's global pair index, shifted by q_begin * G mod 16)
+  const int64_t shift = control == kAttnMmaControlPairBlocksGlobal ? (w[kWqBegin] * G) % kAttnMmaRows : 0;
+  const int64_t n_pair_blocks = (P + shift + kAttnMmaRows - 1) / kAttnMmaRows;
+  const auto in_seq = [&](int64_t e) { return e >= 0 && e < P; };
   // (negative control 1: the pair-blocks in descending order for sequences with more than one new row)
   const bool reverse = control == kAttnMmaControlReverseDByQLen && q_len > 1;
+  const bool shared_op = control == kAttnMmaControlSharedV;  // (negative control 2: one pass, the pairs' union)
   for (int64_t pb = 0; pb < n_pair_blocks; ++pb) {  // pair-blocks ascending (uniform)
-    const int64_t e0 = (reverse ? n_pair_blocks - 1 - pb : pb) * kAttnMmaRows;
+    const int64_t e0 = (reverse ? n_pair_blocks - 1 - pb : pb) * kAttnMmaRows - shift;
     int64_t nk_blk = 0;
     for (int i = 0; i < kAttnMmaRows && e0 + i < P; ++i) {
+      if (!in_seq(e0 + i)) continue;
       const int64_t n = pair_keys(e0 + i);
       nk_blk = n > nk_blk ? n : nk_blk;
     }
     if (nk_blk <= kw0) continue;  // no pair of the block sees a key of the warp
-    const auto a_off = [&](int i) -> int64_t { return e0 + i < P ? pair_row(e0 + i) * D : -1; };
+    const auto a_off = [&](int i) -> int64_t { return in_seq(e0 + i) ? pair_row(e0 + i) * D : -1; };
     const auto key_off = [&](int c) -> int64_t { return c < n_keys ? kv.offset(kw0 + c, g) : -1; };
     float sf[kAttnMmaKInstr16][4], df[kAttnMmaKInstr16][4];
     attn_mma_head_dim_products<kAttnMmaKInstr16>(Q, K, D, a_off, key_off, sf);
@@ -437,8 +450,8 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
     warp_sync();
     if (lane < kAttnMmaRows) {  // pair `lane`: its P and dS over the warp's 16 keys
       const int64_t e = e0 + lane;
-      const int64_t nk = e < P ? pair_keys(e) : 0;
-      const int64_t ri = e < P ? pair_row(e) : 0;
+      const int64_t nk = in_seq(e) ? pair_keys(e) : 0;
+      const int64_t ri = in_seq(e) ? pair_row(e) : 0;
       sc.nk[lane] = (int)(nk - kw0 < 0 ? 0 : (nk - kw0 > kAttnMmaRows ? kAttnMmaRows : nk - kw0));
       for (int c = 0; c < kAttnMmaRows; ++c) {
         const bool sees = c < n_keys && kw0 + c < nk;
@@ -459,9 +472,11 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
       sc.mask[lane] = m;
     }
     warp_sync();
+    uint32_t mask_union = 0;  // (the shared-operand negative control's one pass)
+    for (int c1 = 0; c1 < kAttnMmaRows; ++c1) mask_union |= sc.mask[c1];
     for (int c0k = 0; c0k < kAttnMmaRows; ++c0k) {  // one pass per distinct non-empty mask (uniform)
-      const uint32_t mp = sc.mask[c0k];
-      bool seen = mp == 0;
+      const uint32_t mp = shared_op ? mask_union : sc.mask[c0k];
+      bool seen = mp == 0 || (shared_op && c0k > 0);
       for (int c1 = 0; c1 < c0k && !seen; ++c1) seen = sc.mask[c1] == mp;
       if (seen) continue;
       const auto a_ds = [&](int row, int k) -> uint16_t { return (mp >> k) & 1u ? sc.ds[k][row].bits : (uint16_t)0; };
@@ -486,7 +501,7 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
         for (int r = 0; r < 4; ++r) {
           int row, col;
           bf16_mma_c_coords(r, row, col);
-          if (sc.mask[row] == mp) {
+          if (shared_op ? sc.mask[row] != 0 : sc.mask[row] == mp) {
             ak[n][r] = tk[r];
             av[n][r] = tv[r];
           }

@@ -50,10 +50,13 @@ _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
            "moe_combine_by_expert": 6,
            # the mma attention's emulated launcher: score d-blocks reversed for sequences with q_len > 1
            "mma_attn_block_order_by_q_len": 7,
-           # ... and FlashAttention's shared V operand (one PV pass per tile, V cut at the group's longest row)
+           # ... and FlashAttention's shared operand (one PV pass per tile, V cut at the group's longest row; the
+           # backward's dq with K, dk / dv with q and dO cut the same way)
            "mma_attn_shared_v": 8,
            # moe_experts' grouped fma tiles of more than one row as one chain per output (not the 8-lane tree)
-           "moe_fma_chain_by_m": 9}
+           "moe_fma_chain_by_m": 9,
+           # the mma attention's emulated dk / dv: pair-blocks counted from the batch's global pair index
+           "mma_attn_pair_blocks_global": 10}
 # The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
 MMA_MODELS = ("mmasim", "fma_chain")
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"

@@ -9,12 +9,18 @@ What is proved, each on integer views (bits, never a tolerance):
 - training varlen == one-shot prefill (paged) == chunked prefill == prefix hit (paged, part cached) == paged decode,
   per row; a sequence alone == the same sequence inside a batch of others (another order); the planned run forms
   == the per-call forms;
-- a masked key's finite extreme value (|v| = bf16 max, in a row's causal future) changes no bit: prefill == decode;
+- a masked key's finite extreme value (|v| = 2^100, in a row's causal future) changes no bit: prefill == decode;
+  nor does a non-finite one (k and v holding inf and NaN): prefill == decode == the reference, finite;
 - negative controls: the score's d-blocks reversed for prefill only (fault mma_attn_block_order_by_q_len) and
   FlashAttention's shared V operand (fault mma_attn_shared_v) are caught by the same comparisons; the two unit
   models give different bits (the model is applied);
 - the backward (attention_mma.h "backward"): dq / dk / dv kernels == the scalar reference at both widths and models;
-  autograd == the op; deterministic run to run and across schedules; a sequence's gradients alone == in a batch;
+  autograd == the op; deterministic run to run and across schedules; a sequence's gradients alone == in a batch,
+  also behind a sequence whose pairs end mid pair-block; masked operands exercised: a masked key of 2^100 (dq) and
+  a masked pair of 2^100 (dk / dv) against tiny values == the reference; a GQA group of 16 over a 3-row decode
+  step, and sm_80 / gfx950's unit models == the reference;
+- backward negative controls: FlashAttention's shared operand (fault mma_attn_shared_v in dq and dk / dv) and
+  pair-blocks counted from the batch's pair index (fault mma_attn_pair_blocks_global) are caught;
 - accuracy against float64 within a bf16 tolerance (forward and backward); errors by message (fp16 / fp32 under
   mma, unknown profile, the CPU's refusal, the references outside emulation); opcheck of the changed schemas.
 Shapes are small: emulation runs every GPU thread as a fiber.
@@ -577,3 +583,199 @@ def test_opcheck():
     # the default profile keeps its full opcheck (autograd included) with the new argument given explicitly
     qg, kg, vg = (t.float().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(ops.attention_varlen.default, (qg, kg, vg, cq, ck, 0.25, True, "fma"))
+
+
+# ---- backward: masked operands, batch-dependent pair-blocks (negative controls 8 and 10) --------------------------
+def backward_pair(arch, q, k, v, dout, cq, ck, causal, model="mmasim", fault=None):
+    """(the kernels' dq, dk, dv, the reference's dq, dk, dv) of one problem; scale 1/8."""
+    with aligned_ops.emulate(arch, mma_model=model, _fault=fault):
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, causal=causal, profile="mma")
+        got = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, 0.125, causal, None, "mma")
+        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, 0.125, causal)
+    return got, ref
+
+
+def masked_key_extreme_problem(seed):
+    """32 rows, causal, Hq 4 / Hkv 2 / D 64: k tiny (~1e-30) except key 15 = +-2^100. A row before 15 masks key
+    15; were K[15] to reach dq's instruction as dS = (+0) x 2^100 (exponent -26 on the unit), the row's own products
+    (~2^-100) would be aligned to it and truncated — FlashAttention's shared operand (K cut at the 16-pair group's
+    longest row) does that to rows 8..14 (the group of rows 8..15)."""
+    g = torch.Generator().manual_seed(seed)
+    n, hq, hkv, d = 32, 4, 2, 64
+    q = torch.randn(n, hq, d, generator=g).to(BF16)
+    k = torch.randn(n, hkv, d, generator=g) * 1e-30
+    k[15] = torch.where(torch.rand(hkv, d, generator=g) < 0.5, 2.0 ** 100, -(2.0 ** 100))
+    v = torch.randn(n, hkv, d, generator=g).to(BF16)
+    dout = torch.randn(n, hq, d, generator=g).to(BF16)
+    return q, k.to(BF16), v, dout, cu([n]), cu([n])
+
+
+def masked_pair_extreme_problem(seed):
+    """32 rows, causal, Hq 4 / Hkv 2 / D 64: q and dO tiny (~2^-40) except row 2 = +-2^100. Keys 3.. do not see
+    row 2; were its q / dO to reach dk / dv's instruction as dS = (+0) / P = (+0) times 2^100, the key's own
+    products (~2^-80) would be truncated — FlashAttention's shared operand (q, dO cut at the union of the pairs the
+    block's keys see) does that to keys 3..7 (warp 0's keys seen by pair-block 0 = rows 0..7). Row 2, not 3: its
+    pairs 4, 5 share a group of 4 products with row 3's pairs 6, 7 (which see key 3), the group gfx942's unit
+    aligns together; row 3's pairs would share one only with row 2's, which see none of keys 4..."""
+    g = torch.Generator().manual_seed(seed)
+    n, hq, hkv, d = 32, 4, 2, 64
+    q = torch.randn(n, hq, d, generator=g) * 2.0 ** -40
+    dout = torch.randn(n, hq, d, generator=g) * 2.0 ** -40
+    for t in (q, dout):
+        t[2] = torch.where(torch.rand(hq, d, generator=g) < 0.5, 2.0 ** 100, -(2.0 ** 100))
+    k = torch.randn(n, hkv, d, generator=g).to(BF16)
+    v = torch.randn(n, hkv, d, generator=g).to(BF16)
+    return q.to(BF16), k, v, dout.to(BF16), cu([n]), cu([n])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("model", MODELS)
+def test_backward_dq_masked_key_extreme(arch, model):
+    """dq of the rows that mask key 15 (rows 0..14) == the reference bitwise, finite and tiny."""
+    got, ref = backward_pair(arch, *masked_key_extreme_problem(30), causal=True, model=model)
+    assert_bitwise_equal(got[0][:15], ref[0][:15], f"{arch}/{model} dq rows < 15")
+    assert torch.isfinite(got[0][:15].float()).all()
+    assert got[0][:15].abs().max() < 1e-20
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("model", MODELS)
+def test_backward_dkdv_masked_pair_extreme(arch, model):
+    """dk / dv of the keys row 2 does not see (keys 3..31) == the reference bitwise, finite and tiny."""
+    got, ref = backward_pair(arch, *masked_pair_extreme_problem(31), causal=True, model=model)
+    for i, name in ((1, "dk"), (2, "dv")):
+        assert_bitwise_equal(got[i][3:], ref[i][3:], f"{arch}/{model} {name} keys >= 3")
+        assert torch.isfinite(got[i][3:].float()).all()
+        assert got[i][3:].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_control_shared_operand_is_caught(arch):
+    """Fault mma_attn_shared_v in the backward (dq's K cut at the group's longest row; dk / dv's q and dO at the
+    block's union of pairs): both masked-extreme comparisons above fail on MMA-Sim's model (sm_90: 1792 of 3840 dq
+    elements of rows < 15 differ, 637 dk / 194 dv of keys >= 3; gfx942: 1792, 128, 21). On the fma_chain model
+    a (+0) x 2^100 product adds exactly +0 to a chain (no shared alignment), so the shared operand is neutral there
+    and cannot be caught by any bit: asserted too, so a change of that model is noticed."""
+    got, ref = backward_pair(arch, *masked_key_extreme_problem(30), causal=True, fault="mma_attn_shared_v")
+    assert not bitwise_equal(got[0][:15], ref[0][:15])
+    got, ref = backward_pair(arch, *masked_pair_extreme_problem(31), causal=True, fault="mma_attn_shared_v")
+    assert not bitwise_equal(got[1][3:], ref[1][3:])
+    assert not bitwise_equal(got[2][3:], ref[2][3:])
+    got, ref = backward_pair(arch, *masked_key_extreme_problem(30), causal=True, model="fma_chain",
+                             fault="mma_attn_shared_v")
+    assert_bitwise_equal(got[0][:15], ref[0][:15])
+    got, ref = backward_pair(arch, *masked_pair_extreme_problem(31), causal=True, model="fma_chain",
+                             fault="mma_attn_shared_v")
+    assert_bitwise_equal(got[1][3:], ref[1][3:])
+    assert_bitwise_equal(got[2][3:], ref[2][3:])
+
+
+def pair_block_problem(seed):
+    """Two sequences, Hq 3 / Hkv 1 (G = 3), D 32, non-causal: the first of 29 rows (87 pairs: 87 mod 16 = 7), the
+    second of 40 rows with q = 0 (every p equal) and dO = +2^16 on its pairs 0..15, -2^16 on pairs 16..31, small
+    after: in its own pair-blocks the big terms cancel exactly inside blocks 0 and 1; in blocks shifted by 7 they
+    meet the small values in the same instruction and round them away."""
+    hq, hkv, d = 3, 1, 32
+    g = torch.Generator().manual_seed(seed)
+    first = rand_seqs([29], hq, hkv, d, seed=seed + 1)[0]
+    n = 40
+    q = torch.zeros(n, hq, d, dtype=BF16)
+    k = torch.randn(n, hkv, d, generator=g).to(BF16)
+    v = torch.randn(n, hkv, d, generator=g).to(BF16)
+    dout = torch.randn(n, hq, d, generator=g)
+    pairs = dout.view(n * hq, d)  # Hkv = 1: pair e = (row e // 3, head e % 3) is flat row e
+    pairs[:16] = 2.0 ** 16
+    pairs[16:32] = -(2.0 ** 16)
+    d0 = torch.randn(29, hq, d, generator=g).to(BF16)
+    return first, (q, k, v), d0, dout.to(BF16)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_sequence_alone_equals_in_batch_with_unaligned_pairs(arch):
+    """The second sequence's dq / dk / dv alone == behind a first sequence whose 87 pairs end mid pair-block;
+    fault mma_attn_pair_blocks_global (pair-blocks counted from the batch's pair index) fails the same check."""
+    first, second, d0, d1 = pair_block_problem(40)
+
+    def run(seqs, douts, fault):
+        q, k, v, cq, ck = varlen(seqs)
+        got, _ = backward_pair(arch, q, k, v, torch.cat(douts), cq, ck, causal=False, fault=fault)
+        return got
+
+    alone = run([second], [d1], None)
+    batch = run([first, second], [d0, d1], None)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_bitwise_equal(batch[i][29:], alone[i], f"{arch} {name}")
+    faulted = run([first, second], [d0, d1], "mma_attn_pair_blocks_global")
+    assert_bitwise_equal(faulted[0][29:], alone[0])  # dq is not faulted
+    assert not bitwise_equal(faulted[2][29:], alone[2])  # dv (dk = dS^T q is +0 here: q = 0)
+    # alone, the global index is the sequence's own: the fault changes nothing there
+    for a, b in zip(run([second], [d1], "mma_attn_pair_blocks_global"), alone):
+        assert_bitwise_equal(a, b)
+
+
+# ---- masked keys: non-finite values ---------------------------------------------------------------------------
+def non_finite_key_seq(seed):
+    """32 tokens (one tile), Hq 4 / Hkv 2 / D 64; key 20's k holds +inf and NaN, its v -inf and NaN."""
+    q, k, v = rand_seqs([32], 4, 2, 64, seed=seed)[0]
+    k[20, :, :32] = float("inf")
+    k[20, :, 32:] = float("nan")
+    v[20, :, ::2] = float("-inf")
+    v[20, :, 1::2] = float("nan")
+    return q, k, v
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_masked_non_finite_key_poisons_nothing(arch):
+    """Rows 0..19 mask key 20 (in their tile): prefill (the key in the tile, masked) == decode of each row alone
+    (the key does not exist yet) == the reference, all finite; fault mma_attn_shared_v (P = +0 times v = NaN in
+    the same instruction) poisons them."""
+    seq = non_finite_key_seq(50)
+    q, k, v, cq, ck = varlen([seq])
+    res = {}
+    for fault in (None, "mma_attn_shared_v"):
+        with aligned_ops.emulate(arch, _fault=fault):
+            pre, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+            cache = Cache([seq], 16, seed=51)
+            dec = cache.attend(q[:20], [0] * 20, list(range(1, 21)), [1] * 20, profile="mma")
+        res[fault] = (pre, lse, dec)
+    pre, lse, dec = res[None]
+    assert_bitwise_equal(pre[:20], dec, "prefill vs decode, rows < 20")
+    assert torch.isfinite(pre[:20].float()).all() and torch.isfinite(lse[:20]).all()
+    with aligned_ops.emulate(arch):
+        ref = ops._attention_mma_reference(q, k, v, cq, ck, 0.125, True)[0]
+    assert_bitwise_equal(pre[:20], ref[:20])
+    assert not torch.isfinite(res["mma_attn_shared_v"][0][:20].float()).all()
+
+
+# ---- wide GQA groups; the other unit models --------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_group_over_16_pairs_equals_reference(arch):
+    """Hq 32 / Hkv 2 (G = 16): a 3-row decode step packs 48 pairs (3 groups of 16) into one item; forward and
+    backward == the reference."""
+    seqs = rand_seqs([20, 40], 32, 2, 64, seed=60)
+    q, k, v, cq, ck = varlen(seqs, [3, 1])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(61)).to(BF16)
+    with aligned_ops.emulate(arch):
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        ref_out, ref_lse = ops._attention_mma_reference(q, k, v, cq, ck, 0.125, True)
+    assert_bitwise_equal(out, ref_out)
+    assert_bitwise_equal(lse, ref_lse)
+    got, ref = backward_pair(arch, q, k, v, dout, cq, ck, causal=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "gfx950"])
+def test_other_unit_models_kernel_equals_reference(arch):
+    """sm_80 and gfx950 (their own bf16 units' models): forward and backward kernels == the reference."""
+    seqs = rand_seqs([37, 45], 4, 2, 64, seed=62)
+    q, k, v, cq, ck = varlen(seqs, [37, 1])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(63)).to(BF16)
+    with aligned_ops.emulate(arch):
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        ref_out, ref_lse = ops._attention_mma_reference(q, k, v, cq, ck, 0.125, True)
+    assert_bitwise_equal(out, ref_out)
+    assert_bitwise_equal(lse, ref_lse)
+    got, ref = backward_pair(arch, q, k, v, dout, cq, ck, causal=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert_bitwise_equal(a, b, name)

@@ -20,6 +20,7 @@
 
 #include "../../common/attention_mma.h"
 #include "../../common/attention_plan.h"
+#include "../../gpu/attention_api.h"  // kGpuAttnMaxD: the mma kernel's widest head_dim
 #include "common.h"
 
 namespace aligned {
@@ -426,7 +427,8 @@ int check_attention_profile(c10::string_view profile, DTypeEnum dt, int64_t D, c
               "'");
   TORCH_CHECK(dt == DTypeEnum::BF16, "aligned::", op, ": the mma profile's attention takes bfloat16 q/k/v (the "
               "matrix unit's input type; float16 / float32 run profile='fma')");
-  TORCH_CHECK(D <= 256, "aligned::", op, ": the mma profile's attention supports head_dim <= 256, got ", D);
+  TORCH_CHECK(D <= gpu::kGpuAttnMaxD, "aligned::", op, ": the mma profile's attention supports head_dim <= ",
+              gpu::kGpuAttnMaxD, ", got ", D);
   return kAttnProfileMma;
 }
 
