@@ -190,7 +190,8 @@ void Cpu::log_softmax_backward(const Call&, const LogitsParams& p) { logits_back
 
 void Cpu::token_logprobs_backward_cols(const Call&, const LogitsParams& p) {
   const auto& k = cpu_kernels();
-  cpu::ieee_parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.token_logprobs_backward_cols(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.V * 4),
+                         [&](int64_t b, int64_t e) { k.token_logprobs_backward_cols(p, b, e); });
 }
 
 // ---- the fma linear ----------------------------------------------------------------------------------------
