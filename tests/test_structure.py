@@ -6,6 +6,9 @@ the checker finds):
 - the supported-architecture list is defined once: an architecture name appears as a string only in its own
   ``aligned_ops/models/<arch>.py`` (the registry list in ``models/__init__.py`` holds objects), and what those
   files define is exactly what the trainer patch, the plugin and ``model_spec`` support;
+- the CPU glue forks only through ``ieee_parallel_for`` (csrc/cpu/ieee_env.h): no bare ``at::parallel_for`` (nor
+  ``parallel_reduce``, ``at::launch``, an OpenMP pragma) in csrc/torch/backends or csrc/cpu outside that header,
+  since a worker thread keeps its own MXCSR and a caller's FTZ / DAZ would reach only some rows;
 - (no import cycle: tests/test_import_graph.py.)
 """
 
@@ -146,3 +149,51 @@ def test_architecture_literal_checker_negative_control():
                                                                 *_sources()]}
     assert {rel for rel, v in by_file.items() if "Qwen2ForCausalLM" in v} == {"integrations/extra.py",
                                                                              "models/qwen2.py"}
+
+
+# ---- threads of the CPU ops ------------------------------------------------------------------------------------
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORK_HELPER = "csrc/cpu/ieee_env.h"
+_CPP_COMMENT_OR_STRING = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', re.S)
+_BARE_FORK = re.compile(r"\b(?:parallel_for|parallel_reduce|invoke_parallel)\b|\bat::launch\b|#\s*pragma\s+omp\b")
+
+
+def bare_forks(source: str) -> list[str]:
+    """'line: text' of every fork in C++ source that is not ieee_parallel_for (comments and strings ignored)."""
+    code = _CPP_COMMENT_OR_STRING.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), source)
+    return [f"{code.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in _BARE_FORK.finditer(code)]
+
+
+def test_cpu_glue_forks_only_through_ieee_parallel_for():
+    offenders, seen = {}, 0
+    for sub in ("csrc/torch/backends", "csrc/cpu"):
+        for dirpath, _, files in os.walk(os.path.join(REPO_DIR, sub)):
+            for f in sorted(files):
+                if f.endswith((".h", ".cpp", ".cc", ".hpp", ".inc")):
+                    rel = os.path.relpath(os.path.join(dirpath, f), REPO_DIR)
+                    with open(os.path.join(REPO_DIR, rel)) as fh:
+                        src = fh.read()
+                    seen += "ieee_parallel_for(" in src
+                    if rel != FORK_HELPER and (hits := bare_forks(src)):
+                        offenders[rel] = hits
+    assert offenders == {}
+    assert seen >= 6  # the scan reached the backends (dense, attention, moe, mma, exact) and gemm_tiles.h
+    with open(os.path.join(REPO_DIR, FORK_HELPER)) as fh:  # the helper is the one bare at::parallel_for
+        assert len(bare_forks(fh.read())) == 1
+
+
+def test_bare_fork_checker_negative_control():
+    planted = (
+        "void Cpu::rms_norm(const Call&, const RmsNormParams& p) {\n"
+        "  at::parallel_for(0, p.rows, 1, [&](int64_t b, int64_t e) { k.rms_norm(p, b, e); });\n"  # the old form
+        "  cpu::ieee_parallel_for(0, p.rows, 1, f);  // at::parallel_for in a comment: fine\n"
+        "  using at::parallel_for;\n"
+        "  const char* s = \"at::parallel_for\";\n"  # in a string: fine
+        "  /* at::parallel_for(0, 1, 1, f); */\n"
+        "#pragma omp parallel for\n"
+        "  at::parallel_reduce(0, n, 1, 0.f, f, g);\n"
+        "  ieee_parallel_for(0, n, 1, f);\n"
+        "}\n"
+    )
+    assert bare_forks(planted) == ["2: parallel_for", "4: parallel_for", "7: #pragma omp", "8: parallel_reduce"]

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -357,17 +358,21 @@ static MicroStreamed<TA, TB> pick_streamed(int rows, std::integer_sequence<int, 
   return fns[rows - 1];
 }
 
-// Packed-panel buffer of the calling thread, grown on demand and kept (threads are torch's pool).
+// Packed-panel buffer of the calling thread, grown on demand and kept (threads are torch's pool); freed at
+// thread exit.
+struct FreePanel {
+  void operator()(void* p) const { free(p); }
+};
 static float* thread_panel_buffer(int64_t floats) {
-  thread_local float* buf = nullptr;
+  thread_local std::unique_ptr<float, FreePanel> buf;
   thread_local int64_t cap = 0;
   if (floats > cap) {
-    free(buf);
+    buf.reset();
     cap = std::max<int64_t>(floats, 2 * cap);
-    buf = (float*)aligned_alloc(64, (size_t)((cap * 4 + 63) / 64 * 64));
+    buf.reset((float*)aligned_alloc(64, (size_t)((cap * 4 + 63) / 64 * 64)));
     if (!buf) abort();
   }
-  return buf;
+  return buf.get();
 }
 
 template <typename TA, typename TB, typename TC>

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -354,17 +355,21 @@ static ALIGNED_INLINE void run_lanes(int lanes, int64_t K, float* lane_tiles, Ch
     chain(l, linear_lane_begin(l, K, lanes), linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats);
 }
 
-// Packed-panel buffer of the calling thread, grown on demand and kept (threads are torch's pool).
+// Packed-panel buffer of the calling thread, grown on demand and kept (threads are torch's pool); freed at
+// thread exit.
+struct FreePanel {
+  void operator()(void* p) const { free(p); }
+};
 static uint32_t* thread_panel_buffer(int64_t dwords) {
-  thread_local uint32_t* buf = nullptr;
+  thread_local std::unique_ptr<uint32_t, FreePanel> buf;
   thread_local int64_t cap = 0;
   if (dwords > cap) {
-    free(buf);
+    buf.reset();
     cap = std::max<int64_t>(dwords, 2 * cap);
-    buf = (uint32_t*)aligned_alloc(64, (size_t)((cap * 4 + 63) / 64 * 64));
+    buf.reset((uint32_t*)aligned_alloc(64, (size_t)((cap * 4 + 63) / 64 * 64)));
     if (!buf) abort();
   }
-  return buf;
+  return buf.get();
 }
 
 template <typename TC>

@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "../common/params_linear.h"
+#include "ieee_env.h"
 
 namespace aligned::cpu {
 
@@ -28,7 +29,7 @@ inline void run_gemm_tiles(const GemmParams& p, GemmFn gemm) {
   // Enough work per task that threading pays: ~2^18 multiply-adds per task at least.
   const int64_t per_panel = std::max<int64_t>(1, std::min(M, mchunk) * kPanelN * std::max<int64_t>(K, 1));
   const int64_t grain_tasks = std::max<int64_t>(1, (1 << 18) / per_panel);
-  at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e;) {
       const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
       gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));

@@ -23,6 +23,7 @@
 #include "../../common/params_linear.h"
 #include "../../common/params_logits.h"
 #include "../../common/params_moe.h"
+#include "../../cpu/ieee_env.h"
 #include "../checks/common.h"
 #include "../families.h"
 #include "../run_args.h"
@@ -33,6 +34,8 @@ struct Cpu {
   static constexpr ValueChecks kValueChecks = ValueChecks::kHost;
   static constexpr bool kExactF64Path = true;  // the exact linear's fp64 routes (ALIGNED_EXACT_F64)
 
+  // The whole op (checks, glue, serial paths, tasks run inline) runs on the calling thread under ieee_env.h's
+  // IEEE environment, whatever FTZ / DAZ the caller set; the worker threads get it from ieee_parallel_for.
   class Call {
    public:
     Call(const char* op, const at::Tensor& first, const char* first_name) : op(op), first(first) {
@@ -47,6 +50,9 @@ struct Cpu {
     }
     const char* const op;
     const at::Tensor& first;
+
+   private:
+    cpu::IeeeFpEnv fenv_;
   };
   static int32_t* error_flags(const Call&) { return nullptr; }
 

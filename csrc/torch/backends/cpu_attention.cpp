@@ -45,7 +45,7 @@ void run_forward(const AttnProblem& problem, const AttnPlanView& plan, void* out
   const int64_t G = problem.Hq / problem.Hkv, stride = problem.D + 2;
   auto block = [&](int64_t i) { return RecordArgs(problem, plan.blocks + i * kAttnWorkFields, plan.table); };
   if (nb >= 4 * (int64_t)at::get_num_threads()) {
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    cpu::ieee_parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> part;
       for (int64_t i = b0; i < b1; ++i) {
         const RecordArgs r = block(i);
@@ -57,14 +57,14 @@ void run_forward(const AttnProblem& problem, const AttnPlanView& plan, void* out
     return;
   }
   std::vector<float> part(std::max<int64_t>(1, plan.info.part_floats));
-  at::parallel_for(0, ni, 1, [&](int64_t i0, int64_t i1) {
+  cpu::ieee_parallel_for(0, ni, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t* w = plan.items + i * kAttnWorkFields;
       const RecordArgs r(problem, w, plan.table);
       kern.fwd_block(r.args, r.block, w[kWsplit], w[kWsplit] + 1, part.data() + r.block.part_offset);
     }
   });
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+  cpu::ieee_parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const RecordArgs r = block(i);
       kern.merge_block(r.args, r.block, part.data() + r.block.part_offset, out, lse);
@@ -120,20 +120,20 @@ void Cpu::attention_backward(const Call& call, const AttnBackwardRun& r) {
   const auto& kern = attention_kernels();
   const AttnPlan& plan = *r.plan;
   const int64_t rows = r.q.size(0) * r.q.size(1);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / r.problem.D), [&](int64_t i0, int64_t i1) {
+  cpu::ieee_parallel_for(0, rows, std::max<int64_t>(1, 4096 / r.problem.D), [&](int64_t i0, int64_t i1) {
     kern.bwd_delta(r.problem.dt, r.grad_out.data_ptr(), r.out.data_ptr(), r.delta.data_ptr<float>(), r.problem.D,
                    i0, i1);
   });
   const float* lp = r.lse.data_ptr<float>();
   const float* dp = r.delta.data_ptr<float>();
-  at::parallel_for(0, plan.info.n_blocks, 1, [&](int64_t i0, int64_t i1) {
+  cpu::ieee_parallel_for(0, plan.info.n_blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const RecordArgs a(r.problem, plan.blocks.data() + i * kAttnWorkFields, plan.table.data());
       kern.bwd_dq_block(a.args, a.block, r.grad_out.data_ptr(), lp, dp, r.dq.data_ptr());
     }
   });
   const int64_t n_tiles = (int64_t)plan.key_tiles.size() / kAttnWorkFields;
-  at::parallel_for(0, n_tiles, 1, [&](int64_t i0, int64_t i1) {
+  cpu::ieee_parallel_for(0, n_tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t* w = plan.key_tiles.data() + i * kAttnWorkFields;
       const RecordArgs a(r.problem, w, plan.table.data());
@@ -148,7 +148,7 @@ void Cpu::cache_write(const Call&, DType dt, const at::Tensor& k, const at::Tens
   const int64_t row = k.size(1) * k.size(2);
   const int64_t* s = slots.data_ptr<int64_t>();
   const auto& kern = attention_kernels();
-  at::parallel_for(0, k.size(0), 64, [&](int64_t t0, int64_t t1) {
+  cpu::ieee_parallel_for(0, k.size(0), 64, [&](int64_t t0, int64_t t1) {
     kern.cache_write(dt, k.data_ptr(), v.defined() ? v.data_ptr() : nullptr, k_cache.data_ptr(),
                      v_cache.defined() ? v_cache.data_ptr() : nullptr, s, row, t0, t1);
   });

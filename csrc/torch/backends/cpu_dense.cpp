@@ -50,7 +50,7 @@ LsePair lse_pair_split(const LogitsParams& p, int64_t r, float* s_row) {
   const int64_t part = ((p.V + parts - 1) / parts + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
   std::vector<float> mx(parts, -std::numeric_limits<float>::infinity());  // an empty part: the fold's identity
   std::vector<int32_t> flags(parts, 0);
-  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+  cpu::ieee_parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t q = b; q < e; ++q) {
       const int64_t v0 = q * part, v1 = std::min(p.V, v0 + part);
       if (v0 < v1) sk.scale_max(p, r, s_row, v0, v1, &mx[q], &flags[q]);
@@ -61,7 +61,7 @@ LsePair lse_pair_split(const LogitsParams& p, int64_t r, float* s_row) {
   if (sk.merge_max(mx.data(), flags.data(), parts, &m, &special)) return special;
   float lanes[kReduceLanes];
   const int groups = parts >= 4 ? 4 : 2, width = kReduceLanes / groups;
-  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+  cpu::ieee_parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) sk.lane_exp_sums(s_row, p.V, m, (int)g * width, (int)(g + 1) * width, lanes);
   });
   return sk.pair_of_lanes(m, lanes);
@@ -76,7 +76,7 @@ void lse_pairs_of(const LogitsParams& p) {
     return;
   }
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.logsumexp_pairs(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.logsumexp_pairs(p, b, e); });
 }
 
 // p with its pairs pointing at `scratch` ([T, 2] fp32) when the op does not return them.
@@ -97,7 +97,7 @@ void logits_backward(const LogitsParams& p) {
   const LogitsParams q = split_rows(p.T, p.V, kSplitMinVocab) ? with_pairs(p, scratch) : p;
   if (q.pairs) lse_pairs_of(q);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, q.T, grain(q.V * 4), [&](int64_t b, int64_t e) { k.logits_backward(q, b, e); });
+  cpu::ieee_parallel_for(0, q.T, grain(q.V * 4), [&](int64_t b, int64_t e) { k.logits_backward(q, b, e); });
 }
 
 // Threads take contiguous runs of 32-column output panels over all rows (each thread packs its own part of
@@ -110,22 +110,22 @@ constexpr int64_t kPanelN = 32;
 // ---- dense -------------------------------------------------------------------------------------------------
 void Cpu::rms_norm(const Call&, const RmsNormParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.rows, grain(p.H), [&](int64_t b, int64_t e) { k.rms_norm(p, b, e); });
+  cpu::ieee_parallel_for(0, p.rows, grain(p.H), [&](int64_t b, int64_t e) { k.rms_norm(p, b, e); });
 }
 
 void Cpu::fused_add_rms_norm(const Call&, const RmsNormParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.rows, grain(p.H), [&](int64_t b, int64_t e) { k.fused_add_rms_norm(p, b, e); });
+  cpu::ieee_parallel_for(0, p.rows, grain(p.H), [&](int64_t b, int64_t e) { k.fused_add_rms_norm(p, b, e); });
 }
 
 void Cpu::rms_norm_backward(const Call&, const RmsNormBackwardParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.rows, grain(2 * p.H), [&](int64_t b, int64_t e) {
+  cpu::ieee_parallel_for(0, p.rows, grain(2 * p.H), [&](int64_t b, int64_t e) {
     k.rms_inv_rows(p, b, e);
     k.rms_norm_backward_dx(p, b, e);
   });
   // dw: columns split across threads, each column sums the rows in order.
-  at::parallel_for(0, p.H, 16, [&](int64_t b, int64_t e) { k.rms_norm_backward_dw(p, b, e); });
+  cpu::ieee_parallel_for(0, p.H, 16, [&](int64_t b, int64_t e) { k.rms_norm_backward_dw(p, b, e); });
 }
 
 void Cpu::silu_and_mul(const Call&, const SiluMulParams& p) {
@@ -134,7 +134,7 @@ void Cpu::silu_and_mul(const Call&, const SiluMulParams& p) {
   if (rows > 0 && split_rows(rows, d, 2 * kCols)) {
     const int64_t chunks = (d + kCols - 1) / kCols;
     const auto& sk = dense_split_kernels();
-    at::parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
+    cpu::ieee_parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const int64_t r = t / chunks, c0 = (t % chunks) * kCols;
         sk.silu_and_mul_cols(p, r, c0, std::min(d, c0 + kCols));
@@ -143,17 +143,17 @@ void Cpu::silu_and_mul(const Call&, const SiluMulParams& p) {
     return;
   }
   const auto& k = cpu_kernels();
-  at::parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) { k.silu_and_mul(p, b, e); });
+  cpu::ieee_parallel_for(0, rows, grain(8 * d), [&](int64_t b, int64_t e) { k.silu_and_mul(p, b, e); });
 }
 
 void Cpu::silu_and_mul_backward(const Call&, const SiluMulParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.rows, grain(16 * p.d), [&](int64_t b, int64_t e) { k.silu_and_mul_backward(p, b, e); });
+  cpu::ieee_parallel_for(0, p.rows, grain(16 * p.d), [&](int64_t b, int64_t e) { k.silu_and_mul_backward(p, b, e); });
 }
 
 void Cpu::rotary(const Call&, const RotaryParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.T, grain(p.heads * p.head_dim * 4), [&](int64_t b, int64_t e) { k.rotary(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.heads * p.head_dim * 4), [&](int64_t b, int64_t e) { k.rotary(p, b, e); });
 }
 
 // ---- logits ------------------------------------------------------------------------------------------------
@@ -167,13 +167,13 @@ void Cpu::log_softmax(const Call&, const LogitsParams& p) {
     const auto& sk = dense_split_kernels();
     for (int64_t r = 0; r < p.T; ++r) {
       const LsePair pair = lse_pair_split(p, r, p.out_f32 + r * p.V);  // leaves s = z / tau in the output row
-      at::parallel_for(0, p.V, 8192, [&](int64_t b, int64_t e) { sk.logp_cols(p, r, pair, b, e); });
+      cpu::ieee_parallel_for(0, p.V, 8192, [&](int64_t b, int64_t e) { sk.logp_cols(p, r, pair, b, e); });
     }
     return;
   }
   const auto& k = cpu_kernels();
   // pairs == nullptr: the kernel computes each row's pair itself, writing z / tau into the output row first.
-  at::parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.log_softmax(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.log_softmax(p, b, e); });
 }
 
 void Cpu::token_logprobs(const Call&, const LogitsParams& p) {
@@ -181,7 +181,7 @@ void Cpu::token_logprobs(const Call&, const LogitsParams& p) {
   const LogitsParams q = with_pairs(p, scratch);
   lse_pairs_of(q);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, q.T, 1024, [&](int64_t b, int64_t e) { k.token_logprobs(q, b, e); });
+  cpu::ieee_parallel_for(0, q.T, 1024, [&](int64_t b, int64_t e) { k.token_logprobs(q, b, e); });
 }
 
 void Cpu::token_logprobs_backward(const Call&, const LogitsParams& p) { logits_backward(p); }
@@ -190,7 +190,8 @@ void Cpu::log_softmax_backward(const Call&, const LogitsParams& p) { logits_back
 
 void Cpu::token_logprobs_backward_cols(const Call&, const LogitsParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.T, grain(p.V * 4), [&](int64_t b, int64_t e) { k.token_logprobs_backward_cols(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.V * 4),
+                         [&](int64_t b, int64_t e) { k.token_logprobs_backward_cols(p, b, e); });
 }
 
 // ---- the fma linear ----------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ void Cpu::gemm(const Call&, const GemmParams& p) {
   // Enough work per task that threading pays: ~2^18 fma per task at least.
   const int64_t per_panel = std::max<int64_t>(1, std::min(M, mchunk) * kPanelN * std::max<int64_t>(K, 1));
   const int64_t grain_tasks = std::max<int64_t>(1, (1 << 18) / per_panel);
-  at::parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
+  cpu::ieee_parallel_for(0, mt * panels, grain_tasks, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e;) {
       const int64_t mi = t / panels, p0 = t % panels, p1 = std::min(panels, p0 + (e - t));
       k.gemm(p, mi * mchunk, std::min(M, (mi + 1) * mchunk), p0 * kPanelN, std::min(N, p1 * kPanelN));
@@ -217,7 +218,7 @@ void Cpu::gemm(const Call&, const GemmParams& p) {
 
 void Cpu::column_sum(const Call&, const ColumnSumParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.cols, 64, [&](int64_t b, int64_t e) { k.column_sum(p, b, e); });
+  cpu::ieee_parallel_for(0, p.cols, 64, [&](int64_t b, int64_t e) { k.column_sum(p, b, e); });
 }
 
 // contract.h's scalar linear_partial_dot, one call per output (A, B row-major: the body made them contiguous).
@@ -236,12 +237,12 @@ void Cpu::linear_partial_reference(const Call&, const GemmParams& p) {
 // ---- hooks -------------------------------------------------------------------------------------------------
 void Cpu::exp_f32(const Call&, const ElementwiseParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.n, 1 << 14, [&](int64_t b, int64_t e) { k.exp_f32(p, b, e); });
+  cpu::ieee_parallel_for(0, p.n, 1 << 14, [&](int64_t b, int64_t e) { k.exp_f32(p, b, e); });
 }
 
 void Cpu::log_f32(const Call&, const ElementwiseParams& p) {
   const auto& k = cpu_kernels();
-  at::parallel_for(0, p.n, 1 << 14, [&](int64_t b, int64_t e) { k.log_f32(p, b, e); });
+  cpu::ieee_parallel_for(0, p.n, 1 << 14, [&](int64_t b, int64_t e) { k.log_f32(p, b, e); });
 }
 
 // The CPU checks data values on the host and raises at once: no error is ever deferred (zeros).

@@ -16,10 +16,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
 #include "../../cpu/cpu_backend.h"
 #include "../glue/exact.h"
 #include "../make_params.h"
@@ -42,29 +38,12 @@ bool use_amx() { return cpu_backend().amx_int8; }
 
 constexpr int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// The IEEE floating-point environment for the exact linear (every op below sets it in the calling thread, and
-// ieee_parallel_for in every task): no flush-to-zero, no
-// denormals-are-zero, round to nearest even (restored after). The fp64 path's conversions (fp32 -> fp64 of
-// subnormal inputs, the final double -> fp32) and the digit path's epilogue depend on it; setting it makes
-// the bits independent of a caller's FTZ / DAZ (torch.set_flush_denormal).
-struct IeeeFpEnv {
-#if defined(__x86_64__)
-  unsigned saved;
-  IeeeFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8040u | 0x6000u)); }  // FTZ | DAZ, rounding
-  ~IeeeFpEnv() { _mm_setcsr(saved); }
-#endif
-};
-
-// at::parallel_for with every task under IeeeFpEnv (worker threads keep their own MXCSR: a caller's FTZ / DAZ
-// set with torch.set_flush_denormal reaches them too). Under DAZ a subnormal compares equal to zero, so even
-// the row scans (E, lsb, b) would change; every step of these ops, glue included, runs in this environment.
-template <typename F>
-void ieee_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
-    IeeeFpEnv fenv;
-    f(b, e);
-  });
-}
+// The IEEE floating-point environment (csrc/cpu/ieee_env.h) for the exact linear: every op below sets it in the
+// calling thread (Call does too), ieee_parallel_for in every task. The fp64 path's conversions (fp32 -> fp64 of
+// subnormal inputs, the final double -> fp32) and the digit path's epilogue depend on it; under DAZ a subnormal
+// compares equal to zero, so even the row scans (E, lsb, b) would change.
+using cpu::IeeeFpEnv;
+using cpu::ieee_parallel_for;
 
 
 // The weight's digits against the canonical forms `forms` (its rows', or, TP, the full rows' its slices

@@ -35,7 +35,7 @@ void Cpu::linear_mma_reference(const Call&, const GemmParams& p) {
   const auto* xp = (const bf16_t*)p.A;
   const auto* wp = (const bf16_t*)p.B;
   float* o = (float*)p.C;
-  at::parallel_for(0, p.M, 1, [&](int64_t b, int64_t e) {
+  cpu::ieee_parallel_for(0, p.M, 1, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       for (int64_t n = 0; n < p.N; ++n)
         o[m * p.N + n] = linear_mma_partial_dot(xp + m * p.a_sm, 1, wp + n * p.b_sn, 1, p.K, p.lanes);

@@ -60,7 +60,7 @@ void expert_mlp(cpu::GemmFn gemm, DType dt, const void* x, const void* w13, cons
   cpu::run_gemm_tiles(row_major_gemm_params(dt, x, w13, dt, h, M, 2 * I, H, kLinearLanes), gemm);
   const auto act = silu_and_mul_rows_params(dt, h, a, M, I);
   const auto& k = cpu_kernels();
-  at::parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(act, b, e); });
+  cpu::ieee_parallel_for(0, M, grain(8 * I), [&](int64_t b, int64_t e) { k.silu_and_mul(act, b, e); });
   cpu::run_gemm_tiles(row_major_gemm_params(dt, a, w2, DType::F32, y, M, H, I, kLinearLanes), gemm);
 }
 
@@ -68,22 +68,22 @@ void expert_mlp(cpu::GemmFn gemm, DType dt, const void* x, const void* w13, cons
 
 void Cpu::moe_routing(const Call&, const MoeRoutingParams& p) {
   const auto& k = moe_kernels();
-  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { k.routing(p, b, e); });
 }
 
 void Cpu::moe_routing_backward(const Call&, const MoeRoutingParams& p) {
   const auto& kk = moe_kernels();
-  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.routing_backward(p, b, e); });
 }
 
 void Cpu::moe_grouped_routing(const Call&, const MoeGroupedRoutingParams& p) {
   const auto& kk = moe_kernels();
-  at::parallel_for(0, p.T, grain(p.E * 16), [&](int64_t b, int64_t e) { kk.grouped_routing(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.E * 16), [&](int64_t b, int64_t e) { kk.grouped_routing(p, b, e); });
 }
 
 void Cpu::moe_grouped_routing_backward(const Call&, const MoeGroupedRoutingParams& p) {
   const auto& kk = moe_kernels();
-  at::parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.grouped_routing_backward(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, grain(p.E * 8), [&](int64_t b, int64_t e) { kk.grouped_routing_backward(p, b, e); });
 }
 
 void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
@@ -111,7 +111,7 @@ void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
   {
     const char* xs = (const char*)a.x.data_ptr();
     char* xd = (char*)xg.data_ptr();
-    at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
+    cpu::ieee_parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
       for (int64_t s = b; s < e; ++s) memcpy(xd + s * H * es, xs + src_token[s] * H * es, H * es);
     });
   }
@@ -130,7 +130,7 @@ void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
     char* h0 = (char*)hbuf.data_ptr();
     char* a0 = (char*)abuf.data_ptr();
     float* y0 = y.data_ptr<float>();
-    at::parallel_for(0, (int64_t)busy.size(), 1, [&](int64_t b, int64_t en) {
+    cpu::ieee_parallel_for(0, (int64_t)busy.size(), 1, [&](int64_t b, int64_t en) {
       for (int64_t i = b; i < en; ++i) {
         const int64_t e = busy[i], r0 = start[e], m = start[e + 1] - start[e];
         char* xe = xg0 + r0 * H * es;
@@ -161,12 +161,12 @@ void Cpu::moe_experts(const Call& call, const MoeExpertsRun& r) {
   // 4. combine, per token
   const auto cp = make_moe_combine_params(a.dt, y, pos, a.w, ys, g, out);
   const auto& mk = moe_kernels();
-  at::parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) { mk.combine(cp, b, e); });
+  cpu::ieee_parallel_for(0, T, grain(k * H), [&](int64_t b, int64_t e) { mk.combine(cp, b, e); });
 }
 
 void Cpu::moe_experts_reference(const Call&, const MoeExpertsParams& p) {
   const auto& mk = moe_kernels();
-  at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
+  cpu::ieee_parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { mk.experts_reference(p, b, e); });
 }
 
 // ---- the CPU key's registration of the family (register_cpu.cpp) --------------------------------------------
