@@ -104,6 +104,21 @@ def run_every_op(gen):
     wb = randn(11, 97, dtype=torch.bfloat16, gen=gen)  # the mma linear's bf16 MMA / MFMA kernels:
     ops.linear_mma(x.bfloat16(), wb, None)  # M = 5: mma_linear_lanes_kernel (the 8 lanes over 8 warps)
     ops.linear_mma(randn(20, 97, dtype=torch.bfloat16, gen=gen), wb, None)  # M = 20: mma_linear_rows_kernel
+    # attention under the mma profile: forward split kernel, dq and dk/dv kernels (test_emulated_attention_mma.py)
+    qb, kb = qa.bfloat16(), ka.bfloat16()
+    ob, lb = ops.attention_varlen(qb, kb, kb.flip(0), cu5, cu5, 0.3, True, "mma")
+    ops.attention_varlen_backward(qb.flip(0), qb, kb, kb.flip(0), ob, lb, cu5, cu5, 0.3, True, None, "mma")
+    # MoE: routing (softmax and grouped sigmoid) with their backwards, and the experts under both profiles
+    # (plan, gather, grouped fma / mma GEMM, combine; test_emulated_moe.py has the invariance matrix)
+    logits = randn(5, 8, gen=gen)
+    tw, ti, sc = ops.moe_routing(logits, 2, "softmax", True)
+    ops.moe_routing_backward(torch.ones_like(tw), None, logits, ti, "softmax", True)
+    gw, gi, gs = ops.moe_grouped_routing(logits, torch.zeros(8), 2, 1, 1, True, 1.0)
+    ops.moe_grouped_routing_backward(torch.ones_like(gw), None, logits, gi, True, 1.0)
+    xm = randn(5, 32, dtype=torch.bfloat16, gen=gen)
+    w13, w2 = randn(8, 32, 32, dtype=torch.bfloat16, gen=gen), randn(8, 32, 16, dtype=torch.bfloat16, gen=gen)
+    ops.moe_experts(xm, tw, ti, w13, w2, None, None, None, "fma")
+    ops.moe_experts(xm, tw, ti, w13, w2, None, None, None, "mma")
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
