@@ -21,8 +21,9 @@ namespace aligned::cpu {
 class IeeeFpEnv {
  public:
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-  // MXCSR: FTZ (bit 15) | DAZ (bit 6), rounding control (bits 13-14) cleared.
-  IeeeFpEnv() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(0x8040u | 0x6000u)); }
+  // MXCSR: FTZ (bit 15) | DAZ (bit 6), rounding control (bits 13-14) cleared; every exception masked (bits 7-12:
+  // a caller's feenableexcept must not turn a kernel's legitimate inf / NaN into SIGFPE).
+  IeeeFpEnv() : saved_(_mm_getcsr()) { _mm_setcsr((saved_ & ~(0x8040u | 0x6000u)) | 0x1f80u); }
   ~IeeeFpEnv() { _mm_setcsr(saved_); }
 #elif defined(__aarch64__)
   // FPCR: FZ (bit 24), FZ16 (bit 19), RMode (bits 22-23) cleared (AH / FIZ of FEAT_AFP, bits 1 and 0, too).

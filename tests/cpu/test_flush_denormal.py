@@ -154,3 +154,23 @@ def test_negative_control_ftz_flushes_torch_own_multiply():
     assert count_bitwise_equal(flushed, x) == 0
     assert bool((flushed == 0).all())
     assert_bitwise_equal(torch.mul(x, one), x)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_flush_denormal_of_the_caller_changes_no_emulated_reference_bit(arch):
+    """The emulated GPUs' scalar references (what the emulated kernels are held to) run on the calling thread under
+    the same IEEE environment (csrc/torch/backends/emulated.h Guard): a caller's FTZ changes none of their bits.
+    The inputs' subnormal products matter (control: zeroing them changes the reference)."""
+    g = _g(11)
+    x = (torch.randn(4, 64, generator=g) * 1e-19).bfloat16()
+    w = (torch.randn(32, 64, generator=g) * 1e-19).bfloat16()
+    with aligned_ops.emulate(arch):
+        clean = torch.ops.aligned._linear_mma_reference(x, w, 8)
+        torch.set_flush_denormal(True)
+        try:
+            flushed = torch.ops.aligned._linear_mma_reference(x, w, 8)
+        finally:
+            torch.set_flush_denormal(False)
+        zeroed = torch.ops.aligned._linear_mma_reference(torch.zeros_like(x), w, 8)
+    assert torch.equal(clean.view(torch.int32), flushed.view(torch.int32))
+    assert not torch.equal(clean.view(torch.int32), zeroed.view(torch.int32))

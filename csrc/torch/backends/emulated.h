@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <string.h>
 
+#include "../../cpu/ieee_env.h"
 #include "../../emu/emulation.h"
 #include "../../gpu/launchers.h"
 #include "../families.h"
@@ -30,8 +31,12 @@ struct EmulatedDevice {
     TORCH_CHECK(t.device().is_cpu(), "aligned::", op, ": ", name,
                 " must be a CPU tensor under aligned_ops.emulate, got device ", t.device());
   }
+  // The emulated kernels pin their own FP environment (the runtime's run_blocks); the glue's host arithmetic and the
+  // scalar references (_linear_mma_reference, _attention_mma_reference, ...) run on the calling thread: under the
+  // CPU's IEEE environment too, so a caller's FTZ / DAZ changes no bit the kernels are held to (csrc/cpu/ieee_env.h).
   struct Guard {
     explicit Guard(const at::Tensor&) {}
+    cpu::IeeeFpEnv fenv;
   };
   static void* stream(const at::Tensor&) { return nullptr; }  // emulated launches are synchronous
 
