@@ -10,7 +10,8 @@ declares its jobs with a function of the session's tiny checkpoints (tests/_tiny
         return {"stock_dense_probe": dict(argv=[sys.executable, PROBE, tiny_checkpoint("qwen2", torch.bfloat16)],
                                           env={...}, timeout=300)}
 
-and its test asks for the result::
+(a job may name the one test that waits for it, ``for_test="test_name"``: it is started only when that test is
+selected) and its test asks for the result::
 
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
@@ -51,9 +52,12 @@ class Background:
             declare = getattr(mod, "BACKGROUND_JOBS", None)
             if declare is None:
                 continue
+            selected = {i.originalname for i in session.items if getattr(i, "module", None) is mod}
             for key, job in declare(tiny_checkpoint).items():
                 if key in self._jobs:
                     raise pytest.UsageError(f"background job {key!r} declared twice")
+                if job.get("for_test") is not None and job["for_test"] not in selected:
+                    continue  # the one test that waits for it is not selected: not started
                 self._jobs[key] = job
         self._queue = list(self._jobs)
         self._results: dict[str, JobResult] = {}
