@@ -11,9 +11,9 @@ and asks the session fixture for the result on one level::
     res = isa_matrix.run("avx2", "linear")   # res.path: what the script wrote there; res.stdout: what it printed
     by_level = isa_matrix.run_levels(["generic", "avx2", "avx512"], "linear")   # those levels' workers side by side
 
-The first request for a level starts ONE process for that level which runs the scripts of every collected
-module in turn (instead of one process per test per level: 3 levels x 7 families, each paying for
-``import torch, aligned_ops``). Each script runs as if it were its own ``python -c`` process as far as it can
+The first request for a level starts ONE process for that level which runs the scripts of every module with a
+selected test that uses the ``isa_matrix`` fixture (directly or through a fixture of its own), in turn (instead
+of one process per test per level: 3 levels x 7 families, each paying for ``import torch, aligned_ops``). Each script runs as if it were its own ``python -c`` process as far as it can
 tell: ``__name__ == "__main__"``, its own ``sys.argv``, the worker's original environment and torch thread
 count restored before it (a script that sets ALIGNED_EXACT_F64 cannot change the next one's results), stdout
 captured per script. A script that raises fails its own tests only (the traceback is in the failure); a worker
@@ -72,6 +72,11 @@ class IsaMatrix:
         self._families: dict[str, str] = {}
         self._runs: dict[str, dict] = {}  # level -> report
         for item in session.items:
+            # Only a selected test that reads the matrix (the fixture, directly or through one of its own, e.g. the
+            # golden corpus's ``recomputed``) brings its module's families in: a module's other tests (a quick run's
+            # `-m "not slow"` selection of the golden module's planted-bit tests) start no level's work for them.
+            if "isa_matrix" not in getattr(item, "fixturenames", ()):
+                continue
             for name, script in (getattr(getattr(item, "module", None), "ISA_FAMILIES", None) or {}).items():
                 if self._families.setdefault(name, script) != script:
                     raise pytest.UsageError(f"two test modules declare ISA family {name!r} with different scripts")
@@ -83,7 +88,8 @@ class IsaMatrix:
         """``family``'s result on each of ``levels``; the levels that have not run it yet start their workers side
         by side (one process per level, each running every family it has not run) and are waited for together."""
         if family not in self._families:
-            raise KeyError(f"ISA family {family!r} is not declared by a collected test module (ISA_FAMILIES)")
+            raise KeyError(f"ISA family {family!r} is not declared by the module of a selected test that uses the "
+                           "isa_matrix fixture (ISA_FAMILIES)")
         started = []
         for level in levels:
             if "crash" not in self._runs.get(level, {}) and family not in self._runs.get(level, {}).get("families", {}):
