@@ -16,7 +16,8 @@ selected) and its test asks for the result::
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
 Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
-its environment and its timeout are the test's own, so it computes exactly what it computed when the test
+its environment (a job declared without ``env``: the clean environment of the run's first test, taken before any
+test can change os.environ) and its timeout are the test's own, so it computes exactly what it computed when the test
 started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it.
 """
 
@@ -43,6 +44,11 @@ class JobResult:
 class Background:
     def __init__(self, session, tiny_checkpoint):
         self._jobs: dict[str, dict] = {}
+        # A job declared without ``env`` gets this environment, not the one live when the thread starts it (an
+        # in-process test may have monkeypatched ALIGNED_OPS_LINEAR by then). Taken here, at the session's first
+        # test before any function fixture of it, it is the clean environment every test starts from (conftest
+        # restores os.environ after each module): what the test's own subprocess inherited when it ran it.
+        session_env = dict(os.environ)
         seen = set()
         for item in session.items:
             mod = getattr(item, "module", None)
@@ -58,7 +64,7 @@ class Background:
                     raise pytest.UsageError(f"background job {key!r} declared twice")
                 if job.get("for_test") is not None and job["for_test"] not in selected:
                     continue  # the one test that waits for it is not selected: not started
-                self._jobs[key] = job
+                self._jobs[key] = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
         self._queue = list(self._jobs)
         self._results: dict[str, JobResult] = {}
         self._running: dict[str, subprocess.Popen] = {}
