@@ -15,6 +15,10 @@ selected) and its test asks for the result::
 
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
+A job that writes files puts ``OUT_DIR`` among its argv: it is replaced by the job's own folder under pytest's
+basetemp (``background.out_dir(key)``, kept after the run as tmp_path is, failed runs included, and never left in
+$TMPDIR when the run is interrupted).
+
 Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
 its environment (a job declared without ``env``: the clean environment of the run's first test, taken before any
 test can change os.environ) and its timeout are the test's own, so it computes exactly what it computed when the test
@@ -29,8 +33,11 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+OUT_DIR = "{background job's out dir}"  # in a job's argv: the job's own folder under pytest's basetemp
 
 
 @dataclass
@@ -42,8 +49,9 @@ class JobResult:
 
 
 class Background:
-    def __init__(self, session, tiny_checkpoint):
+    def __init__(self, session, tiny_checkpoint, tmp_path_factory):
         self._jobs: dict[str, dict] = {}
+        self._out_dirs: dict[str, Path] = {}
         # A job declared without ``env`` gets this environment, not the one live when the thread starts it (an
         # in-process test may have monkeypatched ALIGNED_OPS_LINEAR by then). Taken here, at the session's first
         # test before any function fixture of it, it is the clean environment every test starts from (conftest
@@ -64,7 +72,11 @@ class Background:
                     raise pytest.UsageError(f"background job {key!r} declared twice")
                 if job.get("for_test") is not None and job["for_test"] not in selected:
                     continue  # the one test that waits for it is not selected: not started
-                self._jobs[key] = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
+                job = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
+                if OUT_DIR in job["argv"]:
+                    self._out_dirs[key] = tmp_path_factory.mktemp(key)
+                    job["argv"] = [str(self._out_dirs[key]) if a == OUT_DIR else a for a in job["argv"]]
+                self._jobs[key] = job
         self._queue = list(self._jobs)
         self._results: dict[str, JobResult] = {}
         self._running: dict[str, subprocess.Popen] = {}
@@ -113,6 +125,10 @@ class Background:
                 key = self._queue.pop(0)
             self._run(key, nice=5)
 
+    def out_dir(self, key: str) -> Path:
+        """The folder that replaced OUT_DIR in the job's argv."""
+        return self._out_dirs[key]
+
     def result(self, key: str) -> JobResult:
         """The job's result; waits for it if it is running, runs it now (in the foreground) if it is queued."""
         if key not in self._jobs:
@@ -148,9 +164,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def background(request, tiny_checkpoint):
+def background(request, tiny_checkpoint, tmp_path_factory):
     """Jobs of the collected modules' BACKGROUND_JOBS, started at the first test of the run (see above)."""
-    bg = Background(request.session, tiny_checkpoint)
+    bg = Background(request.session, tiny_checkpoint, tmp_path_factory)
     yield bg
     bg.close()
 

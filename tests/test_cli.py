@@ -5,12 +5,11 @@ aligned kernels give 100 % bitwise-equal log-probs, standard kernels do not (neg
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from _background import OUT_DIR
 
 pytest.importorskip("vllm")
 
@@ -33,10 +32,9 @@ VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
 
 
 # The demo run too (four train runs, each a learner process and a rollout-engine process: ~90 CPU s, one chain of
-# processes): it writes only to its own --out, which the test reads and then removes.
-DEMO_OUT = os.path.join(tempfile.gettempdir(), f"aligned_ops_test_cli_demo_{os.getpid()}")
+# processes): it writes only to its own --out, the job's folder under pytest's basetemp (kept, as tmp_path was).
 DEMO_ARGV = ("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
-             "--sft-steps", "2", "--lr-warmup", "0", "--out", DEMO_OUT)
+             "--sft-steps", "2", "--lr-warmup", "0", "--out", OUT_DIR)
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
@@ -75,13 +73,8 @@ def test_demo_runs_four_configurations_and_prints_one_table(background):
     # Structure and the claims that hold at any size (the README's numbers come from the default run): four train
     # runs of one tiny MoE; aligned kernels are bitwise at every step (sync: no lag, so D3 is exactly 0 and the IS
     # ratio exactly 1); stock kernels are not (negative control); one table, the headline lines, a PNG.
-    import shutil
-
-    try:
-        code, out = background_cli(background, "cli_demo")
-        _check_demo(code, out, pathlib.Path(DEMO_OUT))
-    finally:
-        shutil.rmtree(DEMO_OUT, ignore_errors=True)
+    code, out = background_cli(background, "cli_demo")
+    _check_demo(code, out, background.out_dir("cli_demo"))
 
 
 def _check_demo(code, out, tmp_path):
