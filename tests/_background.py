@@ -10,8 +10,8 @@ declares its jobs with a function of the session's tiny checkpoints (tests/_tiny
         return {"stock_dense_probe": dict(argv=[sys.executable, PROBE, tiny_checkpoint("qwen2", torch.bfloat16)],
                                           env={...}, timeout=300)}
 
-(a job may name the one test that waits for it, ``for_test="test_name"``: it is started only when that test is
-selected) and its test asks for the result::
+(a job may name the tests that wait for it, ``for_test="test_name"`` or a list of names, each a test function
+or one parametrization of it, ``"test_name[op]"``: it is started only when one of them is selected) and its test asks for the result::
 
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
@@ -66,12 +66,16 @@ class Background:
             declare = getattr(mod, "BACKGROUND_JOBS", None)
             if declare is None:
                 continue
-            selected = {i.originalname for i in session.items if getattr(i, "module", None) is mod}
+            mine = [i for i in session.items if getattr(i, "module", None) is mod]
+            selected = {i.name for i in mine} | {getattr(i, "originalname", i.name) for i in mine}
             for key, job in declare(tiny_checkpoint).items():
                 if key in self._jobs:
                     raise pytest.UsageError(f"background job {key!r} declared twice")
-                if job.get("for_test") is not None and job["for_test"] not in selected:
-                    continue  # the one test that waits for it is not selected: not started
+                wanted = job.get("for_test")
+                if wanted is not None:
+                    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+                    if not selected.intersection(wanted):
+                        continue  # no test that waits for it is selected: not started
                 job = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
                 if OUT_DIR in job["argv"]:
                     self._out_dirs[key] = tmp_path_factory.mktemp(key)

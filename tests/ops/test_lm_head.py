@@ -170,8 +170,9 @@ def BACKGROUND_JOBS(tiny_checkpoint):
     set it reports): tests/_background.py starts them at the beginning of the run, beside the in-process tests."""
     import sys
 
+    test = "test_fused_forward_peak_resident_memory_is_tiles_not_logits"
     return {f"lm_head_memory_{which}": dict(argv=[sys.executable, CHILD, which, str(MEMORY_T), str(MEMORY_V)],
-                                            timeout=600, for_test="test_fused_forward_peak_resident_memory_is_tiles_not_logits")
+                                            timeout=600, for_test=f"{test}[{which}]")  # only that case's child
             for which in MEMORY_CASES}
 
 
