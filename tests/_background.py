@@ -11,7 +11,8 @@ declares its jobs with a function of the session's tiny checkpoints (tests/_tiny
                                           env={...}, timeout=300)}
 
 (a job may name the tests that wait for it, ``for_test="test_name"`` or a list of names, each a test function
-or one parametrization of it, ``"test_name[op]"``: it is started only when one of them is selected) and its test asks for the result::
+or one parametrization of it, ``"test_name[op]"``: it is started only when one of them is selected; a name that is
+no test function of the module is a usage error at collection) and its test asks for the result::
 
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
@@ -74,6 +75,10 @@ class Background:
                 wanted = job.get("for_test")
                 if wanted is not None:
                     wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+                    for name in wanted:
+                        if not callable(getattr(mod, name.split("[", 1)[0], None)):
+                            raise pytest.UsageError(f"background job {key!r} of {mod.__name__}: for_test names "
+                                                    f"{name!r}, which is no test function of that module")
                     if not selected.intersection(wanted):
                         continue  # no test that waits for it is selected: not started
                 job = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
