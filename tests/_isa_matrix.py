@@ -91,15 +91,23 @@ class IsaMatrix:
             raise KeyError(f"ISA family {family!r} is not declared by the module of a selected test that uses the "
                            "isa_matrix fixture (ISA_FAMILIES)")
         started = []
-        for level in levels:
-            if "crash" not in self._runs.get(level, {}) and family not in self._runs.get(level, {}).get("families", {}):
-                # First request for this level (or a family that was not collected when the level ran): one worker
-                # for every family not yet run on this level.
-                todo = {n: s for n, s in self._families.items()
-                        if n not in self._runs.get(level, {}).get("families", {})}
-                started.append(self._start(level, todo))
-        for level, proc, report, timeout in started:
-            self._finish(level, proc, report, timeout)
+        try:
+            for level in levels:
+                if "crash" not in self._runs.get(level, {}) and \
+                        family not in self._runs.get(level, {}).get("families", {}):
+                    # First request for this level (or a family that was not collected when the level ran): one
+                    # worker for every family not yet run on this level.
+                    todo = {n: s for n, s in self._families.items()
+                            if n not in self._runs.get(level, {}).get("families", {})}
+                    started.append(self._start(level, todo))
+            for level, proc, report, timeout in started:
+                self._finish(level, proc, report, timeout)
+        finally:
+            # a later _start that raised, or Ctrl-C / an error in one worker's wait: no worker outlives the request
+            for _, proc, _, _ in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
         return {level: self._result(level, family) for level in levels}
 
     def _result(self, level: str, family: str) -> IsaResult:
