@@ -17,7 +17,11 @@ of one process per test per level: 3 levels x 7 families, each paying for ``impo
 tell: ``__name__ == "__main__"``, its own ``sys.argv``, the worker's original environment and torch thread
 count restored before it (a script that sets ALIGNED_EXACT_F64 cannot change the next one's results), stdout
 captured per script. A script that raises fails its own tests only (the traceback is in the failure); a worker
-that dies fails every test of that level with its stderr.
+that dies fails every test of that level with its stderr (which names the family it was running, and has the
+Python stack of a crash). The families share one process and only the environment and thread count are restored
+between them, but the kernel level is fixed at import: a script's leftover state (imported modules, torch globals)
+cannot make a worker run another level's kernels (the false pass this matrix guards against); a leak that changes a
+later family's numbers shows as that family's false failure.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import pytest
 SCRIPT_TIMEOUT_S = 600
 
 _WORKER = r'''
-import contextlib, io, json, os, sys, traceback
+import contextlib, faulthandler, io, json, os, sys, traceback
+faulthandler.enable()  # a crash (SIGSEGV, abort) prints the Python stack to stderr, below the family's line
 import torch
 import aligned_ops  # noqa: F401  (the level is chosen here, once for this process)
 
@@ -46,6 +51,7 @@ for name, fam in spec["families"].items():
     os.environ.update(env)
     torch.set_num_threads(threads)
     sys.argv = ["-c", fam["out"]]
+    print("running ISA family " + name, file=sys.stderr, flush=True)  # a worker that dies names the family it ran
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
