@@ -77,7 +77,7 @@ def test_demo_runs_four_configurations_and_prints_one_table(background):
     _check_demo(code, out, background.out_dir("cli_demo"))
 
 
-def _check_demo(code, out, tmp_path):
+def _check_demo(code, out, out_dir):
     assert code == 0, out[-4000:]
     cols = table_row(out, "metric")
     assert cols == ["standard async", "aligned async", "standard sync", "aligned sync"]
@@ -90,10 +90,10 @@ def _check_demo(code, out, tmp_path):
                  "aligned kernels: kernel-only mismatch 0 and bitwise at every step: yes", "columns: standard = stock"):
         assert line in out
     for run in ("standard_async", "aligned_async", "standard_sync", "aligned_sync"):
-        summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+        summary = json.loads((out_dir / "runs" / run / "summary.json").read_text())
         assert summary["updates"] == 3 and summary["steps_in_file"]
-    assert (tmp_path / "demo.png").stat().st_size > 0
-    assert set(json.loads((tmp_path / "demo_summary.json").read_text())) == {
+    assert (out_dir / "demo.png").stat().st_size > 0
+    assert set(json.loads((out_dir / "demo_summary.json").read_text())) == {
         "standard_async", "aligned_async", "standard_sync", "aligned_sync"}
 
 

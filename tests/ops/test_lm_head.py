@@ -6,6 +6,9 @@ token halves must both differ."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -168,8 +171,6 @@ MEMORY_T, MEMORY_V = 2048, 151936
 def BACKGROUND_JOBS(tiny_checkpoint):
     """The memory children need nothing from this process (each is its own fresh process, whose own peak resident
     set it reports): tests/_background.py starts them at the beginning of the run, beside the in-process tests."""
-    import sys
-
     test = "test_fused_forward_peak_resident_memory_is_tiles_not_logits"
     return {f"lm_head_memory_{which}": dict(argv=[sys.executable, CHILD, which, str(MEMORY_T), str(MEMORY_V)],
                                             timeout=600, for_test=f"{test}[{which}]")  # only that case's child
@@ -184,8 +185,6 @@ def test_fused_forward_peak_resident_memory_is_tiles_not_logits(which, backgroun
     T = 4096: 1.1-1.2 GB). Tiles above glibc's mmap-threshold ceiling leave nothing behind: the bound is the
     default tile twice over plus 64 MiB for the model and outputs — a page-count measurement, not a timing, in a
     fresh process per case (a background job: tests/_background.py)."""
-    import json
-
     from aligned_ops.ops import lm_head
 
     T, V = MEMORY_T, MEMORY_V
