@@ -10,12 +10,19 @@ declares its jobs with a function of the session's tiny checkpoints (tests/_tiny
         return {"stock_dense_probe": dict(argv=[sys.executable, PROBE, tiny_checkpoint("qwen2", torch.bfloat16)],
                                           env={...}, timeout=300)}
 
-and its test asks for the result::
+(a job may name the tests that wait for it, ``for_test="test_name"`` or a list of names, each a test function
+or one parametrization of it, ``"test_name[op]"``: it is started only when one of them is selected; a name that is
+no test function of the module is a usage error at collection) and its test asks for the result::
 
     res = background.result("stock_dense_probe")   # returncode, stdout, stderr (waits; runs it now if queued)
 
+A job that writes files puts ``OUT_DIR`` among its argv: it is replaced by the job's own folder under pytest's
+basetemp (``background.out_dir(key)``, kept after the run as tmp_path is, failed runs included, and never left in
+$TMPDIR when the run is interrupted).
+
 Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
-its environment and its timeout are the test's own, so it computes exactly what it computed when the test
+its environment (a job declared without ``env``: the clean environment of the run's first test, taken before any
+test can change os.environ) and its timeout are the test's own, so it computes exactly what it computed when the test
 started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it.
 """
 
@@ -27,8 +34,11 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+OUT_DIR = "{background job's out dir}"  # in a job's argv: the job's own folder under pytest's basetemp
 
 
 @dataclass
@@ -40,8 +50,14 @@ class JobResult:
 
 
 class Background:
-    def __init__(self, session, tiny_checkpoint):
+    def __init__(self, session, tiny_checkpoint, tmp_path_factory):
         self._jobs: dict[str, dict] = {}
+        self._out_dirs: dict[str, Path] = {}
+        # A job declared without ``env`` gets this environment, not the one live when the thread starts it (an
+        # in-process test may have monkeypatched ALIGNED_OPS_LINEAR by then). Taken here, at the session's first
+        # test before any function fixture of it, it is the clean environment every test starts from (conftest
+        # restores os.environ after each module): what the test's own subprocess inherited when it ran it.
+        session_env = dict(os.environ)
         seen = set()
         for item in session.items:
             mod = getattr(item, "module", None)
@@ -51,9 +67,24 @@ class Background:
             declare = getattr(mod, "BACKGROUND_JOBS", None)
             if declare is None:
                 continue
+            mine = [i for i in session.items if getattr(i, "module", None) is mod]
+            selected = {i.name for i in mine} | {getattr(i, "originalname", i.name) for i in mine}
             for key, job in declare(tiny_checkpoint).items():
                 if key in self._jobs:
                     raise pytest.UsageError(f"background job {key!r} declared twice")
+                wanted = job.get("for_test")
+                if wanted is not None:
+                    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+                    for name in wanted:
+                        if not callable(getattr(mod, name.split("[", 1)[0], None)):
+                            raise pytest.UsageError(f"background job {key!r} of {mod.__name__}: for_test names "
+                                                    f"{name!r}, which is no test function of that module")
+                    if not selected.intersection(wanted):
+                        continue  # no test that waits for it is selected: not started
+                job = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
+                if OUT_DIR in job["argv"]:
+                    self._out_dirs[key] = tmp_path_factory.mktemp(key)
+                    job["argv"] = [str(self._out_dirs[key]) if a == OUT_DIR else a for a in job["argv"]]
                 self._jobs[key] = job
         self._queue = list(self._jobs)
         self._results: dict[str, JobResult] = {}
@@ -103,6 +134,10 @@ class Background:
                 key = self._queue.pop(0)
             self._run(key, nice=5)
 
+    def out_dir(self, key: str) -> Path:
+        """The folder that replaced OUT_DIR in the job's argv."""
+        return self._out_dirs[key]
+
     def result(self, key: str) -> JobResult:
         """The job's result; waits for it if it is running, runs it now (in the foreground) if it is queued."""
         if key not in self._jobs:
@@ -138,9 +173,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def background(request, tiny_checkpoint):
+def background(request, tiny_checkpoint, tmp_path_factory):
     """Jobs of the collected modules' BACKGROUND_JOBS, started at the first test of the run (see above)."""
-    bg = Background(request.session, tiny_checkpoint)
+    bg = Background(request.session, tiny_checkpoint, tmp_path_factory)
     yield bg
     bg.close()
 

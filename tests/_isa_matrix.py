@@ -9,14 +9,19 @@ work as a script in a module-level dict::
 and asks the session fixture for the result on one level::
 
     res = isa_matrix.run("avx2", "linear")   # res.path: what the script wrote there; res.stdout: what it printed
+    by_level = isa_matrix.run_levels(["generic", "avx2", "avx512"], "linear")   # those levels' workers side by side
 
-The first request for a level starts ONE process for that level which runs the scripts of every collected
-module in turn (instead of one process per test per level: 3 levels x 7 families, each paying for
-``import torch, aligned_ops``). Each script runs as if it were its own ``python -c`` process as far as it can
+The first request for a level starts ONE process for that level which runs the scripts of every module with a
+selected test that uses the ``isa_matrix`` fixture (directly or through a fixture of its own), in turn (instead
+of one process per test per level: 3 levels x 7 families, each paying for ``import torch, aligned_ops``). Each script runs as if it were its own ``python -c`` process as far as it can
 tell: ``__name__ == "__main__"``, its own ``sys.argv``, the worker's original environment and torch thread
 count restored before it (a script that sets ALIGNED_EXACT_F64 cannot change the next one's results), stdout
 captured per script. A script that raises fails its own tests only (the traceback is in the failure); a worker
-that dies fails every test of that level with its stderr.
+that dies fails every test of that level with its stderr (which names the family it was running, and has the
+Python stack of a crash). The families share one process and only the environment and thread count are restored
+between them, but the kernel level is fixed at import: a script's leftover state (imported modules, torch globals)
+cannot make a worker run another level's kernels (the false pass this matrix guards against); a leak that changes a
+later family's numbers shows as that family's false failure.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import pytest
 SCRIPT_TIMEOUT_S = 600
 
 _WORKER = r'''
-import contextlib, io, json, os, sys, traceback
+import contextlib, faulthandler, io, json, os, sys, traceback
+faulthandler.enable()  # a crash (SIGSEGV, abort) prints the Python stack to stderr, below the family's line
 import torch
 import aligned_ops  # noqa: F401  (the level is chosen here, once for this process)
 
@@ -45,6 +51,7 @@ for name, fam in spec["families"].items():
     os.environ.update(env)
     torch.set_num_threads(threads)
     sys.argv = ["-c", fam["out"]]
+    print("running ISA family " + name, file=sys.stderr, flush=True)  # a worker that dies names the family it ran
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -71,18 +78,45 @@ class IsaMatrix:
         self._families: dict[str, str] = {}
         self._runs: dict[str, dict] = {}  # level -> report
         for item in session.items:
+            # Only a selected test that reads the matrix (the fixture, directly or through one of its own, e.g. the
+            # golden corpus's ``recomputed``) brings its module's families in: a module's other tests (a quick run's
+            # `-m "not slow"` selection of the golden module's planted-bit tests) start no level's work for them.
+            if "isa_matrix" not in getattr(item, "fixturenames", ()):
+                continue
             for name, script in (getattr(getattr(item, "module", None), "ISA_FAMILIES", None) or {}).items():
                 if self._families.setdefault(name, script) != script:
                     raise pytest.UsageError(f"two test modules declare ISA family {name!r} with different scripts")
 
     def run(self, level: str, family: str) -> IsaResult:
+        return self.run_levels([level], family)[level]
+
+    def run_levels(self, levels: list[str], family: str) -> dict[str, IsaResult]:
+        """``family``'s result on each of ``levels``; the levels that have not run it yet start their workers side
+        by side (one process per level, each running every family it has not run) and are waited for together."""
         if family not in self._families:
-            raise KeyError(f"ISA family {family!r} is not declared by a collected test module (ISA_FAMILIES)")
-        if "crash" not in self._runs.get(level, {}) and family not in self._runs.get(level, {}).get("families", {}):
-            # First request for this level (or a family that was not collected when the level ran): one worker
-            # for every family not yet run on this level.
-            todo = {n: s for n, s in self._families.items() if n not in self._runs.get(level, {}).get("families", {})}
-            self._start(level, todo)
+            raise KeyError(f"ISA family {family!r} is not declared by the module of a selected test that uses the "
+                           "isa_matrix fixture (ISA_FAMILIES)")
+        started = []
+        try:
+            for level in levels:
+                if "crash" not in self._runs.get(level, {}) and \
+                        family not in self._runs.get(level, {}).get("families", {}):
+                    # First request for this level (or a family that was not collected when the level ran): one
+                    # worker for every family not yet run on this level.
+                    todo = {n: s for n, s in self._families.items()
+                            if n not in self._runs.get(level, {}).get("families", {})}
+                    started.append(self._start(level, todo))
+            for level, proc, report, timeout in started:
+                self._finish(level, proc, report, timeout)
+        finally:
+            # a later _start that raised, or Ctrl-C / an error in one worker's wait: no worker outlives the request
+            for _, proc, _, _ in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        return {level: self._result(level, family) for level in levels}
+
+    def _result(self, level: str, family: str) -> IsaResult:
         rep = self._runs[level]
         if "crash" in rep:
             pytest.fail(f"the ISA worker for level {level!r} failed: {rep['crash']}", pytrace=False)
@@ -91,7 +125,7 @@ class IsaMatrix:
             pytest.fail(f"ISA family {family!r} on level {level!r} raised:\n{res['error']}", pytrace=False)
         return IsaResult(level, family, self._root / level / f"{family}.out", res["stdout"])
 
-    def _start(self, level: str, families: dict[str, str]) -> None:
+    def _start(self, level: str, families: dict[str, str]):
         d = self._root / level
         d.mkdir(exist_ok=True)
         spec = {"report": str(d / f"report{len(self._runs.get(level, {}).get('runs', []))}.json"),
@@ -101,16 +135,23 @@ class IsaMatrix:
         env = dict(os.environ, ALIGNED_CPU_ISA=level)
         rep = self._runs.setdefault(level, {"families": {}, "runs": []})
         rep["runs"].append(spec_path)
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        return level, proc, Path(spec["report"]), SCRIPT_TIMEOUT_S * max(1, len(families))
+
+    def _finish(self, level: str, proc: subprocess.Popen, report: Path, timeout: float) -> None:
+        rep = self._runs[level]
         try:
-            proc = subprocess.run([sys.executable, "-c", _WORKER, str(spec_path)], env=env, capture_output=True,
-                                  text=True, timeout=SCRIPT_TIMEOUT_S * max(1, len(families)))
+            _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as e:
+            proc.kill()
+            proc.communicate()
             rep["crash"] = f"timed out after {e.timeout} s"
             return
-        if proc.returncode != 0 or not Path(spec["report"]).exists():
-            rep["crash"] = f"exit code {proc.returncode}\n{proc.stderr[-3000:]}"
+        if proc.returncode != 0 or not report.exists():
+            rep["crash"] = f"exit code {proc.returncode}\n{stderr[-3000:]}"
             return
-        rep["families"].update(json.loads(Path(spec["report"]).read_text()))
+        rep["families"].update(json.loads(report.read_text()))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _background import OUT_DIR
 
 pytest.importorskip("vllm")
 
@@ -30,8 +31,17 @@ def run_cli(*argv, timeout=600):
 VERIFY_ARGV = ("verify", "--num-prompts", "4", "--max-tokens", "8")
 
 
+# The demo run too (four train runs, each a learner process and a rollout-engine process: ~90 CPU s, one chain of
+# processes): it writes only to its own --out, the job's folder under pytest's basetemp (kept, as tmp_path was).
+DEMO_ARGV = ("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
+             "--sft-steps", "2", "--lr-warmup", "0", "--out", OUT_DIR)
+
+
 def BACKGROUND_JOBS(tiny_checkpoint):
-    return {"cli_verify": cli_job(*VERIFY_ARGV, timeout=1200)}  # generous: it runs beside the suite
+    return {"cli_verify": dict(cli_job(*VERIFY_ARGV, timeout=1200),  # generous: it runs beside the suite
+                               for_test="test_verify_standard_mismatches_aligned_is_bitwise"),
+            "cli_demo": dict(cli_job(*DEMO_ARGV, timeout=1800),
+                             for_test="test_demo_runs_four_configurations_and_prints_one_table")}
 
 
 def background_cli(background, key):
@@ -58,13 +68,16 @@ def test_verify_standard_mismatches_aligned_is_bitwise(background):
     assert float(table_row(out, "max abs Δlogp")[0]) > 0.0
 
 
-@pytest.mark.slow
-def test_demo_runs_four_configurations_and_prints_one_table(tmp_path):
+@pytest.mark.slow  # four train runs, each with a vLLM engine in its own process
+def test_demo_runs_four_configurations_and_prints_one_table(background):
     # Structure and the claims that hold at any size (the README's numbers come from the default run): four train
     # runs of one tiny MoE; aligned kernels are bitwise at every step (sync: no lag, so D3 is exactly 0 and the IS
     # ratio exactly 1); stock kernels are not (negative control); one table, the headline lines, a PNG.
-    code, out = run_cli("demo", "--steps", "3", "--prompts", "4", "--samples", "2", "--hidden", "64", "--layers", "1",
-                        "--sft-steps", "2", "--lr-warmup", "0", "--out", str(tmp_path), timeout=900)
+    code, out = background_cli(background, "cli_demo")
+    _check_demo(code, out, background.out_dir("cli_demo"))
+
+
+def _check_demo(code, out, out_dir):
     assert code == 0, out[-4000:]
     cols = table_row(out, "metric")
     assert cols == ["standard async", "aligned async", "standard sync", "aligned sync"]
@@ -77,10 +90,10 @@ def test_demo_runs_four_configurations_and_prints_one_table(tmp_path):
                  "aligned kernels: kernel-only mismatch 0 and bitwise at every step: yes", "columns: standard = stock"):
         assert line in out
     for run in ("standard_async", "aligned_async", "standard_sync", "aligned_sync"):
-        summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+        summary = json.loads((out_dir / "runs" / run / "summary.json").read_text())
         assert summary["updates"] == 3 and summary["steps_in_file"]
-    assert (tmp_path / "demo.png").stat().st_size > 0
-    assert set(json.loads((tmp_path / "demo_summary.json").read_text())) == {
+    assert (out_dir / "demo.png").stat().st_size > 0
+    assert set(json.loads((out_dir / "demo_summary.json").read_text())) == {
         "standard_async", "aligned_async", "standard_sync", "aligned_sync"}
 
 

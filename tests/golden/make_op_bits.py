@@ -591,6 +591,12 @@ def available_levels() -> list[str]:
     return levels
 
 
+def configs_of(level: str, emulated=EMULATED) -> list[str]:
+    """The configurations one level's process computes: the level, and the emulated archs in the generic level's
+    process (emulation runs the generic CPU kernels where an op has no GPU glue)."""
+    return [level] + (list(emulated) if level == "generic" else [])
+
+
 def _package_root() -> str:
     """The folder holding the aligned_ops this process would import (the installed wheel in CI, python/ of a dev
     build via PYTHONPATH): the subprocesses must run the same build, not the source tree's unbuilt copy."""
@@ -608,7 +614,7 @@ def compute_all(levels=None, emulated=EMULATED, extra_env=None) -> dict:
     levels = list(levels or available_levels())
     procs = {}
     for level in levels:
-        configs = [level] + (list(emulated) if level == "generic" else [])
+        configs = configs_of(level, emulated)
         env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root(), **(extra_env or {})}
         procs[level] = (configs, subprocess.Popen(
             [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs)],
@@ -700,7 +706,7 @@ def _add_entries(prefix: str) -> int:
                          f"{corpus['configs']}: add on a machine with the same levels")
     procs = {}
     for level in levels:
-        configs = [level] + (list(EMULATED) if level == "generic" else [])
+        configs = configs_of(level)
         env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root()}
         procs[level] = subprocess.Popen(
             [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs), "--only", prefix],

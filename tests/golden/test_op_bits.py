@@ -1,6 +1,7 @@
 """The bits corpus (tests/golden/op_bits.json, written by make_op_bits.py): every aligned op's outputs and
 gradients on fixed inputs, under every CPU ISA level of this machine and the emulated sm_90 and gfx942, hashed
-and compared with the recorded sha256, entry by entry. A refactor that is meant to change nothing (the C++ glue
+and compared with the recorded sha256, entry by entry (each level's entries computed by that level's shared
+worker process, tests/_isa_matrix.py). A refactor that is meant to change nothing (the C++ glue
 of issue 20) must pass this unchanged; an intended change of bits regenerates the corpus
 (`python tests/golden/make_op_bits.py --write`) and says why in its commit message.
 
@@ -42,9 +43,34 @@ def corpus():
     return json.loads(make_op_bits.CORPUS.read_text())
 
 
+# Each CPU level's entries are computed by that level's shared worker process (tests/_isa_matrix.py: one
+# process per level for the whole run, which also runs the other modules' ISA families) instead of three more
+# processes of our own; the emulated archs run in the generic level's worker, as in make_op_bits.compute_all. The
+# script is make_op_bits' own ``--run`` (the same pipeline as ``--check``), its JSON written to the worker's file.
+_ISA_SCRIPT = f"""
+import contextlib, importlib.util, sys
+spec = importlib.util.spec_from_file_location("make_op_bits", {str(HERE / "make_op_bits.py")!r})
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+with open(sys.argv[1], "w") as f, contextlib.redirect_stdout(f):
+    rc = m.main(["--run", ",".join(m.configs_of(m._level_of_this_process()))])
+assert rc == 0, rc
+"""
+ISA_FAMILIES = {"golden_op_bits": _ISA_SCRIPT}
+
+
 @pytest.fixture(scope="module")
-def recomputed():
-    return make_op_bits.compute_all()
+def recomputed(isa_matrix):
+    """(records per configuration, the aligned ops called), as make_op_bits.compute_all() returns them."""
+    result, called = {}, set()
+    for level, res in isa_matrix.run_levels(make_op_bits.available_levels(), "golden_op_bits").items():
+        got = json.loads(res.path.read_text())
+        assert set(got["records"]) == set(make_op_bits.configs_of(level)), (
+            f"the {level} worker computed configurations {sorted(got['records'])}, "
+            f"not {make_op_bits.configs_of(level)}")
+        result.update(got["records"])
+        called.update(got["called"])
+    return result, sorted(called)
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@
 import copy
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -208,37 +207,50 @@ def test_unsupported_vllm_version(monkeypatch):
         vllm_plugin.check_vllm_version()
 
 
-def test_entry_point_declared_and_inert_without_opt_in():
+_ENTRY_POINT = "aligned_ops.integrations.vllm:register"
+_FORMER_ENTRY_POINT = "aligned_ops.integrations.vllm_plugin:register"
+# Run in a fresh interpreter (the plugin's state is process-wide: "inert without opt-in" needs a process that never
+# installed it).
+_INERT_CODE = (
+    "import os, importlib\n"
+    "from aligned_ops.integrations.vllm import layers, patches\n"
+    f"p = importlib.import_module({_ENTRY_POINT.split(':')[0]!r}); q = importlib.import_module({_FORMER_ENTRY_POINT.split(':')[0]!r})\n"
+    "assert p.register is q.register and p.install is q.install  # the former name is the same plugin\n"
+    "os.environ.pop('ALIGNED_OPS_VLLM', None); q.register(); a = p.is_installed()\n"
+    "os.environ['ALIGNED_OPS_VLLM'] = '1'; q.register(); b = p.is_installed()\n"
+    "from vllm.model_executor.layers.layernorm import RMSNorm\n"
+    "from vllm.model_executor.custom_op import op_registry_oot as r\n"
+    "h = r.get('RMSNorm')  # hooked through CustomOp.register_oot, the in-tree class left alone\n"
+    "hooked = h is not None and issubclass(h, RMSNorm) and h.forward is layers._rms_norm_forward\n"
+    "hooked = hooked and RMSNorm.forward is not layers._rms_norm_forward and len(patches.patched_classes()) > 3\n"
+    "hooked = hooked and set(patches.class_patch_reasons()) == set(patches.patched_classes())\n"
+    "p.uninstall()\n"
+    "print(a, b, hooked, 'RMSNorm' not in r and 'SiluAndMul' not in r and not patches.patched_classes())\n"
+)
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The fresh interpreter of the entry-point test needs nothing from this process: tests/_background.py starts
+    it at the beginning of the run (it imports vLLM's layers: ~10 CPU s), beside the in-process tests."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
+    return {"plugin_inert_without_opt_in": dict(argv=[sys.executable, "-c", _INERT_CODE], env=env, timeout=300,
+                                                for_test="test_entry_point_declared_and_inert_without_opt_in")}
+
+
+def test_entry_point_declared_and_inert_without_opt_in(background):
     """The entry point is declared (installed metadata if present, else pyproject) and does nothing unless opted in."""
     from importlib.metadata import entry_points
 
     # pyproject names the plugin's home; a wheel installed before the move names the compatibility module, which
     # must keep resolving (vLLM resolves the entry point through sys.path).
-    new, former = "aligned_ops.integrations.vllm:register", "aligned_ops.integrations.vllm_plugin:register"
+    new, former = _ENTRY_POINT, _FORMER_ENTRY_POINT
     with open(os.path.join(REPO, "pyproject.toml")) as f:
         assert f'aligned_ops = "{new}"' in f.read()
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "aligned_ops"]
     if eps:
         assert eps[0].value in (new, former)
-    code = (
-        "import os, importlib\n"
-        "from aligned_ops.integrations.vllm import layers, patches\n"
-        f"p = importlib.import_module({new.split(':')[0]!r}); q = importlib.import_module({former.split(':')[0]!r})\n"
-        "assert p.register is q.register and p.install is q.install  # the former name is the same plugin\n"
-        "os.environ.pop('ALIGNED_OPS_VLLM', None); q.register(); a = p.is_installed()\n"
-        "os.environ['ALIGNED_OPS_VLLM'] = '1'; q.register(); b = p.is_installed()\n"
-        "from vllm.model_executor.layers.layernorm import RMSNorm\n"
-        "from vllm.model_executor.custom_op import op_registry_oot as r\n"
-        "h = r.get('RMSNorm')  # hooked through CustomOp.register_oot, the in-tree class left alone\n"
-        "hooked = h is not None and issubclass(h, RMSNorm) and h.forward is layers._rms_norm_forward\n"
-        "hooked = hooked and RMSNorm.forward is not layers._rms_norm_forward and len(patches.patched_classes()) > 3\n"
-        "hooked = hooked and set(patches.class_patch_reasons()) == set(patches.patched_classes())\n"
-        "p.uninstall()\n"
-        "print(a, b, hooked, 'RMSNorm' not in r and 'SiluAndMul' not in r and not patches.patched_classes())\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = background.result("plugin_inert_without_opt_in")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False True True True"
 

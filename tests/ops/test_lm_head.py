@@ -6,6 +6,9 @@ token halves must both differ."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -161,25 +164,31 @@ def test_under_gpu_emulation_equal_to_unfused():
 
 # ---- issue 21.7: the fused forward's peak resident set is tiles, not the logits ---------------------------------
 CHILD = __file__.replace("test_lm_head.py", "_lm_head_memory_child.py")
+MEMORY_CASES = ["op", "completion_fused", "completion_auto"]
+MEMORY_T, MEMORY_V = 2048, 151936
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The memory children need nothing from this process (each is its own fresh process, whose own peak resident
+    set it reports): tests/_background.py starts them at the beginning of the run, beside the in-process tests."""
+    test = "test_fused_forward_peak_resident_memory_is_tiles_not_logits"
+    return {f"lm_head_memory_{which}": dict(argv=[sys.executable, CHILD, which, str(MEMORY_T), str(MEMORY_V)],
+                                            timeout=600, for_test=f"{test}[{which}]")  # only that case's child
+            for which in MEMORY_CASES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["op", "completion_fused", "completion_auto"])
-def test_fused_forward_peak_resident_memory_is_tiles_not_logits(which):
+@pytest.mark.parametrize("which", MEMORY_CASES)
+def test_fused_forward_peak_resident_memory_is_tiles_not_logits(which, background):
     """T = 2048 tokens x V = 151,936 (bf16 logits: 594 MiB). The forward peaked at the logits' size in most fresh
     processes (48 of every 55-row 16 MiB tile left resident by glibc heap fragmentation; issue 21.7, measured at
     T = 4096: 1.1-1.2 GB). Tiles above glibc's mmap-threshold ceiling leave nothing behind: the bound is the
     default tile twice over plus 64 MiB for the model and outputs — a page-count measurement, not a timing, in a
-    fresh process per case."""
-    import json
-    import subprocess
-    import sys
-
+    fresh process per case (a background job: tests/_background.py)."""
     from aligned_ops.ops import lm_head
 
-    T, V = 2048, 151936
-    proc = subprocess.run([sys.executable, CHILD, which, str(T), str(V)], capture_output=True, text=True,
-                          timeout=600)
+    T, V = MEMORY_T, MEMORY_V
+    proc = background.result(f"lm_head_memory_{which}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
     logits = T * V * 2
