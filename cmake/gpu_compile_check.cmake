@@ -11,7 +11,11 @@
 #                    without cuobjdump) and must hold exactly those cubins and PTX.
 #   csrc/hip/*.hip   x {gfx942, gfx950}: clang++-22 -x hip -c (one object for both archs, -fgpu-rdc), plus
 #                    device-only asm and LLVM IR per arch; checked for v_exp_f32/v_log_f32, denormal flushing,
-#                    llvm.fmuladd, f64 fma and fast-math flags.
+#                    llvm.fmuladd, f64 fma and fast-math flags. The front end and the optimiser run once per
+#                    file and arch (device-only -emit-llvm -c: the optimised module as bitcode, use-list order
+#                    kept); the scanned IR is that module and the scanned asm is its code generation alone
+#                    (-x ir, -disable-llvm-passes) — the instructions and directives of `-S` from the source
+#                    (tests/cuda/test_gpu_isa_scan.py compares the two), without a second front end per arch.
 #   csrc/torch/backends/cuda.cpp, csrc/torch/register_cuda.cpp (the CUDA key's glue): -fsyntax-only against the
 #                    installed torch's headers (the CPU wheel ships c10/cuda headers;
 #                    -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE stands in for CUDA torch's config).
@@ -161,6 +165,19 @@ if(ALIGNED_HIP_CLANG)
   foreach(arch IN LISTS _hip_archs)
     list(APPEND _offload --offload-arch=${arch})
   endforeach()
+  # The code generation step (bitcode -> asm, no optimiser) gets the target and the -mllvm options of the user's
+  # flags; everything else that shapes the code (target features, denormal and fp modes) is in the module's
+  # function attributes.
+  set(_hip_cg_mllvm)
+  set(_take_next FALSE)
+  foreach(_f IN LISTS _user_hip ALIGNED_GPU_CHECK_EXTRA_FLAGS)
+    if(_take_next)
+      list(APPEND _hip_cg_mllvm -mllvm "${_f}")
+      set(_take_next FALSE)
+    elseif(_f STREQUAL "-mllvm")
+      set(_take_next TRUE)
+    endif()
+  endforeach()
   foreach(src IN LISTS _gc_hip)
     get_filename_component(_name "${src}" NAME_WE)
     # -fgpu-rdc: relocatable device code, so -c needs no device libraries (-nogpulib) at link time.
@@ -170,15 +187,22 @@ if(ALIGNED_HIP_CLANG)
       DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang ${_hip_archs}: ${_name}.hip" VERBATIM)
     list(APPEND _gc_outputs "${_obj}")
     foreach(arch IN LISTS _hip_archs)
+      set(_bc "${_gc_dir}/hip_${_name}.${arch}.bc")
       set(_asm "${_gc_dir}/hip_${_name}.${arch}.s")
       set(_ll "${_gc_dir}/hip_${_name}.${arch}.ll")
-      add_custom_command(OUTPUT "${_asm}"
-        COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} --offload-arch=${arch} --offload-device-only -S "${src}" -o "${_asm}"
-        DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang -S ${arch}: ${_name}.hip" VERBATIM)
-      add_custom_command(OUTPUT "${_ll}"
-        COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} --offload-arch=${arch} --offload-device-only -emit-llvm -S "${src}"
-                -o "${_ll}"
+      # front end + optimiser, once: the optimised device module (-emit-llvm-uselists: the use-list order the
+      # code generator of a one-step -S sees, so the asm below is the same code)
+      add_custom_command(OUTPUT "${_bc}"
+        COMMAND "${ALIGNED_HIP_CLANG}" ${_hip_flags} --offload-arch=${arch} --offload-device-only -emit-llvm -c
+                -Xclang -emit-llvm-uselists "${src}" -o "${_bc}"
         DEPENDS "${src}" ${_gc_gpu_headers} COMMENT "hip-clang -emit-llvm ${arch}: ${_name}.hip" VERBATIM)
+      # from that module: its text (the IR scan) and its code generation only (the asm scan)
+      set(_from_bc "${ALIGNED_HIP_CLANG}" -target amdgcn-amd-amdhsa -mcpu=${arch} -nogpulib -O3 -x ir "${_bc}"
+                   -Xclang -disable-llvm-passes)
+      add_custom_command(OUTPUT "${_asm}" "${_ll}"
+        COMMAND ${_from_bc} ${_hip_cg_mllvm} -S -o "${_asm}"
+        COMMAND ${_from_bc} -S -emit-llvm -o "${_ll}"
+        DEPENDS "${_bc}" COMMENT "amdgcn codegen ${arch} (asm + IR text): ${_name}.hip" VERBATIM)
       foreach(kind s ll)
         if(kind STREQUAL "s")
           set(_in "${_asm}")

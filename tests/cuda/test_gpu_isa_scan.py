@@ -126,23 +126,52 @@ HIP_PLANTS = {
 }
 
 
+HIP_BASE = ["-x", "hip", "-std=c++20", "-O3", "-nogpulib", "--rocm-path=/usr", "-D__AMDGCN_WAVEFRONT_SIZE=64"]
+
+
+def hip_module(src: pathlib.Path, flags: list[str], out_dir: pathlib.Path, arch: str = "gfx942"
+               ) -> tuple[int, str, pathlib.Path]:
+    """The compile check's first HIP step (cmake/gpu_compile_check.cmake): front end + optimiser once, the optimised
+    device module as bitcode (use-list order kept)."""
+    bc = out_dir / f"{src.stem}.{arch}.bc"
+    p = subprocess.run([HIP_CLANG, *HIP_BASE, *flags, f"--offload-arch={arch}", "--offload-device-only", "-emit-llvm",
+                        "-c", "-Xclang", "-emit-llvm-uselists", str(src), "-o", str(bc)], capture_output=True, text=True)
+    return p.returncode, p.stderr, bc
+
+
+def hip_from_module(bc: pathlib.Path, kind: str, arch: str = "gfx942") -> pathlib.Path:
+    """Its second step: the module's code generation alone (kind s) or its text (kind ll), no optimiser."""
+    out = bc.with_suffix(f".{kind}")
+    subprocess.run([HIP_CLANG, "-target", "amdgcn-amd-amdhsa", f"-mcpu={arch}", "-nogpulib", "-O3", "-x", "ir", str(bc),
+                    "-Xclang", "-disable-llvm-passes", "-S", *(["-emit-llvm"] if kind == "ll" else []), "-o", str(out)],
+                   check=True)
+    return out
+
+
 def hip_scan(tmp_path, flags, kind) -> tuple[int, str]:
     src = tmp_path / "probe.hip"
     src.write_text(PROBE)
-    out = tmp_path / f"probe.{kind}"
-    base = [HIP_CLANG, "-x", "hip", "-std=c++20", "-O3", "-nogpulib", "--rocm-path=/usr", "-D__AMDGCN_WAVEFRONT_SIZE=64",
-            *flags, "--offload-arch=gfx942", "--offload-device-only", "-S"]
-    p = subprocess.run(base + (["-emit-llvm"] if kind == "ll" else []) + [str(src), "-o", str(out)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        return p.returncode, p.stderr
-    return run_scan(kind, out)
+    rc, err, bc = hip_module(src, flags, tmp_path)
+    if rc != 0:
+        return rc, err
+    return run_scan(kind, hip_from_module(bc, kind))
+
+
+@pytest.fixture(scope="module")
+def hip_probe_module(tmp_path_factory):
+    """The probe's module under the extension's flags, built once for both scans (as the compile check does)."""
+    d = tmp_path_factory.mktemp("hip_probe")
+    src = d / "probe.hip"
+    src.write_text(PROBE)
+    rc, err, bc = hip_module(src, cmake_list("ALIGNED_HIP_EXACT_FLAGS"), d)
+    assert rc == 0, err
+    return bc
 
 
 @pytest.mark.skipif(HIP_CLANG is None, reason="needs clang++-22")
 @pytest.mark.parametrize("kind", ["s", "ll"])
-def test_hip_probe_passes_with_the_extension_flags(tmp_path, kind):
-    rc, err = hip_scan(tmp_path, cmake_list("ALIGNED_HIP_EXACT_FLAGS"), kind)
+def test_hip_probe_passes_with_the_extension_flags(hip_probe_module, kind):
+    rc, err = run_scan(kind, hip_from_module(hip_probe_module, kind))
     assert rc == 0, err
 
 
@@ -153,6 +182,35 @@ def test_hip_scan_fails_on_planted_flag(tmp_path, bad):
     rc, err = hip_scan(tmp_path, replace_flag(cmake_list("ALIGNED_HIP_EXACT_FLAGS"), bad), "s" if kind == "compile" else kind)
     assert rc != 0, f"{bad}: accepted"
     assert re.search(what, err), err
+
+
+def asm_code(text: str) -> list[str]:
+    """An AMDGPU asm file's instructions, labels and directives: comments (';'), blank lines and the per-compile
+    random __hip_cuid_ suffix dropped."""
+    lines = (re.sub(r"__hip_cuid_[0-9a-f]+", "__hip_cuid_", ln.split(";", 1)[0]).rstrip() for ln in text.splitlines())
+    return [ln for ln in lines if ln.strip()]
+
+
+@pytest.mark.skipif(HIP_CLANG is None, reason="needs clang++-22")
+def test_hip_asm_from_the_module_is_the_one_step_asm(tmp_path):
+    """The compile check scans asm generated from the optimised module (so the front end runs once per file and arch
+    for the asm and the IR): on a real kernel file (the mma linear's: matrix instructions, loops, the correctly rounded
+    divide) its instructions, labels and directives (.amdhsa_float_denorm_mode_32 included) are exactly those of a
+    one-step `-S` from the source."""
+    src = ROOT / "csrc/hip/linear_mma.hip"
+    flags = cmake_list("ALIGNED_HIP_EXACT_FLAGS")
+    direct = tmp_path / "direct.s"
+    subprocess.run([HIP_CLANG, *HIP_BASE, *flags, "--offload-arch=gfx942", "--offload-device-only", "-S", str(src),
+                    "-o", str(direct)], check=True)
+    rc, err, bc = hip_module(src, flags, tmp_path)
+    assert rc == 0, err
+    one, two = asm_code(direct.read_text()), asm_code(hip_from_module(bc, "s").read_text())
+    assert len(one) > 500 and any("v_mfma_f32_16x16x16" in ln for ln in one)
+    assert any(".amdhsa_float_denorm_mode_32 3" in ln for ln in one)
+    assert one == two
+    # negative control: the comparison sees a single changed instruction
+    i = next(k for k, ln in enumerate(two) if "v_mfma_f32_16x16x16" in ln)
+    assert two[:i] + [two[i].replace("v_mfma", "v_mfmb")] + two[i + 1:] != one
 
 
 # ---- the patterns themselves ----------------------------------------------------------------------------------
