@@ -318,7 +318,7 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
   // Prefetch distance: the same k of the weight row kRowLaneCols rows on (the next group's rows, kRowLanePrefetch
   // elements at least). Within a row the distance is a few lines only when K is short (K = 896: 28 lines a row,
   // too short a stream for the hardware prefetcher to ramp up: measured 0.7x oneDNN's decode GEMM with DRAM-resident
-  // weights); rows are contiguous, so the next group's same k is one group (kRowLaneCols rows) ahead in memory.
+  // weights); rows are contiguous, so the same k two groups on (2 kRowLaneCols rows) is that far ahead in memory.
   const int64_t ahead = std::max<int64_t>(kRowLanePrefetch, 2 * kRowLaneCols * b_sn);
   for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
   if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
