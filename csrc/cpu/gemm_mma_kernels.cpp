@@ -302,8 +302,11 @@ static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const 
 }
 
 // Lane [k0, k1) of 16 * RZ rows against the kRowLaneCols weight rows n0 .. n0 + 8 (rows past nw clamped:
-// computed, not stored): tile[r][0..8) for r < 16 * RZ (and tile[r][8..16) = 0). The caller walks all lanes of these 8 weight rows before
-// the next 8, so each weight row streams front to back (prefetch-friendly) instead of a lane's short piece at a time.
+// computed, not stored). The accumulators are stored as they are, column-major: tile[(j * RZ + z) * 16 + r] = row
+// 16 z + r of column j (fold_and_store_cols transposes once per 16 columns, after the lane fold — the fold is
+// element-wise, so the layout cannot change a bit; a 16x16 transpose per lane was ~1/5 of the path's instructions at
+// K = 896). The caller walks all lanes of these 8 weight rows before the next 8, so each weight row streams front to
+// back (prefetch-friendly) instead of a lane's short piece at a time.
 template <int RZ>
 static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw,
                     int64_t k0, int64_t k1, float* tile) {
@@ -322,13 +325,10 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
   const int64_t ahead = std::max<int64_t>(kRowLanePrefetch, 2 * kRowLaneCols * b_sn);
   for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
   if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
-  for (int z = 0; z < RZ; ++z) {
-    __m512 out[16];
-    for (int j = 0; j < 16; ++j) out[j] = j < kRowLaneCols ? acc[j][z] : _mm512_setzero_ps();
-    transpose16(out);  // out[r] = row 16 z + r's columns
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(tile + (16 * z + r) * kNR, out[r]);
-  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kRowLaneCols; ++j)
+#pragma GCC unroll 2
+    for (int z = 0; z < RZ; ++z) _mm512_store_ps(tile + (j * RZ + z) * 16, acc[j][z]);
 }
 
 // ---- epilogue -------------------------------------------------------------------------------------------------
@@ -350,6 +350,29 @@ static void fold_and_store(const float* lt, int lanes, int rows, const TC* bias,
       V acc = linear_lane_fold(s, lanes);
       if (bias) acc = acc + simd::load<V>(bias + n0 + j, cnt);
       simd::store(crow + j, acc, cnt);  // TC is bf16_t or float: vector stores (simd.h kVectorStore)
+    }
+  }
+}
+
+// fold_and_store for the row-lane path's column-major lane tiles (rowlane): per 16 rows (z), each column's 16 rows
+// folded over the lanes (the same element-wise tree), the 16 columns transposed to rows once, then the bias and
+// the rounding store of fold_and_store. Columns >= nw are never stored.
+template <typename TC>
+static void fold_and_store_cols(const float* lt, int lanes, int rz, int rows, const TC* bias, TC* c, int64_t c_sm,
+                                int64_t n0, int64_t nw) {
+  const int cnt = (int)std::min<int64_t>(16, nw);
+  for (int z = 0; z * 16 < rows; ++z) {
+    __m512 f[16];
+    for (int j = 0; j < 16; ++j) {
+      V s[kLinearLanes];
+      for (int l = 0; l < lanes; ++l) s[l] = V::load_aligned(lt + l * kTileFloats + (j * rz + z) * 16);
+      f[j] = linear_lane_fold(s, lanes).v;
+    }
+    transpose16(f);  // f[r] = row 16 z + r's 16 columns
+    for (int r = 0; r < 16 && 16 * z + r < rows; ++r) {
+      V acc(f[r]);
+      if (bias) acc = acc + simd::load<V>(bias + n0, cnt);
+      simd::store(c + (16 * z + r) * c_sm + n0, acc, cnt);
     }
   }
 }
@@ -407,15 +430,20 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     const auto fn = rz == 1 ? &rowlane<1> : &rowlane<2>;
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
-      // 8 weight rows through every lane, then the next 8 (rowlane's note); each call writes 16 columns of its
-      // lane tile from column 8h, the upper 8 of them zeros that the second group overwrites (tile rows: kNR).
-      for (int64_t h = 0; h < nw; h += kRowLaneCols) {
+      // 8 weight rows through every lane, then the next 8 (rowlane's note); each call writes columns h .. h + 8 of
+      // its column-major lane tile (columns of a group past nw: clamped rows, computed, never stored).
+      for (int64_t h = 0; h < 16; h += kRowLaneCols) {
+        if (h >= nw) {  // no weight row left for this group: defined (unused) columns for the fold's loads
+          for (int l = 0; l < lanes; ++l)
+            std::fill(lane_tiles + l * kTileFloats + h * rz * 16, lane_tiles + l * kTileFloats + 16 * rz * 16, 0.0f);
+          break;
+        }
         const int64_t hw = std::min<int64_t>(kRowLaneCols, nw - h);
         for (int l = 0; l < lanes; ++l)
           fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb + h, hw, linear_lane_begin(l, K, lanes),
-             linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats + h);
+             linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats + h * rz * 16);
       }
-      fold_and_store(lane_tiles, lanes, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
+      fold_and_store_cols(lane_tiles, lanes, rz, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
     }
     return;
   }
