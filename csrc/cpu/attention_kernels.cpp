@@ -21,6 +21,7 @@
 
 #include "../common/attention.h"
 #include "attention_kernels.h"
+#include "simd.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -76,6 +77,88 @@ static void unpack_tile(const KeyRows<T>& kr_src, int64_t g, int64_t j0, int n, 
     }
   }
 }
+
+#if defined(__AVX512F__)
+// The forward's tile unpack (kt = K^T [D][32], vr = V rows [32][D]) with AVX-512: 16 keys x 16 dims widened
+// (exact, simd.h load) and transposed in registers (moves only), so K^T is written 16 floats at a time instead of
+// one strided float per element (the scalar unpack was the largest piece of decode attention's time). Same
+// values in the same places as unpack_tile; D % 16 == 0 only (the caller falls back otherwise).
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+template <typename T>
+static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n, float* kt, float* vr) {
+  using V = simd::F32x16;
+  const int64_t D = src.D;
+  for (int h = 0; h < kT / 16; ++h) {
+    const T* kp[16];
+    for (int i = 0; i < 16; ++i) {
+      const int j = 16 * h + i;
+      kp[i] = j < n ? src.k + src.offset(j0 + j, g) : nullptr;
+      float* vj = vr + (int64_t)j * D;
+      if (j < n) {
+        const T* vp = src.v + src.offset(j0 + j, g);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vj + d, simd::load<V>(vp + d).v);
+      } else {
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vj + d, _mm512_setzero_ps());
+      }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = kp[i] ? simd::load<V>(kp[i] + d0).v : _mm512_setzero_ps();
+      transpose16(r);  // r[c] = dim d0 + c of the 16 keys
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (d0 + c) * kT + 16 * h, r[c]);  // (std::vector: unaligned)
+    }
+  }
+}
+
+// attention.h attn_tile_update with the 32 probabilities p_j = exp_f32(s_j - mu) computed 16 lanes at a time
+// (simd.h exp_f32: numerics.h exp_f32 lane by lane, equal on all 2^32 inputs — tests/common/test_simd_conformance.py)
+// and lanes j >= nv set to +0, as attn_tile_prob does; every other step is the header's piece, in the header's order.
+template <typename VRow>
+static void tile_update_vexp(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc, float* pv) {
+  using V = simd::F32x16;
+  const float m_new = attn_tile_max(s, nv, *m);
+  const float mu = attn_shift(m_new);
+  const float alpha = exp_f32(*m - mu);
+  alignas(64) float p[kAttnTile];
+  for (int h = 0; h < kAttnTile / 16; ++h) {
+    const V e = exp_f32(simd::load<V>(s + 16 * h) - V(mu));
+    select_first(nv - 16 * h, e, V::zero()).store_aligned(p + 16 * h);
+  }
+  for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
+  for (int j = 0; j < nv; ++j) {
+    const auto* vj = v(j);
+    for (int64_t d = 0; d < D; ++d) pv[d] = attn_pv_step(p[j], to_f32(vj[d]), pv[d]);
+  }
+  const float ts = fold_lanes(p);
+  *l = attn_tile_l(*l, alpha, ts);
+  for (int64_t d = 0; d < D; ++d) acc[d] = attn_acc_step(acc[d], alpha, pv[d]);
+  *m = m_new;
+}
+#endif
 
 // out[i][j] = fma chain over d ascending of (x_i[d], mt[d][j]) from +0, for R vectors x_i (attention.h:
 // attn_dot for every lane j). R independent pairs share each load of mt.
@@ -148,7 +231,12 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
     for (int64_t t = sp * kAttnTilesPerSplit; t < t_end; ++t) {
       const int64_t j0 = t * kT;
       const int n = (int)std::min<int64_t>(kT, nk_max - j0);
-      unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
+#if defined(__AVX512F__)
+      if (D % 16 == 0)
+        unpack_tile_kv16(src, b.g, j0, n, kt.data(), vr.data());
+      else
+#endif
+        unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
       active.clear();
       for (int64_t pr = 0; pr < P; ++pr)
         if (nk[pr / G] > j0) active.push_back(pr);
@@ -164,7 +252,11 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
           float* st = part + (pr * b.n_splits + sp) * stride;
           const float* vbase = vr.data();
+#if defined(__AVX512F__)
+          tile_update_vexp(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
+#else
           attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
+#endif
         }
       }
     }

@@ -208,6 +208,16 @@ static void check_formulas(const char* type) {
     check<V, 1, 1>("exp_f32_not_nan", type, b, [](V* x, V* o) { o[0] = exp_f32_not_nan(x[0]); },
                    [](const float* x, float* o) { o[0] = exp_f32(x[0]); });
   }
+  {
+    // attention.h's tile probability p_j = exp_f32(s_j - mu) (j < nv), as the CPU forward computes it 16 keys at a
+    // time (csrc/cpu/attention_kernels.cpp tile_update_vexp); any s and mu, specials included. Negative control:
+    // exp(s) * exp(-mu), equal in exact arithmetic, other bits.
+    const std::vector<float> a[2] = {inputs(kN, 120.0f), inputs(kN, 120.0f)};
+    check<V, 2, 1>("attn_tile_prob", type, a, [](V* x, V* o) { o[0] = exp_f32(x[0] - x[1]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0] - x[1]); });
+    check<V, 2, 1>("negative_attn_prob_split_exp", type, a, [](V* x, V* o) { o[0] = exp_f32(x[0]) * exp_f32(-x[1]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0] - x[1]); });
+  }
 }
 
 // exp on a stride of every bit pattern (the vector forms of exp_f32 re-express it, so they get the wide check).
