@@ -133,31 +133,14 @@ static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n
     }
   }
 }
+#endif
 
-// attention.h attn_tile_update with the 32 probabilities p_j = exp_f32(s_j - mu) computed 16 lanes at a time
-// (simd.h exp_f32: numerics.h exp_f32 lane by lane, equal on all 2^32 inputs — tests/common/test_simd_conformance.py)
-// and lanes j >= nv set to +0, as attn_tile_prob does; every other step is the header's piece, in the header's order.
-template <typename VRow>
-static void tile_update_vexp(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc, float* pv) {
-  using V = simd::F32x16;
-  const float m_new = attn_tile_max(s, nv, *m);
-  const float mu = attn_shift(m_new);
-  const float alpha = exp_f32(*m - mu);
-  alignas(64) float p[kAttnTile];
-  for (int h = 0; h < kAttnTile / 16; ++h) {
-    const V e = exp_f32(simd::load<V>(s + 16 * h) - V(mu));
-    select_first(nv - 16 * h, e, V::zero()).store_aligned(p + 16 * h);
-  }
-  for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
-  for (int j = 0; j < nv; ++j) {
-    const auto* vj = v(j);
-    for (int64_t d = 0; d < D; ++d) pv[d] = attn_pv_step(p[j], to_f32(vj[d]), pv[d]);
-  }
-  const float ts = fold_lanes(p);
-  *l = attn_tile_l(*l, alpha, ts);
-  for (int64_t d = 0; d < D; ++d) acc[d] = attn_acc_step(acc[d], alpha, pv[d]);
-  *m = m_new;
-}
+// The tile probabilities of attn_tile_update: 16 keys at a time on AVX-512 (simd.h TileProbs: the scalar
+// AttnTileProbs's bits, tests/common/test_simd_conformance.py), the header's scalar loop on the other levels.
+#if defined(__AVX512F__)
+constexpr simd::TileProbs<simd::F32x16, kAttnTile> kTileProbs{};
+#else
+constexpr AttnTileProbs kTileProbs{};
 #endif
 
 // out[i][j] = fma chain over d ascending of (x_i[d], mt[d][j]) from +0, for R vectors x_i (attention.h:
@@ -252,11 +235,8 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
           float* st = part + (pr * b.n_splits + sp) * stride;
           const float* vbase = vr.data();
-#if defined(__AVX512F__)
-          tile_update_vexp(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
-#else
-          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
-#endif
+          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data(),
+                           kTileProbs);
         }
       }
     }

@@ -272,6 +272,22 @@ ALIGNED_SIMD_INLINE V load(const T* p, int n = V::kLanes) {
   return load(p, n, (V*)nullptr);
 }
 
+// attention.h's tile probabilities (AttnTileProbs) kLanes keys at a time: p[j] = exp_f32(s[j] - mu) for j < nv,
+// +0 for nv <= j < N (s[j] there is never looked at by the result, whatever it holds), N % V::kLanes == 0. Lane by
+// lane the scalar's operations (a subtraction, then exp_f32 of the vector type: numerics.h exp_f32), the masked
+// lanes a select; no alignment needed. The CPU attention forward passes it to attn_tile_update, and
+// tests/common/simd_conformance.cpp runs this same function against the plain scalar reference.
+template <typename V, int N>
+struct TileProbs {
+  static_assert(N % V::kLanes == 0, "whole vectors");
+  ALIGNED_SIMD_INLINE void operator()(const float* s, int nv, float mu, float* p) const {
+    for (int h = 0; h < N; h += V::kLanes) {
+      const V e = exp_f32(load<V>(s + h) - V(mu));
+      store(p + h, select_first(nv - h, e, V::zero()), V::kLanes);
+    }
+  }
+};
+
 // Whether store(T*, V, n) is a vector store (else the kernel rounds element by element with from_f32).
 template <typename V, typename T>
 constexpr bool kVectorStore = V::kLanes == 1 || !std::is_same_v<T, f16_t>;
