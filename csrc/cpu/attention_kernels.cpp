@@ -83,31 +83,6 @@ static void unpack_tile(const KeyRows<T>& kr_src, int64_t g, int64_t j0, int n, 
 // (exact, simd.h load) and transposed in registers (moves only), so K^T is written 16 floats at a time instead of
 // one strided float per element (the scalar unpack was the largest piece of decode attention's time). Same
 // values in the same places as unpack_tile; D % 16 == 0 only (the caller falls back otherwise).
-static inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 template <typename T>
 static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n, float* kt, float* vr) {
   using V = simd::F32x16;
@@ -128,7 +103,7 @@ static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) r[i] = kp[i] ? simd::load<V>(kp[i] + d0).v : _mm512_setzero_ps();
-      transpose16(r);  // r[c] = dim d0 + c of the 16 keys
+      simd::transpose16(r);  // r[c] = dim d0 + c of the 16 keys
       for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (d0 + c) * kT + 16 * h, r[c]);  // (std::vector: unaligned)
     }
   }

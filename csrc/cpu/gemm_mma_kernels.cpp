@@ -82,31 +82,6 @@ static ALIGNED_INLINE __m512 dp_step(__m512 acc, uint32_t a_pair, __m512 b_pairs
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a_pair), (__m512bh)_mm512_castps_si512(b_pairs));
 }
 
-// In-register transpose of 16 x 16 32-bit elements (moves only): r[i] = row i  ->  r[c] = column c.
-static ALIGNED_INLINE void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
 
 // 16 rows of bf16 from column kk: `cnt` <= 32 elements each (the rest +0), rows past `valid` all +0.
 template <bool kFull>
@@ -129,7 +104,7 @@ static ALIGNED_INLINE void direct_block(__m512 (&acc)[MR], const uint16_t* a, in
   const int cnt = kFull ? 32 : (int)(k1 - kk);
   __m512 rows[16];
   load_rows<kFull>(rows, rp, valid, kk, cnt);
-  transpose16(rows);
+  simd::transpose16(rows);
   const int pairs = kFull ? 16 : (cnt + 1) / 2;
 #pragma GCC unroll 16
   for (int c = 0; c < pairs; ++c) {
@@ -191,7 +166,7 @@ static void pack_pairs(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn,
           load_rows<true>(rows, rp, (int)nh, kk, cnt);
         else
           load_rows<false>(rows, rp, (int)nh, kk, cnt);
-        transpose16(rows);
+        simd::transpose16(rows);
         const int64_t q0 = q + (kk - k0) / 2;
         for (int c = 0; c < (cnt + 1) / 2; ++c) _mm512_store_ps((float*)(bp + (q0 + c) * W + 16 * h), rows[c]);
       }
@@ -368,7 +343,7 @@ static void fold_and_store_cols(const float* lt, int lanes, int rz, int rows, co
       for (int l = 0; l < lanes; ++l) s[l] = V::load_aligned(lt + l * kTileFloats + (j * rz + z) * 16);
       f[j] = linear_lane_fold(s, lanes).v;
     }
-    transpose16(f);  // f[r] = row 16 z + r's 16 columns
+    simd::transpose16(f);  // f[r] = row 16 z + r's 16 columns
     for (int r = 0; r < 16 && 16 * z + r < rows; ++r) {
       V acc(f[r]);
       if (bias) acc = acc + simd::load<V>(bias + n0, cnt);

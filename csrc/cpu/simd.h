@@ -257,6 +257,35 @@ ALIGNED_SIMD_INLINE void store(bf16_t* p, F32x16 x, int n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// In-register transpose of 16 x 16 32-bit elements (moves only: no value changes): r[i] = row i -> r[c] = column c
+// (lane i = old row i). The CPU GEMM and attention kernels' one copy.
+ALIGNED_SIMD_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // within each 128-bit lane: r[4i + c] = column c of rows 4i..4i+3
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather 128-bit lane L of r[c], r[4+c], r[8+c], r[12+c] -> column 4L + c
+    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
 // ---- the level's widest type ------------------------------------------------------------------------------
 #if defined(__AVX512F__)
 using VecF32 = F32x16;
