@@ -249,7 +249,7 @@ static PackedFn pick_packed(int rows, std::integer_sequence<int, R...>) {
 // 8 weight rows at a time: 16 rows K = 2048 / 4096 elements apart all map to one L1 set (8 ways) and were measured
 // 2x slower than 8 (which fit).
 constexpr int kRowLaneCols = 8;
-constexpr int64_t kRowLanePrefetch = 128;  // elements ahead in each weight row (4 lines): DRAM-resident weights
+constexpr int64_t kRowLanePrefetch = 128;  // least prefetch distance, elements (4 lines); rowlane: 2 groups of rows
 
 template <int RZ, bool kFull>
 static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const uint32_t* __restrict ap,
@@ -293,10 +293,11 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
   const uint16_t* wr[kRowLaneCols];
   for (int j = 0; j < kRowLaneCols; ++j) wr[j] = b + (n0 + std::min<int64_t>(j, nw - 1)) * b_sn;
   int64_t kk = k0;
-  // Prefetch distance: the same k of the weight row kRowLaneCols rows on (the next group's rows, kRowLanePrefetch
-  // elements at least). Within a row the distance is a few lines only when K is short (K = 896: 28 lines a row,
-  // too short a stream for the hardware prefetcher to ramp up: measured 0.7x oneDNN's decode GEMM with DRAM-resident
-  // weights); rows are contiguous, so the same k two groups on (2 kRowLaneCols rows) is that far ahead in memory.
+  // Prefetch distance: the same k of the weight row two groups on (row n0 + j + 2 kRowLaneCols, 16 rows on:
+  // 2 kRowLaneCols * b_sn elements ahead; the group after next, so its lines have a whole group's lanes to arrive),
+  // or kRowLanePrefetch elements when that is farther (only for a row stride b_sn below 8). A fixed distance within the row was too
+  // short when K is short (K = 896: 28 lines a row, too short a stream for the hardware prefetcher to ramp up:
+  // measured 0.7x oneDNN's decode GEMM with DRAM-resident weights). Past the matrix the address is only a hint.
   const int64_t ahead = std::max<int64_t>(kRowLanePrefetch, 2 * kRowLaneCols * b_sn);
   for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
   if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
