@@ -295,9 +295,9 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
   int64_t kk = k0;
   // Prefetch distance: the same k of the weight row two groups on (row n0 + j + 2 kRowLaneCols, 16 rows on:
   // 2 kRowLaneCols * b_sn elements ahead; the group after next, so its lines have a whole group's lanes to arrive),
-  // or kRowLanePrefetch elements when that is farther (only for a row stride b_sn below 8). A fixed distance within the row was too
-  // short when K is short (K = 896: 28 lines a row, too short a stream for the hardware prefetcher to ramp up:
-  // measured 0.7x oneDNN's decode GEMM with DRAM-resident weights). Past the matrix the address is only a hint.
+  // or kRowLanePrefetch elements when that is farther (only for a row stride b_sn below 8). A fixed distance within
+  // the row was too short when K is short (K = 896: 28 lines a row, too short a stream for the hardware prefetcher to
+  // ramp up: measured 0.7x oneDNN's decode GEMM with DRAM-resident weights). Past the matrix it is only a hint.
   const int64_t ahead = std::max<int64_t>(kRowLanePrefetch, 2 * kRowLaneCols * b_sn);
   for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
   if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
