@@ -37,12 +37,12 @@ def child(model, config, threads, out):
     lengths = torch.randint(30, 251, (16,), generator=g).tolist()
     prompts = [torch.randint(1, 30000, (n,), generator=g).tolist() for n in lengths]
     rollout.generate_with_logprobs(llm, prompts[:2], max_tokens=4)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = rollout.generate_with_logprobs(llm, prompts, temperature=1.0, max_tokens=64)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     n = sum(len(o.token_ids) for o in outs)
     with open(out, "w") as f:
-        json.dump({"tokens": n, "seconds": dt, "tok_s": n / dt}, f)
+        json.dump({"tokens": n, "seconds": dt, "tok_s": n / dt, "cpu_s": dc}, f)
 
 
 def main():
@@ -64,6 +64,7 @@ def main():
                              vocab_size=32000, max_position_embeddings=1024)
     configs = a.configs.split(",")
     res = {c: [] for c in configs}
+    cpu = {c: [] for c in configs}  # process CPU seconds of the generate call (single-process engine)
     for r in range(a.rounds):
         for c in configs:
             out = os.path.join(work, f"{c}{r}.json")
@@ -72,17 +73,27 @@ def main():
             subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--child", model, c, out], env=env,
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(out) as f:
-                res[c].append(json.load(f)["tok_s"])
-            print(f"  round {r} {c}: {res[c][-1]:.1f} generated tokens/s", file=sys.stderr, flush=True)
+                rec = json.load(f)
+            res[c].append(rec["tok_s"])
+            cpu[c].append(rec["cpu_s"])
+            print(f"  round {r} {c}: {res[c][-1]:.1f} generated tokens/s, {cpu[c][-1]:.2f} CPU s", file=sys.stderr,
+                  flush=True)
     base = statistics.median(res["stock"]) if "stock" in res else None
+    base_cpu = statistics.median(cpu["stock"]) if "stock" in cpu else None
     print(f"\n### vLLM-CPU generation, Qwen2 hidden 896 / 4 layers / vocab 32000, 16 prompts x 64 new tokens, "
           f"{a.threads} threads, median of {a.rounds} interleaved rounds\n")
-    print("| configuration | generated tokens/s (each round) | median | ratio to stock |")
-    print("|---|---|---:|---:|")
+    # CPU-time ratio: stock's CPU seconds / the configuration's for the same generate (at 1 thread, the per-core
+    # cost, which a loaded machine stretches far less than wall time; at 2 threads it includes the OpenMP workers'
+    # spin-waits, which load inflates)
+    print("| configuration | generated tokens/s (each round) | median | ratio to stock | CPU s (each round) | "
+          "CPU-time ratio to stock |")
+    print("|---|---|---:|---:|---|---:|")
     for c in configs:
-        med = statistics.median(res[c])
+        med, med_cpu = statistics.median(res[c]), statistics.median(cpu[c])
         ratio = f"{med / base:.2f}" if base else "-"
-        print(f"| {c} | {', '.join(f'{v:.1f}' for v in res[c])} | {med:.1f} | {ratio} |")
+        cpu_ratio = f"{base_cpu / med_cpu:.2f}" if base_cpu else "-"
+        print(f"| {c} | {', '.join(f'{v:.1f}' for v in res[c])} | {med:.1f} | {ratio} | "
+              f"{', '.join(f'{v:.2f}' for v in cpu[c])} | {cpu_ratio} |")
 
 
 if __name__ == "__main__":

@@ -125,16 +125,27 @@ ALIGNED_HD float attn_tile_l(float l, float alpha, float tile_sum) { return fma_
 ALIGNED_HD float attn_pv_step(float p_j, float v_jd, float pv) { return fma_f32(p_j, v_jd, pv); }
 ALIGNED_HD float attn_acc_step(float acc, float alpha, float pv) { return fma_f32(acc, alpha, pv); }
 
+// The probabilities of one tile: p[j] = attn_tile_prob(s[j], j, nv, mu) for j = 0 .. kAttnTile - 1
+// (exp_f32(s_j - mu) for j < nv, +0 past nv, whatever s[j] holds there). The scalar form; a vector backend passes
+// its own to attn_tile_update (csrc/cpu/simd.h TileProbs: the same operations lane by lane, held to the
+// same plain reference by tests/common/simd_conformance.cpp), so the rest of the tile's order exists only here.
+struct AttnTileProbs {
+  ALIGNED_HD void operator()(const float* s, int nv, float mu, float* p) const {
+    for (int j = 0; j < kAttnTile; ++j) p[j] = attn_tile_prob(s[j], j, nv, mu);
+  }
+};
+
 // Step 3, one tile: s[0..nv) are the scaled scores, v(j) returns a pointer to value row j (fp32 or T).
-// State: *m, *l, acc[D]. pv is scratch of D floats.
-template <typename VRow>
+// State: *m, *l, acc[D]. pv is scratch of D floats. probs(s, nv, mu, p) writes the kAttnTile probabilities
+// (AttnTileProbs or a form with its bits).
+template <typename VRow, typename Probs = AttnTileProbs>
 ALIGNED_HD void attn_tile_update(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc,
-                                 float* pv) {
+                                 float* pv, Probs probs = Probs()) {
   const float m_new = attn_tile_max(s, nv, *m);
   const float mu = attn_shift(m_new);
   const float alpha = exp_f32(*m - mu);
   float p[kAttnTile];
-  for (int j = 0; j < kAttnTile; ++j) p[j] = attn_tile_prob(s[j], j, nv, mu);
+  probs(s, nv, mu, p);
   for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
   for (int j = 0; j < nv; ++j) {
     const auto* vj = v(j);

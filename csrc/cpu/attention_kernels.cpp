@@ -21,6 +21,7 @@
 
 #include "../common/attention.h"
 #include "attention_kernels.h"
+#include "simd.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -76,6 +77,46 @@ static void unpack_tile(const KeyRows<T>& kr_src, int64_t g, int64_t j0, int n, 
     }
   }
 }
+
+#if defined(__AVX512F__)
+// The forward's tile unpack (kt = K^T [D][32], vr = V rows [32][D]) with AVX-512: 16 keys x 16 dims widened
+// (exact, simd.h load) and transposed in registers (moves only), so K^T is written 16 floats at a time instead of
+// one strided float per element (the scalar unpack was the largest piece of decode attention's time). Same
+// values in the same places as unpack_tile; D % 16 == 0 only (the caller falls back otherwise).
+template <typename T>
+static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n, float* kt, float* vr) {
+  using V = simd::F32x16;
+  const int64_t D = src.D;
+  for (int h = 0; h < kT / 16; ++h) {
+    const T* kp[16];
+    for (int i = 0; i < 16; ++i) {
+      const int j = 16 * h + i;
+      kp[i] = j < n ? src.k + src.offset(j0 + j, g) : nullptr;
+      float* vj = vr + (int64_t)j * D;
+      if (j < n) {
+        const T* vp = src.v + src.offset(j0 + j, g);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vj + d, simd::load<V>(vp + d).v);
+      } else {
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vj + d, _mm512_setzero_ps());
+      }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = kp[i] ? simd::load<V>(kp[i] + d0).v : _mm512_setzero_ps();
+      simd::transpose16(r);  // r[c] = dim d0 + c of the 16 keys
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (d0 + c) * kT + 16 * h, r[c]);  // (std::vector: unaligned)
+    }
+  }
+}
+#endif
+
+// The tile probabilities of attn_tile_update: 16 keys at a time on AVX-512 (simd.h TileProbs: the scalar
+// AttnTileProbs's bits, tests/common/test_simd_conformance.py), the header's scalar loop on the other levels.
+#if defined(__AVX512F__)
+constexpr simd::TileProbs<simd::F32x16, kAttnTile> kTileProbs{};
+#else
+constexpr AttnTileProbs kTileProbs{};
+#endif
 
 // out[i][j] = fma chain over d ascending of (x_i[d], mt[d][j]) from +0, for R vectors x_i (attention.h:
 // attn_dot for every lane j). R independent pairs share each load of mt.
@@ -148,7 +189,12 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
     for (int64_t t = sp * kAttnTilesPerSplit; t < t_end; ++t) {
       const int64_t j0 = t * kT;
       const int n = (int)std::min<int64_t>(kT, nk_max - j0);
-      unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
+#if defined(__AVX512F__)
+      if (D % 16 == 0)
+        unpack_tile_kv16(src, b.g, j0, n, kt.data(), vr.data());
+      else
+#endif
+        unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
       active.clear();
       for (int64_t pr = 0; pr < P; ++pr)
         if (nk[pr / G] > j0) active.push_back(pr);
@@ -164,7 +210,8 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
           float* st = part + (pr * b.n_splits + sp) * stride;
           const float* vbase = vr.data();
-          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data());
+          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data(),
+                           kTileProbs);
         }
       }
     }

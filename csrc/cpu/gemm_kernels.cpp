@@ -81,31 +81,6 @@ constexpr int64_t kMC = 256;         // rows per block on the large-M path (A bl
 template <typename T>
 static ALIGNED_INLINE __m512 load16_f32(const T* p, int cnt) { return simd::load<simd::F32x16>(p, cnt).v; }
 
-// In-register transpose: r[i] = row i (16 lanes)  ->  r[c] = column c (lane i = old row i).
-static ALIGNED_INLINE void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // within each 128-bit lane: r[4i + c] = column c of rows 4i..4i+3
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {  // gather 128-bit lane L of r[c], r[4+c], r[8+c], r[12+c] -> column 4L + c
-    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
 #endif
 
 template <typename TB>
@@ -134,7 +109,7 @@ static void pack_panel(float* __restrict bp, const TB* __restrict b, int64_t b_s
           const int64_t j = h * 16 + i;
           r[i] = j < nw ? load16_f32(base + j * b_sn + kk, cnt) : _mm512_setzero_ps();
         }
-        transpose16(r);
+        simd::transpose16(r);
         for (int c = 0; c < cnt; ++c) _mm512_store_ps(bp + (kk + c) * kNR + h * 16, r[c]);
       }
     }
@@ -279,7 +254,7 @@ static ALIGNED_INLINE void direct_block(__m512 (&acc)[MR], const TA* a, int64_t 
     else
       rows[i] = load16_f32(rp[i] + kk, rv[i] ? cnt : 0);
   }
-  transpose16(rows);
+  simd::transpose16(rows);
   if constexpr (kPairs) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
 #pragma GCC unroll 16

@@ -82,31 +82,6 @@ static ALIGNED_INLINE __m512 dp_step(__m512 acc, uint32_t a_pair, __m512 b_pairs
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a_pair), (__m512bh)_mm512_castps_si512(b_pairs));
 }
 
-// In-register transpose of 16 x 16 32-bit elements (moves only): r[i] = row i  ->  r[c] = column c.
-static ALIGNED_INLINE void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
 
 // 16 rows of bf16 from column kk: `cnt` <= 32 elements each (the rest +0), rows past `valid` all +0.
 template <bool kFull>
@@ -129,7 +104,7 @@ static ALIGNED_INLINE void direct_block(__m512 (&acc)[MR], const uint16_t* a, in
   const int cnt = kFull ? 32 : (int)(k1 - kk);
   __m512 rows[16];
   load_rows<kFull>(rows, rp, valid, kk, cnt);
-  transpose16(rows);
+  simd::transpose16(rows);
   const int pairs = kFull ? 16 : (cnt + 1) / 2;
 #pragma GCC unroll 16
   for (int c = 0; c < pairs; ++c) {
@@ -191,7 +166,7 @@ static void pack_pairs(uint32_t* __restrict bp, const uint16_t* b, int64_t b_sn,
           load_rows<true>(rows, rp, (int)nh, kk, cnt);
         else
           load_rows<false>(rows, rp, (int)nh, kk, cnt);
-        transpose16(rows);
+        simd::transpose16(rows);
         const int64_t q0 = q + (kk - k0) / 2;
         for (int c = 0; c < (cnt + 1) / 2; ++c) _mm512_store_ps((float*)(bp + (q0 + c) * W + 16 * h), rows[c]);
       }
@@ -274,18 +249,19 @@ static PackedFn pick_packed(int rows, std::integer_sequence<int, R...>) {
 // 8 weight rows at a time: 16 rows K = 2048 / 4096 elements apart all map to one L1 set (8 ways) and were measured
 // 2x slower than 8 (which fit).
 constexpr int kRowLaneCols = 8;
-constexpr int64_t kRowLanePrefetch = 128;  // elements ahead in each weight row (4 lines): DRAM-resident weights
+constexpr int64_t kRowLanePrefetch = 128;  // least prefetch distance, elements (4 lines); rowlane: 2 groups of rows
 
 template <int RZ, bool kFull>
 static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const uint32_t* __restrict ap,
-                                         const uint16_t* const (&wr)[kRowLaneCols], int64_t kk, int64_t k1) {
+                                         const uint16_t* const (&wr)[kRowLaneCols], int64_t kk, int64_t k1,
+                                         int64_t ahead) {
   const int cnt = kFull ? 32 : (int)(k1 - kk);
   const __mmask32 m = kFull ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
   alignas(64) uint32_t w_pairs[kRowLaneCols][16];  // the columns' next 16 pairs (one line per weight row)
 #pragma GCC unroll 8
   for (int j = 0; j < kRowLaneCols; ++j) {
     _mm512_store_si512(w_pairs[j], kFull ? _mm512_loadu_si512(wr[j] + kk) : _mm512_maskz_loadu_epi16(m, wr[j] + kk));
-    _mm_prefetch((const char*)(wr[j] + kk + kRowLanePrefetch), _MM_HINT_T0);  // a hint: past the row is harmless
+    _mm_prefetch((const char*)(wr[j] + kk + ahead), _MM_HINT_T0);  // a hint: past the matrix is harmless
   }
   const int pairs = kFull ? 16 : (cnt + 1) / 2;  // an odd tail's last pair is (B[n, k1 - 1], +0): the masked load
 #pragma GCC unroll 16
@@ -301,8 +277,11 @@ static ALIGNED_INLINE void rowlane_block(__m512 (&acc)[kRowLaneCols][RZ], const 
 }
 
 // Lane [k0, k1) of 16 * RZ rows against the kRowLaneCols weight rows n0 .. n0 + 8 (rows past nw clamped:
-// computed, not stored): tile[r][0..8) for r < 16 * RZ (and tile[r][8..16) = 0). The caller walks all lanes of these 8 weight rows before
-// the next 8, so each weight row streams front to back (prefetch-friendly) instead of a lane's short piece at a time.
+// computed, not stored). The accumulators are stored as they are, column-major: tile[(j * RZ + z) * 16 + r] = row
+// 16 z + r of column j (fold_and_store_cols transposes once per 16 columns, after the lane fold — the fold is
+// element-wise, so the layout cannot change a bit; a 16x16 transpose per lane was ~1/5 of the path's instructions at
+// K = 896). The caller walks all lanes of these 8 weight rows before the next 8, so each weight row streams front to
+// back (prefetch-friendly) instead of a lane's short piece at a time.
 template <int RZ>
 static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_sn, int64_t n0, int64_t nw,
                     int64_t k0, int64_t k1, float* tile) {
@@ -314,15 +293,18 @@ static void rowlane(const uint32_t* __restrict ap, const uint16_t* b, int64_t b_
   const uint16_t* wr[kRowLaneCols];
   for (int j = 0; j < kRowLaneCols; ++j) wr[j] = b + (n0 + std::min<int64_t>(j, nw - 1)) * b_sn;
   int64_t kk = k0;
-  for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
-  if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1);
-  for (int z = 0; z < RZ; ++z) {
-    __m512 out[16];
-    for (int j = 0; j < 16; ++j) out[j] = j < kRowLaneCols ? acc[j][z] : _mm512_setzero_ps();
-    transpose16(out);  // out[r] = row 16 z + r's columns
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(tile + (16 * z + r) * kNR, out[r]);
-  }
+  // Prefetch distance: the same k of the weight row two groups on (row n0 + j + 2 kRowLaneCols, 16 rows on:
+  // 2 kRowLaneCols * b_sn elements ahead; the group after next, so its lines have a whole group's lanes to arrive),
+  // or kRowLanePrefetch elements when that is farther (only for a row stride b_sn below 8). A fixed distance within
+  // the row was too short when K is short (K = 896: 28 lines a row, too short a stream for the hardware prefetcher to
+  // ramp up: measured 0.7x oneDNN's decode GEMM with DRAM-resident weights). Past the matrix it is only a hint.
+  const int64_t ahead = std::max<int64_t>(kRowLanePrefetch, 2 * kRowLaneCols * b_sn);
+  for (; kk + 32 <= k1; kk += 32) rowlane_block<RZ, true>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
+  if (kk < k1) rowlane_block<RZ, false>(acc, ap + (kk - k0) / 2 * 16 * RZ, wr, kk, k1, ahead);
+#pragma GCC unroll 8
+  for (int j = 0; j < kRowLaneCols; ++j)
+#pragma GCC unroll 2
+    for (int z = 0; z < RZ; ++z) _mm512_store_ps(tile + (j * RZ + z) * 16, acc[j][z]);
 }
 
 // ---- epilogue -------------------------------------------------------------------------------------------------
@@ -344,6 +326,29 @@ static void fold_and_store(const float* lt, int lanes, int rows, const TC* bias,
       V acc = linear_lane_fold(s, lanes);
       if (bias) acc = acc + simd::load<V>(bias + n0 + j, cnt);
       simd::store(crow + j, acc, cnt);  // TC is bf16_t or float: vector stores (simd.h kVectorStore)
+    }
+  }
+}
+
+// fold_and_store for the row-lane path's column-major lane tiles (rowlane): per 16 rows (z), each column's 16 rows
+// folded over the lanes (the same element-wise tree), the 16 columns transposed to rows once, then the bias and
+// the rounding store of fold_and_store. Columns >= nw are never stored.
+template <typename TC>
+static void fold_and_store_cols(const float* lt, int lanes, int rz, int rows, const TC* bias, TC* c, int64_t c_sm,
+                                int64_t n0, int64_t nw) {
+  const int cnt = (int)std::min<int64_t>(16, nw);
+  for (int z = 0; z * 16 < rows; ++z) {
+    __m512 f[16];
+    for (int j = 0; j < 16; ++j) {
+      V s[kLinearLanes];
+      for (int l = 0; l < lanes; ++l) s[l] = V::load_aligned(lt + l * kTileFloats + (j * rz + z) * 16);
+      f[j] = linear_lane_fold(s, lanes).v;
+    }
+    simd::transpose16(f);  // f[r] = row 16 z + r's 16 columns
+    for (int r = 0; r < 16 && 16 * z + r < rows; ++r) {
+      V acc(f[r]);
+      if (bias) acc = acc + simd::load<V>(bias + n0, cnt);
+      simd::store(c + (16 * z + r) * c_sm + n0, acc, cnt);
     }
   }
 }
@@ -401,15 +406,20 @@ static void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, int64
     const auto fn = rz == 1 ? &rowlane<1> : &rowlane<2>;
     for (int64_t nb = n0; nb < n1; nb += 16) {
       const int64_t nw = std::min<int64_t>(16, n1 - nb);
-      // 8 weight rows through every lane, then the next 8 (rowlane's note); each call writes 16 columns of its
-      // lane tile from column 8h, the upper 8 of them zeros that the second group overwrites (tile rows: kNR).
-      for (int64_t h = 0; h < nw; h += kRowLaneCols) {
+      // 8 weight rows through every lane, then the next 8 (rowlane's note); each call writes columns h .. h + 8 of
+      // its column-major lane tile (columns of a group past nw: clamped rows, computed, never stored).
+      for (int64_t h = 0; h < 16; h += kRowLaneCols) {
+        if (h >= nw) {  // no weight row left for this group: defined (unused) columns for the fold's loads
+          for (int l = 0; l < lanes; ++l)
+            std::fill(lane_tiles + l * kTileFloats + h * rz * 16, lane_tiles + l * kTileFloats + 16 * rz * 16, 0.0f);
+          break;
+        }
         const int64_t hw = std::min<int64_t>(kRowLaneCols, nw - h);
         for (int l = 0; l < lanes; ++l)
           fn(ap + lane_q[l] * 16 * rz, b, b_sn, nb + h, hw, linear_lane_begin(l, K, lanes),
-             linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats + h);
+             linear_lane_begin(l + 1, K, lanes), lane_tiles + l * kTileFloats + h * rz * 16);
       }
-      fold_and_store(lane_tiles, lanes, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
+      fold_and_store_cols(lane_tiles, lanes, rz, (int)rows, bias, c + m0 * c_sm, c_sm, nb, nw);
     }
     return;
   }

@@ -257,6 +257,35 @@ ALIGNED_SIMD_INLINE void store(bf16_t* p, F32x16 x, int n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// In-register transpose of 16 x 16 32-bit elements (moves only: no value changes): r[i] = row i -> r[c] = column c
+// (lane i = old row i). The CPU GEMM and attention kernels' one copy.
+ALIGNED_SIMD_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // within each 128-bit lane: r[4i + c] = column c of rows 4i..4i+3
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather 128-bit lane L of r[c], r[4+c], r[8+c], r[12+c] -> column 4L + c
+    __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+    t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
 // ---- the level's widest type ------------------------------------------------------------------------------
 #if defined(__AVX512F__)
 using VecF32 = F32x16;
@@ -271,6 +300,22 @@ template <typename V, typename T>
 ALIGNED_SIMD_INLINE V load(const T* p, int n = V::kLanes) {
   return load(p, n, (V*)nullptr);
 }
+
+// attention.h's tile probabilities (AttnTileProbs) kLanes keys at a time: p[j] = exp_f32(s[j] - mu) for j < nv,
+// +0 for nv <= j < N (s[j] there is never looked at by the result, whatever it holds), N % V::kLanes == 0. Lane by
+// lane the scalar's operations (a subtraction, then exp_f32 of the vector type: numerics.h exp_f32), the masked
+// lanes a select; no alignment needed. The CPU attention forward passes it to attn_tile_update, and
+// tests/common/simd_conformance.cpp runs this same function against the plain scalar reference.
+template <typename V, int N>
+struct TileProbs {
+  static_assert(N % V::kLanes == 0, "whole vectors");
+  ALIGNED_SIMD_INLINE void operator()(const float* s, int nv, float mu, float* p) const {
+    for (int h = 0; h < N; h += V::kLanes) {
+      const V e = exp_f32(load<V>(s + h) - V(mu));
+      store(p + h, select_first(nv - h, e, V::zero()), V::kLanes);
+    }
+  }
+};
 
 // Whether store(T*, V, n) is a vector store (else the kernel rounds element by element with from_f32).
 template <typename V, typename T>

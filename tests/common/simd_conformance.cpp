@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/common/attention.h"
 #include "csrc/common/contract.h"
 #include "csrc/cpu/simd.h"
 
@@ -208,6 +209,65 @@ static void check_formulas(const char* type) {
     check<V, 1, 1>("exp_f32_not_nan", type, b, [](V* x, V* o) { o[0] = exp_f32_not_nan(x[0]); },
                    [](const float* x, float* o) { o[0] = exp_f32(x[0]); });
   }
+  {
+    // attention.h's tile probability p_j = exp_f32(s_j - mu) (j < nv) lane by lane; any s and mu, specials
+    // included (the whole tile, masking included: check_tile_probs). Negative control: exp(s) * exp(-mu), equal in
+    // exact arithmetic, other bits.
+    const std::vector<float> a[2] = {inputs(kN, 120.0f), inputs(kN, 120.0f)};
+    check<V, 2, 1>("attn_tile_prob", type, a, [](V* x, V* o) { o[0] = exp_f32(x[0] - x[1]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0] - x[1]); });
+    check<V, 2, 1>("negative_attn_prob_split_exp", type, a, [](V* x, V* o) { o[0] = exp_f32(x[0]) * exp_f32(-x[1]); },
+                   [](const float* x, float* o) { o[0] = exp_f32(x[0] - x[1]); });
+  }
+}
+
+// attention.h's tile probabilities as attn_tile_update gets them: the scalar AttnTileProbs (type float) and
+// simd.h's TileProbs<V, kAttnTile> — the very function the CPU attention forward passes — against the plain
+// reference p[j] = j < nv ? exp_f32(s[j] - mu) : +0, for every valid-key count nv = 1 .. 32, with NaN, +-inf,
+// +-FLT_MAX and random bit patterns in the masked lanes j >= nv (and specials among the valid ones and in mu); all
+// 32 outputs compared (p is poisoned first). Negative control: the vector exp without the mask (the masked lanes'
+// exp_f32(s[j] - mu) instead of +0), which must differ.
+template <typename V>
+static void check_tile_probs(const char* type) {
+  constexpr int T = aligned::kAttnTile;
+  const float masked[] = {from_bits(0x7fc00000u), from_bits(0xffc00001u), from_bits(0x7f800000u),
+                          from_bits(0xff800000u), 3.4028235e38f, -3.4028235e38f, 1e30f, 0.0f};
+  auto probs = [](const float* s, int nv, float mu, float* p) {
+    if constexpr (std::is_same_v<V, float>) aligned::AttnTileProbs{}(s, nv, mu, p);
+    else simd::TileProbs<V, T>{}(s, nv, mu, p);
+  };
+  auto unmasked = [](const float* s, float mu, float* p) {
+    if constexpr (std::is_same_v<V, float>) {
+      for (int j = 0; j < T; ++j) p[j] = exp_f32(s[j] - mu);
+    } else {
+      for (int h = 0; h < T; h += V::kLanes) simd::store(p + h, exp_f32(simd::load<V>(s + h) - V(mu)), V::kLanes);
+    }
+  };
+  size_t checked = 0, bad = 0, checked_neg = 0, bad_neg = 0;
+  for (int nv = 1; nv <= T; ++nv) {
+    for (int rep = 0; rep < 256; ++rep) {
+      const std::vector<float> sv = inputs(T, 120.0f), muv = inputs(1, 120.0f);
+      alignas(64) float s[T], p[T], q[T];
+      for (int j = 0; j < T; ++j) {
+        const uint32_t k = next_u32() % 10;
+        s[j] = j < nv ? sv[j] : k < 8 ? masked[k] : from_bits(next_u32());
+      }
+      const float mu = rep % 4 == 0 ? 0.0f : muv[0];  // attn_shift's 0 for an all -inf tile, and any other
+      memset(p, 0xA5, sizeof(p));
+      memset(q, 0xA5, sizeof(q));
+      probs(s, nv, mu, p);
+      unmasked(s, mu, q);
+      for (int j = 0; j < T; ++j) {
+        const float want = j < nv ? exp_f32(s[j] - mu) : 0.0f;
+        bad += !same(p[j], want);
+        bad_neg += !same(q[j], want);
+      }
+      checked += T;
+      checked_neg += T;
+    }
+  }
+  report("attn_tile_probs", type, checked, bad);
+  report("negative_attn_tile_probs_unmasked", type, checked_neg, bad_neg);
 }
 
 // exp on a stride of every bit pattern (the vector forms of exp_f32 re-express it, so they get the wide check).
@@ -261,6 +321,7 @@ static void check_load_store(const char* type, const char* tname) {
 template <typename V>
 static void check_type(const char* type) {
   check_formulas<V>(type);
+  check_tile_probs<V>(type);
   if constexpr (!std::is_same_v<V, float>) {
     check_exp_sweep<V>(type);
     check_load_store<V, float>(type, "f32");

@@ -73,7 +73,7 @@ def test_every_formula_matches_the_scalar_reference(results, level):
     checks = {c for c, _ in rows}
     for name in ["silu_mul", "silu_mul_backward", "rotate_pair", "rotate_pair_inverse", "rms_sq_step", "rms_scale",
                  "rms_grad_dot_step", "rms_grad_dx", "rms_grad_dw_step", "logit_scale", "lse_sum_step", "exp_f32",
-                 "exp_f32_not_nan"]:
+                 "exp_f32_not_nan", "attn_tile_prob", "attn_tile_probs"]:
         assert name in checks
     bad = {k: v for k, v in rows.items() if not k[0].startswith("negative_") and v[1] != 0}
     assert bad == {}
@@ -92,6 +92,7 @@ def test_negative_controls_differ(results, level):
         pytest.skip(f"this CPU cannot run the {level} level")
     _, rows = results[level]
     for t in TYPES[level]:
-        for name in ("negative_silu_reciprocal", "negative_rms_grad_dx_fma"):
+        for name in ("negative_silu_reciprocal", "negative_rms_grad_dx_fma", "negative_attn_prob_split_exp",
+                     "negative_attn_tile_probs_unmasked"):
             checked, bad = rows[(name, t)]
             assert bad > checked // 100, (name, t, bad)

@@ -231,7 +231,36 @@ _ISA_SCRIPT = (
     "v = torch.randn(533, 1, 32, generator=g).bfloat16()\n"
     "o, l = torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.17, True)\n"
     "gr = torch.ops.aligned.attention_varlen_backward(o, q, k, v, o, l, cu, cu, 0.17, True)\n"
-    "torch.save([o, l, *gr], sys.argv[1])\n"
+    "res = [o, l, *gr]\n"
+    # The forward's other kernels per level: the AVX-512 path (16x16 K/V unpack when D % 16 == 0, TileProbs) against
+    # the generic and AVX2 ones. Paged decode (GQA, 2 KV splits on the longest row, shuffled blocks) at D 64 / 128 in
+    # fp16 and bf16; D 72 (unpack fallback) and 80; fp32; and rows whose K/V/q hold NaN, +-inf.
+    "def paged(dt, D, lens, bs=16, hq=4, hkv=2, seed=1):\n"
+    "    g = torch.Generator().manual_seed(seed); B = len(lens); nb = [(n + bs - 1) // bs for n in lens]\n"
+    "    perm = torch.randperm(sum(nb), generator=g).int(); bt = torch.zeros(B, max(nb), dtype=torch.int32)\n"
+    "    c = 0\n"
+    "    for b in range(B): bt[b, :nb[b]] = perm[c:c + nb[b]]; c += nb[b]\n"
+    "    kc = torch.randn(sum(nb), bs, hkv, D, generator=g).to(dt)\n"
+    "    vc = torch.randn(sum(nb), bs, hkv, D, generator=g).to(dt)\n"
+    "    q = torch.randn(B, hq, D, generator=g).to(dt)\n"
+    "    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), torch.arange(B + 1, dtype=torch.int32)\n"
+    "for dt in (torch.float16, torch.bfloat16):\n"
+    "    for D in (64, 128, 80):\n"
+    "        res.append(torch.ops.aligned.paged_attention(*paged(dt, D, [1, 37, 530]), 0.125, 'fma'))\n"
+    "q, kc, vc, bt, sl, qsl = paged(torch.float32, 64, [20, 45, 33])\n"
+    "res.append(torch.ops.aligned.paged_attention(q, kc, vc, bt, sl, qsl, 0.125, 'fma'))\n"
+    "q, kc, vc, bt, sl, qsl = paged(torch.bfloat16, 64, [40, 50, 45, 33, 9])\n"
+    "nan, inf = float('nan'), float('inf')\n"
+    "kc[bt[1, 0], 3, 0, 5] = nan; vc[bt[2, 1], 2, 1, 7] = inf\n"
+    "kc[bt[3, 0], 4, 1, :] = inf; vc[bt[3, 1], 0, 0, 9] = -inf\n"
+    "q[4, 0, 2] = inf\n"
+    "res.append(torch.ops.aligned.paged_attention(q, kc, vc, bt, sl, qsl, 0.125, 'fma'))\n"
+    "g = torch.Generator().manual_seed(2); cu = torch.tensor([0, 5, 45], dtype=torch.int32)\n"
+    "for dt, D in ((torch.bfloat16, 72), (torch.float16, 80), (torch.float32, 64), (torch.float32, 72)):\n"
+    "    q, k, v = (torch.randn(45, h, D, generator=g).to(dt) for h in (4, 2, 2))\n"
+    "    k[40, 1, 3] = nan; v[30, 0, 1] = inf\n"
+    "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.1, True))\n"
+    "torch.save(res, sys.argv[1])\n"
 )
 ISA_FAMILIES = {"attention": _ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
 
