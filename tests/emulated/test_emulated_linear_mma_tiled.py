@@ -7,7 +7,8 @@ gfx942: wave64, v_mfma_f32_16x16x16_bf16), under both arithmetic models of the i
   chain (_linear_mma_reference), bitwise: a row alone (M = 1) and inside batches of M = 5, 64, 65, 200, 300 — for
   both staging paths (vector: 16-byte copies / cp.async; element: odd K, lanes not 8-aligned), lane tails, K < 8
   (empty lanes), K = 4864 (608 k per lane), N not a multiple of the 64-column tile, bias and no bias;
-* non-contiguous and transposed activations (element strides) give the contiguous operand's bits;
+* weights read in place with a row stride != K (element and vector staging) and non-contiguous / transposed
+  activations give the contiguous operands' bits;
 * linear_mma_partial with 1, 2, 4, 8 lanes (the progressive fold's sub-trees) == the reference and the TP tree;
 * backward: dx and dw (whose GEMMs read w and x as transposed B operands) on the tiled kernel == the reference;
 * every emulator schedule gives the same bits (the stage buffers' barriers / async-copy waits are right);
@@ -101,6 +102,25 @@ def test_tiled_k4864(arch):
         ref = ops._linear_mma_reference(x, w, 8)
     assert tiled_stagings(emu) == {VECTOR}
     assert_bitwise_equal(full, ref)
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("row_stride,staging", [(323, ELEMENT), (328, VECTOR)])
+def test_tiled_weight_row_stride(arch, row_stride, staging):
+    """A weight view with row stride != K is read in place (b_sn = row_stride): 323 (rows not 16-byte aligned) takes
+    the element path, 328 the vector path; both give the contiguous weight's bits."""
+    K, N = 320, 70
+    x = adversarial((130, K), 18)
+    w = adversarial((N, K), 19)
+    wide = torch.zeros(N, row_stride, dtype=torch.bfloat16)
+    wide[:, :K] = w
+    with aligned_ops.emulate(arch, mma_model="fma_chain") as emu:
+        got = ops.linear_mma_partial(x, wide[:, :K], 8)
+    assert tiled_stagings(emu) == {staging}
+    with aligned_ops.emulate(arch, mma_model="fma_chain") as emu:
+        want = ops.linear_mma_partial(x, w, 8)
+    assert tiled_stagings(emu) == {VECTOR}
+    assert_bitwise_equal(got, want)
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
