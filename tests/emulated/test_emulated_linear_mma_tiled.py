@@ -215,3 +215,21 @@ def test_tiled_negative_controls_caught(fault, arch, K):
     assert count_bitwise_equal(alone[0], batch[0]) < 37  # the first row's lane sums moved with M
     with aligned_ops.emulate(arch, mma_model="fma_chain"):
         assert_rows_invariant(x, w, None, batches=(1, 200), rows=(0, 199))
+
+
+@pytest.mark.parametrize("arch", aligned_ops.emulation.ARCHS)
+def test_tiled_every_arch(arch):
+    """Every emulated arch (sm_80 .. sm_120: 68 KiB of shared memory after the opt-in; gfx942 / gfx950: 36 KiB of
+    LDS) launches the tiled kernel and gives the host model's bits; a row alone equals it in the batch."""
+    for K in (45, 128):  # element and vector staging
+        x = adversarial((70, K), 20)
+        w = adversarial((20, K), 21)
+        with aligned_ops.emulate(arch) as emu:
+            full = ops.linear_mma_partial(x, w, 8)
+            one = ops.linear_mma_partial(x[69:70], w, 8)
+            ref = ops._linear_mma_reference(x, w, 8)
+        assert tiled_stagings(emu) == {VECTOR if K == 128 else ELEMENT}
+        assert {launch.shared_bytes for launch in emu.launches if launch.kernel_base == TILED} == {
+            36 * 1024 if arch.startswith("gfx") else 68 * 1024}
+        assert_bitwise_equal(full, ref)
+        assert_bitwise_equal(one[0], full[69])
