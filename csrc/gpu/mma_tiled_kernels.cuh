@@ -19,11 +19,13 @@
 // in registers (128 of 512 VGPRs / AGPRs). A 64 x 64 warp tile would need 4 x 128 registers: not possible with
 // the lane stack, hence 32 x 32 (CUDA) / 64 x 32 (HIP).
 //
-// K loop: one stage = one k-block (16 k) of one lane, the steps of all lanes in the contract's order (lane 0's
-// blocks ascending, then lane 1's, ...); kMmaTiledStages = 4 stages in flight. Shared memory per stage: A
+// K loop: a step = one k-block (16 k) of one lane, the steps of all lanes in the contract's order (lane 0's blocks
+// ascending, then lane 1's, ...); a pipeline stage = 2 consecutive steps (one barrier and one async-copy group per
+// 32 k; the two may belong to two lanes), kMmaTiledStages = 3 stages in flight (6 step buffers). Per step: A
 // [128][24] and B [64][24] bf16 (rows padded from 16 to 24 elements = 48 bytes: the fragment reads of a warp, rows
-// g = 0..7 x words q = 0..3, hit 32 distinct banks; 48 is a multiple of 16 for the 16-byte copies) = 9 KiB, 36 KiB
-// for the 4 stages (+ 32 KiB for the fold stack's bottom on CUDA, below: 68 KiB after the opt-in; gfx942: 36 KiB).
+// g = 0..7 x words q = 0..3, hit 32 distinct banks; 48 is a multiple of 16 for the 16-byte copies) = 9 KiB, 54 KiB
+// for the 6 buffers (+ 32 KiB for the fold stack's bottom on CUDA, below: 86 KiB after the opt-in; gfx942: 54 KiB
+// of its 64 KiB LDS).
 // Staging paths (chosen by the launcher):
 //   vector  (kMmaTiledVector) A and B with unit k-stride, rows and bases 16-byte aligned, every lane boundary a
 //           multiple of 8 (e.g. K % 64 == 0): 16-byte copies of 8 k, a chunk wholly inside or wholly past its
@@ -64,10 +66,12 @@ constexpr int kMmaTiledWarpN = kMmaTiledFragN * kBf16MmaTileN;   // warp tile co
 constexpr int kMmaTiledM = kMmaTiledWarpsM * kMmaTiledWarpM;     // 128
 constexpr int kMmaTiledN = kMmaTiledWarpsN * kMmaTiledWarpN;     // 64
 constexpr int kMmaTiledThreads = kMmaTiledWarpsM * kMmaTiledWarpsN * kBf16MmaWarpLanes;  // 256
-constexpr int kMmaTiledStages = 4;
+constexpr int kMmaTiledStepsPerStage = 2;  // k-blocks per barrier / async-copy group
+constexpr int kMmaTiledStages = 3;         // pipeline stages in flight
+constexpr int kMmaTiledBuffers = kMmaTiledStages * kMmaTiledStepsPerStage;  // step buffers: step t uses t % 6
 constexpr int kMmaTiledRow = kMmaGpuKBlock + 8;  // shared row: 16 k + 8 padding (bank conflicts), 48 bytes
 constexpr int kMmaTiledStageElems = (kMmaTiledM + kMmaTiledN) * kMmaTiledRow;
-constexpr size_t kMmaTiledStageBytes = sizeof(bf16_t) * kMmaTiledStages * kMmaTiledStageElems;  // 36 KiB
+constexpr size_t kMmaTiledStageBytes = sizeof(bf16_t) * kMmaTiledBuffers * kMmaTiledStageElems;  // 54 KiB
 constexpr int kMmaTiledAccRegs = kMmaTiledFragM * kMmaTiledFragN * 4;  // fp32 outputs per thread: 32
 // The bottom of the fold stack (fa: s01, then s0123, then the total) lives in shared memory on CUDA, one column
 // per thread (conflict-free): with all 4 sets in registers ptxas needs > 255 registers on sm_90 and spills; fa is
@@ -83,7 +87,7 @@ constexpr size_t kMmaTiledSharedBytes =
 constexpr int64_t kMmaTiledMinM = 64;  // launcher bucket: M > 64 runs this kernel
 static_assert(kMmaTiledM == 128 && kMmaTiledN == 64 && kMmaTiledThreads == 256, "the tile the comments describe");
 static_assert(kMmaTiledSharedBytes <= (kMmaTiledFoldInShared ? 99 * 1024 : 64 * 1024),
-              "68 KiB on CUDA (after the opt-in; sm_120 allows 99 KiB), 36 KiB on HIP (gfx942: 64 KiB of LDS)");
+              "86 KiB on CUDA (after the opt-in; sm_120 allows 99 KiB), 54 KiB on HIP (gfx942: 64 KiB of LDS)");
 
 enum MmaTiledStaging : int { kMmaTiledElement = 0, kMmaTiledVector = 1 };
 // Negative control of the progressive fold (tests only): the lane sums added left to right as they complete.
@@ -265,13 +269,13 @@ struct MmaTiledFoldTop {
 // kControl: kMmaControlNone in every GPU build; the emulated launcher's negative controls build the others.
 template <typename TC, int kStaging, int kControl>
 __global__ void __launch_bounds__(kMmaTiledThreads) mma_linear_tiled_kernel(GemmParams p) {
-  bf16_t* smem = dynamic_shared<bf16_t>();  // [kMmaTiledStages][A 128 rows | B 64 rows][kMmaTiledRow]
+  bf16_t* smem = dynamic_shared<bf16_t>();  // [kMmaTiledBuffers][A 128 rows | B 64 rows][kMmaTiledRow], fold
   const int warp = (int)(threadIdx.x / kBf16MmaWarpLanes);
   const int wm = (warp / kMmaTiledWarpsN) * kMmaTiledWarpM, wn = (warp % kMmaTiledWarpsN) * kMmaTiledWarpN;
   const int64_t m0 = (int64_t)blockIdx.y * kMmaTiledM, n0 = (int64_t)blockIdx.x * kMmaTiledN;
   constexpr bool kReverse = kControl == kMmaControlReverseBlocks;
 
-  // Producer: the steps in the contract's order, kMmaTiledStages - 1 ahead of the consumer.
+  // Producer: the steps in the contract's order, kMmaTiledStages - 1 stages ahead of the consumer.
   MmaTiledCursor ld;
   ld.enter_lane(p, 0);
   ld.skip_empty(p);
@@ -280,13 +284,15 @@ __global__ void __launch_bounds__(kMmaTiledThreads) mma_linear_tiled_kernel(Gemm
     total += (int)((linear_lane_begin(l + 1, p.K, p.lanes) - linear_lane_begin(l, p.K, p.lanes) + kMmaGpuKBlock - 1) /
                    kMmaGpuKBlock);
   int issued = 0;
-  auto issue = [&]() {  // stage step `issued` (if any) into its buffer; one commit group per step, even empty
-    if (issued < total) {
-      bf16_t* As = smem + (issued % kMmaTiledStages) * kMmaTiledStageElems;
-      mma_tiled_stage<kStaging>(p, m0, n0, ld.kb(kReverse), ld.k1, As, As + kMmaTiledM * kMmaTiledRow);
-      ld.advance(p);
+  auto issue = [&]() {  // stage the next stage's steps (those < total) into their buffers; one commit group each
+#pragma unroll
+    for (int s = 0; s < kMmaTiledStepsPerStage; ++s, ++issued) {
+      if (issued < total) {
+        bf16_t* As = smem + (issued % kMmaTiledBuffers) * kMmaTiledStageElems;
+        mma_tiled_stage<kStaging>(p, m0, n0, ld.kb(kReverse), ld.k1, As, As + kMmaTiledM * kMmaTiledRow);
+        ld.advance(p);
+      }
     }
-    ++issued;
     mma_tiled_commit();
   };
 #pragma unroll 1
@@ -294,7 +300,7 @@ __global__ void __launch_bounds__(kMmaTiledThreads) mma_linear_tiled_kernel(Gemm
 
   MmaTiledAcc acc, fb, fc, split;  // running chain; fold stack (fa, fb, fc); split: negative control only
   MmaTiledFoldTop fa;
-  fa.sh = (float*)(smem + kMmaTiledStages * kMmaTiledStageElems);
+  fa.sh = (float*)(smem + kMmaTiledBuffers * kMmaTiledStageElems);
   int step = 0;
 #pragma unroll 1
   for (int l = 0; l < p.lanes; ++l) {
@@ -303,16 +309,18 @@ __global__ void __launch_bounds__(kMmaTiledThreads) mma_linear_tiled_kernel(Gemm
     mma_tiled_zero(acc);
 #pragma unroll 1
     for (int j = 0; j < blocks; ++j, ++step) {
-      mma_tiled_wait(kMmaTiledStages - 2);  // this thread's copies of step `step` landed
-      __syncthreads();                      // everyone's did; and everyone finished step - 1 (its buffer is free)
-      issue();
+      if (step % kMmaTiledStepsPerStage == 0) {  // the first step of a stage (uniform over the CTA)
+        mma_tiled_wait(kMmaTiledStages - 2);     // this thread's copies of this stage landed
+        __syncthreads();  // everyone's did; and everyone finished the previous stage (its buffers are free)
+        issue();
+      }
       if constexpr (kControl == kMmaControlSplitK) {  // NEGATIVE CONTROL: the lane's chain cut in two halves
         if (blocks >= 2 && j == blocks / 2) {
           mma_tiled_set(split, acc);
           mma_tiled_zero(acc);
         }
       }
-      const bf16_t* As = smem + (step % kMmaTiledStages) * kMmaTiledStageElems;
+      const bf16_t* As = smem + (step % kMmaTiledBuffers) * kMmaTiledStageElems;
       mma_tiled_block(As, As + kMmaTiledM * kMmaTiledRow, wm, wn, acc);
     }
     if constexpr (kControl == kMmaControlSplitK) {
