@@ -35,6 +35,14 @@
 //   element (kMmaTiledElement) anything else — odd K, lanes not 8-aligned, the backward's transposed views
 //           (element strides a_sm / a_sk / b_sn / b_sk): element loads with the bounds of mma_linear_kernels.cuh,
 //           the fast-moving thread index on the unit-stride axis, stored to the same shared layout.
+// What the emulated tests prove about this pipeline, and what they cannot: the emulator runs the warps in lockstep
+// up to each instruction and lands a cp.async when its wait retires it, so a missing / too-short wait (a stage read
+// before its copies landed) is caught, and a missing barrier is caught by the barrier_noop control
+// (test_tiled_barrier_noop_caught). A stage buffer overwritten while another warp still reads it (write-after-read
+// across warps, e.g. issue() moved above the __syncthreads) passes every emulated test: only hardware checks that
+// (compute-sanitizer racecheck on a GPU run of this kernel). Here it holds by construction: issue() refills the
+// buffers of the stage consumed one iteration earlier, only after the __syncthreads every warp reaches once done
+// with it.
 // The fold: the lanes finish in order 0..lanes-1 and linear_lane_fold's tree pairs adjacent lanes level by level,
 // so it is evaluated as the lanes complete (a binary counter) with at most 3 held partial sums + the running
 // chain: A = s0; A += s1; B = s2; B += s3, A += B; B = s4; B += s5; C = s6; C += s7, B += C, A += B — exactly

@@ -11,9 +11,15 @@ gfx942: wave64, v_mfma_f32_16x16x16_bf16), under both arithmetic models of the i
   activations give the contiguous operands' bits;
 * linear_mma_partial with 1, 2, 4, 8 lanes (the progressive fold's sub-trees) == the reference and the TP tree;
 * backward: dx and dw (whose GEMMs read w and x as transposed B operands) on the tiled kernel == the reference;
-* every emulator schedule gives the same bits (the stage buffers' barriers / async-copy waits are right);
+* every emulator schedule gives the same bits. What the emulator can and cannot prove about the pipeline: its warps
+  run in lockstep up to each instruction and a cp.async lands when the wait retires it, so a missing / too-short
+  cp.async wait (a stage read before its copies landed) is caught here, and a missing barrier is caught by the
+  barrier_noop control below (every __syncthreads a no-op: the bits move). A stage buffer overwritten while another
+  warp still reads it (write-after-read across warps, e.g. issue() moved above the __syncthreads) is NOT caught by
+  any emulated test: only hardware checks that (tests/cuda, compute-sanitizer racecheck);
 * NEGATIVE CONTROLS: a split-K by M, k-blocks reversed by M, and a left-to-right fold of the lane sums in the
-  tiled kernel (instead of linear_lane_fold's tree) are each caught by the same row-vs-batch comparison.
+  tiled kernel (instead of linear_lane_fold's tree) are each caught by the same row-vs-batch comparison; with the
+  barriers removed (barrier_noop) the tiled kernel's bits differ from the reference.
 """
 
 from __future__ import annotations
@@ -188,6 +194,10 @@ def test_tiled_backward(arch):
 @pytest.mark.parametrize("arch", WIDTHS)
 @pytest.mark.parametrize("schedule", ["reverse", "random:11"])
 def test_tiled_every_schedule(arch, schedule):
+    """Every schedule == the reference: proves the cp.async waits (a stage read before its wait retired it would
+    read stale / zero bytes) and, with test_tiled_barrier_noop_caught, that the barriers exist. It cannot prove that
+    no warp overwrites a stage buffer another warp still reads (write-after-read: the emulator's warps are in
+    lockstep up to each instruction), see the module docstring."""
     for K in (203, 320):  # element and vector staging
         x = adversarial((200, K), 14)
         w = adversarial((70, K), 15)
@@ -197,6 +207,23 @@ def test_tiled_every_schedule(arch, schedule):
             ref = ops._linear_mma_reference(x, w, 8)
         assert TILED in emu.kernels()
         assert_bitwise_equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("K", [203, 320])
+def test_tiled_barrier_noop_caught(arch, K):
+    """NEGATIVE CONTROL of the schedule test: with every __syncthreads a no-op the tiled kernel (element and vector
+    staging) no longer gives the reference's bits, and the comparison that test_tiled_every_schedule makes fails."""
+    x = adversarial((200, K), 14)
+    w = adversarial((70, K), 15)
+    with aligned_ops.emulate(arch, mma_model="fma_chain", _fault="barrier_noop") as emu:
+        out = ops.linear_mma_partial(x, w, 8)
+    ref = ops._linear_mma_reference(x, w, 8)
+    assert TILED in emu.kernels()
+    assert tiled_stagings(emu) == {ELEMENT if K == 203 else VECTOR}
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(out, ref)
+    assert count_bitwise_equal(out, ref) < out.numel() // 2
 
 
 @pytest.mark.parametrize("fault", ["mma_split_k_by_m", "mma_block_order_by_m", "mma_fold_order_by_m"])
