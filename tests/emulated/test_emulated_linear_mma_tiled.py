@@ -4,9 +4,10 @@ through shared memory, register-blocked warps, a progressive lane fold) under em
 What is proven here, on integer views only, at both warp widths (sm_90: 32-lane warps, mma.sync m16n8k16;
 gfx942: wave64, v_mfma_f32_16x16x16_bf16), under both arithmetic models of the instruction (MMA_MODELS):
 * the tiled kernel == the rows kernel (16 < M <= 64) == the lanes kernel (M <= 16) == the host model of mma.h's
-  chain (_linear_mma_reference), bitwise: a row alone (M = 1) and inside batches of M = 5, 64, 65, 200, 300 — for
+  chain (_linear_mma_reference), bitwise: a row alone (M = 1) and inside batches of M = 5, 64, 65, 128, 129, 200, 300 — for
   both staging paths (vector: 16-byte copies / cp.async; element: odd K, lanes not 8-aligned), lane tails, K < 8
   (empty lanes), K = 4864 (608 k per lane), N not a multiple of the 64-column tile, bias and no bias;
+* a contiguous x or w whose base is one element past 16-byte alignment takes the element path, same bits;
 * weights read in place with a row stride != K (element and vector staging) and non-contiguous / transposed
   activations give the contiguous operands' bits;
 * linear_mma_partial with 1, 2, 4, 8 lanes (the progressive fold's sub-trees) == the reference and the TP tree;
@@ -35,10 +36,12 @@ ops = torch.ops.aligned
 pytestmark = pytest.mark.emulated
 
 WIDTHS = ["sm_90", "gfx942"]
-BATCHES = (1, 5, 64, 65, 200, 300)  # lanes kernel, lanes, rows, tiled (1 CTA row + 1 row), tiled (2 / 3 CTA rows)
+# lanes kernel, lanes, rows, tiled (1 CTA row + 1 row), tiled (exactly 1 CTA row, 1 CTA row + 1 row), 2 / 3 CTA rows
+BATCHES = (1, 5, 64, 65, 128, 129, 200, 300)
 ROWS = (0, 4, 63, 64, 127, 128, 199, 299)  # rows on both sides of the 128-row CTA boundary
 TILED = "mma_linear_tiled_kernel"
 VECTOR, ELEMENT = 1, 0  # MmaTiledStaging
+CONTROLS = {"mma_split_k_by_m": 1, "mma_block_order_by_m": 2, "mma_fold_order_by_m": 3}  # enum MmaControl
 
 
 def adversarial(shape, seed, spread=12):
@@ -49,14 +52,24 @@ def adversarial(shape, seed, spread=12):
     return (mant * torch.exp2(exp)).to(torch.bfloat16)
 
 
-def tiled_stagings(emu):
-    """The staging paths (template argument 2 of the tiled kernel) of the tiled launches in an emulate scope."""
+def tiled_template_args(emu, index):
+    """Template argument `index` (0-based) of the tiled launches in an emulate scope."""
     out = set()
     for launch in emu.launches:
         if launch.kernel_base == TILED:
             args = launch.kernel.split("<", 1)[1].rstrip(">").split(",")
-            out.add(int(args[1].strip()))
+            out.add(int(args[index].strip()))
     return out
+
+
+def tiled_stagings(emu):
+    """The staging paths (template argument 2 of the tiled kernel) of the tiled launches in an emulate scope."""
+    return tiled_template_args(emu, 1)
+
+
+def tiled_controls(emu):
+    """The negative-control variants (template argument 3, enum MmaControl) of the tiled launches."""
+    return tiled_template_args(emu, 2)
 
 
 def assert_rows_invariant(x, w, b, batches=BATCHES, rows=ROWS):
@@ -127,6 +140,32 @@ def test_tiled_weight_row_stride(arch, row_stride, staging):
         want = ops.linear_mma_partial(x, w, 8)
     assert tiled_stagings(emu) == {VECTOR}
     assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("operand", ["x", "w"])
+def test_tiled_base_misaligned_by_one_element(arch, operand):
+    """A contiguous operand whose storage starts one element (2 bytes) past its allocation (storage offset 1): the
+    base is not 16-byte aligned, so the launcher takes the element path although K = 320 alone would allow the vector
+    path; the bits are the reference's (and the aligned operands' on the vector path)."""
+    K, N = 320, 70
+    x = adversarial((130, K), 22)
+    w = adversarial((N, K), 23)
+    src = x if operand == "x" else w
+    buf = torch.zeros(src.numel() + 1, dtype=torch.bfloat16)
+    shifted = buf[1:].view(src.shape)
+    shifted.copy_(src)
+    assert shifted.is_contiguous() and shifted.storage_offset() == 1 and shifted.data_ptr() % 16 != 0
+    xs, ws = (shifted, w) if operand == "x" else (x, shifted)
+    with aligned_ops.emulate(arch, mma_model="fma_chain") as emu:
+        got = ops.linear_mma_partial(xs, ws, 8)
+    assert tiled_stagings(emu) == {ELEMENT}
+    with aligned_ops.emulate(arch, mma_model="fma_chain") as emu:
+        aligned = ops.linear_mma_partial(x, w, 8)
+        ref = ops._linear_mma_reference(x, w, 8)  # the host model of the emulated arch's instruction
+    assert tiled_stagings(emu) == {VECTOR}
+    assert_bitwise_equal(got, ref)
+    assert_bitwise_equal(got, aligned)
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
@@ -238,7 +277,7 @@ def test_tiled_negative_controls_caught(fault, arch, K):
         alone, batch = ops.linear_mma_partial(x[:1], w, 8), ops.linear_mma_partial(x[:200], w, 8)
         with pytest.raises(AssertionError):
             assert_rows_invariant(x, w, None, batches=(1, 200), rows=(0, 199))
-    assert TILED in emu.kernels()
+    assert tiled_controls(emu) == {CONTROLS[fault]}  # the control variant ran, not the contract's kernel
     assert count_bitwise_equal(alone[0], batch[0]) < 37  # the first row's lane sums moved with M
     with aligned_ops.emulate(arch, mma_model="fma_chain"):
         assert_rows_invariant(x, w, None, batches=(1, 200), rows=(0, 199))
