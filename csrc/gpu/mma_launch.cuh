@@ -24,7 +24,9 @@ namespace aligned::gpu::ALIGNED_GPU_BUILD {
 // The tiled kernel (M > kMmaTiledMinM): its staging path, and the negative controls' variants under emulation only.
 inline const char* launch_mma_tiled(const GemmParams& p, int control, void* stream) {
   const int64_t gx = (p.N + kMmaTiledN - 1) / kMmaTiledN, gy = (p.M + kMmaTiledM - 1) / kMmaTiledM;
-  if (gx > 0x7fffffff || gy > 65535 || p.K > 0x7fffffff) return "aligned mma gemm: problem too large for one grid";
+  if (p.K > kMmaTiledMaxK)
+    return "aligned mma gemm: K must be at most 2^31 - 32 for the tiled kernel (M > 64): its k indices are 32-bit";
+  if (gx > 0x7fffffff || gy > 65535) return "aligned mma gemm: problem too large for one grid";
   const dim3 grid((unsigned)gx, (unsigned)gy, 1);
   const bool vec = mma_tiled_staging(p) == kMmaTiledVector;
   auto run = [&](auto* tag, auto staging, auto ctl) {

@@ -39,8 +39,14 @@ constexpr int64_t kMmaLanesKernelMaxM = 16;                   // M bucket of the
 constexpr size_t kMmaLanesSharedBytes = sizeof(float) * kLinearLanes * kMmaTile * kMmaTile;
 
 // Negative controls (tests only; built by the emulated launcher on request, emulation.h Fault): 1 = each lane's
-// chain cut in two halves summed afterwards, 2 = each lane's k-blocks in descending order. 0 everywhere else.
-enum MmaControl : int { kMmaControlNone = 0, kMmaControlSplitK = 1, kMmaControlReverseBlocks = 2 };
+// chain cut in two halves summed afterwards, 2 = each lane's k-blocks in descending order, 3 = (tiled kernel)
+// the lane sums folded left to right. 0 everywhere else.
+enum MmaControl : int {
+  kMmaControlNone = 0,
+  kMmaControlSplitK = 1,
+  kMmaControlReverseBlocks = 2,
+  kMmaControlFoldChain = 3,
+};
 
 __device__ __forceinline__ uint32_t mma_elem(const bf16_t* base, int64_t i, int64_t limit_ok) {
   return limit_ok ? (uint32_t)base[i].bits : 0u;

@@ -98,11 +98,12 @@ static_assert(kMmaTiledSharedBytes <= (kMmaTiledFoldInShared ? 99 * 1024 : 64 * 
               "86 KiB on CUDA (after the opt-in; sm_120 allows 99 KiB), 54 KiB on HIP (gfx942: 64 KiB of LDS)");
 
 enum MmaTiledStaging : int { kMmaTiledElement = 0, kMmaTiledVector = 1 };
-// Negative control of the progressive fold (tests only): the lane sums added left to right as they complete.
-constexpr int kMmaControlFoldChain = 3;
+// The largest K this kernel takes: its k indices are 32-bit (registers: the 4 accumulator sets leave little room),
+// and the furthest one formed, a block's start + 15 (element path) / the lane end + 15 (block count), stays below
+// 2^31 when K <= 2^31 - 32. The launcher refuses larger K.
+constexpr int64_t kMmaTiledMaxK = 0x7fffffff - 31;
 
-// The step cursor of the K loop: lane l, its j-th k-block of `blocks`, the lane's [k0, k1). 32-bit: the launcher
-// refuses K >= 2^31 for this kernel (registers: the 4 accumulator sets leave little room).
+// The step cursor of the K loop: lane l, its j-th k-block of `blocks`, the lane's [k0, k1). 32-bit: K <= kMmaTiledMaxK.
 struct MmaTiledCursor {
   int l, j, blocks, k0, k1;
   __device__ __forceinline__ void enter_lane(const GemmParams& p, int lane) {
@@ -247,7 +248,7 @@ __device__ __forceinline__ void mma_tiled_zero(MmaTiledAcc& d) {
 }
 
 // fa, the bottom of the fold stack: registers or this thread's column of shared memory (kMmaTiledFoldInShared).
-struct MmaTiledFoldTop {
+struct MmaTiledFoldBottom {
   float* sh;  // [kMmaTiledAccRegs][kMmaTiledThreads] when in shared memory
   MmaTiledAcc reg;
   __device__ __forceinline__ float& at(int fm, int fn, int r) {
@@ -307,7 +308,7 @@ __global__ void __launch_bounds__(kMmaTiledThreads) mma_linear_tiled_kernel(Gemm
   for (int s = 0; s < kMmaTiledStages - 1; ++s) issue();
 
   MmaTiledAcc acc, fb, fc, split;  // running chain; fold stack (fa, fb, fc); split: negative control only
-  MmaTiledFoldTop fa;
+  MmaTiledFoldBottom fa;
   fa.sh = (float*)(smem + kMmaTiledBuffers * kMmaTiledStageElems);
   int step = 0;
 #pragma unroll 1

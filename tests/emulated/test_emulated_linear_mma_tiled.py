@@ -4,8 +4,8 @@ through shared memory, register-blocked warps, a progressive lane fold) under em
 What is proven here, on integer views only, at both warp widths (sm_90: 32-lane warps, mma.sync m16n8k16;
 gfx942: wave64, v_mfma_f32_16x16x16_bf16), under both arithmetic models of the instruction (MMA_MODELS):
 * the tiled kernel == the rows kernel (16 < M <= 64) == the lanes kernel (M <= 16) == the host model of mma.h's
-  chain (_linear_mma_reference), bitwise: a row alone (M = 1) and inside batches of M = 5, 64, 65, 128, 129, 200, 300 — for
-  both staging paths (vector: 16-byte copies / cp.async; element: odd K, lanes not 8-aligned), lane tails, K < 8
+  chain (_linear_mma_reference), bitwise: a row alone (M = 1) and inside batches of M = 5, 64, 65, 128, 129, 200,
+  300 — for both staging paths (vector: 16-byte copies / cp.async; element: odd K, lanes not 8-aligned), lane tails, K < 8
   (empty lanes), K = 4864 (608 k per lane), N not a multiple of the 64-column tile, bias and no bias;
 * a contiguous x or w whose base is one element past 16-byte alignment takes the element path, same bits;
 * weights read in place with a row stride != K (element and vector staging) and non-contiguous / transposed
