@@ -20,6 +20,11 @@ from common import device_median_ms
 ops = torch.ops.aligned
 
 
+def tiling(m: int) -> str:
+    """The kernel csrc/gpu/mma_launch.cuh picks for M rows (lanes: M <= 16, rows: M <= 64, tiled above)."""
+    return "lanes" if m <= 16 else "rows" if m <= 64 else "tiled"
+
+
 def timed(fn, reps: int) -> float:
     """Median milliseconds of ``reps`` calls (CUDA events, after 3 warm-up calls): bench/common.py's timer."""
     return device_median_ms(fn, reps, warmup=3)
@@ -33,16 +38,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gpu_mma: no GPU", file=sys.stderr)
         return 3
-    shapes = [(1, 4096, 4096), (16, 4096, 4096), (256, 4096, 4096), (2048, 4096, 4096)]
+    shapes = [(1, 4096, 4096), (16, 4096, 4096), (64, 4096, 4096), (256, 4096, 4096), (2048, 4096, 4096)]
     if not a.quick:
         shapes += [(4096, 4096, 14336), (16, 4096, 14336)]
     reps = 10 if a.quick else 30
     name = torch.cuda.get_device_name(0)
     lines = [f"### `mma` linear vs cuBLAS and the `fma` linear — {name}, torch {torch.__version__}, bf16, median of "
              f"{reps}", "",
-             "| M | K | N | torch.matmul (ms) | linear_mma (ms) | linear fma (ms) | torch ÷ mma | torch ÷ fma | "
-             "mma TFLOP/s | row alone ≡ in batch |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| M | K | N | mma kernel | torch.matmul (ms) | linear_mma (ms) | linear fma (ms) | torch ÷ mma | "
+             "torch ÷ fma | mma TFLOP/s | row alone ≡ in batch |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -54,7 +59,7 @@ def main() -> int:
         alone = ops.linear_mma(x[:1].contiguous(), w, None)
         same = bool(torch.equal(full[:1].view(torch.int16), alone.view(torch.int16)))
         tflops = 2 * m * k * n / (t_mma * 1e-3) / 1e12
-        lines.append(f"| {m} | {k} | {n} | {t_torch:.4f} | {t_mma:.4f} | {t_fma:.4f} | {t_torch / t_mma:.3f} | "
+        lines.append(f"| {m} | {k} | {n} | {tiling(m)} | {t_torch:.4f} | {t_mma:.4f} | {t_fma:.4f} | {t_torch / t_mma:.3f} | "
                      f"{t_torch / t_fma:.3f} | {tflops:.1f} | {'yes' if same else 'NO'} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

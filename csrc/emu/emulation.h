@@ -62,6 +62,9 @@ enum class Fault : int {
   // The mma attention's emulated dk / dv kernel counts its pair-blocks of 16 (row, head) pairs from the batch's
   // global pair index (offset q_begin * G mod 16) instead of the sequence's own: batch-dependent gradients.
   kMmaAttnPairBlocksGlobal = 10,
+  // The mma linear's tiled kernel (M > 64, csrc/gpu/mma_tiled_kernels.cuh) folds its lane sums left to right as
+  // they complete ((((s0 + s1) + s2) + s3) ...) instead of linear_lane_fold's tree.
+  kMmaFoldOrderByM = 11,
 };
 
 struct LaunchRecord {

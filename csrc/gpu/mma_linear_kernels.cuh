@@ -10,8 +10,9 @@
 // alone, so the tile, the grid and the schedule never change a bit. What the kernels never do: split a lane's
 // K (beyond the 8 lanes), reorder its k-blocks, swap operands or change the instruction between M buckets.
 //
-// Two tilings (mma_launch.cuh picks by M; both obey the above, the tests prove they give the same bits):
-//   mma_linear_rows_kernel   (M > 16) each warp (CUDA) / wave (HIP) owns a 16 x 16 output tile and runs the
+// Two tilings here (mma_launch.cuh picks by M; all obey the above, the tests prove they give the same bits; the
+// third, for M > 64, is the block-tiled kernel of mma_tiled_kernels.cuh):
+//   mma_linear_rows_kernel   (16 < M <= 64) each warp (CUDA) / wave (HIP) owns a 16 x 16 output tile and runs the
 //                            `lanes` chains one after another in registers; 4 warps per block (64 rows);
 //   mma_linear_lanes_kernel  (M <= 16, decode) the block's 8 warps run the 8 K-lanes of one 16 x 16 tile in
 //                            parallel (the fixed K split mma.h allows), their fp32 lane sums meet in shared
@@ -38,8 +39,14 @@ constexpr int64_t kMmaLanesKernelMaxM = 16;                   // M bucket of the
 constexpr size_t kMmaLanesSharedBytes = sizeof(float) * kLinearLanes * kMmaTile * kMmaTile;
 
 // Negative controls (tests only; built by the emulated launcher on request, emulation.h Fault): 1 = each lane's
-// chain cut in two halves summed afterwards, 2 = each lane's k-blocks in descending order. 0 everywhere else.
-enum MmaControl : int { kMmaControlNone = 0, kMmaControlSplitK = 1, kMmaControlReverseBlocks = 2 };
+// chain cut in two halves summed afterwards, 2 = each lane's k-blocks in descending order, 3 = (tiled kernel)
+// the lane sums folded left to right. 0 everywhere else.
+enum MmaControl : int {
+  kMmaControlNone = 0,
+  kMmaControlSplitK = 1,
+  kMmaControlReverseBlocks = 2,
+  kMmaControlFoldChain = 3,
+};
 
 __device__ __forceinline__ uint32_t mma_elem(const bf16_t* base, int64_t i, int64_t limit_ok) {
   return limit_ok ? (uint32_t)base[i].bits : 0u;

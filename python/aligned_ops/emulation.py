@@ -56,7 +56,9 @@ _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
            # moe_experts' grouped fma tiles of more than one row as one chain per output (not the 8-lane tree)
            "moe_fma_chain_by_m": 9,
            # the mma attention's emulated dk / dv: pair-blocks counted from the batch's global pair index
-           "mma_attn_pair_blocks_global": 10}
+           "mma_attn_pair_blocks_global": 10,
+           # the mma linear's tiled kernel (M > 64): lane sums folded left to right instead of the lane tree
+           "mma_fold_order_by_m": 11}
 # The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
 MMA_MODELS = ("mmasim", "fma_chain")
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"

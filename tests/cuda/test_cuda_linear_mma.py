@@ -5,7 +5,7 @@ ROCm) on a real GPU — the checks no emulator can make (.ci/gpu_check.sh step "
   random and adversarial dot products of one and two k-blocks (C = +0 and C carried): the agreement is printed
   (shown when it fails; the record the emulated suite's "mmasim" model rests on) and asserted complete;
 * the whole kernel against the emulated kernel under that model (same bits), and batch invariance on the
-  hardware: a row alone == inside batches up to 4096 rows (both tilings), run to run.
+  hardware: a row alone == inside batches up to 4096 rows (the lanes, rows and block-tiled kernels), run to run.
 
 Skipped without a GPU (CI has none; tests/emulated/test_emulated_linear_mma.py runs the same source).
 """
@@ -54,7 +54,8 @@ def test_instruction_agrees_with_the_mmasim_model(K, spread):
     assert agree == n
 
 
-@pytest.mark.parametrize("M,K,N", [(300, 203, 37), (64, 4096, 96)])
+# (M, K, N): the tiled kernel's element path (odd K) and vector path (K % 64 == 0, cp.async), the rows kernel
+@pytest.mark.parametrize("M,K,N", [(300, 203, 37), (130, 1024, 70), (64, 4096, 96)])
 def test_kernel_equals_emulated_kernel(M, K, N):
     arch = emulated_arch()
     x = adversarial((M, K), 3, 8)

@@ -104,6 +104,7 @@ def run_every_op(gen):
     wb = randn(11, 97, dtype=torch.bfloat16, gen=gen)  # the mma linear's bf16 MMA / MFMA kernels:
     ops.linear_mma(x.bfloat16(), wb, None)  # M = 5: mma_linear_lanes_kernel (the 8 lanes over 8 warps)
     ops.linear_mma(randn(20, 97, dtype=torch.bfloat16, gen=gen), wb, None)  # M = 20: mma_linear_rows_kernel
+    ops.linear_mma(randn(65, 97, dtype=torch.bfloat16, gen=gen), wb, None)  # M = 65: mma_linear_tiled_kernel
     # attention under the mma profile: forward split kernel, dq and dk/dv kernels (test_emulated_attention_mma.py)
     qb, kb = qa.bfloat16(), ka.bfloat16()
     ob, lb = ops.attention_varlen(qb, kb, kb.flip(0), cu5, cu5, 0.3, True, "mma")

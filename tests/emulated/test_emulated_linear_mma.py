@@ -5,8 +5,9 @@ sensitive on purpose: it rounds after every product, so a kernel whose k-block o
 would give other bits).
 
 What is proven here, on integer views only:
-* a row's bits are the same alone and inside batches of M = 1, 5, 64, 200, 300 — both tilings the launcher picks
-  (the lanes kernel for M <= 16, the rows kernel above) — at both warp widths (sm_90: 32, gfx942: 64), under both
+* a row's bits are the same alone and inside batches of M = 1, 5, 64, 200, 300 — every tiling the launcher picks
+  (the lanes kernel for M <= 16, the rows kernel up to 64, the block-tiled kernel above: its own file is
+  test_emulated_linear_mma_tiled.py) — at both warp widths (sm_90: 32, gfx942: 64), under both
   models and the emulator's schedules, with odd K (lane tails), N not a multiple of the tile, bias / no bias;
 * the kernels equal the host model of mma.h's chain (_linear_mma_reference under emulate: the same model);
 * linear_mma_partial for t = 1, 2, 4, 8 lanes combined by the tree == the full 8-lane sum (TP route);
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.emulated
 
 WIDTHS = ["sm_90", "gfx942"]  # 32-lane warps (CUDA spelling) and wave64 (HIP spelling)
 BATCHES = (1, 5, 64, 200, 300)
-KERNELS = {"mma_linear_lanes_kernel", "mma_linear_rows_kernel"}
+KERNELS = {"mma_linear_lanes_kernel", "mma_linear_rows_kernel", "mma_linear_tiled_kernel"}
 K_ODD, N_ODD = 203, 37  # lanes of 25 / 26 k: two k-blocks each, the second padded; N: 2 full tiles + 5 columns
 
 
@@ -74,7 +75,7 @@ def test_row_bits_alone_and_in_every_batch(arch, model, with_bias):
         full, full_p = assert_rows_invariant(x, w, b)
         ref = reference_out(x, w, b)
         ref_p = ops._linear_mma_reference(x, w, 8)
-    assert emu.kernels() == KERNELS  # both tilings ran, nothing else
+    assert emu.kernels() == KERNELS  # every tiling ran, nothing else
     assert_bitwise_equal(full, ref)  # the kernels are mma.h's chain under this model
     assert_bitwise_equal(full_p, ref_p)
 
