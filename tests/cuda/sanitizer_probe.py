@@ -26,7 +26,7 @@ from realistic_cases import CASES  # noqa: E402
 ops = torch.ops.aligned
 
 
-def extra_ops(run):
+def extra_ops(run, launch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 97, generator=g).bfloat16()
     w = torch.randn(97, generator=g).bfloat16()
@@ -43,6 +43,12 @@ def extra_ops(run):
     cu = torch.tensor([0, 7, 40], dtype=torch.int32)
     oa, la = run(ops.attention_varlen, qa, ka, ka.flip(0), cu, cu, 0.125, True)
     run(ops.attention_varlen_backward, qa.flip(0), qa, ka, ka.flip(0), oa, la, cu, cu, 0.125, True)
+    # the mma linear's block-tiled kernel (M > 64): its pipelined shared-memory stages are what racecheck is for (the
+    # emulator cannot see a stage buffer overwritten while another warp still reads it). Launched, not compared:
+    # the GPU unit's bits are not the CPU unit's (tests/cuda/test_cuda_linear_mma.py compares them with the emulator)
+    for k in (320, 203):  # K = 320: the vector (cp.async) staging path; K = 203: the element path
+        launch(ops.linear_mma, torch.randn(130, k, generator=g).bfloat16(), torch.randn(70, k, generator=g).bfloat16(),
+               None)
 
 
 def main() -> int:
@@ -57,6 +63,10 @@ def main() -> int:
             for r, gt in zip(ref if isinstance(ref, (tuple, list)) else [ref], got if isinstance(got, (tuple, list)) else [got]):
                 assert_bitwise_equal(gt, r, str(op))
             return ref
+
+        def launch(op, *args):
+            with aligned_ops.emulate(a.emulate):
+                return op(*args)
     else:
         if not torch.cuda.is_available():
             print("sanitizer_probe: no GPU", file=sys.stderr)
@@ -71,11 +81,16 @@ def main() -> int:
             for r, gt in zip(ref if isinstance(ref, (tuple, list)) else [ref], got if isinstance(got, (tuple, list)) else [got]):
                 assert_bitwise_equal(gt.cpu(), r, str(op))
             return ref
+
+        def launch(op, *args):
+            out = op(*[t.cuda() if isinstance(t, torch.Tensor) else t for t in args])
+            torch.cuda.synchronize()
+            return out
     t0 = time.time()
     for name, case in sorted(CASES.items()):
         case(run, "small")
         print(f"sanitizer_probe: {name} ok ({time.time() - t0:.1f}s)", flush=True)
-    extra_ops(run)
+    extra_ops(run, launch)
     print(f"sanitizer_probe: extra ops ok ({time.time() - t0:.1f}s)", flush=True)
     if not a.emulate:
         aligned_ops.check_device_errors("cuda")
