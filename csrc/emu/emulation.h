@@ -65,6 +65,7 @@ enum class Fault : int {
   // The mma linear's tiled kernel (M > 64, csrc/gpu/mma_tiled_kernels.cuh) folds its lane sums left to right as
   // they complete ((((s0 + s1) + s2) + s3) ...) instead of linear_lane_fold's tree.
   kMmaFoldOrderByM = 11,
+  kCount,  // one past the last fault: the range emulate_enter accepts (a new fault goes above this line)
 };
 
 struct LaunchRecord {

@@ -129,7 +129,7 @@ std::vector<int64_t> emulate_selftest(const std::string& name) {
 void emulate_enter(const std::string& arch, int64_t fault, int64_t mma_model) {
   const Arch* a = find_arch(arch);
   TORCH_CHECK(a != nullptr, "aligned_ops.emulate: arch must be one of ", known_archs(), ", got '", arch, "'");
-  TORCH_CHECK(fault >= 0 && fault <= 11, "aligned_ops.emulate: unknown fault ", fault);
+  TORCH_CHECK(fault >= 0 && fault < (int64_t)Fault::kCount, "aligned_ops.emulate: unknown fault ", fault);
   TORCH_CHECK(mma_model >= 0 && mma_model <= 1, "aligned_ops.emulate: unknown mma_model ", mma_model);
   enter(a, (Fault)fault, (int)mma_model);
 }
