@@ -748,13 +748,10 @@ def test_masked_non_finite_key_poisons_nothing(arch):
 
 
 # ---- wide GQA groups; the other unit models --------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_group_over_16_pairs_equals_reference(arch):
-    """Hq 32 / Hkv 2 (G = 16): a 3-row decode step packs 48 pairs (3 groups of 16) into one item; forward and
-    backward == the reference."""
-    seqs = rand_seqs([20, 40], 32, 2, 64, seed=60)
-    q, k, v, cq, ck = varlen(seqs, [3, 1])
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(61)).to(BF16)
+def _assert_causal_kernel_equals_reference(arch, seqs, q_lens, dout_seed):
+    """The causal mma kernels (forward out and lse, backward dq, dk, dv) == the scalar reference, bitwise."""
+    q, k, v, cq, ck = varlen(seqs, q_lens)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(dout_seed)).to(BF16)
     with aligned_ops.emulate(arch):
         out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
         ref_out, ref_lse = ops._attention_mma_reference(q, k, v, cq, ck, 0.125, True)
@@ -763,19 +760,16 @@ def test_decode_group_over_16_pairs_equals_reference(arch):
     got, ref = backward_pair(arch, q, k, v, dout, cq, ck, causal=True)
     for name, a, b in zip(("dq", "dk", "dv"), got, ref):
         assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_group_over_16_pairs_equals_reference(arch):
+    """Hq 32 / Hkv 2 (G = 16): a 3-row decode step packs 48 pairs (3 groups of 16) into one item; forward and
+    backward == the reference."""
+    _assert_causal_kernel_equals_reference(arch, rand_seqs([20, 40], 32, 2, 64, seed=60), [3, 1], 61)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "gfx950"])
 def test_other_unit_models_kernel_equals_reference(arch):
     """sm_80 and gfx950 (their own bf16 units' models): forward and backward kernels == the reference."""
-    seqs = rand_seqs([37, 45], 4, 2, 64, seed=62)
-    q, k, v, cq, ck = varlen(seqs, [37, 1])
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(63)).to(BF16)
-    with aligned_ops.emulate(arch):
-        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
-        ref_out, ref_lse = ops._attention_mma_reference(q, k, v, cq, ck, 0.125, True)
-    assert_bitwise_equal(out, ref_out)
-    assert_bitwise_equal(lse, ref_lse)
-    got, ref = backward_pair(arch, q, k, v, dout, cq, ck, causal=True)
-    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
-        assert_bitwise_equal(a, b, name)
+    _assert_causal_kernel_equals_reference(arch, rand_seqs([37, 45], 4, 2, 64, seed=62), [37, 1], 63)
