@@ -319,6 +319,13 @@ def cases():
     def cu(lens):
         return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
+    def varlen_case(seed, tag, dt, lens_q, lens_k, Hq, Hkv, D, causal):
+        """A packed varlen attention case: q, k, v from seeds seed, seed + 1, seed + 2, the cu_seqlens, its key."""
+        q = rand(seed, (sum(lens_q), Hq, D), dt)
+        k, v = rand(seed + 1, (sum(lens_k), Hkv, D), dt), rand(seed + 2, (sum(lens_k), Hkv, D), dt)
+        key = f"{tag}/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}/h{Hq}x{Hkv}x{D}/c{int(causal)}"
+        return q, k, v, cu(lens_q), cu(lens_k), key
+
     for tag, dt in _dtypes():
         for lens_q, lens_k, Hq, Hkv, D, causal in (
             ([5, 1, 9], [5, 1, 9], 4, 2, 16, True),
@@ -326,10 +333,7 @@ def cases():
             ([3, 2], [7, 600], 2, 1, 12, True),  # 600 keys: two 512-key splits
             ([4, 6], [9, 6], 3, 3, 20, False),
         ):
-            q = rand(40, (sum(lens_q), Hq, D), dt)
-            k, v = rand(41, (sum(lens_k), Hkv, D), dt), rand(42, (sum(lens_k), Hkv, D), dt)
-            cq, ck = cu(lens_q), cu(lens_k)
-            key = f"{tag}/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}/h{Hq}x{Hkv}x{D}/c{int(causal)}"
+            q, k, v, cq, ck, key = varlen_case(40, tag, dt, lens_q, lens_k, Hq, Hkv, D, causal)
             yield f"attention_varlen/{key}", lambda q=q, k=k, v=v, cq=cq, ck=ck, c=causal: _grads(
                 lambda a, b, e: aligned_ops.attention_varlen(a, b, e, cq, ck, 0.3, c), (q, k, v))
 
@@ -470,10 +474,7 @@ def cases():
         ([3, 2], [7, 600], 2, 1, 32, True),  # 600 keys: two 512-key splits
         ([4, 6], [9, 6], 3, 3, 16, False),
     ):
-        q = rand(90, (sum(lens_q), Hq, D), bf)
-        k, v = rand(91, (sum(lens_k), Hkv, D), bf), rand(92, (sum(lens_k), Hkv, D), bf)
-        cq, ck = cu(lens_q), cu(lens_k)
-        key = f"bf16/q{'-'.join(map(str, lens_q))}/k{'-'.join(map(str, lens_k))}/h{Hq}x{Hkv}x{D}/c{int(causal)}"
+        q, k, v, cq, ck, key = varlen_case(90, "bf16", bf, lens_q, lens_k, Hq, Hkv, D, causal)
         yield f"attention_mma_varlen/{key}", gpu_mma_attention(lambda q=q, k=k, v=v, cq=cq, ck=ck, c=causal: _grads(
             lambda a, b, e: aligned_ops.attention_varlen(a, b, e, cq, ck, 0.3, c, profile="mma"), (q, k, v)))
 
