@@ -27,12 +27,18 @@
 //
 // What may differ per backend is only the unit, i.e. the STEP and its block:
 //   * CPU, AVX512-BF16 `vdpbf16ps` (MmaUnit::kAvx512Bf16, block = one pair (k, k+1); below, with its scalar
-//     model). Every CPU with avx512_bf16 runs this profile with it — Intel and AMD alike (the model below was
-//     measured on an AMX Xeon and on an AMD Zen 4 with 0 mismatches in 19.2M lanes each,
+//     model), the unit of the `avx512` kernel level: every CPU with avx512_bf16 can run it — Intel and AMD alike
+//     (the model below was measured on an AMX Xeon and on an AMD Zen 4 with 0 mismatches in 19.2M lanes each,
 //     bench/experiments/dpbf16_order.c), so those CPUs agree bit for bit. A CPU without avx512_bf16 refuses
-//     the profile ("mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"). AMX-BF16 `tdpbf16ps` is NOT used: its
-//     arithmetic has no simple model (measured: 14/256 K = 2048 chains equal to any tried), so a kernel on it
-//     could not be held to a reference, and an AMX and a non-AMX CPU would then disagree.
+//     the profile ("mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma").
+//   * CPU, AMX-BF16 `tdpbf16ps` (MmaUnit::kAmxBf16, block = kMmaAmxBlock = 32 k-elements, 16 pairs, per STEP),
+//     the unit of the `amx` kernel level (chosen where Linux grants the AMX tiles and the CPU has amx_bf16;
+//     csrc/cpu/gemm_amx_mma_kernels.cpp). STEP is the instruction's dot of 32 products onto the accumulator; its
+//     internal order has NO model (measured: 14/256 K = 2048 chains equal to any order tried), so the kernels are
+//     held to the instruction itself, one element per instruction on 1 x 1 tiles (MmaKernels::reference), and
+//     by invariance: one element's instruction sees only its own 32 products and accumulator, whatever else
+//     shares the tile. Bits: one AMX CPU model; they differ from the vdpbf16ps unit's, so an AMX CPU and a
+//     non-AMX one agree only when both run `avx512` (ALIGNED_CPU_ISA=avx512 selects that unit on an AMX CPU).
 //   * GPU (csrc/gpu/mma_linear_kernels.cuh): the arch's pinned matrix instruction — CUDA mma.sync
 //     m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+), HIP v_mfma_f32_16x16x16_bf16 (gfx942 / gfx950) — block =
 //     kMmaGpuKBlock = 16 k-elements per STEP, the fp32 accumulator carried in C from block to block, no K split
@@ -44,10 +50,10 @@
 //
 // INVARIANT (on one unit): batch size M, the row's position, other rows, M/N tiling, thread count, prompt
 // chunking, prefill vs decode, run, TP degree t ∈ {1, 2, 4, 8} (whole lanes per rank, tree all-reduce); across
-// CPUs with avx512_bf16 (one instruction semantics on Intel and AMD, measured); on a GPU: the thread-block
+// CPUs running the vdpbf16ps unit (one instruction semantics on Intel and AMD, measured); on a GPU: the thread-block
 // schedule and the kernel's tiling too, on ONE GPU model and build.
 // NOT INVARIANT: across profiles (fma / exact give other bits), across units (CPU vs a GPU, GPU vendors and
-// generations: A100 vs H100 vs MI300X differ in MMA-Sim's models, a CPU's AMX unit), other lane counts or TP
+// generations: A100 vs H100 vs MI300X differ in MMA-Sim's models; a CPU's AMX unit vs its vdpbf16ps), other lane counts or TP
 // splits that cut a lane.
 //
 // Backward (aligned::linear_mma_backward) — on the unit, every GEMM of it the profile's linear above:
@@ -69,7 +75,8 @@ namespace aligned {
 
 // The matrix units a backend can run the profile on. The enum names the STEP of the chain above.
 // (The GPU units are the arch's instruction, chosen at compile time: csrc/gpu/bf16_mma.cuh.)
-enum class MmaUnit : int { kNone = 0, kAvx512Bf16 = 1 };
+enum class MmaUnit : int { kNone = 0, kAvx512Bf16 = 1, kAmxBf16 = 2 };
+constexpr int kMmaAmxBlock = 32;  // k-elements per step of the AMX unit (one tdpbf16ps: 16 pairs)
 
 // ---- the CPU unit: AVX512-BF16 vdpbf16ps ----------------------------------------------------------------
 // One fp32 lane of vdpbf16ps(acc, x, w) takes the bf16 pair (x0, x1) = (x[k], x[k+1]) and (w0, w1):

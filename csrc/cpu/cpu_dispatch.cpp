@@ -38,14 +38,20 @@ ALIGNED_DECLARE_LEVEL(avx512)
 #endif
 #if defined(ALIGNED_HAS_MMA_AVX512BF16)
 namespace avx512bf16 {
-extern const MmaKernels kMma;  // gemm_mma_kernels.cpp, the one level that has the mma unit (CMakeLists.txt)
+extern const MmaKernels kMma;     // gemm_mma_kernels.cpp, the one level that has the mma unit (CMakeLists.txt)
+extern const MmaKernels kMmaAmx;  // gemm_amx_mma_kernels.cpp (same level; AMX functions targeted per function)
 }
 #endif
 
-// The mma unit of a backend whose level runs AVX-512 (cpu_backend.h): vdpbf16ps where the CPU has avx512_bf16.
+static bool amx_bf16_usable();
+
+// The mma unit of a backend whose level runs AVX-512 (cpu_backend.h), where the CPU has avx512_bf16: the `amx`
+// level's is AMX-BF16 tdpbf16ps where the CPU has amx_bf16 (the fast unit; its own bits), the `avx512` level's
+// vdpbf16ps (the bits every avx512_bf16 CPU shares: ALIGNED_CPU_ISA=avx512 picks it on an AMX CPU).
 static CpuBackend with_mma_unit(CpuBackend b) {
 #if defined(ALIGNED_HAS_MMA_AVX512BF16) && defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512bf16")) b.mma = &avx512bf16::kMma;
+  if (__builtin_cpu_supports("avx512bf16"))
+    b.mma = b.amx_int8 && amx_bf16_usable() ? &avx512bf16::kMmaAmx : &avx512bf16::kMma;
 #endif
   return b;
 }
@@ -65,6 +71,16 @@ bool amx_int8_usable() {
 #endif
   }();
   return ok;
+}
+
+static bool amx_bf16_usable() {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  // CPUID.(7, 0).EDX[22] = AMX-BF16; the tile state is the one amx_int8_usable() has been granted
+  return amx_int8_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
+#else
+  return false;
+#endif
 }
 
 static CpuBackend select_backend() {

@@ -476,6 +476,16 @@ void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     gemm_typed<float>(A, p.a_sm, B, p.b_sn, b_sk, nullptr, (float*)p.C, p.c_sm, p.K, p.lanes, m0, m1, n0, n1);
 }
 
+// The reference: mma.h's scalar model of the instruction, one element at a time.
+void reference_rows(const GemmParams& p, int64_t m0, int64_t m1) {
+  const auto* xp = (const bf16_t*)p.A;
+  const auto* wp = (const bf16_t*)p.B;
+  float* o = (float*)p.C;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t n = 0; n < p.N; ++n)
+      o[m * p.N + n] = linear_mma_partial_dot(xp + m * p.a_sm, p.a_sk, wp + n * p.b_sn, p.b_sk, p.K, p.lanes);
+}
+
 }  // namespace
 
 extern const MmaKernels kMma;
@@ -483,6 +493,8 @@ const MmaKernels kMma = {
     .unit = "avx512_bf16",
     .unit_id = MmaUnit::kAvx512Bf16,
     .gemm = &gemm,
+    .reference = &reference_rows,
+    .row_major_b = false,
 };
 
 }  // namespace aligned::cpu::ALIGNED_ISA

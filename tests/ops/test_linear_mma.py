@@ -1,4 +1,7 @@
-"""aligned::linear_mma (the `mma` linear profile, csrc/common/mma.h) on the CPU's unit, AVX512-BF16 vdpbf16ps.
+"""aligned::linear_mma (the `mma` linear profile, csrc/common/mma.h) on the CPU's unit: AVX512-BF16 vdpbf16ps (the
+`avx512` level), or AMX-BF16 tdpbf16ps (the `amx` level; its own tests: test_linear_mma_amx.py). Every test here
+runs on either unit except the two that check vdpbf16ps's own numpy model (marked `vdpbf16ps_model`; on an AMX CPU
+test_linear_mma_amx.py runs them under ALIGNED_CPU_ISA=avx512, whose unit is vdpbf16ps).
 
 Contract: bf16 x, weight, bias; K cut into the fma profile's 8 lanes; each lane one chain of the unit (pairs
 (k, k+1) ascending from the lane start, odd element first, bf16 inputs and the accumulator DAZ'd, every fma
@@ -41,6 +44,10 @@ ops = torch.ops.aligned
 pytestmark = pytest.mark.skipif(aligned_ops.mma_unit() is None, reason="this CPU has no avx512_bf16 (mma refuses)")
 
 BF = torch.bfloat16
+UNIT = aligned_ops.mma_unit()
+# mma.h's scalar model is vdpbf16ps's: the AMX unit (tdpbf16ps) has no model, its reference is the instruction itself
+vdpbf16ps_model = pytest.mark.skipif(UNIT != "avx512_bf16", reason=f"the vdpbf16ps model; this process's unit is "
+                                     f"{UNIT} (test_linear_mma_amx.py runs these under ALIGNED_CPU_ISA=avx512)")
 
 
 def rand(*shape, seed=0, scale=1.0, dtype=BF):
@@ -130,6 +137,7 @@ def numpy_model(x, w, lanes, *, order="odd_first", flush=True):
 MODEL_SHAPES = [(3, 2, 5), (4, 7, 9), (5, 16, 17), (6, 33, 8), (3, 64, 16), (2, 101, 7)]
 
 
+@vdpbf16ps_model
 @pytest.mark.parametrize("M,K,N", MODEL_SHAPES)
 @pytest.mark.parametrize("lanes", [1, 8])
 def test_numpy_model_equals_reference_equals_kernel(M, K, N, lanes):
@@ -140,6 +148,7 @@ def test_numpy_model_equals_reference_equals_kernel(M, K, N, lanes):
         assert same_bits_nan_aware(ops.linear_mma_partial(x, w, lanes), ref), (seed, "kernel vs reference")
 
 
+@vdpbf16ps_model
 def test_negative_controls_other_order_and_no_flush_differ_from_the_kernel():
     """The model checks can fail: the natural (even-first) pair order and the chain without DAZ/FTZ each differ
     from the kernel on inputs built for it (but equal the kernel's on most ordinary values)."""

@@ -28,17 +28,35 @@ void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
   const cpu::CpuBackend& b = cpu::cpu_backend();
   TORCH_CHECK(b.mma != nullptr, "aligned::", call.op, ": mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma (this CPU ",
               "backend runs the '", b.level, "' level without the bf16 dot-product unit)");
-  cpu::run_gemm_tiles(p, b.mma->gemm);
+  if (!b.mma->row_major_b || p.K <= 1 || p.b_sk == 1) return cpu::run_gemm_tiles(p, b.mma->gemm);
+  // The AMX kernel reads B's rows as tiles (unit k-stride): a column-major B (the backward's w and x, read in
+  // place by the vdpbf16ps kernel) is copied row-major once, so dx and dw run the forward's chain unchanged.
+  at::Tensor rows = at::empty({p.N, p.K}, at::TensorOptions().dtype(at::kBFloat16));
+  auto* dst = (uint16_t*)rows.data_ptr();
+  const auto* src = (const uint16_t*)p.B;
+  cpu::ieee_parallel_for(0, p.N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < p.K; ++k) dst[n * p.K + k] = src[n * p.b_sn + k * p.b_sk];
+  });
+  GemmParams q = p;
+  q.B = dst;
+  q.b_sn = p.K;
+  q.b_sk = 1;
+  cpu::run_gemm_tiles(q, b.mma->gemm);
 }
 
+// The unit's plain form (mma_kernels.h reference): mma.h's scalar model on avx512_bf16 and on a CPU without the
+// unit (the model needs none), the instruction on 1 x 1 tiles on amx_bf16.
 void Cpu::linear_mma_reference(const Call&, const GemmParams& p) {
+  const cpu::MmaKernels* k = cpu::cpu_backend().mma;
   const auto* xp = (const bf16_t*)p.A;
   const auto* wp = (const bf16_t*)p.B;
   float* o = (float*)p.C;
   cpu::ieee_parallel_for(0, p.M, 1, [&](int64_t b, int64_t e) {
+    if (k != nullptr) return k->reference(p, b, e);
     for (int64_t m = b; m < e; ++m)
       for (int64_t n = 0; n < p.N; ++n)
-        o[m * p.N + n] = linear_mma_partial_dot(xp + m * p.a_sm, 1, wp + n * p.b_sn, 1, p.K, p.lanes);
+        o[m * p.N + n] = linear_mma_partial_dot(xp + m * p.a_sm, p.a_sk, wp + n * p.b_sn, p.b_sk, p.K, p.lanes);
   });
 }
 
