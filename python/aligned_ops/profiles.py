@@ -247,7 +247,7 @@ class ExactProfile(Profile):
 
 class MmaProfile(Profile):
     """``mma``: the machine's bf16 matrix instruction in the ``fma`` profile's 8 lanes and tree, + bias once, one
-    rounding (csrc/common/mma.h; on the CPU AVX512-BF16 ``vdpbf16ps``, on a GPU ``mma.sync`` m16n8k16 / MFMA
+    rounding (csrc/common/mma.h; on the CPU AMX-BF16 ``tdpbf16ps`` or AVX512-BF16 ``vdpbf16ps``, on a GPU ``mma.sync`` m16n8k16 / MFMA
     16x16x16 bf16 in k-blocks of 16, csrc/gpu/mma_linear_kernels.cuh). Same bits on one unit for rollout and
     trainer — not equal to ``fma``'s, nor across units (CPU vs GPU, GPU vendors or generations)."""
 
@@ -257,8 +257,10 @@ class MmaProfile(Profile):
                                 tp_traceable=True, compile=True, cuda_graphs=False, fused_lm_head=False)
     invariant_to = ("the batch (size, a row's position, the other rows), chunking, prefill vs decode, thread count, "
                     "the M/N tiling, the run, and the tensor-parallel degree 1, 2, 4 or 8 (the fma profile's 8 lanes "
-                    "and tree; each lane one chain of the unit's instruction) — on one unit: the CPU's AVX512-BF16 "
-                    "vdpbf16ps (one semantics on Intel and AMD, csrc/common/mma.h), or ONE GPU model and build (the "
+                    "and tree; each lane one chain of the unit's instruction) — on one unit: the CPU's AMX-BF16 "
+                    "tdpbf16ps (the amx level: one AMX CPU model) or AVX512-BF16 vdpbf16ps (one semantics on Intel "
+                    "and AMD, csrc/common/mma.h; ALIGNED_CPU_ISA=avx512 picks it on an AMX CPU), or ONE GPU model "
+                    "and build (the "
                     "arch's bf16 matrix instruction: mma.sync m16n8k16 on NVIDIA sm_80+, MFMA 16x16x16 bf16 on "
                     "CDNA3/4; tested under emulation with MMA-Sim's models, not yet on hardware). Not across GPU "
                     "vendors or generations, not the CPU's bits, not the fma or exact bits. bfloat16 models only.")

@@ -2,11 +2,12 @@
 wrappers, and the unit check that refuses the profile where the machine has no unit.
 
 The contract (``csrc/common/mma.h``): bfloat16 x, weight, bias; K cut into the ``fma`` profile's 8 lanes
-(``linear_lane_bounds``), each lane ONE chain of the matrix unit's instruction (on the CPU AVX512-BF16
-``vdpbf16ps``: pairs (k, k+1) in ascending order, odd element first, subnormals flushed), the 8 lane sums folded
-by the same tree ``((0+1)+(2+3))+((4+5)+(6+7))``, + bias once, one rounding. The bits are the unit's: the same
-for a row whatever the batch, position, tiling, threads, chunking or TP degree, on one unit (and on every CPU
-with avx512_bf16, Intel and AMD: one semantics) — not equal to ``fma``'s or ``exact``'s, nor to a GPU's.
+(``linear_lane_bounds``), each lane ONE chain of the matrix unit's instruction (on the CPU: AMX-BF16
+``tdpbf16ps`` in blocks of 32 k on the ``amx`` level, else AVX512-BF16 ``vdpbf16ps``: pairs (k, k+1) in ascending
+order, odd element first, subnormals flushed), the 8 lane sums folded by the same tree
+``((0+1)+(2+3))+((4+5)+(6+7))``, + bias once, one rounding. The bits are the unit's: the same for a row whatever
+the batch, position, tiling, threads, chunking or TP degree, on one unit (vdpbf16ps: on every CPU that runs it,
+Intel and AMD: one semantics; tdpbf16ps: one AMX CPU model) — not equal to ``fma``'s or ``exact``'s, nor to a GPU's.
 
 TP (row-parallel): rank r of t in 1, 2, 4, 8 holds the K slice ``linear_tp_slices(K, t)[r]`` and computes
 ``linear_mma_partial(x_r, w_r, 8 // t)``; ``tree_all_reduce`` (``tree_combine``), + bias, one rounding give
@@ -36,8 +37,9 @@ MMA_REFUSAL = "mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"
 
 @functools.lru_cache(maxsize=None)
 def mma_unit() -> str | None:
-    """The CPU's matrix unit the ``mma`` profile runs on (``"avx512_bf16"``: vdpbf16ps), or None where the CPU has
-    none (or ``ALIGNED_CPU_ISA`` forces a level below AVX-512). Fixed for the process (chosen once in C++)."""
+    """The CPU's matrix unit the ``mma`` profile runs on (``"amx_bf16"``: tdpbf16ps, on the ``amx`` level;
+    ``"avx512_bf16"``: vdpbf16ps), or None where the CPU has none (or ``ALIGNED_CPU_ISA`` forces a level below
+    AVX-512). Fixed for the process (chosen once in C++; ``ALIGNED_CPU_ISA=avx512`` picks vdpbf16ps on an AMX CPU)."""
     return ops._cpu_mma_unit() or None
 
 
