@@ -56,6 +56,7 @@ constexpr int kBlock = kMmaAmxBlock;     // k per instruction (mma.h): 16 pairs
 constexpr int kTileDwords = 256;         // one 16 x 16 tile of 32-bit elements (1 KiB)
 constexpr int kNB = 2;                   // weight-row blocks (16 rows each) per group: C tiles 0..3, A tiles 4, 5
 constexpr int kMB = 2;                   // activation-row blocks per group: B tiles 6, 7
+constexpr int kChunkGroups = 2;          // weight-row groups per chunk (lane_tiles' loop order: gemm_typed)
 constexpr int kPrefetchRows = 2 * 16 * kNB;  // software prefetch distance: the weight-row group after next
 
 struct alignas(64) TileConfig {
@@ -155,7 +156,8 @@ ALIGNED_AMX void lane_tiles(const WeightBlock* wb, const uint32_t* xq, int64_t Q
     // Only the first activation group asks (the others find the group's rows in L2).
     if (prefetch)
 #pragma GCC unroll 16
-      for (int r = 0; r < 16 * NBK; ++r) _mm_prefetch((const char*)(wb[0].base + (kPrefetchRows + r) * wb[0].b_sn + kb), _MM_HINT_T0);
+      for (int r = 0; r < 16 * NBK; ++r)
+        _mm_prefetch((const char*)(wb[0].base + (kPrefetchRows + r) * wb[0].b_sn + kb), _MM_HINT_T0);
     _tile_loadd(4, a0, s0);
     _tile_loadd(6, xq + q * kTileDwords, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -242,31 +244,41 @@ ALIGNED_AMX void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, 
   const int64_t mblocks = (rows + 15) / 16;
   auto* xp = (uint32_t*)thread_buffer<0>((size_t)std::max<int64_t>(1, mblocks * Q) * kTileDwords * 4);
   pack_activations(xp, a + m0 * a_sm, a_sm, rows, ln);
-  // staged weight tiles: at most every block of each of kNB weight blocks
-  auto* stage = (uint16_t*)thread_buffer<1>((size_t)std::max<int64_t>(1, kNB * Q) * 1024);
-  alignas(64) static thread_local float lt[kLinearLanes * kNB * kMB * kTileDwords];
+  // staged weight tiles: at most every block of each weight block of a chunk
+  auto* stage = (uint16_t*)thread_buffer<1>((size_t)std::max<int64_t>(1, kChunkGroups * kNB * Q) * 1024);
+  constexpr int64_t kGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;
+  alignas(64) static thread_local float lt[kChunkGroups * kGroupFloats];
   amx_config_full();
-  for (int64_t nb = n0; nb < n1; nb += 16 * kNB) {
-    WeightBlock wb[kNB];
-    int nbk = 0;
-    for (int i = 0; i < kNB && nb + 16 * i < n1; ++i, ++nbk) {
-      wb[i] = WeightBlock{b + (nb + 16 * i) * b_sn, b_sn, (int)std::min<int64_t>(16, n1 - nb - 16 * i),
-                          stage + i * Q * 512};
-      stage_weight_block(wb[i], ln);
+  // Per chunk of weight-row groups and activation group, the lanes run outermost: a lane's activation tiles
+  // (2 x 16 rows x its k) stay in L1 while every group of the chunk streams its weight tiles past them (with the
+  // groups outermost, both operands came from L2 at every step: measured 2x slower at M = 512).
+  // (one activation group, i.e. decode: the groups outermost, each weight row streamed front to back once)
+  const int chunk_groups = mblocks > kMB ? kChunkGroups : 1;
+  for (int64_t nc = n0; nc < n1; nc += 16 * kNB * chunk_groups) {
+    WeightBlock wb[kChunkGroups][kNB];
+    int nbk[kChunkGroups] = {};
+    int groups = 0;
+    for (int g = 0; g < chunk_groups && nc + 16 * kNB * g < n1; ++g, ++groups) {
+      const int64_t nb = nc + 16 * kNB * g;
+      for (int i = 0; i < kNB && nb + 16 * i < n1; ++i, ++nbk[g]) {
+        wb[g][i] = WeightBlock{b + (nb + 16 * i) * b_sn, b_sn, (int)std::min<int64_t>(16, n1 - nb - 16 * i),
+                               stage + (g * kNB + i) * Q * 512};
+        stage_weight_block(wb[g][i], ln);
+      }
     }
     for (int64_t mb = 0; mb < mblocks; mb += kMB) {
       const int mbk = (int)std::min<int64_t>(kMB, mblocks - mb);
-      const LaneTilesFn fn = kLaneTiles[nbk - 1][mbk - 1];
       for (int l = 0; l < lanes; ++l)
-        fn(wb, xp + mb * Q * kTileDwords, Q, ln.q0[l], ln.k0[l], ln.k0[l + 1], lt + l * kNB * kMB * kTileDwords,
-           mb == 0);
-      for (int i = 0; i < nbk; ++i)
-        for (int j = 0; j < mbk; ++j) {
-          // lane_tiles' tile numbering: (i, j) -> 2 i + j when MBK = 2, i * MBK + j in general (MBK = 1: 0, 2)
-          const int tile = i * 2 + j;
-          fold_store(lt, lanes, tile, rows - 16 * (mb + j), n1 - nb - 16 * i, bias,
-                     c + (m0 + 16 * (mb + j)) * c_sm, c_sm, nb + 16 * i);
-        }
+        for (int g = 0; g < groups; ++g)
+          kLaneTiles[nbk[g] - 1][mbk - 1](wb[g], xp + mb * Q * kTileDwords, Q, ln.q0[l], ln.k0[l], ln.k0[l + 1],
+                                          lt + g * kGroupFloats + l * kNB * kMB * kTileDwords, mb == 0);
+      for (int g = 0; g < groups; ++g) {
+        const int64_t nb = nc + 16 * kNB * g;
+        for (int i = 0; i < nbk[g]; ++i)
+          for (int j = 0; j < mbk; ++j)  // lane_tiles' tile of (weight block i, activation block j): 2 i + j
+            fold_store(lt + g * kGroupFloats, lanes, i * 2 + j, rows - 16 * (mb + j), n1 - nb - 16 * i, bias,
+                       c + (m0 + 16 * (mb + j)) * c_sm, c_sm, nb + 16 * i);
+      }
     }
   }
   amx_release();
