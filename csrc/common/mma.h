@@ -78,6 +78,16 @@ namespace aligned {
 enum class MmaUnit : int { kNone = 0, kAvx512Bf16 = 1, kAmxBf16 = 2 };
 constexpr int kMmaAmxBlock = 32;  // k-elements per step of the AMX unit (one tdpbf16ps: 16 pairs)
 
+// Blocks of kMmaAmxBlock over the 8 lanes of K (each lane's last block padded): the k-tiles of a weight row in the
+// AMX unit's packed layout (linear_mma_pack_weight: ceil(N / 16) * this * 512 bf16 elements).
+ALIGNED_HD int64_t mma_amx_lane_blocks(int64_t K) {
+  int64_t q = 0;
+  for (int64_t l = 0; l < kLinearLanes; ++l)
+    q += (linear_lane_begin(l + 1, K, kLinearLanes) - linear_lane_begin(l, K, kLinearLanes) + kMmaAmxBlock - 1) /
+         kMmaAmxBlock;
+  return q;
+}
+
 // ---- the CPU unit: AVX512-BF16 vdpbf16ps ----------------------------------------------------------------
 // One fp32 lane of vdpbf16ps(acc, x, w) takes the bf16 pair (x0, x1) = (x[k], x[k+1]) and (w0, w1):
 //   x0, x1, w0, w1, acc: a subnormal value is taken as a zero of the same sign (DAZ; bf16 widens exactly)

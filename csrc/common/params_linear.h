@@ -26,6 +26,8 @@ struct GemmParams {
   int64_t M, N, K;
   int lanes;            // 1, 2, 4 or 8 (8: linear; 1: the backward's single chains)
   float* lane_ws;       // GPU: [lanes, ws_rows, N] fp32 lane sums, required when lanes > 1; CPU: unused
+  const void* B_packed; // CPU amx_bf16 only: B in that unit's packed layout (linear_mma_pack_weight, 8 lanes), read
+                        // instead of B's rows (the same values: the same bits); nullptr elsewhere
   int64_t ws_rows;      // GPU: rows the workspace holds (M runs in chunks of ws_rows rows); CPU: unused
 };
 

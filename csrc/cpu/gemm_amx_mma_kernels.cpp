@@ -102,12 +102,14 @@ inline void load_rows16(__m512 (&rows)[16], const uint16_t* a, int64_t a_sm, int
     rows[i] = i < valid ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, a + i * a_sm + kk)) : _mm512_setzero_ps();
 }
 
-// The activation rows a[0 .. rows) in the unit's pair layout: for row block mb (16 rows) and block q,
-// xp[(mb * Q + q) * 256 + p * 16 + i] = (a[16 mb + i, k], a[16 mb + i, k + 1]) with k = kb + 2 p, +0 past the
-// lane's end and for rows >= `rows`.
-void pack_activations(uint32_t* __restrict xp, const uint16_t* a, int64_t a_sm, int64_t rows, const Lanes& ln) {
+// Rows a[16 mb0 .. min(rows, 16 mb1)) in the unit's pair layout (the instruction's second operand): for row block
+// mb (16 rows) and block q, xp[(mb * Q + q) * 256 + p * 16 + i] = (a[16 mb + i, k], a[16 mb + i, k + 1]) with
+// k = kb + 2 p, +0 past the lane's end and for rows >= `rows`. The in-place path packs the activations so per
+// call; linear_mma_pack_weight packs a weight so once (pack_weight).
+void pack_pairs(uint32_t* __restrict xp, const uint16_t* a, int64_t a_sm, int64_t rows, const Lanes& ln,
+                int64_t mb0, int64_t mb1) {
   const int64_t Q = ln.q0[ln.n];
-  for (int64_t mb = 0; mb * 16 < rows; ++mb) {
+  for (int64_t mb = mb0; mb < mb1 && mb * 16 < rows; ++mb) {
     const int valid = (int)std::min<int64_t>(16, rows - 16 * mb);
     const uint16_t* ab = a + 16 * mb * a_sm;
     for (int l = 0; l < ln.n; ++l) {
@@ -118,6 +120,30 @@ void pack_activations(uint32_t* __restrict xp, const uint16_t* a, int64_t a_sm, 
         simd::transpose16(r);  // r[p] = pair p of the 16 rows
         uint32_t* dst = xp + (mb * Q + q) * kTileDwords;
         for (int p = 0; p < 16; ++p) _mm512_store_ps((float*)(dst + p * 16), r[p]);
+      }
+    }
+  }
+}
+
+void pack_activations(uint32_t* __restrict xp, const uint16_t* a, int64_t a_sm, int64_t rows, const Lanes& ln) {
+  pack_pairs(xp, a, a_sm, rows, ln, 0, (rows + 15) / 16);
+}
+
+// Rows a[0 .. rows) as the instruction's FIRST operand (the packed-weight path): row tiles of 16 rows x 32 k,
+// xa[(mb * Q + q) * 512 + i * 32 + e] = a[16 mb + i, kb + e], +0 past the lane's end and for rows >= `rows`.
+void pack_row_tiles(uint16_t* __restrict xa, const uint16_t* a, int64_t a_sm, int64_t rows, const Lanes& ln) {
+  const int64_t Q = ln.q0[ln.n];
+  for (int64_t mb = 0; mb * 16 < rows; ++mb) {
+    const int valid = (int)std::min<int64_t>(16, rows - 16 * mb);
+    for (int l = 0; l < ln.n; ++l) {
+      int64_t q = ln.q0[l];
+      for (int64_t kb = ln.k0[l]; kb < ln.k0[l + 1]; kb += kBlock, ++q) {
+        const int cnt = (int)std::min<int64_t>(kBlock, ln.k0[l + 1] - kb);
+        const __mmask32 m = cnt >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
+        uint16_t* dst = xa + (mb * Q + q) * 512;
+        for (int i = 0; i < 16; ++i)
+          _mm512_store_si512(dst + i * 32, i < valid ? _mm512_maskz_loadu_epi16(m, a + (16 * mb + i) * a_sm + kb)
+                                                     : _mm512_setzero_si512());
       }
     }
   }
@@ -284,6 +310,102 @@ ALIGNED_AMX void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, 
   amx_release();
 }
 
+// ---- the packed-weight path ------------------------------------------------------------------------------------
+// The weight packed once (linear_mma_pack_weight: the rollout engine's registered weights, cached across calls) is
+// the instruction's SECOND operand, 1 KiB contiguous per (16-row block, block q) — one sequential stream, no
+// staging —, and the activations are the FIRST operand (pack_row_tiles). Per element: the same 32 products onto
+// the same accumulator, one instruction per block, as the in-place path with the roles swapped (the tests hold
+// both to the reference, which uses these roles). C tiles are C[m][n]: the fold stores rows without a transpose.
+template <int MBK, int NBK>
+ALIGNED_AMX void lane_tiles_packed(const uint16_t* xa, const uint32_t* wp, int64_t Q, int64_t q0, int64_t q1,
+                                   float* lt) {
+  _tile_zero(0);
+  if (NBK > 1) _tile_zero(1);
+  if (MBK > 1) _tile_zero(2);
+  if (MBK > 1 && NBK > 1) _tile_zero(3);
+  for (int64_t q = q0; q < q1; ++q) {
+    _tile_loadd(4, xa + q * 512, 64);
+    _tile_loadd(6, wp + q * kTileDwords, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NBK > 1) {
+      _tile_loadd(7, wp + (Q + q) * kTileDwords, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (MBK > 1) {
+      _tile_loadd(5, xa + (Q + q) * 512, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NBK > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, lt, 64);
+  if (NBK > 1) _tile_stored(1, lt + kTileDwords, 64);
+  if (MBK > 1) _tile_stored(2, lt + 2 * kTileDwords, 64);
+  if (MBK > 1 && NBK > 1) _tile_stored(3, lt + 3 * kTileDwords, 64);
+}
+
+using LaneTilesPackedFn = void (*)(const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t, float*);
+constexpr LaneTilesPackedFn kLaneTilesPacked[2][2] = {{&lane_tiles_packed<1, 1>, &lane_tiles_packed<1, 2>},
+                                                      {&lane_tiles_packed<2, 1>, &lane_tiles_packed<2, 2>}};
+
+// Fold the lane tiles of one (activation block, weight block) tile, C[m][n] layout, and store its rows.
+template <typename TC>
+void fold_store_rows(const float* lt_all, int lanes, int tile, int64_t m_rows, int64_t n_cols, const TC* bias, TC* c,
+                     int64_t c_sm, int64_t n0) {
+  const int cnt = (int)std::min<int64_t>(16, n_cols);
+  for (int i = 0; i < 16 && i < m_rows; ++i) {
+    V s[kLinearLanes];
+    for (int l = 0; l < lanes; ++l) s[l] = V::load_aligned(lt_all + (l * kNB * kMB + tile) * kTileDwords + i * 16);
+    V acc = linear_lane_fold(s, lanes);
+    if (bias) acc = acc + simd::load<V>(bias + n0, cnt);
+    simd::store(c + i * c_sm + n0, acc, cnt);
+  }
+}
+
+template <typename TC>
+ALIGNED_AMX void gemm_packed_typed(const uint16_t* a, int64_t a_sm, const uint32_t* wp, const TC* bias, TC* c,
+                                   int64_t c_sm, int64_t K, int64_t N, int64_t m0, int64_t m1, int64_t n0,
+                                   int64_t n1) {
+  const int64_t rows = m1 - m0;
+  if (rows <= 0 || n1 <= n0) return;
+  if (n0 % 16) abort();  // run_gemm_tiles hands out whole 32-column panels
+  const Lanes ln(K, kLinearLanes);
+  const int64_t Q = ln.q0[kLinearLanes];
+  const int64_t mblocks = (rows + 15) / 16;
+  auto* xa = (uint16_t*)thread_buffer<0>((size_t)std::max<int64_t>(1, mblocks * Q) * 1024);
+  pack_row_tiles(xa, a + m0 * a_sm, a_sm, rows, ln);
+  constexpr int64_t kGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;
+  alignas(64) static thread_local float lt[kChunkGroups * kGroupFloats];
+  amx_config_full();
+  const int chunk_groups = mblocks > kMB ? kChunkGroups : 1;  // as gemm_typed
+  for (int64_t nc = n0; nc < n1; nc += 16 * kNB * chunk_groups) {
+    int nbk[kChunkGroups] = {};
+    int groups = 0;
+    for (int g = 0; g < chunk_groups && nc + 16 * kNB * g < n1; ++g, ++groups)
+      nbk[g] = (int)std::min<int64_t>(kNB, (n1 - (nc + 16 * kNB * g) + 15) / 16);
+    for (int64_t mb = 0; mb < mblocks; mb += kMB) {
+      const int mbk = (int)std::min<int64_t>(kMB, mblocks - mb);
+      for (int l = 0; l < kLinearLanes; ++l)
+        for (int g = 0; g < groups; ++g)
+          kLaneTilesPacked[mbk - 1][nbk[g] - 1](xa + mb * Q * 512, wp + (nc / 16 + kNB * g) * Q * kTileDwords, Q,
+                                                ln.q0[l], ln.q0[l + 1],
+                                                lt + g * kGroupFloats + l * kNB * kMB * kTileDwords);
+      for (int g = 0; g < groups; ++g) {
+        const int64_t nb = nc + 16 * kNB * g;
+        for (int i = 0; i < mbk; ++i)
+          for (int j = 0; j < nbk[g]; ++j)  // lane_tiles_packed's tile of (activation block i, weight block j)
+            fold_store_rows(lt + g * kGroupFloats, kLinearLanes, i * 2 + j, rows - 16 * (mb + i),
+                            n1 - nb - 16 * j, bias, c + (m0 + 16 * (mb + i)) * c_sm, c_sm, nb + 16 * j);
+      }
+    }
+  }
+  amx_release();
+}
+
+// Weight rows [16 nb0, 16 nb1) of w [N, K] in the packed layout (mma_kernels.h pack_weight).
+void pack_weight(const uint16_t* w, int64_t w_sn, int64_t N, int64_t K, int64_t nb0, int64_t nb1, void* out) {
+  pack_pairs((uint32_t*)out, w, w_sn, N, Lanes(K, kLinearLanes), nb0, nb1);
+}
+
 // C = the mma profile's GEMM (mma_kernels.h) for rows [m0, m1) x columns [n0, n1).
 void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   // The glue makes only these here: bf16 operands, A and B with unit k-stride (cpu_mma.cpp copies a column-major
@@ -293,6 +415,15 @@ void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     abort();
   const auto* A = (const uint16_t*)p.A;
   const auto* B = (const uint16_t*)p.B;
+  if (p.B_packed) {
+    if (p.lanes != kLinearLanes) abort();  // packed for the linear's 8 lanes only
+    const auto* wp = (const uint32_t*)p.B_packed;
+    if (p.cdt == DType::BF16)
+      gemm_packed_typed<bf16_t>(A, p.a_sm, wp, (const bf16_t*)p.bias, (bf16_t*)p.C, p.c_sm, p.K, p.N, m0, m1, n0, n1);
+    else
+      gemm_packed_typed<float>(A, p.a_sm, wp, nullptr, (float*)p.C, p.c_sm, p.K, p.N, m0, m1, n0, n1);
+    return;
+  }
   if (p.cdt == DType::BF16)
     gemm_typed<bf16_t>(A, p.a_sm, B, p.b_sn, (const bf16_t*)p.bias, (bf16_t*)p.C, p.c_sm, p.K, p.lanes, m0, m1, n0,
                        n1);
@@ -351,6 +482,7 @@ const MmaKernels kMmaAmx = {
     .gemm = &gemm,
     .reference = &reference_rows,
     .row_major_b = true,
+    .pack_weight = &pack_weight,
 };
 
 }  // namespace aligned::cpu::ALIGNED_ISA

@@ -495,6 +495,7 @@ const MmaKernels kMma = {
     .gemm = &gemm,
     .reference = &reference_rows,
     .row_major_b = false,
+    .pack_weight = nullptr,
 };
 
 }  // namespace aligned::cpu::ALIGNED_ISA

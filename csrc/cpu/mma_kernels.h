@@ -31,6 +31,9 @@ struct MmaKernels {
   void (*reference)(const GemmParams& p, int64_t m0, int64_t m1);
   // gemm takes only a row-major B (b_sk == 1): the glue copies a column-major B (the backward's) first.
   bool row_major_b;
+  // amx_bf16 only (else nullptr): weight rows [16 nb0, 16 nb1) of w [N, K] (row stride w_sn) in the unit's packed
+  // layout, 8 lanes (mma.h mma_amx_lane_blocks); gemm reads it when GemmParams::B_packed is set.
+  void (*pack_weight)(const uint16_t* w, int64_t w_sn, int64_t N, int64_t K, int64_t nb0, int64_t nb1, void* out);
 };
 
 }  // namespace aligned::cpu

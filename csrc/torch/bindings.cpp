@@ -212,6 +212,11 @@ TORCH_LIBRARY(aligned, m) {
       "bool needs_b_grad) -> (Tensor, Tensor, Tensor)");
   // mma.h's scalar model of the CPU unit (any CPU, slow): the conformance reference of the mma kernels.
   m.def("_linear_mma_reference(Tensor x, Tensor weight, int lanes) -> Tensor");
+  // The CPU AMX unit's packed weights (csrc/cpu/gemm_amx_mma_kernels.cpp): linear_mma_pack_weight packs once (the
+  // rollout engine's registered weights, cached by aligned_ops.linear_mma), linear_mma_packed = linear_mma reading
+  // the packing instead of the weight's rows (the same bits). Refused on any other unit.
+  m.def("linear_mma_pack_weight(Tensor weight) -> Tensor");
+  m.def("linear_mma_packed(Tensor x, Tensor weight, Tensor packed, Tensor? bias=None) -> Tensor");
 
   // ---- diagnostics and control ops without tensor arguments ----
   // Their kernels are registered as catch-all (TORCH_LIBRARY_IMPL(aligned, CatchAll, m)) next to the backend

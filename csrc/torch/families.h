@@ -16,6 +16,7 @@ struct LmHeadPieces;     // token_logprobs_pairs, token_logprobs_backward_cols (
 struct Linear;           // linear, linear_partial, linear_backward (`fma` profile)
 struct LinearReference;  // _linear_partial_reference (contract.h's scalar dot; a test hook)
 struct LinearMma;        // linear_mma, linear_mma_partial, linear_mma_backward (`mma` profile, mma.h)
+struct LinearMmaPacked;   // linear_mma_pack_weight, linear_mma_packed (the CPU AMX unit's packed weights)
 struct LinearMmaReference;  // _linear_mma_reference (mma.h's scalar model of the unit; a test hook)
 struct Hooks;            // _exp_f32, _log_f32, _device_error_flags
 struct ExactLinear;      // linear_exact, linear_exact_pack_weight, linear_exact_packed

@@ -14,6 +14,7 @@ TORCH_LIBRARY_IMPL(aligned, CPU, m) {
   register_family<Linear, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<LinearReference, Cpu>(m);
   register_family<LinearMma, Cpu, EmulatedCuda, EmulatedHip>(m);
+  register_family<LinearMmaPacked, Cpu>(m);  // the amx_bf16 unit's packed weights (refused on any other unit)
   register_family<LinearMmaReference, Cpu, EmulatedCuda, EmulatedHip>(m);  // emulated: the arch's unit model
   register_family<Hooks, Cpu, EmulatedCuda, EmulatedHip>(m);
   register_family<ExactLinear, Cpu, EmulatedCuda, EmulatedHip>(m);

@@ -157,6 +157,7 @@ DIFFERENTIABLE.update({
 })
 TOLERANCE = {"linear_mma": dict(rtol=2e-2, atol=3e-2)}  # default: rtol 1e-4, atol 1e-5
 MMA_OPS = {"linear_mma", "linear_mma_partial", "linear_mma_backward"}
+AMX_MMA_OPS = {"linear_mma_packed"}  # the amx_bf16 unit's packed weights (refused on any other unit)
 
 # Ops that take float tensors but have no gradient formula: backward() through them must raise.
 NO_BACKWARD = {
@@ -213,6 +214,8 @@ NO_BACKWARD.update({
     "linear_partial": lambda x: ops.linear_partial(x, _W3, 8),
     "linear_mma_partial": lambda x: ops.linear_mma_partial(x.to(_BF), _W3.to(_BF), 8),
     "_linear_mma_reference": lambda x: ops._linear_mma_reference(x.to(_BF), _W3.to(_BF), 8),
+    "linear_mma_packed": lambda x: ops.linear_mma_packed(x.to(_BF), _W3.to(_BF), ops.linear_mma_pack_weight(
+        _W3.to(_BF)), None),
     "linear_mma_backward": lambda x: ops.linear_mma_backward(
         x.to(_BF), x.to(_BF), x[:, :5].contiguous().to(_BF), True, True, True)[0],
     "_linear_partial_reference": lambda x: ops._linear_partial_reference(x, _W3, 8),
@@ -241,6 +244,7 @@ NO_BACKWARD.update({
 # Ops with nothing to differentiate: an in-place cache write returning None, string/int diagnostics, the
 # packing of a weight into integer digits, the emulation switch (aligned_ops.emulate) and its self-tests.
 NOT_DIFFERENTIABLE = {"reshape_and_cache", "mla_reshape_and_cache", "_cpu_isa", "_exact_unit", "_cpu_mma_unit", "linear_exact_pack_weight",
+                      "linear_mma_pack_weight",
                       "linear_exact_f64_bounds", "_linear_exact_f64_pairs", "_linear_exact_f64_routes", "_emulate_enter",
                       "_emulate_exit", "_emulate_selftest", "_emulated_archs", "_device_error_flags",
                       "attention_plan", "attention_plan_size", "attention_plan_layout",  # host planning, int buffers
@@ -269,6 +273,8 @@ def _weights_like(out, seed):
 def test_gradient_flows_and_matches_torch(name):
     if name in MMA_OPS and aligned_ops.mma_unit() is None:
         pytest.skip("the mma profile needs avx512_bf16")
+    if name in AMX_MMA_OPS and aligned_ops.mma_unit() != "amx_bf16":
+        pytest.skip("packed weights are the amx_bf16 unit's")
     build, fn, ref = DIFFERENTIABLE[name]
     inputs = build()
     out = fn(*inputs)
@@ -290,6 +296,8 @@ def test_gradient_flows_and_matches_torch(name):
 def test_op_without_backward_raises(name):
     if name in MMA_OPS and aligned_ops.mma_unit() is None:
         pytest.skip("the mma profile needs avx512_bf16")
+    if name in AMX_MMA_OPS and aligned_ops.mma_unit() != "amx_bf16":
+        pytest.skip("packed weights are the amx_bf16 unit's")
     x = _rows(5, 5, scale=0.5)
     out = NO_BACKWARD[name](x)
     assert out.requires_grad  # autograd sees the op, so backward() reaches the formula that refuses

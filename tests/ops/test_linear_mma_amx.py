@@ -13,7 +13,11 @@ unit). Bits compared through integer views, NaN positions only (the unit's NaN p
   inf * 0 = NaN);
 - the unit is not vdpbf16ps: its bits differ from mma.h's vdpbf16ps model (the control that the AMX unit runs);
 - the vdpbf16ps model tests of test_linear_mma.py pass under ALIGNED_CPU_ISA=avx512 on this CPU (that level's
-  unit), and that unit's bits differ from this one's.
+  unit), and that unit's bits differ from this one's; that unit refuses to pack weights by name;
+- the packed weights (linear_mma_pack_weight / linear_mma_packed): the in-place bits on every shape above, a row
+  alone == in batches, refusals by name, opcheck, compile; aligned_ops.linear_mma caches a registered weight's
+  packing and drops it on an in-place write or clear_exact_weight_cache (a write through .data without the clear
+  serves the stale packing: the control).
 The invariance, TP, backward, MoE, compile and opcheck tests of test_linear_mma.py run on this unit as they are.
 """
 
@@ -108,6 +112,12 @@ import sys, torch, aligned_ops
 assert aligned_ops.mma_unit() == "avx512_bf16", aligned_ops.mma_unit()
 x, w = torch.load(sys.argv[1])
 torch.save(torch.ops.aligned.linear_mma_partial(x, w, 8), sys.argv[2])
+try:
+    torch.ops.aligned.linear_mma_pack_weight(w)
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+else:
+    raise SystemExit("packed without the amx unit")
 """
 
 
@@ -127,6 +137,112 @@ def test_the_avx512_level_on_this_cpu_runs_vdpbf16ps(tmp_path):
     res = subprocess.run([sys.executable, "-c", _AVX512_UNIT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "linear_mma_pack_weight: packs weights for the amx_bf16 unit; this process's mma unit is avx512_bf16" \
+        in res.stdout, res.stdout
     avx512 = torch.load(tmp_path / "out.pt")
     assert same_bits_nan_aware(avx512, numpy_model(x, w, 8))
     assert not same_bits_nan_aware(avx512, ops.linear_mma_partial(x, w, 8))
+
+
+# ---- the packed weights (linear_mma_pack_weight / linear_mma_packed; the rollout engine's cached form) ----------
+
+@pytest.mark.parametrize("M,K,N", AMX_SHAPES)
+def test_packed_weight_gives_the_in_place_bits(M, K, N):
+    """The packing is the same values in the instruction's tile layout, read with the roles of the reference:
+    linear_mma_packed == linear_mma (weight rows read in place) == the reference, bias or none, random and
+    adversarial values (inf, NaN: NaN positions)."""
+    x, w, b = rand(M, K, seed=M + K), rand(N, K, seed=N, scale=0.05), rand(N, seed=9)
+    xa, wa = adversarial(M, K, N, seed=M * 7 + N)
+    for xx, ww in ((x, w), (xa, wa)):
+        packed = ops.linear_mma_pack_weight(ww)
+        assert packed.dtype == torch.int16 and packed.dim() == 1
+        for bias in (None, b):
+            got = ops.linear_mma_packed(xx, ww, packed, bias)
+            want = ops.linear_mma(xx, ww, bias)
+            assert same_bits_nan_aware(got.float(), want.float()) and bitwise_or_nan(got, want), (M, K, N)
+    assert_bitwise_equal(ops.linear_mma_packed(x, w, ops.linear_mma_pack_weight(w), b),
+                         (ops._linear_mma_reference(x, w, 8) + b.float()).to(BF))
+
+
+def bitwise_or_nan(a, b):
+    """bf16 bits equal wherever neither is NaN (the unit's NaN payloads are its own)."""
+    nan = torch.isnan(a.float()) | torch.isnan(b.float())
+    return torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+def test_packed_row_alone_equals_row_in_batch():
+    K, N = 896, 70
+    w, b = rand(N, K, seed=30, scale=0.03), rand(N, seed=31)
+    packed = ops.linear_mma_pack_weight(w)
+    x = rand(300, K, seed=32)
+    full = ops.linear_mma_packed(x, w, packed, b)
+    for m in (0, 17, 150, 299):
+        for lo, hi in ((m, m + 1), (max(0, m - 5), m + 1), (m, min(300, m + 40))):
+            assert_bitwise_equal(ops.linear_mma_packed(x[lo:hi], w, packed, b)[m - lo], full[m])
+
+
+def test_packed_bad_input_is_refused_by_name():
+    w, x = rand(20, 64, seed=1), rand(3, 64, seed=2)
+    packed = ops.linear_mma_pack_weight(w)
+    with pytest.raises(RuntimeError, match=r"linear_mma_packed: packed must be linear_mma_pack_weight\(weight\)"):
+        ops.linear_mma_packed(x, w, ops.linear_mma_pack_weight(rand(36, 64, seed=3)), None)  # another shape's
+    with pytest.raises(RuntimeError, match=r"linear_mma_packed: packed must be"):
+        ops.linear_mma_packed(x, w, packed.float(), None)
+    with pytest.raises(RuntimeError, match=r"linear_mma_packed: x must be bfloat16"):
+        ops.linear_mma_packed(x.float(), w, packed, None)
+    with pytest.raises(RuntimeError, match=r"linear_mma_pack_weight: weight must be bfloat16"):
+        ops.linear_mma_pack_weight(w.float())
+    with pytest.raises(RuntimeError, match=r"linear_mma_pack_weight: weight must be 2-D"):
+        ops.linear_mma_pack_weight(w[0])
+    with pytest.raises(RuntimeError, match="no backward|has no backward|not differentiable"):
+        xg = x.clone().requires_grad_()
+        ops.linear_mma_packed(xg, w, packed, None).sum().backward()
+
+
+def test_packed_opcheck_and_compile():
+    w, x, b = rand(24, 40, seed=4), rand(5, 40, seed=5), rand(24, seed=6)
+    torch.library.opcheck(ops.linear_mma_pack_weight, (w,))
+    packed = ops.linear_mma_pack_weight(w)
+    torch.library.opcheck(ops.linear_mma_packed, (x, w, packed, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, p: ops.linear_mma_packed(a, w, p, b), fullgraph=True)
+    assert_bitwise_equal(compiled(x, packed), ops.linear_mma(x, w, b))
+
+
+def test_linear_mma_caches_the_packing_of_a_registered_weight_and_drops_it_on_a_write(monkeypatch):
+    """aligned_ops.linear_mma packs a registered weight once (the cached derivation of the exact profile's
+    registry), reads it on every later call with the in-place bits, and packs again after an in-place write (the
+    version counter) or clear_exact_weight_cache (a write through .data). The control: a write through .data
+    without the clear keeps serving the stale packing — the old weight's bits — so the checks below can fail."""
+    from aligned_ops.ops import linear_mma as mma_mod
+
+    packs = []
+    real = ops.linear_mma_pack_weight
+
+    def counting(w):
+        packs.append(1)
+        return real(w)
+
+    monkeypatch.setattr(mma_mod.ops, "linear_mma_pack_weight", counting, raising=False)
+    w = torch.nn.Parameter(rand(48, 203, seed=7, scale=0.05), requires_grad=False)
+    x = rand(9, 203, seed=8)
+    aligned_ops.cache_exact_weights(w)
+    first = aligned_ops.linear_mma(x, w)
+    assert_bitwise_equal(first, ops.linear_mma(x, w))
+    aligned_ops.linear_mma(x, w)
+    assert len(packs) == 1
+    with torch.no_grad():
+        w.mul_(2)  # in place: the version counter moves
+    assert_bitwise_equal(aligned_ops.linear_mma(x, w), ops.linear_mma(x, w))
+    assert len(packs) == 2
+    w.data.copy_(rand(48, 203, seed=9, scale=0.05))  # behind the counter's back
+    stale = aligned_ops.linear_mma(x, w)
+    assert not torch.equal(stale.view(torch.int16), ops.linear_mma(x, w).view(torch.int16))  # the control
+    aligned_ops.clear_exact_weight_cache()
+    assert_bitwise_equal(aligned_ops.linear_mma(x, w), ops.linear_mma(x, w))
+    assert len(packs) == 3
+    # a weight autograd tracks reads its rows in place (no packing), and the gradient flows
+    wg = rand(48, 203, seed=10).requires_grad_()
+    aligned_ops.cache_exact_weights(wg)
+    aligned_ops.linear_mma(x, wg).float().sum().backward()
+    assert wg.grad is not None and len(packs) == 3

@@ -81,6 +81,8 @@ struct Cpu {
   // the mma linear (cpu_mma.cpp): the unit's GEMM (AVX512-BF16 vdpbf16ps, csrc/cpu/mma_kernels.h) over
   // gemm_tiles.h's split, refused by the op's name on a CPU without the unit; mma.h's scalar model
   static void mma_gemm(const Call& call, const GemmParams& p);
+  // the amx_bf16 unit's packed weight (refused by the op's name on any other unit)
+  static void mma_pack_weight(const Call& call, const at::Tensor& weight, at::Tensor& out);
   static void linear_mma_reference(const Call&, const GemmParams& p);
   // the exact linear (cpu_exact.cpp); every run sets the IEEE environment of exact_linear.h
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const Call&, DType dt,

@@ -28,6 +28,8 @@ void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
   const cpu::CpuBackend& b = cpu::cpu_backend();
   TORCH_CHECK(b.mma != nullptr, "aligned::", call.op, ": mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma (this CPU ",
               "backend runs the '", b.level, "' level without the bf16 dot-product unit)");
+  TORCH_CHECK(p.B_packed == nullptr || b.mma->pack_weight != nullptr, "aligned::", call.op, ": packed weights ",
+              "are the amx_bf16 unit's; this process's mma unit is ", b.mma->unit, " (call linear_mma)");
   if (!b.mma->row_major_b || p.K <= 1 || p.b_sk == 1) return cpu::run_gemm_tiles(p, b.mma->gemm);
   // The AMX kernel reads B's rows as tiles (unit k-stride): a column-major B (the backward's w and x, read in
   // place by the vdpbf16ps kernel) is copied row-major once, so dx and dw run the forward's chain unchanged.
@@ -43,6 +45,18 @@ void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
   q.b_sn = p.K;
   q.b_sk = 1;
   cpu::run_gemm_tiles(q, b.mma->gemm);
+}
+
+void Cpu::mma_pack_weight(const Call& call, const at::Tensor& w, at::Tensor& out) {
+  const cpu::MmaKernels* k = cpu::cpu_backend().mma;
+  TORCH_CHECK(k != nullptr && k->pack_weight != nullptr, "aligned::", call.op, ": packs weights for the amx_bf16 ",
+              "unit; this process's mma unit is ", k ? k->unit : "none", " (call linear_mma, which reads the weight ",
+              "in place)");
+  const int64_t N = w.size(0), K = w.size(1);
+  if (out.numel() == 0) return;
+  cpu::ieee_parallel_for(0, (N + 15) / 16, 16, [&](int64_t b, int64_t e) {
+    k->pack_weight((const uint16_t*)w.data_ptr(), w.stride(0), N, K, b, e, out.data_ptr());
+  });
 }
 
 // The unit's plain form (mma_kernels.h reference): mma.h's scalar model on avx512_bf16 and on a CPU without the
@@ -62,6 +76,7 @@ void Cpu::linear_mma_reference(const Call&, const GemmParams& p) {
 
 // ---- the CPU key's registrations of the families (register_cpu.cpp) -----------------------------------------
 template void register_family<LinearMma, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
+template void register_family<LinearMmaPacked, Cpu>(torch::Library&);
 template void register_family<LinearMmaReference, Cpu, EmulatedCuda, EmulatedHip>(torch::Library&);
 
 }  // namespace aligned::glue

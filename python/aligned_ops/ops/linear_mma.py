@@ -115,6 +115,30 @@ def _(x, weight, lanes):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+def _packed_weight_elems(N: int, K: int) -> int:
+    """Size of ``linear_mma_pack_weight``'s packing (csrc/common/mma.h ``mma_amx_lane_blocks``)."""
+    blocks = sum(((l + 1) * K // 8 - l * K // 8 + 31) // 32 for l in range(8))
+    return (N + 15) // 16 * blocks * 512
+
+
+@_reg_fake("linear_mma_pack_weight")
+def _(weight):
+    torch._check(weight.dim() == 2, lambda: "aligned::linear_mma_pack_weight: weight must be 2-D")
+    _check_bf16("linear_mma_pack_weight", weight=weight)
+    return weight.new_empty((_packed_weight_elems(weight.shape[0], weight.shape[1]),), dtype=torch.int16)
+
+
+@_reg_fake("linear_mma_packed")
+def _(x, weight, packed, bias=None):
+    _same_device("linear_mma_packed", x, weight, packed, bias)
+    _check_bf16("linear_mma_packed", x=x, weight=weight, bias=bias)
+    _check_shapes("linear_mma_packed", x, weight)
+    want = _packed_weight_elems(weight.shape[0], weight.shape[1])
+    torch._check(packed.dtype == torch.int16 and packed.dim() == 1 and packed.shape[0] == want,
+                 lambda: f"aligned::linear_mma_packed: packed must be linear_mma_pack_weight(weight): int16 [{want}]")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @_reg_fake("_linear_mma_reference")
 def _(x, weight, lanes):
     _check_shapes("_linear_mma_reference", x, weight)
@@ -159,12 +183,42 @@ torch.library.register_autograd("aligned::linear_mma_partial", _partial_backward
                                 setup_context=lambda ctx, inputs, output: None)
 register_no_backward("linear_mma_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("_linear_mma_reference", "a test hook: mma.h's scalar model of the CPU unit")
+register_no_backward("linear_mma_packed", "it is the rollout side's cached-weight form of linear_mma (no grad "
+                     "taken through it: aligned_ops.linear_mma reads the weight in place where autograd needs it)")
+
+
+# ---- the AMX unit's packed weights: registered weights only, one packing per observed weight state --------------
+# On the amx_bf16 unit a weight packed once into the instruction's tile layout streams as one sequence (decode reads
+# every weight once per step: measured 0.71-0.76x oneDNN reading the rows in place, 0.97-1.13x packed, K = 896 /
+# 4864). The packing is the exact profile's cached derivation (ops/linear_exact.py: weights the owner registered
+# with cache_exact_weights — the vLLM plugin registers its engine's — keyed by storage, shape, strides and version
+# counter, dropped by clear_exact_weight_cache on refit); every other weight, a weight autograd tracks, and any call
+# under torch.compile read the weight in place. The bits are the same either way (the same products in the same
+# instructions). Memory: one more copy of each registered weight, each lane padded to whole 32-k blocks.
+def _uses_packing(x, weight, bias) -> bool:
+    from . import linear_exact as _exact
+
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and mma_unit() == "amx_bf16"
+            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and _exact.is_exact_weight_cacheable(weight)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))))
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The cached ``linear_mma_pack_weight(weight)`` of a registered weight (packed on first use)."""
+    from . import linear_exact as _exact
+
+    return _exact.cached_derivation(weight, "linear_mma_pack_weight", ops.linear_mma_pack_weight)
 
 
 def linear_mma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` under the ``mma`` profile (bf16; the matrix unit's chains in the 8 fixed lanes, the
     fixed tree, + bias once, one rounding — csrc/common/mma.h). Batch-, thread- and TP-degree-invariant on one
-    unit; refuses by name where the machine has none."""
+    unit; refuses by name where the machine has none. On the amx_bf16 unit a registered weight's packing is
+    cached and read instead of its rows (same bits; see ``_uses_packing``)."""
+    if _uses_packing(x, weight, bias):
+        return ops.linear_mma_packed(x, weight, packed_weight(weight), bias)
     return ops.linear_mma(x, weight, bias)
 
 
