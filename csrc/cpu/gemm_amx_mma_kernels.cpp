@@ -67,7 +67,7 @@ struct alignas(64) TileConfig {
 
 // Every tile 16 rows x 64 bytes. Loaded at the start of every call and released at its end: other code on the
 // same thread (oneDNN, the exact profile's AMX-INT8) loads its own configuration.
-ALIGNED_AMX void amx_config_full() {
+__attribute__((noinline)) ALIGNED_AMX void amx_config_full() {
   TileConfig cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
@@ -75,6 +75,10 @@ ALIGNED_AMX void amx_config_full() {
     cfg.colsb[i] = 64;
     cfg.rows[i] = 16;
   }
+  // GCC 12 does not model ldtilecfg's read of the configuration: inlined, the stores above were measured deleted as
+  // dead (a configuration of palette 1 with every tile 0 x 0: SIGILL at the first tile instruction). The asm makes
+  // the configuration escape, so its stores stay.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -273,7 +277,9 @@ ALIGNED_AMX void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, 
   // staged weight tiles: at most every block of each weight block of a chunk
   auto* stage = (uint16_t*)thread_buffer<1>((size_t)std::max<int64_t>(1, kChunkGroups * kNB * Q) * 1024);
   constexpr int64_t kGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;
-  alignas(64) static thread_local float lt[kChunkGroups * kGroupFloats];
+  alignas(64) static thread_local float lt_tls[kChunkGroups * kGroupFloats];
+  float* lt = lt_tls;  // before the tile configuration: see gemm_packed_typed
+  asm volatile("" : "+r"(lt)::"memory");
   amx_config_full();
   // Per chunk of weight-row groups and activation group, the lanes run outermost: a lane's activation tiles
   // (2 x 16 rows x its k) stay in L1 while every group of the chunk streams its weight tiles past them (with the
@@ -361,6 +367,8 @@ void fold_store_rows(const float* lt_all, int lanes, int tile, int64_t m_rows, i
   }
 }
 
+constexpr int64_t kPackedGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;  // one group's lane tiles
+
 template <typename TC>
 ALIGNED_AMX void gemm_packed_typed(const uint16_t* a, int64_t a_sm, const uint32_t* wp, const TC* bias, TC* c,
                                    int64_t c_sm, int64_t K, int64_t N, int64_t m0, int64_t m1, int64_t n0,
@@ -373,10 +381,15 @@ ALIGNED_AMX void gemm_packed_typed(const uint16_t* a, int64_t a_sm, const uint32
   const int64_t mblocks = (rows + 15) / 16;
   auto* xa = (uint16_t*)thread_buffer<0>((size_t)std::max<int64_t>(1, mblocks * Q) * 1024);
   pack_row_tiles(xa, a + m0 * a_sm, a_sm, rows, ln);
-  constexpr int64_t kGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;
-  alignas(64) static thread_local float lt[kChunkGroups * kGroupFloats];
-  amx_config_full();
   const int chunk_groups = mblocks > kMB ? kChunkGroups : 1;  // as gemm_typed
+  alignas(64) static thread_local float lt_tls[kChunkGroups * kPackedGroupFloats];
+  // The thread-local address is taken BEFORE the tile configuration is loaded: its first lookup goes through the
+  // dynamic linker (__tls_get_addr, lazily bound), which must not run between ldtilecfg and the tile instructions.
+  float* lt = lt_tls;
+  asm volatile("" : "+r"(lt)::"memory");  // (and the compiler may not recompute it after the configuration)
+  amx_config_full();
+  // (Folding one activation group's tiles interleaved with the next group's instructions, so the vector units
+  // would work beside the AMX unit, measured no faster at M = 256 and 512: not done.)
   for (int64_t nc = n0; nc < n1; nc += 16 * kNB * chunk_groups) {
     int nbk[kChunkGroups] = {};
     int groups = 0;
@@ -388,12 +401,12 @@ ALIGNED_AMX void gemm_packed_typed(const uint16_t* a, int64_t a_sm, const uint32
         for (int g = 0; g < groups; ++g)
           kLaneTilesPacked[mbk - 1][nbk[g] - 1](xa + mb * Q * 512, wp + (nc / 16 + kNB * g) * Q * kTileDwords, Q,
                                                 ln.q0[l], ln.q0[l + 1],
-                                                lt + g * kGroupFloats + l * kNB * kMB * kTileDwords);
+                                                lt + g * kPackedGroupFloats + l * kNB * kMB * kTileDwords);
       for (int g = 0; g < groups; ++g) {
         const int64_t nb = nc + 16 * kNB * g;
         for (int i = 0; i < mbk; ++i)
           for (int j = 0; j < nbk[g]; ++j)  // lane_tiles_packed's tile of (activation block i, weight block j)
-            fold_store_rows(lt + g * kGroupFloats, kLinearLanes, i * 2 + j, rows - 16 * (mb + i),
+            fold_store_rows(lt + g * kPackedGroupFloats, kLinearLanes, i * 2 + j, rows - 16 * (mb + i),
                             n1 - nb - 16 * j, bias, c + (m0 + 16 * (mb + i)) * c_sm, c_sm, nb + 16 * j);
       }
     }
@@ -442,6 +455,7 @@ ALIGNED_AMX void reference_rows(const GemmParams& p, int64_t m0, int64_t m1) {
   cfg.rows[0] = 1, cfg.colsb[0] = 4;   // C: 1 x 1 fp32
   cfg.rows[1] = 1, cfg.colsb[1] = 64;  // A: one row of 32 bf16
   cfg.rows[2] = 16, cfg.colsb[2] = 4;  // B: 16 pairs x 1 column
+  asm volatile("" : : "r"(&cfg) : "memory");  // see amx_config_full
   _tile_loadconfig(&cfg);
   const auto* X = (const uint16_t*)p.A;
   const auto* W = (const uint16_t*)p.B;

@@ -325,6 +325,9 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_config(int rows) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = (uint8_t)(i < 6 ? rows : 16);  // C and A: the tile's live rows; B: 16 quads of k
   }
+  // GCC 12 does not model ldtilecfg's read of `cfg`: once inlined, the stores above can be deleted as dead (seen in
+  // gemm_amx_mma_kernels.cpp: SIGILL at the first tile instruction). The asm makes the configuration escape.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
