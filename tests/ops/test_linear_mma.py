@@ -643,3 +643,17 @@ def test_mma_model_refusals():
                         "ROCm); use ALIGNED_OPS_LINEAR=fma"]
         # the GPU refusal does not depend on the CPU's unit, and the dtype refusal is still given
         assert profiles.MMA.model_refusals("float32", "cuda")[-1].startswith("the mma profile takes bfloat16")
+
+@pytest.mark.skipif(UNIT != "avx512_bf16", reason="the vdpbf16ps unit's refusal (the AMX unit packs)")
+def test_the_vdpbf16ps_unit_refuses_packed_weights_by_name():
+    """linear_mma_pack_weight / linear_mma_packed are the amx_bf16 unit's (test_linear_mma_amx.py); on vdpbf16ps
+    both refuse in one line naming the unit, and aligned_ops.linear_mma reads a registered weight in place."""
+    w, x = rand(20, 64, seed=1), rand(3, 64, seed=2)
+    with pytest.raises(RuntimeError, match="linear_mma_pack_weight: packs weights for the amx_bf16 unit; this "
+                                           "process's mma unit is avx512_bf16"):
+        ops.linear_mma_pack_weight(w)
+    fake = torch.zeros(aligned_ops.ops.linear_mma._packed_weight_elems(20, 64), dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="linear_mma_packed: packed weights are the amx_bf16 unit's"):
+        ops.linear_mma_packed(x, w, fake, None)
+    aligned_ops.cache_exact_weights(w)
+    assert_bitwise_equal(aligned_ops.linear_mma(x, w), ops.linear_mma(x, w))
