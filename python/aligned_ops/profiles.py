@@ -268,6 +268,11 @@ class MmaProfile(Profile):
                 "in order (8 fixed token blocks), db fp32 column chains (deterministic; dW follows the batch "
                 "composition like any sum over the batch).")
 
+    def describe(self) -> str:
+        """The profile's paragraph, and which CPU unit this process runs it on (the bits are that unit's)."""
+        unit = _mma.mma_unit()
+        return super().describe() + (f" This process's CPU unit: {unit}." if unit else "")
+
     def linear(self, x, weight, bias=None):
         return _mma.linear_mma(x, weight, bias)
 
