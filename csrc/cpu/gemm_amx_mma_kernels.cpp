@@ -14,13 +14,17 @@
 // none can change its bits (the tests hold a row alone to the row in batches, threads 1 vs 2, and every result
 // to kReference: one element per instruction, with 1x1 tiles and the operands in the other roles).
 //
-// Layout. The weight rows are the instruction's FIRST operand, read in place: a tile is 16 weight rows x 32 k,
-// one row-strided tile load, no packing and no per-weight cache (decode reads the weight once, as it lies in
-// memory; a refit needs nothing). The activations are the SECOND operand, packed per call into the unit's pair
-// layout ([16 pairs][16 rows] per block, zero past the lane's end and past the last row). The result tiles are
-// C'[n][m] (weight rows x activation rows); the fold transposes once per 16 x 16. Only two kinds of weight tile
-// are staged through a zeroed buffer: a lane's last, partial block (its padding must be +0, not the next lane's
-// weights: inf * 0 would be NaN) and the rows past N of the last 16-row block.
+// Two paths, the same instructions per element:
+//  * in place (gemm_typed; any weight, the trainer's, compiled graphs): the weight rows are the instruction's
+//    FIRST operand, read where they lie — a tile is 16 weight rows x 32 k, one row-strided tile load. The
+//    activations are the SECOND operand, packed per call into the unit's pair layout ([16 pairs][16 rows] per
+//    block, zero past the lane's end and past the last row). The result tiles are C'[n][m]; the fold transposes
+//    once per 16 x 16. Only two kinds of weight tile are staged through a zeroed buffer: a lane's last, partial
+//    block (its padding must be +0, not the next lane's weights: inf * 0 would be NaN) and the rows past N of the
+//    last 16-row block.
+//  * packed (gemm_packed_typed; the rollout engine's registered weights, packed once by linear_mma_pack_weight and
+//    cached by aligned_ops.linear_mma): the roles of the reference — activations first, the packed weight tiles
+//    second (contiguous, zero-padded: one sequential stream at decode); C[m][n], no transpose.
 //
 // B must be row-major here (b_sk == 1); the glue (csrc/torch/backends/cpu_mma.cpp) hands a column-major B (the
 // backward's w and x) over as a row-major copy, so the backward runs this same chain.
@@ -56,6 +60,7 @@ constexpr int kBlock = kMmaAmxBlock;     // k per instruction (mma.h): 16 pairs
 constexpr int kTileDwords = 256;         // one 16 x 16 tile of 32-bit elements (1 KiB)
 constexpr int kNB = 2;                   // weight-row blocks (16 rows each) per group: C tiles 0..3, A tiles 4, 5
 constexpr int kMB = 2;                   // activation-row blocks per group: B tiles 6, 7
+constexpr int64_t kRowChunk = 256;      // activation rows per pass (gemm): bounds the per-thread buffers
 constexpr int kChunkGroups = 2;          // weight-row groups per chunk (lane_tiles' loop order: gemm_typed)
 constexpr int kPrefetchRows = 2 * 16 * kNB;  // software prefetch distance: the weight-row group after next
 
@@ -277,9 +282,7 @@ ALIGNED_AMX void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, 
   // staged weight tiles: at most every block of each weight block of a chunk
   auto* stage = (uint16_t*)thread_buffer<1>((size_t)std::max<int64_t>(1, kChunkGroups * kNB * Q) * 1024);
   constexpr int64_t kGroupFloats = (int64_t)kLinearLanes * kNB * kMB * kTileDwords;
-  alignas(64) static thread_local float lt_tls[kChunkGroups * kGroupFloats];
-  float* lt = lt_tls;  // before the tile configuration: see gemm_packed_typed
-  asm volatile("" : "+r"(lt)::"memory");
+  auto* lt = (float*)thread_buffer<2>(kChunkGroups * kGroupFloats * sizeof(float));  // (before the configuration)
   amx_config_full();
   // Per chunk of weight-row groups and activation group, the lanes run outermost: a lane's activation tiles
   // (2 x 16 rows x its k) stay in L1 while every group of the chunk streams its weight tiles past them (with the
@@ -382,11 +385,9 @@ ALIGNED_AMX void gemm_packed_typed(const uint16_t* a, int64_t a_sm, const uint32
   auto* xa = (uint16_t*)thread_buffer<0>((size_t)std::max<int64_t>(1, mblocks * Q) * 1024);
   pack_row_tiles(xa, a + m0 * a_sm, a_sm, rows, ln);
   const int chunk_groups = mblocks > kMB ? kChunkGroups : 1;  // as gemm_typed
-  alignas(64) static thread_local float lt_tls[kChunkGroups * kPackedGroupFloats];
-  // The thread-local address is taken BEFORE the tile configuration is loaded: its first lookup goes through the
-  // dynamic linker (__tls_get_addr, lazily bound), which must not run between ldtilecfg and the tile instructions.
-  float* lt = lt_tls;
-  asm volatile("" : "+r"(lt)::"memory");  // (and the compiler may not recompute it after the configuration)
+  // Every buffer is fetched BEFORE the tile configuration is loaded: nothing between ldtilecfg and the tile
+  // instructions may call out of this file (a lazily bound symbol's first call goes through the dynamic linker).
+  auto* lt = (float*)thread_buffer<2>(kChunkGroups * kPackedGroupFloats * sizeof(float));
   amx_config_full();
   // (Folding one activation group's tiles interleaved with the next group's instructions, so the vector units
   // would work beside the AMX unit, measured no faster at M = 256 and 512: not done.)
@@ -426,6 +427,12 @@ void gemm(const GemmParams& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   if (p.adt != DType::BF16 || p.bdt != DType::BF16 || (p.K > 1 && (p.a_sk != 1 || p.b_sk != 1)) ||
       (p.cdt != DType::BF16 && p.cdt != DType::F32) || (p.cdt == DType::F32 && p.bias))
     abort();
+  // Row chunks of kRowChunk: the per-thread activation buffers stay bounded (a thread may be handed every row:
+  // run_gemm_tiles gives mchunk = M when there are enough column panels); rows are independent, so no bit moves.
+  if (m1 - m0 > kRowChunk) {
+    for (int64_t m = m0; m < m1; m += kRowChunk) gemm(p, m, std::min(m1, m + kRowChunk), n0, n1);
+    return;
+  }
   const auto* A = (const uint16_t*)p.A;
   const auto* B = (const uint16_t*)p.B;
   if (p.B_packed) {

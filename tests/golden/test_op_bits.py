@@ -30,6 +30,11 @@ NOT_HASHED = {
     "attention_plan": "writes the plan's internal format, not an op result (its runs are hashed)",
     "attention_plan_size": "the plan's sizes, not an op result",
     "_cpu_isa": "control op", "_exact_unit": "control op", "_cpu_mma_unit": "control op", "_emulate_enter": "control op",
+    # the CPU amx_bf16 unit's packed form of linear_mma (same bits as linear_mma in place: tests/ops/
+    # test_linear_mma_amx.py). The corpus has no amx configuration: its levels are those every x86 machine of this
+    # kind runs (generic, avx2, avx512), and the AMX unit's bits are those of one AMX CPU model
+    "linear_mma_pack_weight": "the amx unit's packing (no amx configuration in the corpus)",
+    "linear_mma_packed": "the amx unit's packed linear_mma (no amx configuration in the corpus)",
     "_emulate_exit": "control op", "_emulated_archs": "control op", "_emulate_selftest": "runtime self-test",
     # the mma attention's scalar references (test hooks, emulation only): tests/emulated/test_emulated_attention_mma.py
     # holds the kernels to them bit for bit; the corpus does not record mma attention bits yet

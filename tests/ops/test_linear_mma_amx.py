@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import aligned_ops
+from aligned_ops.ops import linear_mma as mma_mod
 from aligned_ops.testing import assert_bitwise_equal
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -246,3 +247,46 @@ def test_linear_mma_caches_the_packing_of_a_registered_weight_and_drops_it_on_a_
     aligned_ops.cache_exact_weights(wg)
     aligned_ops.linear_mma(x, wg).float().sum().backward()
     assert wg.grad is not None and len(packs) == 3
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_two_weight_groups_per_chunk_and_row_chunks(threads):
+    """Prefill runs the lanes outermost over chunks of two 32-row weight groups (gemm_amx_mma_kernels.cpp) and
+    passes of 256 activation rows; which chunks a thread gets depends on the thread count (run_gemm_tiles). Pinned
+    to 1 and 2 threads: M > 32 with an m-tail, N > 64 with an n-tail, K with partial lane blocks, M > 256 (two row
+    passes) — both paths equal the reference and each other."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for M, K, N in ((100, 320, 70), (77, 203, 150), (300, 77, 90)):
+            x, w, b = rand(M, K, seed=M, scale=1.0), rand(N, K, seed=N, scale=0.05), rand(N, seed=K)
+            xa, wa = adversarial(M, K, N, seed=M + N)
+            for xx, ww in ((x, w), (xa, wa)):
+                ref = ops._linear_mma_reference(xx, ww, 8)
+                assert same_bits_nan_aware(ops.linear_mma_partial(xx, ww, 8), ref), (M, K, N, threads)
+            got = ops.linear_mma(x, w, b)
+            assert_bitwise_equal(got, (ops._linear_mma_reference(x, w, 8) + b.float()).to(BF))
+            assert_bitwise_equal(ops.linear_mma_packed(x, w, ops.linear_mma_pack_weight(w), b), got)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_a_registered_weight_under_emulation_runs_the_emulated_gpu():
+    """aligned_ops.linear_mma on a registered weight takes the packed CPU path only outside aligned_ops.emulate:
+    under it the emulated GPU's kernel runs (its launches are recorded), and the packed ops refuse by name."""
+    from aligned_ops.emulation import emulate
+
+    w, x = rand(40, 96, seed=11, scale=0.05), rand(6, 96, seed=12)
+    aligned_ops.cache_exact_weights(w)
+    with emulate("sm_90") as emu:
+        got = aligned_ops.linear_mma(x, w)
+    assert emu.launches, "the registered weight's call launched no emulated kernel"
+    with emulate("sm_90") as emu2:
+        want = ops.linear_mma(x, w)
+        with pytest.raises(RuntimeError, match="linear_mma_pack_weight: packs weights for the CPU amx_bf16 unit, "
+                                               "not an emulated GPU's"):
+            ops.linear_mma_pack_weight(w)
+        with pytest.raises(RuntimeError, match="linear_mma_packed: packed weights are the CPU amx_bf16 unit's"):
+            ops.linear_mma_packed(x, w, torch.zeros(mma_mod._packed_weight_elems(40, 96), dtype=torch.int16))
+    assert emu2.launches
+    assert_bitwise_equal(got, want)

@@ -30,6 +30,8 @@ void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
               "backend runs the '", b.level, "' level without the bf16 dot-product unit)");
   TORCH_CHECK(p.B_packed == nullptr || b.mma->pack_weight != nullptr, "aligned::", call.op, ": packed weights ",
               "are the amx_bf16 unit's; this process's mma unit is ", b.mma->unit, " (call linear_mma)");
+  TORCH_CHECK(p.B_packed == nullptr || emu::active_arch() == nullptr, "aligned::", call.op, ": packed weights are ",
+              "the CPU amx_bf16 unit's, not an emulated GPU's (call linear_mma under aligned_ops.emulate)");
   if (!b.mma->row_major_b || p.K <= 1 || p.b_sk == 1) return cpu::run_gemm_tiles(p, b.mma->gemm);
   // The AMX kernel reads B's rows as tiles (unit k-stride): a column-major B (the backward's w and x, read in
   // place by the vdpbf16ps kernel) is copied row-major once, so dx and dw run the forward's chain unchanged.
@@ -52,6 +54,8 @@ void Cpu::mma_pack_weight(const Call& call, const at::Tensor& w, at::Tensor& out
   TORCH_CHECK(k != nullptr && k->pack_weight != nullptr, "aligned::", call.op, ": packs weights for the amx_bf16 ",
               "unit; this process's mma unit is ", k ? k->unit : "none", " (call linear_mma, which reads the weight ",
               "in place)");
+  TORCH_CHECK(emu::active_arch() == nullptr, "aligned::", call.op, ": packs weights for the CPU amx_bf16 unit, not ",
+              "an emulated GPU's (call linear_mma under aligned_ops.emulate)");
   const int64_t N = w.size(0), K = w.size(1);
   if (out.numel() == 0) return;
   cpu::ieee_parallel_for(0, (N + 15) / 16, 16, [&](int64_t b, int64_t e) {
