@@ -170,3 +170,18 @@ def test_both_sides_get_one_linear_profile_by_name():
         check_engine_profiles({0: {"linear_profile": "exact"}, 1: {"linear_profile": "fma"}}, profiles.EXACT)
     with pytest.raises(RuntimeError, match="runs linear profile None"):
         check_engine_profiles({0: {"linear_profile": None}}, profiles.FMA)
+
+
+def test_an_mma_worker_on_another_cpu_unit_stops_the_run():
+    """The mma profile's CPU bits are its unit's (amx_bf16 or avx512_bf16, chosen per process by the kernel level):
+    a worker whose unit differs from the learner's would disagree on every log-prob."""
+    import aligned_ops
+    from aligned_ops import profiles
+    from aligned_ops.runner.loop import check_engine_profiles
+
+    mine = aligned_ops.mma_unit()
+    check_engine_profiles({0: {"linear_profile": "mma", "mma_unit": mine}}, profiles.MMA)
+    other = "avx512_bf16" if mine == "amx_bf16" else "amx_bf16"
+    with pytest.raises(RuntimeError, match=f"rollout worker 0 runs the mma profile on CPU unit '{other}', the learner "
+                                           f"on '{mine}'"):
+        check_engine_profiles({0: {"linear_profile": "mma", "mma_unit": other}}, profiles.MMA)

@@ -123,8 +123,10 @@ def _run(spec: dict, outbox) -> None:
         from ..integrations.vllm import installed_profile
 
         engine_profile = getattr(installed_profile(), "name", None)
+    from ..ops.linear_mma import mma_unit
+
     outbox.put(("ready", spec["worker"], {"startup_s": time.time() - t_start, "pid": os.getpid(),
-                                          "linear_profile": engine_profile}))
+                                          "linear_profile": engine_profile, "mma_unit": mma_unit()}))
 
     loaded = None
     k, W = cfg.lag, spec["workers"]

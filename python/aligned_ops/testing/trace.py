@@ -64,9 +64,9 @@ class trace_aligned_ops(TorchDispatchMode):
 
 def _linear_bias(name, args) -> bool:
     # aligned::linear / linear_exact / linear_mma (x, weight, bias); linear_exact_packed (x, digits, exponents,
-    # nonfinite, N, bias)
+    # nonfinite, N, bias); linear_mma_packed (x, weight, packed, bias)
     at = {"aligned::linear": 2, "aligned::linear_exact": 2, "aligned::linear_mma": 2,
-          "aligned::linear_exact_packed": 5}.get(name)
+          "aligned::linear_exact_packed": 5, "aligned::linear_mma_packed": 3}.get(name)
     return at is not None and len(args) > at and isinstance(args[at], torch.Tensor)
 
 
@@ -75,6 +75,8 @@ def _linear_kn(op, c: OpCall):
     exact form reads K from x and N from its per-row ``nonfinite`` flags."""
     if op == "linear_exact_packed":
         return "linear_exact", c.shapes[0][-1], c.shapes[3][0]
+    if op == "linear_mma_packed":  # the amx unit's packed form reads the weight's shape too
+        return "linear_mma", c.shapes[1][1], c.shapes[1][0]
     return op, c.shapes[1][1], c.shapes[1][0]
 
 
@@ -82,16 +84,16 @@ def logical_steps(calls: list[OpCall]) -> list[tuple]:
     """Reduce a trace to (op, k, n, bias) tuples in the vocabulary of :mod:`aligned_ops.model_spec`.
 
     Consecutive linears of the same input tensor are one logical projection (N summed); the exact profile's
-    ``linear_exact`` / ``linear_exact_packed`` are ``linear_exact`` (its weight packing, cached per weight, is
-    not a step); ``attention_varlen`` and ``paged_attention`` are ``attention`` (``reshape_and_cache`` is its
+    ``linear_exact`` / ``linear_exact_packed`` are ``linear_exact`` and ``linear_mma_packed`` is ``linear_mma``
+    (the weight packings, cached per weight, are not steps); ``attention_varlen`` and ``paged_attention`` are ``attention`` (``reshape_and_cache`` is its
     cache write, folded in); ``token_logprobs`` and ``log_softmax`` are ``logprobs``."""
     out: list[tuple] = []
     last_linear_x = None
     for c in calls:
         op = c.name.split("::", 1)[1]
-        if op in ("linear_exact_pack_weight", "linear_exact_f64_bounds"):  # per-weight caches, not steps
+        if op in ("linear_exact_pack_weight", "linear_exact_f64_bounds", "linear_mma_pack_weight"):  # per-weight caches
             continue
-        if op in ("linear", "linear_exact", "linear_exact_packed", "linear_mma"):
+        if op in ("linear", "linear_exact", "linear_exact_packed", "linear_mma", "linear_mma_packed"):
             op, k, n = _linear_kn(op, c)
             if last_linear_x is not None and c.x_ptr == last_linear_x and out and out[-1][0] == op:
                 _, k0, n0, b0 = out[-1]
