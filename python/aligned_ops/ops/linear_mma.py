@@ -194,8 +194,8 @@ register_no_backward("linear_mma_packed", "it is the rollout side's cached-weigh
 # with cache_exact_weights — the vLLM plugin registers its engine's — keyed by storage, shape, strides and version
 # counter, dropped by clear_exact_weight_cache on refit); every other weight, a weight autograd tracks, and any call
 # under torch.compile read the weight in place. The bits are the same either way (the same products in the same
-# instructions). Memory: one more copy of each registered weight, each lane padded to whole 32-k blocks (counted by
-# exact_weight_cache_bytes). Under torch.compile (vLLM without enforce_eager) the weight is read in place.
+# instructions). Memory: one more copy of each registered weight, each lane padded to whole 32-k blocks. Under
+# torch.compile (vLLM without enforce_eager) the weight is read in place.
 def _uses_packing(x, weight, bias) -> bool:
     from .. import emulation
     from . import linear_exact as _exact
