@@ -21,13 +21,14 @@ def main():
     from _aligned_engine import emit_result, logprob_bits  # (this script's folder is sys.path[0])
 
     from aligned_ops.integrations import vllm_plugin
-    from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm
+    from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown
 
     model_dir, dtype, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     llm = make_llm(model_dir, dtype=dtype, aligned=False, max_num_batched_tokens=64, max_model_len=512)
     assert not vllm_plugin.is_installed()
     use_mla = bool(llm.llm_engine.vllm_config.model_config.use_mla)
     rollouts = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=8)
+    shutdown(llm)  # now: the next job of a shared process (tests/integrations/_stock_jobs.py) starts its own engine
     emit_result({"use_mla": use_mla,
                  "rollouts": [{"prompt": r.prompt_token_ids, "tokens": r.token_ids,
                                "logprobs": logprob_bits(r.logprobs_tensor())} for r in rollouts]})
