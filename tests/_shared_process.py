@@ -63,6 +63,8 @@ def _run_one(argv: list) -> int:
     finally:
         sys.path[:] = saved_path
     gc.collect()
+    if "vllm.envs" in sys.modules:  # (an engine's shutdown does this too) the next job reads its own os.environ
+        sys.modules["vllm.envs"].disable_envs_cache()
     if _leaked_group():
         print("[_shared_process] the job left torch.distributed's default process group initialized (an in-process "
               "engine not shut down); torn down before the next job", file=sys.stderr)

@@ -7,8 +7,9 @@ engine down before it returns; each job still gets its own argv, stdout, stderr 
 One environment for all of them (a shared process has one): no plugin (ALIGNED_OPS_VLLM unset, VLLM_PLUGINS empty:
 vLLM loads no plugin even if aligned_ops is pip-installed), none of the aligned side's MLA-form variables, the
 non-MLA attention for stock MLA models (VLLM_MLA_DISABLE=1: the expanded form the aligned side runs; only
-DeepSeek-V3 has MLA), offline, 2 OpenMP threads, and this checkout's python/ first on the path. (The stock MLA
-probe of test_vllm_deepseek_v3_mla_e2e.py needs vLLM's own MLA path: its own process.)
+DeepSeek-V3 has MLA; the stock MLA probe of test_vllm_deepseek_v3_mla_e2e.py asks for vLLM's own MLA path by an
+argument, --stock-mla, and the probe sets VLLM_MLA_DISABLE=0 for its own engine), offline, 2 OpenMP threads, and
+this checkout's python/ first on the path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SHARED = "stock_vllm"  # the shared process's name (tests/_background.py)
 
 def stock_env() -> dict:
     env = dict(os.environ, VLLM_PLUGINS="", VLLM_MLA_DISABLE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
-    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_ALIGNED_OPS_MLA_FORM", "ALIGNED_PROBE_STOCK_MLA"):
+    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_ALIGNED_OPS_MLA_FORM"):
         env.pop(name, None)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
