@@ -6,7 +6,8 @@ Usage: python _shared_process.py SPEC_JSON OUT_DIR
 SPEC_JSON: a list of ``{"key": ..., "argv": [...]}``, each ``argv`` what followed ``sys.executable`` in the job's
 own command (``SCRIPT ARGS...`` or ``-c CODE ARGS...``). For each job, in order: file descriptors 1 and 2 are
 pointed at ``OUT_DIR/KEY.out`` / ``KEY.err`` (what the script, vLLM's loggers and C code print), ``sys.argv`` and
-``sys.path[0]`` are what ``python SCRIPT ARGS`` would have given it, the script runs as ``__main__``, and its exit
+``sys.path[0]`` are what ``python SCRIPT ARGS`` would have given it, the script runs as ``__main__`` (``os.environ``
+is restored after it: what it set there was its own), and its exit
 status (0, its SystemExit code, or 1 with the traceback on its stderr) goes to ``KEY.rc``. A job must leave no
 torch.distributed default process group behind (an in-process engine it did not shut down): the next job's engine
 would fail with "trying to initialize the default process group twice"; such a leak is that job's failure, and the
@@ -45,7 +46,7 @@ def _run_one(argv: list) -> int:
     else:
         path0, name = os.path.dirname(os.path.abspath(argv[0])), argv[0]
         sys.argv = list(argv)
-    saved_path = list(sys.path)
+    saved_path, saved_env = list(sys.path), dict(os.environ)
     sys.path[0] = path0
     try:
         if argv[0] == "-c":
@@ -63,6 +64,8 @@ def _run_one(argv: list) -> int:
     finally:
         sys.path[:] = saved_path
     gc.collect()
+    os.environ.clear()  # what the job set in its environment was its own (as in its own process)
+    os.environ.update(saved_env)
     if "vllm.envs" in sys.modules:  # (an engine's shutdown does this too) the next job reads its own os.environ
         sys.modules["vllm.envs"].disable_envs_cache()
     if _leaked_group():

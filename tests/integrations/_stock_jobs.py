@@ -22,6 +22,9 @@ SHARED = "stock_vllm"  # the shared process's name (tests/_background.py)
 
 def stock_env() -> dict:
     env = dict(os.environ, VLLM_PLUGINS="", VLLM_MLA_DISABLE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    # the TP probe's mp workers: one second before SIGTERM at shutdown, as for the engines of the tests
+    # (integrations/conftest.py); in-process engines have no workers
+    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_ALIGNED_OPS_MLA_FORM"):
         env.pop(name, None)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
