@@ -140,7 +140,8 @@ class Background:
         jobs = [self._jobs[k] for k in unit]
         work = self._shared_dirs[unit]
         spec = work / "spec.json"
-        spec.write_text(json.dumps([{"key": k, "argv": j["argv"][1:]} for k, j in zip(unit, jobs)]))
+        spec.write_text(json.dumps([{"key": k, "argv": j["argv"][1:], "timeout": j.get("timeout", 600)}
+                                    for k, j in zip(unit, jobs)]))
         runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shared_process.py")
         key = "+".join(unit)
         whole = self._run_one(key, nice, job=dict(argv=[_sys.executable, runner, str(spec), str(work)],

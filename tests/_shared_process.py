@@ -3,8 +3,10 @@ declared with the same ``shared=``): each fresh interpreter that imports vLLM co
 anything, and a stock-vLLM probe needs a process without the plugin, not a process of its own.
 
 Usage: python _shared_process.py SPEC_JSON OUT_DIR
-SPEC_JSON: a list of ``{"key": ..., "argv": [...]}``, each ``argv`` what followed ``sys.executable`` in the job's
-own command (``SCRIPT ARGS...`` or ``-c CODE ARGS...``). For each job, in order: file descriptors 1 and 2 are
+SPEC_JSON: a list of ``{"key": ..., "argv": [...], "timeout": seconds}``, each ``argv`` what followed
+``sys.executable`` in the job's own command (``SCRIPT ARGS...`` or ``-c CODE ARGS...``). A job still running after
+its own timeout ends the process (faulthandler: the job's threads' stacks on its stderr; the jobs after it are
+reported as not reached), as its own process would have been killed. For each job, in order: file descriptors 1 and 2 are
 pointed at ``OUT_DIR/KEY.out`` / ``KEY.err`` (what the script, vLLM's loggers and C code print), ``sys.argv`` and
 ``sys.path[0]`` are what ``python SCRIPT ARGS`` would have given it, the script runs as ``__main__`` (``os.environ``
 is restored after it: what it set there was its own), and its exit
@@ -14,6 +16,7 @@ would fail with "trying to initialize the default process group twice"; such a l
 group is torn down before the next job.
 """
 
+import faulthandler
 import gc
 import json
 import os
@@ -86,9 +89,11 @@ def main() -> None:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
+            faulthandler.dump_traceback_later(job["timeout"], exit=True)  # (to fd 2: this job's stderr file)
             try:
                 rc = _run_one(job["argv"])
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 sys.stdout.flush(), sys.stderr.flush()
                 os.dup2(own_out, 1)
                 os.dup2(own_err, 2)
