@@ -55,6 +55,9 @@ def main():
     after = generate_with_logprobs(llm, prompts[:2], temperature=0.0, max_tokens=4)
     m["refit_same_weights_unchanged"] = all(
         a.token_ids == b.token_ids and torch.equal(a.logprobs_tensor(), b.logprobs_tensor()) for a, b in zip(before, after))
+    from aligned_ops.integrations.rollout import shutdown
+
+    shutdown(llm)  # now: the next job of a shared process (tests/integrations/_stock_jobs.py) starts its own engine
     print(json.dumps(m))
 
 

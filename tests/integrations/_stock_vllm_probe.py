@@ -45,9 +45,12 @@ def main():
             lp = completion_logprobs(model, ids, cm)[0, len(r.prompt_token_ids):]
         differ += int((lp != r.logprobs_tensor()).sum())
         total += lp.numel()
+    from aligned_ops.integrations.rollout import shutdown
     from aligned_ops.integrations.vllm import vllm_status
 
-    print(json.dumps({"status_aligned": vllm_status(llm)["aligned"], "common_prefix": n, "max_abs_diff_batch_vs_alone": d_batch,
+    status_aligned = vllm_status(llm)["aligned"]
+    shutdown(llm)  # now: the next job of a shared process (tests/integrations/_stock_jobs.py) starts its own engine
+    print(json.dumps({"status_aligned": status_aligned, "common_prefix": n, "max_abs_diff_batch_vs_alone": d_batch,
                       "tokens_differing_from_trainer": differ, "tokens": total}))
 
 

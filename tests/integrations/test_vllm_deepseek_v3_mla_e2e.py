@@ -18,16 +18,13 @@ What it proves:
 - after a refit that changes only kv_b_proj (the weight W_UK / W_UV are derived from), vLLM again equals the refitted
   trainer bitwise, and its log-probs moved (the derived projections were not stale);
 - negative controls: the EXPANDED trainer (the same weights, the other form) is not bitwise equal to the engine;
-  stock vLLM-CPU's own MLA path (CPU_MLA, no plugin, a fresh process) is not bitwise equal to the absorbed trainer.
+  stock vLLM-CPU's own MLA path (CPU_MLA, no plugin: a process without it) is not bitwise equal to the absorbed trainer.
 TP = 2: test_vllm_deepseek_v3_mla_tp_e2e.py (its own module: a TP engine's shutdown tears down the process's
 parallel groups, which this module's single-process engine still needs).
 """
 
 import gc
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,7 +35,6 @@ from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
 from aligned_ops.testing import bits  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +44,22 @@ PROMPT_LENS = [3, 90, 17, 40]  # 90 > max_num_batched_tokens = 32: chunked prefi
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("dsv3mla") / "m", torch.bfloat16, seed=0, **LATENT)
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **LATENT)  # (the TP module's model too)
+
+
+STOCK_PROMPTS = ([20, 45, 60], 9)  # random_prompts(*STOCK_PROMPTS): the stock MLA probe's prompts
+
+
+def BACKGROUND_JOBS(tiny_checkpoint):
+    """The stock MLA probe needs nothing from this process: tests/_background.py runs it at the beginning of the run,
+    in the process the stock probes share (no plugin: _stock_jobs.py), with vLLM's own MLA path (--stock-mla)."""
+    from _stock_jobs import stock_job
+
+    return {"stock_vllm_probe_deepseek_v3_mla": stock_job(
+        "_stock_vllm_deepseek_probe.py", tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **LATENT), "bfloat16",
+        json.dumps(random_prompts(*STOCK_PROMPTS)), "--stock-mla", timeout=900,
+        for_test="test_negative_control_stock_vllm_mla_differs")}
 
 
 def _trainer(path, form):
@@ -163,24 +173,18 @@ def test_negative_control_expanded_trainer_differs(engine, model_dir):
     assert bool((bits(eng) != bits(torch.cat(expanded))).any())
 
 
-def test_negative_control_stock_vllm_mla_differs(model_dir, trainer):
-    """Stock vLLM-CPU MLA (CPU_MLA: expanded SDPA prefill, absorbed decode; no plugin, fresh process) vs the
-    absorbed trainer: not bitwise equal."""
+def test_negative_control_stock_vllm_mla_differs(background, model_dir, trainer):
+    """Stock vLLM-CPU MLA (CPU_MLA: expanded SDPA prefill, absorbed decode; no plugin, a process without the plugin:
+    the stock probes' shared one) vs the absorbed trainer: not bitwise equal."""
     from aligned_ops.integrations.rollout import Rollout
 
-    env = dict(os.environ, VLLM_PLUGINS="", ALIGNED_PROBE_STOCK_MLA="1")
-    for name in ("ALIGNED_OPS_VLLM", "ALIGNED_OPS_MLA_FORM", "VLLM_MLA_DISABLE"):
-        env.pop(name, None)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_deepseek_probe.py")
-    res = subprocess.run([sys.executable, probe, model_dir, "bfloat16", json.dumps(random_prompts([20, 45, 60], 9))],
-                         env=env, capture_output=True, text=True, timeout=900)
+    res = background.result("stock_vllm_probe_deepseek_v3_mla")
     assert res.returncode == 0, res.stderr[-3000:]
     from _aligned_engine import logprobs_from_bits, parse_result
 
     out = parse_result(res.stdout)
-    assert out["use_mla"] is True, out["use_mla"]  # stock vLLM's own MLA path (ALIGNED_PROBE_STOCK_MLA=1)
+    assert out["use_mla"] is True, out["use_mla"]  # stock vLLM's own MLA path (--stock-mla)
+    assert [s["prompt"] for s in out["rollouts"]] == random_prompts(*STOCK_PROMPTS)
     rollouts = [Rollout(s["prompt"], s["tokens"], logprobs_from_bits(s["logprobs"])) for s in out["rollouts"]]
     ours = torch.cat(teacher_forced(trainer, rollouts, temperature=0.0))
     theirs = torch.cat([r.logprobs_tensor() for r in rollouts])

@@ -15,15 +15,13 @@ pytest.importorskip("vllm")
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
 from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, shutdown  # noqa: E402
 from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
-from aligned_ops.testing.tiny_model import build_tiny_deepseek_v3  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("dsv3mlatp") / "m", torch.bfloat16, seed=0,
-                                  kv_lora_rank=512, qk_rope_head_dim=64)
+def model_dir(tiny_checkpoint):  # (the single-process MLA module's model too: built once per run)
+    return tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 def _trainer(path, form):

@@ -9,8 +9,6 @@ separate process and asserts that the same comparison finds differences.
 
 import gc
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -169,16 +167,12 @@ def test_refit_then_bitwise_equal(engine):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
-    env = dict(os.environ)
-    env.pop("ALIGNED_OPS_VLLM", None)
-    env["VLLM_PLUGINS"] = ""  # even if aligned_ops is pip-installed, vLLM loads no plugin
-    env["OMP_NUM_THREADS"] = "2"
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_probe.py")
-    return {"stock_vllm_probe_dense": dict(
-        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=1200)}  # generous: it runs beside the suite (tests/_background.py)
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run,
+    in the process the stock probes share (no plugin: _stock_jobs.py)."""
+    from _stock_jobs import stock_job
+
+    return {"stock_vllm_probe_dense": stock_job("_stock_vllm_probe.py", tiny_checkpoint("qwen2", torch.bfloat16, seed=0),
+                                                "bfloat16", timeout=1200)}  # generous: it runs beside the suite
 
 
 def test_negative_control_stock_vllm_mismatches(background):

@@ -10,8 +10,6 @@ stock HF in a fresh process and asserts differing log-probs and a nonzero routin
 
 import gc
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -143,17 +141,12 @@ def test_qwen2_moe_shared_expert_bitwise(tmp_path, param):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
-    env = dict(os.environ)
-    env.pop("ALIGNED_OPS_VLLM", None)
-    env["VLLM_PLUGINS"] = ""
-    env["OMP_NUM_THREADS"] = "2"
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_vllm_moe_probe.py")
-    return {"stock_vllm_probe_moe": dict(
-        argv=[sys.executable, probe, tiny_checkpoint("moe", torch.bfloat16, seed=0), "bfloat16", "6"], env=env,
-        timeout=1200)}  # generous: it runs beside the suite (tests/_background.py)
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run,
+    in the process the stock probes share (no plugin: _stock_jobs.py)."""
+    from _stock_jobs import stock_job
+
+    return {"stock_vllm_probe_moe": stock_job("_stock_vllm_moe_probe.py", tiny_checkpoint("moe", torch.bfloat16, seed=0),
+                                              "bfloat16", "6", timeout=1200)}  # generous: it runs beside the suite
 
 
 def test_negative_control_stock_vllm_vs_stock_hf_routing_flips(background):

@@ -16,7 +16,6 @@ trainer scores the rollouts of every engine in one 2-process launch (``fsdp2_sco
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -206,16 +205,12 @@ def test_tp_rollouts_bitwise_equal_fsdp2_trainer(fsdp2_scores, param, tp):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run."""
-    env = dict(os.environ)
-    env.pop("ALIGNED_OPS_VLLM", None)
-    env["VLLM_PLUGINS"] = ""
-    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")  # as for the engines here (integrations/conftest.py)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(aligned_ops.__file__)))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    probe = os.path.join(os.path.dirname(__file__), "_stock_tp_probe.py")
-    return {"stock_vllm_probe_tp": dict(
-        argv=[sys.executable, probe, tiny_checkpoint("qwen2", torch.bfloat16, seed=0), "bfloat16"], env=env, timeout=900)}
+    """The stock probe needs nothing from this process: tests/_background.py starts it at the beginning of the run,
+    in the process the stock probes share (no plugin: _stock_jobs.py)."""
+    from _stock_jobs import stock_job
+
+    return {"stock_vllm_probe_tp": stock_job("_stock_tp_probe.py", tiny_checkpoint("qwen2", torch.bfloat16, seed=0),
+                                             "bfloat16", timeout=900)}
 
 
 def test_negative_control_stock_vllm_tp2_differs_from_tp1(background):
