@@ -172,20 +172,51 @@ struct WeightBlock {
   int64_t stride(bool partial) const { return partial || rows < 16 ? 64 : b_sn * 2; }
 };
 
+// The 2 x 2 register tile both paths run: result tile 2 i + j (0..3) accumulates first-operand tile i (tile
+// register 4 + i) times second-operand tile j (register 6 + j); kFirst, kSecond (1 or 2) of each are live.
+template <int kFirst, int kSecond>
+ALIGNED_AMX inline void zero_tiles() {
+  _tile_zero(0);
+  if (kSecond > 1) _tile_zero(1);
+  if (kFirst > 1) _tile_zero(2);
+  if (kFirst > 1 && kSecond > 1) _tile_zero(3);
+}
+
+// One block: the loads (row strides in bytes) and up to four tdpbf16ps. f1 is read only when kFirst > 1.
+template <int kFirst, int kSecond>
+ALIGNED_AMX inline void step_tiles(const void* f0, int64_t sf0, const void* f1, int64_t sf1, const void* s0,
+                                   const void* s1) {
+  _tile_loadd(4, f0, sf0);
+  _tile_loadd(6, s0, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (kSecond > 1) {
+    _tile_loadd(7, s1, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if (kFirst > 1) {
+    _tile_loadd(5, f1, sf1);
+    _tile_dpbf16ps(2, 5, 6);
+    if (kSecond > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+template <int kFirst, int kSecond>
+ALIGNED_AMX inline void store_tiles(float* lt) {
+  _tile_stored(0, lt, 64);
+  if (kSecond > 1) _tile_stored(1, lt + kTileDwords, 64);
+  if (kFirst > 1) _tile_stored(2, lt + 2 * kTileDwords, 64);
+  if (kFirst > 1 && kSecond > 1) _tile_stored(3, lt + 3 * kTileDwords, 64);
+}
+
 // Lane sums of NBK weight-row blocks x MBK activation blocks over one lane: C'[n][m] tiles stored to
 // lt[(i * kMB + j) * 256]. Tile numbers must be immediates: the block counts are template parameters.
 template <int NBK, int MBK>
 ALIGNED_AMX void lane_tiles(const WeightBlock* wb, const uint32_t* xq, int64_t Q, int64_t q0, int64_t k0,
                             int64_t k1, float* lt, bool prefetch) {
-  _tile_zero(0);
-  if (MBK > 1) _tile_zero(1);
-  if (NBK > 1) _tile_zero(2);
-  if (NBK > 1 && MBK > 1) _tile_zero(3);
+  zero_tiles<NBK, MBK>();
   int64_t q = q0;
   for (int64_t kb = k0; kb < k1; kb += kBlock, ++q) {
     const bool partial = k1 - kb < kBlock;
-    const uint16_t* a0 = wb[0].tile(q, kb, partial);
-    const int64_t s0 = wb[0].stride(partial);
     // The weight rows two groups on, same k (a hint: past the matrix is harmless): decode streams the weight
     // from DRAM, 32 rows side by side in short pieces per lane, too many streams for the hardware prefetcher.
     // Only the first activation group asks (the others find the group's rows in L2).
@@ -193,23 +224,11 @@ ALIGNED_AMX void lane_tiles(const WeightBlock* wb, const uint32_t* xq, int64_t Q
 #pragma GCC unroll 16
       for (int r = 0; r < 16 * NBK; ++r)
         _mm_prefetch((const char*)(wb[0].base + (kPrefetchRows + r) * wb[0].b_sn + kb), _MM_HINT_T0);
-    _tile_loadd(4, a0, s0);
-    _tile_loadd(6, xq + q * kTileDwords, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (MBK > 1) {
-      _tile_loadd(7, xq + (Q + q) * kTileDwords, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (NBK > 1) {
-      _tile_loadd(5, wb[1].tile(q, kb, partial), wb[1].stride(partial));
-      _tile_dpbf16ps(2, 5, 6);
-      if (MBK > 1) _tile_dpbf16ps(3, 5, 7);
-    }
+    step_tiles<NBK, MBK>(wb[0].tile(q, kb, partial), wb[0].stride(partial),
+                         NBK > 1 ? wb[1].tile(q, kb, partial) : nullptr, NBK > 1 ? wb[1].stride(partial) : 0,
+                         xq + q * kTileDwords, xq + (Q + q) * kTileDwords);
   }
-  _tile_stored(0, lt, 64);
-  if (MBK > 1) _tile_stored(1, lt + kTileDwords, 64);
-  if (NBK > 1) _tile_stored(2, lt + 2 * kTileDwords, 64);
-  if (NBK > 1 && MBK > 1) _tile_stored(3, lt + 3 * kTileDwords, 64);
+  store_tiles<NBK, MBK>(lt);
 }
 
 using LaneTilesFn = void (*)(const WeightBlock*, const uint32_t*, int64_t, int64_t, int64_t, int64_t, float*, bool);
@@ -328,28 +347,10 @@ ALIGNED_AMX void gemm_typed(const uint16_t* a, int64_t a_sm, const uint16_t* b, 
 template <int MBK, int NBK>
 ALIGNED_AMX void lane_tiles_packed(const uint16_t* xa, const uint32_t* wp, int64_t Q, int64_t q0, int64_t q1,
                                    float* lt) {
-  _tile_zero(0);
-  if (NBK > 1) _tile_zero(1);
-  if (MBK > 1) _tile_zero(2);
-  if (MBK > 1 && NBK > 1) _tile_zero(3);
-  for (int64_t q = q0; q < q1; ++q) {
-    _tile_loadd(4, xa + q * 512, 64);
-    _tile_loadd(6, wp + q * kTileDwords, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (NBK > 1) {
-      _tile_loadd(7, wp + (Q + q) * kTileDwords, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (MBK > 1) {
-      _tile_loadd(5, xa + (Q + q) * 512, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if (NBK > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, lt, 64);
-  if (NBK > 1) _tile_stored(1, lt + kTileDwords, 64);
-  if (MBK > 1) _tile_stored(2, lt + 2 * kTileDwords, 64);
-  if (MBK > 1 && NBK > 1) _tile_stored(3, lt + 3 * kTileDwords, 64);
+  zero_tiles<MBK, NBK>();
+  for (int64_t q = q0; q < q1; ++q)
+    step_tiles<MBK, NBK>(xa + q * 512, 64, xa + (Q + q) * 512, 64, wp + q * kTileDwords, wp + (Q + q) * kTileDwords);
+  store_tiles<MBK, NBK>(lt);
 }
 
 using LaneTilesPackedFn = void (*)(const uint16_t*, const uint32_t*, int64_t, int64_t, int64_t, float*);
