@@ -170,7 +170,13 @@ KERNEL_SHAPES = [(1, 64, 16), (1, 7, 3), (2, 1, 5), (3, 77, 33), (7, 130, 31), (
                  (64, 96, 33), (100, 66, 70), (259, 40, 20)]
 
 
-@pytest.mark.parametrize("M,K,N", KERNEL_SHAPES)
+# The AMX unit's paths (gemm_amx_mma_kernels.cpp; test_linear_mma_amx.py): row tails and row groups, column tails,
+# lanes of whole 32-k blocks and lanes ending in a partial one, K < 8, K = 1.
+AMX_SHAPES = [(1, 896, 40), (15, 203, 17), (16, 256, 32), (17, 77, 33), (31, 4864, 20), (32, 5, 48), (33, 1, 16),
+              (47, 130, 31), (100, 320, 70), (259, 64, 9)]
+
+
+@pytest.mark.parametrize("M,K,N", KERNEL_SHAPES + AMX_SHAPES)
 def test_kernel_bitwise_equal_to_reference_on_every_path(M, K, N):
     x, w = rand(M, K, seed=M + K), rand(N, K, seed=N, scale=0.05)
     xa, wa = adversarial(M, K, N, seed=M * 7 + N)

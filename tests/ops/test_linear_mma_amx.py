@@ -5,7 +5,8 @@ itself, used the plainest way: one element per instruction on 1 x 1 tiles, the a
 column in the other operand roles, each block copied into zero-padded buffers (``_linear_mma_reference`` on this
 unit). Bits compared through integer views, NaN positions only (the unit's NaN payloads are its own).
 
-- kernel == that reference: every tile path of the kernel (row tails 1..47 and several row groups, column tails,
+- kernel == that reference (test_linear_mma.py's kernel-vs-reference test, which takes AMX_SHAPES below): every
+  tile path of the kernel (row tails 1..47 and several row groups, column tails,
   lanes that end in a partial block and lanes of whole blocks, K < 8, K = 1), lanes 1, 2, 4, 8, random and
   adversarial values (subnormals, overflow, inf, NaN, signed zeros), weights read in place with an odd row stride
   and a base that is not 4-byte aligned;
@@ -52,22 +53,8 @@ def test_the_amx_level_runs_the_amx_unit():
 # Row counts: one row group (1, 15, 16), two blocks (17, 31, 32), a tail block past two (33, 47), several groups
 # (100, 259). Columns: N % 16 and N % 32 tails, one block. K: lanes of whole 32-blocks (256: 32 each; 4864: 608 =
 # 19 blocks), lanes ending in a partial block (896, 203, 77), K < 8 (empty lanes), K = 1.
-AMX_SHAPES = [(1, 896, 40), (15, 203, 17), (16, 256, 32), (17, 77, 33), (31, 4864, 20), (32, 5, 48), (33, 1, 16),
-              (47, 130, 31), (100, 320, 70), (259, 64, 9)]
-
-
-@pytest.mark.parametrize("M,K,N", AMX_SHAPES)
-def test_kernel_equals_the_instruction_one_element_at_a_time(M, K, N):
-    x, w = rand(M, K, seed=M + K), rand(N, K, seed=N, scale=0.05)
-    xa, wa = adversarial(M, K, N, seed=M * 7 + N)
-    for xx, ww in ((x, w), (xa, wa)):
-        for lanes in (1, 2, 4, 8):
-            ref = ops._linear_mma_reference(xx, ww, lanes)
-            assert same_bits_nan_aware(ops.linear_mma_partial(xx, ww, lanes), ref), (M, K, N, lanes)
-    b = rand(N, seed=9)
-    ref = ops._linear_mma_reference(x, w, 8)
-    assert_bitwise_equal(ops.linear_mma(x, w, b), (ref + b.float()).to(BF))
-    assert_bitwise_equal(ops.linear_mma(x, w), ref.to(BF))
+# the AMX paths' shapes (test_linear_mma.py's kernel-vs-reference test runs them on either unit)
+from test_linear_mma import AMX_SHAPES  # noqa: E402
 
 
 def test_weight_read_in_place_with_odd_stride_and_misaligned_base():
