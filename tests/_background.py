@@ -134,29 +134,53 @@ class Background:
             self._run_shared(unit, nice)
 
     def _run_shared(self, unit: tuple, nice: int) -> None:
-        """The jobs of ``unit`` in one interpreter (tests/_shared_process.py), each its own result."""
+        """The jobs of ``unit`` in one interpreter (tests/_shared_process.py), each its own result. A job whose
+        timeout or crash ends the interpreter fails alone, named at the end of its stderr; the jobs after it run
+        in a fresh interpreter. Any error here becomes every unrecorded job's failure (a waiting test never hangs)."""
         import json
 
-        jobs = [self._jobs[k] for k in unit]
         work = self._shared_dirs[unit]
-        spec = work / "spec.json"
-        spec.write_text(json.dumps([{"key": k, "argv": j["argv"][1:], "timeout": j.get("timeout", 600)}
-                                    for k, j in zip(unit, jobs)]))
         runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shared_process.py")
-        key = "+".join(unit)
-        whole = self._run_one(key, nice, job=dict(argv=[_sys.executable, runner, str(spec), str(work)],
-                                                  env=jobs[0]["env"], timeout=sum(j.get("timeout", 600) for j in jobs)))
-        with self._cv:
+        results: dict[str, JobResult] = {}
+        try:
+            remaining, attempt = list(unit), 0
+            while remaining:
+                jobs = [self._jobs[k] for k in remaining]
+                spec = work / f"spec{attempt}.json"
+                spec.write_text(json.dumps([{"key": k, "argv": j["argv"][1:], "timeout": j.get("timeout", 600)}
+                                            for k, j in zip(remaining, jobs)]))
+                name = "+".join(remaining)
+                whole = self._run_one(name, nice, job=dict(
+                    argv=[_sys.executable, runner, str(spec), str(work)], env=jobs[0]["env"],
+                    timeout=sum(j.get("timeout", 600) for j in jobs) + 60))
+                died_in = None
+                for k, j in zip(remaining, jobs):
+                    rc_file, out_file, err_file, started = (work / f"{k}.{ext}" for ext in ("rc", "out", "err",
+                                                                                             "started"))
+                    out = out_file.read_text(errors="replace") if out_file.exists() else ""
+                    err = err_file.read_text(errors="replace") if err_file.exists() else ""
+                    if rc_file.exists():
+                        results[k] = JobResult(int(rc_file.read_text()), out, err, whole.seconds)
+                    elif started.exists() and died_in is None:
+                        died_in = k
+                        results[k] = JobResult(whole.returncode or -1, out, err + "\n" + whole.stderr[-3000:] + (
+                            f"\n[{k}: the shared process {name!r} ended (status {whole.returncode}) while running "
+                            f"this job: its own timeout of {j.get('timeout', 600)} s (faulthandler's 'Timeout' "
+                            f"stacks above) or a crash; the jobs after it ran in a fresh process]\n"), whole.seconds)
+                done = set(results)
+                left = [k for k in remaining if k not in done]
+                if died_in is None and left:  # the runner died before starting any of them: no retry loop
+                    for k in left:
+                        results[k] = JobResult(whole.returncode or -1, "", f"[shared process {name!r} ended (status "
+                                               f"{whole.returncode}) before this job started]\n" + whole.stderr[-3000:],
+                                               whole.seconds)
+                    left = []
+                remaining, attempt = left, attempt + 1
+        except Exception as e:  # noqa: BLE001 - recorded as the failure of every job not yet recorded
             for k in unit:
-                rc_file, out_file, err_file = (work / f"{k}.{ext}" for ext in ("rc", "out", "err"))
-                out = out_file.read_text(errors="replace") if out_file.exists() else ""
-                err = err_file.read_text(errors="replace") if err_file.exists() else ""
-                if rc_file.exists():
-                    rc = int(rc_file.read_text())
-                else:  # never reached, or the process died in it
-                    rc = whole.returncode or -1
-                    err += f"\n[shared process {key!r} ended (status {whole.returncode}) before this job did]\n" + whole.stderr
-                self._results[k] = JobResult(rc, out, err, whole.seconds)
+                results.setdefault(k, JobResult(-1, "", f"[shared process of {unit!r}: {type(e).__name__}: {e}]", 0.0))
+        with self._cv:
+            self._results.update(results)
             self._cv.notify_all()
 
     def _run_one(self, key: str, nice: int, job: dict | None = None) -> JobResult:

@@ -5,8 +5,9 @@ anything, and a stock-vLLM probe needs a process without the plugin, not a proce
 Usage: python _shared_process.py SPEC_JSON OUT_DIR
 SPEC_JSON: a list of ``{"key": ..., "argv": [...], "timeout": seconds}``, each ``argv`` what followed
 ``sys.executable`` in the job's own command (``SCRIPT ARGS...`` or ``-c CODE ARGS...``). A job still running after
-its own timeout ends the process (faulthandler: the job's threads' stacks on its stderr; the jobs after it are
-reported as not reached), as its own process would have been killed. For each job, in order: file descriptors 1 and 2 are
+its own timeout ends the process (faulthandler: the job's threads' stacks on its stderr), as its own process
+would have been killed; the parent (tests/_background.py) then names that job's timeout or crash at the end of its
+stderr and runs the jobs after it in a fresh runner, so one job's hang or crash fails only its own tests. For each job, in order: file descriptors 1 and 2 are
 pointed at ``OUT_DIR/KEY.out`` / ``KEY.err`` (what the script, vLLM's loggers and C code print), ``sys.argv`` and
 ``sys.path[0]`` are what ``python SCRIPT ARGS`` would have given it, the script runs as ``__main__`` (``os.environ``
 is restored after it: what it set there was its own), and its exit
@@ -58,7 +59,7 @@ def _run_one(argv: list) -> int:
             runpy.run_path(argv[0], run_name="__main__")
         rc = 0
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        rc = int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)  # (int(True) == 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - the job's failure, reported as its own
@@ -85,6 +86,8 @@ def main() -> None:
     own_out, own_err = os.dup(1), os.dup(2)
     for job in jobs:
         key = job["key"]
+        # the parent names the job a dead process died in: the one started and without an exit status
+        open(os.path.join(out_dir, key + ".started"), "w").close()
         with open(os.path.join(out_dir, key + ".out"), "wb") as out, open(os.path.join(out_dir, key + ".err"), "wb") as err:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(out.fileno(), 1)
@@ -97,8 +100,9 @@ def main() -> None:
                 sys.stdout.flush(), sys.stderr.flush()
                 os.dup2(own_out, 1)
                 os.dup2(own_err, 2)
-        with open(os.path.join(out_dir, key + ".rc"), "w") as f:
+        with open(os.path.join(out_dir, key + ".rc.tmp"), "w") as f:  # (whole or absent: a kill mid-write)
             f.write(str(rc))
+        os.replace(os.path.join(out_dir, key + ".rc.tmp"), os.path.join(out_dir, key + ".rc"))
         print(f"[_shared_process] {key}: exit status {rc}", flush=True)
 
 
