@@ -105,6 +105,11 @@ class Profile:
                                                    combine=combine, check=check, intermediate_size=intermediate_size,
                                                    shared_intermediate_size=shared_intermediate_size)
 
+    def cpu_unit(self) -> str | None:
+        """The CPU unit whose bits this profile's linears are in this process (None: the same bits on every CPU).
+        Two processes meant to agree bit for bit (the async runner's learner and workers) compare it."""
+        return None
+
     def model_refusals(self, dtype, device: str = "cpu") -> list[str]:
         """Why a model of ``dtype`` cannot run this profile on this machine's ``device`` type (empty: it can): what
         the profile's unit multiplies, and whether the machine has that unit. Checked at start-up by the trainer patch, the
@@ -268,9 +273,13 @@ class MmaProfile(Profile):
                 "in order (8 fixed token blocks), db fp32 column chains (deterministic; dW follows the batch "
                 "composition like any sum over the batch).")
 
+    def cpu_unit(self) -> str | None:
+        """``amx_bf16`` or ``avx512_bf16``: chosen per process by the CPU kernel level, and the bits are its own."""
+        return _mma.mma_unit()
+
     def describe(self) -> str:
         """The profile's paragraph, and which CPU unit this process runs it on (the bits are that unit's)."""
-        unit = _mma.mma_unit()
+        unit = self.cpu_unit()
         return super().describe() + (f" This process's CPU unit: {unit}." if unit else "")
 
     def linear(self, x, weight, bias=None):

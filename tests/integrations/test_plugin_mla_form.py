@@ -77,8 +77,13 @@ def test_absorbed_default_keeps_chunked_prefill_and_prefix_caching(ds_dir):
     assert vllm_plugin.engine_mla_form(cfg) == "absorbed"
     assert cfg.scheduler_config.enable_chunked_prefill and cfg.cache_config.enable_prefix_caching
     assert cfg.scheduler_config.max_num_batched_tokens == 32
-    # negative control: vLLM's own CPU platform update on the same config turns both off
+    # negative control: vLLM's own CPU platform update on the same config, for its reference CPU MLA backend, turns
+    # both off. (On a CPU with AMX tiles vLLM picks its AMX_MLA backend instead, which keeps both: the control
+    # names CPU_MLA, so it means the same on every machine.)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     stock = copy.deepcopy(cfg)
+    stock.attention_config.backend = AttentionBackendEnum.CPU_MLA
     patches.original(CpuPlatform, "check_and_update_config")(stock)
     assert not stock.scheduler_config.enable_chunked_prefill and not stock.cache_config.enable_prefix_caching
     assert stock.scheduler_config.max_num_batched_tokens > 32

@@ -180,8 +180,9 @@ def test_an_mma_worker_on_another_cpu_unit_stops_the_run():
     from aligned_ops.runner.loop import check_engine_profiles
 
     mine = aligned_ops.mma_unit()
-    check_engine_profiles({0: {"linear_profile": "mma", "mma_unit": mine}}, profiles.MMA)
+    assert profiles.MMA.cpu_unit() == mine and profiles.FMA.cpu_unit() is None and profiles.EXACT.cpu_unit() is None
+    check_engine_profiles({0: {"linear_profile": "mma", "cpu_unit": mine}}, profiles.MMA)
     other = "avx512_bf16" if mine == "amx_bf16" else "amx_bf16"
     with pytest.raises(RuntimeError, match=f"rollout worker 0 runs the mma profile on CPU unit '{other}', the learner "
                                            f"on '{mine}'"):
-        check_engine_profiles({0: {"linear_profile": "mma", "mma_unit": other}}, profiles.MMA)
+        check_engine_profiles({0: {"linear_profile": "mma", "cpu_unit": other}}, profiles.MMA)

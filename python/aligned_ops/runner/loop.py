@@ -106,15 +106,12 @@ def check_engine_profiles(ready: dict, profile) -> None:
             raise RuntimeError(f"aligned-ops train: rollout worker {w}'s vLLM engine runs linear profile {got!r}, "
                                f"the learner {profile.name!r}; both sides must run one profile (is the aligned_ops "
                                "vLLM plugin installed in the worker's environment?)")
-        if profile.name == "mma":
-            # the mma profile's CPU bits are its unit's (amx_bf16 or avx512_bf16: per process, by kernel level)
-            from ..ops.linear_mma import mma_unit
-
-            mine, theirs = mma_unit(), info.get("mma_unit")
-            if theirs != mine:
-                raise RuntimeError(f"aligned-ops train: rollout worker {w} runs the mma profile on CPU unit "
-                                   f"{theirs!r}, the learner on {mine!r}; the two units give different bits (set "
-                                   "one ALIGNED_CPU_ISA for both, e.g. avx512)")
+        # a profile whose CPU bits are a per-process unit's (mma: amx_bf16 or avx512_bf16, by kernel level)
+        mine, theirs = profile.cpu_unit(), info.get("cpu_unit")
+        if theirs != mine:
+            raise RuntimeError(f"aligned-ops train: rollout worker {w} runs the {profile.name} profile on CPU unit "
+                               f"{theirs!r}, the learner on {mine!r}; the two units give different bits (set one "
+                               "ALIGNED_CPU_ISA for both, e.g. avx512)")
 
 
 def default_cores(workers: int) -> list | None:

@@ -118,15 +118,14 @@ def _run(spec: dict, outbox) -> None:
     # Warm-up (not timed by the learner): the first generate compiles vLLM's CPU sampling helpers.
     warm_prompt = task.sample(torch.Generator().manual_seed(0), 1)[0][0]
     _generate(llm, [warm_prompt], task.max_answer_tokens, cfg.temperature, [1])
-    engine_profile = None
-    if aligned:  # the profile the plugin configured the engine with (the learner checks it is its own)
+    engine_profile = unit = None
+    if aligned:  # the profile the plugin configured the engine with, and its CPU unit (the learner checks both)
         from ..integrations.vllm import installed_profile
 
         engine_profile = getattr(installed_profile(), "name", None)
-    from ..ops.linear_mma import mma_unit
-
+        unit = installed_profile().cpu_unit() if installed_profile() is not None else None
     outbox.put(("ready", spec["worker"], {"startup_s": time.time() - t_start, "pid": os.getpid(),
-                                          "linear_profile": engine_profile, "mma_unit": mma_unit()}))
+                                          "linear_profile": engine_profile, "cpu_unit": unit}))
 
     loaded = None
     k, W = cfg.lag, spec["workers"]
