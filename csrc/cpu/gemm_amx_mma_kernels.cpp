@@ -138,6 +138,16 @@ void pack_activations(uint32_t* __restrict xp, const uint16_t* a, int64_t a_sm, 
   pack_pairs(xp, a, a_sm, rows, ln, 0, (rows + 15) / 16);
 }
 
+// One 16 x 32 bf16 row tile: rows src[i * stride + kb .. + cnt) for i < valid, +0 elsewhere (past the lane's end, past
+// the last row). The packed path's activation tiles and the in-place path's staged weight tiles.
+inline void copy_row_tile(uint16_t* __restrict dst, const uint16_t* src, int64_t stride, int valid, int64_t kb,
+                          int cnt) {
+  const __mmask32 m = cnt >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
+  for (int i = 0; i < 16; ++i)
+    _mm512_store_si512(dst + i * 32, i < valid ? _mm512_maskz_loadu_epi16(m, src + i * stride + kb)
+                                               : _mm512_setzero_si512());
+}
+
 // Rows a[0 .. rows) as the instruction's FIRST operand (the packed-weight path): row tiles of 16 rows x 32 k,
 // xa[(mb * Q + q) * 512 + i * 32 + e] = a[16 mb + i, kb + e], +0 past the lane's end and for rows >= `rows`.
 void pack_row_tiles(uint16_t* __restrict xa, const uint16_t* a, int64_t a_sm, int64_t rows, const Lanes& ln) {
@@ -146,14 +156,9 @@ void pack_row_tiles(uint16_t* __restrict xa, const uint16_t* a, int64_t a_sm, in
     const int valid = (int)std::min<int64_t>(16, rows - 16 * mb);
     for (int l = 0; l < ln.n; ++l) {
       int64_t q = ln.q0[l];
-      for (int64_t kb = ln.k0[l]; kb < ln.k0[l + 1]; kb += kBlock, ++q) {
-        const int cnt = (int)std::min<int64_t>(kBlock, ln.k0[l + 1] - kb);
-        const __mmask32 m = cnt >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
-        uint16_t* dst = xa + (mb * Q + q) * 512;
-        for (int i = 0; i < 16; ++i)
-          _mm512_store_si512(dst + i * 32, i < valid ? _mm512_maskz_loadu_epi16(m, a + (16 * mb + i) * a_sm + kb)
-                                                     : _mm512_setzero_si512());
-      }
+      for (int64_t kb = ln.k0[l]; kb < ln.k0[l + 1]; kb += kBlock, ++q)
+        copy_row_tile(xa + (mb * Q + q) * 512, a + 16 * mb * a_sm, a_sm, valid, kb,
+                      (int)std::min<int64_t>(kBlock, ln.k0[l + 1] - kb));
     }
   }
 }
@@ -241,11 +246,7 @@ void stage_weight_block(const WeightBlock& w, const Lanes& ln) {
     for (int64_t kb = ln.k0[l]; kb < ln.k0[l + 1]; kb += kBlock, ++q) {
       const int cnt = (int)std::min<int64_t>(kBlock, ln.k0[l + 1] - kb);
       if (cnt == kBlock && w.rows == 16) continue;
-      uint16_t* dst = w.stage + q * 512;
-      const __mmask32 m = cnt >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << cnt) - 1u);
-      for (int r = 0; r < 16; ++r)
-        _mm512_store_si512(dst + r * 32, r < w.rows ? _mm512_maskz_loadu_epi16(m, w.base + r * w.b_sn + kb)
-                                                    : _mm512_setzero_si512());
+      copy_row_tile(w.stage + q * 512, w.base, w.b_sn, w.rows, kb, cnt);
     }
   }
 }

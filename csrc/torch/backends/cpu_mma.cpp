@@ -35,13 +35,10 @@ void Cpu::mma_gemm(const Call& call, const GemmParams& p) {
   if (!b.mma->row_major_b || p.K <= 1 || p.b_sk == 1) return cpu::run_gemm_tiles(p, b.mma->gemm);
   // The AMX kernel reads B's rows as tiles (unit k-stride): a column-major B (the backward's w and x, read in
   // place by the vdpbf16ps kernel) is copied row-major once, so dx and dw run the forward's chain unchanged.
-  at::Tensor rows = at::empty({p.N, p.K}, at::TensorOptions().dtype(at::kBFloat16));
-  auto* dst = (uint16_t*)rows.data_ptr();
-  const auto* src = (const uint16_t*)p.B;
-  cpu::ieee_parallel_for(0, p.N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t k = 0; k < p.K; ++k) dst[n * p.K + k] = src[n * p.b_sn + k * p.b_sk];
-  });
+  const at::Tensor rows =
+      at::from_blob(const_cast<void*>(p.B), {p.N, p.K}, {p.b_sn, p.b_sk}, at::TensorOptions().dtype(at::kBFloat16))
+          .contiguous();
+  const auto* dst = (const uint16_t*)rows.data_ptr();
   GemmParams q = p;
   q.B = dst;
   q.b_sn = p.K;
