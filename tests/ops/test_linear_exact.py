@@ -458,3 +458,33 @@ def test_verify_exact_profile_is_bitwise(background):
     assert row("linear profile") == ["stock", "exact"]
     d = float(row("max abs Δlogp exact vs fma")[1])
     assert 0.0 < d < 0.1
+
+
+def test_identity_map_is_weak_and_keyed_by_identity():
+    """The registry and caches of registered weights (ops/linear_exact.py IdentityMap): keyed by the tensor object,
+    not its value (two equal tensors are two keys), the entry dies with its tensor, and a tensor created later at
+    the same id (CPython reuses addresses) does not hit the dead one's entry. Control: while the first tensor
+    lives, the map does hold it."""
+    import gc
+
+    from aligned_ops.ops.linear_exact import IdentityMap
+
+    m = IdentityMap()
+    a, b = torch.zeros(3), torch.zeros(3)
+    m[a] = "a"
+    assert a in m and m.get(a) == "a"  # control
+    assert b not in m and m.get(b, "none") == "none"
+    ida = id(a)
+    del a
+    gc.collect()
+    assert m.values() == [] and ida not in m._entries
+    for _ in range(200):  # a later tensor at the dead one's address: never a hit
+        t = torch.zeros(3)
+        assert t not in m and m.get(t) is None
+        if id(t) == ida:
+            break
+    m[b] = "b"
+    m[b] = "b2"  # replacing keeps one entry; the replaced reference's callback must not drop the new one
+    assert m.get(b) == "b2" and m.values() == ["b2"]
+    m.clear()
+    assert b not in m

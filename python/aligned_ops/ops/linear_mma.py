@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from .. import emulation as _emulation
+from . import linear_exact as _exact
 from ._registry import ops, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
@@ -197,11 +199,8 @@ register_no_backward("linear_mma_packed", "it is the rollout side's cached-weigh
 # instructions). Memory: one more copy of each registered weight, each lane padded to whole 32-k blocks. Under
 # torch.compile (vLLM without enforce_eager) the weight is read in place.
 def _uses_packing(x, weight, bias) -> bool:
-    from .. import emulation
-    from . import linear_exact as _exact
-
     # (under aligned_ops.emulate the emulated GPU's kernel must run: the packed op is the CPU unit's)
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and emulation.active() is None
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and _emulation.active() is None
             and mma_unit() == "amx_bf16"
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and _exact.is_exact_weight_cacheable(weight)
@@ -211,8 +210,6 @@ def _uses_packing(x, weight, bias) -> bool:
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """The cached ``linear_mma_pack_weight(weight)`` of a registered weight (packed on first use)."""
-    from . import linear_exact as _exact
-
     return _exact.cached_derivation(weight, "linear_mma_pack_weight", ops.linear_mma_pack_weight)
 
 
@@ -221,8 +218,12 @@ def linear_mma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     fixed tree, + bias once, one rounding — csrc/common/mma.h). Batch-, thread- and TP-degree-invariant on one
     unit; refuses by name where the machine has none. On the amx_bf16 unit a registered weight's packing is
     cached and read instead of its rows (same bits; see ``_uses_packing``)."""
-    if _uses_packing(x, weight, bias):
-        return ops.linear_mma_packed(x, weight, packed_weight(weight), bias)
+    if not torch.compiler.is_compiling():
+        # The rollout's hot path (a registered weight: a vLLM parameter, whose __torch_function__ every property
+        # read and op call would go through, ~3 us each): the checks and the packed op on the plain tensor.
+        with torch._C.DisableTorchFunctionSubclass():
+            if _uses_packing(x, weight, bias):
+                return ops.linear_mma_packed(x, weight, packed_weight(weight), bias)
     return ops.linear_mma(x, weight, bias)
 
 
