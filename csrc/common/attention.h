@@ -135,13 +135,20 @@ struct AttnTileProbs {
   }
 };
 
+// m_new of one tile: attn_tile_max, the scalar form; a vector backend passes its own to attn_tile_update (csrc/cpu/
+// simd.h TileMax32: the same value and sign on every input, the scalar itself where a NaN or a zero maximum makes
+// the fold's order visible), held to this one by tests/common/simd_conformance.cpp.
+struct AttnTileMax {
+  ALIGNED_HD float operator()(const float* s, int nv, float m) const { return attn_tile_max(s, nv, m); }
+};
+
 // Step 3, one tile: s[0..nv) are the scaled scores, v(j) returns a pointer to value row j (fp32 or T).
 // State: *m, *l, acc[D]. pv is scratch of D floats. probs(s, nv, mu, p) writes the kAttnTile probabilities
-// (AttnTileProbs or a form with its bits).
-template <typename VRow, typename Probs = AttnTileProbs>
+// (AttnTileProbs or a form with its bits); tile_max(s, nv, m) is m_new (AttnTileMax or a form with its bits).
+template <typename VRow, typename Probs = AttnTileProbs, typename Max = AttnTileMax>
 ALIGNED_HD void attn_tile_update(const float* s, int nv, VRow v, int64_t D, float* m, float* l, float* acc,
-                                 float* pv, Probs probs = Probs()) {
-  const float m_new = attn_tile_max(s, nv, *m);
+                                 float* pv, Probs probs = Probs(), Max tile_max = Max()) {
+  const float m_new = tile_max(s, nv, *m);
   const float mu = attn_shift(m_new);
   const float alpha = exp_f32(*m - mu);
   float p[kAttnTile];
@@ -179,8 +186,11 @@ ALIGNED_HD void attn_merge_stats(const float* part, int64_t stride, int64_t n_sp
   *Mu_out = Mu;
   *L_out = L;
 }
-ALIGNED_HD float attn_merge_step(float acc_sd, float w_s, float O) { return fma_f32(acc_sd, w_s, O); }
-ALIGNED_HD float attn_merge_out(float O, float L) { return L == 0.0f ? 0.0f : div_f32(O, L); }
+// (F: float, or a CPU vector of floats whose lanes are D elements: fma_f32 / div_f32 lane by lane, same bits)
+template <typename F>
+ALIGNED_HD F attn_merge_step(F acc_sd, F w_s, F O) { return fma_f32(acc_sd, w_s, O); }
+template <typename F>
+ALIGNED_HD F attn_merge_out(F O, float L) { return L == 0.0f ? F(0.0f) : div_f32(O, F(L)); }
 ALIGNED_HD float attn_merge_lse(float M, float L) { return M + log_f32(L); }
 
 // Step 4: merge n_splits partials (m_s, l_s, acc_s) laid out as part[s * stride + {0: m, 1: l, 2..: acc}].

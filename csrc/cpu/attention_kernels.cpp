@@ -114,8 +114,10 @@ static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n
 // AttnTileProbs's bits, tests/common/test_simd_conformance.py), the header's scalar loop on the other levels.
 #if defined(__AVX512F__)
 constexpr simd::TileProbs<simd::F32x16, kAttnTile> kTileProbs{};
+constexpr simd::TileMax32 kTileMax{};  // m_new with attn_tile_max's bits (simd.h)
 #else
 constexpr AttnTileProbs kTileProbs{};
+constexpr AttnTileMax kTileMax{};
 #endif
 
 // out[i][j] = fma chain over d ascending of (x_i[d], mt[d][j]) from +0, for R vectors x_i (attention.h:
@@ -211,7 +213,7 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           float* st = part + (pr * b.n_splits + sp) * stride;
           const float* vbase = vr.data();
           attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data(),
-                           kTileProbs);
+                           kTileProbs, kTileMax);
         }
       }
     }
@@ -227,6 +229,27 @@ static void fwd_block(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64_t
   });
 }
 
+#if defined(__AVX512F__)
+// attention.h attn_merge with 16 output elements per vector (D % 16 == 0, bf16 / fp32 out): each lane is its
+// element's expressions — attn_merge_step's fma chain over the splits, attn_merge_out's IEEE division, one rounding
+// (simd.h store: from_f32's bits) — with the statistics and weights computed once per row as there. The scalar
+// form divided element by element: ~1/4 of prefill attention.
+template <typename T>
+static void attn_merge16(const float* part, int64_t stride, int64_t n_splits, int64_t D, float* w, T* out,
+                         float* lse) {
+  using V = simd::F32x16;
+  float M, Mu, L;
+  attn_merge_stats(part, stride, n_splits, &M, &Mu, &L);
+  for (int64_t s = 0; s < n_splits; ++s) w[s] = attn_merge_weight(part, stride, s, Mu);
+  for (int64_t d = 0; d < D; d += 16) {
+    V O = V::zero();
+    for (int64_t s = 0; s < n_splits; ++s) O = attn_merge_step(simd::load<V>(part + s * stride + 2 + d), V(w[s]), O);
+    simd::store(out + d, attn_merge_out(O, L), 16);
+  }
+  *lse = attn_merge_lse(M, L);
+}
+#endif
+
 static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part, void* out, float* lse) {
   const AttnSeq& s = a.seqs[b.seq];
   const int64_t D = a.D, G = a.Hq / a.Hkv;
@@ -239,7 +262,16 @@ static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part
       const int64_t ns = attn_num_splits(nk[r]);
       for (int64_t h = 0; h < G; ++h) {
         const int64_t row = (s.q_begin + b.r0 + r) * a.Hq + b.g * G + h;
-        attn_merge(part + (r * G + h) * b.n_splits * (D + 2), D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
+        const float* pr = part + (r * G + h) * b.n_splits * (D + 2);
+#if defined(__AVX512F__)
+        if constexpr (simd::kVectorStore<simd::F32x16, T>) {
+          if (D % 16 == 0) {
+            attn_merge16(pr, D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
+            continue;
+          }
+        }
+#endif
+        attn_merge(pr, D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
       }
     }
   });

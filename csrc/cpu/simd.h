@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../common/attention.h"  // attn_tile_max (TileMax32)
 #include "../common/numerics.h"
 
 #ifndef ALIGNED_ISA
@@ -316,6 +317,27 @@ struct TileProbs {
     }
   }
 };
+
+#if defined(__AVX512F__)
+// attention.h attn_tile_max for a tile of 32 scores with AVX-512 (the scalar's fold was a chain of 32 dependent
+// compares and branches: ~30 % of prefill attention). The scalar fold mt = (mt > s_j ? mt : s_j) over j < nv gives
+// the tile's largest value; where scores are equal it keeps the LAST one, which only shows in the sign of a zero
+// maximum, and after a NaN it restarts from the next score. vmaxps gives the same largest value but not those two
+// orders, so a tile whose valid scores hold a NaN or whose maximum is zero runs the scalar itself: the result is
+// attn_tile_max's, bit for bit, on every input (tests/common/simd_conformance.cpp).
+struct TileMax32 {
+  ALIGNED_SIMD_INLINE float operator()(const float* s, int nv, float m) const {
+    const __mmask16 k0 = first_lanes16(nv), k1 = first_lanes16(nv - 16);
+    const __m512 lowest = _mm512_set1_ps(neg_inf_f32());
+    const __m512 a = _mm512_mask_loadu_ps(lowest, k0, s), b = _mm512_mask_loadu_ps(lowest, k1, s + 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    if (nan) return attn_tile_max(s, nv, m);
+    const float mt = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    if (mt == 0.0f) return attn_tile_max(s, nv, m);
+    return max_f32(m, mt);
+  }
+};
+#endif
 
 // Whether store(T*, V, n) is a vector store (else the kernel rounds element by element with from_f32).
 template <typename V, typename T>

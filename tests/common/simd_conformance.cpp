@@ -270,6 +270,45 @@ static void check_tile_probs(const char* type) {
   report("negative_attn_tile_probs_unmasked", type, checked_neg, bad_neg);
 }
 
+#if defined(__AVX512F__)
+// simd.h TileMax32 — what the CPU attention forward passes to attn_tile_update as m_new — against attention.h's
+// attn_tile_max for every valid-key count nv = 0 .. 32: tiles of random scores, tiles whose maximum is a zero of
+// either sign (ties of -0 and +0: the scalar keeps the last), tiles with NaN among the valid scores, and +-inf; the
+// masked lanes j >= nv hold NaN, +inf or random bits (never read); the running m includes -inf and NaN.
+// Negative control: the vector maximum without the scalar fallback, which must differ (the zero sign, the NaN).
+static void check_tile_max() {
+  constexpr int T = aligned::kAttnTile;
+  const float special[] = {0.0f, -0.0f, from_bits(0x7fc00000u), from_bits(0x7f800000u), from_bits(0xff800000u)};
+  size_t checked = 0, bad = 0, bad_neg = 0;
+  for (int nv = 0; nv <= T; ++nv) {
+    for (int rep = 0; rep < 2048; ++rep) {
+      const std::vector<float> sv = inputs(T, 50.0f, false);
+      alignas(64) float s[T];
+      const int kind = rep % 4;  // 0 random, 1 zero maximum, 2 a NaN among the valid, 3 specials anywhere
+      for (int j = 0; j < T; ++j) {
+        float x = sv[j];
+        if (kind == 1) x = next_u32() % 2 ? (next_u32() % 2 ? 0.0f : -0.0f) : -(x < 0.0f ? -x : x) - 1.0f;
+        if (kind == 3 && next_u32() % 4 == 0) x = special[next_u32() % 5];
+        s[j] = j < nv ? x : next_u32() % 2 ? from_bits(0x7fc00000u) : from_bits(next_u32());
+      }
+      if (kind == 2 && nv > 0) s[next_u32() % nv] = from_bits(0x7fc00000u);
+      const float m = rep % 7 == 0 ? aligned::neg_inf_f32() : rep % 11 == 0 ? from_bits(0x7fc00000u)
+                                                            : rep % 5 == 0 ? 0.0f : sv[0] - 10.0f;
+      const float want = aligned::attn_tile_max(s, nv, m);
+      bad += !same(simd::TileMax32{}(s, nv, m), want);
+      const __mmask16 k0 = simd::first_lanes16(nv), k1 = simd::first_lanes16(nv - 16);
+      const __m512 lo = _mm512_set1_ps(aligned::neg_inf_f32());
+      const float raw = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_loadu_ps(lo, k0, s),
+                                                           _mm512_mask_loadu_ps(lo, k1, s + 16)));
+      bad_neg += !same(aligned::max_f32(m, raw), want);
+      ++checked;
+    }
+  }
+  report("attn_tile_max", "F32x16", checked, bad);
+  report("negative_attn_tile_max_no_fallback", "F32x16", checked, bad_neg);
+}
+#endif
+
 // exp on a stride of every bit pattern (the vector forms of exp_f32 re-express it, so they get the wide check).
 template <typename V>
 static void check_exp_sweep(const char* type) {
@@ -338,6 +377,7 @@ int main() {
 #endif
 #if defined(__AVX512F__)
   check_type<simd::F32x16>("F32x16");
+  check_tile_max();
 #endif
   return g_failed ? 1 : 0;
 }

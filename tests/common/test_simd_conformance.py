@@ -96,3 +96,7 @@ def test_negative_controls_differ(results, level):
                      "negative_attn_tile_probs_unmasked"):
             checked, bad = rows[(name, t)]
             assert bad > checked // 100, (name, t, bad)
+    if "F32x16" in TYPES[level]:  # the AVX-512 attention's tile maximum (simd.h TileMax32)
+        assert rows[("attn_tile_max", "F32x16")] [1] == 0
+        checked, bad = rows[("negative_attn_tile_max_no_fallback", "F32x16")]
+        assert bad > checked // 100, bad
