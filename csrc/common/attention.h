@@ -122,8 +122,11 @@ ALIGNED_HD float attn_tile_max(const float* s, int nv, float m) {  // m_new
 ALIGNED_HD float attn_shift(float m_new) { return m_new == neg_inf_f32() ? 0.0f : m_new; }  // mu
 ALIGNED_HD float attn_tile_prob(float s_j, int j, int nv, float mu) { return j < nv ? exp_f32(s_j - mu) : 0.0f; }
 ALIGNED_HD float attn_tile_l(float l, float alpha, float tile_sum) { return fma_f32(l, alpha, tile_sum); }
-ALIGNED_HD float attn_pv_step(float p_j, float v_jd, float pv) { return fma_f32(p_j, v_jd, pv); }
-ALIGNED_HD float attn_acc_step(float acc, float alpha, float pv) { return fma_f32(acc, alpha, pv); }
+// (F: float, or a CPU vector of floats whose lanes are D elements: fma_f32 lane by lane, same bits)
+template <typename F>
+ALIGNED_HD F attn_pv_step(F p_j, F v_jd, F pv) { return fma_f32(p_j, v_jd, pv); }
+template <typename F>
+ALIGNED_HD F attn_acc_step(F acc, F alpha, F pv) { return fma_f32(acc, alpha, pv); }
 
 // The probabilities of one tile: p[j] = attn_tile_prob(s[j], j, nv, mu) for j = 0 .. kAttnTile - 1
 // (exp_f32(s_j - mu) for j < nv, +0 past nv, whatever s[j] holds there). The scalar form; a vector backend passes

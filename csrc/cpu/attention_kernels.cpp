@@ -148,6 +148,76 @@ static void dots(int n, const float* const* x, const float* mt, int64_t D, float
   }
 }
 
+#if defined(__AVX512F__)
+// attn_tile_update for R (query row, head) pairs of one tile at once, head_dim DC (64 or 128), value rows vr [32][DC]
+// fp32: per pair exactly attn_tile_update's expressions in its order — m_new (kTileMax), mu, alpha, the
+// probabilities (kTileProbs), pv[d] = the chain over j < nv of attn_pv_step, l, acc[d] = attn_acc_step, m — with
+// the pairs interleaved: the R pairs' pv chains share each value row (R * DC/16 independent accumulators: one pair's
+// DC/16 chains of nv dependent fmas were latency-bound) and their alphas are one vector exp_f32 (lane by lane the
+// scalar's bits, tests/common/simd_conformance.cpp). st[i] = the pair's split state {m, l, acc[DC]}.
+template <int64_t DC, int R>
+static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const* st, const float* vr) {
+  using V = simd::F32x16;
+  constexpr int kC = (int)(DC / 16);
+  float m_new[R], mu[R];
+  alignas(64) float shift[16] = {}, alpha[16];
+  for (int i = 0; i < R; ++i) {
+    m_new[i] = kTileMax(sc[i], nv[i], st[i][0]);
+    mu[i] = attn_shift(m_new[i]);
+    shift[i] = st[i][0] - mu[i];
+  }
+  simd::store(alpha, exp_f32(simd::load<V>(shift)), 16);
+  alignas(64) float p[R][kT];
+  for (int i = 0; i < R; ++i) kTileProbs(sc[i], nv[i], mu[i], p[i]);
+  int n_max = nv[0];
+  for (int i = 1; i < R; ++i) n_max = std::max(n_max, nv[i]);
+  // 32 dims (two vectors) of every pair per pass, R x 2 accumulators in registers. A pair whose chain has ended
+  // (j >= nv: the causal diagonal) keeps its value through a select, so the loops have no per-pair trip count (with
+  // one, the compiler kept the accumulators on the stack).
+  for (int c = 0; c < kC; c += 2) {
+    V pv[R][2];
+    for (int i = 0; i < R; ++i) pv[i][0] = pv[i][1] = V::zero();
+    for (int j = 0; j < n_max; ++j) {
+      const V v0 = simd::load<V>(vr + j * DC + 16 * c), v1 = simd::load<V>(vr + j * DC + 16 * c + 16);
+      for (int i = 0; i < R; ++i) {
+        const __mmask16 on = j < nv[i] ? (__mmask16)0xffff : (__mmask16)0;
+        const V pj(p[i][j]);
+        pv[i][0] = _mm512_mask_blend_ps(on, pv[i][0].v, attn_pv_step(pj, v0, pv[i][0]).v);
+        pv[i][1] = _mm512_mask_blend_ps(on, pv[i][1].v, attn_pv_step(pj, v1, pv[i][1]).v);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const V a(alpha[i]);
+      float* acc = st[i] + 2 + 16 * c;
+      simd::store(acc, attn_acc_step(simd::load<V>(acc), a, pv[i][0]), 16);
+      simd::store(acc + 16, attn_acc_step(simd::load<V>(acc + 16), a, pv[i][1]), 16);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const float ts = fold_lanes(p[i]);
+    st[i][1] = attn_tile_l(st[i][1], alpha[i], ts);
+    st[i][0] = m_new[i];
+  }
+}
+
+template <int64_t DC>
+static void tile_update_group(const float (*sc)[kT], const int* nv, float* const* st, const float* vr, int cnt) {
+  if constexpr (DC == 64) {
+    switch (cnt) {
+      case 4: return tile_update_pairs<DC, 4>(sc, nv, st, vr);
+      case 3: return tile_update_pairs<DC, 3>(sc, nv, st, vr);
+      case 2: return tile_update_pairs<DC, 2>(sc, nv, st, vr);
+      default: return tile_update_pairs<DC, 1>(sc, nv, st, vr);
+    }
+  } else {  // 128: two pairs at a time (2 x 8 accumulators)
+    for (int i = 0; i < cnt; i += 2) {
+      if (cnt - i >= 2) tile_update_pairs<DC, 2>(sc + i, nv + i, st + i, vr);
+      else tile_update_pairs<DC, 1>(sc + i, nv + i, st + i, vr);
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void widen(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src[i]);
@@ -206,6 +276,20 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
         float sc[4][kT];
         for (int i = 0; i < cnt; ++i) xs[i] = qf.data() + active[i0 + i] * D;
         dots(cnt, xs, kt.data(), D, sc);
+#if defined(__AVX512F__)
+        if constexpr (DC == 64 || DC == 128) {
+          int nv[4];
+          float* st[4];
+          for (int i = 0; i < cnt; ++i) {
+            const int64_t pr = active[i0 + i];
+            nv[i] = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
+            for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
+            st[i] = part + (pr * b.n_splits + sp) * stride;
+          }
+          tile_update_group<DC>(sc, nv, st, vr.data(), cnt);
+          continue;
+        }
+#endif
         for (int i = 0; i < cnt; ++i) {
           const int64_t pr = active[i0 + i];
           const int nv = (int)std::min<int64_t>(kT, nk[pr / G] - j0);

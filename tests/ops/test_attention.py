@@ -260,6 +260,15 @@ _ISA_SCRIPT = (
     "    q, k, v = (torch.randn(45, h, D, generator=g).to(dt) for h in (4, 2, 2))\n"
     "    k[40, 1, 3] = nan; v[30, 0, 1] = inf\n"
     "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.1, True))\n"
+    # Causal prefill at D 64 / 128 with 7 query heads per KV head (the AVX-512 forward updates 1-4 (row, head) pairs
+    # of a tile together, each pair's PV chain ending at its own diagonal): NaN and inf in later keys (every earlier
+    # row's chain must end before them), scores of exactly +-0 (the tile maximum's zero sign), fp16 / bf16 / fp32.
+    "cu = torch.tensor([0, 37, 107, 140], dtype=torch.int32)\n"
+    "for dt, D in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64), (torch.bfloat16, 128)):\n"
+    "    q, k, v = (torch.randn(140, h, D, generator=g).to(dt) for h in (14, 2, 2))\n"
+    "    k[60, 1, :] = nan; v[80, 0, 3] = inf; v[81, 1, :] = -inf; q[100, 3, :] = 0; k[120:123, 0, :] = 0\n"
+    "    q[110, 7, :] = -0.0\n"
+    "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.125, True))\n"
     "torch.save(res, sys.argv[1])\n"
 )
 ISA_FAMILIES = {"attention": _ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py
