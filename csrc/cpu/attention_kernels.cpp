@@ -22,6 +22,7 @@
 #include "../common/attention.h"
 #include "attention_kernels.h"
 #include "simd.h"
+#include "thread_buffer.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -236,17 +237,22 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
   const AttnSeq& s = a.seqs[b.seq];
   const int64_t D = DC > 0 ? DC : a.D, G = a.Hq / a.Hkv, nr = b.nr, P = nr * G;
   const KeyRows<T> src = key_rows<T>(a, s);
-  std::vector<int64_t> nk(nr);
-  block_row_keys(a, s, b, nk.data());
+  // scratch (thread_buffer.h): the rows' key counts, the active pairs, q widened, the tile's K^T and V rows, pv
+  const int64_t nf = P * D + 2 * D * kT + D;
+  float* qf = (float*)thread_buffer<3>(nf * sizeof(float) + (nr + P) * sizeof(int64_t));
+  float* kt = qf + P * D;
+  float* vr = kt + D * kT;
+  float* pv = vr + kT * D;
+  int64_t* nk = (int64_t*)(qf + nf);
+  int64_t* active = nk + nr;
+  int64_t n_active = 0;
+  block_row_keys(a, s, b, nk);
   int64_t nk_max = 0;
   for (int64_t r = 0; r < nr; ++r) nk_max = std::max(nk_max, nk[r]);
-  std::vector<float> qf(P * D), kt(D * kT), vr(kT * D), pv(D);
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t h = 0; h < G; ++h)
-      widen((const T*)a.q + ((s.q_begin + b.r0 + r) * a.Hq + b.g * G + h) * D, qf.data() + (r * G + h) * D, D);
+      widen((const T*)a.q + ((s.q_begin + b.r0 + r) * a.Hq + b.g * G + h) * D, qf + (r * G + h) * D, D);
   const int64_t stride = D + 2;
-  std::vector<int64_t> active;
-  active.reserve(P);
   for (int64_t sp = s0; sp < s1; ++sp) {
     const int64_t key0 = sp * kAttnSplit;
     if (key0 >= nk_max) break;
@@ -263,19 +269,19 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
       const int n = (int)std::min<int64_t>(kT, nk_max - j0);
 #if defined(__AVX512F__)
       if (D % 16 == 0)
-        unpack_tile_kv16(src, b.g, j0, n, kt.data(), vr.data());
+        unpack_tile_kv16(src, b.g, j0, n, kt, vr);
       else
 #endif
-        unpack_tile(src, b.g, j0, n, kt.data(), nullptr, vr.data(), nullptr);
-      active.clear();
+        unpack_tile(src, b.g, j0, n, kt, nullptr, vr, nullptr);
+      n_active = 0;
       for (int64_t pr = 0; pr < P; ++pr)
-        if (nk[pr / G] > j0) active.push_back(pr);
-      for (size_t i0 = 0; i0 < active.size(); i0 += 4) {
-        const int cnt = (int)std::min<size_t>(4, active.size() - i0);
+        if (nk[pr / G] > j0) active[n_active++] = pr;
+      for (int64_t i0 = 0; i0 < n_active; i0 += 4) {
+        const int cnt = (int)std::min<int64_t>(4, n_active - i0);
         const float* xs[4];
         float sc[4][kT];
-        for (int i = 0; i < cnt; ++i) xs[i] = qf.data() + active[i0 + i] * D;
-        dots(cnt, xs, kt.data(), D, sc);
+        for (int i = 0; i < cnt; ++i) xs[i] = qf + active[i0 + i] * D;
+        dots(cnt, xs, kt, D, sc);
 #if defined(__AVX512F__)
         if constexpr (DC == 64 || DC == 128) {
           int nv[4];
@@ -286,7 +292,7 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
             for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
             st[i] = part + (pr * b.n_splits + sp) * stride;
           }
-          tile_update_group<DC>(sc, nv, st, vr.data(), cnt);
+          tile_update_group<DC>(sc, nv, st, vr, cnt);
           continue;
         }
 #endif
@@ -295,8 +301,8 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           const int nv = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
           for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
           float* st = part + (pr * b.n_splits + sp) * stride;
-          const float* vbase = vr.data();
-          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv.data(),
+          const float* vbase = vr;
+          attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv,
                            kTileProbs, kTileMax);
         }
       }
@@ -337,9 +343,10 @@ static void attn_merge16(const float* part, int64_t stride, int64_t n_splits, in
 static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part, void* out, float* lse) {
   const AttnSeq& s = a.seqs[b.seq];
   const int64_t D = a.D, G = a.Hq / a.Hkv;
-  std::vector<int64_t> nk(b.nr);
-  block_row_keys(a, s, b, nk.data());
-  std::vector<float> w(std::max<int64_t>(b.n_splits, 1));
+  const int64_t n_w = std::max<int64_t>(b.n_splits, 1);
+  float* w = (float*)thread_buffer<4>(n_w * sizeof(float) + b.nr * sizeof(int64_t));  // split weights, key counts
+  int64_t* nk = (int64_t*)(w + n_w);
+  block_row_keys(a, s, b, nk);
   with_type(a.dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     for (int64_t r = 0; r < b.nr; ++r) {
@@ -350,12 +357,12 @@ static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part
 #if defined(__AVX512F__)
         if constexpr (simd::kVectorStore<simd::F32x16, T>) {
           if (D % 16 == 0) {
-            attn_merge16(pr, D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
+            attn_merge16(pr, D + 2, ns, D, w, (T*)out + row * D, lse + row);
             continue;
           }
         }
 #endif
-        attn_merge(pr, D + 2, ns, D, w.data(), (T*)out + row * D, lse + row);
+        attn_merge(pr, D + 2, ns, D, w, (T*)out + row * D, lse + row);
       }
     }
   });

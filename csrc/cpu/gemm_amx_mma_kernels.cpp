@@ -39,6 +39,7 @@
 #include "../common/mma.h"
 #include "mma_kernels.h"
 #include "simd.h"
+#include "thread_buffer.h"
 
 #ifndef ALIGNED_ISA
 #error "ALIGNED_ISA must name the ISA level this translation unit is compiled for"
@@ -249,23 +250,6 @@ void stage_weight_block(const WeightBlock& w, const Lanes& ln) {
       copy_row_tile(w.stage + q * 512, w.base, w.b_sn, w.rows, kb, cnt);
     }
   }
-}
-
-// Thread-local scratch, grown on demand and kept (threads are torch's pool); freed at thread exit.
-struct FreeBuf {
-  void operator()(void* p) const { free(p); }
-};
-template <int kSlot>
-void* thread_buffer(size_t bytes) {
-  thread_local std::unique_ptr<void, FreeBuf> buf;
-  thread_local size_t cap = 0;
-  if (bytes > cap) {
-    buf.reset();
-    cap = std::max(bytes, 2 * cap);
-    buf.reset(aligned_alloc(64, (cap + 63) / 64 * 64));
-    if (!buf) abort();
-  }
-  return buf.get();
 }
 
 // Fold the lane tiles of one (weight block i, activation block j) pair and store C[m][n] (+ bias, one rounding

@@ -208,6 +208,16 @@ def test_thread_and_repeat_invariance_forward_backward():
         assert bitwise_equal(a, b)
     for a, b in zip(g2, g3):
         assert bitwise_equal(a, b)
+    # bf16, 7 query heads per KV head (the AVX-512 forward's 4 + 3 pairs), whole blocks handed out by a work counter
+    # in whatever order the threads take them: 1, 2, 3 threads and repeats give the same bits
+    q, k, v, cq, ck = make([90, 260, 33], [90, 260, 33], 14, 2, 64, torch.bfloat16, seed=10)
+    outs = []
+    for threads in (1, 2, 3, 3, 2):
+        torch.set_num_threads(threads)
+        outs.append(run(q, k, v, cq, ck))
+    torch.set_num_threads(2)
+    for other in outs[1:]:
+        assert bitwise_equal(outs[0][0], other[0]) and bitwise_equal(outs[0][1], other[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

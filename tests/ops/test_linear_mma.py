@@ -663,3 +663,35 @@ def test_the_vdpbf16ps_unit_refuses_packed_weights_by_name():
         ops.linear_mma_packed(x, w, fake, None)
     aligned_ops.cache_exact_weights(w)
     assert_bitwise_equal(aligned_ops.linear_mma(x, w), ops.linear_mma(x, w))
+
+
+class TorchFunctionParameter(torch.nn.Parameter):
+    """vLLM's parameter classes (model_executor/parameter.py BasevLLMParameter): a __torch_function__ that every
+    op and property read of the weight goes through. Counts the calls that reach it."""
+
+    calls = 0
+
+    def __new__(cls, data):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_registered_vllm_style_parameter_runs_without_its_torch_function():
+    """The rollout engine's weights are registered vLLM parameters: aligned_ops.linear_mma runs them as plain tensors
+    (no call reaches their pass-through __torch_function__, ~3 us each), on either unit, with the bits of the plain
+    tensor. An unregistered weight keeps its subclass's hooks: the control shows they do run there."""
+    w = TorchFunctionParameter(rand(24, 96, seed=21, scale=0.05))
+    x = rand(3, 96, seed=22)
+    want = ops.linear_mma(x, w.detach().as_subclass(torch.Tensor))
+    with torch.no_grad():
+        TorchFunctionParameter.calls = 0
+        assert_bitwise_equal(aligned_ops.linear_mma(x, w), want)
+        assert TorchFunctionParameter.calls > 0  # control: not registered, its hooks run
+        aligned_ops.cache_exact_weights(w)
+        TorchFunctionParameter.calls = 0
+        assert_bitwise_equal(aligned_ops.linear_mma(x, w), want)
+        assert TorchFunctionParameter.calls == 0

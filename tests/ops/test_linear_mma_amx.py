@@ -36,7 +36,7 @@ from aligned_ops.ops import linear_mma as mma_mod
 from aligned_ops.testing import assert_bitwise_equal
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_linear_mma import adversarial, numpy_model, rand, same_bits_nan_aware  # noqa: E402
+from test_linear_mma import TorchFunctionParameter, adversarial, numpy_model, rand, same_bits_nan_aware  # noqa: E402
 
 ops = torch.ops.aligned
 BF = torch.bfloat16
@@ -234,21 +234,6 @@ def test_linear_mma_caches_the_packing_of_a_registered_weight_and_drops_it_on_a_
     aligned_ops.cache_exact_weights(wg)
     aligned_ops.linear_mma(x, wg).float().sum().backward()
     assert wg.grad is not None and len(packs) == 3
-
-
-class TorchFunctionParameter(torch.nn.Parameter):
-    """vLLM's parameter classes (model_executor/parameter.py BasevLLMParameter): a __torch_function__ that every
-    op and property read of the weight goes through. Counts the calls that reach it."""
-
-    calls = 0
-
-    def __new__(cls, data):
-        return super().__new__(cls, data=data, requires_grad=False)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.calls += 1
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def test_a_vllm_style_parameter_takes_the_packed_path_without_its_torch_function(monkeypatch):

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "../../cpu/attention_kernels.h"
@@ -44,11 +45,18 @@ void run_forward(const AttnProblem& problem, const AttnPlanView& plan, void* out
   if (nb == 0) return;
   const int64_t G = problem.Hq / problem.Hkv, stride = problem.D + 2;
   auto block = [&](int64_t i) { return RecordArgs(problem, plan.blocks + i * kAttnWorkFields, plan.table); };
-  if (nb >= 4 * (int64_t)at::get_num_threads()) {
-    cpu::ieee_parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t threads = at::get_num_threads();
+  if (nb >= 4 * threads) {
+    // Whole blocks, handed out one at a time from the last (a work counter, no data through it): a thread that drew
+    // short blocks takes more, and within a sequence the later row blocks — causal prefill's longest — go first.
+    // The even split of at::parallel_for left a thread idle for ~1/3 of a prefill. A block is computed whole by the
+    // thread that takes it, so the bits do not depend on the schedule.
+    std::atomic<int64_t> taken{0};
+    cpu::ieee_parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> part;
-      for (int64_t i = b0; i < b1; ++i) {
-        const RecordArgs r = block(i);
+      for (int64_t k = taken.fetch_add(1, std::memory_order_relaxed); k < nb;
+           k = taken.fetch_add(1, std::memory_order_relaxed)) {
+        const RecordArgs r = block(nb - 1 - k);
         part.resize(std::max<int64_t>(1, r.block.nr * G * r.block.n_splits * stride));
         kern.fwd_block(r.args, r.block, 0, r.block.n_splits, part.data());
         kern.merge_block(r.args, r.block, part.data(), out, lse);

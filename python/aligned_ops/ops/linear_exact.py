@@ -274,6 +274,11 @@ def _refuse_fsdp(obj, sharded) -> None:
                          "trainer's")
 
 
+def is_registered(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (this tensor object) was registered with :func:`cache_exact_weights`."""
+    return weight in _registered
+
+
 def is_exact_weight_cacheable(weight: torch.Tensor) -> bool:
     """Whether :func:`linear_exact` keeps ``weight``'s packing across calls (registered, not an inference tensor)."""
     return weight in _registered and not weight.is_inference()

@@ -218,12 +218,14 @@ def linear_mma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     fixed tree, + bias once, one rounding — csrc/common/mma.h). Batch-, thread- and TP-degree-invariant on one
     unit; refuses by name where the machine has none. On the amx_bf16 unit a registered weight's packing is
     cached and read instead of its rows (same bits; see ``_uses_packing``)."""
-    if not torch.compiler.is_compiling():
-        # The rollout's hot path (a registered weight: a vLLM parameter, whose __torch_function__ every property
-        # read and op call would go through, ~3 us each): the checks and the packed op on the plain tensor.
+    if not torch.compiler.is_compiling() and _exact.is_registered(weight):
+        # The rollout's hot path: a registered weight is the engine's, a vLLM parameter, whose __torch_function__
+        # (a pass-through) every property read and op call would go through (~3 us each, two dozen a call): the
+        # checks and the op run on the plain tensor. Any other weight keeps its subclass's hooks.
         with torch._C.DisableTorchFunctionSubclass():
             if _uses_packing(x, weight, bias):
                 return ops.linear_mma_packed(x, weight, packed_weight(weight), bias)
+            return ops.linear_mma(x, weight, bias)
     return ops.linear_mma(x, weight, bias)
 
 
