@@ -85,7 +85,8 @@ static void unpack_tile(const KeyRows<T>& kr_src, int64_t g, int64_t j0, int n, 
 // one strided float per element (the scalar unpack was the largest piece of decode attention's time). Same
 // values in the same places as unpack_tile; D % 16 == 0 only (the caller falls back otherwise).
 template <typename T>
-static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n, float* kt, float* vr) {
+static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n, float* kt, float* vr,
+                             const T** vrows = nullptr) {
   using V = simd::F32x16;
   const int64_t D = src.D;
   for (int h = 0; h < kT / 16; ++h) {
@@ -93,6 +94,10 @@ static void unpack_tile_kv16(const KeyRows<T>& src, int64_t g, int64_t j0, int n
     for (int i = 0; i < 16; ++i) {
       const int j = 16 * h + i;
       kp[i] = j < n ? src.k + src.offset(j0 + j, g) : nullptr;
+      if (vrows) {  // the caller reads the value rows in place (widened in registers: the same fp32 values)
+        vrows[j] = j < n ? src.v + src.offset(j0 + j, g) : nullptr;
+        continue;
+      }
       float* vj = vr + (int64_t)j * D;
       if (j < n) {
         const T* vp = src.v + src.offset(j0 + j, g);
@@ -150,14 +155,14 @@ static void dots(int n, const float* const* x, const float* mt, int64_t D, float
 }
 
 #if defined(__AVX512F__)
-// attn_tile_update for R (query row, head) pairs of one tile at once, head_dim DC (64 or 128), value rows vr [32][DC]
-// fp32: per pair exactly attn_tile_update's expressions in its order — m_new (kTileMax), mu, alpha, the
+// attn_tile_update for R (query row, head) pairs of one tile at once, head_dim DC (64 or 128), value row j at
+// vrows[j] (the cache's T, widened exactly in registers; valid for j < every pair's nv): per pair exactly attn_tile_update's expressions in its order — m_new (kTileMax), mu, alpha, the
 // probabilities (kTileProbs), pv[d] = the chain over j < nv of attn_pv_step, l, acc[d] = attn_acc_step, m — with
 // the pairs interleaved: the R pairs' pv chains share each value row (R * DC/16 independent accumulators: one pair's
 // DC/16 chains of nv dependent fmas were latency-bound) and their alphas are one vector exp_f32 (lane by lane the
 // scalar's bits, tests/common/simd_conformance.cpp). st[i] = the pair's split state {m, l, acc[DC]}.
-template <int64_t DC, int R>
-static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const* st, const float* vr) {
+template <int64_t DC, int R, typename T>
+static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const* st, const T* const* vrows) {
   using V = simd::F32x16;
   constexpr int kC = (int)(DC / 16);
   float m_new[R], mu[R];
@@ -179,7 +184,7 @@ static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const
     V pv[R][2];
     for (int i = 0; i < R; ++i) pv[i][0] = pv[i][1] = V::zero();
     for (int j = 0; j < n_max; ++j) {
-      const V v0 = simd::load<V>(vr + j * DC + 16 * c), v1 = simd::load<V>(vr + j * DC + 16 * c + 16);
+      const V v0 = simd::load<V>(vrows[j] + 16 * c), v1 = simd::load<V>(vrows[j] + 16 * c + 16);
       for (int i = 0; i < R; ++i) {
         const __mmask16 on = j < nv[i] ? (__mmask16)0xffff : (__mmask16)0;
         const V pj(p[i][j]);
@@ -201,19 +206,19 @@ static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const
   }
 }
 
-template <int64_t DC>
-static void tile_update_group(const float (*sc)[kT], const int* nv, float* const* st, const float* vr, int cnt) {
+template <int64_t DC, typename T>
+static void tile_update_group(const float (*sc)[kT], const int* nv, float* const* st, const T* const* vrows, int cnt) {
   if constexpr (DC == 64) {
     switch (cnt) {
-      case 4: return tile_update_pairs<DC, 4>(sc, nv, st, vr);
-      case 3: return tile_update_pairs<DC, 3>(sc, nv, st, vr);
-      case 2: return tile_update_pairs<DC, 2>(sc, nv, st, vr);
-      default: return tile_update_pairs<DC, 1>(sc, nv, st, vr);
+      case 4: return tile_update_pairs<DC, 4>(sc, nv, st, vrows);
+      case 3: return tile_update_pairs<DC, 3>(sc, nv, st, vrows);
+      case 2: return tile_update_pairs<DC, 2>(sc, nv, st, vrows);
+      default: return tile_update_pairs<DC, 1>(sc, nv, st, vrows);
     }
   } else {  // 128: two pairs at a time (2 x 8 accumulators)
     for (int i = 0; i < cnt; i += 2) {
-      if (cnt - i >= 2) tile_update_pairs<DC, 2>(sc + i, nv + i, st + i, vr);
-      else tile_update_pairs<DC, 1>(sc + i, nv + i, st + i, vr);
+      if (cnt - i >= 2) tile_update_pairs<DC, 2>(sc + i, nv + i, st + i, vrows);
+      else tile_update_pairs<DC, 1>(sc + i, nv + i, st + i, vrows);
     }
   }
 }
@@ -268,8 +273,9 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
       const int64_t j0 = t * kT;
       const int n = (int)std::min<int64_t>(kT, nk_max - j0);
 #if defined(__AVX512F__)
-      if (D % 16 == 0)
-        unpack_tile_kv16(src, b.g, j0, n, kt, vr);
+      const T* vrows[kT];
+      if constexpr (DC == 64 || DC == 128) unpack_tile_kv16(src, b.g, j0, n, kt, nullptr, vrows);
+      else if (D % 16 == 0) unpack_tile_kv16(src, b.g, j0, n, kt, vr);
       else
 #endif
         unpack_tile(src, b.g, j0, n, kt, nullptr, vr, nullptr);
@@ -292,7 +298,7 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
             for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
             st[i] = part + (pr * b.n_splits + sp) * stride;
           }
-          tile_update_group<DC>(sc, nv, st, vr, cnt);
+          tile_update_group<DC>(sc, nv, st, vrows, cnt);
           continue;
         }
 #endif
