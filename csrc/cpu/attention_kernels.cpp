@@ -156,11 +156,12 @@ static void dots(int n, const float* const* x, const float* mt, int64_t D, float
 
 #if defined(__AVX512F__)
 // attn_tile_update for R (query row, head) pairs of one tile at once, head_dim DC (64 or 128), value row j at
-// vrows[j] (the cache's T, widened exactly in registers; valid for j < every pair's nv): per pair exactly attn_tile_update's expressions in its order — m_new (kTileMax), mu, alpha, the
-// probabilities (kTileProbs), pv[d] = the chain over j < nv of attn_pv_step, l, acc[d] = attn_acc_step, m — with
-// the pairs interleaved: the R pairs' pv chains share each value row (R * DC/16 independent accumulators: one pair's
-// DC/16 chains of nv dependent fmas were latency-bound) and their alphas are one vector exp_f32 (lane by lane the
-// scalar's bits, tests/common/simd_conformance.cpp). st[i] = the pair's split state {m, l, acc[DC]}.
+// vrows[j] (the cache's T, widened exactly in registers; read for j below the largest nv of the pairs only): per
+// pair exactly attn_tile_update's expressions in its order — m_new (kTileMax), mu, alpha, the probabilities
+// (kTileProbs), pv[d] = the chain over j < nv of attn_pv_step, l, acc[d] = attn_acc_step, m — with the pairs
+// interleaved: the R pairs' pv chains share each value row (R * DC/16 independent accumulators: one pair's DC/16
+// chains of nv dependent fmas were latency-bound) and their alphas are one vector exp_f32 (lane by lane the scalar's
+// bits, tests/common/simd_conformance.cpp). st[i] = the pair's split state {m, l, acc[DC]}.
 template <int64_t DC, int R, typename T>
 static void tile_update_pairs(const float (*sc)[kT], const int* nv, float* const* st, const T* const* vrows) {
   using V = simd::F32x16;
