@@ -243,14 +243,15 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
   const AttnSeq& s = a.seqs[b.seq];
   const int64_t D = DC > 0 ? DC : a.D, G = a.Hq / a.Hkv, nr = b.nr, P = nr * G;
   const KeyRows<T> src = key_rows<T>(a, s);
-  // scratch (thread_buffer.h): the rows' key counts, the active pairs, q widened, the tile's K^T and V rows, pv
-  const int64_t nf = P * D + 2 * D * kT + D;
-  float* qf = (float*)thread_buffer<3>(nf * sizeof(float) + (nr + P) * sizeof(int64_t));
+  // scratch (thread_buffer.h): the rows' key counts and the active pairs (int64, first: aligned), then from the next
+  // 64 bytes q widened, the tile's K^T and V rows, pv
+  const int64_t n_idx = (nr + P + 7) / 8 * 8, nf = P * D + 2 * D * kT + D;
+  int64_t* nk = (int64_t*)thread_buffer<3>(n_idx * sizeof(int64_t) + nf * sizeof(float));
+  int64_t* active = nk + nr;
+  float* qf = (float*)(nk + n_idx);
   float* kt = qf + P * D;
   float* vr = kt + D * kT;
   float* pv = vr + kT * D;
-  int64_t* nk = (int64_t*)(qf + nf);
-  int64_t* active = nk + nr;
   int64_t n_active = 0;
   block_row_keys(a, s, b, nk);
   int64_t nk_max = 0;
@@ -350,9 +351,10 @@ static void attn_merge16(const float* part, int64_t stride, int64_t n_splits, in
 static void merge_block(const AttnArgs& a, const AttnBlock& b, const float* part, void* out, float* lse) {
   const AttnSeq& s = a.seqs[b.seq];
   const int64_t D = a.D, G = a.Hq / a.Hkv;
+  // scratch: the rows' key counts (int64, first: aligned), then the split weights
   const int64_t n_w = std::max<int64_t>(b.n_splits, 1);
-  float* w = (float*)thread_buffer<4>(n_w * sizeof(float) + b.nr * sizeof(int64_t));  // split weights, key counts
-  int64_t* nk = (int64_t*)(w + n_w);
+  int64_t* nk = (int64_t*)thread_buffer<4>(b.nr * sizeof(int64_t) + n_w * sizeof(float));
+  float* w = (float*)(nk + b.nr);
   block_row_keys(a, s, b, nk);
   with_type(a.dt, [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;

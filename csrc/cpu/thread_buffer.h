@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <memory>
 
-namespace aligned::cpu {
+// In the kernel level's namespace (ALIGNED_ISA): each level's objects are built with their own -m flags, so an
+// inline function shared across levels could be linked from a TU whose instructions the CPU lacks.
+namespace aligned::cpu::ALIGNED_ISA {
 
 struct FreeBuf {
   void operator()(void* p) const { free(p); }
@@ -32,4 +34,4 @@ inline void* thread_buffer(size_t bytes) {
   return buf.get();
 }
 
-}  // namespace aligned::cpu
+}  // namespace aligned::cpu::ALIGNED_ISA

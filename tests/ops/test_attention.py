@@ -272,12 +272,22 @@ _ISA_SCRIPT = (
     "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.1, True))\n"
     # Causal prefill at D 64 / 128 with 7 query heads per KV head (the AVX-512 forward updates 1-4 (row, head) pairs
     # of a tile together, each pair's PV chain ending at its own diagonal): NaN and inf in later keys (every earlier
-    # row's chain must end before them), scores of exactly +-0 (the tile maximum's zero sign), fp16 / bf16 / fp32.
+    # row's chain must end before them), scores of exactly +-0 (the tile maximum's scalar fallback), fp16 / bf16 /
+    # fp32; value rows whose one dim holds +inf, -inf and NaN within a tile, across tiles and across the 512-key
+    # splits, so a default NaN (inf - inf) meets an input NaN in one fma: the sign of the NaN that survives depends
+    # on the instruction's operand order, which every level must keep.
     "cu = torch.tensor([0, 37, 107, 140], dtype=torch.int32)\n"
     "for dt, D in ((torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64), (torch.bfloat16, 128)):\n"
     "    q, k, v = (torch.randn(140, h, D, generator=g).to(dt) for h in (14, 2, 2))\n"
     "    k[60, 1, :] = nan; v[80, 0, 3] = inf; v[81, 1, :] = -inf; q[100, 3, :] = 0; k[120:123, 0, :] = 0\n"
     "    q[110, 7, :] = -0.0\n"
+    "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.125, True))\n"
+    "cu = torch.tensor([0, 40, 700], dtype=torch.int32)\n"
+    "for dt, D in ((torch.bfloat16, 64), (torch.float32, 128)):\n"
+    "    q, k, v = (torch.randn(700, h, D, generator=g).to(dt) for h in (14, 2, 2))\n"
+    "    v[2, 0, 5] = inf; v[3, 0, 5] = -inf; v[4, 0, 5] = nan\n"
+    "    v[70, 1, 9] = -inf; v[100, 1, 9] = inf; v[101, 1, 9] = nan; v[40, 0, 1] = nan; v[41, 0, 1] = -inf\n"
+    "    v[551, 0, 2] = inf; v[600, 0, 2] = -inf; v[690, 1, 3] = nan; v[41 + 511, 1, 3] = inf\n"
     "    res += list(torch.ops.aligned.attention_varlen(q, k, v, cu, cu, 0.125, True))\n"
     "torch.save(res, sys.argv[1])\n"
 )

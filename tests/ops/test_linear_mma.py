@@ -695,3 +695,15 @@ def test_a_registered_vllm_style_parameter_runs_without_its_torch_function():
         TorchFunctionParameter.calls = 0
         assert_bitwise_equal(aligned_ops.linear_mma(x, w), want)
         assert TorchFunctionParameter.calls == 0
+        # an activation of a subclass keeps its hooks (only a registered weight is read plain): with a registered
+        # plain weight the output is the activation's subclass, as with an unregistered one
+        w_plain = w.detach().as_subclass(torch.Tensor).clone()
+        aligned_ops.cache_exact_weights(w_plain)
+        tagged = aligned_ops.linear_mma(x.as_subclass(TaggedTensor), w_plain)
+        assert type(tagged) is TaggedTensor
+        assert_bitwise_equal(tagged.as_subclass(torch.Tensor), want)
+        assert type(aligned_ops.linear_mma(x, w_plain)) is torch.Tensor  # control
+
+
+class TaggedTensor(torch.Tensor):
+    """An activation subclass whose __torch_function__ wraps results (the default Tensor behaviour)."""

@@ -181,6 +181,8 @@ def cache_exact_weights(*weights) -> int:
     The caller vouches for invalidation: in-place changes the version counter sees are picked up by themselves;
     writes that bypass it (through ``.data``, collectives into the storage, FSDP-style storage reuse) need
     :func:`clear_exact_weight_cache` afterwards. Inference tensors are never cached (no version counter).
+    Registering also declares a tensor subclass's ``__torch_function__`` a pass-through (vLLM's parameter classes):
+    ``aligned_ops.linear_mma`` reads a registered weight as a plain tensor without calling it.
     Refused (ValueError): DTensors (FSDP2/TP), FSDP2-managed modules, and — for models sharded by
     ``integrations.fsdp.shard_aligned`` — any module inside the model and any of its parameters, sharded or
     unsharded (the root's parameters are plain ``nn.Parameter``s between its forward and backward). FSDP2

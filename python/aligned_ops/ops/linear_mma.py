@@ -213,15 +213,20 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return _exact.cached_derivation(weight, "linear_mma_pack_weight", ops.linear_mma_pack_weight)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def linear_mma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` under the ``mma`` profile (bf16; the matrix unit's chains in the 8 fixed lanes, the
     fixed tree, + bias once, one rounding — csrc/common/mma.h). Batch-, thread- and TP-degree-invariant on one
     unit; refuses by name where the machine has none. On the amx_bf16 unit a registered weight's packing is
     cached and read instead of its rows (same bits; see ``_uses_packing``)."""
-    if not torch.compiler.is_compiling() and _exact.is_registered(weight):
+    if (not torch.compiler.is_compiling() and _exact.is_registered(weight) and type(x) is torch.Tensor
+            and (bias is None or type(bias) in _PLAIN or _exact.is_registered(bias))):
         # The rollout's hot path: a registered weight is the engine's, a vLLM parameter, whose __torch_function__
         # (a pass-through) every property read and op call would go through (~3 us each, two dozen a call): the
-        # checks and the op run on the plain tensor. Any other weight keeps its subclass's hooks.
+        # checks and the op run on the plain tensor (cache_exact_weights: registering declares it a pass-through).
+        # A subclass activation, an unregistered subclass bias and every unregistered weight keep their hooks.
         with torch._C.DisableTorchFunctionSubclass():
             if _uses_packing(x, weight, bias):
                 return ops.linear_mma_packed(x, weight, packed_weight(weight), bias)
