@@ -4,11 +4,11 @@
 # Configures a separate build dir with -DALIGNED_GPU_COMPILE_CHECK=ON and builds the gpu_compile_check
 # target (cmake/gpu_compile_check.cmake): every csrc/cuda/*.cu with nvcc 13 for the extension's CUDA targets
 # (CMakeLists.txt: sm_80, sm_90, sm_100, sm_120 cubins + compute_80 PTX, listed back from each object's fatbin),
-# every csrc/hip/*.hip with clang++-22 for gfx942 and gfx950, the emitted PTX / AMDGPU asm / device IR checked by
-# cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction in f32 or f64), and the CUDA key's
-# torch glue (csrc/torch/backends/cuda.cpp, register_cuda.cpp) syntax-checked against the installed torch's
-# headers. Then negative controls prove the checker can fail: a kernel that calls __expf, and an f64 TwoSum built
-# with --fmad=true, must be rejected.
+# every csrc/hip/*.hip with clang++-22 for gfx942 and gfx950 (and its host half), the emitted PTX / AMDGPU asm /
+# device IR checked by cmake/gpu_isa_check.py (no vendor exp/log, no flush-to-zero, no contraction in f32 or f64),
+# and the CUDA key's torch glue (csrc/torch/backends/cuda.cpp, register_cuda.cpp) syntax-checked against the
+# installed torch's headers. Then negative controls prove the checker can fail: a kernel that calls __expf, and an
+# f64 TwoSum built with --fmad=true, must be rejected.
 #
 # Usage: .ci/gpu_compile_check.sh [build-dir]   (default build/gpu-check). A few minutes on 2 cores.
 set -euo pipefail

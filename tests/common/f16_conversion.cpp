@@ -1,0 +1,76 @@
+// f16_conversion.cpp — numerics.h's f16 conversions (to_f32(f16_t), from_f32<f16_t>) held bit for bit to the
+// branching form they replaced (written out below as the reference): every f16 input, and every f32 input ("all")
+// or, by default, every sign x exponent x low 14 mantissa bits (the bits the rounding reads) x 4 high mantissa
+// patterns. Driven by tests/common/test_f16_conversion.py with the extension's numerics flags. A negative control
+// (the reference with round-half-up instead of half-to-even) must mismatch through the same comparison.
+// Output: "<check> <checked> <mismatches>" per line; exit status 1 on a mismatch outside negative_*.
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "csrc/common/numerics.h"
+
+namespace ref {
+using aligned::bits_of;
+using aligned::float_of;
+
+uint16_t from_f32_f16(float x, bool half_up) {
+  uint32_t u = bits_of(x);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));  // inf or NaN
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to >= 65520 -> inf
+  if (a < 0x38800000u) {  // subnormal result: round x * 2^24 to an integer (magic number, exact RNE)
+    float v = float_of(a) * 16777216.0f;
+    float rounded = (v + 8388608.0f) - 8388608.0f;
+    return (uint16_t)(sign | (uint32_t)rounded);
+  }
+  uint32_t m = a + 0xfffu + (half_up ? 1u : ((a >> 13) & 1u));  // normal: RNE of the 13 dropped bits
+  return (uint16_t)(sign | ((m - 0x38000000u) >> 13));
+}
+
+uint32_t to_f32_f16(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return sign | 0x7f800000u | (man << 13);  // inf / NaN
+  if (exp == 0) return bits_of((float)man * 5.9604644775390625e-8f) | sign;  // zero or subnormal
+  return sign | ((exp + 112u) << 23) | (man << 13);
+}
+}  // namespace ref
+
+int main(int argc, char** argv) {
+  const bool all = argc > 1 && strcmp(argv[1], "all") == 0;
+  int bad = 0;
+  uint64_t n = 0, mis = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h, ++n) {
+    aligned::f16_t x;
+    x.bits = (uint16_t)h;
+    mis += aligned::bits_of(aligned::to_f32(x)) != ref::to_f32_f16((uint16_t)h);
+  }
+  printf("to_f32 %llu %llu\n", (unsigned long long)n, (unsigned long long)mis);
+  bad |= mis != 0;
+
+  uint64_t neg = 0;
+  n = mis = 0;
+  auto check = [&](uint32_t u) {
+    const float x = aligned::float_of(u);
+    const uint16_t got = aligned::from_f32<aligned::f16_t>(x).bits;
+    mis += got != ref::from_f32_f16(x, false);
+    neg += got != ref::from_f32_f16(x, true);
+    ++n;
+  };
+  if (all) {
+    uint32_t u = 0;
+    do check(u); while (++u != 0);
+  } else {
+    const uint32_t high[4] = {0u, 0x0aau, 0x155u, 0x1ffu};  // mantissa bits 14..22
+    for (uint32_t se = 0; se < 512; ++se)
+      for (uint32_t hi : high)
+        for (uint32_t lo = 0; lo < (1u << 14); ++lo) check((se << 23) | (hi << 14) | lo);
+  }
+  printf("from_f32 %llu %llu\n", (unsigned long long)n, (unsigned long long)mis);
+  printf("negative_from_f32_half_up %llu %llu\n", (unsigned long long)n, (unsigned long long)neg);
+  bad |= mis != 0 || neg == 0;
+  return bad;
+}
