@@ -1,7 +1,8 @@
 // f16_conversion.cpp — numerics.h's f16 conversions (to_f32(f16_t), from_f32<f16_t>) held bit for bit to the
 // branching form they replaced (written out below as the reference): every f16 input, and every f32 input ("all")
-// or, by default, every sign x exponent x low 14 mantissa bits (the bits the rounding reads) x 4 high mantissa
-// patterns. Driven by tests/common/test_f16_conversion.py with the extension's numerics flags. A negative control
+// or, by default, every sign x exponent x low 14 mantissa bits (the bits a normal result's rounding reads; a subnormal
+// result's reads higher ones: the "all" run covers them) x 4 high mantissa patterns; and a table of known answers.
+// Driven by tests/common/test_f16_conversion.py with a copy of the extension's numerics flags. A negative control
 // (the reference with round-half-up instead of half-to-even) must mismatch through the same comparison.
 // Output: "<check> <checked> <mismatches>" per line; exit status 1 on a mismatch outside negative_*.
 #include <stdint.h>
@@ -72,5 +73,42 @@ int main(int argc, char** argv) {
   printf("from_f32 %llu %llu\n", (unsigned long long)n, (unsigned long long)mis);
   printf("negative_from_f32_half_up %llu %llu\n", (unsigned long long)n, (unsigned long long)neg);
   bad |= mis != 0 || neg == 0;
+
+  // Known answers (IEEE binary16, round to nearest even), independent of the reference above: a build whose flags
+  // broke the magic-number rounding or the subnormal product would break the reference the same way.
+  struct Known {
+    uint32_t f32;
+    uint16_t f16;
+    bool exact;  // f32 is the f16's value: to_f32 gives it back
+  };
+  const Known known[] = {
+      {0x00000000u, 0x0000u, true}, {0x80000000u, 0x8000u, true},  // +-0
+      {0x33000000u, 0x0000u, false},  // 2^-25: halfway to the smallest subnormal, to even (0)
+      {0x33000001u, 0x0001u, false},  // just above it
+      {0xb3400000u, 0x8001u, false},  // -1.5 * 2^-25
+      {0x33800000u, 0x0001u, true},   // 2^-24, the smallest subnormal
+      {0x387fc000u, 0x03ffu, true},   // the largest subnormal
+      {0x38800000u, 0x0400u, true},   // 2^-14, the smallest normal
+      {0x3f800000u, 0x3c00u, true}, {0xbf800000u, 0xbc00u, true},  // +-1
+      {0x3f801000u, 0x3c00u, false},  // 1 + 2^-11: halfway, to even (1)
+      {0x3f803000u, 0x3c02u, false},  // 1 + 3 * 2^-11: halfway, to even (1 + 2^-9)
+      {0x477fe000u, 0x7bffu, true},   // 65504, the largest finite
+      {0x477fefffu, 0x7bffu, false},  // just below the rounding boundary
+      {0x477ff000u, 0x7c00u, false},  // 65520: rounds to inf
+      {0x7f800000u, 0x7c00u, true}, {0xff800000u, 0xfc00u, true},  // +-inf
+      {0x7fc00000u, 0x7e00u, true},   // the quiet NaN
+      {0xffc00001u, 0xfe00u, false},  // a NaN's payload is not kept, its sign is
+      {0x7f800001u, 0x7e00u, false},  // a signalling NaN: quiet
+  };
+  uint64_t known_bad = 0;
+  for (const Known& k : known) {
+    known_bad += aligned::from_f32<aligned::f16_t>(aligned::float_of(k.f32)).bits != k.f16;
+    aligned::f16_t h;
+    h.bits = k.f16;
+    if (k.exact) known_bad += aligned::bits_of(aligned::to_f32(h)) != k.f32;
+  }
+  printf("known_answers %llu %llu\n", (unsigned long long)(sizeof(known) / sizeof(known[0])),
+         (unsigned long long)known_bad);
+  bad |= known_bad != 0;
   return bad;
 }

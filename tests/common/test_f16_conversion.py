@@ -1,8 +1,10 @@
 """numerics.h's f16 conversions (branch-free: every case computed, one picked) equal the branching form they replaced
 bit for bit (tests/common/f16_conversion.cpp holds the reference): every f16 input; for f32 -> f16 every sign x
-exponent x low 14 mantissa bits (the rounding's bits) here, and every one of the 2^32 inputs in the slow test. A
-negative control (round-half-up) must mismatch through the same comparison. Compiled with the extension's numerics
-flags; the GPU kernels compile the same source (their f16 paths are held to the CPU backend by tests/emulated)."""
+exponent x low 14 mantissa bits (a normal result's rounding bits) here, and every one of the 2^32 inputs in the slow
+test; and known IEEE binary16 answers, which a build whose flags broke the rounding in both forms alike would fail. A
+negative control (round-half-up) must mismatch through the same comparison. Compiled with a copy of the extension's
+numerics flags (CMakeLists.txt ALIGNED_EXACT_CXX_FLAGS); the GPU kernels compile the same source (their f16 paths
+are held to the CPU backend by tests/emulated)."""
 
 import pathlib
 import shutil
@@ -37,6 +39,7 @@ def check(rows):
     assert rows["to_f32"] == (65536, 0)
     assert rows["from_f32"][0] > 0 and rows["from_f32"][1] == 0, rows
     assert rows["negative_from_f32_half_up"][1] > 0, rows  # the comparison sees a rounding change
+    assert rows["known_answers"][0] >= 20 and rows["known_answers"][1] == 0, rows  # IEEE binary16 values
 
 
 def test_f16_conversions_equal_the_branching_form(exe):
