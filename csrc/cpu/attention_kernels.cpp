@@ -290,6 +290,8 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
         float sc[4][kT];
         for (int i = 0; i < cnt; ++i) xs[i] = qf + active[i0 + i] * D;
         dots(cnt, xs, kt, D, sc);
+        for (int i = 0; i < cnt; ++i)
+          for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
 #if defined(__AVX512F__)
         if constexpr (DC == 64 || DC == 128) {
           int nv[4];
@@ -297,7 +299,6 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
           for (int i = 0; i < cnt; ++i) {
             const int64_t pr = active[i0 + i];
             nv[i] = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
-            for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
             st[i] = part + (pr * b.n_splits + sp) * stride;
           }
           tile_update_group<DC>(sc, nv, st, vrows, cnt);
@@ -307,7 +308,6 @@ static void fwd_block_t(const AttnArgs& a, const AttnBlock& b, int64_t s0, int64
         for (int i = 0; i < cnt; ++i) {
           const int64_t pr = active[i0 + i];
           const int nv = (int)std::min<int64_t>(kT, nk[pr / G] - j0);
-          for (int j = 0; j < kT; ++j) sc[i][j] = sc[i][j] * a.scale;
           float* st = part + (pr * b.n_splits + sp) * stride;
           const float* vbase = vr;
           attn_tile_update(sc[i], nv, [&](int j) { return vbase + j * D; }, D, &st[0], &st[1], st + 2, pv,

@@ -283,7 +283,7 @@ def is_registered(weight: torch.Tensor) -> bool:
 
 def is_exact_weight_cacheable(weight: torch.Tensor) -> bool:
     """Whether :func:`linear_exact` keeps ``weight``'s packing across calls (registered, not an inference tensor)."""
-    return weight in _registered and not weight.is_inference()
+    return is_registered(weight) and not weight.is_inference()
 
 
 def _weight_key(weight: torch.Tensor, tag=None):
