@@ -171,16 +171,19 @@ ALIGNED_HD float to_f32(bf16_t x) { return float_of((uint32_t)x.bits << 16); }
 // made each f16 kernel a maze of small blocks (gemm_small_m_kernel<f16_t, 16>: 11013 PTX branches against bf16's
 // 331, 70% of dense.cu's PTX) that cicc and ptxas spent most of their time on (nvcc -arch=sm_90 -cubin, CPU s:
 // dense.cu 45.8 -> 20.1, moe.cu 39.9 -> 10.7). The values are those of the branching form bit for bit (every f16
-// and every f32 input: tests/common/test_f16_conversion.py). No hardware conversion: it writes another NaN payload
-// (csrc/cpu/simd.h).
+// and every f32 input: tests/common/test_f16_conversion.py).
+// A NaN widens to the quiet NaN with the same sign and payload: a signalling NaN gets the quiet bit, as IEEE 754's
+// conversions and the CPU's vector widening (F16C vcvtph2ps, csrc/cpu/simd.h load) do, so every backend and ISA level
+// widens every f16 to the same bits (tests/common/simd_conformance.cpp checks all 65,536 against simd.h's loads).
 ALIGNED_HD float to_f32(f16_t h) {
   const uint32_t sign = (uint32_t)(h.bits & 0x8000u) << 16;
   const uint32_t exp = (h.bits >> 10) & 0x1fu;
   const uint32_t man = h.bits & 0x3ffu;
   // zero or subnormal (exp == 0): value = man * 2^-24, exact in fp32
   const uint32_t tiny = bits_of((float)man * 5.9604644775390625e-8f) | sign;
-  // normal: rebias the exponent; inf / NaN (exp == 0x1f): the all-ones exponent, the payload kept
-  const uint32_t big = sign | ((exp == 0x1fu ? 0xffu : exp + 112u) << 23) | (man << 13);
+  // normal: rebias the exponent; inf / NaN (exp == 0x1f): the all-ones exponent, the payload kept, a NaN quiet
+  const uint32_t big = sign | ((exp == 0x1fu ? 0xffu : exp + 112u) << 23) | (man << 13) |
+                       (exp == 0x1fu && man != 0u ? 0x400000u : 0u);
   return float_of(exp == 0 ? tiny : big);
 }
 

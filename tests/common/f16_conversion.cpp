@@ -34,7 +34,7 @@ uint32_t to_f32_f16(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t man = h & 0x3ffu;
-  if (exp == 0x1f) return sign | 0x7f800000u | (man << 13);  // inf / NaN
+  if (exp == 0x1f) return sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0u);  // inf / NaN (quiet)
   if (exp == 0) return bits_of((float)man * 5.9604644775390625e-8f) | sign;  // zero or subnormal
   return sign | ((exp + 112u) << 23) | (man << 13);
 }
@@ -51,6 +51,17 @@ int main(int argc, char** argv) {
   }
   printf("to_f32 %llu %llu\n", (unsigned long long)n, (unsigned long long)mis);
   bad |= mis != 0;
+  // negative control: a widening that keeps a signalling NaN signalling is caught by the same comparison
+  uint64_t kept = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    aligned::f16_t x;
+    x.bits = (uint16_t)h;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    const uint32_t keep = e == 0x1f ? (((h & 0x8000u) << 16) | 0x7f800000u | (m << 13)) : aligned::bits_of(aligned::to_f32(x));
+    kept += keep != ref::to_f32_f16((uint16_t)h);
+  }
+  printf("negative_to_f32_signalling_kept 65536 %llu\n", (unsigned long long)kept);
+  bad |= kept == 0;
 
   uint64_t neg = 0;
   n = mis = 0;
@@ -107,7 +118,20 @@ int main(int argc, char** argv) {
     h.bits = k.f16;
     if (k.exact) known_bad += aligned::bits_of(aligned::to_f32(h)) != k.f32;
   }
-  printf("known_answers %llu %llu\n", (unsigned long long)(sizeof(known) / sizeof(known[0])),
+  // NaNs widen quiet (IEEE 754 conversions; F16C vcvtph2ps): sign and payload kept, the quiet bit set
+  const uint32_t nan_widened[][2] = {
+      {0x7e00u, 0x7fc00000u},  // the quiet NaN
+      {0x7c01u, 0x7fc02000u},  // the smallest signalling NaN: quiet
+      {0xfd00u, 0xffe00000u},  // a negative signalling NaN: quiet, sign and payload kept
+      {0x7fffu, 0x7fffe000u},  // all payload bits
+  };
+  for (const auto& k : nan_widened) {
+    aligned::f16_t h;
+    h.bits = (uint16_t)k[0];
+    known_bad += aligned::bits_of(aligned::to_f32(h)) != k[1];
+  }
+  printf("known_answers %llu %llu\n",
+         (unsigned long long)(sizeof(known) / sizeof(known[0]) + sizeof(nan_widened) / sizeof(nan_widened[0])),
          (unsigned long long)known_bad);
   bad |= known_bad != 0;
   return bad;

@@ -357,6 +357,35 @@ static void check_load_store(const char* type, const char* tname) {
   report(std::string("load_store_") + tname, type, checked, bad);
 }
 
+// Every 16-bit storage pattern (NaNs with every payload included) widened by simd.h's load against numerics.h to_f32,
+// compared as BITS (not `same`: a load that quieted a signalling NaN the scalar keeps, or kept one the scalar quiets,
+// would give another output's bits wherever a value is moved without arithmetic). The negative control holds the
+// same loads to a payload-keeping f16 widening (signalling NaNs left signalling): it must mismatch.
+template <typename V, typename T>
+static void check_widen_all(const char* type, const char* tname) {
+  constexpr int L = Lanes<V>::n;
+  size_t bad = 0, kept_bad = 0;
+  for (uint32_t h0 = 0; h0 < 0x10000u; h0 += L) {
+    T st[L];
+    for (int j = 0; j < L; ++j) {
+      const uint16_t bits = (uint16_t)(h0 + j);
+      memcpy(&st[j], &bits, 2);
+    }
+    alignas(64) float w[L];
+    simd::store(w, simd::load<V>(st, L), L);
+    for (int j = 0; j < L; ++j) {
+      const uint32_t got = aligned::bits_of(w[j]), want = aligned::bits_of(aligned::to_f32(st[j]));
+      bad += got != want;
+      if constexpr (std::is_same_v<T, f16_t>) {
+        const uint32_t h = h0 + j, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+        kept_bad += got != (e == 0x1fu ? ((h & 0x8000u) << 16) | 0x7f800000u | (m << 13) : want);
+      }
+    }
+  }
+  report(std::string("widen_all_") + tname, type, 0x10000u, bad);
+  if constexpr (std::is_same_v<T, f16_t>) report("negative_widen_all_f16_signalling_kept", type, 0x10000u, kept_bad);
+}
+
 template <typename V>
 static void check_type(const char* type) {
   check_formulas<V>(type);
@@ -366,6 +395,8 @@ static void check_type(const char* type) {
     check_load_store<V, float>(type, "f32");
     check_load_store<V, bf16_t>(type, "bf16");
     check_load_store<V, f16_t>(type, "f16");
+    check_widen_all<V, bf16_t>(type, "bf16");
+    check_widen_all<V, f16_t>(type, "f16");
   }
 }
 

@@ -1,7 +1,8 @@
 """numerics.h's f16 conversions (branch-free: every case computed, one picked) equal the branching form they replaced
 bit for bit (tests/common/f16_conversion.cpp holds the reference): every f16 input; for f32 -> f16 every sign x
 exponent x low 14 mantissa bits (a normal result's rounding bits) here, and every one of the 2^32 inputs in the slow
-test; and known IEEE binary16 answers, which a build whose flags broke the rounding in both forms alike would fail. A
+test; a NaN widens quiet (a signalling NaN gets the quiet bit, as IEEE 754 conversions and F16C do; a negative control
+keeps it signalling); and known IEEE binary16 answers, which a build whose flags broke the rounding in both forms alike would fail. A
 negative control (round-half-up) must mismatch through the same comparison. Compiled with a copy of the extension's
 numerics flags (CMakeLists.txt ALIGNED_EXACT_CXX_FLAGS); the GPU kernels compile the same source (their f16 paths
 are held to the CPU backend by tests/emulated)."""
@@ -37,6 +38,8 @@ def run(exe, *args) -> dict[str, tuple[int, int]]:
 
 def check(rows):
     assert rows["to_f32"] == (65536, 0)
+    # 2 x 511 signalling NaNs (sign x payload without the quiet bit): the comparison sees a kept signalling NaN
+    assert rows["negative_to_f32_signalling_kept"] == (65536, 1022), rows
     assert rows["from_f32"][0] > 0 and rows["from_f32"][1] == 0, rows
     assert rows["negative_from_f32_half_up"][1] > 0, rows  # the comparison sees a rounding change
     assert rows["known_answers"][0] >= 20 and rows["known_answers"][1] == 0, rows  # IEEE binary16 values

@@ -83,6 +83,8 @@ def test_every_formula_matches_the_scalar_reference(results, level):
         assert rows[("exp_f32_sweep", t)][0] > 17_000_000
         for st in ("f32", "bf16", "f16"):
             assert rows[(f"load_store_{st}", t)][0] > 0
+        for st in ("bf16", "f16"):  # every 16-bit pattern widened, compared as bits (NaN payloads included)
+            assert rows[(f"widen_all_{st}", t)] == (65536, 0)
     assert rc == 0
 
 
@@ -96,6 +98,8 @@ def test_negative_controls_differ(results, level):
                      "negative_attn_tile_probs_unmasked"):
             checked, bad = rows[(name, t)]
             assert bad > checked // 100, (name, t, bad)
+    for t in TYPES[level] - {"float"}:  # a widening that keeps f16 signalling NaNs signalling: 2 x 511 of them
+        assert rows[("negative_widen_all_f16_signalling_kept", t)] == (65536, 1022)
     if "F32x16" in TYPES[level]:  # the AVX-512 attention's tile maximum (simd.h TileMax32)
         assert rows[("attn_tile_max", "F32x16")] [1] == 0
         checked, bad = rows[("negative_attn_tile_max_no_fallback", "F32x16")]
