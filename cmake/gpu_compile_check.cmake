@@ -91,6 +91,9 @@ if(EXISTS "${ALIGNED_NVCC}")
   list(REMOVE_DUPLICATES _virtual)
   string(REPLACE ";" "," _elf_csv "${_elf}")
   string(REPLACE ";" "," _ptx_csv "${_ptx_archs}")
+  # --threads 0: nvcc runs the per-arch front ends (cicc) and ptxas side by side, one thread per CPU (the same objects;
+  # only the order of the -Xptxas -v lines in the resources file varies). attention.cu alone took ~350 s one step
+  # after another (4 x cicc ~20 s + 4 x ptxas ~45-60 s) and ran last in CI with the other core idle: ~125 s with 2 CPUs.
   foreach(src IN LISTS _gc_cu)
     get_filename_component(_name "${src}" NAME_WE)
     set(_obj "${_gc_dir}/cuda_${_name}.o")
@@ -109,7 +112,8 @@ if(EXISTS "${ALIGNED_NVCC}")
     endforeach()
     add_custom_command(OUTPUT "${_obj}" "${_res}" ${_ptxs}
       COMMAND "${Python_EXECUTABLE}" "${_isa_check}" nvcc "${_res}" --
-              "${ALIGNED_NVCC}" ${_nvcc_flags} ${_gencode} -Xptxas -v --keep --keep-dir "${_keep}" -c "${src}" -o "${_obj}"
+              "${ALIGNED_NVCC}" ${_nvcc_flags} ${_gencode} --threads 0 -Xptxas -v --keep --keep-dir "${_keep}" -c "${src}"
+              -o "${_obj}"
       DEPENDS "${src}" ${_gc_gpu_headers} "${_isa_check}" COMMENT "nvcc ${ALIGNED_CUDA_CHECK_ARCHS}: ${_name}.cu" VERBATIM)
     foreach(_v IN LISTS _virtual)
       if(_n_virtual EQUAL 1)
