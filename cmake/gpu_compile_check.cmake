@@ -55,15 +55,16 @@ if(EXISTS "${ALIGNED_NVCC}")
   # (tests/cuda/test_gpu_isa_scan.py).
   string(TOUPPER "${CMAKE_BUILD_TYPE}" _cfg)
   separate_arguments(_user_cuda_all NATIVE_COMMAND "$ENV{CUDAFLAGS} ${CMAKE_CUDA_FLAGS} ${CMAKE_CUDA_FLAGS_${_cfg}}")
-  # Target selection is the check's own (-arch per checked arch): drop the build's -gencode / -arch options.
+  # Target selection is the check's own (-arch per checked arch): drop the build's -gencode / -arch options; and
+  # --threads / -t (the check passes its own; a second one would only draw nvcc's redefinition warning).
   set(_user_cuda)
   set(_skip_next FALSE)
   foreach(_f IN LISTS _user_cuda_all)
     if(_skip_next)
       set(_skip_next FALSE)
-    elseif(_f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code)$")
+    elseif(_f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code|-t|--threads)$")
       set(_skip_next TRUE)
-    elseif(NOT _f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code)=")
+    elseif(NOT _f MATCHES "^(-gencode|--generate-code|-arch|--gpu-architecture|-code|--gpu-code|-t|--threads)=")
       list(APPEND _user_cuda "${_f}")
     endif()
   endforeach()
@@ -91,9 +92,11 @@ if(EXISTS "${ALIGNED_NVCC}")
   list(REMOVE_DUPLICATES _virtual)
   string(REPLACE ";" "," _elf_csv "${_elf}")
   string(REPLACE ";" "," _ptx_csv "${_ptx_archs}")
-  # --threads 0: nvcc runs the per-arch front ends (cicc) and ptxas side by side, one thread per CPU (the same objects;
-  # only the order of the -Xptxas -v lines in the resources file varies). attention.cu alone took ~350 s one step
-  # after another (4 x cicc ~20 s + 4 x ptxas ~45-60 s) and ran last in CI with the other core idle: ~125 s with 2 CPUs.
+  # --threads 0: nvcc runs the per-arch front ends (cicc) and ptxas side by side, one thread per CPU (the fatbin check
+  # below still finds every image; only the order of the -Xptxas -v lines in the resources file may vary, each
+  # kernel's lines stay together). attention.cu's steps one after another are its ~230 CPU s (4 x cicc ~20 s + 4 x
+  # ptxas ~35-45 s), and it ends the check: 123 s wall with 2 CPUs when it runs alone; the whole check on 2 cores
+  # 374 -> 334 s wall.
   foreach(src IN LISTS _gc_cu)
     get_filename_component(_name "${src}" NAME_WE)
     set(_obj "${_gc_dir}/cuda_${_name}.o")
