@@ -9,7 +9,11 @@ multiply its time by four; instead:
   subset, and how the whole suite is checked under each schedule);
 * unset (the README's test command): each test gets one of ``forward``, ``reverse``, ``random:1``, ``random:2``,
   picked from a hash of its node id — the same for every run, so a failure reproduces — and the suite as a
-  whole covers all four at no extra cost.
+  whole covers all four at no extra cost;
+* ``ALIGNED_EMU_SECOND_RUN=1`` (CI's ASan run, after the README's): each test runs under ``reverse``, or under
+  ``random:3`` where the rotation gave it ``reverse`` — so every test has run under ``reverse`` and under one other
+  schedule, and no test runs twice under the same one. It wins over ``ALIGNED_EMU_SCHEDULE`` here (CI sets
+  that to ``reverse`` for the emulated calls of the other test folders).
 
 The schedule a test ran under is in its report (section "emu-schedule") and in ``-v`` output's header. Tests
 that need a particular schedule (the planted races) pass ``schedule=`` to ``aligned_ops.emulate``, which wins
@@ -26,18 +30,35 @@ import pytest
 from aligned_ops.emulation import SCHEDULE_ENV, check_schedule
 
 ROTATION = ("forward", "reverse", "random:1", "random:2")
-_FORCED = os.environ.get(SCHEDULE_ENV)
+SECOND_RUN_ENV = "ALIGNED_EMU_SECOND_RUN"
+SECOND_RUN_OTHER = "random:3"  # a seed the rotation does not use
+_SECOND_RUN = os.environ.get(SECOND_RUN_ENV, "0")
+if _SECOND_RUN not in ("0", "1"):
+    raise pytest.UsageError(f"{SECOND_RUN_ENV}={_SECOND_RUN!r}: expected 0 or 1")
+_FORCED = None if _SECOND_RUN == "1" else os.environ.get(SCHEDULE_ENV)
 if _FORCED:
     check_schedule(_FORCED)  # a typo fails the collection, not every launch
 
 
+def rotation_for(nodeid: str) -> str:
+    """The README run's schedule of a test: a stable hash of its node id picks one of ROTATION."""
+    return ROTATION[zlib.crc32(nodeid.encode()) % len(ROTATION)]
+
+
 def schedule_for(nodeid: str) -> str:
-    """The schedule of a test when none is forced: a stable hash of its node id picks one of ROTATION."""
-    return _FORCED or ROTATION[zlib.crc32(nodeid.encode()) % len(ROTATION)]
+    """The schedule of a test in this run (forced, second run, or the rotation)."""
+    if _SECOND_RUN == "1":
+        return SECOND_RUN_OTHER if rotation_for(nodeid) == "reverse" else "reverse"
+    return _FORCED or rotation_for(nodeid)
 
 
 def pytest_report_header(config):
-    how = f"forced by {SCHEDULE_ENV}={_FORCED}" if _FORCED else f"rotated per test over {', '.join(ROTATION)}"
+    if _SECOND_RUN == "1":
+        how = f"second run ({SECOND_RUN_ENV}=1): reverse, or {SECOND_RUN_OTHER} where the rotation gave reverse"
+    elif _FORCED:
+        how = f"forced by {SCHEDULE_ENV}={_FORCED}"
+    else:
+        how = f"rotated per test over {', '.join(ROTATION)}"
     return f"emulator schedule: {how}"
 
 
