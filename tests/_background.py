@@ -3,7 +3,11 @@
 Some tests only start a fresh interpreter and check what it prints (the stock-vLLM negative controls must run
 without the plugin, so never in this process; the CLI runs). The test process waits for them, and on 2 cores
 much of the suite runs one core busy: started from the first test of the run, one at a time, at a slightly
-lower priority (nice +5) than the test process, they use the core the in-process tests leave idle. A module
+lower priority (nice +5) than the test process, they use the core the in-process tests leave idle. (Each job
+starts a session of its own, so a timeout kills its whole process group. Where the kernel schedules sessions as
+groups — sched_autogroup_enabled=1, as on the 2-core CI VMs seen so far — a job competes with the test process as
+a group of its own and its nice value orders only its own processes: it then gets an equal share, not a smaller
+one. The CPU the suite uses is the same either way.) A module
 declares its jobs with a function of the session's tiny checkpoints (tests/_tiny_checkpoints.py)::
 
     def BACKGROUND_JOBS(tiny_checkpoint):
