@@ -90,3 +90,24 @@ if grep '^SKIPPED' "$m"; then
   echo "WARNING: some GPU targets were SKIPPED (see above)"
 fi
 echo "negative controls: checker rejects __expf (PTX$(command -v clang++-22 >/dev/null && echo ', AMDGPU asm')) and f64 contracted by --fmad=true"
+# Register spills per kernel image (ptxas -v, cuda_<file>.resources.txt): the kernels a GPU user pays local-memory
+# traffic for, listed in every CI log (not a failure: a spill costs speed, not bits).
+"$PY" - "$BUILD"/gpu_check/cuda_*.resources.txt <<'PY'
+import os, re, sys
+rows, cur = [], None
+for path in sys.argv[1:]:
+    if not os.path.exists(path):  # no nvcc (the manifest says SKIPPED cuda): the unmatched glob itself
+        continue
+    for line in open(path):
+        m = re.search(r"Compiling entry function '(\S+)' for '(sm_\w+)'", line)
+        if m:
+            cur = m.groups()
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m and cur:
+            rows.append((int(m.group(1)), cur[0], cur[1]))
+            cur = None
+spilling = sorted((r for r in rows if r[0] > 0), reverse=True)
+print(f"ptxas spills: {len(spilling)} of {len(rows)} kernel images store spills" + ("; largest:" if spilling else ""))
+for n, name, arch in spilling[:5]:
+    print(f"  {n:6d} B  {arch}  {name}")
+PY

@@ -348,8 +348,22 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
 // the round's pair gi (lane j = key j); then every thread adds the round's pairs, in pair order (row
 // ascending, then head), to the elements it owns (e = thread + 256 i of the tile's 32 x D): one fma chain per
 // element in attention.h's order, whatever the number of groups.
+// The wide variant's tile elements may be split over gridDim.y slices (slice s owns i in [s kElems, (s + 1) kElems)): each
+// slice's block computes the same p_j, ds_j and runs the same chains for its own elements, so the bits do not
+// depend on the split. The wide variant uses 2 slices: its 80 elements per thread in one block kept dk[80] and
+// dv[80] in local memory (ptxas -v: ~1.2-1.5 KB stack frame, 2.9-3.8 KB of spill stores per thread on every
+// arch); 40 per slice stay in registers, for a second pass over the scores.
 constexpr int kAttnTileElems = (int)(kAttnTile * kGpuAttnMaxD / kAttnThreads);  // elements per thread
-constexpr int kAttnTileElemsWide = (int)(kAttnTile * kGpuAttnMaxDWide / kAttnThreads);
+constexpr int kAttnDkdvSlicesWide = 2;
+constexpr int kAttnTileElemsWide = (int)(kAttnTile * kGpuAttnMaxDWide / kAttnThreads / kAttnDkdvSlicesWide);
+static_assert(kAttnTileElemsWide * kAttnDkdvSlicesWide * kAttnThreads == kAttnTile * kGpuAttnMaxDWide,
+              "the wide dk/dv slices must cover the tile");
+// The slices a head_dim needs (D <= 320: one; the rest up to 640: two): a slice past the tile would only
+// recompute the scores.
+inline int64_t attn_dkdv_slices_wide(int64_t D) {
+  const int64_t per_slice = (int64_t)kAttnThreads * kAttnTileElemsWide;
+  return (kAttnTile * D + per_slice - 1) / per_slice;
+}
 // kStageK = false: the wide variant (K read from global memory for the scores; the same chains).
 template <typename T, int kElems = kAttnTileElems, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBwdParams p) {
@@ -367,6 +381,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
   const T* K = (const T*)f.k;
   const T* V = (const T*)f.v;
   const int lane = (int)(threadIdx.x % kGroupLanes), grp = (int)(threadIdx.x / kGroupLanes);
+  const int64_t i0 = kStageK ? 0 : (int64_t)blockIdx.y * kElems;  // this slice's first element (only wide slices)
+  if (i0 * kAttnThreads >= (int64_t)n * D) return;  // a slice past the tile's last key (uniform; before any barrier)
   if (kStageK) {
     for (int64_t e = threadIdx.x; e < kAttnTile * D; e += kAttnThreads) {
       const int j = (int)(e / D);
@@ -412,7 +428,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
       const T* dorow = (const T*)p.dout + rowbuf[gi] * D;
 #pragma unroll
       for (int i = 0; i < kElems; ++i) {
-        const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
+        const int64_t e = threadIdx.x + (i0 + i) * kAttnThreads;
         const int j = (int)(e / D);
         const int64_t d = e % D;
         if (j < nv) {
@@ -425,10 +441,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_kernel(AttnBw
   }
 #pragma unroll
   for (int i = 0; i < kElems; ++i) {
-    const int64_t e = threadIdx.x + (int64_t)i * kAttnThreads;
+    const int64_t e = threadIdx.x + (i0 + i) * kAttnThreads;
     const int j = (int)(e / D);
     const int64_t d = e % D;
-    if (j < n) {
+    if (j < n) {  // (j >= 32 past the tile's end: the last slice's spare elements)
       const int64_t off = kv.offset(j0 + j, g) + d;
       ((T*)p.dk)[off] = from_f32<T>(dk[i] * f.scale);
       ((T*)p.dv)[off] = from_f32<T>(dv[i]);

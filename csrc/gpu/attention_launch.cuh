@@ -1,7 +1,8 @@
 // attention_launch.cuh — the launchers declared in attention_api.h, defined once for both vendors (and the
 // emulation target). Included by exactly one translation unit per vendor: csrc/cuda/attention.cu and
-// csrc/hip/attention.hip. The grid is the host plan's work list (one block per item), so no launch shape
-// depends on the batch beyond the list itself, and no launch shape can change a bit.
+// csrc/hip/attention.hip. The grid is the host plan's work list (one block per item; the backward dk/dv kernels
+// above a head_dim bucket: gridDim.y slices per item, set by head_dim alone), so no launch shape depends on the
+// batch beyond the list itself, and no launch shape can change a bit.
 #pragma once
 
 #include "attention_kernels.cuh"  // includes compat.cuh first, then attention_api.h
@@ -108,9 +109,11 @@ const char* launch_attention_backward_mma(const AttnBwdParams& p, void* stream) 
   } else if (d_instr == kAttnMmaDInstr128) {
     if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr128>)(p, dq_control);
     if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr128>)(p, control);
-  } else {
+  } else {  // dk/dv: 128 columns per block, the column slices over gridDim.y
     if (nb > 0) ALIGNED_LAUNCH(nb, kAttnMmaThreads, 0, st, attention_mma_bwd_dq_kernel<kAttnMmaDInstr>)(p, dq_control);
-    if (nt > 0) ALIGNED_LAUNCH(nt, kAttnMmaBwdKeyThreads, 0, st, attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr>)(p, control);
+    if (nt > 0)
+      ALIGNED_LAUNCH(dim3(nt, (unsigned)attn_mma_dkdv_slices(p.f.D)), kAttnMmaBwdKeyThreads, 0, st,
+                     attention_mma_bwd_dkdv_kernel<kAttnMmaDInstr128, true>)(p, control);
   }
   return last_error();
 }
@@ -138,8 +141,8 @@ const char* launch_attention_backward(const AttnBwdParams& p, void* stream) {
     }
     if (p.n_tiles > 0) {
       if (wide)
-        ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream,
-                       attention_bwd_dkdv_kernel<T, kAttnTileElemsWide, false>)(p);
+        ALIGNED_LAUNCH(dim3((unsigned)p.n_tiles, (unsigned)attn_dkdv_slices_wide(p.f.D)), kAttnThreads, 0,
+                       (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T, kAttnTileElemsWide, false>)(p);
       else
         ALIGNED_LAUNCH((unsigned)p.n_tiles, kAttnThreads, 0, (gpu_stream_t)stream, attention_bwd_dkdv_kernel<T>)(p);
     }

@@ -73,6 +73,11 @@ __host__ __device__ inline int attn_mma_d_instr(int64_t D) {
   const int64_t need = (D + kBf16MmaTileN - 1) / kBf16MmaTileN;
   return need <= kAttnMmaDInstr64 ? kAttnMmaDInstr64 : need <= kAttnMmaDInstr128 ? kAttnMmaDInstr128 : kAttnMmaDInstr;
 }
+// The backward dk/dv kernel's slices: at most kAttnMmaDInstr128 instructions of columns per block.
+inline int64_t attn_mma_dkdv_slices(int64_t D) {
+  const int64_t per_slice = (int64_t)kAttnMmaDInstr128 * kBf16MmaTileN;
+  return (D + per_slice - 1) / per_slice;
+}
 
 template <typename T, int kDInstr = kAttnMmaDInstr>
 __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(AttnFwdParams p, int control) {
@@ -239,6 +244,10 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_split_kernel(At
 //                                  are never swapped), P and dS per pair, then dk += dS^T q and dv += P^T dO with
 //                                  the keys as the rows, one pass per distinct mask of the pairs a key sees; a key
 //                                  no pair of the block sees skips the block.
+//                                  Above 128 columns the columns are split over gridDim.y slices of 128 (each
+//                                  slice recomputes the blocks' S and dP and runs its own columns' chains, the same
+//                                  bits): dk and dv of 256 columns in one block (2 x 32 x 4 accumulators per lane)
+//                                  spilled ~1.1 KB per thread on sm_80/90 (ptxas -v); 128 per slice do not.
 // Each accumulator is one chain of the contract whatever the grid; no atomics.
 constexpr int kAttnMmaBwdKeyWarps = kAttnTile / kAttnMmaRows;  // dkdv: warps per key tile (16 keys each)
 constexpr int kAttnMmaBwdKeyThreads = kAttnMmaBwdKeyWarps * kBf16MmaWarpLanes;
@@ -394,7 +403,9 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
   }
 }
 
-template <int kDInstr = kAttnMmaDInstr>
+// kColumnSlices: gridDim.y slices of kDInstr instructions of columns (D > 128); false: one block holds every column
+// (no slice offset to keep live: the D <= 128 instances keep their registers).
+template <int kDInstr = kAttnMmaDInstr, bool kColumnSlices = false>
 __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_kernel(AttnBwdParams p, int control) {
   __shared__ AttnMmaBwdScratch scratch[kAttnMmaBwdKeyWarps];
   const AttnFwdParams& f = p.f;
@@ -407,6 +418,8 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
   const bf16_t* dO = (const bf16_t*)p.dout;
   const int lane = (int)(threadIdx.x % kBf16MmaWarpLanes), warp = (int)(threadIdx.x / kBf16MmaWarpLanes);
   AttnMmaBwdScratch& sc = scratch[warp];
+  // this slice's first head_dim column (gridDim.y slices of kDInstr instructions: attn_mma_dkdv_slices)
+  const int64_t d_slice0 = kColumnSlices ? (int64_t)blockIdx.y * kDInstr * kBf16MmaTileN : 0;
   const int64_t kw0 = w[kWsplit] * kAttnTile + warp * kAttnMmaRows;  // the warp's first key
   if (kw0 >= n_ctx) return;  // uniform over the warp (no barrier below spans warps)
   const int64_t n_keys = n_ctx - kw0 < kAttnMmaRows ? n_ctx - kw0 : kAttnMmaRows;
@@ -483,7 +496,7 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
       const auto a_p = [&](int row, int k) -> uint16_t { return (mp >> k) & 1u ? sc.p[k][row].bits : (uint16_t)0; };
 #pragma unroll
       for (int n = 0; n < kDInstr; ++n) {
-        const int64_t c0 = (int64_t)n * kBf16MmaTileN;
+        const int64_t c0 = d_slice0 + (int64_t)n * kBf16MmaTileN;
         if (c0 >= D) break;
         const auto b_q = [&](int k, int col) -> uint16_t {
           const int64_t d = c0 + col;
@@ -512,7 +525,7 @@ __global__ void __launch_bounds__(kAttnMmaBwdKeyThreads) attention_mma_bwd_dkdv_
   }
 #pragma unroll
   for (int n = 0; n < kDInstr; ++n) {
-    const int64_t c0 = (int64_t)n * kBf16MmaTileN;
+    const int64_t c0 = d_slice0 + (int64_t)n * kBf16MmaTileN;
     if (c0 >= D) break;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

@@ -454,6 +454,25 @@ def test_backward_kernels_equal_reference(arch, model):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("D", [129, 200, 256])  # 129 / 200: the second slice ends inside an instruction
+def test_backward_wide_head_dim_column_slices_equal_reference(arch, D):
+    """head_dim above 128: the dk / dv kernel runs 128 columns per block, the slices over gridDim.y (each recomputes
+    S and dP): == the reference, and the launch has the slices. (Checked to fail with the slice offset planted as 0:
+    columns 128.. are then never written.)"""
+    seqs = rand_seqs([40, 21], 4, 2, D, seed=26)
+    q, k, v, cq, ck = varlen(seqs, [40, 3])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(27)).to(BF16)
+    scale = D ** -0.5
+    with aligned_ops.emulate(arch) as em:
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
+        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
+    assert {l.grid[1] for l in em.launches if l.kernel_base == "attention_mma_bwd_dkdv_kernel"} == {2}
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert_bitwise_equal(got, want, f"{arch} D={D} {name}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_backward_autograd_deterministic_and_row_invariant(arch):
     """Autograd through attention_varlen(profile="mma") == the op; run to run and under other schedules the same
     bits; dq of a sequence alone == inside a batch (dk / dv are the sequence's own: equal too)."""

@@ -132,6 +132,8 @@ def test_wide_rows_backward_equals_cpu(arch):
     with aligned_ops.emulate(arch) as emu:
         gpu = ops.mla_attention_varlen_backward(go, q, kv, out, lse, cq, cq, 512, 0.04, True)
     assert {"attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"} <= emu.kernels()
+    # D = 576: the wide dk/dv runs its tile's elements in two slices (gridDim.y; attention_kernels.cuh)
+    assert {l.grid[1] for l in emu.launches if l.kernel_base == "attention_bwd_dkdv_kernel"} == {2}
     assert bitwise_equal(cpu[0], gpu[0]) and bitwise_equal(cpu[1], gpu[1]), arch
 
 
@@ -164,15 +166,18 @@ def test_wide_rows_over_several_splits_equal_cpu(arch, dtype, R, rope, lens):
         gpu = run()
     merges = [l for l in emu.launches if l.kernel_base == "attention_merge_kernel"]
     assert merges and {"attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"} <= emu.kernels()
+    assert {l.grid[1] for l in emu.launches if l.kernel_base == "attention_bwd_dkdv_kernel"} == {1}  # D <= 320
     for name, a, b in zip(["out", "lse", "dq", "dkv"], cpu, gpu):
         assert bitwise_equal(a, b), f"{arch} {name}"
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
-def test_wide_heads_of_ordinary_attention_equal_cpu(arch):
+# the dk/dv slices split the tile's 32 x D elements at 256 x 40: at 321 the second holds 32 (of key 31), at 328 256
+@pytest.mark.parametrize("D, slices", [(264, 1), (321, 2), (328, 2), (640, 2)])
+def test_wide_heads_of_ordinary_attention_equal_cpu(arch, D, slices):
     """The wide kernels also serve ordinary attention (several KV heads) at 256 < head_dim <= 640: ≡ CPU."""
     g = torch.Generator().manual_seed(6)
-    lens, H, Hkv, D = [33, 20], 4, 2, 264
+    lens, H, Hkv = [33, 20], 4, 2
     T = sum(lens)
     q, k, v = (torch.randn(T, h, D, generator=g).to(torch.bfloat16) for h in (H, Hkv, Hkv))
     go = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
@@ -183,7 +188,8 @@ def test_wide_heads_of_ordinary_attention_equal_cpu(arch):
         return (out, lse, *ops.attention_varlen_backward(go, q, k, v, out, lse, cq, cq, scale, True))
 
     cpu = run()
-    with aligned_ops.emulate(arch):
+    with aligned_ops.emulate(arch) as emu:
         gpu = run()
+    assert {l.grid[1] for l in emu.launches if l.kernel_base == "attention_bwd_dkdv_kernel"} == {slices}
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], cpu, gpu):
         assert bitwise_equal(a, b), f"{arch} {name}"
