@@ -1,6 +1,6 @@
 """The emulated suite's schedules (tests/emulated/conftest.py): CI's second run (ALIGNED_EMU_SECOND_RUN=1, the ASan
 run) gives every test a schedule other than the one the README run gave it, and between the two runs every test has
-run under ``reverse``. Checked on the node ids of this folder's tests (collected by name) and on synthetic ones."""
+run under ``reverse`` and under a random order. Checked on the node ids of this folder's tests (collected by name) and on synthetic ones."""
 
 import importlib.util
 import pathlib
@@ -39,6 +39,8 @@ def test_second_run_differs_from_the_first_and_covers_reverse(monkeypatch):
     pairs = two_runs(first, second, node_ids())
     assert all(a != b for a, b in pairs)
     assert all("reverse" in (a, b) for a, b in pairs)
+    assert all(any(x.startswith("random:") for x in (a, b)) for a, b in pairs)  # a shuffled order in one of them
+    assert "forward" not in first.ROTATION
     assert {b for _, b in pairs} == {"reverse", "random:3"}  # both branches taken
     assert {a for a, _ in pairs} == set(first.ROTATION)
 
