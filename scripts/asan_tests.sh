@@ -21,7 +21,9 @@ if [ "$step" != test ]; then
   # -g1 (function names + line tables, what ASan/UBSan reports print) instead of RelWithDebInfo's -g: the full
   # debug info of the torch headers made each glue TU ~1.7x and each kernel TU ~1.25x as expensive to compile
   # (measured per TU: 64.7 vs 38.4 CPU-s for csrc/torch/backends/cpu_attention.cpp), for nothing a report shows.
+  # (no precompiled header: every glue TU compiles from its own includes here, so a missing one fails CI)
   cmake -S . -B "$root/cmake" -G Ninja -DPython_EXECUTABLE="$(command -v "$PY")" -DALIGNED_SANITIZE=ON \
+    -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
     -DALIGNED_OUTPUT_DIR="$PWD/$root/pkg/aligned_ops" >/dev/null
   cmake --build "$root/cmake"
