@@ -348,11 +348,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_kernel(AttnBwdP
 // the round's pair gi (lane j = key j); then every thread adds the round's pairs, in pair order (row
 // ascending, then head), to the elements it owns (e = thread + 256 i of the tile's 32 x D): one fma chain per
 // element in attention.h's order, whatever the number of groups.
-// The wide variant's tile elements may be split over gridDim.y slices (slice s owns i in [s kElems, (s + 1) kElems)): each
-// slice's block computes the same p_j, ds_j and runs the same chains for its own elements, so the bits do not
-// depend on the split. The wide variant uses 2 slices: its 80 elements per thread in one block kept dk[80] and
-// dv[80] in local memory (ptxas -v: ~1.2-1.5 KB stack frame, 2.9-3.8 KB of spill stores per thread on every
-// arch); 40 per slice stay in registers, for a second pass over the scores.
+// The wide variant's tile elements may be split over gridDim.y slices (slice s owns i in [s kElems,
+// (s + 1) kElems)): each slice's block computes the same p_j, ds_j and runs the same chains for its own elements,
+// so the bits do not depend on the split. The wide variant uses up to 2 slices: its 80 elements per thread in one
+// block kept dk[80] and dv[80] in local memory (ptxas -v: 1.2-1.5 KB stack frame, 2.9-3.8 KB of spill stores per
+// thread on sm_80/90, 1.4-2.4 KB on sm_100/120); 40 per slice stay in registers, for a second pass over the scores.
 constexpr int kAttnTileElems = (int)(kAttnTile * kGpuAttnMaxD / kAttnThreads);  // elements per thread
 constexpr int kAttnDkdvSlicesWide = 2;
 constexpr int kAttnTileElemsWide = (int)(kAttnTile * kGpuAttnMaxDWide / kAttnThreads / kAttnDkdvSlicesWide);

@@ -1,6 +1,7 @@
 """The emulated suite's schedules (tests/emulated/conftest.py): CI's second run (ALIGNED_EMU_SECOND_RUN=1, the ASan
 run) gives every test a schedule other than the one the README run gave it, and between the two runs every test has
-run under ``reverse`` and under a random order. Checked on the node ids of this folder's tests (collected by name) and on synthetic ones."""
+run under ``reverse`` and under a random order. Checked on the node ids of this folder's tests (collected by name)
+and on synthetic ones."""
 
 import importlib.util
 import pathlib
