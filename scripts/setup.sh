@@ -23,7 +23,7 @@ echo "== pip: torch, build and test dependencies"
 # (one pip call for everything that does not depend on vllm: each call costs a resolver pass)
 # ray: the RL runner's scale-out backend (aligned-ops train --backend ray; tests/runner). `pip install --dry-run ray`
 # next to the pinned stack adds only ray and msgpack (it changes none of torch, vllm, transformers, numpy).
-pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" expecttest numpy matplotlib tqdm ray
+pip_install "torch==2.13.0" "scikit-build-core>=0.10" ninja "pytest>=8" "pytest-xdist==3.8.0" expecttest numpy matplotlib tqdm ray
 # Installed or not is asked of the package metadata (a fraction of a second; `import vllm` costs ~5 s of CPU):
 # an installed distribution is what the pip call below would leave alone anyway.
 installed() { "$PY" -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$1" >/dev/null 2>&1; }

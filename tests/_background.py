@@ -34,10 +34,17 @@ Only the jobs of modules with a selected test that uses the ``background`` fixtu
 its environment (a job declared without ``env``: the clean environment of the run's first test, taken before any
 test can change os.environ) and its timeout are the test's own, so it computes exactly what it computed when the test
 started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it.
+
+Under pytest-xdist (the README's ``-n 2``) every worker declares the same jobs over folders all of them see (the tiny
+checkpoints and OUT_DIR folders under the run's shared tmp dir, tests/_xdist.py); each worker's thread goes through
+the queue, and a job (or a shared process's jobs) runs in the worker that claims it first (a ``.claim`` file). That
+worker writes each job's result to disk; ``result(key)`` in another worker reads it, waiting while it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -48,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from _xdist import claim, shared_root, worker_id
 
 OUT_DIR = "{background job's out dir}"  # in a job's argv: the job's own folder under pytest's basetemp
 
@@ -64,6 +73,11 @@ class Background:
     def __init__(self, session, tiny_checkpoint, tmp_path_factory):
         self._jobs: dict[str, dict] = {}
         self._out_dirs: dict[str, Path] = {}
+        # Under pytest-xdist every worker declares the same jobs (the same session.items, the same shared tiny
+        # checkpoints, the same folders here) and each job runs once: in the worker that claims its unit first
+        # (a ``.claim`` file), which writes each job's result next to it for the others (tests/_xdist.py).
+        self._dir = shared_root(tmp_path_factory) / "background"
+        self._dir.mkdir(exist_ok=True)
         # A job declared without ``env`` gets this environment, not the one live when the thread starts it (an
         # in-process test may have monkeypatched ALIGNED_OPS_LINEAR by then). Taken here, at the session's first
         # test before any function fixture of it, it is the clean environment every test starts from (conftest
@@ -94,7 +108,8 @@ class Background:
                         continue  # no test that waits for it is selected: not started
                 job = dict(job, env=dict(session_env) if job.get("env") is None else job["env"])
                 if OUT_DIR in job["argv"]:
-                    self._out_dirs[key] = tmp_path_factory.mktemp(key)
+                    self._out_dirs[key] = self._dir / key
+                    self._out_dirs[key].mkdir(exist_ok=True)
                     job["argv"] = [str(self._out_dirs[key]) if a == OUT_DIR else a for a in job["argv"]]
                 self._jobs[key] = job
         # units of work: one job, or the jobs declared with the same ``shared`` name (one process, tests/_shared_process.py)
@@ -120,9 +135,11 @@ class Background:
             members.sort(key=lambda k: self._jobs[k].get("shared_order", 0))  # (stable: else the run's order)
             for key in members:
                 self._unit_of[key] = tuple(members)
-            self._shared_dirs[tuple(members)] = tmp_path_factory.mktemp("shared_" + name)
+            self._shared_dirs[tuple(members)] = self._dir / ("shared_" + name)
+            self._shared_dirs[tuple(members)].mkdir(exist_ok=True)
         self._queue = list(dict.fromkeys(self._unit_of.values()))
         self._results: dict[str, JobResult] = {}
+        self._claimed: set[tuple] = set()  # units this process claimed (runs or ran)
         self._running: dict[str, subprocess.Popen] = {}
         self._cv = threading.Condition()
         self._closed = False
@@ -131,18 +148,47 @@ class Background:
             self._thread = threading.Thread(target=self._worker, name="aligned-test-background", daemon=True)
             self._thread.start()
 
+    def _claim(self, unit: tuple) -> bool:
+        """True if this process is the run's first to claim ``unit`` (it then runs it)."""
+        if claim(self._dir / (f"{'+'.join(unit)}.claim")):
+            with self._cv:
+                self._claimed.add(unit)
+            return True
+        return False
+
     def _run(self, unit: tuple, nice: int) -> None:
-        if len(unit) == 1 and self._jobs[unit[0]].get("shared") is None:
-            self._run_one(unit[0], nice)
-        else:
-            self._run_shared(unit, nice)
+        """Runs a unit this process claimed; each job's result is also written for the run's other workers."""
+        try:
+            if len(unit) == 1 and self._jobs[unit[0]].get("shared") is None:
+                self._run_one(unit[0], nice)
+            else:
+                self._run_shared(unit, nice)
+        finally:
+            for key in unit:
+                res = self._results.get(key) or JobResult(-1, "", f"[background job {key!r}: no result recorded "
+                                                                  "(the process running it was interrupted)]", 0.0)
+                tmp = self._dir / f"{key}.result.tmp"
+                tmp.write_text(json.dumps(dataclasses.asdict(res)))
+                os.replace(tmp, self._dir / f"{key}.result.json")  # (atomic: a reader never sees half of it)
+
+    def _result_from_disk(self, key: str, timeout: float) -> JobResult:
+        """The result another worker of the run wrote for ``key`` (it claimed the unit); waits for it."""
+        path = self._dir / f"{key}.result.json"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"background job {key!r} (run by another pytest-xdist worker) gave no result "
+                                   "within its timeout")
+            time.sleep(0.2)
+        res = JobResult(**json.loads(path.read_text()))
+        with self._cv:
+            self._results[key] = res
+        return res
 
     def _run_shared(self, unit: tuple, nice: int) -> None:
         """The jobs of ``unit`` in one interpreter (tests/_shared_process.py), each its own result. A job whose
         timeout or crash ends the interpreter fails alone, named at the end of its stderr; the jobs after it run
         in a fresh interpreter. Any error here becomes every unrecorded job's failure (a waiting test never hangs)."""
-        import json
-
         work = self._shared_dirs[unit]
         runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shared_process.py")
         results: dict[str, JobResult] = {}
@@ -228,7 +274,8 @@ class Background:
                 if self._closed or not self._queue:
                     return
                 unit = self._queue.pop(0)
-            self._run(unit, nice=5)
+            if self._claim(unit):  # (else another worker of the run has it)
+                self._run(unit, nice=5)
 
     def out_dir(self, key: str) -> Path:
         """The folder that replaced OUT_DIR in the job's argv."""
@@ -240,14 +287,18 @@ class Background:
             raise KeyError(f"background job {key!r} is not declared by this test's module (BACKGROUND_JOBS)")
         unit = self._unit_of[key]
         with self._cv:
-            queued = unit in self._queue
-            if queued:
+            if key in self._results:
+                return self._results[key]
+            if unit in self._queue:
                 self._queue.remove(unit)
-        if queued or (self._thread is None and key not in self._results):
-            self._run(unit, nice=0)
-            return self._results[key]
+            mine = unit in self._claimed
         # the job's own timeout (a shared process's: the sum of its jobs') + grace
         timeout = sum(self._jobs[k].get("timeout", 600) for k in unit)
+        if not mine:
+            if self._claim(unit):  # nobody started it yet: run it now, in the foreground
+                self._run(unit, nice=0)
+                return self._results[key]
+            return self._result_from_disk(key, timeout + 60)  # another pytest-xdist worker runs it
         with self._cv:
             deadline = time.monotonic() + timeout + 60
             while key not in self._results:
@@ -260,8 +311,21 @@ class Background:
             self._closed = True
             self._queue.clear()
             running = list(self._running.values())
+        if worker_id() is not None and not _interrupted[0] and self._thread is not None:
+            # Under pytest-xdist a job this worker runs may be one another worker's test waits for (this worker's
+            # tests are done, the run is not): it finishes (its own timeout bounds it) and its result is written.
+            # (Jobs not started yet: the worker whose test asks for one runs it then.)
+            self._thread.join()
+            return
         for p in running:  # a job no selected test still waits for (the run was interrupted)
             _kill_group(p)
+
+
+_interrupted = [False]  # set on Ctrl-C (conftest's pytest_keyboard_interrupt): close() kills the running jobs
+
+
+def interrupted() -> None:
+    _interrupted[0] = True
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -3,7 +3,8 @@
     path = tiny_checkpoint("qwen2", torch.bfloat16, seed=0)             # aligned_ops.testing.tiny_model builders
     path = tiny_checkpoint("moe", torch.float32, seed=3, arch="qwen2_moe", num_hidden_layers=1)
 
-The same arguments give the same folder (under the session's pytest tmp dir) for the whole run; an override equal
+The same arguments give the same folder (under the run's pytest tmp dir, one for all pytest-xdist workers: the first
+to ask builds it) for the whole run; an override equal
 to the builder's default (after the ``variant`` it names, if any: ``variant="dv-ne-dn", qk_nope_head_dim=32``
 keeps 32, the variant's own value is dropped as a default) is the same checkpoint as no override. The folders are read-only by contract: each
 reuse checks that no file of the folder changed since it was built (a test that edits a checkpoint builds its
@@ -12,9 +13,13 @@ own with the builder).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 
 import pytest
+
+from _xdist import locked, shared_root
 
 
 def _builders():
@@ -52,8 +57,10 @@ def _fingerprint(path: str) -> list:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(kind, dtype, seed=0, **overrides) -> str``: the folder of that tiny checkpoint, built on
-    first use in this run (kind: ``qwen2``, ``moe``, ``llama``, ``deepseek_v3`` or ``glm4_moe``; see aligned_ops.testing.tiny_model)."""
-    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    first use in this run (kind: ``qwen2``, ``moe``, ``llama``, ``deepseek_v3`` or ``glm4_moe``; see aligned_ops.testing.tiny_model).
+    Under pytest-xdist the workers share the folders (tests/_xdist.py): the first to ask builds it, under a lock."""
+    root = shared_root(tmp_path_factory) / "tiny_checkpoints"
+    root.mkdir(exist_ok=True)
     built: dict = {}
 
     def get(kind: str, dtype, seed: int = 0, **overrides) -> str:
@@ -62,9 +69,17 @@ def tiny_checkpoint(tmp_path_factory):
         overrides = {k: v for k, v in overrides.items() if k not in defaults or defaults[k] != v}
         key = (kind, str(dtype), seed, repr(sorted(overrides.items())))
         if key not in built:
-            path = builder(root / f"{kind}_{str(dtype).replace('torch.', '')}_seed{seed}_{len(built)}", dtype,
-                           seed=seed, **overrides)
-            built[key] = (path, _fingerprint(path))
+            # the same name in every worker for the same arguments (not an order-dependent counter)
+            digest = hashlib.sha1(repr(key).encode()).hexdigest()[:10]
+            name = f"{kind}_{str(dtype).replace('torch.', '')}_seed{seed}_{digest}"
+            path = root / name
+            with locked(root / f"{name}.lock"):
+                if not path.exists():  # built whole in a temporary folder, then renamed: never seen half-written
+                    tmp = root / f"{name}.building"
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    builder(tmp, dtype, seed=seed, **overrides)
+                    os.replace(tmp, path)
+            built[key] = (str(path), _fingerprint(path))
         path, fingerprint = built[key]
         assert _fingerprint(path) == fingerprint, f"a test modified the shared tiny checkpoint {path}"
         return path

@@ -5,12 +5,14 @@ Also the suite's hygiene rules, checked on every run:
   that leaves torch.distributed's default process group behind (an in-process vLLM engine that was never shut
   down) errors, after the group is torn down so that later modules are unaffected;
 - a test that starts a vLLM engine in this process must be marked ``slow`` (it fails otherwise); tests that
-  are not marked ``slow`` and took more than ``SLOW_SECONDS`` are listed at the end of the run;
+  are not marked ``slow`` and took more than ``SLOW_SECONDS`` (times the xdist workers sharing the cores) are listed
+  at the end of the run;
 - the end of the run prints how many ``slow`` and ``emulated`` tests ran (CI reports the emulated count).
 
 Shared machinery (one module each): ``isa_matrix`` (tests/_isa_matrix.py: one worker process per CPU ISA level
 for the whole run), ``tiny_checkpoint`` (tests/_tiny_checkpoints.py: tiny checkpoints built once per run),
-``background`` (tests/_background.py: subprocess-only jobs started at the beginning of the run).
+``background`` (tests/_background.py: subprocess-only jobs started at the beginning of the run); under
+pytest-xdist (the README's ``-n 2``), tests/_xdist.py: whole modules per worker, the session state shared.
 """
 
 import importlib.abc
@@ -26,6 +28,7 @@ import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
 from _background import _start_background_jobs, background  # noqa: F401  (fixtures: subprocess jobs, see there)
 from _isa_matrix import isa_matrix  # noqa: F401  (fixture: one worker process per CPU ISA level, see there)
 from _tiny_checkpoints import tiny_checkpoint  # noqa: F401  (fixture: tiny checkpoints built once per run)
+import _xdist
 
 # A test that is not marked slow should finish well within this on 2 cores (it is listed at the end otherwise).
 SLOW_SECONDS = 20.0
@@ -87,6 +90,27 @@ def _module_leaves_no_process_state(request):
         pytest.fail(f"{request.node.nodeid} left torch.distributed's default process group initialized: an in-process "
                     "vLLM engine was not shut down (aligned_ops.integrations.rollout.shutdown(llm)), or a test did not "
                     "destroy its group. Torn down now so that later modules are unaffected.", pytrace=False)
+
+
+# ---- pytest-xdist (the README's `-n 2`): whole modules per worker, the ISA matrix as one group (tests/_xdist.py) --
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    _xdist.group_items(items)  # (trylast: after -m / -k deselection, on the items that run)
+
+
+def pytest_keyboard_interrupt(excinfo):
+    import _background
+
+    _background.interrupted()  # (a worker's background jobs are killed, not waited for)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") in ("each", "worksteal"):
+        return None  # asked for by name: xdist's own
+    return _xdist.make_scheduler(config, log)
 
 
 # ---- slow marker: engines are slow by definition; long tests are listed ---------------------------------------
@@ -174,10 +198,13 @@ def pytest_terminal_summary(terminalreporter):
             parts.append(f"{m} {len(ids)} tests, {sum(_seconds[n] for n in ids):.0f} s")
     if parts:
         terminalreporter.write_line(f"aligned_ops markers: {'; '.join(parts)} (of {sum(_seconds.values()):.0f} s in tests)")
-    long = sorted(((s, n) for n, s in _seconds.items() if s > SLOW_SECONDS and "slow" not in _marks.get(n, ())),
+    # Under pytest-xdist the workers share the cores: a test's wall time grows with them (2 workers on 2 cores: ~2x)
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)
+    limit = SLOW_SECONDS * max(1, min(workers if isinstance(workers, int) else 1, os.cpu_count() or 1))
+    long = sorted(((s, n) for n, s in _seconds.items() if s > limit and "slow" not in _marks.get(n, ())),
                   reverse=True)
     if long:
-        terminalreporter.write_line(f"not marked slow but over {SLOW_SECONDS:.0f} s here (mark them slow, or make them "
+        terminalreporter.write_line(f"not marked slow but over {limit:.0f} s here (mark them slow, or make them "
                                     "faster):")
         for s, n in long:
             terminalreporter.write_line(f"  {s:7.1f} s  {n}")

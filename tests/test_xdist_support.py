@@ -1,0 +1,145 @@
+"""The suite's pytest-xdist support (tests/_xdist.py): each background job runs once per run however many workers ask
+for it, tiny checkpoints are shared, scopes are whole modules (the ISA matrix one group), heaviest first.
+
+Two workers are simulated in this process: two ``Background`` objects over one shared folder, as two xdist workers of
+one run see it (each worker's basetemp is a folder in the controller's)."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import _background
+import _xdist
+
+JOB = "import sys; open(sys.argv[1], 'a').write('ran\\n'); print('result', 42)"
+
+
+class _Factory:
+    def __init__(self, base: Path):
+        self._base = base
+
+    def getbasetemp(self) -> Path:
+        return self._base
+
+
+def _worker_background(run_root: Path, worker: str, counter: Path, monkeypatch, job: str = JOB,
+                       thread: bool = False) -> _background.Background:
+    """The Background of xdist worker ``worker`` of a run whose controller basetemp is ``run_root``."""
+    module = types.ModuleType("fake_test_module")
+    module.BACKGROUND_JOBS = lambda tiny_checkpoint: {
+        "count_runs": dict(argv=[sys.executable, "-c", job, str(counter)], env=None, timeout=60)}
+    module.test_it = lambda: None
+    item = types.SimpleNamespace(module=module, fixturenames=("background",), name="test_it", originalname="test_it")
+    session = types.SimpleNamespace(items=[item])
+    base = run_root / f"popen-{worker}"
+    base.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    # no thread: result() claims and runs it, or reads it; a thread: it claims and runs the job at once
+    monkeypatch.setenv("ALIGNED_TEST_BACKGROUND", "1" if thread else "0")
+    return _background.Background(session, None, _Factory(base))
+
+
+SLOW_JOB = "import sys, time; time.sleep(1.5); " + JOB
+
+
+def _close_while_running(tmp_path, monkeypatch) -> _background.JobResult:
+    """gw0's thread starts the job, gw0's tests end (close) while it runs, then gw1's test asks for it."""
+    counter = tmp_path / "runs.txt"
+    gw0 = _worker_background(tmp_path / "run", "gw0", counter, monkeypatch, job=SLOW_JOB, thread=True)
+    deadline = time.monotonic() + 30
+    while not gw0._running and time.monotonic() < deadline:  # (the job's process started)
+        time.sleep(0.02)
+    assert gw0._running, "gw0's thread did not start the job"
+    gw0.close()
+    return _worker_background(tmp_path / "run", "gw1", counter, monkeypatch).result("count_runs")
+
+
+def test_a_worker_whose_tests_end_first_lets_its_job_finish_for_the_other(tmp_path, monkeypatch):
+    """A worker whose tests are done may still run a job another worker's test waits for: its close() lets it finish
+    (found in a run: the other worker's test got the job's SIGKILL, status -9)."""
+    res = _close_while_running(tmp_path, monkeypatch)
+    assert (res.returncode, res.stdout) == (0, "result 42\n"), res
+    assert (tmp_path / "runs.txt").read_text() == "ran\n"
+
+
+def test_negative_control_an_interrupted_worker_kills_its_job(tmp_path, monkeypatch):
+    """Control (Ctrl-C: close() kills what runs): the waiting worker sees the kill, so the check above can fail."""
+    monkeypatch.setattr(_background, "_interrupted", [True])
+    res = _close_while_running(tmp_path, monkeypatch)
+    assert res.returncode == -9, res
+
+
+def test_a_job_asked_for_by_two_workers_runs_once(tmp_path, monkeypatch):
+    counter = tmp_path / "runs.txt"
+    gw0 = _worker_background(tmp_path / "run", "gw0", counter, monkeypatch)
+    gw1 = _worker_background(tmp_path / "run", "gw1", counter, monkeypatch)
+    first, second = gw0.result("count_runs"), gw1.result("count_runs")
+    assert counter.read_text() == "ran\n"  # once: gw1 read gw0's result
+    assert (first.returncode, first.stdout) == (0, "result 42\n")
+    assert (second.returncode, second.stdout, second.stderr) == (first.returncode, first.stdout, first.stderr)
+
+
+def test_negative_control_two_runs_run_it_twice(tmp_path, monkeypatch):
+    """Control: two runs (two controller folders) share nothing, so each runs the job; the check above can fail."""
+    counter = tmp_path / "runs.txt"
+    _worker_background(tmp_path / "run_a", "gw0", counter, monkeypatch).result("count_runs")
+    _worker_background(tmp_path / "run_b", "gw0", counter, monkeypatch).result("count_runs")
+    assert counter.read_text() == "ran\nran\n"
+
+
+def test_claim_is_first_come_only(tmp_path):
+    assert _xdist.claim(tmp_path / "x.claim") is True
+    assert _xdist.claim(tmp_path / "x.claim") is False
+
+
+def test_shared_root_is_the_controllers_folder_only_in_a_worker(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert _xdist.shared_root(_Factory(tmp_path / "popen-gw0")) == tmp_path / "popen-gw0"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert _xdist.shared_root(_Factory(tmp_path / "popen-gw0")) == tmp_path
+
+
+def test_scope_is_the_module_or_the_group():
+    assert _xdist.scope_of("tests/ops/test_moe.py::test_a[bf16-2]") == "tests/ops/test_moe.py"
+    assert _xdist.scope_of("tests/ops/test_moe.py::TestX::test_a") == "tests/ops/test_moe.py"
+    assert _xdist.scope_of("tests/ops/test_linear.py::test_a[x]@isa_matrix") == "isa_matrix"
+
+
+def test_isa_matrix_modules_form_one_group_in_a_worker(monkeypatch):
+    """Every test of a module with a test using the ISA matrix (not only that test) joins the group; other modules do
+    not; outside a worker nothing is renamed."""
+    uses, other = types.ModuleType("uses"), types.ModuleType("other")
+
+    class Item:
+        def __init__(self, module, fixtures, nodeid):
+            self.module, self.fixturenames, self._nodeid = module, fixtures, nodeid
+
+        @property
+        def nodeid(self):
+            return self._nodeid
+
+    items = [Item(uses, ("isa_matrix",), "a.py::t1"), Item(uses, (), "a.py::t2"), Item(other, (), "b.py::t3")]
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    _xdist.group_items(items)
+    assert [i.nodeid for i in items] == ["a.py::t1", "a.py::t2", "b.py::t3"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    _xdist.group_items(items)
+    assert [_xdist.scope_of(i.nodeid) for i in items] == ["isa_matrix", "isa_matrix", "b.py"]
+
+
+def test_module_seconds_name_existing_modules():
+    """The scheduling weights name test modules that exist (a renamed module would silently count as unmeasured)."""
+    root = Path(__file__).resolve().parent.parent
+    seconds = _xdist.module_seconds()
+    assert seconds, f"{_xdist.MODULE_SECONDS} is missing or empty (python3 tests/_xdist.py RUN.xml writes it)"
+    missing = [m for m in seconds if not (root / m).is_file()]
+    assert not missing, f"{_xdist.MODULE_SECONDS} names modules that do not exist: {missing}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
