@@ -141,5 +141,26 @@ def test_module_seconds_name_existing_modules():
     assert not missing, f"{_xdist.MODULE_SECONDS} names modules that do not exist: {missing}"
 
 
+def _readme_test_command(readme: str) -> str:
+    block = readme.split("Set up and run the tests:", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs the README's test command (setup, then pytest with the same arguments: -n 2 included)."""
+    root = Path(__file__).resolve().parent.parent
+    setup, tests = _readme_test_command((root / "README.md").read_text()).split(" && ")
+    assert setup == "bash scripts/setup.sh" and tests.startswith("python3 -m pytest"), (setup, tests)
+    ci = (root / ".ci" / "run").read_text()
+    assert 'cpu_time "setup" bash scripts/setup.sh\n' in ci
+    ran = [line for line in ci.splitlines() if line.startswith('cpu_time "README tests')]
+    assert len(ran) == 1 and ran[0].endswith('" ' + tests), (ran, tests)
+
+
+def test_negative_control_readme_command_parser_sees_a_changed_command():
+    readme = "Set up and run the tests:\n\n```bash\nbash scripts/setup.sh && python3 -m pytest -q\n```\n"
+    assert _readme_test_command(readme).split(" && ")[1] == "python3 -m pytest -q"  # (not "... -n 2": would fail)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
