@@ -2,8 +2,9 @@
 
 Some tests only start a fresh interpreter and check what it prints (the stock-vLLM negative controls must run
 without the plugin, so never in this process; the CLI runs). The test process waits for them, and on 2 cores
-much of the suite runs one core busy: started from the first test of the run, one at a time, at a slightly
-lower priority (nice +5) than the test process, they use the core the in-process tests leave idle. (Each job
+much of a one-process run keeps one core busy: started from the first test of the run, one at a time per pytest
+process (under pytest-xdist's ``-n 2``, up to two at once: one per worker), at a slightly lower priority (nice +5)
+than the test process, they use the CPU the in-process tests leave idle. (Each job
 starts a session of its own, so a timeout kills its whole process group. Where the kernel schedules sessions as
 groups — sched_autogroup_enabled=1, as on the 2-core CI VMs seen so far — a job competes with the test process as
 a group of its own and its nice value orders only its own processes: it then gets an equal share, not a smaller
@@ -27,7 +28,7 @@ avoided), in the order of the run's tests (a job declared with ``shared_order=1`
 job's own result (a job the shared process never reached: the process's exit status and its stderr).
 
 A job that writes files puts ``OUT_DIR`` among its argv: it is replaced by the job's own folder under pytest's
-basetemp (``background.out_dir(key)``, kept after the run as tmp_path is, failed runs included, and never left in
+basetemp (``<basetemp>/background/<key>``, the run's shared one under xdist; ``background.out_dir(key)``, kept after the run as tmp_path is, failed runs included, and never left in
 $TMPDIR when the run is interrupted).
 
 Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
@@ -37,8 +38,10 @@ started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job whe
 
 Under pytest-xdist (the README's ``-n 2``) every worker declares the same jobs over folders all of them see (the tiny
 checkpoints and OUT_DIR folders under the run's shared tmp dir, tests/_xdist.py); each worker's thread goes through
-the queue, and a job (or a shared process's jobs) runs in the worker that claims it first (a ``.claim`` file). That
-worker writes each job's result to disk; ``result(key)`` in another worker reads it, waiting while it runs.
+the queue, and a job (or a shared process's jobs) runs in the worker that claims it first (a ``.claim`` file with
+its pid). That worker writes each job's result to disk; ``result(key)`` in another worker reads it, waiting while
+it runs (a claimer that died without writing it fails the wait at once). A worker whose tests are done lets the job
+it runs finish before it exits (another worker's test may wait for it), unless the run stops (Ctrl-C, ``-x``).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from pathlib import Path
 
 import pytest
 
-from _xdist import claim, shared_root, worker_id
+from _xdist import claim, claim_owner, shared_root, worker_id
 
 OUT_DIR = "{background job's out dir}"  # in a job's argv: the job's own folder under pytest's basetemp
 
@@ -71,6 +74,7 @@ class JobResult:
 
 class Background:
     def __init__(self, session, tiny_checkpoint, tmp_path_factory):
+        self._session = session
         self._jobs: dict[str, dict] = {}
         self._out_dirs: dict[str, Path] = {}
         # Under pytest-xdist every worker declares the same jobs (the same session.items, the same shared tiny
@@ -143,14 +147,20 @@ class Background:
         self._running: dict[str, subprocess.Popen] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._stopping = False  # close() kills the running jobs (a plain run's end, Ctrl-C, -x)
         self._thread = None
         if self._queue and os.environ.get("ALIGNED_TEST_BACKGROUND", "1") != "0":
             self._thread = threading.Thread(target=self._worker, name="aligned-test-background", daemon=True)
             self._thread.start()
 
+    def _claim_file(self, unit: tuple) -> Path:
+        """The unit's claim: the job's key, or the shared process's name (a short file name however many jobs)."""
+        shared = self._jobs[unit[0]].get("shared")
+        return self._dir / (f"shared_{shared}.claim" if shared is not None else f"{unit[0]}.claim")
+
     def _claim(self, unit: tuple) -> bool:
-        """True if this process is the run's first to claim ``unit`` (it then runs it)."""
-        if claim(self._dir / (f"{'+'.join(unit)}.claim")):
+        """True if this process is the run's first to claim ``unit`` (it then runs it; its pid is in the claim)."""
+        if claim(self._claim_file(unit), owner=os.getpid()):
             with self._cv:
                 self._claimed.add(unit)
             return True
@@ -165,20 +175,29 @@ class Background:
                 self._run_shared(unit, nice)
         finally:
             for key in unit:
-                res = self._results.get(key) or JobResult(-1, "", f"[background job {key!r}: no result recorded "
-                                                                  "(the process running it was interrupted)]", 0.0)
+                with self._cv:  # (a job that raised: its failure, for this worker's waiting test too)
+                    res = self._results.setdefault(key, JobResult(-1, "", f"[background job {key!r}: no result "
+                                                                          "recorded (killed, or an error running it)]",
+                                                                  0.0))
+                    self._cv.notify_all()
                 tmp = self._dir / f"{key}.result.tmp"
                 tmp.write_text(json.dumps(dataclasses.asdict(res)))
                 os.replace(tmp, self._dir / f"{key}.result.json")  # (atomic: a reader never sees half of it)
 
     def _result_from_disk(self, key: str, timeout: float) -> JobResult:
-        """The result another worker of the run wrote for ``key`` (it claimed the unit); waits for it."""
+        """The result another worker of the run wrote for ``key`` (it claimed the unit); waits for it. A claimer
+        that died first (a crashed worker: its ``finally`` never ran) fails the wait at once."""
         path = self._dir / f"{key}.result.json"
+        claim_file = self._claim_file(self._unit_of[key])
         deadline = time.monotonic() + timeout
         while not path.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"background job {key!r} (run by another pytest-xdist worker) gave no result "
                                    "within its timeout")
+            owner = claim_owner(claim_file)  # (None for the moment between the claim and its pid)
+            if owner is not None and not _alive(owner) and not path.exists():
+                raise RuntimeError(f"background job {key!r}: the pytest-xdist worker that ran it (pid {owner}) "
+                                   "ended without writing its result (it crashed?)")
             time.sleep(0.2)
         res = JobResult(**json.loads(path.read_text()))
         with self._cv:
@@ -195,6 +214,8 @@ class Background:
         try:
             remaining, attempt = list(unit), 0
             while remaining:
+                if attempt and self._stopping:  # (close() killed the process: no fresh one after it)
+                    break
                 jobs = [self._jobs[k] for k in remaining]
                 spec = work / f"spec{attempt}.json"
                 spec.write_text(json.dumps([{"key": k, "argv": j["argv"][1:], "timeout": j.get("timeout", 600)}
@@ -240,18 +261,16 @@ class Background:
         job = self._jobs[key] if job is None else job
         t0 = time.monotonic()
         argv = (["nice", "-n", str(nice)] if nice else []) + list(job["argv"])  # (no preexec_fn: threads here)
+        if self._stopping:  # close() killed what ran: nothing starts after it
+            return self._record(key, record, JobResult(-1, "", "[not started: the session was closing]", 0.0))
         try:
             # its own process group: a timeout or close() kills the job's children too (a CLI job's engine and
             # train processes hold its pipes; killing the job alone left communicate() waiting on them)
             proc = subprocess.Popen(argv, env=job.get("env"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
         except OSError as e:  # recorded as the job's failure: a waiting test fails, never waits forever
-            res = JobResult(-1, "", f"[could not start {argv!r}: {e}]", time.monotonic() - t0)
-            if record:
-                with self._cv:
-                    self._results[key] = res
-                    self._cv.notify_all()
-            return res
+            return self._record(key, record, JobResult(-1, "", f"[could not start {argv!r}: {e}]",
+                                                       time.monotonic() - t0))
         with self._cv:
             self._running[key] = proc
         try:
@@ -266,6 +285,13 @@ class Background:
             if record:
                 self._results[key] = res
             self._cv.notify_all()
+        return res
+
+    def _record(self, key: str, record: bool, res: JobResult) -> JobResult:
+        if record:
+            with self._cv:
+                self._results[key] = res
+                self._cv.notify_all()
         return res
 
     def _worker(self):
@@ -310,14 +336,24 @@ class Background:
         with self._cv:
             self._closed = True
             self._queue.clear()
-            running = list(self._running.values())
-        if worker_id() is not None and not _interrupted[0] and self._thread is not None:
+        stopping = _interrupted[0] or self._session.shouldfail or self._session.shouldstop
+        if worker_id() is not None and not stopping and self._thread is not None:
             # Under pytest-xdist a job this worker runs may be one another worker's test waits for (this worker's
             # tests are done, the run is not): it finishes (its own timeout bounds it) and its result is written.
             # (Jobs not started yet: the worker whose test asks for one runs it then.)
-            self._thread.join()
-            return
-        for p in running:  # a job no selected test still waits for (the run was interrupted)
+            try:
+                self._thread.join()
+                return
+            except BaseException:  # Ctrl-C or xdist stopping the worker meanwhile: the job must not outlive it
+                self._kill_running()
+                raise
+        self._kill_running()  # a job no selected test still waits for (the run was interrupted or stops: -x)
+
+    def _kill_running(self):
+        with self._cv:
+            self._stopping = True
+            running = list(self._running.values())
+        for p in running:
             _kill_group(p)
 
 
@@ -326,6 +362,16 @@ _interrupted = [False]  # set on Ctrl-C (conftest's pytest_keyboard_interrupt): 
 
 def interrupted() -> None:
     _interrupted[0] = True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

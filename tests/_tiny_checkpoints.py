@@ -59,6 +59,11 @@ def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(kind, dtype, seed=0, **overrides) -> str``: the folder of that tiny checkpoint, built on
     first use in this run (kind: ``qwen2``, ``moe``, ``llama``, ``deepseek_v3`` or ``glm4_moe``; see aligned_ops.testing.tiny_model).
     Under pytest-xdist the workers share the folders (tests/_xdist.py): the first to ask builds it, under a lock."""
+    return checkpoint_getter(tmp_path_factory)
+
+
+def checkpoint_getter(tmp_path_factory):
+    """The fixture's function (one per process; its folders are the run's)."""
     root = shared_root(tmp_path_factory) / "tiny_checkpoints"
     root.mkdir(exist_ok=True)
     built: dict = {}

@@ -37,9 +37,10 @@ def worker_id() -> str | None:
 
 def shared_root(tmp_path_factory) -> Path:
     """A folder every worker of this run sees: the controller's basetemp (each worker's basetemp is a folder in
-    it, ``popen-gwN``); without xdist, the session's basetemp."""
+    it, ``popen-gwN``); without xdist, the session's basetemp. (A pytest started by a test inherits
+    PYTEST_XDIST_WORKER but has a basetemp of its own, not ``popen-gwN``: its own, as without xdist.)"""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if worker_id() is not None else base
+    return base.parent if worker_id() is not None and base.name == f"popen-{worker_id()}" else base
 
 
 @contextlib.contextmanager
@@ -53,19 +54,33 @@ def locked(path: Path):
         os.close(fd)  # (releases the lock)
 
 
-def claim(path: Path) -> bool:
-    """True for the first process of the run that claims ``path`` (a file created exclusively), False after."""
+def claim(path: Path, owner: int | None = None) -> bool:
+    """True for the first process of the run that claims ``path`` (a file created exclusively; ``owner``, a pid,
+    written in it), False after."""
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        return True
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    try:
+        if owner is not None:
+            os.write(fd, str(owner).encode())
+    finally:
+        os.close(fd)
+    return True
 
 
-def group_items(items) -> None:
+def claim_owner(path: Path) -> int | None:
+    """The pid written in a claim (None: none, or not written yet)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def group_items(config, items) -> None:
     """In an xdist worker: every module with a test that uses the ISA matrix joins the ``isa_matrix`` group (its
     node ids end in ``@isa_matrix``, as pytest-xdist's own ``xdist_group`` marks do under ``--dist loadgroup``)."""
-    if worker_id() is None:
+    if not hasattr(config, "workerinput"):  # (not an xdist worker: a plain run, or a pytest a test started)
         return
     isa_modules = {item.module for item in items
                    if getattr(item, "module", None) is not None and "isa_matrix" in getattr(item, "fixturenames", ())}

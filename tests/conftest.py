@@ -96,8 +96,8 @@ def _module_leaves_no_process_state(request):
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    _xdist.group_items(items)  # (trylast: after -m / -k deselection, on the items that run)
+def pytest_collection_modifyitems(config, items):
+    _xdist.group_items(config, items)  # (trylast: after -m / -k deselection, on the items that run)
 
 
 def pytest_keyboard_interrupt(excinfo):
@@ -109,7 +109,7 @@ def pytest_keyboard_interrupt(excinfo):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") in ("each", "worksteal"):
-        return None  # asked for by name: xdist's own
+        return None  # asked for by name: xdist's own (-n alone means "load": whole modules, below)
     return _xdist.make_scheduler(config, log)
 
 

@@ -6,6 +6,7 @@ one run see it (each worker's basetemp is a folder in the controller's)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 import types
@@ -35,7 +36,7 @@ def _worker_background(run_root: Path, worker: str, counter: Path, monkeypatch, 
         "count_runs": dict(argv=[sys.executable, "-c", job, str(counter)], env=None, timeout=60)}
     module.test_it = lambda: None
     item = types.SimpleNamespace(module=module, fixturenames=("background",), name="test_it", originalname="test_it")
-    session = types.SimpleNamespace(items=[item])
+    session = types.SimpleNamespace(items=[item], shouldfail=False, shouldstop=False)
     base = run_root / f"popen-{worker}"
     base.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
@@ -92,6 +93,28 @@ def test_negative_control_two_runs_run_it_twice(tmp_path, monkeypatch):
     assert counter.read_text() == "ran\nran\n"
 
 
+def test_negative_control_without_claims_both_workers_run_it(tmp_path, monkeypatch):
+    """Control: with a claim that always succeeds, both workers of one run run the job (the first check can fail)."""
+    monkeypatch.setattr(_background, "claim", lambda path, owner=None: True)
+    counter = tmp_path / "runs.txt"
+    _worker_background(tmp_path / "run", "gw0", counter, monkeypatch).result("count_runs")
+    _worker_background(tmp_path / "run", "gw1", counter, monkeypatch).result("count_runs")
+    assert counter.read_text() == "ran\nran\n"
+
+
+def test_a_crashed_claimer_fails_the_wait_at_once(tmp_path, monkeypatch):
+    """A worker that claimed a job and died (its result never written) fails the other's wait at once, naming it,
+    instead of the wait running out the job's timeout."""
+    counter = tmp_path / "runs.txt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gw1 = _worker_background(tmp_path / "run", "gw1", counter, monkeypatch)
+    assert _xdist.claim(gw1._claim_file(("count_runs",)), owner=int(dead.stdout))  # "gw0" claimed it, then died
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"pid {int(dead.stdout)}.*ended without writing its result"):
+        gw1.result("count_runs")
+    assert time.monotonic() - t0 < 10 and not counter.exists()
+
+
 def test_claim_is_first_come_only(tmp_path):
     assert _xdist.claim(tmp_path / "x.claim") is True
     assert _xdist.claim(tmp_path / "x.claim") is False
@@ -124,11 +147,9 @@ def test_isa_matrix_modules_form_one_group_in_a_worker(monkeypatch):
             return self._nodeid
 
     items = [Item(uses, ("isa_matrix",), "a.py::t1"), Item(uses, (), "a.py::t2"), Item(other, (), "b.py::t3")]
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    _xdist.group_items(items)
+    _xdist.group_items(types.SimpleNamespace(), items)  # a plain run's config
     assert [i.nodeid for i in items] == ["a.py::t1", "a.py::t2", "b.py::t3"]
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    _xdist.group_items(items)
+    _xdist.group_items(types.SimpleNamespace(workerinput={"workerid": "gw1"}), items)
     assert [_xdist.scope_of(i.nodeid) for i in items] == ["isa_matrix", "isa_matrix", "b.py"]
 
 
@@ -139,6 +160,78 @@ def test_module_seconds_name_existing_modules():
     assert seconds, f"{_xdist.MODULE_SECONDS} is missing or empty (python3 tests/_xdist.py RUN.xml writes it)"
     missing = [m for m in seconds if not (root / m).is_file()]
     assert not missing, f"{_xdist.MODULE_SECONDS} names modules that do not exist: {missing}"
+
+
+def test_a_tiny_checkpoint_asked_for_by_two_workers_is_built_once(tmp_path, monkeypatch):
+    """The same arguments give the same folder in both workers (a name from the arguments, not an order-dependent
+    counter), built once; other arguments, another folder. Control: two runs build it twice."""
+    import _tiny_checkpoints
+
+    builds = []
+
+    def build(path, dtype, seed=0, **overrides):
+        builds.append(path)
+        path.mkdir()
+        (path / "config.json").write_text(f"{dtype} {seed} {sorted(overrides.items())}")
+        return str(path)
+
+    monkeypatch.setattr(_tiny_checkpoints, "_builders", lambda: {"qwen2": (build, {"num_hidden_layers": 2})})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    gw0 = _tiny_checkpoints.checkpoint_getter(_Factory(_mkdir(tmp_path / "run" / "popen-gw0")))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    gw1 = _tiny_checkpoints.checkpoint_getter(_Factory(_mkdir(tmp_path / "run" / "popen-gw1")))
+    other = gw0("qwen2", "bf16", seed=1)  # (first in gw0: no counter makes the next name differ between workers)
+    a, b = gw0("qwen2", "bf16"), gw1("qwen2", "bf16")
+    assert a == b and len(builds) == 2 and other != a
+    assert gw1("qwen2", "bf16", num_hidden_layers=2) == a  # an override equal to the default: the same one
+    again = _tiny_checkpoints.checkpoint_getter(_Factory(_mkdir(tmp_path / "run2" / "popen-gw1")))("qwen2", "bf16")
+    assert again != a and len(builds) == 3
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+class _Node:
+    def __init__(self, name):
+        self.gateway, self.sent, self.shutting_down = types.SimpleNamespace(id=name), [], False
+
+    def send_runtest_some(self, indices):
+        self.sent.extend(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def _schedule(collection, seconds, monkeypatch):
+    monkeypatch.setattr(_xdist, "module_seconds", lambda: seconds)
+    config = types.SimpleNamespace(getvalue=lambda name: ["2*popen"] if name == "tx" else None,
+                                   option=types.SimpleNamespace(loadscopereorder=True))
+    sched = _xdist.make_scheduler(config, None)
+    nodes = [_Node("gw0"), _Node("gw1")]
+    for node in nodes:
+        sched.add_node(node)
+    for node in nodes:
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    return [[collection[i] for i in node.sent] for node in nodes], list(sched.workqueue)
+
+
+def test_scheduler_sends_whole_modules_heaviest_first(monkeypatch):
+    """pytest-xdist's scheduler as the suite's conftest makes it: each worker gets whole scopes (a module, or the
+    isa_matrix group of several), the heaviest first by tests/module_seconds.json; an unmeasured module counts as the
+    heaviest. Control: other weights, another order."""
+    collection = ["a.py::t1", "a.py::t2", "b.py::t1", "c.py::t1@isa_matrix", "d.py::t1@isa_matrix", "e.py::t1",
+                  "f.py::t1", "f.py::t2"]
+    seconds = {"a.py": 5.0, "b.py": 50.0, "c.py": 20.0, "d.py": 20.0, "e.py": 1.0}  # (f.py: not measured)
+    sent, queued = _schedule(collection, seconds, monkeypatch)
+    # f (unmeasured: 51), b (50), the isa_matrix group (40), a (5), e (1); two scopes per worker to start with
+    assert sent == [["f.py::t1", "f.py::t2", "c.py::t1@isa_matrix", "d.py::t1@isa_matrix"],
+                    ["b.py::t1", "a.py::t1", "a.py::t2"]], sent
+    assert queued == ["e.py"]
+    sent, _ = _schedule(collection, {**seconds, "e.py": 100.0}, monkeypatch)
+    assert (sent[0][0], sent[1][0]) == ("f.py::t1", "e.py::t1"), sent  # f (101, unmeasured), then e (100)
 
 
 def _readme_test_command(readme: str) -> str:
