@@ -59,7 +59,7 @@ from pathlib import Path
 
 import pytest
 
-from _xdist import claim, claim_owner, shared_root, worker_id
+from _xdist import claim, claim_owner, shared_root
 
 OUT_DIR = "{background job's out dir}"  # in a job's argv: the job's own folder under pytest's basetemp
 
@@ -75,6 +75,8 @@ class JobResult:
 class Background:
     def __init__(self, session, tiny_checkpoint, tmp_path_factory):
         self._session = session
+        self._in_worker = hasattr(getattr(session, "config", None), "workerinput")  # an xdist worker (not a pytest
+        # a test started: it inherits PYTEST_XDIST_WORKER, not workerinput)
         self._jobs: dict[str, dict] = {}
         self._out_dirs: dict[str, Path] = {}
         # Under pytest-xdist every worker declares the same jobs (the same session.items, the same shared tiny
@@ -174,12 +176,13 @@ class Background:
             else:
                 self._run_shared(unit, nice)
         finally:
+            with self._cv:  # (a job that raised: its failure, for this worker's waiting test too; first, for all)
+                for key in unit:
+                    self._results.setdefault(key, JobResult(-1, "", f"[background job {key!r}: no result recorded "
+                                                                    "(killed, or an error running it)]", 0.0))
+                self._cv.notify_all()
             for key in unit:
-                with self._cv:  # (a job that raised: its failure, for this worker's waiting test too)
-                    res = self._results.setdefault(key, JobResult(-1, "", f"[background job {key!r}: no result "
-                                                                          "recorded (killed, or an error running it)]",
-                                                                  0.0))
-                    self._cv.notify_all()
+                res = self._results[key]
                 tmp = self._dir / f"{key}.result.tmp"
                 tmp.write_text(json.dumps(dataclasses.asdict(res)))
                 os.replace(tmp, self._dir / f"{key}.result.json")  # (atomic: a reader never sees half of it)
@@ -271,8 +274,11 @@ class Background:
         except OSError as e:  # recorded as the job's failure: a waiting test fails, never waits forever
             return self._record(key, record, JobResult(-1, "", f"[could not start {argv!r}: {e}]",
                                                        time.monotonic() - t0))
-        with self._cv:
+        with self._cv:  # (under the lock _kill_running sets the flag in: one of the two sees the other)
             self._running[key] = proc
+            stopping = self._stopping
+        if stopping:
+            _kill_group(proc)
         try:
             out, err = proc.communicate(timeout=job.get("timeout", 600))
             res = JobResult(proc.returncode, out, err, time.monotonic() - t0)
@@ -280,6 +286,8 @@ class Background:
             _kill_group(proc)
             out, err = proc.communicate()
             res = JobResult(-9, out, err + f"\n[timed out after {job.get('timeout', 600)} s]", time.monotonic() - t0)
+        if self._stopping:
+            res.stderr += "\n[killed: the pytest process running it stopped (end of its tests, -x or Ctrl-C)]"
         with self._cv:
             self._running.pop(key, None)
             if record:
@@ -337,7 +345,7 @@ class Background:
             self._closed = True
             self._queue.clear()
         stopping = _interrupted[0] or self._session.shouldfail or self._session.shouldstop
-        if worker_id() is not None and not stopping and self._thread is not None:
+        if self._in_worker and not stopping and self._thread is not None:
             # Under pytest-xdist a job this worker runs may be one another worker's test waits for (this worker's
             # tests are done, the run is not): it finishes (its own timeout bounds it) and its result is written.
             # (Jobs not started yet: the worker whose test asks for one runs it then.)
@@ -365,13 +373,18 @@ def interrupted() -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, a dead process its parent has not reaped yet, does not)."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # (no /proc: as far as os.kill can tell)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -129,7 +129,7 @@ def make_scheduler(config, log):
             if not self.collection:
                 return
             units: dict[str, dict[str, bool]] = {}
-            weight: dict[str, float] = {}
+            weight: dict[tuple[str, str], float] = {}  # (scope, module) -> seconds
             for nodeid in self.collection:
                 scope = self._split_scope(nodeid)
                 units.setdefault(scope, {})[nodeid] = False

@@ -6,6 +6,7 @@ one run see it (each worker's basetemp is a folder in the controller's)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -36,7 +37,8 @@ def _worker_background(run_root: Path, worker: str, counter: Path, monkeypatch, 
         "count_runs": dict(argv=[sys.executable, "-c", job, str(counter)], env=None, timeout=60)}
     module.test_it = lambda: None
     item = types.SimpleNamespace(module=module, fixturenames=("background",), name="test_it", originalname="test_it")
-    session = types.SimpleNamespace(items=[item], shouldfail=False, shouldstop=False)
+    session = types.SimpleNamespace(items=[item], shouldfail=False, shouldstop=False,
+                                    config=types.SimpleNamespace(workerinput={"workerid": worker}))
     base = run_root / f"popen-{worker}"
     base.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
@@ -48,10 +50,11 @@ def _worker_background(run_root: Path, worker: str, counter: Path, monkeypatch, 
 SLOW_JOB = "import sys, time; time.sleep(1.5); " + JOB
 
 
-def _close_while_running(tmp_path, monkeypatch) -> _background.JobResult:
+def _close_while_running(tmp_path, monkeypatch, shouldfail=False) -> _background.JobResult:
     """gw0's thread starts the job, gw0's tests end (close) while it runs, then gw1's test asks for it."""
     counter = tmp_path / "runs.txt"
     gw0 = _worker_background(tmp_path / "run", "gw0", counter, monkeypatch, job=SLOW_JOB, thread=True)
+    gw0._session.shouldfail = shouldfail
     deadline = time.monotonic() + 30
     while not gw0._running and time.monotonic() < deadline:  # (the job's process started)
         time.sleep(0.02)
@@ -72,6 +75,12 @@ def test_negative_control_an_interrupted_worker_kills_its_job(tmp_path, monkeypa
     """Control (Ctrl-C: close() kills what runs): the waiting worker sees the kill, so the check above can fail."""
     monkeypatch.setattr(_background, "_interrupted", [True])
     res = _close_while_running(tmp_path, monkeypatch)
+    assert res.returncode == -9 and "[killed: the pytest process running it stopped" in res.stderr, res
+
+
+def test_a_worker_stopped_by_its_failures_kills_its_job(tmp_path, monkeypatch):
+    """-x / --maxfail reached in this worker (session.shouldfail): its running job is killed, not waited for."""
+    res = _close_while_running(tmp_path, monkeypatch, shouldfail="stopping after 1 failures")
     assert res.returncode == -9, res
 
 
@@ -106,13 +115,26 @@ def test_a_crashed_claimer_fails_the_wait_at_once(tmp_path, monkeypatch):
     """A worker that claimed a job and died (its result never written) fails the other's wait at once, naming it,
     instead of the wait running out the job's timeout."""
     counter = tmp_path / "runs.txt"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gw1 = _worker_background(tmp_path / "run", "gw1", counter, monkeypatch)
-    assert _xdist.claim(gw1._claim_file(("count_runs",)), owner=int(dead.stdout))  # "gw0" claimed it, then died
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # "gw0": exits and is not reaped (xdist reaps a crashed
+    gw1 = _worker_background(tmp_path / "run", "gw1", counter, monkeypatch)  # worker only at the end: a zombie)
+    assert _xdist.claim(gw1._claim_file(("count_runs",)), owner=dead.pid)  # "gw0" claimed it, then died
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"pid {int(dead.stdout)}.*ended without writing its result"):
+    with pytest.raises(RuntimeError, match=f"pid {dead.pid}.*ended without writing its result"):
         gw1.result("count_runs")
-    assert time.monotonic() - t0 < 10 and not counter.exists()
+    assert time.monotonic() - t0 < 30 and not counter.exists()
+    dead.wait()
+
+
+def test_a_zombie_is_not_alive():
+    """A crashed worker its parent has not reaped yet still answers os.kill(pid, 0): it counts as dead."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while _background._alive(proc.pid) and time.monotonic() < deadline:  # (exited, not waited for: a zombie)
+        time.sleep(0.05)
+    assert not _background._alive(proc.pid)
+    os.kill(proc.pid, 0)  # control: the pid still exists (the zombie), so os.kill alone would call it alive
+    proc.wait()
+    assert _background._alive(os.getpid())
 
 
 def test_claim_is_first_come_only(tmp_path):
@@ -125,6 +147,8 @@ def test_shared_root_is_the_controllers_folder_only_in_a_worker(tmp_path, monkey
     assert _xdist.shared_root(_Factory(tmp_path / "popen-gw0")) == tmp_path / "popen-gw0"
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     assert _xdist.shared_root(_Factory(tmp_path / "popen-gw0")) == tmp_path
+    # a pytest a worker's test started inherits PYTEST_XDIST_WORKER, not the basetemp: its own folder
+    assert _xdist.shared_root(_Factory(tmp_path / "pytest-3")) == tmp_path / "pytest-3"
 
 
 def test_scope_is_the_module_or_the_group():
