@@ -41,7 +41,9 @@ checkpoints and OUT_DIR folders under the run's shared tmp dir, tests/_xdist.py)
 the queue, and a job (or a shared process's jobs) runs in the worker that claims it first (a ``.claim`` file with
 its pid). That worker writes each job's result to disk; ``result(key)`` in another worker reads it, waiting while
 it runs (a claimer that died without writing it fails the wait at once). A worker whose tests are done lets the job
-it runs finish before it exits (another worker's test may wait for it), unless the run stops (Ctrl-C, ``-x``).
+it runs finish before it exits (another worker's test may wait for it), unless it stops: Ctrl-C, or ``-x`` /
+``--maxfail`` reached in that worker (the other worker of an ``-x`` run only gets xdist's shutdown: it finishes its
+job, bounded by the job's own timeout).
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ class Background:
             owner = claim_owner(claim_file)  # (None for the moment between the claim and its pid)
             if owner is not None and not _alive(owner) and not path.exists():
                 raise RuntimeError(f"background job {key!r}: the pytest-xdist worker that ran it (pid {owner}) "
-                                   "ended without writing its result (it crashed?)")
+                                   "ended without writing its result (it crashed, or stopped: -x / Ctrl-C?)")
             time.sleep(0.2)
         res = JobResult(**json.loads(path.read_text()))
         with self._cv:
@@ -286,7 +288,7 @@ class Background:
             _kill_group(proc)
             out, err = proc.communicate()
             res = JobResult(-9, out, err + f"\n[timed out after {job.get('timeout', 600)} s]", time.monotonic() - t0)
-        if self._stopping:
+        if self._stopping and proc.returncode == -signal.SIGKILL:
             res.stderr += "\n[killed: the pytest process running it stopped (end of its tests, -x or Ctrl-C)]"
         with self._cv:
             self._running.pop(key, None)
@@ -382,7 +384,7 @@ def _alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return True  # (no /proc: as far as os.kill can tell)
 
