@@ -23,8 +23,9 @@ import sys
 # OpenMP threads that wait (a barrier, a lock) sleep instead of spinning (set before torch loads libgomp; every
 # process the suite starts inherits it; a value the user set is kept). The suite's processes share the cores: two
 # xdist workers, background jobs, engines and their workers, each with its own OpenMP pool. By default libgomp spins
-# ~300,000 rounds (~ms) before it sleeps whenever the process has no more OpenMP threads than CPUs it may run on,
-# counted per process at start: a spinning thread burns the CPU the thread it waits for needs. Measured on 2 cores:
+# 300,000 rounds (milliseconds) before it sleeps whenever the process has no more OpenMP threads than CPUs it may run
+# on (the CPUs counted at start), each process on its own: a spinning thread burns the CPU the thread it waits for
+# needs. Measured on 2 cores:
 # the README's `-n 2` run 1,466-1,501 -> 1,297 CPU s, 766-788 -> 682 s wall. Changes no arithmetic (each thread's
 # share of a parallel_for is fixed), only when a waiting thread yields the core. (The benchmarks in bench/ keep the
 # default; a pytest started inside a process that already loaded torch gets it only in its subprocesses.)
