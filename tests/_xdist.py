@@ -129,14 +129,15 @@ def make_scheduler(config, log):
             if not self.collection:
                 return
             units: dict[str, dict[str, bool]] = {}
-            weight: dict[tuple[str, str], float] = {}  # (scope, module) -> seconds
+            total: dict[str, float] = {}  # scope -> the seconds of its modules, each module counted once
+            counted: set[tuple[str, str]] = set()
             for nodeid in self.collection:
                 scope = self._split_scope(nodeid)
                 units.setdefault(scope, {})[nodeid] = False
                 module = nodeid.split("::", 1)[0]
-                if (scope, module) not in weight:
-                    weight[(scope, module)] = seconds.get(module, unknown)
-            total = {s: sum(w for (sc, _), w in weight.items() if sc == s) for s in units}
+                if (scope, module) not in counted:
+                    counted.add((scope, module))
+                    total[scope] = total.get(scope, 0.0) + seconds.get(module, unknown)
             for scope in sorted(units, key=lambda s: -total[s]):  # (stable: ties keep collection order)
                 self.workqueue[scope] = units[scope]
             for _ in range(len(self.nodes) - len(self.workqueue)):  # more workers than scopes

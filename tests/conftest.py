@@ -25,10 +25,10 @@ import sys
 # xdist workers, background jobs, engines and their workers, each with its own OpenMP pool. By default libgomp spins
 # 300,000 rounds (milliseconds) before it sleeps whenever the process has no more OpenMP threads than CPUs it may run
 # on (the CPUs counted at start), each process on its own: a spinning thread burns the CPU the thread it waits for
-# needs. Measured on 2 cores:
-# the README's `-n 2` run 1,466-1,501 -> 1,297 CPU s, 766-788 -> 682 s wall. Changes no arithmetic (each thread's
-# share of a parallel_for is fixed), only when a waiting thread yields the core. (The benchmarks in bench/ keep the
-# default; a pytest started inside a process that already loaded torch gets it only in its subprocesses.)
+# needs. Measured on 2 cores: the README's `-n 2` run 1,466-1,501 -> 1,297 CPU s, 766-788 -> 682 s wall. Changes
+# no arithmetic (each thread's share of a parallel_for is fixed), only when a waiting thread yields the core. (The
+# benchmarks in bench/ keep the default; a pytest started inside a process that already loaded torch gets it only
+# in its subprocesses.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 import aligned_ops  # noqa: F401  (registers torch.ops.aligned)
 
+import _background
 from _background import _start_background_jobs, background  # noqa: F401  (fixtures: subprocess jobs, see there)
 from _isa_matrix import isa_matrix  # noqa: F401  (fixture: one worker process per CPU ISA level, see there)
 from _tiny_checkpoints import tiny_checkpoint  # noqa: F401  (fixture: tiny checkpoints built once per run)
@@ -112,8 +113,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_keyboard_interrupt(excinfo):
-    import _background
-
     _background.interrupted()  # (a worker's background jobs are killed, not waited for)
 
 
