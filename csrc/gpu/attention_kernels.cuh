@@ -38,8 +38,8 @@ constexpr int kAttnChunksWide = (int)(kGpuAttnMaxDWide / kGroupLanes);  // the w
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
 // The padded fp32 K row of a head_dim: D + 1 floats (lane j reads row j: consecutive lanes, consecutive banks).
 __host__ __device__ inline int64_t kAttnKStrideOf(int64_t D) { return D + 1; }
-// V row offset when V is not staged (the kernel's key_off holds the same values; recomputed here for the
-// unstaged variant, which is the previous kernel's access).
+// V row offset when K is staged and V is not (the kernel's key_off holds the same values, but of the next tile by
+// the time V is read; the wide variant, which prefetches nothing, reads key_off).
 __device__ __forceinline__ int64_t key_off_v(const KvRows& kv, int64_t j, int64_t g) { return kv.offset(j, g); }
 
 // The K/V row accessor of a work record (attention.h: KvRows, shared with the CPU backend).
@@ -78,7 +78,8 @@ constexpr int kAttnPrefetchVecs = (int)(kAttnTile * kGpuAttnMaxD * 4 / 16 / kAtt
 // false only where the K and V tiles do not fit the device's shared memory (fp32, D > 224 on a 64 KB-LDS gfx942):
 // then V is read from global memory as before. The arithmetic per (row, head) is the same in both (attention.h).
 // The wide variant (kStageK = false, kChunks = kAttnChunksWide; head_dim up to kGpuAttnMaxDWide) stages nothing: lane
-// j reads key j's row from global memory for its score, V comes from global memory; the chains are the same.
+// j reads key j's row from global memory for its score, V comes from global memory, both at the tile's row offsets
+// (key_off, written per tile instead of one tile ahead); the chains are the same.
 template <typename T, bool kStageV, int kChunks = kAttnChunks, bool kStageK = true>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdParams p) {
   static_assert(kStageK || !kStageV, "V is staged only with K");
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     float m = neg_inf_f32(), l = 0.0f, acc[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) acc[i] = 0.0f;
-    if (key0 < key_end) {  // the first tile's offsets and vectors
+    if (kStageK && key0 < key_end) {  // the first tile's offsets and vectors
       __syncthreads();  // key_off / the tiles of the previous round are no longer read
       tile_offsets(key0);
       __syncthreads();
@@ -164,22 +165,24 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     for (int64_t j0 = key0; j0 < key_end; j0 += kAttnTile) {
       const int n_tile = (int)(key_end - j0 < kAttnTile ? key_end - j0 : kAttnTile);
       __syncthreads();  // the previous tile's readers are done
-      stage(n_tile);
+      // The wide variant stages nothing and prefetches nothing: key_off holds THIS tile's row offsets, which its score
+      // and pv loops read. (They recomputed kv.offset per key and lane — on paged K/V a 64-bit division, inside the
+      // unrolled pv loop — and spilled 284-300 B per thread on sm_80/90, 196 B on sm_100, ptxas -v.)
+      if (kStageK) stage(n_tile);
+      else tile_offsets(j0);
       __syncthreads();
       const int64_t j1 = j0 + kAttnTile;
-      if (j1 < key_end) {  // the next tile: offsets now, its vectors in flight during this tile's work
+      if (kStageK && j1 < key_end) {  // the next tile: offsets now, its vectors in flight during this tile's work
         tile_offsets(j1);
         __syncthreads();
         fetch((int)(key_end - j1 < kAttnTile ? key_end - j1 : kAttnTile));
       }
       if (!active || nk <= j0) continue;  // uniform over the group; barriers above are reached by all
       const int nv = (int)(nk - j0 < kAttnTile ? nk - j0 : kAttnTile);
-      // (wide: the key row's own offset — key_off already holds the next tile's —; lanes past the tile's keys have
-      // no row to read and their score is never used, attention.h step 3)
-      const float s_lane =
-          kStageK ? attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale
-                  : (lane < n_tile ? attn_dot((const T*)p.q + qrow, K + key_off_v(kv, j0 + lane, w[kWg]), D) * p.scale
-                                   : 0.0f);
+      // (wide: lanes past the tile's keys have no row to read and their score is never used, attention.h step 3)
+      const float s_lane = kStageK         ? attn_dot((const T*)p.q + qrow, ktile + lane * kstride, D) * p.scale
+                           : lane < n_tile ? attn_dot((const T*)p.q + qrow, K + key_off[lane], D) * p.scale
+                                           : 0.0f;
       float s[kAttnTile];
 #pragma unroll
       for (int j = 0; j < kAttnTile; ++j) s[j] = shfl_idx32(s_lane, j);
@@ -195,10 +198,17 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       for (int j = 0; j < kAttnTile; ++j) {
         const float pj = shfl_idx32(p_lane, j);  // every lane shuffles (uniform), only j < nv is used
         if (j >= nv) continue;
+        // (V unstaged: the staged-K variant's key_off holds the next tile's offsets by now, the wide one's this tile's;
+        // the wide variant's loads are then one row pointer plus constant offsets)
+        const T* const vj = kStageK ? nullptr : V + key_off[j] + lane;
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) {
           const int64_t d = lane + (int64_t)i * kGroupLanes;
-          if (d < D) pv[i] = attn_pv_step(pj, kStageV ? vtile[j * D + d] : to_f32(V[key_off_v(kv, j0 + j, w[kWg]) + d]), pv[i]);
+          if (d < D)
+            pv[i] = attn_pv_step(pj, kStageV   ? vtile[j * D + d]
+                                     : kStageK ? to_f32(V[key_off_v(kv, j0 + j, w[kWg]) + d])
+                                               : to_f32(vj[i * kGroupLanes]),
+                                 pv[i]);
         }
       }
 #pragma unroll

@@ -293,6 +293,11 @@ __device__ __forceinline__ void attn_mma_head_dim_products(const bf16_t* A, cons
 template <int kDInstr = kAttnMmaDInstr>
 __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(AttnBwdParams p, int control) {
   __shared__ AttnMmaBwdScratch scratch[kAttnMmaWarps];
+  // The group's key count per pair and the tile's key row offsets, computed once per group / tile and read by the dq
+  // passes: recomputed there (work_row_keys, kv.offset: 64-bit divisions behind branches, which the compiler does
+  // not hoist) per column instruction and pass, the head_dim <= 128 bucket (kDInstr = 16) spilled 240 B per thread
+  // on sm_90, 276 B on sm_80, 152 B on sm_100 (ptxas -v). Integer values only: the same operands, the same bits.
+  __shared__ int64_t pair_keys[kAttnMmaWarps][kAttnMmaRows], tile_key_off[kAttnMmaWarps][kAttnTile];
   const AttnFwdParams& f = p.f;
   const int64_t* w = f.blocks + (int64_t)blockIdx.x * kAttnWorkFields;
   const int64_t D = f.D, G = f.Hq / f.Hkv, P = w[kWnr] * G, g = w[kWg];
@@ -318,6 +323,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
     const int64_t ri = lane < kAttnMmaRows ? row_of(lane) : -1;
     const int64_t nk_i = ri >= 0 ? work_row_keys(f, w, (pr0 + lane) / G) : 0;
     const float lse_i = ri >= 0 ? p.lse[ri] : 0.0f, delta_i = ri >= 0 ? p.delta[ri] : 0.0f;
+    if (lane < kAttnMmaRows) pair_keys[warp][lane] = nk_i;  // 0 past P (read after the first tile's warp_sync)
     float acc[kDInstr][4];
 #pragma unroll
     for (int n = 0; n < kDInstr; ++n)
@@ -328,6 +334,9 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
         const int64_t j = j0 + c;
         return j < nk_max ? kv.offset(j, g) : -1;
       };
+      // (the previous tile's and group's readers of the tables are past the tile's closing warp_sync)
+      if (lane < kAttnTile) tile_key_off[warp][lane] = key_off(lane);
+      warp_sync();
       float sf[kAttnMmaSInstr][4], df[kAttnMmaSInstr][4];
       attn_mma_head_dim_products<kAttnMmaSInstr>(Q, K, D, a_off, key_off, sf);
       attn_mma_head_dim_products<kAttnMmaSInstr>(dO, V, D, a_off, key_off, df);
@@ -352,8 +361,11 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
       for (int kb = 0; kb < kAttnMmaKeyBlocks; ++kb) {
         const int64_t k0 = j0 + kb * kMmaGpuKBlock;
         const auto nv_of = [&](int i) -> int {
+          // (the widest bucket counts the keys here, the same value: with the table its 255 registers spilled more,
+          // 68 / 144 B of stores / loads on sm_80/90 instead of 48 / 32)
           const int64_t ii = pr0 + i;
-          const int64_t n = ii < P ? work_row_keys(f, w, ii / G) - k0 : 0;
+          const int64_t nk = kDInstr < kAttnMmaDInstr ? pair_keys[warp][i] : ii < P ? work_row_keys(f, w, ii / G) : 0;
+          const int64_t n = nk - k0;  // (a pair past P: 0 keys, n <= 0)
           return n <= 0 ? 0 : (n < kMmaGpuKBlock ? (int)n : kMmaGpuKBlock);
         };
         int nv_max = 0;  // (the shared-operand negative control's one pass)
@@ -373,7 +385,7 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
             if (c0 >= D) break;
             const auto b_at = [&](int k, int col) -> uint16_t {  // B[key][d] = K[key][d], keys >= nvp as +0
               const int64_t d = c0 + col;
-              return k < nvp && d < D ? K[kv.offset(k0 + k, g) + d].bits : (uint16_t)0;
+              return k < nvp && d < D ? K[tile_key_off[warp][kb * kMmaGpuKBlock + k] + d].bits : (uint16_t)0;
             };
             float t[4] = {acc[n][0], acc[n][1], acc[n][2], acc[n][3]};
             bf16_mma_step(t, a_at, b_at);

@@ -80,16 +80,22 @@ def test_emulated_equals_cpu(arch, dtype):
     assert bitwise_equal(paged, want) and bitwise_equal(planned, want)
 
 
-def test_negative_control_neighbour_tree():
-    """A tile sum in another order (the emulator's planted neighbour-first shuffle tree) changes the bits."""
-    c = case(torch.float32, lens=(70,), seed=1)
+@pytest.mark.parametrize("R, rope", [(96, 32), (512, 64)])  # 512 + 64: the wide forward variant
+def test_negative_control_neighbour_tree(R, rope):
+    """A tile sum in another order (the emulator's planted neighbour-first shuffle tree) changes the bits, in the
+    staged and in the wide forward."""
+    c = case(torch.float32, R=R, rope=rope, lens=(70,), seed=1)
     q, kv = c[0], c[1]
     cq = cu(c[-1])
-    args = (q, kv, cq, cq, 96, q.shape[-1] ** -0.5, True)
+    args = (q, kv, cq, cq, R, q.shape[-1] ** -0.5, True)
     cpu = ops.mla_attention_varlen(*args)[0]
+    with aligned_ops.emulate("sm_90") as emu:
+        good = ops.mla_attention_varlen(*args)[0]
     with aligned_ops.emulate("sm_90", _fault="neighbour_tree"):
         bad = ops.mla_attention_varlen(*args)[0]
-    assert not bitwise_equal(cpu, bad)
+    splits = [l for l in emu.launches if l.kernel_base == "attention_split_kernel"]
+    assert splits and all((l.shared_bytes == 0) == (R + rope > 256) for l in splits)  # the variant under test ran
+    assert bitwise_equal(cpu, good) and not bitwise_equal(cpu, bad)
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
