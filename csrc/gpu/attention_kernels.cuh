@@ -38,8 +38,9 @@ constexpr int kAttnChunksWide = (int)(kGpuAttnMaxDWide / kGroupLanes);  // the w
 constexpr int kAttnKStride = (int)kGpuAttnMaxD + 1;              // padded fp32 K row (no bank conflicts)
 // The padded fp32 K row of a head_dim: D + 1 floats (lane j reads row j: consecutive lanes, consecutive banks).
 __host__ __device__ inline int64_t kAttnKStrideOf(int64_t D) { return D + 1; }
-// V row offset when K is staged and V is not (the kernel's key_off holds the same values, but of the next tile by
-// the time V is read; the wide variant, which prefetches nothing, reads key_off).
+// V row offset when K is staged and V is not: by the time V is read, key_off holds the next tile's offsets (but for
+// the split's last tile, whose next is never written), so they are recomputed. The wide variant, which prefetches
+// nothing, reads this tile's from key_off.
 __device__ __forceinline__ int64_t key_off_v(const KvRows& kv, int64_t j, int64_t g) { return kv.offset(j, g); }
 
 // The K/V row accessor of a work record (attention.h: KvRows, shared with the CPU backend).
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
       __syncthreads();  // the previous tile's readers are done
       // The wide variant stages nothing and prefetches nothing: key_off holds THIS tile's row offsets, which its score
       // and pv loops read. (They recomputed kv.offset per key and lane — on paged K/V a 64-bit division, inside the
-      // unrolled pv loop — and spilled 284-300 B per thread on sm_80/90, 196 B on sm_100, ptxas -v.)
+      // unrolled pv loop — and spilled 284-300 B per thread on sm_80/90, 192-196 B on sm_100, ptxas -v; reading
+      // key_off: 113-128 registers, no spill, 2 blocks of 256 threads per SM instead of 4 — speed unmeasured.)
       if (kStageK) stage(n_tile);
       else tile_offsets(j0);
       __syncthreads();

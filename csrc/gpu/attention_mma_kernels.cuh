@@ -294,9 +294,11 @@ template <int kDInstr = kAttnMmaDInstr>
 __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(AttnBwdParams p, int control) {
   __shared__ AttnMmaBwdScratch scratch[kAttnMmaWarps];
   // The group's key count per pair and the tile's key row offsets, computed once per group / tile and read by the dq
-  // passes: recomputed there (work_row_keys, kv.offset: 64-bit divisions behind branches, which the compiler does
-  // not hoist) per column instruction and pass, the head_dim <= 128 bucket (kDInstr = 16) spilled 240 B per thread
-  // on sm_90, 276 B on sm_80, 152 B on sm_100 (ptxas -v). Integer values only: the same operands, the same bits.
+  // passes (the key counts by the narrower buckets only: see nv_of): recomputed there (work_row_keys, kv.offset:
+  // 64-bit divisions behind branches, which the compiler does not hoist) per column instruction and pass, CUDA's
+  // head_dim <= 128 bucket (kDInstr = 16) spilled 240 B per thread on sm_90, 276 B on sm_80, 152 B on sm_100 (ptxas
+  // -v); with the tables 208-222 registers, no spill, 2 blocks of 128 threads per SM instead of 3 (speed
+  // unmeasured). Integer values only: the same operands, the same bits.
   __shared__ int64_t pair_keys[kAttnMmaWarps][kAttnMmaRows], tile_key_off[kAttnMmaWarps][kAttnTile];
   const AttnFwdParams& f = p.f;
   const int64_t* w = f.blocks + (int64_t)blockIdx.x * kAttnWorkFields;

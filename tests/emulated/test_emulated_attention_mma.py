@@ -454,6 +454,26 @@ def test_backward_kernels_equal_reference(arch, model):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("D", [64, 80])  # the two narrower column buckets, which read the key-count table
+def test_backward_several_pair_groups_per_warp_equal_reference(arch, D):
+    """8 query heads per KV head: a row block's (row, head) pairs outnumber one pass of the block's warps (16 pairs
+    each), so each warp runs several groups and rewrites its per-warp key-count table (attention_mma_bwd_dq_kernel
+    pair_keys) after the previous group read it; causal rows, so the groups' key counts differ. == the reference.
+    (Checked to fail with the table written by each warp's first group only.)"""
+    seqs = rand_seqs([48, 21], 8, 1, D, seed=28)
+    q, k, v, cq, ck = varlen(seqs)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(29)).to(BF16)
+    scale = D ** -0.5
+    with aligned_ops.emulate(arch) as em:
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
+        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
+    assert "attention_mma_bwd_dq_kernel" in {l.kernel_base for l in em.launches}
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert_bitwise_equal(got, want, f"{arch} D={D} {name}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("D", [129, 200, 256])  # 129 / 200: the second slice ends inside an instruction
 def test_backward_wide_head_dim_column_slices_equal_reference(arch, D):
     """head_dim above 128: the dk / dv kernel runs 128 columns per block, the slices over gridDim.y (each recomputes
