@@ -6,6 +6,12 @@ JSON; vLLM may print after it): the engine's TP size, eager flag, linear profile
 MLA) with ``use_mla``, and each rollout's prompt, sampled ids and log-probs (int32 bit patterns: exact, NaN
 payloads too). The linear profile is the environment's (``ALIGNED_OPS_LINEAR``, inherited by mp workers) unless
 ``spec["llm"]["additional_config"]`` names one. Jobs and results: engine_job / engine_result.
+
+The jobs run one after the other in one interpreter (``shared=SHARED``: tests/_shared_process.py), as the stock
+probes do: each fresh interpreter paid ~10 CPU s importing vLLM before its engine started. A shared process has one
+environment, so what a job adds to it (its linear profile, MLA form, TP thread binding) travels in its spec
+(``spec["env"]``) and is set before its engine is built — the engine resolves its profile and form then, and its mp
+workers inherit the environment of that moment; the shared process restores the environment after the job.
 Usage: python _aligned_engine.py MODEL_DIR SPEC_JSON
 """
 
@@ -14,6 +20,7 @@ import os
 import sys
 
 RESULT_PREFIX = "ALIGNED_RESULT "  # the line a job's result is on (other output may come before or after it)
+SHARED = "aligned_vllm"  # the shared process's name (tests/_background.py)
 
 
 def emit_result(obj) -> None:
@@ -44,17 +51,19 @@ def logprobs_from_bits(bits: list) -> list:
 
 def engine_job(path: str, llm: dict, prompts, temperature: float, max_tokens: int, env: dict | None = None,
                timeout: float = 1200) -> dict:
-    """The background job (tests/_background.py) running this script; ``env``: variables added to the test
-    process's environment (e.g. ``ALIGNED_OPS_LINEAR``). TP > 1 engines get one core per rank bound unless the
-    environment binds them."""
+    """The background job (tests/_background.py) running this script in the shared process (``SHARED``);
+    ``env``: variables added to the test process's environment for this job (e.g. ``ALIGNED_OPS_LINEAR``), set by
+    the job itself (``spec["env"]``). TP > 1 engines get one core per rank bound unless the environment binds them."""
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("aligned_ops").__file__)))
-    e = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1",
-             **(env or {}))
+    base = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    own = dict(env or {})
     tp = llm.get("tensor_parallel_size", 1)
-    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in e:  # auto binding wants one NUMA node per rank
-        e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
-    spec = dict(llm=llm, prompts=[list(p) for p in prompts], temperature=temperature, max_tokens=max_tokens)
-    return dict(argv=[sys.executable, os.path.abspath(__file__), path, json.dumps(spec)], env=e, timeout=timeout)
+    # (vLLM's auto binding wants one NUMA node per rank)
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in base and "VLLM_CPU_OMP_THREADS_BIND" not in own:
+        own["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    spec = dict(llm=llm, prompts=[list(p) for p in prompts], temperature=temperature, max_tokens=max_tokens, env=own)
+    return dict(argv=[sys.executable, os.path.abspath(__file__), path, json.dumps(spec)], env=base, timeout=timeout,
+                shared=SHARED)
 
 
 def profile_engine_jobs(prefix: str, profiles: dict, path: str, llm: dict, prompts, temperature: float,
@@ -92,6 +101,7 @@ def main():
     from aligned_ops.integrations.vllm.config import MLA_FORM_KEY
 
     model_dir, spec = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.update(spec.get("env", {}))  # this job's own variables, before its engine resolves profile and form
     llm = make_llm(model_dir, aligned=True, **spec["llm"])
     try:
         cfg = llm.llm_engine.vllm_config

@@ -150,7 +150,7 @@ def _engine_modules(llm):
 
 def test_compiled_mode_bitwise(background, model_dirs):
     """vLLM's compiled mode (enforce_eager=False: torch.compile over the aligned custom ops) == the trainer. The
-    engine runs in a fresh process (a background job, _aligned_engine.py, asked for the expanded form; the plugin
+    engine runs in another process (a background job, _aligned_engine.py, asked for the expanded form; the plugin
     refuses the compiled mode with the absorbed form) and reports the form it built."""
     from transformers import AutoModelForCausalLM
 

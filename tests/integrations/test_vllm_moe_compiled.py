@@ -5,8 +5,8 @@ The MoE layer runs through opaque aligned custom ops with fake impls (router lin
 top-2, bf16) in a compiled engine with chunked prefill gives, for every sampled token, the trainer's
 teacher-forced log-prob bit for bit (integer views), and the compiled engine really compiled (not silently
 eager). The negative control of the MoE path (stock vLLM vs stock HF differ) is in
-test_vllm_moe_e2e.py. The engines run in fresh processes started at the beginning of the run
-(tests/_background.py, _aligned_engine.py); the trainer side runs here.
+test_vllm_moe_e2e.py. The engines run in the process the aligned engine jobs share, started at the
+beginning of the run (tests/_background.py, _aligned_engine.py); the trainer side runs here.
 """
 
 import pytest
@@ -38,7 +38,7 @@ def _checkpoint(tiny_checkpoint):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The engines need nothing from this process: tests/_background.py runs each (a fresh process,
+    """The engines need nothing from this process: tests/_background.py runs each (the shared process,
     _aligned_engine.py) beside the in-process tests; the tests compare their rollouts with the trainer here."""
     return profile_engine_jobs("compiled_moe_engine", PROFILES, _checkpoint(tiny_checkpoint), ENGINE,
                                random_prompts(PROMPT_LENS, 3), TEMPERATURE, 8)

@@ -3,9 +3,9 @@
 The row-parallel layers finish the 8-lane linear tree with ``aligned_ops.collective.tree_all_reduce`` inside
 the compiled model. Proven here: a tiny random Qwen2 (bf16, chunked prefill) in a compiled TP = 2 engine gives,
 for every sampled token, the TP = 1 trainer's teacher-forced log-prob bit for bit (integer views), and the engine
-really compiled. The engines run in fresh processes started at the beginning of the run (tests/_background.py,
-_aligned_engine.py); the trainer side runs here. Negative controls of the TP path (a sequential combine
-differs; stock TP 2 vs TP 1 differs) are in test_vllm_tp_e2e.py.
+really compiled. The engines run one after the other in the process the aligned engine jobs share, started at the
+beginning of the run (tests/_background.py, _aligned_engine.py); the trainer side runs here. Negative controls of
+the TP path (a sequential combine differs; stock TP 2 vs TP 1 differs) are in test_vllm_tp_e2e.py.
 """
 
 import pytest
@@ -38,7 +38,7 @@ def _checkpoint(tiny_checkpoint):
 
 
 def BACKGROUND_JOBS(tiny_checkpoint):
-    """The engines need nothing from this process: tests/_background.py runs each (a fresh process,
+    """The engines need nothing from this process: tests/_background.py runs each (the shared process,
     _aligned_engine.py) beside the in-process tests; the tests compare their rollouts with the trainer here."""
     return profile_engine_jobs("compiled_tp2_engine", PROFILES, _checkpoint(tiny_checkpoint), ENGINE,
                                random_prompts(PROMPT_LENS, 5), TEMPERATURE, 8)
