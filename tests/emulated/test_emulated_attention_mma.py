@@ -433,6 +433,17 @@ def test_cpu_refuses_mma_attention_by_name():
 
 
 # ---- backward ------------------------------------------------------------------------------------------------------
+def mma_backward_and_reference(arch, q, k, v, cq, ck, dout, scale, model=None):
+    """Under emulation: the mma forward, its backward (dq, dk, dv) and attention_mma.h's backward reference; with the
+    emulator's launch records."""
+    kw = {} if model is None else {"mma_model": model}
+    with aligned_ops.emulate(arch, **kw) as em:
+        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
+        grads = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
+        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
+    return em.launches, grads, ref
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("model", MODELS)
 def test_backward_kernels_equal_reference(arch, model):
@@ -443,13 +454,9 @@ def test_backward_kernels_equal_reference(arch, model):
     q, k, v, cq, ck = varlen(seqs, [37, 1, 19])
     g = torch.Generator().manual_seed(19)
     dout = torch.randn(q.shape, generator=g).to(BF16)
-    scale = 0.125
-    with aligned_ops.emulate(arch, mma_model=model) as em:
-        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
-        dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
-        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
-    assert {"attention_mma_bwd_dq_kernel", "attention_mma_bwd_dkdv_kernel"} <= {l.kernel_base for l in em.launches}
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+    launches, grads, ref = mma_backward_and_reference(arch, q, k, v, cq, ck, dout, 0.125, model)
+    assert {"attention_mma_bwd_dq_kernel", "attention_mma_bwd_dkdv_kernel"} <= {l.kernel_base for l in launches}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert_bitwise_equal(got, want, f"{arch}/{model} {name}")
 
 
@@ -463,13 +470,9 @@ def test_backward_several_pair_groups_per_warp_equal_reference(arch, D):
     seqs = rand_seqs([48, 21], 8, 1, D, seed=28)
     q, k, v, cq, ck = varlen(seqs)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(29)).to(BF16)
-    scale = D ** -0.5
-    with aligned_ops.emulate(arch) as em:
-        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
-        dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
-        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
-    assert "attention_mma_bwd_dq_kernel" in {l.kernel_base for l in em.launches}
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+    launches, grads, ref = mma_backward_and_reference(arch, q, k, v, cq, ck, dout, D ** -0.5)
+    assert "attention_mma_bwd_dq_kernel" in {l.kernel_base for l in launches}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert_bitwise_equal(got, want, f"{arch} D={D} {name}")
 
 
@@ -482,13 +485,9 @@ def test_backward_wide_head_dim_column_slices_equal_reference(arch, D):
     seqs = rand_seqs([40, 21], 4, 2, D, seed=26)
     q, k, v, cq, ck = varlen(seqs, [40, 3])
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(27)).to(BF16)
-    scale = D ** -0.5
-    with aligned_ops.emulate(arch) as em:
-        out, lse = aligned_ops.attention_varlen(q, k, v, cq, ck, profile="mma")
-        dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, scale, True, None, "mma")
-        ref = ops._attention_mma_backward_reference(dout, q, k, v, out, lse, cq, ck, scale, True)
-    assert {l.grid[1] for l in em.launches if l.kernel_base == "attention_mma_bwd_dkdv_kernel"} == {2}
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+    launches, grads, ref = mma_backward_and_reference(arch, q, k, v, cq, ck, dout, D ** -0.5)
+    assert {l.grid[1] for l in launches if l.kernel_base == "attention_mma_bwd_dkdv_kernel"} == {2}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert_bitwise_equal(got, want, f"{arch} D={D} {name}")
 
 
