@@ -23,7 +23,7 @@ no test function of the module is a usage error at collection) and its test asks
 
 Jobs of one module or several that are declared with the same ``shared="name"`` (each ``argv`` a Python script
 or ``-c`` code run by ``sys.executable``, the same ``env`` for all) run one after the other in one interpreter
-(tests/_shared_process.py: each job's own argv, stdout, stderr and exit status; ~12 CPU s saved per vLLM import
+(tests/_shared_process.py: each job's own argv, stdout, stderr and exit status; ~9-12 CPU s saved per vLLM import
 avoided), in the order of the run's tests (a job declared with ``shared_order=1`` after those without); its timeout is the sum of theirs. ``result(key)`` still gives each
 job's own result (a job the shared process never reached: the process's exit status and its stderr).
 
@@ -34,7 +34,8 @@ $TMPDIR when the run is interrupted).
 Only the jobs of modules with a selected test that uses the ``background`` fixture are started. The command,
 its environment (a job declared without ``env``: the clean environment of the run's first test, taken before any
 test can change os.environ) and its timeout are the test's own, so it computes exactly what it computed when the test
-started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it.
+started it; only the moment differs. ALIGNED_TEST_BACKGROUND=0 runs each job when its test asks for it (a shared
+process's jobs all at once, when the first of their tests asks).
 
 Under pytest-xdist (the README's ``-n 2``) every worker declares the same jobs over folders all of them see (the tiny
 checkpoints and OUT_DIR folders under the run's shared tmp dir, tests/_xdist.py); each worker's thread goes through

@@ -1,5 +1,5 @@
 """Runs several background jobs' scripts one after the other in this one interpreter (tests/_background.py, jobs
-declared with the same ``shared=``): each fresh interpreter that imports vLLM costs ~12 CPU s before it does
+declared with the same ``shared=``): each fresh interpreter that imports vLLM costs ~9-12 CPU s before it does
 anything, and a stock-vLLM probe needs a process without the plugin, not a process of its own.
 
 Usage: python _shared_process.py SPEC_JSON OUT_DIR

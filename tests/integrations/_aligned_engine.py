@@ -1,17 +1,18 @@
-"""An aligned vLLM engine run in a fresh process (a background job, tests/_background.py; the test compares its
-rollouts with the trainer in the test process): ``make_llm(MODEL_DIR, aligned=True, **spec["llm"])`` samples
-``spec["prompts"]`` at ``spec["temperature"]`` for ``spec["max_tokens"]``; prints one result line (RESULT_PREFIX +
-JSON; vLLM may print after it): the engine's TP size, eager flag, linear profile (``additional_config``'s
-``aligned_ops_linear``, what the workers bind) and MLA form (``aligned_ops_mla_form``, None for a model without
-MLA) with ``use_mla``, and each rollout's prompt, sampled ids and log-probs (int32 bit patterns: exact, NaN
-payloads too). The linear profile is the environment's (``ALIGNED_OPS_LINEAR``, inherited by mp workers) unless
-``spec["llm"]["additional_config"]`` names one. Jobs and results: engine_job / engine_result.
+"""An aligned vLLM engine run as a background job (tests/_background.py; the test compares its rollouts with the trainer
+in the test process): ``make_llm(MODEL_DIR, aligned=True, **spec["llm"])`` samples ``spec["prompts"]`` at
+``spec["temperature"]`` for ``spec["max_tokens"]``; prints one result line (RESULT_PREFIX + JSON; vLLM may print
+after it): the engine's TP size, eager flag, linear profile (``additional_config``'s ``aligned_ops_linear``, what the
+workers bind) and MLA form (``aligned_ops_mla_form``, None for a model without MLA) with ``use_mla``, and each
+rollout's prompt, sampled ids and log-probs (int32 bit patterns: exact, NaN payloads too). The linear profile is the
+environment's (``ALIGNED_OPS_LINEAR`` when the engine is built; its mp workers bind it from the engine's config)
+unless ``spec["llm"]["additional_config"]`` names one. Jobs and results: engine_job / engine_result.
 
 The jobs run one after the other in one interpreter (``shared=SHARED``: tests/_shared_process.py), as the stock
-probes do: each fresh interpreter paid ~10 CPU s importing vLLM before its engine started. A shared process has one
-environment, so what a job adds to it (its linear profile, MLA form, TP thread binding) travels in its spec
-(``spec["env"]``) and is set before its engine is built — the engine resolves its profile and form then, and its mp
-workers inherit the environment of that moment; the shared process restores the environment after the job.
+probes do: each fresh interpreter paid ~9-12 CPU s importing vLLM before its engine started (9.0 s alone on an idle
+core, bench/RESULTS.md session 39; more on busy ones). A shared process has one environment, so what a job adds to it
+(its linear profile, MLA form, TP thread binding) travels in its spec (``spec["env"]``) and is set before its engine
+is built — the engine resolves its profile and form then, and its mp workers inherit the environment of that moment;
+the shared process restores the environment after the job.
 Usage: python _aligned_engine.py MODEL_DIR SPEC_JSON
 """
 
