@@ -5,8 +5,9 @@
 #   TORCH_CUDA_ARCH_LIST ("8.0 9.0", "9.0;10.0+PTX", "9.0a"), then ALIGNED_CUDA_ARCHS_DEFAULT. Must run before
 #   enable_language(CUDA), which fills CMAKE_CUDA_ARCHITECTURES with the compiler's default.
 # aligned_select_hip_archs(OUT): -DALIGNED_HIP_ARCHS, then PYTORCH_ROCM_ARCH, then ALIGNED_HIP_ARCHS_DEFAULT.
-# aligned_cuda_gencode_flags(OUT ARCHS): nvcc -gencode flags for a list of CMAKE_CUDA_ARCHITECTURES entries (the
-#   compile check drives nvcc itself).
+# aligned_cuda_gencode_flags(OUT ARCHS): nvcc -gencode flags for a list of CMAKE_CUDA_ARCHITECTURES entries; the
+#   extension (CUDA_ARCHITECTURES OFF on _C) and the compile check both compile with them. One virtual arch per NVVM
+#   generation: every plain real arch compiles from the PTX of the oldest plain real arch of its generation.
 # aligned_strip_gencode_flags(VAR): removes -gencode / -arch / -code options from a flags string.
 
 function(aligned_torch_arch_to_cmake out torch_list)
@@ -77,20 +78,65 @@ function(aligned_select_hip_archs out)
   set(${out} "${_archs}" PARENT_SCOPE)
 endfunction()
 
+# nvcc 13 runs two NVVM generations: NVVM 7 for compute_75..compute_90 and NVVM 20 for compute_100 and later. Within
+# one generation the PTX of our sources is the same for every compute_NN (only its .target line differs): no source
+# tests the value of __CUDA_ARCH__ (tests/cuda/test_gpu_sources.py keeps it so), and the front end and NVVM make
+# the same PTX. So sm_90 compiles from compute_80's PTX and sm_120 from compute_100's: one front end per generation
+# instead of one per arch, and ptxas gets the same PTX it got from the arch's own front end — the SASS of all five
+# files was byte-identical both ways (bench/RESULTS.md, session 40). The default list becomes
+#   -gencode=arch=compute_80,code=[sm_80,sm_90,compute_80] -gencode=arch=compute_100,code=[sm_100,sm_120]
+# An arch-specific target (90a, 100a, 100f) keeps its own front end: its features exist only in its own PTX.
 function(aligned_cuda_gencode_flags out archs)
+  set(_old)      # plain real archs of NVVM 7 (< 100)
+  set(_new)      # plain real archs of NVVM 20 (>= 100)
+  set(_virtual)  # PTX to embed
   set(_flags)
   foreach(_a IN LISTS archs)
-    if(_a MATCHES "^([0-9]+[af]?)-real$")
+    if(_a MATCHES "^([0-9]+)(-real)?$")
+      if(CMAKE_MATCH_1 LESS 100)
+        list(APPEND _old "${CMAKE_MATCH_1}")
+      else()
+        list(APPEND _new "${CMAKE_MATCH_1}")
+      endif()
+      if(NOT CMAKE_MATCH_2)
+        list(APPEND _virtual "${CMAKE_MATCH_1}")  # "90": CMake's real + virtual
+      endif()
+    elseif(_a MATCHES "^([0-9]+[af])-real$")
       list(APPEND _flags "-gencode=arch=compute_${CMAKE_MATCH_1},code=sm_${CMAKE_MATCH_1}")
     elseif(_a MATCHES "^([0-9]+[af]?)-virtual$")
-      list(APPEND _flags "-gencode=arch=compute_${CMAKE_MATCH_1},code=compute_${CMAKE_MATCH_1}")
-    elseif(_a MATCHES "^([0-9]+[af]?)$")
+      list(APPEND _virtual "${CMAKE_MATCH_1}")
+    elseif(_a MATCHES "^([0-9]+[af])$")
       list(APPEND _flags "-gencode=arch=compute_${CMAKE_MATCH_1},code=[sm_${CMAKE_MATCH_1},compute_${CMAKE_MATCH_1}]")
     else()
-      message(FATAL_ERROR "CUDA architecture '${_a}' is not NN[-real|-virtual]")
+      message(FATAL_ERROR "CUDA architecture '${_a}' is not NN[a|f][-real|-virtual]")
     endif()
   endforeach()
-  set(${out} "${_flags}" PARENT_SCOPE)
+  set(_grouped)
+  foreach(_gen IN ITEMS _old _new)
+    set(_reals "${${_gen}}")
+    if(NOT _reals)
+      continue()
+    endif()
+    list(REMOVE_DUPLICATES _reals)
+    list(SORT _reals COMPARE NATURAL)
+    list(GET _reals 0 _base)
+    set(_codes)
+    foreach(_r IN LISTS _reals)
+      list(APPEND _codes "sm_${_r}")
+    endforeach()
+    list(FIND _virtual "${_base}" _i)
+    if(_i GREATER -1)  # the base's own PTX is wanted too: same front end
+      list(APPEND _codes "compute_${_base}")
+      list(REMOVE_ITEM _virtual "${_base}")
+    endif()
+    string(REPLACE ";" "," _codes "${_codes}")
+    list(APPEND _grouped "-gencode=arch=compute_${_base},code=[${_codes}]")
+  endforeach()
+  list(REMOVE_DUPLICATES _virtual)
+  foreach(_v IN LISTS _virtual)
+    list(APPEND _grouped "-gencode=arch=compute_${_v},code=compute_${_v}")
+  endforeach()
+  set(${out} ${_grouped} ${_flags} PARENT_SCOPE)
 endfunction()
 
 function(aligned_strip_gencode_flags var)

@@ -3,7 +3,8 @@
 # -DALIGNED_GPU_COMPILE_CHECK=ON; driven by .ci/gpu_compile_check.sh. Nothing here is linked or run.
 #
 #   csrc/cuda/*.cu   one nvcc -c per file for every entry of ALIGNED_CUDA_ARCHS (CMakeLists.txt: sm_80, sm_90,
-#                    sm_100, sm_120 cubins + compute_80 PTX), with the exact-numerics flags, --keep (the PTX of
+#                    sm_100, sm_120 cubins + compute_80 PTX; the extension's -gencode flags, one front end per NVVM
+#                    generation: compute_80 and compute_100), with the exact-numerics flags, --keep (the PTX of
 #                    every virtual arch, checked by cmake/gpu_isa_check.py: no .ftz, no ex2/lg2.approx, every
 #                    f32/f64 add/sub/mul rounded .rn so ptxas cannot contract it, no f64 fma) and -Xptxas -v
 #                    (registers, shared memory, spills per kernel and arch: cuda_<file>.resources.txt). The
@@ -94,9 +95,9 @@ if(EXISTS "${ALIGNED_NVCC}")
   string(REPLACE ";" "," _ptx_csv "${_ptx_archs}")
   # --threads 0: nvcc runs the per-arch front ends (cicc) and ptxas side by side, one thread per CPU (the fatbin check
   # below still finds every image; only the order of the -Xptxas -v lines in the resources file may vary, each
-  # kernel's lines stay together). attention.cu's steps one after another are its ~230 CPU s (4 x cicc ~20 s + 4 x
-  # ptxas ~35-45 s), and it ends the check: 123 s wall with 2 CPUs when it runs alone; the whole check on 2 cores
-  # 374 -> 334 s wall.
+  # kernel's lines stay together). attention.cu's steps one after another are ~140 CPU s (2 front ends ~15 s, one per
+  # NVVM generation, + 4 x ptxas 23-29 s: nvcc --time), and it ends the check. The whole check on 2 cores (session 40):
+  # 261 s wall / 514 CPU s with one front end per arch, 226 s / 441 CPU s with one per generation.
   foreach(src IN LISTS _gc_cu)
     get_filename_component(_name "${src}" NAME_WE)
     set(_obj "${_gc_dir}/cuda_${_name}.o")

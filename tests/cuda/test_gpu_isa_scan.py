@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -296,6 +297,12 @@ def test_cuda_and_hip_targets_written_once():
     assert "90a-real" not in cmake and "100a-real" not in cmake  # no arch-specific target without a kernel needing it
     assert "set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)" in cmake
     assert '"${ALIGNED_CUDA_ARCHS}"' in check and "${ALIGNED_HIP_ARCHS}" in check
+    # the extension and the check both compile with aligned_cuda_gencode_flags' -gencode list (one front end per
+    # NVVM generation), not with CMake's per-arch CUDA_ARCHITECTURES
+    assert 'aligned_cuda_gencode_flags(ALIGNED_CUDA_GENCODE "${ALIGNED_CUDA_ARCHS}")' in cmake
+    assert "set_target_properties(_C PROPERTIES CUDA_ARCHITECTURES OFF)" in cmake
+    assert '"$<$<COMPILE_LANGUAGE:CUDA>:${ALIGNED_CUDA_GENCODE}>"' in cmake
+    assert 'aligned_cuda_gencode_flags(_gencode "${ALIGNED_CUDA_CHECK_ARCHS}")' in check
 
 
 CMAKE = shutil.which("cmake")
@@ -315,6 +322,63 @@ def test_torch_cuda_arch_list_translation(tmp_path, torch_list, expected):
     p = subprocess.run([CMAKE, "-P", str(script)], capture_output=True, text=True)
     assert f"RESULT={expected}" in p.stderr, p.stderr
     assert "STRIPPED=-O3 -g" in p.stderr, p.stderr
+
+
+DEFAULT_GENCODE = ["-gencode=arch=compute_80,code=[sm_80,sm_90,compute_80]", "-gencode=arch=compute_100,code=[sm_100,sm_120]"]
+
+
+def gencode_flags(archs: str) -> list[str]:
+    with tempfile.TemporaryDirectory() as d:
+        script = pathlib.Path(d) / "gencode.cmake"
+        script.write_text(f'include("{ROOT}/cmake/gpu_archs.cmake")\naligned_cuda_gencode_flags(f "{archs}")\n'
+                          'message("FLAGS=${f}")\n')
+        p = subprocess.run([CMAKE, "-P", str(script)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return re.search(r"FLAGS=(.*)", p.stderr).group(1).split(";")
+
+
+@pytest.mark.skipif(CMAKE is None, reason="needs cmake")
+@pytest.mark.parametrize("archs,expected", [
+    # the default list: two front ends (NVVM 7: compute_80 for sm_80 + sm_90 and the PTX; NVVM 20: compute_100)
+    ("80-real;90-real;100-real;120-real;80-virtual", DEFAULT_GENCODE),
+    ("90-real", ["-gencode=arch=compute_90,code=[sm_90]"]),  # a lease build for its own GPU
+    ("120-real;100-real;90-real", ["-gencode=arch=compute_90,code=[sm_90]", "-gencode=arch=compute_100,code=[sm_100,sm_120]"]),
+    ("86-real;80-real;89-real", ["-gencode=arch=compute_80,code=[sm_80,sm_86,sm_89]"]),
+    # PTX asked for an arch that is not its generation's oldest: its own front end
+    ("80-real;90-real;100-real;120-real;120-virtual", [  # TORCH_CUDA_ARCH_LIST="8.0 9.0 10.0 12.0+PTX"
+        "-gencode=arch=compute_80,code=[sm_80,sm_90]", "-gencode=arch=compute_100,code=[sm_100,sm_120]",
+        "-gencode=arch=compute_120,code=compute_120"]),
+    ("90-real;120-real;120-virtual", ["-gencode=arch=compute_90,code=[sm_90]",
+                                      "-gencode=arch=compute_120,code=[sm_120,compute_120]"]),
+    ("90;100", ["-gencode=arch=compute_90,code=[sm_90,compute_90]", "-gencode=arch=compute_100,code=[sm_100,compute_100]"]),
+    # arch-specific targets keep their own PTX (their features exist nowhere else)
+    ("90-real;90a-real;100a-real", ["-gencode=arch=compute_90,code=[sm_90]", "-gencode=arch=compute_90a,code=sm_90a",
+                                    "-gencode=arch=compute_100a,code=sm_100a"]),
+])
+def test_gencode_one_front_end_per_nvvm_generation(archs, expected):
+    assert gencode_flags(archs) == expected
+
+
+@pytest.mark.skipif(NVCC is None or CMAKE is None, reason="needs nvcc and cmake")
+def test_default_gencode_builds_every_target_from_two_front_ends(tmp_path):
+    sys.path.insert(0, str(ROOT / "cmake"))
+    import gpu_isa_check
+
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    default = re.search(r'set\(ALIGNED_CUDA_ARCHS_DEFAULT "([^"]*)"\)', cmake).group(1)
+    flags = gencode_flags(default)
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n")
+    obj = tmp_path / "k.o"
+    dry = subprocess.run([NVCC, *flags, "--dryrun", "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+    front_ends = re.findall(r"cicc\b.* -arch (compute_\d+)", dry.stderr)
+    ptxas = re.findall(r"ptxas\b.* -arch=(sm_\d+)", dry.stderr)
+    assert front_ends == ["compute_80", "compute_100"], dry.stderr
+    assert sorted(ptxas) == ["sm_100", "sm_120", "sm_80", "sm_90"], dry.stderr
+    subprocess.run([NVCC, *flags, "-c", str(src), "-o", str(obj)], check=True)
+    # the object holds what CMakeLists.txt's list names: four cubins and compute_80 PTX for later GPUs
+    assert sorted(gpu_isa_check.fatbin_entries(str(obj))) == [("elf", 80), ("elf", 90), ("elf", 100), ("elf", 120),
+                                                               ("ptx", 80)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")

@@ -85,6 +85,33 @@ def test_scanner_detects_violations():
     assert violations(s8, allowed_mma=BF16_MMA) != []
 
 
+# One front end per NVVM generation (cmake/gpu_archs.cmake): sm_90 compiles from compute_80's PTX and sm_120 from
+# compute_100's. That gives each arch the code of its own front end only while no source asks which arch it is
+# compiled for: `defined(__CUDA_ARCH__)` (device or host) is fine, its value, or an arch-feature macro, is not. A
+# kernel that needs an arch's own instructions gets an arch-specific target (90a, 100a) for its file instead.
+ARCH_TEST_ALLOWED = re.compile(r"defined\s*\(\s*__CUDA_ARCH__\s*\)|defined\s+__CUDA_ARCH__\b|#\s*ifn?def\s+__CUDA_ARCH__\b")
+ARCH_TEST = re.compile(r"\b__CUDA_ARCH\w*")
+ALL_SOURCES = sorted(p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cu", ".cpp", ".hip"})
+
+
+def arch_value_tests(text: str) -> list[str]:
+    return ARCH_TEST.findall(ARCH_TEST_ALLOWED.sub("", _code(text)))
+
+
+def test_no_source_asks_which_cuda_arch_it_is_compiled_for():
+    assert len(ALL_SOURCES) > 50
+    bad = {str(p.relative_to(ROOT)): v for p in ALL_SOURCES if (v := arch_value_tests(p.read_text()))}
+    assert not bad, f"a source tests the CUDA arch's value; sm_90 / sm_120 compile from compute_80 / compute_100 PTX " \
+                    f"(cmake/gpu_archs.cmake): {bad}"
+    # negative control: each way of asking fires, the device/host tests do not
+    for line in ("#if __CUDA_ARCH__ >= 900", "constexpr int arch = __CUDA_ARCH__;", "#if (__CUDA_ARCH__ == 1000)",
+                 "#ifdef __CUDA_ARCH_FEAT_SM90_ALL", "#if defined(__CUDA_ARCH_SPECIFIC__)"):
+        assert arch_value_tests(line + "\n#endif\n"), line
+    for line in ("#if defined(__CUDA_ARCH__)", "#ifdef __CUDA_ARCH__", "#ifndef __CUDA_ARCH__",
+                 "#elif defined __CUDA_ARCH__", "// __CUDA_ARCH__ >= 900 is what this avoids"):
+        assert arch_value_tests(line + "\n#endif\n") == [], line
+
+
 def test_exact_numerics_flags_everywhere():
     cmake = (ROOT / "CMakeLists.txt").read_text()
     check = (ROOT / "cmake/gpu_compile_check.cmake").read_text()
