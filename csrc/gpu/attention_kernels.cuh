@@ -125,7 +125,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnFwdPa
     }
   };
   auto stage = [&](int n_tile) {  // registers (vec) or element loads -> shared memory, fp32; rows >= n_tile are 0
-    if (!kStageK) return;
     if (vec) {
 #pragma unroll
       for (int u = 0; u < kAttnPrefetchVecs; ++u) {

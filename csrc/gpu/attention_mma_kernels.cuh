@@ -325,7 +325,8 @@ __global__ void __launch_bounds__(kAttnMmaThreads) attention_mma_bwd_dq_kernel(A
     const int64_t ri = lane < kAttnMmaRows ? row_of(lane) : -1;
     const int64_t nk_i = ri >= 0 ? work_row_keys(f, w, (pr0 + lane) / G) : 0;
     const float lse_i = ri >= 0 ? p.lse[ri] : 0.0f, delta_i = ri >= 0 ? p.delta[ri] : 0.0f;
-    if (lane < kAttnMmaRows) pair_keys[warp][lane] = nk_i;  // 0 past P (read after the first tile's warp_sync)
+    // 0 past P (read after the first tile's warp_sync); the widest bucket reads the keys per row instead (below)
+    if (kDInstr < kAttnMmaDInstr && lane < kAttnMmaRows) pair_keys[warp][lane] = nk_i;
     float acc[kDInstr][4];
 #pragma unroll
     for (int n = 0; n < kDInstr; ++n)
