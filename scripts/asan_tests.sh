@@ -42,13 +42,14 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 tests=${*:-tests/ops tests/common tests/emulated}
 # torch.compile under ASan only re-tests inductor (slow); eager, opcheck and autograd tests run.
 # Not run here (the README run runs them; here they would only repeat it or measure ASan itself):
-# - test_simd_conformance.py and test_f16_conversion.py compile their own programs with plain g++ (nothing in them
-#   is sanitized: the preloaded runtime only slows the compilers down) and run the same binaries the README run runs
-#   (the f16 one over all 2^32 f32 inputs: ~17 s);
+# - test_simd_conformance.py, test_f16_conversion.py and test_mma_model_conformance.py compile their own programs
+#   with plain g++ (nothing in them is sanitized: the preloaded runtime only slows the compilers down) and run the
+#   same binaries the README run runs (the f16 one over all 2^32 f32 inputs: ~17 s);
 # - the lm-head peak-memory test measures glibc's heap (its mmap threshold) in a fresh process: under ASan the
 #   allocator is ASan's (quarantine, redzones), so the number says nothing about the user's process. The fused
 #   lm-head kernels themselves run under ASan in test_lm_head.py's other tests (several tiles and token chunks).
 asan_skip=(--deselect tests/common/test_simd_conformance.py --deselect tests/common/test_f16_conversion.py
+           --deselect tests/emulated/test_mma_model_conformance.py
            --deselect tests/ops/test_lm_head.py::test_fused_forward_peak_resident_memory_is_tiles_not_logits)
 run_pytest() {
   LD_PRELOAD="$libasan $libubsan" PYTHONPATH="$PWD/$root/pkg" ALIGNED_ASAN=1 "$PY" -m pytest -q -p no:cacheprovider \
