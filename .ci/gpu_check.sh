@@ -174,7 +174,14 @@ step_build() {
   local limit=$1 t0 rc left
   t0=$(date +%s)
   if [ "$VENDOR" = cuda ]; then
-    export TORCH_CUDA_ARCH_LIST="$GPU_ARCH"  # this GPU only (CMakeLists.txt / cmake/gpu_archs.cmake)
+    # this GPU only (CMakeLists.txt / cmake/gpu_archs.cmake), compiled as the wheel compiles it: the wheel's sm_90
+    # cubin comes from compute_80's PTX and its sm_120 cubin from compute_100's (one front end per NVVM generation),
+    # so those GPUs build with their generation's base arch beside them
+    case "$GPU_ARCH" in
+      9.0) export TORCH_CUDA_ARCH_LIST="8.0 9.0" ;;
+      12.0) export TORCH_CUDA_ARCH_LIST="10.0 12.0" ;;
+      *) export TORCH_CUDA_ARCH_LIST="$GPU_ARCH" ;;
+    esac
   else
     export PYTORCH_ROCM_ARCH="$GPU_ARCH"
   fi

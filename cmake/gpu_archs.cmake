@@ -80,10 +80,14 @@ endfunction()
 
 # nvcc 13 runs two NVVM generations: NVVM 7 for compute_75..compute_90 and NVVM 20 for compute_100 and later. Within
 # one generation the PTX of our sources is the same for every compute_NN (only its .target line differs): no source
-# tests the value of __CUDA_ARCH__ (tests/cuda/test_gpu_sources.py keeps it so), and the front end and NVVM make
-# the same PTX. So sm_90 compiles from compute_80's PTX and sm_120 from compute_100's: one front end per generation
-# instead of one per arch, and ptxas gets the same PTX it got from the arch's own front end — the SASS of all five
-# files was byte-identical both ways (bench/RESULTS.md, session 40). The default list becomes
+# of ours tests the arch it is compiled for (tests/cuda/test_gpu_sources.py keeps it so), and the front end and NVVM
+# make the same PTX. So sm_90 compiles from compute_80's PTX and sm_120 from compute_100's: one front end per
+# generation instead of one per arch, and ptxas gets the PTX it got from the arch's own front end — with nvcc 13.0
+# and these sources the machine code of all five files was byte-identical both ways (bench/RESULTS.md, session 40).
+# That identity is a measurement, not a guarantee: a vendor header's sm_90-only path (cuda_bf16.hpp has some), or
+# another nvcc (the wheels allow >= 12.8, whose generations may split elsewhere), could make the arch's own PTX
+# differ. The grouping stays correct then (compute_80 PTX is valid for every later arch); the lease build
+# (.ci/gpu_check.sh) compiles the same way, so the hardware checks what ships. The default list becomes
 #   -gencode=arch=compute_80,code=[sm_80,sm_90,compute_80] -gencode=arch=compute_100,code=[sm_100,sm_120]
 # An arch-specific target (90a, 100a, 100f) keeps its own front end: its features exist only in its own PTX.
 function(aligned_cuda_gencode_flags out archs)

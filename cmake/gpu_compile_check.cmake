@@ -93,7 +93,7 @@ if(EXISTS "${ALIGNED_NVCC}")
   list(REMOVE_DUPLICATES _virtual)
   string(REPLACE ";" "," _elf_csv "${_elf}")
   string(REPLACE ";" "," _ptx_csv "${_ptx_archs}")
-  # --threads 0: nvcc runs the per-arch front ends (cicc) and ptxas side by side, one thread per CPU (the fatbin check
+  # --threads 0: nvcc runs the front ends (cicc, one per NVVM generation) and ptxas side by side, one thread per CPU (the fatbin check
   # below still finds every image; only the order of the -Xptxas -v lines in the resources file may vary, each
   # kernel's lines stay together). attention.cu's steps one after another are ~140 CPU s (2 front ends ~15 s, one per
   # NVVM generation, + 4 x ptxas 23-29 s: nvcc --time), and it ends the check. The whole check on 2 cores (session 40):

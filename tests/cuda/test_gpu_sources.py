@@ -90,7 +90,7 @@ def test_scanner_detects_violations():
 # compiled for: `defined(__CUDA_ARCH__)` (device or host) is fine, its value, or an arch-feature macro, is not. A
 # kernel that needs an arch's own instructions gets an arch-specific target (90a, 100a) for its file instead.
 ARCH_TEST_ALLOWED = re.compile(r"defined\s*\(\s*__CUDA_ARCH__\s*\)|defined\s+__CUDA_ARCH__\b|#\s*ifn?def\s+__CUDA_ARCH__\b")
-ARCH_TEST = re.compile(r"\b__CUDA_ARCH\w*")
+ARCH_TEST = re.compile(r"\b__CUDA_ARCH\w*|\bNV_(?:PROVIDES|IS_EXACTLY|HAS_FEATURE)_SM\w*")  # (libcu++ <nv/target>)
 ALL_SOURCES = sorted(p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cu", ".cpp", ".hip"})
 
 
@@ -105,7 +105,8 @@ def test_no_source_asks_which_cuda_arch_it_is_compiled_for():
                     f"(cmake/gpu_archs.cmake): {bad}"
     # negative control: each way of asking fires, the device/host tests do not
     for line in ("#if __CUDA_ARCH__ >= 900", "constexpr int arch = __CUDA_ARCH__;", "#if (__CUDA_ARCH__ == 1000)",
-                 "#ifdef __CUDA_ARCH_FEAT_SM90_ALL", "#if defined(__CUDA_ARCH_SPECIFIC__)"):
+                 "#ifdef __CUDA_ARCH_FEAT_SM90_ALL", "#if defined(__CUDA_ARCH_SPECIFIC__)",
+                 "NV_IF_TARGET(NV_PROVIDES_SM_90, (fast();), (slow();))", "NV_IF_TARGET(NV_IS_EXACTLY_SM_80, (a();))"):
         assert arch_value_tests(line + "\n#endif\n"), line
     for line in ("#if defined(__CUDA_ARCH__)", "#ifdef __CUDA_ARCH__", "#ifndef __CUDA_ARCH__",
                  "#elif defined __CUDA_ARCH__", "// __CUDA_ARCH__ >= 900 is what this avoids"):
