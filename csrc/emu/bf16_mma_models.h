@@ -41,6 +41,13 @@
 
 namespace aligned::emu {
 
+// Tests only: tests/emulated/test_mma_model_conformance.py builds its program once with each planted fault to show
+// its comparison catches an edge case: 1 = nv_fused without the clamp of the result exponent at -126 (fp32
+// subnormals), 2 = cdna3_group truncating toward zero where it floors. The library builds 0: neither.
+#ifndef ALIGNED_MMA_MODEL_MUTANT
+#define ALIGNED_MMA_MODEL_MUTANT 0
+#endif
+
 enum class MmaModel : int { kMmaSim = 0, kFmaChain = 1 };
 enum class Bf16MmaUnit : int { kNvFusedF25 = 0, kNvSplitF24 = 1, kCdna3 = 2 };
 constexpr int kBf16MmaK = 16;
@@ -92,6 +99,9 @@ inline int64_t term(bool neg, uint32_t n, int sh) {
   return neg ? -t : t;
 }
 inline int64_t shift_floor(int64_t x, int sh) {
+#if ALIGNED_MMA_MODEL_MUTANT == 2
+  if (sh < 0 && x < 0) return -shift_floor(-x, sh);
+#endif
   return sh >= 0 ? x * ((int64_t)1 << sh) : (-sh >= 63 ? (x < 0 ? -1 : 0) : x >> -sh);  // (>>: floor, C++20)
 }
 
@@ -137,7 +147,7 @@ inline float nv_fused(const uint16_t* a, const uint16_t* b, int n, float c, int 
   const uint64_t mag = sneg ? 0 - (uint64_t)sum : (uint64_t)sum;
   const int msb = 63 - __builtin_clzll(mag);
   int e = msb + emax - frac;
-  if (e < -126) e = -126;
+  if (e < -126 && ALIGNED_MMA_MODEL_MUTANT != 1) e = -126;
   if (e >= 128) return sneg ? -INFINITY : INFINITY;
   const double r = (double)shift_trunc(mag, emax - frac + 23 - e) * pow2(e - 23);  // exact in fp32 (a zero keeps the sign)
   return (float)(sneg ? -r : r);

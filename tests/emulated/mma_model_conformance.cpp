@@ -2,9 +2,10 @@
 // frexp / ldexp transcription (csrc/emu/bf16_mma_models_reference.h), bit for bit, on generated operands: random
 // bit patterns (NaN, inf, subnormals included), exponents in a narrow window (alignment and truncation at every
 // distance), cancelling pairs (onto signed zeros too: exact zero sums), subnormals and signed zeros, magnitudes at
-// the overflow edge. Each of the NVIDIA
-// fused step (K = 16, F = 25; K = 8, F = 24) and the AMD CDNA3 group (K = 8) is compared; the controls compare two
-// steps that must differ (F = 25 vs F = 24; CDNA3 vs NVIDIA) through the same comparison.
+// the overflow edge. Each of the NVIDIA fused step (K = 16, F = 25; K = 8, F = 24) and the AMD CDNA3 group (K = 8)
+// is compared; the controls compare two steps that must differ (F = 25 vs F = 24; CDNA3 vs NVIDIA) through the same
+// comparison. Built with -DALIGNED_MMA_MODEL_MUTANT=1 / 2, the integer form carries a planted edge-case fault
+// (bf16_mma_models.h) that the comparison must catch.
 // Usage: mma_model_conformance CASES_PER_MODE SEED   (prints "<step> <cases> <mismatches>" per step, then controls)
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,8 +48,8 @@ struct Gen {
         case 2: a[k] = bf16(u(2), u(3), u(8) ? u(128) : 0); b[k] = near(cb); break;  // subnormals, signed zeros
         case 3: a[k] = near(250); b[k] = near(u(2) ? 250 : 130); break;         // the overflow edge
         default:                                                                  // cancelling pairs (modes 4, 5)
-          if (k & 1) { a[k] = a[k - 1] ^ 0x8000; b[k] = b[k - 1]; }
-          else { a[k] = near(ca); b[k] = near(cb); if (u(4) == 0) a[k] ^= 1; }
+          if (k & 1) { a[k] = (uint16_t)(a[k - 1] ^ 0x8000 ^ (u(4) == 0)); b[k] = b[k - 1]; }  // 1 in 4: one ulp off
+          else { a[k] = near(ca); b[k] = near(cb); }
       }
     }
     // c: any bits, a signed zero, a subnormal, or near the products' scale (2^(ca + cb - 254 +- 8)); mode 5:

@@ -6,8 +6,10 @@ with use them too, so a wrong model would pass every kernel test: this test hold
 1.2 M generated operand sets per step (tests/emulated/mma_model_conformance.cpp: random bits, one exponent window,
 subnormals and signed zeros, the overflow edge, cancelling pairs onto zeros), for the NVIDIA fused step (K = 16,
 F = 25: sm_90 / sm_100 / sm_120; K = 8, F = 24: sm_80's half step) and the AMD CDNA3 group (gfx942 / gfx950). It
-also checks that each kind of result (+-0, subnormal, normal, inf, NaN) occurred, and two controls: steps that
-differ (F = 25 vs F = 24, NVIDIA vs CDNA3) must show mismatches through the same comparison.
+also checks that each kind of result (+-0, subnormal, normal, inf, NaN) occurred. Negative controls: steps that
+differ (F = 25 vs F = 24, NVIDIA vs CDNA3) show mismatches through the same comparison, and so does the integer form
+built with a planted edge-case fault (ALIGNED_MMA_MODEL_MUTANT: no clamp at fp32's subnormal exponent; a truncation
+where CDNA3 floors).
 """
 
 import pathlib
@@ -26,16 +28,21 @@ STEPS = ("nv_fused_k16_f25", "nv_fused_k8_f24", "cdna3_group_k8")
 CASES_PER_MODE, MODES = 200_000, 6
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def build_and_run(tmp_path_factory, mutant: int, cases_per_mode: int):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("mma_model") / "mma_model_conformance"
-    subprocess.run([cxx, *FLAGS, f"-I{ROOT}", str(SOURCE), "-o", str(exe)], check=True, capture_output=True, timeout=300)
-    run = subprocess.run([str(exe), str(CASES_PER_MODE), "40"], capture_output=True, text=True, timeout=300)
+    exe = tmp_path_factory.mktemp("mma_model") / f"mma_model_conformance_{mutant}"
+    subprocess.run([cxx, *FLAGS, f"-DALIGNED_MMA_MODEL_MUTANT={mutant}", f"-I{ROOT}", str(SOURCE), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=300)
+    run = subprocess.run([str(exe), str(cases_per_mode), "40"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     return run
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return build_and_run(tmp_path_factory, 0, CASES_PER_MODE)
 
 
 def counts(report, name):
@@ -60,3 +67,11 @@ def test_the_comparison_sees_a_different_step(report):
     for control in ("control_f25_vs_f24", "control_nvidia_vs_cdna3"):
         cases, differ = counts(report, control)
         assert differ > cases // 100, (control, differ)
+
+
+@pytest.mark.parametrize("mutant,caught_by", [(1, ("nv_fused_k16_f25", "nv_fused_k8_f24")), (2, ("cdna3_group_k8",))])
+def test_a_planted_edge_case_fault_is_caught(tmp_path_factory, mutant, caught_by):
+    run = build_and_run(tmp_path_factory, mutant, 20_000)
+    for step in STEPS:
+        _, mismatches = counts(run, step)
+        assert (mismatches > 0) == (step in caught_by), (mutant, step, mismatches)
