@@ -17,16 +17,8 @@
 namespace fast = aligned::emu::mma_model_detail;
 namespace ref = aligned::emu::mma_model_reference;
 
-static uint32_t bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-static float from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+static uint32_t bits(float f) { return fast::bits_of_f32(f); }
+static float from_bits(uint32_t u) { return fast::f32_of(u); }
 
 struct Gen {
   std::mt19937_64 rng;
