@@ -174,14 +174,9 @@ step_build() {
   local limit=$1 t0 rc left
   t0=$(date +%s)
   if [ "$VENDOR" = cuda ]; then
-    # this GPU only (CMakeLists.txt / cmake/gpu_archs.cmake), compiled as the wheel compiles it: the wheel's sm_90
-    # cubin comes from compute_80's PTX and its sm_120 cubin from compute_100's (one front end per NVVM generation),
-    # so those GPUs build with their generation's base arch beside them
-    case "$GPU_ARCH" in
-      9.0) export TORCH_CUDA_ARCH_LIST="8.0 9.0" ;;
-      12.0) export TORCH_CUDA_ARCH_LIST="10.0 12.0" ;;
-      *) export TORCH_CUDA_ARCH_LIST="$GPU_ARCH" ;;
-    esac
+    # this GPU only (CMakeLists.txt / cmake/gpu_archs.cmake), compiled as the wheel compiles it: from its NVVM
+    # generation's PTX (compute_80 for sm_90, compute_100 for sm_120), one ptxas
+    export TORCH_CUDA_ARCH_LIST="$GPU_ARCH"
   else
     export PYTORCH_ROCM_ARCH="$GPU_ARCH"
   fi

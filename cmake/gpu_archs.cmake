@@ -81,15 +81,18 @@ endfunction()
 # nvcc 13 runs two NVVM generations: NVVM 7 for compute_75..compute_90 and NVVM 20 for compute_100 and later. Within
 # one generation the PTX of our sources is the same for every compute_NN (only its .target line differs): no source
 # of ours tests the arch it is compiled for (tests/cuda/test_gpu_sources.py keeps it so), and the front end and NVVM
-# make the same PTX. So sm_90 compiles from compute_80's PTX and sm_120 from compute_100's: one front end per
-# generation instead of one per arch, and ptxas gets the PTX it got from the arch's own front end — with nvcc 13.0
-# and these sources the machine code of all five files was byte-identical both ways (bench/RESULTS.md, session 40).
-# That identity is a measurement, not a guarantee: a vendor header's sm_90-only path (cuda_bf16.hpp has some), or
-# another nvcc (the wheels allow >= 12.8, whose generations may split elsewhere), could make the arch's own PTX
-# differ. The grouping stays correct then (compute_80 PTX is valid for every later arch); the lease build
-# (.ci/gpu_check.sh) compiles the same way, so the hardware checks what ships. The default list becomes
+# make the same PTX. So every plain real arch compiles from its generation's first supported PTX: below 100 from
+# compute_80's, from 100 on from compute_100's. One front end per generation instead of one per arch, and ptxas gets
+# the PTX it got from the arch's own front end — with nvcc 13.0 and these sources the machine code of all five files
+# was byte-identical both ways (bench/RESULTS.md, session 40). The bases are fixed, not the list's oldest arch, so a
+# build for one GPU (TORCH_CUDA_ARCH_LIST=9.0: the lease build of .ci/gpu_check.sh) compiles that GPU's cubin exactly
+# as the wheel does, with one ptxas. The identity is a measurement, not a guarantee: a vendor header's sm_90-only path
+# (cuda_bf16.hpp has some), or another nvcc (the wheels allow >= 12.8, whose generations may split elsewhere), could
+# make the arch's own PTX differ. The grouping stays correct then (compute_80 PTX is valid for every later arch, and
+# compute_100 PTX for every arch from 100 on). The default list becomes
 #   -gencode=arch=compute_80,code=[sm_80,sm_90,compute_80] -gencode=arch=compute_100,code=[sm_100,sm_120]
-# An arch-specific target (90a, 100a, 100f) keeps its own front end: its features exist only in its own PTX.
+# An arch-specific target (90a, 100a, 100f) keeps its own front end: its features exist only in its own PTX; so does
+# PTX asked for another virtual arch (TORCH_CUDA_ARCH_LIST "12.0+PTX" embeds compute_120).
 function(aligned_cuda_gencode_flags out archs)
   set(_old)      # plain real archs of NVVM 7 (< 100)
   set(_new)      # plain real archs of NVVM 20 (>= 100)
@@ -116,14 +119,18 @@ function(aligned_cuda_gencode_flags out archs)
     endif()
   endforeach()
   set(_grouped)
-  foreach(_gen IN ITEMS _old _new)
-    set(_reals "${${_gen}}")
+  # each generation's PTX: its first supported arch (aligned_select_cuda_archs refuses anything older than 80)
+  foreach(_base IN ITEMS 80 100)
+    if(_base EQUAL 80)
+      set(_reals "${_old}")
+    else()
+      set(_reals "${_new}")
+    endif()
     if(NOT _reals)
       continue()
     endif()
     list(REMOVE_DUPLICATES _reals)
     list(SORT _reals COMPARE NATURAL)
-    list(GET _reals 0 _base)
     set(_codes)
     foreach(_r IN LISTS _reals)
       list(APPEND _codes "sm_${_r}")

@@ -341,18 +341,20 @@ def gencode_flags(archs: str) -> list[str]:
 @pytest.mark.parametrize("archs,expected", [
     # the default list: two front ends (NVVM 7: compute_80 for sm_80 + sm_90 and the PTX; NVVM 20: compute_100)
     ("80-real;90-real;100-real;120-real;80-virtual", DEFAULT_GENCODE),
-    ("90-real", ["-gencode=arch=compute_90,code=[sm_90]"]),  # a lease build for its own GPU
-    ("120-real;100-real;90-real", ["-gencode=arch=compute_90,code=[sm_90]", "-gencode=arch=compute_100,code=[sm_100,sm_120]"]),
+    # a build for one GPU (the lease build, TORCH_CUDA_ARCH_LIST=9.0 / 12.0): its cubin from the PTX the wheel's
+    # comes from
+    ("90-real", ["-gencode=arch=compute_80,code=[sm_90]"]),
+    ("120-real", ["-gencode=arch=compute_100,code=[sm_120]"]),
+    ("120-real;100-real;90-real", ["-gencode=arch=compute_80,code=[sm_90]", "-gencode=arch=compute_100,code=[sm_100,sm_120]"]),
     ("86-real;80-real;89-real", ["-gencode=arch=compute_80,code=[sm_80,sm_86,sm_89]"]),
-    # PTX asked for an arch that is not its generation's oldest: its own front end
+    # PTX asked for another virtual arch: its own front end
     ("80-real;90-real;100-real;120-real;120-virtual", [  # TORCH_CUDA_ARCH_LIST="8.0 9.0 10.0 12.0+PTX"
         "-gencode=arch=compute_80,code=[sm_80,sm_90]", "-gencode=arch=compute_100,code=[sm_100,sm_120]",
         "-gencode=arch=compute_120,code=compute_120"]),
-    ("90-real;120-real;120-virtual", ["-gencode=arch=compute_90,code=[sm_90]",
-                                      "-gencode=arch=compute_120,code=[sm_120,compute_120]"]),
-    ("90;100", ["-gencode=arch=compute_90,code=[sm_90,compute_90]", "-gencode=arch=compute_100,code=[sm_100,compute_100]"]),
+    ("90;100", ["-gencode=arch=compute_80,code=[sm_90]", "-gencode=arch=compute_100,code=[sm_100,compute_100]",
+                "-gencode=arch=compute_90,code=compute_90"]),
     # arch-specific targets keep their own PTX (their features exist nowhere else)
-    ("90-real;90a-real;100a-real", ["-gencode=arch=compute_90,code=[sm_90]", "-gencode=arch=compute_90a,code=sm_90a",
+    ("90-real;90a-real;100a-real", ["-gencode=arch=compute_80,code=[sm_90]", "-gencode=arch=compute_90a,code=sm_90a",
                                     "-gencode=arch=compute_100a,code=sm_100a"]),
 ])
 def test_gencode_one_front_end_per_nvvm_generation(archs, expected):

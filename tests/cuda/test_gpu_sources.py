@@ -106,7 +106,8 @@ def test_no_source_asks_which_cuda_arch_it_is_compiled_for():
     # negative control: each way of asking fires, the device/host tests do not
     for line in ("#if __CUDA_ARCH__ >= 900", "constexpr int arch = __CUDA_ARCH__;", "#if (__CUDA_ARCH__ == 1000)",
                  "#ifdef __CUDA_ARCH_FEAT_SM90_ALL", "#if defined(__CUDA_ARCH_SPECIFIC__)",
-                 "NV_IF_TARGET(NV_PROVIDES_SM_90, (fast();), (slow();))", "NV_IF_TARGET(NV_IS_EXACTLY_SM_80, (a();))"):
+                 "NV_IF_TARGET(NV_PROVIDES_SM_90, (fast();), (slow();))", "NV_IF_TARGET(NV_IS_EXACTLY_SM_80, (a();))",
+                 "NV_IF_TARGET(NV_HAS_FEATURE_SM_90a, (a();))"):
         assert arch_value_tests(line + "\n#endif\n"), line
     for line in ("#if defined(__CUDA_ARCH__)", "#ifdef __CUDA_ARCH__", "#ifndef __CUDA_ARCH__",
                  "#elif defined __CUDA_ARCH__", "// __CUDA_ARCH__ >= 900 is what this avoids"):
