@@ -4,9 +4,10 @@
 // are spread over a few worker OS threads (ALIGNED_EMU_THREADS, default min(4, cores)); which worker runs a
 // block never changes a result of a correct kernel, because a block's threads only share memory within the block.
 //
-// Inside a block every GPU thread is a fiber with a small stack (64 KiB, 512 KiB under ASan, a guard page
-// below). The worker runs the runnable fibers one at a time, each until it blocks at __syncthreads or a warp
-// collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are resolved (values
+// Inside a block every GPU thread is a fiber with a small stack: a 128 KiB region (1 MiB under ASan) aligned to its
+// size, with a guard page below the stack and above it the header (simt_api.h FiberHeader) that kernels read
+// threadIdx / blockIdx from and device calls find their lane in. The worker runs the runnable fibers one at a time,
+// each until it blocks at __syncthreads or a warp collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are resolved (values
 // exchanged, votes counted), then — if nothing else can run — the barrier is released once every live thread
 // waits at it; anything else is a deadlock and fails the launch with a description. Fibers are created once per
 // worker and reused by every block and launch (a finished fiber waits at the top of its loop for the next thread).
@@ -64,21 +65,12 @@
 #include "emulation.h"
 #include "simt_api.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define ALIGNED_EMU_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define ALIGNED_EMU_ASAN 1
-#endif
-#endif
-#if defined(ALIGNED_EMU_ASAN)
+#if defined(ALIGNED_EMU_ASAN)  // (simt_api.h)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
 namespace aligned::emu {
-
-thread_local const ThreadCoords* tl_coords = nullptr;
 
 // ---- archs -----------------------------------------------------------------------------------------------
 namespace {
@@ -245,20 +237,16 @@ struct Context {
 };
 #endif
 
-#if defined(ALIGNED_EMU_ASAN)
-constexpr size_t kStackBytes = 512 * 1024;  // ASan frames carry redzones
-#else
-constexpr size_t kStackBytes = 64 * 1024;
-#endif
-
 struct Lane;
 
+// A fiber's region (simt_api.h kFiberRegionBytes, aligned to its size): a guard page, the stack, the FiberHeader the
+// kernels' built-ins and the device calls' lane are read from (simt_api.h fiber_header_of).
 struct Fiber {
   Context ctx;
-  char* map = nullptr;  // guard page + stack
-  size_t map_bytes = 0;
+  char* map = nullptr;  // the region (a slot of its worker's chunk)
   char* stack_lo() const { return map + page(); }
-  size_t stack_bytes() const { return map_bytes - page(); }
+  size_t stack_bytes() const { return kFiberRegionBytes - page() - kFiberHeaderBytes; }
+  FiberHeader* header() const { return reinterpret_cast<FiberHeader*>(map + kFiberRegionBytes - kFiberHeaderBytes); }
   static size_t page() { return (size_t)sysconf(_SC_PAGESIZE); }
 };
 
@@ -331,6 +319,58 @@ struct Job {
   }
 };
 
+// ---- fiber regions ---------------------------------------------------------------------------------------
+// A worker's fibers live in one chunk: kMaxBlockThreads regions (one per thread of the largest block), reserved
+// (MAP_NORESERVE: a page costs memory only once a stack grows into it) when the worker makes its first fiber. The
+// chunks are registered process-wide, so a device call can check, without TLS, that it runs on a fiber's stack
+// (on_fiber_stack) before it reads the header there: a device function called from host code is refused by name
+// instead of reading memory that is not a header.
+constexpr int kMaxBlockThreads = 1024;
+constexpr size_t kChunkBytes = (size_t)kMaxBlockThreads * kFiberRegionBytes;
+constexpr int kMaxChunks = 256;  // worker OS threads alive at once: the pool's and every thread that launched
+std::atomic<uintptr_t> g_chunk_base[kMaxChunks];  // 0: a free entry
+std::atomic<int> g_chunk_entries{0};              // the entries below it may be in use
+std::mutex g_chunk_mutex;                         // reserve / release
+
+bool on_fiber_stack(uintptr_t frame) {
+  const int n = g_chunk_entries.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
+    if (base != 0 && frame - base < kChunkBytes) return true;
+  }
+  return false;
+}
+
+char* reserve_chunk(int* entry) {
+  const size_t R = kFiberRegionBytes;
+  // the chunk and one region more, then the part aligned to a region kept and the rest unmapped
+  void* m = mmap(nullptr, kChunkBytes + R, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::runtime_error("aligned emulation: cannot map the fiber stacks");
+  char* raw = (char*)m;
+  char* base = (char*)(((uintptr_t)raw + R - 1) & ~(uintptr_t)(R - 1));
+  if (base > raw) munmap(raw, (size_t)(base - raw));
+  if (raw + kChunkBytes + R > base + kChunkBytes) munmap(base + kChunkBytes, (size_t)(raw + R - base));
+  std::lock_guard<std::mutex> lock(g_chunk_mutex);
+  const int n = g_chunk_entries.load(std::memory_order_relaxed);
+  int i = 0;
+  while (i < n && g_chunk_base[i].load(std::memory_order_relaxed) != 0) ++i;
+  if (i == kMaxChunks) {
+    munmap(base, kChunkBytes);
+    throw std::runtime_error("aligned emulation: more than 256 threads run emulated kernels at once");
+  }
+  g_chunk_base[i].store((uintptr_t)base, std::memory_order_relaxed);
+  if (i == n) g_chunk_entries.store(n + 1, std::memory_order_release);
+  *entry = i;
+  return base;
+}
+
+void release_chunk(char* base, int entry) {
+  if (!base) return;
+  std::lock_guard<std::mutex> lock(g_chunk_mutex);
+  g_chunk_base[entry].store(0, std::memory_order_relaxed);
+  munmap(base, kChunkBytes);
+}
+
 // Per worker OS thread: its fibers, the scheduler's own context and the block it runs.
 struct Worker {
   Context sched;
@@ -344,11 +384,11 @@ struct Worker {
   std::string block_error;
   const void* sched_stack_lo = nullptr;  // ASan: the scheduler's stack (learnt on the first switch)
   size_t sched_stack_bytes = 0;
-  ~Worker() {
-    for (auto& f : fibers) munmap(f->map, f->map_bytes);
-  }
+  char* chunk = nullptr;  // its fibers' regions (reserve_chunk), reserved with its first fiber
+  int chunk_entry = -1;
+  ~Worker() { release_chunk(chunk, chunk_entry); }
 };
-thread_local Worker tl_worker;
+thread_local Worker tl_worker;  // read once per launch and per fiber start; device calls use the fiber's header
 
 [[noreturn]] void fiber_main();
 
@@ -372,15 +412,14 @@ void init_fiber_context(Fiber* f) {
 #endif
 }
 
-Fiber* new_fiber() {
+// The worker's next fiber, in the next region of its chunk.
+Fiber* new_fiber(Worker& w) {
+  if (!w.chunk) w.chunk = reserve_chunk(&w.chunk_entry);
+  const size_t slot = w.fibers.size();
+  if (slot >= (size_t)kMaxBlockThreads) throw std::runtime_error("aligned emulation: more fibers than threads in a block");
   auto* f = new Fiber;
-  f->map_bytes = kStackBytes + Fiber::page();
-  void* m = mmap(nullptr, f->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (m == MAP_FAILED) {
-    delete f;
-    throw std::runtime_error("aligned emulation: cannot map a fiber stack");
-  }
-  f->map = (char*)m;
+  f->map = w.chunk + slot * kFiberRegionBytes;
+  *f->header() = FiberHeader{nullptr, nullptr, &w};
   mprotect(f->map, Fiber::page(), PROT_NONE);  // stack overflow faults instead of corrupting memory
   init_fiber_context(f);
   return f;
@@ -397,7 +436,9 @@ inline void raw_switch(Context& from, Context& to) {
 // Scheduler -> fiber of `lane`; returns when the fiber blocks or finishes.
 void resume(Worker& w, Lane& lane) {
   w.current = &lane;
-  tl_coords = &lane.coords;
+  FiberHeader* h = lane.fiber->header();
+  h->coords = &lane.coords;
+  h->lane = &lane;
 #if defined(ALIGNED_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, lane.fiber->stack_lo(), lane.fiber->stack_bytes());
@@ -407,12 +448,16 @@ void resume(Worker& w, Lane& lane) {
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
   w.current = nullptr;
-  tl_coords = nullptr;
+}
+
+// The worker whose fiber runs the caller (the caller is on a fiber's stack: the header is its fiber's).
+inline Worker& fiber_worker() {
+  return *static_cast<Worker*>(fiber_header_of((uintptr_t)__builtin_frame_address(0))->worker);
 }
 
 // Fiber -> scheduler (the lane's state says why); returns when the scheduler resumes this fiber.
 void yield_to_scheduler() {
-  Worker& w = tl_worker;
+  Worker& w = fiber_worker();
   Fiber* f = w.current->fiber;
 #if defined(ALIGNED_EMU_ASAN)
   void* fake = nullptr;
@@ -438,7 +483,7 @@ void retire_copies(Lane& l, size_t groups) {
 }
 
 [[noreturn]] void fiber_main() {
-  Worker& w = tl_worker;
+  Worker& w = fiber_worker();
 #if defined(ALIGNED_EMU_ASAN)
   __sanitizer_finish_switch_fiber(nullptr, &w.sched_stack_lo, &w.sched_stack_bytes);
 #endif
@@ -455,7 +500,7 @@ void retire_copies(Lane& l, size_t groups) {
 
 // A rule broken by the running thread: fail the block and never resume this fiber.
 [[noreturn]] void device_fault(const std::string& what) {
-  Worker& w = tl_worker;
+  Worker& w = fiber_worker();
   Lane& l = *w.current;
   if (w.block_error.empty()) {
     w.block_error = what + " (thread (" + std::to_string(l.coords.thread_idx.x) + "," +
@@ -467,12 +512,12 @@ void retire_copies(Lane& l, size_t groups) {
 }
 
 Lane& running_lane(const char* what) {
-  Worker& w = tl_worker;
-  if (!w.current) {
+  const uintptr_t frame = (uintptr_t)__builtin_frame_address(0);
+  if (!on_fiber_stack(frame)) {
     fprintf(stderr, "aligned emulation: %s called outside an emulated kernel\n", what);
     abort();
   }
-  return *w.current;
+  return *static_cast<Lane*>(fiber_header_of(frame)->lane);
 }
 
 const char* op_name(WarpOp op) {
@@ -528,7 +573,7 @@ void warp_matrix(MatrixOp op, MatrixFragment* f, uint64_t mask, bool has_mask) {
 
 void sync_threads() {
   Lane& l = running_lane("__syncthreads");
-  if (tl_worker.job->fault == Fault::kBarrierNoop) return;
+  if (fiber_worker().job->fault == Fault::kBarrierNoop) return;
   l.state = LaneState::kBarrier;
   yield_to_scheduler();
 }
@@ -872,7 +917,7 @@ bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
   const dim3 g = job.cfg.grid, bd = job.cfg.block;
   const int nthreads = (int)(bd.x * bd.y * bd.z);
   const int ws = job.arch->warp_size;
-  while ((int)w.fibers.size() < nthreads) w.fibers.emplace_back(new_fiber());
+  while ((int)w.fibers.size() < nthreads) w.fibers.emplace_back(new_fiber(w));
   if ((int)w.lanes.size() < nthreads) w.lanes.resize(nthreads);
   const uint3 bidx{(unsigned)(b % g.x), (unsigned)((b / g.x) % g.y), (unsigned)(b / ((uint64_t)g.x * g.y))};
   for (int t = 0; t < nthreads; ++t) {
@@ -1091,7 +1136,7 @@ size_t dynamic_shared_limit(const void* kernel, const Arch* arch) {
 
 unsigned char* dynamic_shared_memory() {
   running_lane("dynamic shared memory");
-  return tl_worker.dyn_smem;
+  return fiber_worker().dyn_smem;
 }
 
 const char* set_max_dynamic_shared(const void* kernel, long long bytes) {

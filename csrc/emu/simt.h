@@ -64,11 +64,11 @@
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __shared__ static thread_local
-#define threadIdx (::aligned::emu::tl_coords->thread_idx)
-#define blockIdx (::aligned::emu::tl_coords->block_idx)
-#define blockDim (::aligned::emu::tl_coords->block_dim)
-#define gridDim (::aligned::emu::tl_coords->grid_dim)
-#define warpSize (::aligned::emu::tl_coords->warp_size)
+#define threadIdx (::aligned::emu::fiber_coords()->thread_idx)
+#define blockIdx (::aligned::emu::fiber_coords()->block_idx)
+#define blockDim (::aligned::emu::fiber_coords()->block_dim)
+#define gridDim (::aligned::emu::fiber_coords()->grid_dim)
+#define warpSize (::aligned::emu::fiber_coords()->warp_size)
 
 inline void __syncthreads() { ::aligned::emu::sync_threads(); }
 

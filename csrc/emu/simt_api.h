@@ -29,7 +29,42 @@ struct ThreadCoords {
   dim3 grid_dim;
   int warp_size;
 };
-extern thread_local const ThreadCoords* tl_coords;
+// Where a fiber finds its thread's state without TLS. Every GPU thread runs on a fiber whose stack is a
+// kFiberRegionBytes region aligned to its size (runtime.cpp: a guard page at the bottom, the stack, a FiberHeader in
+// the last kFiberHeaderBytes), so the running frame's address gives the header. The scheduler writes the lane's
+// coordinates and state there before each resume; kernels read threadIdx, blockIdx, ... through it (fiber_coords) and
+// the runtime's device calls find their lane and worker through it. Why not a thread_local: in a shared library every
+// access to one is a general-dynamic TLS access — a __tls_get_addr call, which ASan intercepts; through a
+// thread_local, about a third of an emulated kernel's time under ASan went there. (The initial-exec TLS model is no
+// way out for the shipped library: the module's TLS holds the kernels' __shared__ arrays, ~1.8 MB, and a dlopen'ed
+// library's initial-exec TLS must fit in glibc's static TLS surplus, 512 bytes unless a tunable raises it.)
+#if defined(__SANITIZE_ADDRESS__)
+#define ALIGNED_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ALIGNED_EMU_ASAN 1
+#endif
+#endif
+#if defined(ALIGNED_EMU_ASAN)
+constexpr size_t kFiberRegionBytes = 1024 * 1024;  // ASan frames carry redzones: a 1 MiB - 4 KiB stack
+#else
+constexpr size_t kFiberRegionBytes = 128 * 1024;
+#endif
+static_assert((kFiberRegionBytes & (kFiberRegionBytes - 1)) == 0, "a fiber's region is aligned to its size");
+constexpr size_t kFiberHeaderBytes = 64;
+struct FiberHeader {
+  const ThreadCoords* coords;  // the running lane's built-ins (written before each resume)
+  void* lane;                  // runtime.cpp: the Lane this fiber runs now (written before each resume)
+  void* worker;                // runtime.cpp: the Worker that owns the fiber (written when the fiber is made)
+};
+static_assert(sizeof(FiberHeader) <= kFiberHeaderBytes, "the header fits its slot");
+inline FiberHeader* fiber_header_of(uintptr_t frame) {
+  const uintptr_t region_end = (frame | (uintptr_t)(kFiberRegionBytes - 1)) + 1;
+  return reinterpret_cast<FiberHeader*>(region_end - kFiberHeaderBytes);
+}
+// The running GPU thread's built-ins. Only kernel code calls it, and kernels run only on fibers (launch): unchecked,
+// as threadIdx must be cheap. The runtime's device calls check that they run on a fiber (runtime.cpp running_lane).
+inline const ThreadCoords* fiber_coords() { return fiber_header_of((uintptr_t)__builtin_frame_address(0))->coords; }
 
 enum class WarpOp : uint8_t { kShflXor, kShflIdx, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp, kMatrix };
 

@@ -3,6 +3,10 @@ enforces, on small self-test kernels (csrc/emu/selftest_kernels.cuh) in each ven
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -61,6 +65,42 @@ def test_broken_gpu_rules_fail_the_launch(arch, case, msg):
 def test_selftest_needs_an_active_arch():
     with pytest.raises(RuntimeError, match="needs aligned_ops.emulate"):
         selftest("warp")
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_launches_from_many_host_threads(arch):
+    """Every host thread that launches runs its blocks on fibers of its own (a chunk of fiber stacks each, registered
+    process-wide and given back when the thread ends): launches from several threads at once, then from new threads
+    that reuse the chunks the first ones gave back, all give the documented values."""
+    want = [v for t in range(128) for v in expected_warp_row(t, 64 if arch.startswith("gfx") else 32)]
+    results, errors = [], []
+
+    def launch():
+        try:
+            results.append(selftest("warp"))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    with aligned_ops.emulate(arch):  # (the arch is process-wide: one scope, launches from every thread)
+        for _round in range(2):
+            threads = [threading.Thread(target=launch) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    assert not errors and len(results) == 8
+    assert all(out == want for out in results)
+
+
+def test_device_call_from_host_code_is_refused_by_name():
+    """A device call (here __syncthreads) outside a kernel: the runtime finds no fiber under the caller and aborts
+    with a message naming the call (a subprocess: the abort ends the process)."""
+    code = ("import aligned_ops, torch\n"
+            "with aligned_ops.emulate('sm_90'):\n"
+            "    torch.ops.aligned._emulate_selftest('device_call_from_host')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "aligned emulation: __syncthreads called outside an emulated kernel" in proc.stderr
 
 
 # ---- schedules: the planted races (csrc/emu/selftest_kernels.cuh) -------------------------------------------
