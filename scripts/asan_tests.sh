@@ -38,6 +38,12 @@ libubsan=$(g++ -print-file-name=libubsan.so)
 # Python and torch allocate for the life of the process: leak checking would only report those.
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0:detect_odr_violation=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# The emulated kernels' TLS (their __shared__ arrays) is initial-exec in this build (CMakeLists.txt, ALIGNED_SANITIZE):
+# a dlopen'ed library's initial-exec TLS must fit in glibc's static TLS surplus, raised here to the module's TLS size
+# plus 64 KiB for what other libraries put there (without it the import fails: "cannot allocate memory in static
+# TLS block"). Every process the tests start inherits it, as it inherits LD_PRELOAD.
+tls_size=$(readelf -lW "$root"/pkg/aligned_ops/_C*.so | awk '$1 == "TLS" {print $6}')
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.rtld.optional_static_tls=$(( ${tls_size:-0} + 65536 ))"
 # tests/emulated: the GPU kernel source under the fiber SIMT runtime (ASan follows every fiber switch).
 tests=${*:-tests/ops tests/common tests/emulated}
 # torch.compile under ASan only re-tests inductor (slow); eager, opcheck and autograd tests run.

@@ -13,7 +13,9 @@
 //     archs, 64 for gfx942 / gfx950 wave64);
 //   * __shared__: one copy per block. Blocks of one worker OS thread run one after another, so a
 //     function-local `static thread_local` is exactly "one array shared by the block's threads"; as on a
-//     GPU its contents are undefined when a block starts (it keeps the previous block's values);
+//     GPU its contents are undefined when a block starts (it keeps the previous block's values). (General-dynamic
+//     TLS in the shipped library; initial-exec in the ASan build, where each __tls_get_addr call is intercepted:
+//     CMakeLists.txt, scripts/asan_tests.sh);
 //   * __syncthreads (every live thread of the block must arrive; exited threads do not count, as on sm_70+
 //     and CDNA), __syncwarp, shuffles (xor / idx / up / down, any width that is a power of two <= warpSize;
 //     a lane reading outside its width segment gets its own value, as both vendors document), votes
