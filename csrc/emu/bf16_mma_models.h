@@ -112,35 +112,42 @@ inline bool all_finite(const uint16_t* a, const uint16_t* b, int n, float c) {
   for (int k = 0; k < n; ++k) special |= (a[k] & 0x7f80u) == 0x7f80u || (b[k] & 0x7f80u) == 0x7f80u;
   return !special;
 }
+// That fp64 sum (c first, then the products in k order): NaN or +-inf when an operand is an inf or a NaN.
+inline double fp64_sum(const uint16_t* a, const uint16_t* b, int n, float c) {
+  double sum = (double)c;
+  for (int k = 0; k < n; ++k) sum += bf16_value(a[k]) * bf16_value(b[k]);
+  return sum;
+}
 
 // The models in integer arithmetic: each term of a step is an integer count of 2^-frac units at the step's
 // alignment exponent, their sum is an exact int64 (<= 17 terms of <= 27 bits), and the one rounding at the end is
 // either done on the integer (toward zero) or left to the double -> float conversion (to nearest even). The same
 // bits as the fp64 / frexp / ldexp transcription of the description (bf16_mma_models_reference.h; held equal by
 // tests/emulated/test_mma_model_conformance.py), without its ~70 libm calls per output element (~3x faster).
+// Two passes over the operands (the alignment exponent, then the terms), each splitting them again, instead of
+// arrays of their parts: the splits are a few bit operations, and under ASan every local array is a poisoned
+// stack frame per call (the models were ~45 % of an emulated mma kernel's time there).
 
 // The NVIDIA fused step over n products + c (see above).
 inline float nv_fused(const uint16_t* a, const uint16_t* b, int n, float c, int frac) {
   if (!all_finite(a, b, n, c)) {  // then the fp64 sum is NaN or +-inf (inf * 0, inf - inf, or an inf)
-    double check = (double)c;
-    for (int k = 0; k < n; ++k) check += bf16_value(a[k]) * bf16_value(b[k]);
+    const double check = fp64_sum(a, b, n, c);
     if (check != check) return f32_of(0x7fffffffu);
     if (isinf(check)) return (float)check;
   }
-  bool neg[kBf16MmaK + 1];
-  uint32_t m[kBf16MmaK + 1];
-  int ex[kBf16MmaK + 1], fb[kBf16MmaK + 1];
   const Split sc = split_f32(c);
-  neg[0] = sc.neg, m[0] = sc.m, ex[0] = sc.e, fb[0] = 23;
   int emax = sc.e;
   for (int k = 0; k < n; ++k) {
-    const Split sa = split_bf16(a[k]), sb = split_bf16(b[k]);
-    neg[k + 1] = sa.neg != sb.neg, m[k + 1] = sa.m * sb.m, ex[k + 1] = sa.e + sb.e, fb[k + 1] = 14;
-    if (ex[k + 1] > emax) emax = ex[k + 1];
+    const int e = split_bf16(a[k]).e + split_bf16(b[k]).e;
+    if (e > emax) emax = e;
   }
-  // every term aligned to emax and truncated toward zero to frac fractional bits, summed exactly (units of 2^-frac)
-  int64_t sum = 0;
-  for (int k = 0; k <= n; ++k) sum += term(neg[k], m[k], frac + ex[k] - emax - fb[k]);
+  // every term aligned to emax and truncated toward zero to frac fractional bits, summed exactly (units of 2^-frac);
+  // c has 23 fractional bits, a product of two bf16 significands 14
+  int64_t sum = term(sc.neg, sc.m, frac + sc.e - emax - 23);
+  for (int k = 0; k < n; ++k) {
+    const Split sa = split_bf16(a[k]), sb = split_bf16(b[k]);
+    sum += term(sa.neg != sb.neg, sa.m * sb.m, frac + sa.e + sb.e - emax - 14);
+  }
   if (sum == 0) return 0.0f;  // (an exact zero sum is +0, as the fp64 sum's)
   // normalise to fp32 rounding toward zero: 24 significant bits at the sum's exponent, fp32's subnormals below 2^-126
   const bool sneg = sum < 0;
@@ -156,28 +163,26 @@ inline float nv_fused(const uint16_t* a, const uint16_t* b, int n, float c, int 
 // One AMD CDNA3 group of n products onto c (see above).
 inline float cdna3_group(const uint16_t* a, const uint16_t* b, int n, float c) {
   if (!all_finite(a, b, n, c)) {
-    double check = (double)c;
-    for (int k = 0; k < n; ++k) check += bf16_value(a[k]) * bf16_value(b[k]);
+    const double check = fp64_sum(a, b, n, c);
     if (check != check || isinf(check)) return (float)check;
   }
-  bool neg[kBf16MmaK];
-  uint32_t m[kBf16MmaK];
-  int ex[kBf16MmaK];
   bool pinf = false, ninf = false;
   int emax = -100000;
   for (int k = 0; k < n; ++k) {
-    const double p = bf16_value(a[k]) * bf16_value(b[k]);
-    if (p >= 0x1p128) pinf = true;
-    if (p <= -0x1p128) ninf = true;
     const Split sa = split_bf16(a[k]), sb = split_bf16(b[k]);
-    neg[k] = sa.neg != sb.neg, m[k] = sa.m * sb.m, ex[k] = sa.e + sb.e;
-    if (ex[k] > emax) emax = ex[k];
+    const uint32_t m = sa.m * sb.m;  // the product is m * 2^(e - 14)
+    const int e = sa.e + sb.e;
+    if (m != 0 && 31 - __builtin_clz(m) + e - 14 >= 128) (sa.neg != sb.neg ? ninf : pinf) = true;  // |p| >= 2^128
+    if (e > emax) emax = e;
   }
   if (pinf && ninf) return f32_of(0x7fc00000u);
   if (pinf) return INFINITY;
   if (ninf) return -INFINITY;
   int64_t s = 0;  // the group's products at emax, truncated to 24 fractional bits: units of 2^-24
-  for (int k = 0; k < n; ++k) s += term(neg[k], m[k], 24 + ex[k] - emax - 14);
+  for (int k = 0; k < n; ++k) {
+    const Split sa = split_bf16(a[k]), sb = split_bf16(b[k]);
+    s += term(sa.neg != sb.neg, sa.m * sb.m, 24 + sa.e + sb.e - emax - 14);
+  }
   const Split sc = split_f32(c);
   const int mx = emax > sc.e ? emax : sc.e;
   // s floored to 31 fractional bits at mx, c floored to 24 at mx, added exactly (units of 2^-31 at mx) ...
