@@ -327,7 +327,8 @@ struct Job {
 // instead of reading memory that is not a header.
 constexpr int kMaxBlockThreads = 1024;
 constexpr size_t kChunkBytes = (size_t)kMaxBlockThreads * kFiberRegionBytes;
-constexpr int kMaxChunks = 256;  // worker OS threads alive at once: the pool's and every thread that launched
+constexpr int kMaxChunks = 256;  // live worker OS threads: the pool's and every thread that has launched (a chunk is
+                                 // held until its thread ends)
 std::atomic<uintptr_t> g_chunk_base[kMaxChunks];  // 0: a free entry
 std::atomic<int> g_chunk_entries{0};              // the entries below it may be in use
 std::mutex g_chunk_mutex;                         // reserve / release
@@ -356,7 +357,7 @@ char* reserve_chunk(int* entry) {
   while (i < n && g_chunk_base[i].load(std::memory_order_relaxed) != 0) ++i;
   if (i == kMaxChunks) {
     munmap(base, kChunkBytes);
-    throw std::runtime_error("aligned emulation: more than 256 threads run emulated kernels at once");
+    throw std::runtime_error("aligned emulation: more than 256 live threads hold fiber stacks (a thread that launched keeps its own until it ends)");
   }
   g_chunk_base[i].store((uintptr_t)base, std::memory_order_relaxed);
   if (i == n) g_chunk_entries.store(n + 1, std::memory_order_release);
@@ -386,9 +387,16 @@ struct Worker {
   size_t sched_stack_bytes = 0;
   char* chunk = nullptr;  // its fibers' regions (reserve_chunk), reserved with its first fiber
   int chunk_entry = -1;
-  ~Worker() { release_chunk(chunk, chunk_entry); }
+  ~Worker() {
+#if defined(ALIGNED_EMU_ASAN)
+    // a fiber's frames that never returned leave poisoned redzones in ASan's shadow: cleared before the addresses
+    // can be mapped again
+    for (auto& f : fibers) __asan_unpoison_memory_region(f->stack_lo(), f->stack_bytes());
+#endif
+    release_chunk(chunk, chunk_entry);
+  }
 };
-thread_local Worker tl_worker;  // read once per launch and per fiber start; device calls use the fiber's header
+thread_local Worker tl_worker;  // read by launch and run_blocks only; fibers reach theirs through the header
 
 [[noreturn]] void fiber_main();
 
@@ -420,7 +428,11 @@ Fiber* new_fiber(Worker& w) {
   auto* f = new Fiber;
   f->map = w.chunk + slot * kFiberRegionBytes;
   *f->header() = FiberHeader{nullptr, nullptr, &w};
-  mprotect(f->map, Fiber::page(), PROT_NONE);  // stack overflow faults instead of corrupting memory
+  // stack overflow faults instead of corrupting memory (the region below, its header included)
+  if (mprotect(f->map, Fiber::page(), PROT_NONE) != 0) {
+    delete f;
+    throw std::runtime_error("aligned emulation: cannot protect a fiber stack's guard page (too many memory mappings?)");
+  }
   init_fiber_context(f);
   return f;
 }
@@ -1028,7 +1040,14 @@ void run_blocks(Job& job) {
     if (slot >= job.blocks) return;
     const uint64_t b = block_of_slot(job, slot);
     err.clear();
-    if (!run_block(w, job, b, err)) {
+    bool ok;
+    try {  // fiber stacks are made on first use: a failed mmap / mprotect fails the launch, not the process
+      ok = run_block(w, job, b, err);
+    } catch (const std::exception& e) {
+      err = e.what();
+      ok = false;
+    }
+    if (!ok) {
       const dim3 g = job.cfg.grid;
       job.fail(b, "block (" + std::to_string(b % g.x) + "," + std::to_string((b / g.x) % g.y) + "," +
                       std::to_string(b / ((uint64_t)g.x * g.y)) + "): " + err);
