@@ -7,10 +7,10 @@
 // Inside a block every GPU thread is a fiber with a small stack: a 128 KiB region (1 MiB under ASan) aligned to its
 // size, with a guard page below the stack and above it the header (simt_api.h FiberHeader) that kernels read
 // threadIdx / blockIdx from and device calls find their lane in. The worker runs the runnable fibers one at a time,
-// each until it blocks at __syncthreads or a warp collective, or finishes. When none is runnable, warp collectives whose lanes all arrived are resolved (values
-// exchanged, votes counted), then — if nothing else can run — the barrier is released once every live thread
-// waits at it; anything else is a deadlock and fails the launch with a description. Fibers are created once per
-// worker and reused by every block and launch (a finished fiber waits at the top of its loop for the next thread).
+// each until it blocks at __syncthreads or a warp collective, or finishes. When none is runnable, warp collectives
+// whose lanes all arrived are resolved (values exchanged, votes counted), then — if nothing else can run — the
+// barrier is released once every live thread waits at it; anything else is a deadlock and fails the launch with a
+// description. Fibers are created once per worker and reused by every block and launch (a finished fiber waits at the top of its loop for the next thread).
 //
 // Schedules (ALIGNED_EMU_SCHEDULE, read at every launch): a GPU promises no order between the threads of a block
 // between two barriers, between the warps of a block, or between the blocks of a grid. A kernel whose result
@@ -357,7 +357,9 @@ char* reserve_chunk(int* entry) {
   while (i < n && g_chunk_base[i].load(std::memory_order_relaxed) != 0) ++i;
   if (i == kMaxChunks) {
     munmap(base, kChunkBytes);
-    throw std::runtime_error("aligned emulation: more than 256 live threads hold fiber stacks (a thread that launched keeps its own until it ends)");
+    throw std::runtime_error(
+        "aligned emulation: more than 256 live threads hold fiber stacks (a thread that launched keeps its own until "
+        "it ends)");
   }
   g_chunk_base[i].store((uintptr_t)base, std::memory_order_relaxed);
   if (i == n) g_chunk_entries.store(n + 1, std::memory_order_release);
@@ -424,14 +426,16 @@ void init_fiber_context(Fiber* f) {
 Fiber* new_fiber(Worker& w) {
   if (!w.chunk) w.chunk = reserve_chunk(&w.chunk_entry);
   const size_t slot = w.fibers.size();
-  if (slot >= (size_t)kMaxBlockThreads) throw std::runtime_error("aligned emulation: more fibers than threads in a block");
+  if (slot >= (size_t)kMaxBlockThreads)
+    throw std::runtime_error("aligned emulation: more fibers than threads in a block");
   auto* f = new Fiber;
   f->map = w.chunk + slot * kFiberRegionBytes;
   *f->header() = FiberHeader{nullptr, nullptr, &w};
   // stack overflow faults instead of corrupting memory (the region below, its header included)
   if (mprotect(f->map, Fiber::page(), PROT_NONE) != 0) {
     delete f;
-    throw std::runtime_error("aligned emulation: cannot protect a fiber stack's guard page (too many memory mappings?)");
+    throw std::runtime_error(
+        "aligned emulation: cannot protect a fiber stack's guard page (too many memory mappings?)");
   }
   init_fiber_context(f);
   return f;
