@@ -10,7 +10,8 @@
 // each until it blocks at __syncthreads or a warp collective, or finishes. When none is runnable, warp collectives
 // whose lanes all arrived are resolved (values exchanged, votes counted), then — if nothing else can run — the
 // barrier is released once every live thread waits at it; anything else is a deadlock and fails the launch with a
-// description. Fibers are created once per worker and reused by every block and launch (a finished fiber waits at the top of its loop for the next thread).
+// description. Fibers are created once per worker and reused by every block and launch (a finished fiber waits at
+// the top of its loop for the next thread).
 //
 // Schedules (ALIGNED_EMU_SCHEDULE, read at every launch): a GPU promises no order between the threads of a block
 // between two barriers, between the warps of a block, or between the blocks of a grid. A kernel whose result
