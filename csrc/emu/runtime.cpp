@@ -934,7 +934,13 @@ bool run_block(Worker& w, const Job& job, uint64_t b, std::string& err) {
   const dim3 g = job.cfg.grid, bd = job.cfg.block;
   const int nthreads = (int)(bd.x * bd.y * bd.z);
   const int ws = job.arch->warp_size;
-  while ((int)w.fibers.size() < nthreads) w.fibers.emplace_back(new_fiber(w));
+  try {  // fiber stacks are made on first use: a failed mmap / mprotect fails the launch, not the process
+    w.fibers.reserve(nthreads);  // (then emplace_back cannot throw after new_fiber succeeded)
+    while ((int)w.fibers.size() < nthreads) w.fibers.emplace_back(new_fiber(w));
+  } catch (const std::exception& e) {  // before any lane or fiber of this block changed: the worker stays usable
+    err = e.what();
+    return false;
+  }
   if ((int)w.lanes.size() < nthreads) w.lanes.resize(nthreads);
   const uint3 bidx{(unsigned)(b % g.x), (unsigned)((b / g.x) % g.y), (unsigned)(b / ((uint64_t)g.x * g.y))};
   for (int t = 0; t < nthreads; ++t) {
@@ -1045,14 +1051,7 @@ void run_blocks(Job& job) {
     if (slot >= job.blocks) return;
     const uint64_t b = block_of_slot(job, slot);
     err.clear();
-    bool ok;
-    try {  // fiber stacks are made on first use: a failed mmap / mprotect fails the launch, not the process
-      ok = run_block(w, job, b, err);
-    } catch (const std::exception& e) {
-      err = e.what();
-      ok = false;
-    }
-    if (!ok) {
+    if (!run_block(w, job, b, err)) {
       const dim3 g = job.cfg.grid;
       job.fail(b, "block (" + std::to_string(b % g.x) + "," + std::to_string((b / g.x) % g.y) + "," +
                       std::to_string(b / ((uint64_t)g.x * g.y)) + "): " + err);
