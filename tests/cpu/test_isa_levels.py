@@ -5,7 +5,6 @@ per-level worker, tests/_isa_matrix.py) and writes its outputs to a file; the fi
 integer views. Shapes include odd lengths so that vector
 tails, masked loads and the scalar remainder paths all run."""
 
-import os
 import textwrap
 
 import pytest
@@ -109,21 +108,9 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _supported_levels():
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    levels = ["generic"]
-    if " avx2 " in flags and " fma " in flags:
-        levels.append("avx2")
-    if all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        levels.append("avx512")
-    return levels
-
-
 @pytest.mark.slow
 def test_every_isa_level_gives_identical_bits(isa_matrix):
-    levels = _supported_levels()
-    if len(levels) < 2:
-        pytest.skip("only the generic kernel level runs on this CPU")
+    levels = isa_matrix.levels_to_compare()
     results = {}
     for isa, res in isa_matrix.run_levels(levels, "dense").items():  # the levels' workers side by side
         results[isa] = torch.load(res.path)

@@ -98,9 +98,15 @@ CASES = _cases()
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ops_use_two_threads(name):
-    share = worker_share(CASES[name], 2)
-    # an even split is 0.5; well above what a serial op leaves (the controls below: ~0)
-    assert share > 0.25, f"aligned::{name} at 2 threads: the workers did {share:.1%} of the CPU work (serial?)"
+    # An even split is 0.5; well above what a serial op leaves (the controls below: ~0). On a loaded machine (CI's
+    # other pytest worker and its nice-19 builds) the pool's worker thread can wait for a core while the caller
+    # spins at the region's barrier, which counts as the caller's time: one such measurement of log_softmax read
+    # 23 %. So up to three are taken; a serial op reads ~0 in every one of them.
+    shares = []
+    while len(shares) < 3 and (not shares or shares[-1] <= 0.25):
+        shares.append(worker_share(CASES[name], 2))
+    assert shares[-1] > 0.25, \
+        f"aligned::{name} at 2 threads: the workers did {', '.join(f'{s:.1%}' for s in shares)} of the CPU work (serial?)"
 
 
 def test_controls_serial_work_is_seen():

@@ -28,7 +28,9 @@ def model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     d = build_tiny_qwen2(tmp_path_factory.mktemp("hfattnmma") / "m", BF16, seed=3, num_hidden_layers=1)
-    return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=BF16), profile="mma")
+    # patched under emulation: the emulated GPU's unit serves mma on a CPU without one (AVX2-only, e.g. Zen 3)
+    with aligned_ops.emulate("sm_90"):
+        return patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=BF16), profile="mma")
 
 
 def _recorded_forward(model, monkeypatch, ids, cu):
@@ -60,7 +62,15 @@ def test_patched_model_attention_runs_mma_under_emulation_fma_on_the_cpu(model, 
             fma = aligned_ops.attention_varlen(q, k, v, cq, ck, scale, causal, profile="fma")[0]
             assert bitwise_equal(out, mma), "the layer's attention is not attention_varlen(profile='mma')"
             assert not bitwise_equal(out, fma), "negative control: fma and mma attention bits must differ"
-    # the plain CPU: the same model (same linear profile) runs fma attention (the CPU has no mma attention)
+
+
+def test_patched_model_attention_is_fma_on_the_plain_cpu(model, monkeypatch):
+    """The same model (same linear profile) outside emulation runs fma attention: the CPU has no mma attention."""
+    if aligned_ops.mma_unit() is None:
+        pytest.skip("this CPU has no bf16 unit: the mma linears of the plain-CPU forward cannot run here")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (1, 21), generator=g)
+    cu = torch.tensor([0, 13, 21], dtype=torch.int32)
     _, calls = _recorded_forward(model, monkeypatch, ids, cu)
     assert len(calls) == len(model.model.layers) and all(c[7] == "fma" for c in calls), [c[7] for c in calls]
     for q, k, v, cq, ck, scale, causal, _, out in calls:
@@ -83,3 +93,16 @@ def test_compiled_mma_attention_under_emulation_equals_eager():
         fma = aligned_ops.attention_varlen(q, k, v, cu, cu, profile="fma")[0] * 2
     assert bitwise_equal(eager[0], compiled[0]) and bitwise_equal(eager[1], compiled[1])
     assert not bitwise_equal(eager[0], fma)  # negative control: the compiled graph ran the mma profile
+
+
+def test_mma_start_up_check_under_emulation_needs_no_cpu_unit():
+    """Inside ``emulate`` the CPU tensors run the emulated GPU's unit: the start-up check asks only for bf16 there;
+    outside it, the CPU's own unit decides (refused by name on a CPU without one)."""
+    from aligned_ops.ops.linear_mma import MMA_REFUSAL, mma_model_reasons
+
+    with aligned_ops.emulate("gfx942"):
+        assert profiles.MMA.model_refusals(BF16) == []
+        assert profiles.MMA.model_refusals(torch.float32) == [
+            "the mma profile takes bfloat16 models (its matrix units multiply bf16), got float32; "
+            "use ALIGNED_OPS_LINEAR=fma"]
+    assert mma_model_reasons(BF16) == ([] if aligned_ops.mma_unit() is not None else [MMA_REFUSAL])

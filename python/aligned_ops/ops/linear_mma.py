@@ -73,9 +73,12 @@ def mma_model_reasons(dtype, device: str = "cpu") -> list[str]:
     """Why a model of ``dtype`` cannot run the ``mma`` profile on this machine's ``device`` (empty: it can): no unit
     (the CPU's avx512_bf16; on a GPU, kernels in this build), or not bfloat16 — each one line
     (``aligned_ops.profiles.MMA.model_refusals``: the start-up refusals of the trainer patch, the vLLM plugin and
-    ``aligned-ops verify``)."""
-    if device == "cpu":
+    ``aligned-ops verify``). Under ``aligned_ops.emulate`` the CPU tensors run the emulated GPU's kernels and its
+    modelled unit, so the CPU's own unit is not needed there (outside the scope, the op itself refuses by name)."""
+    if device == "cpu" and _emulation.active() is None:
         reasons = [] if mma_unit() is not None else [MMA_REFUSAL]
+    elif device == "cpu":
+        reasons = []
     else:
         refusal = gpu_refusal(device)
         reasons = [] if refusal is None else [refusal]
