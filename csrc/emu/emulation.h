@@ -89,5 +89,8 @@ int active_mma_model();
 // run makes no copy (the CUDA-graph-safe attention run forms), with the per-call forms as negative control.
 constexpr const char* kHostCopyRecord = "<host-to-device copy>";
 void record_host_copy(size_t bytes);
+// The chunks of fiber stacks registered now: one per OS thread that has run a block and not ended (tests: a
+// forked child keeps only its own thread's).
+int live_fiber_chunks();
 
 }  // namespace aligned::emu

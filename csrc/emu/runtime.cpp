@@ -36,6 +36,7 @@
 // Context switches: a 6-register x86-64 switch (callee-saved registers + stack pointer; MXCSR and the x87
 // control word are pinned for the whole launch, see above), ucontext elsewhere. Under ASan every switch is
 // announced with __sanitizer_start/finish_switch_fiber so stack checking follows the fibers.
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -343,7 +344,32 @@ bool on_fiber_stack(uintptr_t frame) {
   return false;
 }
 
+// fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
+// launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
+// each launch would fill the registry (kMaxChunks) a few entries per generation. The registry's mutex is held across
+// the fork, so the child never inherits it locked by a thread it does not have.
+int forking_thread_entry();
+void chunks_before_fork() { g_chunk_mutex.lock(); }
+void chunks_after_fork_parent() { g_chunk_mutex.unlock(); }
+void chunks_after_fork_child() {
+  const int keep = forking_thread_entry();
+  const int n = g_chunk_entries.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
+    if (i == keep || base == 0) continue;
+#if defined(ALIGNED_EMU_ASAN)
+    __asan_unpoison_memory_region((void*)base, kChunkBytes);  // the dead fibers' abandoned frames
+#endif
+    munmap((void*)base, kChunkBytes);
+    g_chunk_base[i].store(0, std::memory_order_relaxed);
+  }
+  g_chunk_mutex.unlock();
+}
+
 char* reserve_chunk(int* entry) {
+  static const bool fork_handlers =
+      pthread_atfork(chunks_before_fork, chunks_after_fork_parent, chunks_after_fork_child) == 0;
+  if (!fork_handlers) throw std::runtime_error("aligned emulation: cannot register the fork handlers (pthread_atfork)");
   const size_t R = kFiberRegionBytes;
   // the chunk and one region more, then the part aligned to a region kept and the rest unmapped
   void* m = mmap(nullptr, kChunkBytes + R, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -367,6 +393,16 @@ char* reserve_chunk(int* entry) {
   *entry = i;
   return base;
 }
+
+}  // namespace
+int live_fiber_chunks() {
+  std::lock_guard<std::mutex> lock(g_chunk_mutex);
+  int live = 0;
+  for (int i = 0, n = g_chunk_entries.load(std::memory_order_relaxed); i < n; ++i)
+    live += g_chunk_base[i].load(std::memory_order_relaxed) != 0;
+  return live;
+}
+namespace {
 
 void release_chunk(char* base, int entry) {
   if (!base) return;
@@ -400,6 +436,7 @@ struct Worker {
   }
 };
 thread_local Worker tl_worker;  // read by launch and run_blocks only; fibers reach theirs through the header
+int forking_thread_entry() { return tl_worker.chunk_entry; }
 
 [[noreturn]] void fiber_main();
 
@@ -1041,7 +1078,9 @@ class PinnedFpEnvironment {
 #endif
 };
 
-void run_blocks(Job& job) {
+// noexcept: an exception here (only std::bad_alloc can escape: run_block reports its own failures) would leave
+// Pool::run without waiting for the helpers still running the job; it ends the process instead.
+void run_blocks(Job& job) noexcept {
   Worker& w = tl_worker;
   PinnedFpEnvironment fp_env;
   std::string err;
@@ -1194,7 +1233,7 @@ void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg,
                      "integer), got '" + std::string(sched_text) + "'");
   const dim3 g = cfg.grid, b = cfg.block;
   const uint64_t threads = (uint64_t)b.x * b.y * b.z;
-  if (threads == 0 || threads > 1024 || b.z > 64)
+  if (threads == 0 || threads > (uint64_t)kMaxBlockThreads || b.z > 64)
     return set_error(where + ": invalid block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," +
                      std::to_string(b.z) + "): 1..1024 threads, z <= 64");
   if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535)

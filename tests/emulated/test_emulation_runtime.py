@@ -3,6 +3,7 @@ enforces, on small self-test kernels (csrc/emu/selftest_kernels.cuh) in each ven
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -72,7 +73,9 @@ def test_launches_from_many_host_threads(arch):
     """Every host thread that launches runs its blocks on fibers of its own: a chunk of fiber stacks, registered
     process-wide (at most 256 live at once) and given back when the thread ends. Launches from four threads at once
     give the documented values; so do 300 short-lived threads one after another, more than the registry holds, which
-    only works if each ended thread's chunk came back (the runtime refuses a 257th live chunk)."""
+    only works if each ended thread's chunk came back. (A leaked chunk fails it by name either way: at about the
+    254th thread the guard pages' mprotect calls reach vm.max_map_count (65,530 mappings by default), and the runtime
+    refuses a 257th live chunk.)"""
     want = [v for t in range(128) for v in expected_warp_row(t, 64 if arch.startswith("gfx") else 32)]
     results, errors = [], []
 
@@ -95,6 +98,40 @@ def test_launches_from_many_host_threads(arch):
             run_threads(1)
     assert not errors, errors[:3]
     assert len(results) == 304 and all(out == want for out in results)
+
+
+FORK = """
+import os, torch, aligned_ops
+selftest = torch.ops.aligned._emulate_selftest
+x, w = torch.randn(256, 64), torch.ones(64)
+with aligned_ops.emulate("sm_90"):
+    for _ in range(20):  # 128 blocks a launch: the pool's three helpers run blocks and take chunks
+        torch.ops.aligned.rms_norm(x, w, 1e-6)
+    parent = selftest("live_fiber_chunks")[0]
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(wr, str(selftest("live_fiber_chunks")[0]).encode())
+        torch.ops.aligned.rms_norm(x, w, 1e-6)  # the child's own pool launches
+        os._exit(0)
+    os.close(wr)
+    child = int(os.read(r, 64))
+    status = os.waitpid(pid, 0)[1]
+print(parent, child, os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_frees_the_dead_threads_fiber_stacks():
+    """A forked child runs only the forking thread: every other worker's chunk (the pool's helpers') is a dead copy,
+    which the child unmaps and unregisters at once (pthread_atfork), or each generation of a chain of forks would
+    keep its parent's and fill the 256-entry registry. Parent: the launching thread and the helpers that ran blocks
+    hold chunks; child: only its own thread's, and its launches work."""
+    env = dict(os.environ, ALIGNED_EMU_THREADS="4")
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORK], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    parent, child, child_status = map(int, proc.stdout.split())
+    assert parent >= 2 and child == 1 and child_status == 0, (parent, child, child_status)
 
 
 def test_device_call_from_host_code_is_refused_by_name():
