@@ -64,13 +64,11 @@ with open(spec["report"], "w") as f:
 '''
 
 
-LEVELS = ("generic", "avx2", "avx512")  # the kernel levels of csrc/cpu (ALIGNED_CPU_ISA), lowest first
-
-
 def supported_levels() -> list[str]:
-    """The levels this CPU runs, by csrc/cpu/cpu_dispatch.cpp's rule (avx2: AVX2 + FMA; avx512: F/BW/VL/DQ); forcing
-    another one makes ``import aligned_ops`` refuse by name. Machines of this project's kind include AVX2-only CPUs
-    (AMD Zen 3), so a cross-level test compares the levels there are, and none is assumed."""
+    """The kernel levels this CPU runs of generic, avx2 and avx512 (``amx`` is the exact profile's own), by
+    csrc/cpu/cpu_dispatch.cpp's rule (avx2: AVX2 + FMA; avx512: F/BW/VL/DQ); forcing another one makes
+    ``import aligned_ops`` refuse by name. Machines of this project's kind include AVX2-only CPUs (AMD Zen 3), so a
+    cross-level test compares the levels there are, and none is assumed."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # pragma: no cover (not Linux)

@@ -333,6 +333,7 @@ constexpr int kMaxChunks = 256;  // live worker OS threads: the pool's and every
                                  // held until its thread ends)
 std::atomic<uintptr_t> g_chunk_base[kMaxChunks];  // 0: a free entry
 std::atomic<int> g_chunk_entries{0};              // the entries below it may be in use
+std::atomic<int> g_chunk_fibers[kMaxChunks];      // the fibers made in each entry's chunk (its regions in use)
 std::mutex g_chunk_mutex;                         // reserve / release
 
 bool on_fiber_stack(uintptr_t frame) {
@@ -344,32 +345,7 @@ bool on_fiber_stack(uintptr_t frame) {
   return false;
 }
 
-// fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
-// launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
-// each launch would fill the registry (kMaxChunks) a few entries per generation. The registry's mutex is held across
-// the fork, so the child never inherits it locked by a thread it does not have.
-int forking_thread_entry();
-void chunks_before_fork() { g_chunk_mutex.lock(); }
-void chunks_after_fork_parent() { g_chunk_mutex.unlock(); }
-void chunks_after_fork_child() {
-  const int keep = forking_thread_entry();
-  const int n = g_chunk_entries.load(std::memory_order_relaxed);
-  for (int i = 0; i < n; ++i) {
-    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
-    if (i == keep || base == 0) continue;
-#if defined(ALIGNED_EMU_ASAN)
-    __asan_unpoison_memory_region((void*)base, kChunkBytes);  // the dead fibers' abandoned frames
-#endif
-    munmap((void*)base, kChunkBytes);
-    g_chunk_base[i].store(0, std::memory_order_relaxed);
-  }
-  g_chunk_mutex.unlock();
-}
-
 char* reserve_chunk(int* entry) {
-  static const bool fork_handlers =
-      pthread_atfork(chunks_before_fork, chunks_after_fork_parent, chunks_after_fork_child) == 0;
-  if (!fork_handlers) throw std::runtime_error("aligned emulation: cannot register the fork handlers (pthread_atfork)");
   const size_t R = kFiberRegionBytes;
   // the chunk and one region more, then the part aligned to a region kept and the rest unmapped
   void* m = mmap(nullptr, kChunkBytes + R, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -389,6 +365,7 @@ char* reserve_chunk(int* entry) {
         "it ends)");
   }
   g_chunk_base[i].store((uintptr_t)base, std::memory_order_relaxed);
+  g_chunk_fibers[i].store(0, std::memory_order_relaxed);
   if (i == n) g_chunk_entries.store(n + 1, std::memory_order_release);
   *entry = i;
   return base;
@@ -436,7 +413,7 @@ struct Worker {
   }
 };
 thread_local Worker tl_worker;  // read by launch and run_blocks only; fibers reach theirs through the header
-int forking_thread_entry() { return tl_worker.chunk_entry; }
+thread_local int tl_chunk_entry = -1;  // tl_worker.chunk_entry, read by the fork child's handler (no construction)
 
 [[noreturn]] void fiber_main();
 
@@ -462,7 +439,10 @@ void init_fiber_context(Fiber* f) {
 
 // The worker's next fiber, in the next region of its chunk.
 Fiber* new_fiber(Worker& w) {
-  if (!w.chunk) w.chunk = reserve_chunk(&w.chunk_entry);
+  if (!w.chunk) {
+    w.chunk = reserve_chunk(&w.chunk_entry);
+    tl_chunk_entry = w.chunk_entry;
+  }
   const size_t slot = w.fibers.size();
   if (slot >= (size_t)kMaxBlockThreads)
     throw std::runtime_error("aligned emulation: more fibers than threads in a block");
@@ -476,6 +456,7 @@ Fiber* new_fiber(Worker& w) {
         "aligned emulation: cannot protect a fiber stack's guard page (too many memory mappings?)");
   }
   init_fiber_context(f);
+  g_chunk_fibers[w.chunk_entry].store((int)slot + 1, std::memory_order_relaxed);
   return f;
 }
 
@@ -1160,6 +1141,37 @@ class Pool {
 
 std::mutex g_launch_mutex;  // one launch at a time (launches are synchronous anyway)
 
+// fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
+// launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
+// each launch would fill the registry (kMaxChunks) a few entries per generation. The runtime's mutexes are held
+// across the fork (in launch's order: launch, then state and chunks), so the child never inherits one locked by a
+// thread it does not have; a fork waits for a launch running on another thread.
+void before_fork() {
+  g_launch_mutex.lock();
+  g_state_mutex.lock();
+  g_chunk_mutex.lock();
+}
+void after_fork_parent() {
+  g_chunk_mutex.unlock();
+  g_state_mutex.unlock();
+  g_launch_mutex.unlock();
+}
+void after_fork_child() {
+  const int n = g_chunk_entries.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
+    if (i == tl_chunk_entry || base == 0) continue;
+#if defined(ALIGNED_EMU_ASAN)
+    // the dead fibers' abandoned frames: only the regions of the fibers made (a chunk's whole shadow is 128 MiB)
+    __asan_unpoison_memory_region((void*)base,
+                                  (size_t)g_chunk_fibers[i].load(std::memory_order_relaxed) * kFiberRegionBytes);
+#endif
+    munmap((void*)base, kChunkBytes);
+    g_chunk_base[i].store(0, std::memory_order_relaxed);
+  }
+  after_fork_parent();
+}
+
 void set_error(const std::string& what) {
   tl_error = what;
   tl_error_pending = true;
@@ -1222,8 +1234,10 @@ size_t max_dynamic_shared_optin() {
 
 void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg, void (*thunk)(const void*),
             const void* args) {
+  static const bool fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0;
   const Arch* arch = active_arch();
   const std::string where = std::string("emulated launch of ") + kernel;
+  if (!fork_handlers) return set_error(where + ": cannot register the fork handlers (pthread_atfork)");
   if (!arch) return set_error(where + ": no emulated arch is active (aligned_ops.emulate)");
   if (tl_worker.current) return set_error(where + ": launched from inside an emulated kernel");
   Schedule schedule;
@@ -1235,7 +1249,7 @@ void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg,
   const uint64_t threads = (uint64_t)b.x * b.y * b.z;
   if (threads == 0 || threads > (uint64_t)kMaxBlockThreads || b.z > 64)
     return set_error(where + ": invalid block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," +
-                     std::to_string(b.z) + "): 1..1024 threads, z <= 64");
+                     std::to_string(b.z) + "): 1.." + std::to_string(kMaxBlockThreads) + " threads, z <= 64");
   if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535)
     return set_error(where + ": invalid grid (" + std::to_string(g.x) + "," + std::to_string(g.y) + "," +
                      std::to_string(g.z) + ")");

@@ -49,7 +49,7 @@ def _recorded_forward(model, monkeypatch, ids, cu):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
-def test_patched_model_attention_runs_mma_under_emulation_fma_on_the_cpu(model, monkeypatch, arch):
+def test_patched_model_attention_runs_mma_under_emulation(model, monkeypatch, arch):
     assert profiles.profile_of(model) is profiles.MMA
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 512, (1, 21), generator=g)

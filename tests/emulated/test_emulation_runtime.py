@@ -134,6 +134,39 @@ def test_a_forked_child_frees_the_dead_threads_fiber_stacks():
     assert parent >= 2 and child == 1 and child_status == 0, (parent, child, child_status)
 
 
+FORK_DURING_LAUNCHES = """
+import os, signal, threading, torch, aligned_ops
+x, w = torch.randn(512, 256), torch.ones(256)
+stop, statuses = threading.Event(), []
+with aligned_ops.emulate("sm_90"):
+    def launches():  # another thread inside launches nearly all the time (the op call releases the GIL)
+        while not stop.is_set():
+            torch.ops.aligned.rms_norm(x, w, 1e-6)
+    t = threading.Thread(target=launches)
+    t.start()
+    for _ in range(20):
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a child that hangs ends by SIGALRM
+            torch.ops.aligned.rms_norm(x[:4], w, 1e-6)
+            os._exit(0)
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    stop.set()
+    t.join()
+print(statuses)
+"""
+
+
+def test_a_fork_while_another_thread_launches_gives_a_child_that_launches():
+    """The runtime's mutexes are held across fork (pthread_atfork), so a child never inherits the launch lock held by
+    a thread it does not have: 20 forks while another thread launches back to back, every child launches and exits
+    0 (one that hung would end by its SIGALRM: status -14)."""
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORK_DURING_LAUNCHES],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == str([0] * 20), proc.stdout[-500:]
+
+
 def test_device_call_from_host_code_is_refused_by_name():
     """A device call (here __syncthreads) outside a kernel: the runtime finds no fiber under the caller and aborts
     with a message naming the call (a subprocess: the abort ends the process)."""

@@ -6,7 +6,6 @@ from the records; batches and sampling seeds are pure functions of (seed, batch 
 import json
 import math
 import queue
-
 import re
 
 import pytest

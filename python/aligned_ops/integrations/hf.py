@@ -656,8 +656,8 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     resolved = rules.resolve_profile(profile)
     source = ("the model's model_spec.RULES entry (linear_profile)" if rules.linear_profile is not None
               else "patch_model(profile=)" if profile is not None else profiles.ENV_VAR)
-    # What the profile needs of the model and this machine (the mma profile: bf16 and the CPU's unit): refused
-    # now, in one line, in the words the vLLM plugin uses.
+    # What the profile needs of the model and this machine (the mma profile: bf16 and the CPU's unit, or an active
+    # aligned_ops.emulate scope): refused now, in one line, in the words the vLLM plugin uses.
     param = next(model.parameters(), None)
     bad = resolved.model_refusals(param.dtype, param.device.type) if param is not None else []
     if bad:
