@@ -181,6 +181,9 @@ const char* take_last_error() {
 }
 const char* last_error_message() { return tl_error.empty() ? "no error" : tl_error.c_str(); }
 
+namespace {
+std::mutex g_name_mutex;  // pretty_kernel_name's interned names
+}  // namespace
 const char* pretty_kernel_name(const char* pretty) {
   // GCC: "... [with auto K = aligned::gpu::emulated_cuda::rms_norm_kernel<float, float>]"; clang: "[K = &...]".
   std::string s(pretty);
@@ -192,9 +195,8 @@ const char* pretty_kernel_name(const char* pretty) {
   const size_t lt = name.find('<');
   const size_t ns = name.rfind("::", lt);
   if (ns != std::string::npos) name = name.substr(ns + 2);
-  static std::mutex m;
   static std::vector<std::unique_ptr<std::string>> interned;
-  std::lock_guard<std::mutex> lock(m);
+  std::lock_guard<std::mutex> lock(g_name_mutex);
   interned.push_back(std::make_unique<std::string>(name));
   return interned.back()->c_str();
 }
@@ -361,8 +363,8 @@ char* reserve_chunk(int* entry) {
   if (i == kMaxChunks) {
     munmap(base, kChunkBytes);
     throw std::runtime_error(
-        "aligned emulation: more than 256 live threads hold fiber stacks (a thread that launched keeps its own until "
-        "it ends)");
+        "aligned emulation: more than " + std::to_string(kMaxChunks) +
+        " live threads hold fiber stacks (a thread that launched keeps its own until it ends)");
   }
   g_chunk_base[i].store((uintptr_t)base, std::memory_order_relaxed);
   g_chunk_fibers[i].store(0, std::memory_order_relaxed);
@@ -388,6 +390,10 @@ void release_chunk(char* base, int entry) {
   munmap(base, kChunkBytes);
 }
 
+// The calling thread's worker's chunk entry (-1: none), read by the fork child's handler, which must construct
+// no Worker.
+thread_local int tl_chunk_entry = -1;
+
 // Per worker OS thread: its fibers, the scheduler's own context and the block it runs.
 struct Worker {
   Context sched;
@@ -410,10 +416,10 @@ struct Worker {
     for (auto& f : fibers) __asan_unpoison_memory_region(f->stack_lo(), f->stack_bytes());
 #endif
     release_chunk(chunk, chunk_entry);
+    tl_chunk_entry = -1;
   }
 };
 thread_local Worker tl_worker;  // read by launch and run_blocks only; fibers reach theirs through the header
-thread_local int tl_chunk_entry = -1;  // tl_worker.chunk_entry, read by the fork child's handler (no construction)
 
 [[noreturn]] void fiber_main();
 
@@ -1141,37 +1147,6 @@ class Pool {
 
 std::mutex g_launch_mutex;  // one launch at a time (launches are synchronous anyway)
 
-// fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
-// launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
-// each launch would fill the registry (kMaxChunks) a few entries per generation. The runtime's mutexes are held
-// across the fork (in launch's order: launch, then state and chunks), so the child never inherits one locked by a
-// thread it does not have; a fork waits for a launch running on another thread.
-void before_fork() {
-  g_launch_mutex.lock();
-  g_state_mutex.lock();
-  g_chunk_mutex.lock();
-}
-void after_fork_parent() {
-  g_chunk_mutex.unlock();
-  g_state_mutex.unlock();
-  g_launch_mutex.unlock();
-}
-void after_fork_child() {
-  const int n = g_chunk_entries.load(std::memory_order_relaxed);
-  for (int i = 0; i < n; ++i) {
-    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
-    if (i == tl_chunk_entry || base == 0) continue;
-#if defined(ALIGNED_EMU_ASAN)
-    // the dead fibers' abandoned frames: only the regions of the fibers made (a chunk's whole shadow is 128 MiB)
-    __asan_unpoison_memory_region((void*)base,
-                                  (size_t)g_chunk_fibers[i].load(std::memory_order_relaxed) * kFiberRegionBytes);
-#endif
-    munmap((void*)base, kChunkBytes);
-    g_chunk_base[i].store(0, std::memory_order_relaxed);
-  }
-  after_fork_parent();
-}
-
 void set_error(const std::string& what) {
   tl_error = what;
   tl_error_pending = true;
@@ -1206,6 +1181,46 @@ size_t dynamic_shared_limit(const void* kernel, const Arch* arch) {
   return it == g_dynamic_shared_limit.end() ? arch->default_dynamic_shared_bytes : it->second;
 }
 
+// fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
+// launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
+// each launch would fill the registry (kMaxChunks) a few entries per generation. Every mutex of the runtime is held
+// across the fork, so the child never inherits one locked by a thread it does not have (a fork waits for a launch
+// running on another thread). Order: launch, state, attr, name, chunk — the only nesting elsewhere is launch ->
+// chunk (a launch's first fibers), and none is taken while a later one is held. Registered when the library loads:
+// enter() / exit() take the state mutex before any launch.
+void before_fork() {
+  g_launch_mutex.lock();
+  g_state_mutex.lock();
+  g_attr_mutex.lock();
+  g_name_mutex.lock();
+  g_chunk_mutex.lock();
+}
+void after_fork_parent() {
+  g_chunk_mutex.unlock();
+  g_name_mutex.unlock();
+  g_attr_mutex.unlock();
+  g_state_mutex.unlock();
+  g_launch_mutex.unlock();
+}
+void after_fork_child() {
+  const int n = g_chunk_entries.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    const uintptr_t base = g_chunk_base[i].load(std::memory_order_relaxed);
+    if (i == tl_chunk_entry || base == 0) continue;
+#if defined(ALIGNED_EMU_ASAN)
+    // the dead fibers' abandoned frames: only the regions of the fibers made (a chunk's whole shadow is 128 MiB)
+    __asan_unpoison_memory_region((void*)base,
+                                  (size_t)g_chunk_fibers[i].load(std::memory_order_relaxed) * kFiberRegionBytes);
+#endif
+    munmap((void*)base, kChunkBytes);
+    g_chunk_base[i].store(0, std::memory_order_relaxed);
+  }
+  after_fork_parent();
+}
+
+const bool g_fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0;
+
+
 }  // namespace
 
 unsigned char* dynamic_shared_memory() {
@@ -1234,10 +1249,9 @@ size_t max_dynamic_shared_optin() {
 
 void launch(const char* kernel, const void* kernel_key, const LaunchConfig& cfg, void (*thunk)(const void*),
             const void* args) {
-  static const bool fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0;
   const Arch* arch = active_arch();
   const std::string where = std::string("emulated launch of ") + kernel;
-  if (!fork_handlers) return set_error(where + ": cannot register the fork handlers (pthread_atfork)");
+  if (!g_fork_handlers) return set_error(where + ": cannot register the fork handlers (pthread_atfork)");
   if (!arch) return set_error(where + ": no emulated arch is active (aligned_ops.emulate)");
   if (tl_worker.current) return set_error(where + ": launched from inside an emulated kernel");
   Schedule schedule;
