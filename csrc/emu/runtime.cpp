@@ -182,7 +182,10 @@ const char* take_last_error() {
 const char* last_error_message() { return tl_error.empty() ? "no error" : tl_error.c_str(); }
 
 namespace {
-std::mutex g_name_mutex;  // pretty_kernel_name's interned names
+// pretty_kernel_name's interned names, made on first use under the mutex: no function-local static, whose
+// initialisation guard a fork (which holds the mutex, not a guard) could leave taken in the child.
+std::mutex g_name_mutex;
+std::vector<std::unique_ptr<std::string>>* g_interned_names = nullptr;  // never freed: names outlive exit()
 }  // namespace
 const char* pretty_kernel_name(const char* pretty) {
   // GCC: "... [with auto K = aligned::gpu::emulated_cuda::rms_norm_kernel<float, float>]"; clang: "[K = &...]".
@@ -195,10 +198,10 @@ const char* pretty_kernel_name(const char* pretty) {
   const size_t lt = name.find('<');
   const size_t ns = name.rfind("::", lt);
   if (ns != std::string::npos) name = name.substr(ns + 2);
-  static std::vector<std::unique_ptr<std::string>> interned;
   std::lock_guard<std::mutex> lock(g_name_mutex);
-  interned.push_back(std::make_unique<std::string>(name));
-  return interned.back()->c_str();
+  if (!g_interned_names) g_interned_names = new std::vector<std::unique_ptr<std::string>>;
+  g_interned_names->push_back(std::make_unique<std::string>(name));
+  return g_interned_names->back()->c_str();
 }
 
 // ---- fibers ----------------------------------------------------------------------------------------------
@@ -1183,11 +1186,12 @@ size_t dynamic_shared_limit(const void* kernel, const Arch* arch) {
 
 // fork(): the child runs only the forking thread, so every other worker's chunk (the pool's helpers', other
 // launching threads') is a dead copy there: the child unmaps them and frees their entries, or a chain of forks that
-// each launch would fill the registry (kMaxChunks) a few entries per generation. Every mutex of the runtime is held
-// across the fork, so the child never inherits one locked by a thread it does not have (a fork waits for a launch
-// running on another thread). Order: launch, state, attr, name, chunk — the only nesting elsewhere is launch ->
-// chunk (a launch's first fibers), and none is taken while a later one is held. Registered when the library loads:
-// enter() / exit() take the state mutex before any launch.
+// each launch would fill the registry (kMaxChunks) a few entries per generation. The runtime's process-wide mutexes
+// are held across the fork, so the child never inherits one locked by a thread it does not have (a fork waits for a
+// launch running on another thread). Order: launch, state, attr, name, chunk — the only nesting elsewhere is launch
+// -> chunk (a launch's first fibers), and none is taken while a later one is held. Not held: the pool's own mutex
+// (the child makes a new Pool and never touches the old one) and a Job's (it lives inside a launch, which the launch
+// mutex excludes). Registered when the library loads: enter() / exit() take the state mutex before any launch.
 void before_fork() {
   g_launch_mutex.lock();
   g_state_mutex.lock();

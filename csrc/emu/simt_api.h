@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -144,10 +145,17 @@ void launch(const char* kernel_name, const void* kernel, const LaunchConfig& cfg
 const char* pretty_kernel_name(const char* pretty_function);  // interns the name (see kernel_name)
 
 // "rms_norm_kernel<float, float>" from the compiler's spelling of the template argument K.
+// (an atomic, not a function-local static: a static's initialisation guard, taken by another thread when a fork
+// lands, would stay taken in the child; two threads racing here intern the name twice, which is harmless)
 template <auto K>
 const char* kernel_name() {
-  static const char* const name = pretty_kernel_name(__PRETTY_FUNCTION__);
-  return name;
+  static std::atomic<const char*> name{nullptr};  // constant-initialised: no guard
+  const char* n = name.load(std::memory_order_acquire);
+  if (!n) {
+    n = pretty_kernel_name(__PRETTY_FUNCTION__);
+    name.store(n, std::memory_order_release);
+  }
+  return n;
 }
 
 template <class... P>
