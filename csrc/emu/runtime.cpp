@@ -1093,7 +1093,9 @@ void run_blocks(Job& job) noexcept {
 class Pool {
  public:
   static Pool& get() {
-    static Pool* pool = new Pool;  // never destroyed: workers may outlive static destruction
+    // never destroyed: workers may outlive static destruction (its initialisation guard is taken only under the
+    // launch mutex, which a fork holds: no fork lands while another thread holds the guard)
+    static Pool* pool = new Pool;
     if (pool->pid_ != getpid()) pool = new Pool;  // after fork() the workers are gone
     return *pool;
   }

@@ -145,8 +145,9 @@ void launch(const char* kernel_name, const void* kernel, const LaunchConfig& cfg
 const char* pretty_kernel_name(const char* pretty_function);  // interns the name (see kernel_name)
 
 // "rms_norm_kernel<float, float>" from the compiler's spelling of the template argument K.
-// (an atomic, not a function-local static: a static's initialisation guard, taken by another thread when a fork
-// lands, would stay taken in the child; two threads racing here intern the name twice, which is harmless)
+// (a constant-initialised atomic, which has no guard, not a dynamically initialised static: that static's
+// initialisation guard, taken by another thread when a fork lands, would stay taken in the child; two threads racing
+// here intern the name twice, which is harmless)
 template <auto K>
 const char* kernel_name() {
   static std::atomic<const char*> name{nullptr};  // constant-initialised: no guard
