@@ -64,11 +64,12 @@ with open(spec["report"], "w") as f:
 '''
 
 
-def supported_levels() -> list[str]:
-    """The kernel levels this CPU runs of generic, avx2 and avx512 (``amx`` is the exact profile's own), by
-    csrc/cpu/cpu_dispatch.cpp's rule (avx2: AVX2 + FMA; avx512: F/BW/VL/DQ); forcing another one makes
-    ``import aligned_ops`` refuse by name. Machines of this project's kind include AVX2-only CPUs (AMD Zen 3), so a
-    cross-level test compares the levels there are, and none is assumed."""
+def supported_levels(*, amx: bool = False) -> list[str]:
+    """The kernel levels this CPU runs of generic, avx2 and avx512 — and with ``amx=True`` the amx level too (the
+    exact profile's AMX-INT8 kernels; the fma kernels there are avx512's) — by csrc/cpu/cpu_dispatch.cpp's rule (avx2:
+    AVX2 + FMA; avx512: F/BW/VL/DQ; amx: avx512 and amx_int8, which the kernel must also grant); forcing another one
+    makes ``import aligned_ops`` refuse by name. Machines of this project's kind include AVX2-only CPUs (AMD Zen 3),
+    so a cross-level test compares the levels there are, and none is assumed."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # pragma: no cover (not Linux)
@@ -78,6 +79,8 @@ def supported_levels() -> list[str]:
         levels.append("avx2")
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         levels.append("avx512")
+        if amx and "amx_int8" in flags:
+            levels.append("amx")
     return levels
 
 

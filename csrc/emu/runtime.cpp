@@ -1226,7 +1226,6 @@ void after_fork_child() {
 
 const bool g_fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0;
 
-
 }  // namespace
 
 unsigned char* dynamic_shared_memory() {

@@ -177,17 +177,9 @@ ISA_SCRIPT = textwrap.dedent(
 
 
 def _isa_levels():
-    import aligned_ops  # noqa: F401
+    from _isa_matrix import supported_levels
 
-    levels = ["generic"]
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx2 " in flags:
-        levels.append("avx2")
-    if " avx512f " in flags:
-        levels.append("avx512")
-    if " amx_int8 " in flags:
-        levels.append("amx")
-    return levels
+    return supported_levels(amx=True)
 
 
 ISA_FAMILIES = {"linear_exact": ISA_SCRIPT}  # run once per level for the whole run by tests/_isa_matrix.py

@@ -203,13 +203,10 @@ ISA_FAMILIES = {"linear_exact_tp": _ISA_SCRIPT}  # run once per level for the wh
 
 @pytest.mark.slow
 def test_partials_identical_on_every_isa_level(isa_matrix):
-    import os
+    from _isa_matrix import supported_levels
 
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    levels = ["generic"] + [lvl for lvl, f in (("avx2", " avx2 "), ("avx512", " avx512f "), ("amx", " amx_int8 "))
-                            if f in flags]
     res = {}
-    for lvl in levels:
+    for lvl in supported_levels(amx=True):
         res[lvl] = torch.load(isa_matrix.run(lvl, "linear_exact_tp").path)
     assert res["generic"]["unit"] == "generic"
     for lvl, r in res.items():
