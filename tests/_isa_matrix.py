@@ -67,9 +67,11 @@ with open(spec["report"], "w") as f:
 def supported_levels(*, amx: bool = False) -> list[str]:
     """The kernel levels this CPU runs of generic, avx2 and avx512 — and with ``amx=True`` the amx level too (the
     exact profile's AMX-INT8 kernels; the fma kernels there are avx512's) — by csrc/cpu/cpu_dispatch.cpp's rule (avx2:
-    AVX2 + FMA; avx512: F/BW/VL/DQ; amx: avx512 and amx_int8, which the kernel must also grant); forcing another one
-    makes ``import aligned_ops`` refuse by name. Machines of this project's kind include AVX2-only CPUs (AMD Zen 3),
-    so a cross-level test compares the levels there are, and none is assumed."""
+    AVX2 + FMA; avx512: F/BW/VL/DQ; amx: avx512 and amx_int8 — the Linux kernel's grant of the AMX tiles, which the
+    dispatcher also needs, is not checked here: where it is refused the amx worker's import fails by name, as with
+    the cpuinfo copies this replaced); forcing another level makes ``import aligned_ops`` refuse by name. Machines of
+    this project's kind include AVX2-only CPUs (AMD Zen 3), so a cross-level test compares the levels there are, and
+    none is assumed."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # pragma: no cover (not Linux)
