@@ -75,10 +75,8 @@ def mma_model_reasons(dtype, device: str = "cpu") -> list[str]:
     (``aligned_ops.profiles.MMA.model_refusals``: the start-up refusals of the trainer patch, the vLLM plugin and
     ``aligned-ops verify``). Under ``aligned_ops.emulate`` the CPU tensors run the emulated GPU's kernels and its
     modelled unit, so the CPU's own unit is not needed there (outside the scope, the op itself refuses by name)."""
-    if device == "cpu" and _emulation.active() is None:
-        reasons = [] if mma_unit() is not None else [MMA_REFUSAL]
-    elif device == "cpu":
-        reasons = []
+    if device == "cpu":
+        reasons = [MMA_REFUSAL] if _emulation.active() is None and mma_unit() is None else []
     else:
         refusal = gpu_refusal(device)
         reasons = [] if refusal is None else [refusal]
