@@ -104,9 +104,8 @@ def report(path: str, total_cpu: float | None = None, wall: float | None = None)
           f"({vllm_cpu / max(vllm_n, 1):.1f} s each on average)")
     print(f"\n| CPU s | share | processes | of them importing vllm | kind |\n|---:|---:|---:|---:|---|")
     for name, (cpu, n, nv) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-        if cpu < 1.0:
-            continue
-        print(f"| {cpu:.0f} | {100 * cpu / recorded:.1f} % | {n} | {nv} | {name} |")
+        print(f"| {cpu:.0f} | {100 * cpu / max(recorded, 1e-9):.1f} % | {n} | {nv} | {name} |" if cpu >= 1 else
+              f"| {cpu:.2f} | {100 * cpu / max(recorded, 1e-9):.1f} % | {n} | {nv} | {name} |")
 
 
 def main() -> None:
