@@ -3,11 +3,20 @@ on 2 cores is bound by CPU, not by waiting, so the number to cut is CPU seconds,
 `-n 2` says little: it grows with whatever the other worker runs, and the background jobs' CPU shows up in the test
 that happens to reap them).
 
-Every Python process the command starts (pytest and its xdist workers, vLLM engines and their TP workers, CLI runs,
-torch.distributed ranks, ISA-level workers) appends one record at exit — its argv, its own user + system CPU, its
-wall time and whether it imported vllm / torch / transformers — through a ``sitecustomize`` put first on
-PYTHONPATH. A process killed by SIGKILL writes nothing (vLLM's TP workers are sent SIGTERM first, which is caught;
-the record count and the command's own CPU total, from ``os.wait4``, say how much is unaccounted).
+A ``sitecustomize`` put first on PYTHONPATH makes each Python process the command starts append one record when it
+exits (atexit, or SIGTERM): its interpreter command line (``sys.orig_argv``: ``sys.argv`` is rewritten by spawned
+children and by tests/_shared_process.py), its multiprocessing name (vLLM's TP workers are ``VllmWorker-N``), its own
+user + system CPU, its wall time, and whether it imported vllm / torch / transformers. The table sums the records by
+kind, and compares them with the command's total: the CPU of the command and every descendant that was waited for
+(``RUSAGE_CHILDREN`` once the command is reaped).
+
+Not recorded (their CPU is in the total, not in a row): processes killed by SIGKILL, ended by ``os._exit`` (fork
+children, some workers), or whose SIGTERM handler was replaced before the signal (vLLM's engine core); children
+started with an environment without this PYTHONPATH, or with ``-I`` / ``-E`` / ``-S``; and non-Python processes
+(compilers, Ray's daemons). What the tool changes: a process that has not installed a SIGTERM handler of its own
+gets one that records and then dies of SIGTERM as before (exit status -15). Such a process's
+``signal.getsignal(SIGTERM)`` returns that handler, not SIG_DFL, and a SIGTERM that arrives while its main thread
+runs native code takes effect only when the code returns to Python.
 
     python3 bench/suite_cpu.py [--out records.jsonl] -- python3 -m pytest -q -n 2
     python3 bench/suite_cpu.py --report records.jsonl        # the table again, from saved records
@@ -31,12 +40,19 @@ SITECUSTOMIZE = r'''
 import atexit, json, os, resource, signal, sys, time
 _t0 = time.time()
 _path = os.environ.get("ALIGNED_SUITE_CPU_RECORDS")
+_done = []
 def _record(*_):
-    if not _path:
+    if not _path or _done:  # once: SIGTERM during the atexit write must not write a second record
         return
+    _done.append(1)
     r = resource.getrusage(resource.RUSAGE_SELF)
     mods = sys.modules
-    rec = dict(pid=os.getpid(), ppid=os.getppid(), argv=" ".join(getattr(sys, "argv", []))[:400],
+    mp = mods.get("multiprocessing")
+    rec = dict(pid=os.getpid(), ppid=os.getppid(),
+               # the interpreter's own command line (sys.argv may be rewritten: a spawned child gets its parent's,
+               # tests/_shared_process.py sets each job's); the multiprocessing name tells spawned children apart
+               orig_argv=" ".join(getattr(sys, "orig_argv", []))[:400], argv=" ".join(getattr(sys, "argv", []))[:400],
+               mp_name=mp.current_process().name if mp is not None else "MainProcess",
                cpu=r.ru_utime + r.ru_stime, wall=time.time() - _t0,
                vllm="vllm" in mods, torch="torch" in mods, transformers="transformers" in mods)
     try:
@@ -54,42 +70,54 @@ if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
 '''
 
 
-def _is_pytest_main(argv: str) -> bool:
-    first = argv.split(" ")[0]
-    return first.endswith(os.path.join("pytest", "__main__.py")) or os.path.basename(first) in ("pytest", "py.test")
+_INTERPRETER_FLAGS_WITH_VALUE = {"-X", "-W", "--check-hash-based-pycs"}
 
 
-def kind(rec: dict, by_pid: dict) -> str:
-    """A short name for what a process was, from its argv (and, for spawned children, its parent's)."""
-    argv = rec["argv"]
-    parent = by_pid.get(rec["ppid"])
-    if _is_pytest_main(argv):
-        return "pytest"
-    if argv.startswith("-c") and parent is not None and _is_pytest_main(parent["argv"]):
-        return "pytest-xdist worker (in-process tests)"  # execnet starts each worker as `python -c`
-    if argv.startswith("-c"):
-        if rec["vllm"] and parent is not None and parent["vllm"]:
+def _command(argv: str) -> tuple[str, str, list[str]]:
+    """``(how, what, rest)`` of an interpreter command line: ``("-m", module, args)``, ``("-c", code, args)`` or
+    ``("script", path, args)``."""
+    words = argv.split(" ")[1:]  # after the interpreter
+    i = 0
+    while i < len(words) and words[i].startswith("-") and words[i] not in ("-m", "-c"):
+        i += 2 if words[i] in _INTERPRETER_FLAGS_WITH_VALUE else 1
+    if i >= len(words):
+        return "script", "", []
+    if words[i] in ("-m", "-c"):
+        return words[i], (words[i + 1] if i + 1 < len(words) else ""), words[i + 2:]
+    return "script", words[i], words[i + 1:]
+
+
+def kind(rec: dict) -> str:
+    """A short name for what a process was, from the interpreter's own command line (``sys.orig_argv``) and its
+    multiprocessing name."""
+    argv = rec.get("orig_argv") or "python " + rec["argv"]  # records without orig_argv: sys.argv has no interpreter
+    how, what, rest = _command(argv)
+    engine = " (imports vllm)" if rec["vllm"] else ""
+    name = rec.get("mp_name", "MainProcess")
+    if "--multiprocessing-fork" in argv or name != "MainProcess":
+        if name.startswith("VllmWorker"):
             return "vLLM TP worker (spawned by an engine)"
-        m = re.search(r"isa_matrix\d*/(\w+)/", argv)
-        if m:
-            return f"ISA-level worker ({m.group(1)})"
-        return "other `python -c` child" + (" (imports vllm)" if rec["vllm"] else "")
-    script = os.path.basename(argv.split(" ")[0])
-    if script == "cli.py":
-        words = argv.split(" ")
-        sub = words[1] if len(words) > 1 else "?"
-        role = " (engine)" if rec["vllm"] else ""
-        return f"aligned-ops {sub}{role}"
-    return script + (" (imports vllm)" if rec["vllm"] else "")
+        return f"multiprocessing child {re.sub(r'[-_]?[0-9]+$', '', name)}{engine}"
+    if how == "-m" and what == "pytest":
+        return "pytest (main process)"
+    if how == "-c" and "sys.stdin.readline" in argv:
+        return "pytest-xdist worker (in-process tests)"  # execnet starts each worker as `python -c` reading stdin
+    if how == "-m" and what == "aligned_ops.apps.cli" or how == "script" and what.endswith("apps/cli.py"):
+        return f"aligned-ops {rest[0] if rest else '?'}" + (" (engine)" if rec["vllm"] else "")
+    if how == "-c":
+        m = re.search(r"isa_matrix\d*/(\w+)/", rec["argv"])  # the spec path (orig_argv is cut inside the code)
+        return f"ISA-level worker ({m.group(1)})" if m else f"other `python -c`{engine}"
+    if how == "-m":
+        return f"-m {what}{engine}"
+    return (os.path.basename(what) or "`python` (code on stdin)") + engine
 
 
 def report(path: str, total_cpu: float | None = None, wall: float | None = None) -> None:
     with open(path) as f:
         recs = [json.loads(line) for line in f if line.strip()]
-    by_pid = {r["pid"]: r for r in recs}
     groups = collections.defaultdict(lambda: [0.0, 0, 0])
     for r in recs:
-        g = groups[kind(r, by_pid)]
+        g = groups[kind(r)]
         g[0] += r["cpu"]
         g[1] += 1
         g[2] += r["vllm"]
@@ -97,8 +125,8 @@ def report(path: str, total_cpu: float | None = None, wall: float | None = None)
     vllm_n = sum(r["vllm"] for r in recs)
     vllm_cpu = sum(r["cpu"] for r in recs if r["vllm"])
     print(f"{len(recs)} Python processes recorded, {recorded:.0f} CPU s"
-          + (f" of the command's {total_cpu:.0f} CPU s (the rest: processes killed before they could record, "
-             f"non-Python children)" if total_cpu is not None else "")
+          + (f" of the command's {total_cpu:.0f} CPU s (the rest: processes that could not record, see the "
+             f"docstring)" if total_cpu is not None else "")
           + (f"; wall {wall:.0f} s" if wall is not None else ""))
     print(f"processes that imported vllm: {vllm_n}, {vllm_cpu:.0f} CPU s "
           f"({vllm_cpu / max(vllm_n, 1):.1f} s each on average)")
@@ -115,6 +143,8 @@ def main() -> None:
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     args = ap.parse_args()
     if args.report:
+        if args.command:
+            ap.error("--report prints saved records: give no command")
         report(args.report)
         return
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -138,7 +168,8 @@ def main() -> None:
     total = children.ru_utime + children.ru_stime
     print(f"\ncommand exit status {os.waitstatus_to_exitcode(status)}; records: {out}")
     report(out, total_cpu=total, wall=wall)
-    sys.exit(os.waitstatus_to_exitcode(status))
+    code = os.waitstatus_to_exitcode(status)
+    sys.exit(code if code >= 0 else 128 - code)  # killed by a signal: the shell's convention
 
 
 if __name__ == "__main__":
