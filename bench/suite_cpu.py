@@ -10,10 +10,11 @@ user + system CPU, its wall time, and whether it imported vllm / torch / transfo
 kind, and compares them with the command's total: the CPU of the command and every descendant that was waited for
 (``RUSAGE_CHILDREN`` once the command is reaped).
 
-Not recorded (their CPU is in the total, not in a row): processes killed by SIGKILL, ended by ``os._exit`` (fork
-children, some workers), or whose SIGTERM handler was replaced before the signal (vLLM's engine core); children
-started with an environment without this PYTHONPATH, or with ``-I`` / ``-E`` / ``-S``; and non-Python processes
-(compilers, Ray's daemons). What the tool changes: a process that has not installed a SIGTERM handler of its own
+Not recorded (their CPU is in the total when a parent reaped them, never in a row): processes killed by SIGKILL,
+ended by ``os._exit`` (fork children, some workers), or whose SIGTERM handler was replaced before the signal
+(vLLM's engine core); children started with an environment without this PYTHONPATH or without
+ALIGNED_SUITE_CPU_RECORDS, or with ``-I`` / ``-E`` / ``-S``; and non-Python processes (compilers, Ray's C++
+daemons). What the tool changes: a process that has not installed a SIGTERM handler of its own
 gets one that records and then dies of SIGTERM as before (exit status -15). Such a process's
 ``signal.getsignal(SIGTERM)`` returns that handler, not SIG_DFL, and a SIGTERM that arrives while its main thread
 runs native code takes effect only when the code returns to Python.
@@ -21,7 +22,8 @@ runs native code takes effect only when the code returns to Python.
     python3 bench/suite_cpu.py [--out records.jsonl] -- python3 -m pytest -q -n 2
     python3 bench/suite_cpu.py --report records.jsonl        # the table again, from saved records
 
-(A sitecustomize of your own on PYTHONPATH is shadowed for the run.)
+(Any other sitecustomize — on PYTHONPATH, in site-packages or the standard library's directory — is shadowed for
+the run.)
 """
 
 from __future__ import annotations
@@ -55,11 +57,16 @@ def _record(*_):
                mp_name=mp.current_process().name if mp is not None else "MainProcess",
                cpu=r.ru_utime + r.ru_stime, wall=time.time() - _t0,
                vllm="vllm" in mods, torch="torch" in mods, transformers="transformers" in mods)
+    # one short write per process (appends from many processes do not interleave), SIGTERM held off meanwhile: a
+    # record is written whole or not at all, and a SIGTERM that arrives during it is taken right after
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        with open(_path, "a") as f:  # one short write per process: appends from many processes do not interleave
+        with open(_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
     except OSError:
         pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 atexit.register(_record)
 def _on_term(signum, frame):  # record, then die of SIGTERM as before (a handler installed later replaces this one)
     _record()
@@ -78,13 +85,15 @@ def _command(argv: str) -> tuple[str, str, list[str]]:
     ``("script", path, args)``."""
     words = argv.split(" ")[1:]  # after the interpreter
     i = 0
-    while i < len(words) and words[i].startswith("-") and words[i] not in ("-m", "-c"):
+    while i < len(words) and words[i].startswith("-") and words[i] != "-" and words[i][:2] not in ("-m", "-c"):
         i += 2 if words[i] in _INTERPRETER_FLAGS_WITH_VALUE else 1
     if i >= len(words):
         return "script", "", []
-    if words[i] in ("-m", "-c"):
+    if words[i][:2] in ("-m", "-c"):  # `-m mod` or `-mmod`
+        if len(words[i]) > 2:
+            return words[i][:2], words[i][2:], words[i + 1:]
         return words[i], (words[i + 1] if i + 1 < len(words) else ""), words[i + 2:]
-    return "script", words[i], words[i + 1:]
+    return "script", words[i], words[i + 1:]  # (a script "-" reads stdin)
 
 
 def kind(rec: dict) -> str:
@@ -102,14 +111,15 @@ def kind(rec: dict) -> str:
         return "pytest (main process)"
     if how == "-c" and "sys.stdin.readline" in argv:
         return "pytest-xdist worker (in-process tests)"  # execnet starts each worker as `python -c` reading stdin
-    if how == "-m" and what == "aligned_ops.apps.cli" or how == "script" and what.endswith("apps/cli.py"):
+    if how == "-m" and what == "aligned_ops.apps.cli" or how == "script" and (what.endswith("apps/cli.py")
+                                                                              or os.path.basename(what) == "aligned-ops"):
         return f"aligned-ops {rest[0] if rest else '?'}" + (" (engine)" if rec["vllm"] else "")
     if how == "-c":
         m = re.search(r"isa_matrix\d*/(\w+)/", rec["argv"])  # the spec path (orig_argv is cut inside the code)
         return f"ISA-level worker ({m.group(1)})" if m else f"other `python -c`{engine}"
     if how == "-m":
         return f"-m {what}{engine}"
-    return (os.path.basename(what) or "`python` (code on stdin)") + engine
+    return ("`python` (code on stdin)" if what in ("", "-") else os.path.basename(what)) + engine
 
 
 def report(path: str, total_cpu: float | None = None, wall: float | None = None) -> None:

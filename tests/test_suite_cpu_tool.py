@@ -47,7 +47,8 @@ def test_every_process_records_its_cpu_and_the_table_sums_them(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.endswith("| other `python -c` |")]
     assert len(rows) == 1, proc.stdout
     cpu, share, n, n_vllm = (c.strip() for c in rows[0].strip("|").split("|")[:4])
-    assert (n, n_vllm, share) == ("3", "0", "100.0 %") and abs(float(cpu) - total) < 0.01, (rows[0], total)
+    tol = 0.5 if total >= 1 else 0.005  # the table rounds a row to whole seconds from 1 s up (slow start-ups: ASan)
+    assert (n, n_vllm, share) == ("3", "0", "100.0 %") and abs(float(cpu) - total) <= tol, (rows[0], total)
     m = re.search(r"3 Python processes recorded, (\S+) CPU s of the command's (\S+) CPU s", proc.stdout)
     assert m and float(m.group(2)) >= float(m.group(1)) - 0.5, proc.stdout
 
