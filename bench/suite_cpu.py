@@ -33,6 +33,7 @@ import collections
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -142,8 +143,8 @@ def report(path: str, total_cpu: float | None = None, wall: float | None = None)
           f"({vllm_cpu / max(vllm_n, 1):.1f} s each on average)")
     print(f"\n| CPU s | share | processes | of them importing vllm | kind |\n|---:|---:|---:|---:|---|")
     for name, (cpu, n, nv) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-        print(f"| {cpu:.0f} | {100 * cpu / max(recorded, 1e-9):.1f} % | {n} | {nv} | {name} |" if cpu >= 1 else
-              f"| {cpu:.2f} | {100 * cpu / max(recorded, 1e-9):.1f} % | {n} | {nv} | {name} |")
+        cpu_s = f"{cpu:.0f}" if cpu >= 1 else f"{cpu:.2f}"
+        print(f"| {cpu_s} | {100 * cpu / max(recorded, 1e-9):.1f} % | {n} | {nv} | {name} |")
 
 
 def main() -> None:
@@ -172,13 +173,11 @@ def main() -> None:
     _, status, _ = os.wait4(proc.pid, 0)
     wall = time.time() - t0
     # the command and every descendant that was waited for: RUSAGE_CHILDREN of this process, once wait4 reaped it
-    import resource
-
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = children.ru_utime + children.ru_stime
-    print(f"\ncommand exit status {os.waitstatus_to_exitcode(status)}; records: {out}")
-    report(out, total_cpu=total, wall=wall)
     code = os.waitstatus_to_exitcode(status)
+    print(f"\ncommand exit status {code}; records: {out}")
+    report(out, total_cpu=total, wall=wall)
     sys.exit(code if code >= 0 else 128 - code)  # killed by a signal: the shell's convention
 
 
