@@ -45,7 +45,6 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CORPUS = HERE / "op_bits.json"
-CPU_LEVELS = ("generic", "avx2", "avx512")
 EMULATED = ("sm_90", "gfx942")
 THREADS = 4  # > the rows of the few-row cases: the CPU's split-row paths run (results never depend on it)
 # Negative control: ALIGNED_OP_BITS_PLANT=<entry> flips one bit of that entry's output before it is hashed.
@@ -579,17 +578,14 @@ def _level_of_this_process() -> str:
 
 
 def available_levels() -> list[str]:
-    """The CPU levels this machine runs (each forced by ALIGNED_CPU_ISA in its own process)."""
-    levels = ["generic"]
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:  # pragma: no cover
-        return levels
-    if " avx2 " in flags and " fma " in flags:
-        levels.append("avx2")
-    if all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        levels.append("avx512")
-    return levels
+    """The CPU levels this machine runs (each forced by ALIGNED_CPU_ISA in its own process): tests/_isa_matrix.py's
+    supported_levels(), where the dispatcher's rule is written once (tests/ joins sys.path here as under pytest's
+    conftest: this file also runs as a script, from tests/golden)."""
+    if str(HERE.parent) not in sys.path:
+        sys.path.insert(0, str(HERE.parent))
+    from _isa_matrix import supported_levels
+
+    return supported_levels()
 
 
 def configs_of(level: str, emulated=EMULATED) -> list[str]:
