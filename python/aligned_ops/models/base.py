@@ -93,6 +93,18 @@ def config_attention_biases(config) -> tuple[bool, bool]:
     return b, b
 
 
+def check_head_dim_is_derived(config, where: str, name: str) -> None:
+    """Refuses a ``head_dim`` other than ``hidden_size // num_attention_heads`` for an architecture whose vLLM
+    attention derives the head size and ignores ``config.head_dim`` (Qwen2, Qwen2-MoE), while HF's reads it: the
+    two would run different models (found loading a Qwen2 with head_dim 64 at hidden 128 / 4 heads: 0 % bitwise)."""
+    head_dim = getattr(config, "head_dim", None)
+    derived = config.hidden_size // config.num_attention_heads
+    if head_dim is not None and head_dim != derived:
+        raise ValueError(f"aligned_ops ({where}): {name} with head_dim {head_dim} (not hidden_size // "
+                         f"num_attention_heads = {derived}) is not supported: vLLM's {name} attention ignores "
+                         f"config.head_dim, HF's reads it")
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str                               # config.architectures[0], e.g. "Qwen2ForCausalLM"

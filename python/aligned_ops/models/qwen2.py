@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import decoder
-from .base import Architecture
+from .base import Architecture, check_head_dim_is_derived
 
 
 def attention_biases(config) -> tuple[bool, bool]:
@@ -13,6 +13,7 @@ def attention_biases(config) -> tuple[bool, bool]:
 def check_config(config, where: str) -> None:
     if getattr(config, "qk_norm", False):  # vLLM's Qwen2 honours it (BAGEL-style checkpoints); HF's Qwen2 does not
         raise ValueError(f"aligned_ops ({where}): Qwen2 with qk_norm (a vLLM-only variant) is not supported")
+    check_head_dim_is_derived(config, where, "Qwen2")
 
 
 ARCHITECTURE = Architecture(

