@@ -38,7 +38,9 @@
 
 #include <stdint.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -347,12 +349,24 @@ inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq
   return "";
 }
 
-// KV-cache write: every slot in [-1, n_slots). "" when valid.
+// KV-cache write: every slot in [-1, n_slots) (-1: a padding token, not written), and no slot twice: two tokens
+// written to one slot would leave whichever write lands last, which depends on the thread count and the run (the
+// cache would no longer be a function of the tokens). "" when valid. O(T log T): a sorted copy of the slots.
 inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots, const char* op) {
-  for (int64_t t = 0; t < T; ++t)
+  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, token)
+  written.reserve(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
     if (slots[t] < -1 || slots[t] >= n_slots)
       return plan_detail::prefix(op) + "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slots[t]) +
              " is out of range [-1, " + std::to_string(n_slots) + ")";
+    if (slots[t] >= 0) written.emplace_back(slots[t], t);
+  }
+  std::sort(written.begin(), written.end());
+  for (size_t i = 1; i < written.size(); ++i)
+    if (written[i].first == written[i - 1].first)
+      return plan_detail::prefix(op) + "slot_mapping[" + std::to_string(written[i - 1].second) + "] and slot_mapping[" +
+             std::to_string(written[i].second) + "] are both " + std::to_string(written[i].first) +
+             ": two tokens cannot be written to one cache slot";
   return "";
 }
 

@@ -167,11 +167,39 @@ def instantiations(root: pathlib.Path) -> list[tuple[str, ...]]:
     return out
 
 
+# register_autograd.cpp registers the backend-independent autograd keys (and only those) of the ops whose schemas
+# write into an argument (Tensor(a!)): its op list must be exactly those schemas.
+AUTOGRAD_KEYS = {"ADInplaceOrView", "Autograd"}
+
+
+def writing_schemas(root: pathlib.Path) -> set[str]:
+    """The ops whose schema writes into an argument (a `Tensor(x!)`)."""
+    text = code_of((root / "torch" / "bindings.cpp").read_text(), keep_strings=True).replace('"\n      "', "")
+    return {m.group(1) for m in re.finditer(r'm\.def\(\s*"(\w+)\(([^"]*)"', text) if "!)" in m.group(2)}
+
+
+def autograd_registrations(root: pathlib.Path) -> list[str]:
+    """register_autograd.cpp: only the autograd keys, for exactly the writing ops."""
+    path = root / "torch" / "register_autograd.cpp"
+    if not path.exists():
+        return [f"{path.relative_to(root)} is missing (the writing ops' autograd keys)"]
+    code = code_of(path.read_text(), keep_strings=True)
+    found = [f"{path.relative_to(root)}: TORCH_LIBRARY_IMPL({k}) (only {sorted(AUTOGRAD_KEYS)} belong there)"
+             for k in re.findall(r"TORCH_LIBRARY_IMPL\s*\(\s*aligned\s*,\s*(\w+)", code) if k not in AUTOGRAD_KEYS]
+    listed = re.search(r"kWritingOps\[\]\s*=\s*\{([^}]*)\}", code)
+    ops = set(re.findall(r'"(\w+)"', listed.group(1))) if listed else set()
+    want = writing_schemas(root)
+    found += [f"writing op {op} has no autograd kernels in register_autograd.cpp" for op in sorted(want - ops)]
+    found += [f"register_autograd.cpp lists {op}, which writes into no argument" for op in sorted(ops - want)]
+    return found
+
+
 def stray_registrations(root: pathlib.Path) -> list[str]:
     """Operator registrations outside the registration files: a TORCH_LIBRARY_IMPL for a dispatch key other than
-    CatchAll, or an `.impl("op"` of a schema that is not a catch-all control op."""
+    CatchAll, or an `.impl("op"` of a schema that is not a catch-all control op. (register_autograd.cpp: checked by
+    autograd_registrations.)"""
     allowed = {root / "torch" / "register_cpu.cpp", root / "torch" / "register_cuda.cpp",
-               root / "torch" / "registration_impl.h"}
+               root / "torch" / "registration_impl.h", root / "torch" / "register_autograd.cpp"}
     found = []
     for path in sources(root):
         if path in allowed:
@@ -224,6 +252,7 @@ def problems(root: pathlib.Path) -> list[str]:
             if len(defs) != 1:
                 out.append(f"{name}: glue body {body} is defined {len(defs)} times {defs}")
     out += stray_registrations(root)
+    out += autograd_registrations(root)
     cpu, cuda = registrations(root, "cpu"), registrations(root, "cuda")
     lines = set(cpu) | set(cuda)
     inst = instantiations(root)
@@ -317,6 +346,24 @@ def test_planted_backend_registration_is_caught(planted_root):
     assert "torch/backends/cpu_extra.cpp: TORCH_LIBRARY_IMPL(CPU)" in found
     assert "torch/backends/cpu_extra.cpp: impl(rms_norm)" in found
     assert not any("impl(_cpu_isa)" in p for p in found)
+
+
+def test_writing_ops_have_their_autograd_keys():
+    """Every op that writes into an argument has the autograd kernels (version bump, grad refusal): the current
+    list, and controls: a new writing schema without them, a listed op that writes nothing, another key there."""
+    assert writing_schemas(CSRC) == {"reshape_and_cache", "mla_reshape_and_cache", "attention_plan"}
+    assert autograd_registrations(CSRC) == []
+
+
+def test_planted_writing_op_without_autograd_keys_is_caught(planted_root):
+    _edit(planted_root / "torch" / "bindings.cpp", 'm.def("silu_and_mul(Tensor x) -> Tensor");',
+          'm.def("silu_and_mul(Tensor x) -> Tensor");\n  m.def("fill_cache(Tensor(a!) cache) -> ()");')
+    assert "writing op fill_cache has no autograd kernels in register_autograd.cpp" in problems(planted_root)
+    _edit(planted_root / "torch" / "register_autograd.cpp", '"attention_plan"}', '"attention_plan", "rms_norm"}')
+    assert "register_autograd.cpp lists rms_norm, which writes into no argument" in problems(planted_root)
+    _edit(planted_root / "torch" / "register_autograd.cpp", "TORCH_LIBRARY_IMPL(aligned, Autograd, m)",
+          "TORCH_LIBRARY_IMPL(aligned, CPU, m)")
+    assert any("TORCH_LIBRARY_IMPL(CPU) (only" in p for p in problems(planted_root))
 
 
 def test_planted_included_cpp_is_caught(planted_root):

@@ -368,8 +368,13 @@ def test_bad_inputs_name_op_and_argument():
         ops.moe_grouped_routing(z, torch.zeros(7), 2, 4, 2, True, 1.0)
     with pytest.raises(RuntimeError, match=op + "router_logits must be 2-D"):
         ops.moe_grouped_routing(z[0], b, 2, 4, 2, True, 1.0)
-    with pytest.raises(RuntimeError, match=op + "routed_scaling_factor must be finite"):
-        ops.moe_grouped_routing(z, b, 2, 4, 2, True, float("inf"))
+    # the factor is applied in fp32: what fp32 holds only as inf or 0 (or not > 0) is refused, forward and backward
+    for bad in (float("inf"), float("nan"), 1e39, 3.5e38, 1e-50, 1e-40, 0.0, -2.5):
+        with pytest.raises(RuntimeError, match=op + "routed_scaling_factor must be > 0 and a normal float32 value"):
+            ops.moe_grouped_routing(z, b, 2, 4, 2, True, bad)
+        with pytest.raises(RuntimeError, match="aligned::moe_grouped_routing_backward: routed_scaling_factor must be"):
+            ops.moe_grouped_routing_backward(torch.ones(4, 2), None, z, torch.zeros(4, 2, dtype=torch.long), True, bad)
+    ops.moe_grouped_routing(z, b, 2, 4, 2, True, 3e38)  # the largest kind that fp32 holds: accepted
     with pytest.raises(RuntimeError, match="aligned::moe_grouped_routing_backward: topk_ids must lie in \\[0, 8\\)"):
         ops.moe_grouped_routing_backward(torch.ones(4, 2), None, z, torch.full((4, 2), 8), True, 1.0)
     # Positive control: the same call with valid arguments runs.

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -149,9 +150,18 @@ ExpertsLinear check_experts_linear_profile(c10::string_view profile, DTypeEnum d
   return ExpertsLinear::kMma;
 }
 
+// routed_scaling_factor of moe_grouped_routing and its backward. The kernels multiply by its fp32 rounding: 1e39
+// would become inf, 1e-50 zero (every weight inf / 0, silently), so what fp32 cannot hold as a positive normal
+// number is refused.
+inline void check_routed_scaling_factor(double scale, const char* op) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0 && std::isnormal(static_cast<float>(scale)), "aligned::", op,
+              ": routed_scaling_factor must be > 0 and a normal float32 value (the weights are scaled in fp32: [",
+              std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(), "]), got ", scale);
+}
+
 // moe_grouped_routing: router_logits [T, E] (any float dtype), correction_bias fp32 [E] (optional),
 // E % n_group == 0, topk_group in [1, n_group], top_k in [1, topk_group * E / n_group] (the experts of the kept
-// groups), a finite routed_scaling_factor. Returns router_logits' dtype.
+// groups), a routed_scaling_factor > 0 that fp32 holds as a normal number. Returns router_logits' dtype.
 template <class DTypeEnum>
 DTypeEnum check_moe_grouped_routing(const at::Tensor& z, const std::optional<at::Tensor>& bias, int64_t top_k,
                                     int64_t n_group, int64_t topk_group, double scale, const char* op) {
@@ -166,7 +176,7 @@ DTypeEnum check_moe_grouped_routing(const at::Tensor& z, const std::optional<at:
   TORCH_CHECK(top_k >= 1 && top_k <= avail, "aligned::", op, ": top_k must be in [1, ", avail,
               "] (the experts in the kept groups: topk_group ", topk_group, " x ", E / n_group,
               " experts per group), got ", top_k);
-  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": routed_scaling_factor must be finite, got ", scale);
+  check_routed_scaling_factor(scale, op);
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat, "aligned::", op,
                 ": correction_bias must be float32 (a rounded bias changes the routing), got ", bias->scalar_type());

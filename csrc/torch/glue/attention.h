@@ -96,9 +96,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_run(
   return {r.dq, r.dk, r.dv};
 }
 
-// The slot mapping of a cache write into a cache of n_slots rows (both cache writes): host metadata is
-// range-checked here, by the planner's rule; a slot mapping on the op's device is not read by the host (the kernel
-// skips any slot outside the cache). Returns it contiguous.
+// The slot mapping of a cache write into a cache of n_slots rows (both cache writes): host metadata is checked here,
+// by the planner's rule (check_slots: in range, no slot twice); a slot mapping on the op's device is not read by the
+// host (the kernel skips any slot outside the cache; a repeated slot there is the caller's: vLLM's never repeats).
+// Returns it contiguous.
 template <class Call>
 at::Tensor cache_slots(const Call& call, const at::Tensor& slot_mapping, int64_t n_slots, const char* op) {
   const bool host_slots = slot_mapping.device().is_cpu();

@@ -109,7 +109,7 @@ at::Tensor moe_grouped_routing_backward(const at::Tensor& grad_w, const std::opt
   const char* op = "moe_grouped_routing_backward";
   const typename B::Call call(op, logits, "router_logits");
   const auto [dt, t] = moe_detail::routing_backward_tensors<B>(call, grad_w, grad_scores, logits, ids);
-  TORCH_CHECK(std::isfinite(scale), "aligned::", op, ": routed_scaling_factor must be finite, got ", scale);
+  check_routed_scaling_factor(scale, op);
   B::moe_grouped_routing_backward(call, make_moe_grouped_routing_params(dt, t, {}, t.ids.size(1), 1, 1, renormalize,
                                                                         scale));
   return t.dz;

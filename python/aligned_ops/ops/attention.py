@@ -230,7 +230,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Writes k/v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at slot_mapping (int64;
-    slot = block * block_size + offset; -1 skips the token). In place; returns None."""
+    slot = block * block_size + offset; -1 skips the token). In place (the caches' version counters are bumped);
+    returns None. A host slot_mapping is checked: every slot in [-1, num_blocks * block_size) and no slot twice
+    (which write landed last would depend on the thread count); a device one is not read by the host."""
     ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
 

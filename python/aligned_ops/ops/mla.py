@@ -154,7 +154,8 @@ def mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale,
 def mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping):
     """Writes each token's latent row [kv_c (kv_lora_rank) || k_pe (rope_dim)] into the latent cache
     kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim] (vLLM's MLA layout, one row per token: no K/V
-    pair, no heads) at slot_mapping (int64; slot = block * block_size + offset; -1 skips). In place; None."""
+    pair, no heads) at slot_mapping (int64; slot = block * block_size + offset; -1 skips). In place (version bumped);
+    None. A host slot_mapping is checked as reshape_and_cache's: in range, no slot twice."""
     ops.mla_reshape_and_cache(kv_c, k_pe, kv_cache, slot_mapping)
 
 
