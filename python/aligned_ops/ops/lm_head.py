@@ -240,6 +240,6 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     per-token fp32 tensor ``[T]``. ``token_chunk`` rows (forward, d hidden) and ``vocab_chunk`` vocabulary rows
     (d weight) per tile; 0 picks tiles of about 48 MiB (``DEFAULT_TILE_BYTES``). Chunk sizes never change a bit
     (module docstring)."""
-    t, ts = _temperature_args(temperature, hidden.shape[0])
+    t, ts = _temperature_args(_OP, temperature, hidden)
     lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
     return lp

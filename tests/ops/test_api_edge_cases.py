@@ -1,0 +1,131 @@
+"""Edge cases of the public API found by a probe: each either crashed with an error that named neither the op nor the
+argument, ran silently wrong, or failed under torch.compile(fullgraph=True). Grouped by item; every group has a
+positive control (a valid call that runs). Bits are compared through integer views (aligned_ops.testing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aligned_ops
+from aligned_ops.testing import assert_bitwise_equal
+
+ops = torch.ops.aligned
+
+
+# ---- 1. a 0-d tensor temperature under torch.compile(fullgraph=True) ------------------------------------------------
+# It was read with float(tensor): a SymFloat under Dynamo, which the ops' `float temperature` argument refuses. It is
+# now the per-row temperatures expanded to the rows; the kernels read temps[row] where they read the scalar.
+
+
+def _logits(T=5, V=97, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(T, V, generator=g) * 4).to(dtype)
+    return z, torch.randint(0, V, (T,), generator=g), torch.randn(T, V, generator=g)
+
+
+def _logits_fn(name, ids):
+    if name == "token_logprobs":
+        return lambda z, t: aligned_ops.token_logprobs(z, ids, t)
+    return lambda z, t: getattr(aligned_ops, name)(z, t)
+
+
+def _forward_backward(fn, leaves, t, gw):
+    leaves = [x.clone().requires_grad_(True) for x in leaves]
+    y = fn(*leaves, t)
+    (y * gw.flatten()[: y.numel()].reshape(y.shape)).sum().backward()
+    return [y.detach()] + [x.grad for x in leaves]
+
+
+def _assert_all_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert_bitwise_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_0d_temperature_per_row_path_equals_scalar_path_bitwise(dtype):
+    # What the fix relies on: the per-row temperatures (all equal) give the scalar temperature's bits, every op.
+    z, ids, gz = _logits(dtype=dtype)
+    T = z.shape[0]
+    for tau in (0.7, 1.0, 2.5e-3, 3.0):
+        t32 = float(torch.tensor(tau))  # the value a 0-d fp32 tensor holds
+        ts = torch.full((T,), t32)
+        g = gz[:, 0].contiguous()
+        for scalar, rows in [
+            (ops.token_logprobs(z, ids, t32, None), ops.token_logprobs(z, ids, 1.0, ts)),
+            (ops.log_softmax(z, t32, None), ops.log_softmax(z, 1.0, ts)),
+            (ops.logsumexp(z, t32, None), ops.logsumexp(z, 1.0, ts)),
+            (ops.token_logprobs_backward(g, z, ids, t32, None), ops.token_logprobs_backward(g, z, ids, 1.0, ts)),
+            (ops.logsumexp_backward(g, z, t32, None), ops.logsumexp_backward(g, z, 1.0, ts)),
+            (ops.log_softmax_backward(gz, z, t32, None), ops.log_softmax_backward(gz, z, 1.0, ts)),
+        ]:
+            assert_bitwise_equal(scalar, rows)
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "log_softmax", "logsumexp"])
+def test_0d_temperature_compiles_fullgraph_with_eager_bits(name):
+    z, ids, gw = _logits()
+    fn = _logits_fn(name, ids)
+    eager_float = _forward_backward(fn, [z], 0.7, gw)  # positive control: the documented float form
+    eager_0d = _forward_backward(fn, [z], torch.tensor(0.7), gw)
+    torch._dynamo.reset()
+    cf = torch.compile(fn, fullgraph=True)  # failed: "Expected a value of type 'float' ... found type 'SymFloat'"
+    compiled_0d = _forward_backward(cf, [z], torch.tensor(0.7), gw)
+    _assert_all_bitwise(eager_float, eager_0d)
+    _assert_all_bitwise(eager_float, compiled_0d)
+    # another value through the same compiled function: the temperature is an input, not a constant of the graph
+    _assert_all_bitwise(_forward_backward(fn, [z], 1.3, gw), _forward_backward(cf, [z], torch.tensor(1.3), gw))
+
+
+def test_0d_temperature_fused_token_logprobs_compiles_fullgraph_with_eager_bits():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 16, generator=g).to(torch.bfloat16)
+    w = (torch.randn(50, 16, generator=g) * 0.5).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (6,), generator=g)
+    gw = torch.randn(6, generator=g)
+
+    def fn(h, w, t):
+        return aligned_ops.fused_token_logprobs(h, w, ids, t, token_chunk=4, vocab_chunk=16)
+
+    eager_float = _forward_backward(fn, [h, w], 0.7, gw)
+    eager_0d = _forward_backward(fn, [h, w], torch.tensor(0.7), gw)
+    torch._dynamo.reset()
+    compiled_0d = _forward_backward(torch.compile(fn, fullgraph=True), [h, w], torch.tensor(0.7), gw)
+    _assert_all_bitwise(eager_float, eager_0d)
+    _assert_all_bitwise(eager_float, compiled_0d)
+    # and the unfused path at the float temperature (what the fused op promises)
+    unfused = _forward_backward(lambda h, w, t: aligned_ops.token_logprobs(aligned_ops.linear(h, w), ids, t), [h, w],
+                                0.7, gw)
+    _assert_all_bitwise(eager_float, unfused)
+
+
+# ---- 8. the Python-side temperature errors name the op and the argument -----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "log_softmax", "logsumexp", "fused_token_logprobs"])
+def test_temperature_errors_name_the_op_and_the_argument(name):
+    z, ids, _ = _logits(T=3, V=11, dtype=torch.float32)
+    if name == "fused_token_logprobs":
+        w = torch.randn(11, 11)
+        call = lambda t: aligned_ops.fused_token_logprobs(z, w, ids, t)  # noqa: E731
+    else:
+        call = lambda t: _logits_fn(name, ids)(z, t)  # noqa: E731
+    assert call(0.5).shape[0] == 3  # positive control
+    assert call(torch.tensor(0.5)).shape[0] == 3
+    for bad in (0.0, -1.0, float("nan"), float("inf"), torch.tensor(0.0), torch.tensor(-2.0)):
+        with pytest.raises(ValueError, match=rf"^aligned_ops\.{name}: temperature must be finite and > 0"):
+            call(bad)
+    for bad in (1e-50, 1e39, torch.tensor(1e-50, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=rf"^aligned_ops\.{name}: temperature .* not representable in float32"):
+            call(bad)
+    with pytest.raises(TypeError, match=rf"^aligned_ops\.{name}: temperature must be a float"):
+        call("hot")
+
+
+def test_0d_temperature_is_checked_with_no_rows():
+    # a 0-d tensor on no rows was not checked at all (the per-row check reads rows); a float always was
+    z = torch.empty(0, 7)
+    assert aligned_ops.logsumexp(z, torch.tensor(0.5)).shape == (0,)  # positive control
+    with pytest.raises(ValueError, match=r"^aligned_ops\.logsumexp: temperature must be finite and > 0"):
+        aligned_ops.logsumexp(z, torch.tensor(0.0))
