@@ -129,3 +129,26 @@ def test_0d_temperature_is_checked_with_no_rows():
     assert aligned_ops.logsumexp(z, torch.tensor(0.5)).shape == (0,)  # positive control
     with pytest.raises(ValueError, match=r"^aligned_ops\.logsumexp: temperature must be finite and > 0"):
         aligned_ops.logsumexp(z, torch.tensor(0.0))
+
+
+# ---- 9. fused_token_logprobs: errors name it, not its pieces (token_logprobs_pairs, linear) -----------------------
+
+
+def test_fused_token_logprobs_errors_name_the_fused_op():
+    g = torch.Generator().manual_seed(5)
+    h, w, ids = torch.randn(4, 8, generator=g), torch.randn(11, 8, generator=g), torch.tensor([0, 3, 10, 5])
+    assert aligned_ops.fused_token_logprobs(h, w, ids).shape == (4,)  # positive control
+    assert aligned_ops.fused_token_logprobs(h, w, ids.int(), torch.full((4,), 0.5)).shape == (4,)
+    op = r"^aligned::fused_token_logprobs: "
+    for bad_ids in (ids.float(), ids.short(), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=op + "token_ids must be int64 or int32"):
+            aligned_ops.fused_token_logprobs(h, w, bad_ids)
+    for dt in (torch.float64, torch.int32):
+        with pytest.raises(ValueError, match=op + "hidden must be float32, bfloat16 or float16"):
+            aligned_ops.fused_token_logprobs(h.to(dt), w.to(dt), ids)
+    for temps in (torch.tensor([1.0, 1.0, -1.0, 1.0]), torch.tensor([1.0, float("nan"), 1.0, 1.0]),
+                  torch.tensor([1.0, 1.0, 1.0, 1e-40])):
+        with pytest.raises(ValueError, match=op + "every temperature must be finite and > 0"):
+            aligned_ops.fused_token_logprobs(h, w, ids, temps)
+    with pytest.raises(ValueError, match=op + "temperature must be finite and > 0"):
+        ops.fused_token_logprobs(h, w, None, ids, 0.0, None, 0, 0)  # the op itself, not only the wrapper
