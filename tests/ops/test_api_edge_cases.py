@@ -152,3 +152,45 @@ def test_fused_token_logprobs_errors_name_the_fused_op():
             aligned_ops.fused_token_logprobs(h, w, ids, temps)
     with pytest.raises(ValueError, match=op + "temperature must be finite and > 0"):
         ops.fused_token_logprobs(h, w, None, ids, 0.0, None, 0, 0)  # the op itself, not only the wrapper
+
+
+# ---- 2. moe_layer: the router's experts must be w13's / w2's ------------------------------------------------------
+
+
+def _moe(E_router=4, E_w=4, H=8, I=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, H, generator=g)
+    router = torch.randn(E_router, H, generator=g)
+    return x, router, torch.randn(E_w, 2 * I, H, generator=g), torch.randn(E_w, H, I, generator=g)
+
+
+def test_moe_layer_router_experts_must_match_the_weights():
+    x, router, w13, w2 = _moe()
+    out, (logits, _, ids, _) = aligned_ops.moe_layer(x, router, w13, w2, 2, return_routing=True)  # positive control
+    assert out.shape == x.shape and logits.shape == (3, 4)
+    x, router, w13, w2 = _moe(E_router=5)
+    router[4] = -100 * x.sum(0) / x.sum(0).norm()  # no token picks expert 4: this ran, silently, with 5 vs 4
+    assert int(ops.moe_routing(ops.linear(x, router, None), 2, "softmax", True)[1].max()) < 4
+    msg = r"^aligned_ops\.moe_layer: router_weight has 5 experts \(rows\) but w13 has 4 and w2 4"
+    with pytest.raises(ValueError, match=msg):
+        aligned_ops.moe_layer(x, router, w13, w2, 2)
+    router[4] = 100 * x.sum(0).sign()  # every token picks it: was "moe_experts: topk_ids must lie in [0, 4)"
+    with pytest.raises(ValueError, match=msg):
+        aligned_ops.moe_layer(x, router, w13, w2, 2)
+    x, router, w13, w2 = _moe(E_router=3)  # fewer router rows: expert 3 never used
+    with pytest.raises(ValueError, match=r"router_weight has 3 experts \(rows\) but w13 has 4 and w2 4"):
+        aligned_ops.moe_layer(x, router, w13, w2, 2)
+    x, router, w13, w2 = _moe()
+    with pytest.raises(ValueError, match=r"^aligned_ops\.moe_layer: router_weight has 4 .* w13 has 4 and w2 5"):
+        aligned_ops.moe_layer(x, router, w13, torch.randn(5, 8, 3), 2)
+    with pytest.raises(ValueError, match=r"^aligned_ops\.moe_layer: router_weight must be 2-D"):
+        aligned_ops.moe_layer(x, router[None], w13, w2, 2)
+    with pytest.raises(ValueError, match=r"^aligned_ops\.moe_layer: router_weight must be \[4, 8\]"):
+        aligned_ops.moe_layer(x, router[:, :7], w13, w2, 2)
+    # the shared expert's shapes: moe_experts names them
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts: shared_w13 must be"):
+        aligned_ops.moe_layer(x, router, w13, w2, 2, shared_w13=torch.randn(6, 7), shared_w2=torch.randn(8, 3))
+    with pytest.raises(RuntimeError, match=r"aligned::moe_experts: shared_w2 must be \[8, 3\]"):
+        aligned_ops.moe_layer(x, router, w13, w2, 2, shared_w13=torch.randn(6, 8), shared_w2=torch.randn(8, 4))
+    assert aligned_ops.moe_layer(x, router, w13, w2, 2, shared_w13=torch.randn(6, 8),
+                                 shared_w2=torch.randn(8, 3)).shape == x.shape  # positive control, shared expert
