@@ -194,3 +194,37 @@ def test_moe_layer_router_experts_must_match_the_weights():
         aligned_ops.moe_layer(x, router, w13, w2, 2, shared_w13=torch.randn(6, 8), shared_w2=torch.randn(8, 4))
     assert aligned_ops.moe_layer(x, router, w13, w2, 2, shared_w13=torch.randn(6, 8),
                                  shared_w2=torch.randn(8, 3)).shape == x.shape  # positive control, shared expert
+
+
+# ---- 3. emulation scopes exited out of order ----------------------------------------------------------------------
+
+
+@pytest.mark.emulated
+def test_emulation_scopes_must_be_exited_innermost_first():
+    x, w = torch.randn(2, 32), torch.ones(32)
+    with aligned_ops.emulate("sm_90") as outer:  # positive control: nested `with` blocks
+        with aligned_ops.emulate("gfx942") as inner:
+            aligned_ops.rms_norm(x, w)
+        aligned_ops.rms_norm(x, w)
+    assert {launch.arch for launch in inner.launches} == {"gfx942"}
+    assert "sm_90" in {launch.arch for launch in outer.launches}  # (an outer scope also lists its inner's launches)
+
+    a, b = aligned_ops.emulate("sm_90"), aligned_ops.emulate("gfx942")
+    a.__enter__()
+    b.__enter__()
+    try:
+        # was accepted: the runtime left gfx942 (its innermost) and kept running sm_90 with only gfx942 open
+        with pytest.raises(RuntimeError, match=r"^aligned_ops\.emulate: scopes must be exited innermost first: this "
+                                               r"sm_90 scope .* still active \(gfx942\)"):
+            a.__exit__(None, None, None)
+        assert aligned_ops.emulation.active() is b  # nothing changed: gfx942 still runs
+        aligned_ops.rms_norm(x, w)
+    finally:
+        b.__exit__(None, None, None)
+        a.__exit__(None, None, None)
+    assert b.launches and {launch.arch for launch in b.launches} == {"gfx942"}
+    assert "sm_90" not in {launch.arch for launch in a.launches}  # the op ran while only gfx942 was innermost
+    assert aligned_ops.emulation.active() is None
+    with pytest.raises(RuntimeError, match=r"^aligned_ops\.emulate: this sm_90 scope is not active"):
+        a.__exit__(None, None, None)  # exited twice: would have ended whatever scope was open
+    assert aligned_ops.emulation.active() is None
