@@ -228,3 +228,24 @@ def test_emulation_scopes_must_be_exited_innermost_first():
     with pytest.raises(RuntimeError, match=r"^aligned_ops\.emulate: this sm_90 scope is not active"):
         a.__exit__(None, None, None)  # exited twice: would have ended whatever scope was open
     assert aligned_ops.emulation.active() is None
+
+
+# ---- 4. linear_lane_bounds / linear_tp_slices: K must be a non-negative integer -----------------------------------
+
+
+def test_lane_bounds_and_tp_slices_refuse_negative_k():
+    assert aligned_ops.linear_lane_bounds(16) == [(2 * i, 2 * i + 2) for i in range(8)]  # positive controls
+    assert aligned_ops.linear_lane_bounds(0) == [(0, 0)] * 8
+    assert aligned_ops.linear_tp_slices(16, 2) == [(0, 8), (8, 16)]
+    assert aligned_ops.linear_lane_bounds(torch.tensor(16).item()) == aligned_ops.linear_lane_bounds(16)
+    for K in (-5, -1):  # returned negative ranges
+        with pytest.raises(ValueError, match=rf"^aligned_ops\.linear_lane_bounds: K \(input features\) must be >= 0, "
+                                             rf"got {K}"):
+            aligned_ops.linear_lane_bounds(K)
+    with pytest.raises(ValueError, match=r"^aligned_ops\.linear_tp_slices: K \(input features\) must be >= 0, got -8"):
+        aligned_ops.linear_tp_slices(-8, 2)
+    for bad in (8.0, "8", None):
+        with pytest.raises(TypeError, match=r"^aligned_ops\.linear_lane_bounds: K \(input features\) must be an int"):
+            aligned_ops.linear_lane_bounds(bad)
+        with pytest.raises(TypeError, match=r"^aligned_ops\.linear_tp_slices: K \(input features\) must be an int"):
+            aligned_ops.linear_tp_slices(bad, 2)
