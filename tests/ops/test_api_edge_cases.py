@@ -249,3 +249,44 @@ def test_lane_bounds_and_tp_slices_refuse_negative_k():
             aligned_ops.linear_lane_bounds(bad)
         with pytest.raises(TypeError, match=r"^aligned_ops\.linear_tp_slices: K \(input features\) must be an int"):
             aligned_ops.linear_tp_slices(bad, 2)
+
+
+# ---- 5. paged attention with neither the metadata nor a plan ------------------------------------------------------
+
+
+def _one_sequence(T=3, H=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, 1, D, generator=g), torch.randn(T, 1, D, generator=g)
+    meta = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+            torch.tensor([0, T], dtype=torch.int32))
+    return q, k, v, meta
+
+
+def test_paged_attention_without_metadata_or_plan_names_what_is_missing():
+    q, k, v, (bt, sl, qsl) = _one_sequence()
+    kc, vc = torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)
+    aligned_ops.reshape_and_cache(k, v, kc, vc, torch.arange(3))
+    out = aligned_ops.paged_attention(q, kc, vc, bt, sl, qsl)  # positive control: attention_varlen's bits
+    assert_bitwise_equal(out, aligned_ops.attention_varlen(q, k, v, qsl, qsl)[0])
+    op = r"^aligned_ops\.paged_attention: "
+    with pytest.raises(ValueError, match=op + r"block_table, seq_lens, query_start_loc missing: pass .* or plan="):
+        aligned_ops.paged_attention(q, kc, vc)  # was "RuntimeError: tensor does not have a device"
+    with pytest.raises(ValueError, match=op + r"seq_lens, query_start_loc missing"):
+        aligned_ops.paged_attention(q, kc, vc, bt)
+    with pytest.raises(ValueError, match=op + r"query_start_loc missing"):
+        aligned_ops.paged_attention(q, kc, vc, bt, sl)
+
+
+def test_mla_paged_attention_without_metadata_or_plan_names_what_is_missing():
+    R, D = 6, 8
+    q, _, _, (bt, sl, qsl) = _one_sequence(D=D, seed=1)
+    kv = torch.randn(3, D, generator=torch.Generator().manual_seed(2))
+    cache = torch.zeros(1, 4, D)
+    aligned_ops.mla_reshape_and_cache(kv[:, :R].contiguous(), kv[:, R:].contiguous(), cache, torch.arange(3))
+    out = aligned_ops.mla_paged_attention(q, cache, bt, sl, qsl, kv_lora_rank=R, scale=0.3)  # positive control
+    assert_bitwise_equal(out, aligned_ops.mla_attention_varlen(q, kv, qsl, qsl, R, 0.3)[0])
+    op = r"^aligned_ops\.mla_paged_attention: "
+    with pytest.raises(ValueError, match=op + r"block_table, seq_lens, query_start_loc missing: pass .* or plan="):
+        aligned_ops.mla_paged_attention(q, cache, kv_lora_rank=R, scale=0.3)
+    with pytest.raises(ValueError, match=op + r"query_start_loc missing"):
+        aligned_ops.mla_paged_attention(q, cache, bt, sl, kv_lora_rank=R, scale=0.3)

@@ -234,6 +234,16 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _check_paged_metadata(op, block_table, seq_lens, query_start_loc):
+    """Without a plan the paged ops read the batch from these three; a missing one reached the op as None (torch:
+    "tensor does not have a device")."""
+    missing = [name for name, t in (("block_table", block_table), ("seq_lens", seq_lens),
+                                    ("query_start_loc", query_start_loc)) if t is None]
+    if missing:
+        raise ValueError(f"aligned_ops.{op}: {', '.join(missing)} missing: pass block_table, seq_lens and "
+                         "query_start_loc, or plan= (an AttentionPlan made by plan_paged)")
+
+
 def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_start_loc=None, scale=None,
                     plan=None, profile="fma"):
     """Causal attention of the new tokens of several sequences over a paged KV cache (which must already hold
@@ -249,6 +259,7 @@ def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_
     if plan is not None:
         return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.info,
                                            plan.workspace_floats, float(scale), profile)
+    _check_paged_metadata("paged_attention", block_table, seq_lens, query_start_loc)
     return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), profile)
 
 

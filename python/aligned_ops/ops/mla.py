@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _check_host_or_same, _check_same_device
+from .attention import _check_host_or_same, _check_paged_metadata, _check_same_device
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -174,6 +174,7 @@ def mla_paged_attention(q, kv_cache, block_table=None, seq_lens=None, query_star
     if plan is not None:
         return ops.mla_paged_attention_planned(q, kv_cache, plan.plan, plan.table, plan.info, plan.workspace_floats,
                                                int(kv_lora_rank), scale)
+    _check_paged_metadata("mla_paged_attention", block_table, seq_lens, query_start_loc)
     return ops.mla_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, int(kv_lora_rank), scale)
 
 
