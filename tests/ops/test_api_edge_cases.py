@@ -290,3 +290,31 @@ def test_mla_paged_attention_without_metadata_or_plan_names_what_is_missing():
         aligned_ops.mla_paged_attention(q, cache, kv_lora_rank=R, scale=0.3)
     with pytest.raises(ValueError, match=op + r"query_start_loc missing"):
         aligned_ops.mla_paged_attention(q, cache, bt, sl, kv_lora_rank=R, scale=0.3)
+
+
+# ---- 6. check_device_errors() with its default device on a CPU-only torch -----------------------------------------
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is CUDA where torch has one")
+
+
+@cpu_only
+def test_check_device_errors_default_returns_at_once_on_cpu_only_torch():
+    aligned_ops.check_device_errors("cpu")  # positive control: the CPU backend, explicitly
+    aligned_ops.check_device_errors(torch.zeros(1))
+    aligned_ops.check_device_errors()  # was "AssertionError: Torch not compiled with CUDA enabled"
+    with pytest.raises(RuntimeError, match=r"^aligned_ops\.check_device_errors: device 'cuda' is not available"):
+        aligned_ops.check_device_errors("cuda")
+    with pytest.raises(ValueError, match=r"^aligned_ops\.check_device_errors: device must be a device"):
+        aligned_ops.check_device_errors("bogus")
+
+
+@cpu_only
+@pytest.mark.emulated
+def test_check_device_errors_default_reads_the_emulated_words():
+    logits = torch.randn(3, 37)
+    with aligned_ops.emulate("sm_90"):
+        aligned_ops.check_device_errors()  # clean before
+        ops.log_softmax(logits, 1.0, torch.tensor([1.0, 0.0, 0.7]))  # a bad value: reported by the kernel
+        with pytest.raises(RuntimeError, match="every temperature must be finite and > 0"):
+            aligned_ops.check_device_errors()
+        aligned_ops.check_device_errors()  # reading cleared the words
