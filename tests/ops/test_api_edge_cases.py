@@ -318,3 +318,31 @@ def test_check_device_errors_default_reads_the_emulated_words():
         with pytest.raises(RuntimeError, match="every temperature must be finite and > 0"):
             aligned_ops.check_device_errors()
         aligned_ops.check_device_errors()  # reading cleared the words
+
+
+# ---- 7. AttentionPlan's sizes and device --------------------------------------------------------------------------
+
+
+def test_attention_plan_sizes_are_checked_by_name():
+    plan = aligned_ops.AttentionPlan(4, 4, 64)  # positive controls
+    assert (plan.capacity, plan.table_capacity, plan.workspace_floats) == (4, 4, 64)
+    assert aligned_ops.AttentionPlan().capacity == 1
+    q, k, v, (_, _, cu) = _one_sequence()
+    planned = aligned_ops.AttentionPlan(0).plan_varlen(cu, cu, 2, 1, 8)  # grows to fit
+    assert_bitwise_equal(aligned_ops.attention_varlen(q, k, v, cu, cu, plan=planned)[0],
+                         aligned_ops.attention_varlen(q, k, v, cu, cu)[0])
+    rng = r"must be an integer in \[0, \d+\], got "
+    # was AttributeError: 'NoneType' object has no attribute 'zero_' / "zeros: Dimension size must be non-negative"
+    for kw, got in ((dict(capacity=-5), "-5"), (dict(capacity=2**62), str(2**62)), (dict(table_capacity=-1), "-1"),
+                    (dict(workspace_floats=-3), "-3"), (dict(workspace_floats=2**62), str(2**62))):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"^aligned_ops\.AttentionPlan: {name} {rng}{got}$"):
+            aligned_ops.AttentionPlan(**kw)
+    for bad in (2.5, "4", True, None):
+        with pytest.raises(TypeError, match=rf"^aligned_ops\.AttentionPlan: capacity {rng}"):
+            aligned_ops.AttentionPlan(capacity=bad)
+    with pytest.raises(ValueError, match=rf"^aligned_ops\.AttentionPlan\.ensure: capacity {rng}-1$"):
+        plan.ensure(-1)
+    assert plan.capacity == 4  # unchanged
+    with pytest.raises(ValueError, match=r"^aligned_ops\.AttentionPlan: device must be a device"):
+        aligned_ops.AttentionPlan(device="bogus")
