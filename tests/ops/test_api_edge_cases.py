@@ -346,3 +346,24 @@ def test_attention_plan_sizes_are_checked_by_name():
     assert plan.capacity == 4  # unchanged
     with pytest.raises(ValueError, match=r"^aligned_ops\.AttentionPlan: device must be a device"):
         aligned_ops.AttentionPlan(device="bogus")
+
+
+# ---- 9. the public function composing inner ops checks its own arguments first ------------------------------------
+
+
+def test_linear_exact_errors_name_linear_exact_and_the_argument():
+    g = torch.Generator().manual_seed(9)
+    x, w, b = torch.randn(2, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(5, generator=g)
+    assert_bitwise_equal(aligned_ops.linear_exact(x, w, b), ops.linear_exact(x, w, b))  # positive controls
+    assert aligned_ops.linear_exact(x[0], w).shape == (5,)
+    op = r"^aligned_ops\.linear_exact: "
+    with pytest.raises(ValueError, match=op + r"x must have at least one dimension"):
+        aligned_ops.linear_exact(torch.tensor(1.0), w)  # was "x has 0 input features"
+    for bad in (torch.randn(4), torch.randn(5).double(), torch.randn(1, 5), torch.tensor(1.0)):
+        # was "aligned::linear_exact_packed: bias must be ..."
+        with pytest.raises(ValueError, match=op + r"bias must be \[5\] \(weight's out_features\) with x's dtype"):
+            aligned_ops.linear_exact(x, w, bad)
+    aligned_ops.cache_exact_weights(w)  # the cached (packed) route checks the same
+    assert_bitwise_equal(aligned_ops.linear_exact(x, w, b), ops.linear_exact(x, w, b))
+    with pytest.raises(ValueError, match=op + r"bias must be \[5\]"):
+        aligned_ops.linear_exact(x, w, torch.randn(4))
