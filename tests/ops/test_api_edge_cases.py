@@ -367,3 +367,24 @@ def test_linear_exact_errors_name_linear_exact_and_the_argument():
     assert_bitwise_equal(aligned_ops.linear_exact(x, w, b), ops.linear_exact(x, w, b))
     with pytest.raises(ValueError, match=op + r"bias must be \[5\]"):
         aligned_ops.linear_exact(x, w, torch.randn(4))
+
+
+def test_mla_absorbed_weights_errors_name_it_and_the_argument():
+    H, dn, dv, R = 3, 4, 5, 6
+    kv_b = torch.randn(H * (dn + dv), R)
+    absorbed = aligned_ops.mla_absorbed_weights(kv_b, H, dn, dv)  # positive control
+    assert absorbed.w_uk_t.shape == (H, R, dn) and absorbed.w_uv.shape == (H, dv, R)
+    op = r"^aligned_ops\.mla_absorbed_weights: "
+    # (-3) * (-4 + -5) = 27 = the weight's rows: the shape check passed, torch's view failed
+    with pytest.raises(ValueError, match=op + r"num_heads must be >= 1, got -3"):
+        aligned_ops.mla_absorbed_weights(kv_b, -3, -4, -5)
+    with pytest.raises(ValueError, match=op + r"qk_nope_head_dim must be >= 1, got 0"):
+        aligned_ops.mla_absorbed_weights(kv_b, H, 0, dn + dv)
+    with pytest.raises(ValueError, match=op + r"v_head_dim must be >= 1, got -1"):
+        aligned_ops.mla_absorbed_weights(kv_b, H, dn, -1)
+    with pytest.raises(TypeError, match=op + r"num_heads must be an integer >= 1, got 3.5"):
+        aligned_ops.mla_absorbed_weights(kv_b, 3.5, dn, dv)
+    with pytest.raises(ValueError, match=op + r"kv_b_proj weight must be \[num_heads \* \(qk_nope_head_dim"):
+        aligned_ops.mla_absorbed_weights(kv_b, 2, dn, dv)
+    with pytest.raises(ValueError, match=r"^aligned_ops\.MlaAbsorbedWeights: num_heads must be >= 1"):
+        aligned_ops.ops.mla.MlaAbsorbedWeights(kv_b, -3, -4, -5)
