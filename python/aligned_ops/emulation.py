@@ -140,9 +140,19 @@ class Emulation:
         return self
 
     def __exit__(self, *exc) -> None:
+        # The runtime's scopes are a stack (csrc/emu: exit() leaves the innermost): leaving this one while a scope
+        # entered after it is open would end THAT one's arch and keep running this one's, attributed to the other.
+        # Refused, with nothing changed: exit the inner scopes first.
+        if not self._active:
+            raise RuntimeError(f"aligned_ops.emulate: this {self.arch} scope is not active (exited twice, or never "
+                               "entered)")
+        if _ACTIVE[-1] is not self:
+            inner = ", ".join(e.arch for e in _ACTIVE[_ACTIVE.index(self) + 1 :])
+            raise RuntimeError(f"aligned_ops.emulate: scopes must be exited innermost first: this {self.arch} scope "
+                               f"was exited while scope(s) entered after it are still active ({inner}); exit those "
+                               "first")
         self._active = False
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        _ACTIVE.pop()
         if self.schedule is not None:
             if self._saved_schedule is None:
                 os.environ.pop(SCHEDULE_ENV, None)

@@ -569,7 +569,7 @@ def test_absorbed_weights_cached_per_version_and_refit_invalidates():
     with torch.inference_mode():
         inf = kv_b(H, dn, dv, R, torch.float32, 49)
         assert bitwise_equal(aligned_ops.mla_absorbed_weights(inf, H, dn, dv).w_uv, fresh_uv(inf))
-    with pytest.raises(ValueError, match=r"aligned_ops.MlaAbsorbedWeights: kv_b_proj weight must be"):
+    with pytest.raises(ValueError, match=r"aligned_ops.mla_absorbed_weights: kv_b_proj weight must be"):
         aligned_ops.mla_absorbed_weights(w, 3, dn, dv)
 
 

@@ -17,6 +17,8 @@ The CPU refuses ``"mma"`` attention (its mma profile covers linear, the LM head 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 ops = torch.ops.aligned
@@ -236,6 +238,16 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _check_paged_metadata(op, block_table, seq_lens, query_start_loc):
+    """Without a plan the paged ops read the batch from these three; a missing one reached the op as None (torch:
+    "tensor does not have a device")."""
+    missing = [name for name, t in (("block_table", block_table), ("seq_lens", seq_lens),
+                                    ("query_start_loc", query_start_loc)) if t is None]
+    if missing:
+        raise ValueError(f"aligned_ops.{op}: {', '.join(missing)} missing: pass block_table, seq_lens and "
+                         "query_start_loc, or plan= (an AttentionPlan made by plan_paged)")
+
+
 def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_start_loc=None, scale=None,
                     plan=None, profile="fma"):
     """Causal attention of the new tokens of several sequences over a paged KV cache (which must already hold
@@ -251,6 +263,7 @@ def paged_attention(q, k_cache, v_cache, block_table=None, seq_lens=None, query_
     if plan is not None:
         return ops.paged_attention_planned(q, k_cache, v_cache, plan.plan, plan.table, plan.info,
                                            plan.workspace_floats, float(scale), profile)
+    _check_paged_metadata("paged_attention", block_table, seq_lens, query_start_loc)
     return ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), profile)
 
 
@@ -275,18 +288,61 @@ class AttentionPlan:
     (:func:`attention_plan_size`); never grow while a CUDA graph that uses them is captured or replayed (size them
     for the largest batch before capture). Until planned, a run refuses the plan."""
 
+    # Each buffer at most 2**62 bytes (far beyond any memory; torch's byte counts and the plan's int64 offsets
+    # cannot overflow): the allowed ranges of the sizes, checked by name (a negative capacity left the buffers
+    # unallocated, 2**62 overflowed the layout's row count).
+    _MAX_BYTES = 1 << 62
+
+    _LIMITS: dict | None = None
+
+    @staticmethod
+    def _limits():
+        if AttentionPlan._LIMITS is None:
+            rows0, cols, _ = ops.attention_plan_layout(0)  # rows = rows0 + 2 * capacity, int64
+            AttentionPlan._LIMITS = {"capacity": (AttentionPlan._MAX_BYTES // (8 * cols) - rows0) // 2,
+                                     "table_capacity": AttentionPlan._MAX_BYTES // 4,  # int32 entries
+                                     "workspace_floats": AttentionPlan._MAX_BYTES // 4}
+        return AttentionPlan._LIMITS
+
+    @staticmethod
+    def _checked_sizes(where, **sizes):
+        limits = AttentionPlan._limits()
+        out = []
+        for name, v in sizes.items():
+            hi = limits[name]
+            try:
+                iv = None if isinstance(v, bool) else operator.index(v)
+            except TypeError:
+                iv = None
+            if iv is None or not 0 <= iv <= hi:
+                raise (TypeError if iv is None else ValueError)(
+                    f"aligned_ops.{where}: {name} must be an integer in [0, {hi}], got {v!r}")
+            out.append(iv)
+        return out
+
     def __init__(self, capacity=0, table_capacity=0, workspace_floats=0, device="cpu"):
-        self.device = torch.device(device)
+        capacity, table_capacity, workspace_floats = self._checked_sizes(
+            "AttentionPlan", capacity=capacity, table_capacity=table_capacity, workspace_floats=workspace_floats)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"aligned_ops.AttentionPlan: device must be a device or a device string, got "
+                             f"{device!r} ({e})") from None
         self.capacity = self.table_capacity = self.workspace_floats = -1
         self.info = None
         self.ensure(capacity, table_capacity, workspace_floats)
 
     def ensure(self, capacity, table_capacity=0, workspace_floats=0):
         """Reallocate (geometric growth) any buffer smaller than asked; returns self."""
-        def grow(have, need):
-            return have if need <= have else max(need, 2 * have, 1)
+        capacity, table_capacity, workspace_floats = self._checked_sizes(
+            "AttentionPlan.ensure", capacity=capacity, table_capacity=table_capacity,
+            workspace_floats=workspace_floats)
+        limits = self._limits()
 
-        c = grow(self.capacity, capacity)
+        def grow(have, need, name):
+            return have if need <= have else min(max(need, 2 * have, 1), limits[name])
+
+        c = grow(self.capacity, capacity, "capacity")
         if c != self.capacity:
             rows, cols, info_len = ops.attention_plan_layout(c)
             self.plan = torch.zeros((rows, cols), dtype=torch.int64, device=self.device)
@@ -295,12 +351,12 @@ class AttentionPlan:
             else:
                 self.info.zero_()  # the buffer that held the plan is gone
             self.capacity = c
-        t = grow(self.table_capacity, table_capacity)
+        t = grow(self.table_capacity, table_capacity, "table_capacity")
         if t != self.table_capacity:
             self.table = torch.zeros((t,), dtype=torch.int32, device=self.device)
             self.table_capacity = t
             self.info.zero_()
-        self.workspace_floats = grow(self.workspace_floats, workspace_floats)
+        self.workspace_floats = grow(self.workspace_floats, workspace_floats, "workspace_floats")
         return self
 
     def plan_varlen(self, cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, head_dim, causal=True, grow=True):

@@ -31,12 +31,26 @@ def _(like):
     return like.new_empty((len(DEVICE_ERRORS),), dtype=torch.int32)
 
 
-def check_device_errors(device="cuda") -> None:
+def check_device_errors(device=None) -> None:
     """Raise ``RuntimeError`` if a GPU op met a bad input value since the last check (and clear the words).
 
-    ``device``: a device, device string or a tensor on it. On the CPU backend every value is checked at the call
-    (this returns at once); under ``aligned_ops.emulate`` it reads the emulated GPU glue's words."""
-    like = device if isinstance(device, torch.Tensor) else torch.empty(0, device=device)
+    ``device``: a device, device string or a tensor on it; default: the current CUDA / ROCm device where torch has
+    one, else the CPU. On the CPU backend every value is checked at the call (this returns at once); under
+    ``aligned_ops.emulate`` (CPU tensors) it reads the emulated GPU glue's words."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, torch.Tensor):
+        like = device
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"aligned_ops.check_device_errors: device must be a device, a device string or a "
+                             f"tensor, got {device!r} ({e})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"aligned_ops.check_device_errors: device {str(dev)!r} is not available (this torch "
+                               "has no CUDA / ROCm device); the CPU backend checks every value at the call")
+        like = torch.empty(0, device=dev)
     flags = ops._device_error_flags(like)
     seen = flags.to("cpu", copy=True)  # the one host read, outside the hot path
     if bool(seen.any()):

@@ -17,6 +17,8 @@ compute exactly ``tree_combine``.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ._registry import ops, register_linear_autograd, register_no_backward
@@ -27,8 +29,21 @@ LINEAR_LANES = 8
 _LANES = (1, 2, 4, 8)
 
 
+def _check_features(op: str, K) -> int:
+    """K (input features) as an int >= 0, or an error naming ``op`` and K."""
+    if isinstance(K, bool) or not isinstance(K, int):
+        try:
+            K = operator.index(K)  # numpy / torch integer scalars
+        except TypeError:
+            raise TypeError(f"aligned_ops.{op}: K (input features) must be an integer, got {K!r}") from None
+    if K < 0:
+        raise ValueError(f"aligned_ops.{op}: K (input features) must be >= 0, got {K}")
+    return K
+
+
 def linear_lane_bounds(K: int, lanes: int = LINEAR_LANES) -> list[tuple[int, int]]:
     """The ``[k0, k1)`` of each lane when K is cut into ``lanes`` lanes (floor rule of contract.h)."""
+    K = _check_features("linear_lane_bounds", K)
     if lanes not in _LANES:
         raise ValueError(f"aligned_ops.linear_lane_bounds: lanes must be 1, 2, 4 or 8, got {lanes}")
     return [((l * K) // lanes, ((l + 1) * K) // lanes) for l in range(lanes)]
@@ -41,6 +56,7 @@ def linear_tp_slices(K: int, t: int) -> list[tuple[int, int]]:
     calls ``linear_partial(..., lanes=8 // t)`` on it, which cuts the LOCAL K by the floor rule. That local cut
     reproduces the global lanes for every t when ``K % 8 == 0``; otherwise only for some (K, t) — for the rest
     this raises ValueError, because no split into whole lanes exists that linear_partial would see as such."""
+    K = _check_features("linear_tp_slices", K)
     if t not in _LANES:
         raise ValueError(f"aligned_ops.linear_tp_slices: t (TP degree) must be 1, 2, 4 or 8, got {t}")
     glob = linear_lane_bounds(K)

@@ -418,12 +418,25 @@ class _LinearExactCached(torch.autograd.Function):
         return linear_grads(ctx, grad)
 
 
+def _check_args(x, weight, bias):
+    """What the ops would report under another op's name (the packed run's ``aligned::linear_exact_packed``) or
+    with a misleading cause (a 0-d x "has 0 input features"); the rest the op checks as ``aligned::linear_exact``."""
+    op = "aligned_ops.linear_exact"
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension ([..., in_features]), got a 0-d tensor")
+    if bias is not None and weight.dim() == 2 and (
+            bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.dtype != x.dtype):
+        raise ValueError(f"{op}: bias must be [{weight.shape[0]}] (weight's out_features) with x's dtype {x.dtype}, "
+                         f"got {list(bias.shape)} {bias.dtype}")
+
+
 def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` under the ``exact`` profile; the weight's packed digits are cached across calls
     for weights registered with :func:`cache_exact_weights` (see the cache's rules above), packed per call
     otherwise.
 
     Under torch.compile (or on a non-CPU device) the uncached op runs (it packs the weight each call)."""
+    _check_args(x, weight, bias)
     if torch.compiler.is_compiling() or x.device.type != "cpu" or not is_exact_weight_cacheable(weight):
         return ops.linear_exact(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_no_backward
-from .logits import _temperature_args
+from .logits import _FP32_MIN_NORMAL, _check_temperature, _temperature_args
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -81,6 +81,8 @@ def _check(hidden, weight, bias, token_ids, temperatures, token_chunk, vocab_chu
     op = f"aligned::{_OP}"
     if hidden.dim() != 2:
         raise ValueError(f"{op}: hidden must be 2-D [T, K], got shape {tuple(hidden.shape)}")
+    if hidden.dtype not in _DTYPES:
+        raise ValueError(f"{op}: hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"{op}: weight must be [V, {hidden.shape[1]}] (hidden's K), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -90,11 +92,28 @@ def _check(hidden, weight, bias, token_ids, temperatures, token_chunk, vocab_chu
                          f"{tuple(bias.shape)} {bias.dtype}")
     if token_ids.dim() != 1 or token_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"{op}: token_ids must be [{hidden.shape[0]}], got {tuple(token_ids.shape)}")
+    if token_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: token_ids must be int64 or int32, got {token_ids.dtype}")
     if temperatures is not None and (temperatures.dim() != 1 or temperatures.shape[0] != hidden.shape[0]):
         raise ValueError(f"{op}: temperatures must be [{hidden.shape[0]}], got {tuple(temperatures.shape)}")
     for name, c in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if c < 0:
             raise ValueError(f"{op}: {name} must be >= 0 (0 = automatic), got {c}")
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_temperature_values(temperature, temperatures):
+    """The values the pieces would otherwise refuse under their own names (the op's kernel reads its tensors on the
+    host: the token ids' range below, the per-row temperatures here)."""
+    op = f"aligned::{_OP}"
+    _check_temperature(op, temperature)
+    if temperatures is not None and temperatures.numel():
+        t32 = temperatures.to(torch.float32)
+        if not bool((t32.isfinite() & (t32 >= _FP32_MIN_NORMAL)).all()):
+            raise ValueError(f"{op}: every temperature must be finite and > 0, and a normal float32 value (>= "
+                             f"{_FP32_MIN_NORMAL}) after conversion to float32")
 
 
 def _ranges(n: int, chunk: int):
@@ -107,6 +126,7 @@ def _rows(t, a, b):
 
 def _forward_impl(hidden, weight, bias, token_ids, temperature=1.0, temperatures=None, token_chunk=0, vocab_chunk=0):
     _check(hidden, weight, bias, token_ids, temperatures, token_chunk, vocab_chunk)
+    _check_temperature_values(temperature, temperatures)
     T, V = hidden.shape[0], weight.shape[0]
     if T and not (0 <= int(token_ids.min()) and int(token_ids.max()) < V):
         raise ValueError(f"aligned::{_OP}: token_ids must lie in [0, {V}), got [{int(token_ids.min())}, "
@@ -240,6 +260,6 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     per-token fp32 tensor ``[T]``. ``token_chunk`` rows (forward, d hidden) and ``vocab_chunk`` vocabulary rows
     (d weight) per tile; 0 picks tiles of about 48 MiB (``DEFAULT_TILE_BYTES``). Chunk sizes never change a bit
     (module docstring)."""
-    t, ts = _temperature_args(temperature, hidden.shape[0])
+    t, ts = _temperature_args(_OP, temperature, hidden)
     lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
     return lp

@@ -117,25 +117,43 @@ for _name in ("_exp_f32", "_log_f32"):
 # ---- Python wrappers (documented entry points) -----------------------------------------------------------
 
 
-def _temperature_args(temperature, rows=None):
+def _temperature_args(op: str, temperature, logits: torch.Tensor):
+    """``(temperature float, temperatures tensor or None)`` for op ``aligned_ops.<op>`` on ``logits [T, V]``.
+
+    A 0-d tensor is passed as the per-row temperatures (its value expanded to the T rows, on the logits' device):
+    the kernels read ``temps[row]`` where they would read the scalar, so the bits are the scalar's (tested), and
+    no ``float(tensor)`` runs — which would sync on a GPU and, under torch.compile(fullgraph=True), hand the op a
+    SymFloat its ``float temperature`` argument cannot take. On the CPU in eager the value is checked here, as a
+    float's is; otherwise the op checks it (per row: ``every temperature must be ...``)."""
     if isinstance(temperature, torch.Tensor):
-        if temperature.dim() == 0:
-            if temperature.device.type != "cpu":  # float() would sync: pass it as per-row temperatures instead
-                return 1.0, temperature.reshape(1).expand(rows).contiguous()
-            return float(temperature), None
-        return 1.0, temperature
-    temperature = float(temperature)
+        if temperature.dim() != 0:
+            return 1.0, temperature
+        if temperature.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_temperature(f"aligned_ops.{op}", float(temperature))
+        rows = logits.shape[0] if logits.dim() >= 1 else 0  # a bad logits shape: the op names it
+        return 1.0, temperature.reshape(1).to(logits.device).expand(rows).contiguous()
+    return _check_temperature(f"aligned_ops.{op}", temperature), None
+
+
+def _check_temperature(op: str, temperature) -> float:
+    """``temperature`` as a float: finite, > 0 and a normal float32 value (the ops divide by its fp32 rounding);
+    ``op``: the name the errors give (``aligned_ops.<function>`` or ``aligned::<op>``)."""
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: temperature must be a float or a float tensor (0-d, or one value per "
+                        f"row), got {type(temperature).__name__}") from None
     if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+        raise ValueError(f"{op}: temperature must be finite and > 0, got {temperature}")
     try:  # its fp32 rounding, in Python (no tensor op: this runs on every decode step)
         as_f32 = struct.unpack("f", struct.pack("f", temperature))[0]
     except OverflowError:
         as_f32 = math.inf
     if not (_FP32_MIN_NORMAL <= as_f32 < math.inf):
         raise ValueError(
-            f"temperature {temperature} is not representable in float32 (the ops divide by it in fp32): it must "
-            f"lie in [{_FP32_MIN_NORMAL}, {torch.finfo(torch.float32).max}]")
-    return temperature, None
+            f"{op}: temperature {temperature} is not representable in float32 (the ops divide by it in "
+            f"fp32): it must lie in [{_FP32_MIN_NORMAL}, {torch.finfo(torch.float32).max}]")
+    return temperature
 
 
 _FP32_MIN_NORMAL = torch.finfo(torch.float32).tiny
@@ -143,17 +161,17 @@ _FP32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
 def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``log_softmax(logits / temperature)`` over the full vocabulary (float or per-row tensor)."""
-    t, ts = _temperature_args(temperature, logits.shape[0])
+    t, ts = _temperature_args("log_softmax", temperature, logits)
     return ops.log_softmax(logits, t, ts)
 
 
 def logsumexp(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``logsumexp(logits / temperature)`` per row."""
-    t, ts = _temperature_args(temperature, logits.shape[0])
+    t, ts = _temperature_args("logsumexp", temperature, logits)
     return ops.logsumexp(logits, t, ts)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature=1.0) -> torch.Tensor:
     """fp32 ``z[id]/tau - logsumexp(z/tau)`` per row; equals ``log_softmax(z)[id]`` bit for bit."""
-    t, ts = _temperature_args(temperature, logits.shape[0])
+    t, ts = _temperature_args("token_logprobs", temperature, logits)
     return ops.token_logprobs(logits, token_ids, t, ts)

@@ -15,9 +15,11 @@ computed alone or in a batch, in one prefill or chunked, from a prefix hit, in d
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from .attention import _check_host_or_same, _check_same_device
+from .attention import _check_host_or_same, _check_paged_metadata, _check_same_device
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -175,10 +177,32 @@ def mla_paged_attention(q, kv_cache, block_table=None, seq_lens=None, query_star
     if plan is not None:
         return ops.mla_paged_attention_planned(q, kv_cache, plan.plan, plan.table, plan.info, plan.workspace_floats,
                                                int(kv_lora_rank), scale)
+    _check_paged_metadata("mla_paged_attention", block_table, seq_lens, query_start_loc)
     return ops.mla_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, int(kv_lora_rank), scale)
 
 
 # ---- the absorbed projections (W_UK, W_UV per head, from kv_b_proj) ------------------------------------------------
+
+
+def _check_absorb_args(op, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
+    """``(H, qk_nope, v_head_dim)`` as ints >= 1 and kv_b_weight [H * (qk_nope + v_head_dim), R], or an error naming
+    ``aligned_ops.<op>`` and the argument (negative dims could multiply to the weight's rows and fail in torch)."""
+    dims = []
+    for name, v in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+        try:
+            iv = None if isinstance(v, bool) else operator.index(v)
+        except TypeError:
+            iv = None
+        if iv is None:
+            raise TypeError(f"aligned_ops.{op}: {name} must be an integer >= 1, got {v!r}")
+        if iv < 1:
+            raise ValueError(f"aligned_ops.{op}: {name} must be >= 1, got {iv}")
+        dims.append(iv)
+    H, dn, dv = dims
+    if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != H * (dn + dv):
+        raise ValueError(f"aligned_ops.{op}: kv_b_proj weight must be [num_heads * (qk_nope_head_dim + v_head_dim), "
+                         f"kv_lora_rank] = [{H * (dn + dv)}, R], got {tuple(kv_b_weight.shape)}")
+    return H, dn, dv
 
 
 class MlaAbsorbedWeights:
@@ -196,10 +220,7 @@ class MlaAbsorbedWeights:
     write to the weight — bumps the version and invalidates it)."""
 
     def __init__(self, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
-        H, dn, dv = int(num_heads), int(qk_nope_head_dim), int(v_head_dim)
-        if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != H * (dn + dv):
-            raise ValueError(f"aligned_ops.MlaAbsorbedWeights: kv_b_proj weight must be [num_heads * (qk_nope_head_dim "
-                             f"+ v_head_dim), kv_lora_rank] = [{H * (dn + dv)}, R], got {tuple(kv_b_weight.shape)}")
+        H, dn, dv = _check_absorb_args("MlaAbsorbedWeights", kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
         w = kv_b_weight.view(H, dn + dv, kv_b_weight.shape[1])
         self.num_heads, self.qk_nope_head_dim, self.v_head_dim = H, dn, dv
         self.kv_lora_rank = int(kv_b_weight.shape[1])
@@ -216,7 +237,7 @@ def mla_absorbed_weights(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
     call."""
     from .linear_exact import cached_derivation
 
-    dims = (int(num_heads), int(qk_nope_head_dim), int(v_head_dim))
+    dims = _check_absorb_args("mla_absorbed_weights", kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
     return cached_derivation(kv_b_weight, ("mla_absorbed", dims), lambda w: MlaAbsorbedWeights(w, *dims))
 
 

@@ -356,12 +356,32 @@ def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=N
     return ops.moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate, linear_profile)
 
 
+def _check_layer_shapes(x, router_weight, w13, w2):
+    """The router's experts are the experts' weights: a router with more rows than w13 / w2 have experts ran while
+    no token picked a missing expert (and failed on topk_ids otherwise); one with fewer left experts unused. The
+    rest (w13 against w2 and x, the shared expert) moe_experts checks by name."""
+    op = "aligned_ops.moe_layer"
+    if router_weight.dim() != 2:
+        raise ValueError(f"{op}: router_weight must be 2-D [experts, hidden], got shape {tuple(router_weight.shape)}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{op}: w13 must be [experts, 2 * intermediate, hidden] and w2 [experts, hidden, "
+                         f"intermediate], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    E = router_weight.shape[0]
+    if w13.shape[0] != E or w2.shape[0] != E:
+        raise ValueError(f"{op}: router_weight has {E} experts (rows) but w13 has {w13.shape[0]} and w2 "
+                         f"{w2.shape[0]} (their first dimension): the router must score exactly the experts given")
+    if x.dim() >= 1 and router_weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: router_weight must be [{E}, {x.shape[-1]}] (x's hidden size), got "
+                         f"{tuple(router_weight.shape)}")
+
+
 def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=True, shared_w13=None,
               shared_w2=None, shared_gate=None, return_routing=False):
     """A whole routed MoE block: router linear (``aligned::linear``, model dtype) -> routing -> experts.
 
     With ``return_routing`` also returns ``(router_logits, topk_weights, topk_ids, scores)``.
     """
+    _check_layer_shapes(x, router_weight, w13, w2)
     logits = ops.linear(x, router_weight, None)
     w, ids, scores = moe_routing(logits, top_k, scoring, renormalize)
     out = moe_experts(x, w, ids, w13, w2, shared_w13, shared_w2, shared_gate)
