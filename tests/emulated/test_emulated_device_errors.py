@@ -66,12 +66,14 @@ def test_bad_values_are_reported_by_the_kernel_not_the_host(arch, case):
 
 
 def test_python_wrapper_keeps_a_device_scalar_temperature_on_device():
-    # A 0-d temperature on a non-CPU device becomes per-row temperatures (float() would sync); same bits as the
-    # scalar path. 'meta' stands in for the device here (no data): the fake impl sees a [T] fp32 tensor.
+    # A 0-d temperature becomes per-row temperatures on the logits' device (float() would sync, and would not
+    # compile); same bits as the scalar path. 'meta' stands in for a device here (no data): the fake impl sees a [T]
+    # fp32 tensor.
     logits = torch.randn(4, 11)
     t = torch.tensor(0.7)
-    a = aligned_ops.log_softmax(logits, t)  # CPU 0-d: the scalar path
+    a = aligned_ops.log_softmax(logits, 0.7)  # a Python float: the scalar path
     b = aligned_ops.log_softmax(logits, t.reshape(1).expand(4).contiguous())
     assert_bitwise_equal(a, b)
+    assert_bitwise_equal(a, aligned_ops.log_softmax(logits, t))  # 0-d: the per-row path
     out = aligned_ops.log_softmax(logits.to("meta"), t.to("meta"))
     assert out.shape == (4, 11) and out.device.type == "meta"
