@@ -369,6 +369,19 @@ def test_linear_exact_errors_name_linear_exact_and_the_argument():
         aligned_ops.linear_exact(x, w, torch.randn(4))
 
 
+def test_the_linear_exact_op_itself_names_linear_exact():
+    """torch.ops.aligned.linear_exact (the op the wrapper calls; torch.compile graphs call it too) runs its packed
+    forward under its own name: a bad bias named linear_exact_packed, a 0-d x said "x has 0 input features"."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(2, 8, generator=g), torch.randn(5, 8, generator=g)
+    with pytest.raises(RuntimeError, match=r"^aligned::linear_exact: x must have at least one dimension"):
+        ops.linear_exact(torch.tensor(1.0), w)
+    for bad in (torch.randn(4), torch.randn(5).double()):
+        with pytest.raises(RuntimeError, match=r"^aligned::linear_exact: bias must be \[5\] with x's dtype"):
+            ops.linear_exact(x, w, bad)
+    ops.linear_exact(x, w, torch.randn(5))  # control
+
+
 def test_mla_absorbed_weights_errors_name_it_and_the_argument():
     H, dn, dv, R = 3, 4, 5, 6
     kv_b = torch.randn(H * (dn + dv), R)

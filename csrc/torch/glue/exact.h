@@ -27,19 +27,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_exact_pack_weight(const at
   return B::linear_exact_pack_weight(call, dt, weight.contiguous());
 }
 
+// The packed-weight forward; `op` names the op the caller called (linear_exact runs it on the weight it packed:
+// its errors, a bad bias say, must name linear_exact).
 template <class B>
-at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
-                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
-                               int64_t k_parts, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& weight_f64_bounds) {
-  const char* op = "linear_exact_packed";
+at::Tensor linear_exact_packed_as(const char* op, const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                                  const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
+                                  int64_t k_parts, const std::optional<at::Tensor>& weight,
+                                  const std::optional<at::Tensor>& weight_f64_bounds) {
   const typename B::Call call(op, x, "x");
   call.on_device(wd, "weight_digits");
   call.on_device(w_exp, "weight_exponents");
   call.on_device(w_bad, "weight_nonfinite");
   call.on_device(bias, "bias");
   ExactPackedRun r;
-  r.a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts);
+  r.a = check_linear_exact_packed<DType>(x, wd, w_exp, w_bad, N, bias, k_parts, op);
   const int64_t M = r.a.M, K = r.a.K;
   r.x = x.reshape({M, K}).contiguous();
   auto sizes = x.sizes().vec();
@@ -71,6 +72,15 @@ at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const 
 }
 
 template <class B>
+at::Tensor linear_exact_packed(const at::Tensor& x, const at::Tensor& wd, const at::Tensor& w_exp,
+                               const at::Tensor& w_bad, int64_t N, const std::optional<at::Tensor>& bias,
+                               int64_t k_parts, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& weight_f64_bounds) {
+  return linear_exact_packed_as<B>("linear_exact_packed", x, wd, w_exp, w_bad, N, bias, k_parts, weight,
+                                   weight_f64_bounds);
+}
+
+template <class B>
 at::Tensor linear_exact_f64_bounds(const at::Tensor& weight);
 
 template <class B>
@@ -81,16 +91,17 @@ at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& weight, const std
   const DType dt = check_linear_exact_weight<DType>(weight, op);
   TORCH_CHECK(dtype_of<DType>(x, op, "x") == dt, "aligned::linear_exact: weight dtype ", weight.scalar_type(),
               " must equal x dtype ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "aligned::linear_exact: x has ",
-              x.dim() >= 1 ? x.size(-1) : 0, " input features but weight is ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1, "aligned::linear_exact: x must have at least one dimension (its last: in_features)");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "aligned::linear_exact: x has ", x.size(-1),
+              " input features but weight is ", weight.sizes());
   auto [wd, we, wb] = linear_exact_pack_weight<B>(weight);
   if constexpr (B::kExactF64Path) {
     if (B::exact_f64_path_enabled()) {  // ALIGNED_EXACT_F64 (read per call): the fp64 routes may run
       const at::Tensor bounds = linear_exact_f64_bounds<B>(weight);
-      return linear_exact_packed<B>(x, wd, we, wb, weight.size(0), bias, 1, weight, bounds);
+      return linear_exact_packed_as<B>(op, x, wd, we, wb, weight.size(0), bias, 1, weight, bounds);
     }
   }
-  return linear_exact_packed<B>(x, wd, we, wb, weight.size(0), bias, 1, std::nullopt, std::nullopt);
+  return linear_exact_packed_as<B>(op, x, wd, we, wb, weight.size(0), bias, 1, std::nullopt, std::nullopt);
 }
 
 // ---- the CPU's fp64 path (exact_linear.h): per weight row its bound b (int32 [N], once per weight version) ----
