@@ -394,7 +394,7 @@ def _has_mma_unit() -> bool:
 @pytest.mark.parametrize("command", ["train", "demo", "verify"])
 def test_linear_mma_without_the_unit_is_refused_like_verify(command, tmp_path, capsys, monkeypatch):
     # 4: train/demo --linear mma passed validation on a CPU without the unit and failed in patch_model after the
-    # model build; one check now (choices.check_profile_runs_here), and its advice names the flag used (10)
+    # model build; one check now (runner.config.check_profile_runs_here), and its advice names the flag used (10)
     if _has_mma_unit():
         pytest.skip("this CPU has the mma profile's unit: nothing to refuse")
     monkeypatch.chdir(tmp_path)

@@ -34,22 +34,6 @@ def resolve_profile_name(requested: str | None = None) -> str:
     return profile_name(os.environ.get(PROFILE_ENV_VAR, "").strip() or DEFAULT_PROFILE, PROFILE_ENV_VAR)
 
 
-def check_profile_runs_here(name: str, dtype: str, where: str = PROFILE_ENV_VAR) -> None:
-    """ValueError ``"<where> <name>: <reasons>"`` where profile ``name`` cannot run a ``dtype`` model on this machine
-    (the mma profile: bf16 only, and the CPU's matrix unit). The one check of ``aligned-ops verify``, ``train`` and
-    ``demo`` (``where``: the flag or setting the user chose it by, named in the advice too). Only a profile of
-    ``MODEL_REFUSING_PROFILES`` loads the profile objects (and torch); the others run every model."""
-    if name not in MODEL_REFUSING_PROFILES:
-        return
-    from . import profiles
-
-    bad = profiles.get(name, where).model_refusals(dtype)
-    if bad:
-        if where != PROFILE_ENV_VAR:  # the advice names the switch the user used ("use --linear fma")
-            bad = [r.replace(f"{PROFILE_ENV_VAR}=", f"{where} ") for r in bad]
-        raise ValueError(f"{where} {name}: " + "; ".join(bad))
-
-
 # ---- RL losses (aligned_ops.rl) --------------------------------------------------------------------------------
 LOSS_MODES = ("reinforce_zero", "tis", "mis", "icepop", "seq_tis", "seq_mis", "ppo_clip")
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")

@@ -68,7 +68,7 @@ def _check_linear_profile(args) -> None:
     --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. A profile that runs
     every model (unset: fma; exact) needs no torch import for it."""
     # torch-free: a bad name fails before torch loads
-    from ..choices import PROFILE_ENV_VAR, check_profile_runs_here, profile_name
+    from ..choices import PROFILE_ENV_VAR, profile_name
 
     env = os.environ.get(PROFILE_ENV_VAR, "").strip()
     if args.linear is None and not env:
@@ -80,9 +80,11 @@ def _check_linear_profile(args) -> None:
         raise UsageError(str(e)) from None
     if args.linear is not None:
         args.linear = name
-    try:  # the same check as train's and demo's (RunConfig.validate)
+    from ..runner.config import ConfigError, check_profile_runs_here  # train's and demo's check (RunConfig.validate)
+
+    try:
         check_profile_runs_here(name, args.dtype, where)
-    except ValueError as e:
+    except ConfigError as e:
         raise UsageError(str(e)) from None
 
 

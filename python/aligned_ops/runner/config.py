@@ -156,7 +156,7 @@ class RunConfig:
         """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self.
         ``check_out=False`` skips the checks of an earlier run in ``out`` (the demo replaces its own runs)."""
         from ..choices import (  # torch-free: flags are checked before torch loads
-            BF16_ONLY_PROFILES, LOSS_MODES, PROFILE_ENV_VAR, check_profile_runs_here, resolve_profile_name)
+            BF16_ONLY_PROFILES, LOSS_MODES, PROFILE_ENV_VAR, resolve_profile_name)
 
         _choice("--mode", self.mode, MODES)
         _choice("--kernels", self.kernels, KERNEL_SETS)
@@ -176,10 +176,7 @@ class RunConfig:
             raise ConfigError(f"--linear {self.linear} takes --dtype bfloat16 (its matrix units multiply bf16), got "
                               f"{self.dtype}")
         if self.kernels != "standard":  # the machine has the profile's unit (mma: loads torch to ask; verify's check)
-            try:
-                check_profile_runs_here(self.linear, self.dtype, "--linear" if linear_flag else PROFILE_ENV_VAR)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            check_profile_runs_here(self.linear, self.dtype, "--linear" if linear_flag else PROFILE_ENV_VAR)
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):
             _at_least(name, getattr(self, name), 1)
@@ -327,6 +324,24 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
         raise ConfigError(f"--model {path}: head size {head} is not one vLLM-CPU's attention takes "
                           f"({', '.join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))}); the standard run would fail")
     return cfg
+
+
+def check_profile_runs_here(name: str, dtype: str, where: str) -> None:
+    """ConfigError ``"<where> <name>: <reasons>"`` where linear profile ``name`` cannot run a ``dtype`` model on this
+    machine (the mma profile: bf16 only, and the CPU's matrix unit). The one check of ``aligned-ops verify``, ``train``
+    and ``demo`` (``where``: the flag or setting the user chose it by, named in the advice too). Only a profile of
+    ``MODEL_REFUSING_PROFILES`` loads the profile objects (and torch); the others run every model."""
+    from ..choices import MODEL_REFUSING_PROFILES, PROFILE_ENV_VAR
+
+    if name not in MODEL_REFUSING_PROFILES:
+        return
+    from .. import profiles
+
+    bad = profiles.get(name, where).model_refusals(dtype)
+    if bad:
+        if where != PROFILE_ENV_VAR:  # the advice names the switch the user used ("use --linear fma")
+            bad = [r.replace(f"{PROFILE_ENV_VAR}=", f"{where} ") for r in bad]
+        raise ConfigError(f"{where} {name}: " + "; ".join(bad))
 
 
 def check_temperature_flag(value) -> None:
