@@ -240,3 +240,297 @@ def test_moe_folder_written_by_transformers_is_accepted(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(cli.UsageError, match="num_experts_per_tok must be in"):
         cli.check_model_dir(str(tmp_path))
+
+
+# ---- a probe's findings (each failed after the fact, or with a traceback, before these checks) ------------------
+
+def run_main(capsys, monkeypatch, *argv):
+    """``aligned-ops <argv>`` in this process, stopped right after validation: (exit status, stdout, stderr). A
+    command whose flags pass raises instead of starting anything (aligned_ops.load is the first step after the
+    checks), so a missed refusal fails the test without a model build or an engine."""
+    import aligned_ops
+    from aligned_ops.apps import cli
+
+    def passed():
+        raise AssertionError(f"aligned-ops {' '.join(argv)}: the flags passed validation")
+
+    monkeypatch.setattr(aligned_ops, "load", passed)
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line(rc, out, err, *needles):
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and out == ""
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 512, "hidden_act": "silu",
+         "intermediate_size": 256, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 512,
+               "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 32, "kv_lora_rank": 64,
+               "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 2,
+               "first_k_dense_replace": 1, "intermediate_size": 256, "moe_intermediate_size": 64}
+GLM4_MOE = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 128,
+            "num_attention_heads": 4, "head_dim": 32, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 512, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "intermediate_size": 256,
+            "moe_intermediate_size": 64}
+
+
+def _without(cfg, name):
+    return {k: v for k, v in cfg.items() if k != name}
+
+
+# (the config.json, what the one line must name); each crashed the --model check with a traceback (AttributeError,
+# ZeroDivisionError, TypeError) or passed it (no model_type: vLLM failed after its start-up)
+BAD_CONFIGS = [
+    (_without(QWEN2, "hidden_size"), "config has no hidden_size"),
+    (dict(QWEN2, num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+    (dict(QWEN2, num_attention_heads="4"), "num_attention_heads must be an integer >= 1, got '4'"),
+    (dict(QWEN2, architectures=[["Qwen2ForCausalLM"]]), "architectures must be a list of class names"),
+    (_without(QWEN2, "max_position_embeddings"), "config has no max_position_embeddings"),
+    (dict(QWEN2, rope_parameters="yarn"), "rope_parameters must be a mapping"),
+    (_without(DEEPSEEK_V3, "n_group"), "config has no n_group (a DeepseekV3ForCausalLM config must set it)"),
+    (_without(GLM4_MOE, "n_group"), "config has no n_group (a Glm4MoeForCausalLM config must set it)"),
+    (_without(QWEN2, "model_type"), "config.json needs a model_type"),
+    (dict(QWEN2, model_type=""), "config.json needs a model_type"),
+    (_without(QWEN2, "architectures"), "config.json has no architectures"),
+]
+
+
+def _model_dir(root, cfg, name="m"):
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("cfg,message", BAD_CONFIGS, ids=[m.split(" (")[0] for _, m in BAD_CONFIGS])
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+def test_malformed_model_config_is_one_line_naming_the_field(cfg, message, command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = _model_dir(tmp_path, cfg)
+    rc, out, err = run_main(capsys, monkeypatch, command, "--model", model)
+    assert_one_line(rc, out, err, "--model", message)
+    assert sorted(os.listdir(tmp_path)) == ["m"]  # no default --out folder (train_out, demo_out) was made
+
+
+def test_well_formed_model_configs_are_accepted(tmp_path):
+    # controls of BAD_CONFIGS: the same configs, whole, pass the --model check
+    from aligned_ops.apps import cli
+
+    for i, cfg in enumerate((QWEN2, DEEPSEEK_V3, GLM4_MOE)):
+        cli.check_model_dir(_model_dir(tmp_path, cfg, f"m{i}"))
+
+
+def test_malformed_model_config_end_to_end(tmp_path):
+    # the same refusal in a process of its own: one line, no traceback, exit 2 (three commands, one bad field each)
+    for command, cfg in (("verify", _without(QWEN2, "hidden_size")), ("train", _without(DEEPSEEK_V3, "n_group")),
+                         ("demo", _without(QWEN2, "model_type"))):
+        model = _model_dir(tmp_path, cfg, command)
+        proc, seconds = run_cli(command, "--model", model, "--out", str(tmp_path / f"{command}_out"))  \
+            if command != "verify" else run_cli(command, "--model", model)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and "--model" in proc.stderr
+        assert not os.path.exists(tmp_path / f"{command}_out")
+
+
+def test_model_flag_naming_a_file_says_so(tmp_path, capsys, monkeypatch):
+    model = _model_dir(tmp_path, QWEN2)
+    rc, out, err = run_main(capsys, monkeypatch, "verify", "--model", os.path.join(model, "config.json"))
+    assert_one_line(rc, out, err, "config.json: is a file; --model takes the checkpoint folder")
+
+
+# (argv, what the one line must say): each passed validation (or crashed later, with a traceback) before
+PROBE_CASES = [
+    # 3: vLLM >= 0.24 refuses T > 2; verify refused it, train and demo started the run (one rule now)
+    (["train", "--temperature", "3"], "--temperature must be in [0, 2] (vLLM"),
+    (["demo", "--temperature", "3"], "--temperature must be in [0, 2] (vLLM"),
+    # 5: fixed-width arguments downstream (numpy's seed: 32 bits; torch.set_num_threads: a C int)
+    (["train", "--seed", "99999999999999999999999"], "--seed must be <= 4294967295"),
+    (["demo", "--seed", "4294967296"], "--seed must be <= 4294967295, got 4294967296"),
+    (["verify", "--seed", "99999999999999999999999"], "--seed must be <= 4294967295"),
+    (["verify", "--threads", "99999999999999999999"], "--threads must be <= 1024"),
+    (["train", "--threads", "1025"], "--threads must be <= 1024, got 1025"),
+]
+
+
+@pytest.mark.parametrize("argv,message", PROBE_CASES, ids=[" ".join(a) for a, _ in PROBE_CASES])
+def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(capsys, monkeypatch, *argv)
+    assert_one_line(rc, out, err, message)
+    assert os.listdir(tmp_path) == []  # no --out folder
+
+
+@pytest.mark.parametrize("argv", [["train", "--seed", str(2**32 - 1), "--threads", "1024", "--temperature", "2"],
+                                  ["demo", "--seed", "0", "--threads", "1"]])
+def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
+    # controls: the largest seed and thread count, and T = 2, pass
+    monkeypatch.chdir(tmp_path)
+    from aligned_ops.apps import cli
+
+    cli.validate_args(cli.build_parser().parse_args(argv))
+
+
+def _has_mma_unit() -> bool:
+    from aligned_ops.ops.linear_mma import mma_model_reasons
+
+    return not mma_model_reasons("bfloat16")
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "verify"])
+def test_linear_mma_without_the_unit_is_refused_like_verify(command, tmp_path, capsys, monkeypatch):
+    # 4: train/demo --linear mma passed validation on a CPU without the unit and failed in patch_model after the
+    # model build; one check now (runner.config.check_profile_runs_here), and its advice names the flag used (10)
+    if _has_mma_unit():
+        pytest.skip("this CPU has the mma profile's unit: nothing to refuse")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(capsys, monkeypatch, command, "--linear", "mma")
+    assert_one_line(rc, out, err, "--linear mma: mma needs", "use --linear fma")
+    assert "ALIGNED_OPS_LINEAR" not in err and os.listdir(tmp_path) == []
+    # the environment's switch is named where the profile came from there
+    monkeypatch.setenv("ALIGNED_OPS_LINEAR", "mma")
+    rc, out, err = run_main(capsys, monkeypatch, command)
+    assert_one_line(rc, out, err, "ALIGNED_OPS_LINEAR mma: mma needs", "use ALIGNED_OPS_LINEAR=fma")
+
+
+def test_linear_mma_float32_names_the_flag(capsys, monkeypatch):
+    # 10: the refusal said "use ALIGNED_OPS_LINEAR=fma" to a user who passed --linear
+    rc, out, err = run_main(capsys, monkeypatch, "verify", "--linear", "mma", "--dtype", "float32")
+    assert_one_line(rc, out, err, "--linear mma:", "got float32; use --linear fma")
+    assert "ALIGNED_OPS_LINEAR" not in err
+
+
+# 6, 7, 8: argparse's own errors, one line each (verify printed the usage block; an unknown flag or command the
+# top-level usage), and no abbreviations (`demo --mode sync` meant --model sync)
+ARGPARSE_CASES = [
+    (["verify", "--num-prompts", "x"], "aligned-ops verify: error: argument --num-prompts: invalid int value: 'x'"),
+    (["verify", "--dtype", "int8"], "aligned-ops verify: error: argument --dtype: invalid choice: 'int8'"),
+    (["train", "--bogus"], "aligned-ops train: error: unrecognized arguments: --bogus"),
+    (["demo", "--bogus"], "aligned-ops demo: error: unrecognized arguments: --bogus"),
+    (["verify", "--bogus", "1"], "aligned-ops verify: error: unrecognized arguments: --bogus 1"),
+    ([], "aligned-ops: error: the following arguments are required: {verify,demo,train}"),
+    (["bogus"], "aligned-ops: error: argument {verify,demo,train}: invalid choice: 'bogus'"),
+    (["demo", "--mode", "sync"], "aligned-ops demo: error: unrecognized arguments: --mode sync"),
+    (["verify", "--num-prompt", "3"], "aligned-ops verify: error: unrecognized arguments: --num-prompt 3"),
+    (["train", "--out", "o", "--ste", "3"], "aligned-ops train: error: unrecognized arguments: --ste 3"),
+]
+
+
+@pytest.mark.parametrize("argv,message", ARGPARSE_CASES, ids=[" ".join(a) or "(none)" for a, _ in ARGPARSE_CASES])
+def test_argparse_errors_are_one_line(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and os.listdir(tmp_path) == []
+
+
+def test_no_parser_takes_abbreviations():
+    from aligned_ops.apps import cli
+
+    p = cli.build_parser()
+    subs = next(a for a in p._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    assert not p.allow_abbrev and sorted(subs) == ["demo", "train", "verify"]
+    assert not any(s.allow_abbrev for s in subs.values())
+
+
+def test_help_is_still_the_usage():
+    for argv in (["--help"], ["verify", "--help"], ["train", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: aligned-ops") and proc.stderr == ""
+
+
+# 9: --out and --resume
+
+
+def test_failing_validation_makes_no_output_folder(tmp_path, capsys, monkeypatch):
+    # demo --steps 0 made ./demo_out, train --model /nonexistent ./train_out (the folder check ran first)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["demo", "--steps", "0"], ["train", "--model", "/nonexistent"], ["demo", "--model", "/nonexistent"],
+                 ["train", "--out", "a/b/c", "--tiny", "dense", "--train-scope", "head"]):
+        rc, out, err = run_main(capsys, monkeypatch, *argv)
+        assert_one_line(rc, out, err)
+        assert os.listdir(tmp_path) == [], argv
+    # control: a command whose flags pass makes its folder (validation writes a probe file in it)
+    from aligned_ops.apps import cli
+
+    cli.validate_args(cli.build_parser().parse_args(["train", "--out", "a/b/c"]))
+    assert os.path.isdir(tmp_path / "a" / "b" / "c")
+
+
+def test_out_folder_check_removes_what_it_made(tmp_path, monkeypatch):
+    # a folder made by the check and then found unwritable is removed again (the parents it made too)
+    from aligned_ops.runner import config
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("builtins.open", refuse)
+    with pytest.raises(config.ConfigError, match="cannot create or write this folder"):
+        config.check_writable_folder(str(tmp_path / "x" / "y"))
+    assert os.listdir(tmp_path) == []
+
+
+def _run_folder(root, metrics=True, checkpoint=None):
+    """An --out folder as a killed run leaves it: its settings, metrics.jsonl, and maybe checkpoint/state.pt."""
+    from aligned_ops.runner.config import RunConfig
+
+    out = root / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    cfg = RunConfig(out=str(out)).validate(check_out=False)
+    (out / "checkpoint" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    if metrics:
+        (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    if checkpoint is not None:
+        (out / "checkpoint" / "state.pt").write_bytes(checkpoint)
+    return out
+
+
+def test_resume_with_an_unreadable_checkpoint_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    # 9a: a garbage state.pt passed validation, the model was built (~1 min), then torch.load failed in loop.py
+    for garbage in (b"not a checkpoint", b"PK\x03\x04 truncated"):
+        out = _run_folder(tmp_path, checkpoint=garbage)
+        rc, err_out, err = run_main(capsys, monkeypatch, "train", "--resume", "--out", str(out))
+        assert_one_line(rc, err_out, err, "--resume:", "state.pt is not a readable checkpoint")
+        import shutil
+
+        shutil.rmtree(out)
+
+
+def test_resume_accepts_a_torch_checkpoint(tmp_path):
+    # control of the above: what torch.save writes passes the (torch-free) check
+    import io
+
+    import torch
+
+    from aligned_ops.runner.config import check_checkpoint_file
+
+    buf = io.BytesIO()
+    torch.save({"step": 1, "policy": {"w": torch.zeros(2)}}, buf)
+    out = _run_folder(tmp_path, checkpoint=buf.getvalue())
+    check_checkpoint_file(str(out / "checkpoint" / "state.pt"))
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_run_killed_before_its_first_checkpoint_says_what_to_do(resume, tmp_path, capsys, monkeypatch):
+    # 9b: such a folder could neither be reused ("pass --resume") nor resumed ("no checkpoint")
+    out = _run_folder(tmp_path)
+    rc, o, err = run_main(capsys, monkeypatch, "train", "--out", str(out), *(["--resume"] if resume else []))
+    assert_one_line(rc, o, err, f"--out {out} holds a run with no checkpoint (interrupted before its first save",
+                    "remove that folder or choose another --out")
+    assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"]  # nothing deleted

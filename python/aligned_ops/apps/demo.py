@@ -39,9 +39,10 @@ NOT_DEMO_FLAGS = {"--mode", "--kernels", "--resume", "--backend", "--rollout-wor
 def add_parser(sub):
     import argparse
 
-    from .train import FLAGS, one_line_errors
+    from .common import one_line_errors
+    from .train import FLAGS
 
-    d = sub.add_parser("demo", help="standard vs aligned kernels, async vs sync: four RL runs, one table, one PNG",
+    d = sub.add_parser("demo", allow_abbrev=False, help="standard vs aligned kernels, async vs sync: four RL runs, one table, one PNG",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     base = RunConfig(**{k: v for k, v in DEMO_DEFAULTS.items()})
     for flag, kw in FLAGS:
@@ -69,7 +70,6 @@ def configs_from_args(args) -> dict[tuple[str, str], RunConfig]:
     out = shared.pop("out")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out}: exists and is not a folder")
-    check_writable_folder(out)
     if shared["max_lag"] == 0:
         raise ConfigError("--max-lag 0: the demo's async runs need a lag >= 1 (its sync runs are the lag-0 ones)")
     configs = {}
@@ -79,6 +79,7 @@ def configs_from_args(args) -> dict[tuple[str, str], RunConfig]:
             kw["max_lag"] = None
         # the run folders are the demo's own: a second demo in the same --out replaces them
         configs[(kernels, mode)] = RunConfig(**kw).validate(check_out=False)
+    check_writable_folder(out)  # last: a demo refused for another flag makes no folder
     return configs
 
 

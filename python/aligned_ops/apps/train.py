@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..runner.config import BACKENDS, KERNEL_SETS, MODES, REWARDS, TINY_MODELS, TRAIN_SCOPES, RunConfig
+from ..runner.config import (BACKENDS, KERNEL_SETS, MAX_SEED, MAX_THREADS, MODES, REWARDS, TINY_MODELS,
+                             TRAIN_SCOPES, RunConfig)
 
 # flag -> RunConfig field (same name with "-" for "_"); help texts
 FLAGS = [
@@ -44,14 +45,14 @@ FLAGS = [
     ("--a-range", dict(type=int, help="task prompts a+b= with a < A, b < 10")),
     ("--reward", dict(choices=list(REWARDS), help="exact: 1 for the whole answer, else 0; digits: the "
                                                         "fraction of answer tokens right")),
-    ("--seed", dict(type=int)),
+    ("--seed", dict(type=int, help=f"0 to {MAX_SEED} (2**32 - 1: vLLM seeds numpy with it)")),
     ("--d3-from", dict(type=int, help="first step of the D3 summary (default: --lr-warmup)")),
     ("--checkpoint-every", dict(type=int, help="checkpoint every N steps (and at the end)")),
     ("--resume", dict(action="store_true", help="continue the run in --out from its checkpoint")),
     ("--backend", dict(choices=BACKENDS, help="processes (default) or ray (actors; --ray-address or a local head)")),
     ("--rollout-workers", dict(type=int, help="rollout engines feeding the learner")),
     ("--ray-address", dict(help="an existing Ray cluster (default: start a local head on loopback)")),
-    ("--threads", dict(type=int, help="torch threads per process (default 1: one core each)")),
+    ("--threads", dict(type=int, help=f"torch threads per process, 1 to {MAX_THREADS} (default 1: one core each)")),
     ("--pin-cores", dict(action=argparse.BooleanOptionalAction, help="pin learner and workers to one core each "
                                                                      "(default: when there are enough cores)")),
     ("--hidden", dict(type=int, help="tiny model width")),
@@ -78,23 +79,14 @@ def add_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> N
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    t = sub.add_parser("train", help="one RL run (async or sync, aligned or standard kernels): metrics.jsonl, "
+    from .common import one_line_errors
+
+    t = sub.add_parser("train", allow_abbrev=False, help="one RL run (async or sync, aligned or standard kernels): metrics.jsonl, "
                                      "summary.json", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(t)
     one_line_errors(t, "aligned-ops train")
     return t
-
-
-def one_line_errors(p: argparse.ArgumentParser, prog: str) -> None:
-    """argparse's own errors (a bad choice, a non-integer) as one line, exit 2 — not usage plus error."""
-    import sys
-
-    def error(message: str):
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    p.error = error
 
 
 def config_from_args(args) -> RunConfig:

@@ -29,10 +29,73 @@ def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in params:
         return float(params["rope_theta"])
+    dense = getattr(config, "mlp_only_layers", None)
+    if dense is not None and (not isinstance(dense, (list, tuple))
+                              or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+        raise ValueError(f"aligned_ops ({where}): config field mlp_only_layers must be a list of layer indices, got "
+                         f"{dense!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         raise ValueError("config has no rope_theta")
     return float(theta)
+
+
+# The shape fields every check (and both sides) read, which HF's config class would fill from its own defaults: a
+# raw config.json (``aligned-ops verify/train/demo --model``, a SimpleNamespace of its fields) must set them.
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                          "max_position_embeddings")
+# Integer fields the checks read (name -> smallest value), checked where set (and not null). The minimum is 0 where
+# the checks themselves read 0 as "none" / "the default" (``n_group or 1``).
+INT_CONFIG_FIELDS = {
+    "hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 1,
+    "max_position_embeddings": 1, "head_dim": 1, "num_key_value_heads": 1, "intermediate_size": 1,
+    "num_experts": 0, "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0,
+    "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "decoder_sparse_step": 0,
+    "first_k_dense_replace": 0, "moe_layer_freq": 0, "n_group": 0, "topk_group": 0,
+    "kv_lora_rank": 1, "q_lora_rank": 1, "qk_nope_head_dim": 0, "qk_rope_head_dim": 1, "v_head_dim": 1,
+}
+
+
+def check_architectures_field(config, where: str) -> None:
+    """``architectures``, where set: a list of class names (what the registry looks the first one up by)."""
+    archs = getattr(config, "architectures", None)
+    if archs is not None and (not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"aligned_ops ({where}): config field architectures must be a list of class names "
+                         f"(e.g. [\"Qwen2ForCausalLM\"]), got {archs!r}")
+
+
+def check_config_fields(config, where: str, arch) -> None:
+    """Raise ``ValueError`` naming the field for a config whose fields the checks cannot read: a missing shape field
+    (:data:`REQUIRED_CONFIG_FIELDS`, and ``arch.required_config``), an integer field that is not one or is too small
+    (:data:`INT_CONFIG_FIELDS`), ``architectures`` that is not a list of names, rope parameters that are not a
+    mapping. A config object of ``transformers`` always passes the presence checks (its class has defaults); a raw
+    config.json may not."""
+    check_architectures_field(config, where)
+    for name in REQUIRED_CONFIG_FIELDS + tuple(arch.required_config):
+        if not hasattr(config, name):
+            raise ValueError(f"aligned_ops ({where}): config has no {name} (a {arch.name} config must set it)")
+    for name, lo in INT_CONFIG_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is None and name not in REQUIRED_CONFIG_FIELDS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ValueError(f"aligned_ops ({where}): config field {name} must be an integer >= {lo}, got {value!r}")
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, name, None)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"aligned_ops ({where}): config field {name} must be a mapping (JSON object), got "
+                             f"{value!r}")
+    dense = getattr(config, "mlp_only_layers", None)
+    if dense is not None and (not isinstance(dense, (list, tuple))
+                              or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+        raise ValueError(f"aligned_ops ({where}): config field mlp_only_layers must be a list of layer indices, got "
+                         f"{dense!r}")
+    theta = getattr(config, "rope_theta", None)
+    if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool)):
+        raise ValueError(f"aligned_ops ({where}): config field rope_theta must be a number, got {theta!r}")
+    act = getattr(config, "hidden_act", None)
+    if act is not None and not isinstance(act, str):
+        raise ValueError(f"aligned_ops ({where}): config field hidden_act must be a name, got {act!r}")
 
 
 def check_hf_config(config, where: str, architecture: str | None = None) -> None:
@@ -40,14 +103,25 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
 
     ``architecture`` (the model class name, when a model object is at hand) is used when the config does not
     name one: a model built in memory (``Qwen2ForCausalLM(config)``) has ``config.architectures = None``.
+    A config whose fields the checks cannot read (missing, of the wrong type: a raw config.json) is refused naming
+    the field (:func:`check_config_fields`), never with the check's own AttributeError / TypeError.
     """
     from ..models import registry
 
+    check_architectures_field(config, where)
     archs = list(getattr(config, "architectures", None) or [])
     if architecture is not None:
         archs = [architecture]
     name = archs[0] if archs else type(config).__name__
     arch = registry.get(name, where)  # ValueError naming the supported architectures
+    check_config_fields(config, where, arch)
+    try:
+        _check_hf_config(config, where, arch)
+    except (AttributeError, TypeError, KeyError, ZeroDivisionError) as e:  # a field the checks above do not cover
+        raise ValueError(f"aligned_ops ({where}): {name} config is not usable ({type(e).__name__}: {e})") from e
+
+
+def _check_hf_config(config, where: str, arch) -> None:
     arch.check_config(config, where)
     from ..rope import SUPPORTED_ROPE_TYPES, rope_spec_from_hf_config
 

@@ -119,6 +119,10 @@ class Architecture:
     hf_moe_weights: Callable | None = None  # HF sparse block -> aligned_ops.models.moe.MoEWeights
     check_config: Callable = _no_checks     # (config, where) -> None; raises ValueError for what it cannot run
     check_hf_model: Callable = _no_checks   # (model, where) -> None; raises ValueError (trainer patch)
+    # config fields check_config reads without a default of its own: HF's config class fills each from a default
+    # that differs between architectures, so a raw config.json (``--model``) without one is refused by name
+    # (integrations.check_config_fields) instead of failing inside the check
+    required_config: tuple = ()
     rules: LayerRules = DECODER_RULES
     # True: the block takes the attention layer's own scale (DeepSeek's YaRN mscale), which check_hf_model checks;
     # False: LayerRules.scale(head_dim), checked against the layer by patch_model

@@ -332,6 +332,8 @@ ARCHITECTURE = Architecture(
     hf_moe_weights=hf_moe_weights,
     check_config=check_config,
     check_hf_model=check_hf_model,
+    required_config=("n_group", "topk_group", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim"),
     rules=RULES,
     own_attention_scale=True,
     refuse_fp16=True,

@@ -49,6 +49,7 @@ ARCHITECTURE = Architecture(
     sparse_layers=sparse_layers,
     hf_moe_weights=hf_moe_weights,
     check_config=check_config,
+    required_config=("n_group", "topk_group", "num_experts_per_tok"),
     partial_rotary=True,
     grouped_routing=True,
     refit_weights=refit_weights,

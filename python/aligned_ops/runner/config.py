@@ -19,7 +19,13 @@ TINY_DENSE_HEADS = 4  # aligned_ops.models.tiny.DEFAULT_CONFIG["num_attention_he
 
 
 def check_writable_folder(path: str) -> None:
-    """``--out``: a folder this process can create and write (created now: a bad path fails before the run)."""
+    """``--out``: a folder this process can create and write. Created now (a bad path fails before the run), so it is
+    the LAST check of a command's validation: a command refused for another flag leaves no folder behind. Where it
+    fails, the folders it made are removed again."""
+    made, parent = [], os.path.abspath(path)
+    while parent and not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
@@ -27,7 +33,36 @@ def check_writable_folder(path: str) -> None:
             pass
         os.remove(probe)
     except OSError as e:
+        for d in made:  # deepest first; only the empty folders this call created
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
         raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
+
+def check_checkpoint_file(path: str) -> None:
+    """``--resume``: ``path`` (checkpoint/state.pt) is a whole ``torch.save`` archive (a zip holding a pickle), read
+    torch-free from its directory alone: a truncated or foreign file is refused before the model is built (torch.load
+    would fail only after it)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({e}); restore it, or start the run "
+                          "again in another --out") from None
+    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint (a zip, but not one torch.save wrote); "
+                          "restore it, or start the run again in another --out")
+
+
+# Upper bounds of integer flags that reach a library with a fixed-width argument (a larger one crashed there, after
+# the model build): --seed seeds vLLM's engine, whose set_random_seed calls numpy.random.seed (0 <= seed < 2**32;
+# torch.manual_seed takes 64 bits); --threads goes to torch.set_num_threads (a C int) — 1024 is far above any CPU
+# these runs use. The same bounds for verify, train and demo (their --help states them).
+MAX_SEED = 2**32 - 1
+MAX_THREADS = 1024
 
 MODES = ("sync", "async")
 KERNEL_SETS = ("standard", "aligned")
@@ -120,7 +155,8 @@ class RunConfig:
     def validate(self, check_out: bool = True) -> "RunConfig":
         """Raise :class:`ConfigError` for the first bad setting; fill the MoE/dense defaults. Returns self.
         ``check_out=False`` skips the checks of an earlier run in ``out`` (the demo replaces its own runs)."""
-        from ..choices import BF16_ONLY_PROFILES, LOSS_MODES, resolve_profile_name  # torch-free: flags are checked before torch loads
+        from ..choices import (  # torch-free: flags are checked before torch loads
+            BF16_ONLY_PROFILES, LOSS_MODES, PROFILE_ENV_VAR, resolve_profile_name)
 
         _choice("--mode", self.mode, MODES)
         _choice("--kernels", self.kernels, KERNEL_SETS)
@@ -129,6 +165,7 @@ class RunConfig:
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--advantage", self.advantage, ADVANTAGES)
         _choice("--reward", self.reward, REWARDS)
+        linear_flag = self.linear is not None
         try:  # decided once, here, and recorded (a resume must run the same one; both sides get it by name)
             self.linear = resolve_profile_name(self.linear)
         except ValueError as e:
@@ -138,13 +175,18 @@ class RunConfig:
             # (torch-free; the matrix unit itself is checked where the engine starts)
             raise ConfigError(f"--linear {self.linear} takes --dtype bfloat16 (its matrix units multiply bf16), got "
                               f"{self.dtype}")
+        if self.kernels != "standard":  # the machine has the profile's unit (mma: loads torch to ask; verify's check)
+            check_profile_runs_here(self.linear, self.dtype, "--linear" if linear_flag else PROFILE_ENV_VAR)
         for name in ("steps", "prompts", "samples", "checkpoint_every", "rollout_workers", "threads", "layers",
                      "a_range"):
             _at_least(name, getattr(self, name), 1)
         for name in ("lr_warmup", "seed", "sft_steps"):
             _at_least(name, getattr(self, name), 0)
-        for name in ("lr", "clip_c", "temperature", "router_scale", "sft_lr", "logit_scale"):
+        _at_most("seed", self.seed, MAX_SEED)
+        _at_most("threads", self.threads, MAX_THREADS)
+        for name in ("lr", "clip_c", "router_scale", "sft_lr", "logit_scale"):
             _positive(name, getattr(self, name))
+        check_temperature_flag(self.temperature)
         if self.max_lag is not None:
             _at_least("max_lag", self.max_lag, 0)
             if self.mode == "sync" and self.max_lag != 0:
@@ -175,12 +217,15 @@ class RunConfig:
                 raise ConfigError("--backend ray: the ray package is not installed (pip install ray)")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ConfigError(f"--out {self.out}: exists and is not a folder")
-        if check_out:
-            check_writable_folder(self.out)
         ckpt = os.path.join(self.out, "checkpoint", "state.pt")
+        if check_out and not os.path.isfile(ckpt) and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
+            # a run killed before its first checkpoint: nothing to resume, and a new run must not append to it
+            raise ConfigError(f"--out {self.out} holds a run with no checkpoint (interrupted before its first save, "
+                              "so there is nothing to resume): remove that folder or choose another --out")
         if check_out and self.resume and not os.path.isfile(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
         if check_out and self.resume:
+            check_checkpoint_file(ckpt)
             self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
         if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
@@ -193,6 +238,8 @@ class RunConfig:
         _choice("--train-scope", self.train_scope, TRAIN_SCOPES)
         if self.train_scope == "head" and not moe:
             raise ConfigError("--train-scope head needs a MoE model (it trains the weights after the last router)")
+        if check_out:  # last: no folder is made for a command refused for another flag
+            check_writable_folder(self.out)
         return self
 
     # what a resumed run may change: how it runs, not what it computes
@@ -237,6 +284,9 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
 
     from ..integrations import check_hf_config
 
+    if os.path.isfile(path):
+        raise ConfigError(f"--model {path}: is a file; --model takes the checkpoint folder (the one holding "
+                          "config.json and the weights)")
     if not os.path.isdir(path):
         raise ConfigError(f"--model {path}: no such directory (pass a local checkpoint folder)")
     cfg_path = os.path.join(path, "config.json")
@@ -249,6 +299,16 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
         raise ConfigError(f"--model {path}: cannot read config.json ({e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"--model {path}: config.json is not a JSON object")
+    # transformers (AutoConfig / AutoModelForCausalLM) and vLLM pick the config class by model_type: without one
+    # both fail when they load the folder (vLLM after its ~17 s start-up, with a traceback)
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type.strip():
+        got = "it has none" if model_type is None else f"got {model_type!r}"
+        raise ConfigError(f"--model {path}: config.json needs a model_type (e.g. \"qwen2\"; transformers and vLLM "
+                          f"read it to load the checkpoint), {got}")
+    if "architectures" not in cfg:
+        raise ConfigError(f"--model {path}: config.json has no architectures (e.g. [\"Qwen2ForCausalLM\"]: the "
+                          "model class both sides build)")
     try:
         check_hf_config(SimpleNamespace(**cfg), "--model")
     except ValueError as e:
@@ -266,6 +326,39 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     return cfg
 
 
+def check_profile_runs_here(name: str, dtype: str, where: str) -> None:
+    """ConfigError ``"<where> <name>: <reasons>"`` where linear profile ``name`` cannot run a ``dtype`` model on this
+    machine (the mma profile: bf16 only, and the CPU's matrix unit). The one check of ``aligned-ops verify``, ``train``
+    and ``demo`` (``where``: the flag or setting the user chose it by, named in the advice too). Only a profile of
+    ``MODEL_REFUSING_PROFILES`` loads the profile objects (and torch); the others run every model."""
+    from ..choices import MODEL_REFUSING_PROFILES, PROFILE_ENV_VAR
+
+    if name not in MODEL_REFUSING_PROFILES:
+        return
+    from .. import profiles
+
+    bad = profiles.get(name, where).model_refusals(dtype)
+    if bad:
+        if where != PROFILE_ENV_VAR:  # the advice names the switch the user used ("use --linear fma")
+            bad = [r.replace(f"{PROFILE_ENV_VAR}=", f"{where} ") for r in bad]
+        raise ConfigError(f"{where} {name}: " + "; ".join(bad))
+
+
+def check_temperature_flag(value) -> None:
+    """``--temperature`` of every command (verify, train, demo): a temperature vLLM samples from (> 0: greedy
+    decoding samples no distribution to score or compare) and accepts — its rule for the installed release
+    (:func:`aligned_ops.sampling_rules.check_temperature`: vLLM >= 0.24 refuses T > 2)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 < float(value) < math.inf):
+        why = " (greedy decoding samples no distribution; use e.g. 1.0)" if value == 0 else ""
+        raise ConfigError(f"--temperature must be a finite number > 0, got {value}{why}")
+    from ..sampling_rules import check_temperature  # torch-free
+
+    try:
+        check_temperature(value, "--temperature")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -278,6 +371,11 @@ def _choice(flag: str, value, choices) -> None:
 def _at_least(name: str, value, lo: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ConfigError(f"{_flag(name)} must be >= {lo}, got {value}")
+
+
+def _at_most(name: str, value: int, hi: int) -> None:
+    if value > hi:
+        raise ConfigError(f"{_flag(name)} must be <= {hi}, got {value}")
 
 
 def _positive(name: str, value) -> None:
