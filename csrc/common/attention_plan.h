@@ -351,22 +351,49 @@ inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq
 
 // KV-cache write: every slot in [-1, n_slots) (-1: a padding token, not written), and no slot twice: two tokens
 // written to one slot would leave whichever write lands last, which depends on the thread count and the run (the
-// cache would no longer be a function of the tokens). "" when valid. O(T log T): a sorted copy of the slots.
+// cache would no longer be a function of the tokens). "" when valid. O(T) when the written slots increase (a
+// prefill's own blocks) or the cache has at most 256 slots per token (a bitmap of the cache); else O(T log T).
 inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots, const char* op) {
-  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, token)
-  written.reserve(static_cast<size_t>(T));
+  int64_t written = 0, last = -1;
+  bool increasing = true;
   for (int64_t t = 0; t < T; ++t) {
     if (slots[t] < -1 || slots[t] >= n_slots)
       return plan_detail::prefix(op) + "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slots[t]) +
              " is out of range [-1, " + std::to_string(n_slots) + ")";
-    if (slots[t] >= 0) written.emplace_back(slots[t], t);
+    if (slots[t] < 0) continue;
+    increasing = increasing && slots[t] > last;
+    last = slots[t];
+    ++written;
   }
-  std::sort(written.begin(), written.end());
-  for (size_t i = 1; i < written.size(); ++i)
-    if (written[i].first == written[i - 1].first)
-      return plan_detail::prefix(op) + "slot_mapping[" + std::to_string(written[i - 1].second) + "] and slot_mapping[" +
-             std::to_string(written[i].second) + "] are both " + std::to_string(written[i].first) +
-             ": two tokens cannot be written to one cache slot";
+  if (increasing) return "";
+  auto twice = [&](int64_t first, int64_t second) {
+    return plan_detail::prefix(op) + "slot_mapping[" + std::to_string(first) + "] and slot_mapping[" +
+           std::to_string(second) + "] are both " + std::to_string(slots[second]) +
+           ": two tokens cannot be written to one cache slot";
+  };
+  if (n_slots <= 256 * written) {
+    std::vector<uint64_t> seen(static_cast<size_t>((n_slots + 63) / 64), 0);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0) continue;
+      uint64_t& word = seen[static_cast<size_t>(s / 64)];
+      const uint64_t bit = uint64_t(1) << (s % 64);
+      if (word & bit) {
+        int64_t first = 0;
+        while (slots[first] != s) ++first;
+        return twice(first, t);
+      }
+      word |= bit;
+    }
+    return "";
+  }
+  std::vector<std::pair<int64_t, int64_t>> by_slot;  // (slot, token)
+  by_slot.reserve(static_cast<size_t>(written));
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) by_slot.emplace_back(slots[t], t);
+  std::sort(by_slot.begin(), by_slot.end());
+  for (size_t i = 1; i < by_slot.size(); ++i)
+    if (by_slot[i].first == by_slot[i - 1].first) return twice(by_slot[i - 1].second, by_slot[i].second);
   return "";
 }
 

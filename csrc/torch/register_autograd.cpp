@@ -29,7 +29,10 @@ void bump_written_arguments(const c10::OperatorHandle& op, c10::DispatchKeySet k
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+  // An inference tensor has no version counter (and cannot have been saved for backward): nothing to bump. (Outside
+  // inference mode the key runs for it too: bumping would raise after the write.)
+  for (const at::Tensor& t : written)
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
 
 // Autograd kernel of the same ops: they have no derivative, so a call that autograd would have to record (grad mode on
@@ -58,8 +61,10 @@ constexpr const char* kWritingOps[] = {"reshape_and_cache", "mla_reshape_and_cac
 // autograd. ADInplaceOrView: each written tensor's version counter is bumped, so autograd refuses a backward that
 // saved the tensor before the write ("modified by an inplace operation") instead of silently using the new values,
 // and the exact profile's packed-weight cache (keyed on _version) sees the write. Autograd: a call with a tensor that
-// requires grad (in grad mode) is refused by name: these ops have no derivative. Inference tensors (vLLM's forward
-// under inference mode) skip both keys.
+// requires grad (in grad mode) is refused by name: these ops have no derivative. Inside inference mode the Autograd
+// key is skipped and a normal tensor is still bumped (vLLM 0.32 allocates its KV cache outside inference mode and
+// writes it inside: one counter increment per write); an inference tensor is written without a bump, inside inference
+// mode or not.
 TORCH_LIBRARY_IMPL(aligned, ADInplaceOrView, m) {
   for (const char* op : kWritingOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_arguments>());
 }

@@ -72,7 +72,10 @@ def check_schedule(schedule: str) -> str:
     return schedule
 
 
-_ACTIVE: list["Emulation"] = []  # the scopes entered and not yet left, innermost last
+# The scopes entered and not yet left, innermost last. Process-wide, as the runtime's own scope stack (csrc/emu) is:
+# emulation scopes are not thread-safe (two threads with overlapping scopes are refused at the first out-of-order
+# exit).
+_ACTIVE: list["Emulation"] = []
 
 
 def active() -> "Emulation | None":

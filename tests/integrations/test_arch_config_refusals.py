@@ -120,3 +120,25 @@ def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, messa
         engine_config(_edited_copy(src, tmp_path / "refused", **changes))
     control = {k: v for k, v in changes.items() if k not in ("head_dim", "attention_bias")}
     vllm_plugin.validate_vllm_config(engine_config(_edited_copy(src, tmp_path / "control", **control)))
+
+
+def test_a_check_error_is_one_line_for_a_raw_config_and_raised_as_is_for_a_config_object(monkeypatch):
+    """check_hf_config's backstop: a check that fails on a field nothing validated (here: a check_config that reads a
+    misspelt attribute) is a one-line ValueError naming the config for a raw config.json (``--model``: a
+    SimpleNamespace), and the original AttributeError for a transformers config object (every field its class has
+    is there: the error is this library's bug, not the user's config)."""
+    import dataclasses
+
+    from aligned_ops.models import ARCHITECTURES
+
+    def reads_a_missing_field(config, where):
+        return config.num_atention_heads
+
+    arch = ARCHITECTURES["Qwen2ForCausalLM"]
+    monkeypatch.setitem(ARCHITECTURES, "Qwen2ForCausalLM", dataclasses.replace(arch, check_config=reads_a_missing_field))
+    raw = json.loads(_config("Qwen2ForCausalLM", {}).to_json_string())
+    with pytest.raises(ValueError, match=r"aligned_ops \(--model\): Qwen2ForCausalLM config is not usable "
+                                         r"\(AttributeError: .*num_atention_heads"):
+        check_hf_config(SimpleNamespace(**raw), "--model")
+    with pytest.raises(AttributeError, match="num_atention_heads"):
+        check_hf_config(_config("Qwen2ForCausalLM", {}), "patch_model")

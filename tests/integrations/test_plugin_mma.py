@@ -25,6 +25,8 @@ from aligned_ops.testing import assert_bitwise_equal, bits  # noqa: E402
 
 needs_unit = pytest.mark.skipif(aligned_ops.mma_unit() is None, reason="this CPU has no avx512_bf16")
 REFUSAL = "mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"
+# the CLI's form: the advice names the flag the user chose the profile by (runner.config.check_profile_runs_here)
+FLAG_REFUSAL = REFUSAL.replace("ALIGNED_OPS_LINEAR=", "--linear ")
 BF16_REFUSAL = ("the mma profile takes bfloat16 models (its matrix units multiply bf16), got float32; use "
                 "ALIGNED_OPS_LINEAR=fma")
 NO_UNIT_ENV = dict(os.environ, ALIGNED_CPU_ISA="avx2")  # a CPU without AVX-512, hence without the unit
@@ -213,9 +215,9 @@ def test_verify_linear_mma_is_validated_up_front():
     assert res.returncode == 2 and res.stdout == ""
     err = res.stderr.strip()
     if aligned_ops.mma_unit() is not None:
-        assert err == f"aligned-ops verify: error: --linear mma: {BF16_REFUSAL}"
+        assert err == f"aligned-ops verify: error: --linear mma: {BF16_REFUSAL.replace('ALIGNED_OPS_LINEAR=', '--linear ')}"
     res = _cli("verify", "--linear", "mma", env=NO_UNIT_ENV)
-    assert res.returncode == 2 and res.stderr.strip() == f"aligned-ops verify: error: --linear mma: {REFUSAL}"
+    assert res.returncode == 2 and res.stderr.strip() == f"aligned-ops verify: error: --linear mma: {FLAG_REFUSAL}"
     res = _cli("verify", "--model", "/nonexistent", env=dict(os.environ, ALIGNED_OPS_LINEAR="mma"), )
     assert res.returncode == 2 and res.stderr.startswith("aligned-ops verify: error:")
     res = _cli("verify", env=dict(os.environ, ALIGNED_OPS_LINEAR="tensorcore"))

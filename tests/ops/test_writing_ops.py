@@ -122,12 +122,24 @@ def test_a_tensor_that_requires_grad_is_refused_by_name_in_grad_mode(which):
 
 
 def test_inference_mode_writes_inference_tensors_and_bumps_normal_ones():
-    """vLLM's forward: caches allocated and written under inference mode (no version counter), and normal tensors
-    written under it (bumped, as torch's own in-place ops do there)."""
+    """Caches allocated under inference mode (inference tensors: no version counter) are written inside it and
+    outside it (no_grad, or no guard: an AttentionPlan made in one mode and replanned in another), as before; normal
+    tensors written under inference mode (vLLM 0.32's KV cache: allocated outside, written inside) are bumped, as
+    torch's own in-place ops do there."""
     with torch.inference_mode():
         kc, vc = _kv_write([0, 5])
-        _plan(*_plan_buffers())
+        plan = aligned_ops.AttentionPlan().plan_varlen(CU, CU, 2, 1, D, True)
+        buffers = _plan_buffers()
+        _plan(*buffers)
+    assert plan.plan.is_inference() and buffers[0].is_inference()
     assert kc[0, 0].eq(1).all() and kc.is_inference()
+    for guard in (torch.no_grad, torch.enable_grad):
+        with guard():
+            _kv_write([1, 6], kc, vc)  # an inference cache written outside inference mode
+            _mla_write([1, 6], torch.inference_mode()(torch.zeros)(BLOCKS, BLOCK, LATENT + ROPE))
+            _plan(*buffers)
+            plan.plan_varlen(CU, CU, 2, 1, D, True)
+    assert kc[0, 1].eq(1).all()
     normal = torch.zeros(BLOCKS, BLOCK, HKV, D)
     with torch.inference_mode():
         _kv_write([0, 5], normal, torch.zeros_like(normal))
@@ -162,6 +174,11 @@ def test_two_tokens_in_one_slot_are_refused_naming_both(device):
         with pytest.raises(RuntimeError, match=r"aligned::mla_reshape_and_cache: slot_mapping\[0\] and "
                                                r"slot_mapping\[2\] are both 2"):
             _mla_write([2, 3, 2])
+        # a cache with more than 256 slots per written token: found by sorting (above: by a bitmap of the cache)
+        big = torch.zeros(1024, BLOCK, HKV, D)
+        with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] and slot_mapping\[2\] are both 4000: two tokens"):
+            _kv_write([4000, 9, 4000], big, torch.zeros_like(big))
+        _kv_write([4000, 9, -1, 4001], big, torch.zeros_like(big))  # control: distinct, not increasing
         kc, _ = _kv_write([0, 6, -1, -1, 7])  # controls: distinct slots, repeated padding
         assert kc.view(-1, HKV, D)[[0, 6, 7]].eq(1).all() and kc.view(-1, HKV, D)[[1, 2, 3, 4, 5]].eq(0).all()
         _mla_write([2, 3, -1, -1])

@@ -15,6 +15,8 @@ function both call, its rules, its expected op sequence) and one resolved linear
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ..models import ARCHITECTURES
 
 # Derived from the one list in aligned_ops.models (kept under these names for callers that used them).
@@ -29,11 +31,6 @@ def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in params:
         return float(params["rope_theta"])
-    dense = getattr(config, "mlp_only_layers", None)
-    if dense is not None and (not isinstance(dense, (list, tuple))
-                              or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
-        raise ValueError(f"aligned_ops ({where}): config field mlp_only_layers must be a list of layer indices, got "
-                         f"{dense!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         raise ValueError("config has no rope_theta")
@@ -117,7 +114,12 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
     check_config_fields(config, where, arch)
     try:
         _check_hf_config(config, where, arch)
-    except (AttributeError, TypeError, KeyError, ZeroDivisionError) as e:  # a field the checks above do not cover
+    except (AttributeError, TypeError, KeyError, ZeroDivisionError) as e:
+        # A raw config.json (a SimpleNamespace of its fields: --model) with a field the checks above do not cover:
+        # one line naming the config. A transformers config object has every field its class defines, so there the
+        # same error is this library's bug: raised as it is.
+        if not isinstance(config, SimpleNamespace):
+            raise
         raise ValueError(f"aligned_ops ({where}): {name} config is not usable ({type(e).__name__}: {e})") from e
 
 

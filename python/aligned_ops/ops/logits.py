@@ -129,7 +129,7 @@ def _temperature_args(op: str, temperature, logits: torch.Tensor):
         if temperature.dim() != 0:
             return 1.0, temperature
         if temperature.device.type == "cpu" and not torch.compiler.is_compiling():
-            _check_temperature(f"aligned_ops.{op}", float(temperature))
+            _check_temperature(f"aligned_ops.{op}", float(temperature.detach()))
         rows = logits.shape[0] if logits.dim() >= 1 else 0  # a bad logits shape: the op names it
         return 1.0, temperature.reshape(1).to(logits.device).expand(rows).contiguous()
     return _check_temperature(f"aligned_ops.{op}", temperature), None

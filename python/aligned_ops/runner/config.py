@@ -306,7 +306,7 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
         got = "it has none" if model_type is None else f"got {model_type!r}"
         raise ConfigError(f"--model {path}: config.json needs a model_type (e.g. \"qwen2\"; transformers and vLLM "
                           f"read it to load the checkpoint), {got}")
-    if "architectures" not in cfg:
+    if not cfg.get("architectures"):  # absent, null or []
         raise ConfigError(f"--model {path}: config.json has no architectures (e.g. [\"Qwen2ForCausalLM\"]: the "
                           "model class both sides build)")
     try:
