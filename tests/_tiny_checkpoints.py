@@ -8,18 +8,31 @@ to ask builds it) for the whole run; an override equal
 to the builder's default (after the ``variant`` it names, if any: ``variant="dv-ne-dn", qk_nope_head_dim=32``
 keeps 32, the variant's own value is dropped as a default) is the same checkpoint as no override. The folders are read-only by contract: each
 reuse checks that no file of the folder changed since it was built (a test that edits a checkpoint builds its
-own with the builder).
+own with the builder, or edits a copy: ``edited_copy``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
 import pytest
 
 from _xdist import locked, shared_root
+
+
+def edited_copy(src, dst, **config_changes) -> str:
+    """A copy of checkpoint folder ``src`` at ``dst`` with ``config_changes`` written into its config.json (a shared
+    checkpoint itself is never edited)."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config_changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
 
 
 def _builders():

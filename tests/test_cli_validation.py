@@ -307,6 +307,8 @@ BAD_CONFIGS = [
     (_without(QWEN2, "model_type"), "config.json needs a model_type"),
     (dict(QWEN2, model_type=""), "config.json needs a model_type"),
     (_without(QWEN2, "architectures"), "config.json has no architectures"),
+    (dict(QWEN2, architectures=None), "config.json has no architectures"),
+    (dict(QWEN2, architectures=[]), "config.json has no architectures"),
 ]
 
 

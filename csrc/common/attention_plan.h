@@ -352,7 +352,8 @@ inline std::string plan_paged(const int32_t* query_start_loc, const int32_t* seq
 // KV-cache write: every slot in [-1, n_slots) (-1: a padding token, not written), and no slot twice: two tokens
 // written to one slot would leave whichever write lands last, which depends on the thread count and the run (the
 // cache would no longer be a function of the tokens). "" when valid. O(T) when the written slots increase (a
-// prefill's own blocks) or the cache has at most 256 slots per token (a bitmap of the cache); else O(T log T).
+// prefill's own blocks) or the cache has at most 256 slots per written token (a bitmap of the cache); else
+// O(T log T).
 inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots, const char* op) {
   int64_t written = 0, last = -1;
   bool increasing = true;
@@ -392,9 +393,16 @@ inline std::string check_slots(const int64_t* slots, int64_t T, int64_t n_slots,
   for (int64_t t = 0; t < T; ++t)
     if (slots[t] >= 0) by_slot.emplace_back(slots[t], t);
   std::sort(by_slot.begin(), by_slot.end());
+  // the same pair the bitmap names: the first token (in token order) whose slot an earlier token took, and that
+  // earlier token — of each repeated slot, its first two tokens; of those, the one with the earliest second
+  int64_t first = -1, second = -1;
   for (size_t i = 1; i < by_slot.size(); ++i)
-    if (by_slot[i].first == by_slot[i - 1].first) return twice(by_slot[i - 1].second, by_slot[i].second);
-  return "";
+    if (by_slot[i].first == by_slot[i - 1].first && (i < 2 || by_slot[i - 2].first != by_slot[i].first) &&
+        (second < 0 || by_slot[i].second < second)) {
+      first = by_slot[i - 1].second;
+      second = by_slot[i].second;
+    }
+  return second < 0 ? "" : twice(first, second);
 }
 
 // ---- the run's check: a plan against the call ------------------------------------------------------------

@@ -16,7 +16,6 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
 
 import json
 import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 
 from aligned_ops.integrations import check_hf_config
 from aligned_ops.integrations.hf import patch_model
+from _tiny_checkpoints import edited_copy
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu")
@@ -85,16 +85,6 @@ def test_patch_model_refuses_before_patching(arch, base, bad, message):
     patch_model(getattr(transformers, arch)(_config(arch, base)))  # control
 
 
-def _edited_copy(src, dst, **changes):
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
-
-
 @pytest.mark.parametrize("changes, message", [
     (dict(head_dim=64), "Qwen2 with head_dim 64 .* is not supported"),
     (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True),
@@ -117,9 +107,9 @@ def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, messa
                           enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
 
     with pytest.raises(ValueError, match=message):
-        engine_config(_edited_copy(src, tmp_path / "refused", **changes))
+        engine_config(edited_copy(src, tmp_path / "refused", **changes))
     control = {k: v for k, v in changes.items() if k not in ("head_dim", "attention_bias")}
-    vllm_plugin.validate_vllm_config(engine_config(_edited_copy(src, tmp_path / "control", **control)))
+    vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))
 
 
 def test_a_check_error_is_one_line_for_a_raw_config_and_raised_as_is_for_a_config_object(monkeypatch):

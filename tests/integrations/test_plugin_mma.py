@@ -215,7 +215,8 @@ def test_verify_linear_mma_is_validated_up_front():
     assert res.returncode == 2 and res.stdout == ""
     err = res.stderr.strip()
     if aligned_ops.mma_unit() is not None:
-        assert err == f"aligned-ops verify: error: --linear mma: {BF16_REFUSAL.replace('ALIGNED_OPS_LINEAR=', '--linear ')}"
+        flag_bf16_refusal = BF16_REFUSAL.replace("ALIGNED_OPS_LINEAR=", "--linear ")
+        assert err == f"aligned-ops verify: error: --linear mma: {flag_bf16_refusal}"
     res = _cli("verify", "--linear", "mma", env=NO_UNIT_ENV)
     assert res.returncode == 2 and res.stderr.strip() == f"aligned-ops verify: error: --linear mma: {FLAG_REFUSAL}"
     res = _cli("verify", "--model", "/nonexistent", env=dict(os.environ, ALIGNED_OPS_LINEAR="mma"), )

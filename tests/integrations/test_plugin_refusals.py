@@ -1,7 +1,6 @@
 """The vLLM plugin: inert unless opted in, refuses (clear error at start-up) what it cannot keep aligned."""
 
 import copy
-import json
 import os
 
 import pytest
@@ -14,6 +13,7 @@ from aligned_ops.integrations.vllm import config as vconfig  # noqa: E402
 from aligned_ops.integrations.vllm import plugin as vinstall  # noqa: E402
 from aligned_ops.integrations.vllm import patches, tp  # noqa: E402
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
+from _tiny_checkpoints import edited_copy  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,18 +21,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_qwen2(tmp_path_factory.mktemp("refuse") / "m", torch.float32, num_hidden_layers=1)
-
-
-def _edited_copy(src, dst, **config_changes):
-    import shutil
-
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(config_changes)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
 
 
 def _engine_config(model_dir, **kw):
@@ -150,7 +138,7 @@ def test_llm_constructor_refuses_before_building(tiny_dir):
     ],
 )
 def test_unsupported_model_refused(tiny_dir, tmp_path, changes, match):
-    d = _edited_copy(tiny_dir, tmp_path / "edited", **changes)
+    d = edited_copy(tiny_dir, tmp_path / "edited", **changes)
     with pytest.raises(ValueError, match=match):
         _engine_config(d)
 

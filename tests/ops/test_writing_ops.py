@@ -179,6 +179,14 @@ def test_two_tokens_in_one_slot_are_refused_naming_both(device):
         with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] and slot_mapping\[2\] are both 4000: two tokens"):
             _kv_write([4000, 9, 4000], big, torch.zeros_like(big))
         _kv_write([4000, 9, -1, 4001], big, torch.zeros_like(big))  # control: distinct, not increasing
+        # several repeats: both paths name the first token whose slot an earlier one took, and that earlier token
+        with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] and slot_mapping\[2\] are both 7: two"):
+            _kv_write([5, 7, 7, 5])  # bitmap
+        with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] and slot_mapping\[2\] are both 4007: two"):
+            _kv_write([4005, 4007, 4007, 4005], big, torch.zeros_like(big))  # sort
+        with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] and slot_mapping\[3\] are both 127: two"):
+            ops.mla_reshape_and_cache(torch.ones(4, LATENT), torch.ones(4, ROPE), torch.zeros(64, BLOCK, LATENT + ROPE),
+                                      torch.tensor([127, 64, 200, 127]))  # bitmap, past its first word
         kc, _ = _kv_write([0, 6, -1, -1, 7])  # controls: distinct slots, repeated padding
         assert kc.view(-1, HKV, D)[[0, 6, 7]].eq(1).all() and kc.view(-1, HKV, D)[[1, 2, 3, 4, 5]].eq(0).all()
         _mla_write([2, 3, -1, -1])

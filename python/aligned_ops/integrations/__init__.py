@@ -101,7 +101,9 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
     ``architecture`` (the model class name, when a model object is at hand) is used when the config does not
     name one: a model built in memory (``Qwen2ForCausalLM(config)``) has ``config.architectures = None``.
     A config whose fields the checks cannot read (missing, of the wrong type: a raw config.json) is refused naming
-    the field (:func:`check_config_fields`), never with the check's own AttributeError / TypeError.
+    the field (:func:`check_config_fields`); a raw config.json (a SimpleNamespace) never gets a check's own
+    AttributeError / TypeError, a transformers config object does (its class has every field: that error is a bug
+    here).
     """
     from ..models import registry
 
