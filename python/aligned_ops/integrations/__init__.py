@@ -64,10 +64,9 @@ def check_architectures_field(config, where: str) -> None:
 def check_config_fields(config, where: str, arch) -> None:
     """Raise ``ValueError`` naming the field for a config whose fields the checks cannot read: a missing shape field
     (:data:`REQUIRED_CONFIG_FIELDS`, and ``arch.required_config``), an integer field that is not one or is too small
-    (:data:`INT_CONFIG_FIELDS`), ``architectures`` that is not a list of names, rope parameters that are not a
-    mapping. A config object of ``transformers`` always passes the presence checks (its class has defaults); a raw
-    config.json may not."""
-    check_architectures_field(config, where)
+    (:data:`INT_CONFIG_FIELDS`), rope parameters that are not a mapping. A config object of ``transformers`` always
+    passes the presence checks (its class has defaults); a raw config.json may not. (``architectures``: checked by
+    :func:`check_hf_config` before it looks the architecture up, with :func:`check_architectures_field`.)"""
     for name in REQUIRED_CONFIG_FIELDS + tuple(arch.required_config):
         if not hasattr(config, name):
             raise ValueError(f"aligned_ops ({where}): config has no {name} (a {arch.name} config must set it)")
