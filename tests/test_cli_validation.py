@@ -337,6 +337,39 @@ def test_well_formed_model_configs_are_accepted(tmp_path):
         cli.check_model_dir(_model_dir(tmp_path, cfg, f"m{i}"))
 
 
+LLAMA2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 512, "hidden_act": "silu",
+          "intermediate_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_scaling": None}
+
+
+@pytest.mark.parametrize("cfg", [LLAMA2, _without(QWEN2, "rope_theta"), _without(DEEPSEEK_V3, "rope_theta")],
+                         ids=["llama2", "qwen2", "deepseek_v3"])
+def test_config_without_rope_theta_is_checked_with_transformers_default(cfg, tmp_path):
+    # Llama-2's config.json has no rope_theta: transformers' config class (both sides load the checkpoint through
+    # it) gives 10000, and the --model check reads the same (it refused such a folder: "config has no rope_theta")
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from aligned_ops.apps import cli
+    from aligned_ops.integrations import rope_theta_of
+    from aligned_ops.runner.config import _fill_class_defaults
+
+    cli.check_model_dir(_model_dir(tmp_path, cfg))
+    fields = SimpleNamespace(**cfg)
+    _fill_class_defaults(fields, cfg["model_type"])
+    assert fields.rope_theta == rope_theta_of(AutoConfig.for_model(cfg["model_type"]))
+
+
+@pytest.mark.parametrize("theta,message", [(None, "no rope_theta"), (0, "must be a finite number > 0"),
+                                           ("1e4", "rope_theta must be a number")])
+def test_config_with_a_bad_rope_theta_is_still_refused(theta, message, tmp_path, capsys, monkeypatch):
+    # controls: a rope_theta the config does set (null included) is its own value, never replaced by the default
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(capsys, monkeypatch, "verify", "--model", _model_dir(tmp_path, dict(LLAMA2, rope_theta=theta)))
+    assert_one_line(rc, out, err, "--model", message)
+
+
 def test_malformed_model_config_end_to_end(tmp_path):
     # the same refusal in a process of its own: one line, no traceback, exit 2 (three commands, one bad field each)
     for command, cfg in (("verify", _without(QWEN2, "hidden_size")), ("train", _without(DEEPSEEK_V3, "n_group")),

@@ -277,6 +277,32 @@ class RunConfig:
         return is_moe_model(self.model)
 
 
+def _fill_class_defaults(fields, model_type: str) -> None:
+    """Set on ``fields`` (a config.json's fields) the RoPE base transformers' config class gives a config.json that
+    leaves it out (Llama-2's has no ``rope_theta``): both sides load the checkpoint through that class, so they run
+    its default, and the checks must read the same. Imported only when the field is missing (transformers takes
+    seconds to import); an unknown ``model_type`` fills nothing (the checks refuse its architecture)."""
+    params = getattr(fields, "rope_parameters", None)
+    scaling = getattr(fields, "rope_scaling", None)
+    if getattr(fields, "rope_theta", None) is not None or any(
+            isinstance(d, dict) and "rope_theta" in d for d in (params, scaling)):
+        return
+    if hasattr(fields, "rope_theta"):  # an explicit null is the config's own value: the checks refuse it
+        return
+    try:
+        from transformers import AutoConfig
+
+        defaults = AutoConfig.for_model(model_type)
+    except (ImportError, ValueError, KeyError):
+        return
+    from ..integrations import rope_theta_of
+
+    try:
+        fields.rope_theta = rope_theta_of(defaults)
+    except ValueError:  # a class without a RoPE base: nothing to fill
+        pass
+
+
 def read_model_config(path: str, stock_engine: bool = True) -> dict:
     """config.json of a model folder, checked for an architecture both sides support (no engine) and, with
     ``stock_engine``, for a head size vLLM-CPU's own attention takes."""
@@ -309,8 +335,10 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     if not cfg.get("architectures"):  # absent, null or []
         raise ConfigError(f"--model {path}: config.json has no architectures (e.g. [\"Qwen2ForCausalLM\"]: the "
                           "model class both sides build)")
+    fields = SimpleNamespace(**cfg)
+    _fill_class_defaults(fields, model_type)
     try:
-        check_hf_config(SimpleNamespace(**cfg), "--model")
+        check_hf_config(fields, "--model")
     except ValueError as e:
         raise ConfigError(f"{e} (folder {path})") from None
     try:
