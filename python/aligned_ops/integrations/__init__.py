@@ -94,6 +94,26 @@ def check_config_fields(config, where: str, arch) -> None:
         raise ValueError(f"aligned_ops ({where}): config field hidden_act must be a name, got {act!r}")
 
 
+def check_same_architecture(config, where: str, arch) -> None:
+    """Raise ``ValueError`` where the config would make the two sides build different supported architectures:
+    vLLM builds ``architectures[0]``; transformers (``AutoModelForCausalLM``) builds the class of ``model_type``, and a
+    model object is the class it is (``arch``). A qwen2 config naming LlamaForCausalLM ran Qwen2 in the trainer and
+    Llama in vLLM: 0 % bitwise, no warning. Only names this library knows are compared (a model_type or class
+    of no supported architecture is not refused here)."""
+    from ..models import ARCHITECTURES
+
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and archs[0] != arch.name and archs[0] in ARCHITECTURES:
+        raise ValueError(f"aligned_ops ({where}): the model is a {arch.name}, but its config's architectures names "
+                         f"{archs[0]} (the class vLLM builds from it): the two sides would run different models")
+    model_type = getattr(config, "model_type", None)
+    owner = next((a.name for a in ARCHITECTURES.values() if model_type in a.model_types), None)
+    if owner is not None and owner != arch.name:
+        raise ValueError(f"aligned_ops ({where}): config model_type {model_type!r} is a {owner} config, but "
+                         f"architectures names {arch.name} (transformers builds the model class of model_type, vLLM "
+                         "that of architectures): the two sides would run different models")
+
+
 def check_hf_config(config, where: str, architecture: str | None = None) -> None:
     """Raise ``ValueError`` for a config whose arithmetic we cannot reproduce bit for bit on both sides.
 
@@ -112,6 +132,7 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
         archs = [architecture]
     name = archs[0] if archs else type(config).__name__
     arch = registry.get(name, where)  # ValueError naming the supported architectures
+    check_same_architecture(config, where, arch)
     check_config_fields(config, where, arch)
     try:
         _check_hf_config(config, where, arch)

@@ -123,6 +123,10 @@ class Architecture:
     # that differs between architectures, so a raw config.json (``--model``) without one is refused by name
     # (integrations.check_config_fields) instead of failing inside the check
     required_config: tuple = ()
+    # the config.json model_type(s) of this architecture: transformers (AutoModelForCausalLM) picks the model class by
+    # model_type, vLLM by architectures[0], so a config whose two name different architectures runs a different model
+    # on each side (integrations.check_same_architecture refuses it)
+    model_types: tuple = ()
     rules: LayerRules = DECODER_RULES
     # True: the block takes the attention layer's own scale (DeepSeek's YaRN mscale), which check_hf_model checks;
     # False: LayerRules.scale(head_dim), checked against the layer by patch_model

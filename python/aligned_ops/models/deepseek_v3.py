@@ -323,6 +323,7 @@ def spec(arch, config, rules, profile) -> list[Step]:
 
 ARCHITECTURE = Architecture(
     name=NAME,
+    model_types=("deepseek_v3", "kimi_k2"),  # Kimi-K2: its own model_type, DeepSeek-V3's class
     block=block,
     spec=spec,
     vllm_decoder_layer="vllm.model_executor.models.deepseek_v2:DeepseekV2DecoderLayer",

@@ -39,6 +39,7 @@ def check_config(config, where: str) -> None:
 
 ARCHITECTURE = Architecture(
     name=NAME,
+    model_types=("glm4_moe",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.glm4_moe:Glm4MoeDecoderLayer",

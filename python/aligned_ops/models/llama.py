@@ -22,6 +22,7 @@ def check_config(config, where: str) -> None:
 
 ARCHITECTURE = Architecture(
     name="LlamaForCausalLM",
+    model_types=("llama",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.llama:LlamaDecoderLayer",

@@ -18,6 +18,7 @@ def check_config(config, where: str) -> None:
 
 ARCHITECTURE = Architecture(
     name="Qwen2ForCausalLM",
+    model_types=("qwen2",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.qwen2:Qwen2DecoderLayer",

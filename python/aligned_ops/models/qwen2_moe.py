@@ -25,6 +25,7 @@ def check_config(config, where: str) -> None:
 
 ARCHITECTURE = Architecture(
     name="Qwen2MoeForCausalLM",
+    model_types=("qwen2_moe",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.qwen2_moe:Qwen2MoeDecoderLayer",

@@ -16,6 +16,7 @@ def check_attention_bias(config, where: str, name: str = "Qwen3") -> None:
 
 ARCHITECTURE = Architecture(
     name="Qwen3ForCausalLM",
+    model_types=("qwen3",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.qwen3:Qwen3DecoderLayer",

@@ -15,6 +15,7 @@ def check_config(config, where: str) -> None:
 
 ARCHITECTURE = Architecture(
     name="Qwen3MoeForCausalLM",
+    model_types=("qwen3_moe",),
     block=decoder.block,
     spec=decoder.spec,
     vllm_decoder_layer="vllm.model_executor.models.qwen3_moe:Qwen3MoeDecoderLayer",
