@@ -23,6 +23,10 @@
 // NaN policy (all ops): NaN inputs propagate to the outputs that depend on them; nothing is clamped,
 // nothing is silently dropped. A row of log_softmax that holds a NaN or +inf yields NaN for the row
 // (logsumexp of a row with +inf and no NaN is +inf); the log-prob section below lists every special row.
+// WHICH NaN (sign, payload) is contracted only where a helper writes one itself (the log-prob rows: 0x7fc00000;
+// moe.h): where an input NaN meets another NaN in an add/fma (inf - inf), IEEE leaves the result to the hardware's
+// operand order (x86: one operand's; NVIDIA: a canonical NaN), so e.g. a linear's NaN sign may differ between
+// kernels and with M. That an output IS NaN is invariant; the log-probs of such a row are bitwise the same.
 #pragma once
 
 #include "numerics.h"

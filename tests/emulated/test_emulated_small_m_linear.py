@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aligned_ops
-from aligned_ops.testing import assert_bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bits
 
 ops = torch.ops.aligned
 pytestmark = pytest.mark.emulated
@@ -84,3 +84,37 @@ def test_small_m_negative_control_lane_tree(arch):
     one_chain = ops.linear_partial(x, w, 1)  # a single fma chain over all of K (fp32, unrounded)
     assert not torch.equal(got.view(torch.int32), one_chain.view(torch.int32))
     assert_bitwise_equal(got, ops.linear_partial(x, w, 8))  # ... while the 8-lane tree is the same bits
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_which_nan_a_linear_writes_is_not_contracted_but_log_probs_are_canonical(arch, dtype):
+    """Where a NaN input meets inf - inf (row 1: x[1, 5] NaN, the other products of column 0 overflow to +-inf), IEEE
+    leaves which NaN comes out to the hardware's operand order: the CPU kernel and the emulated tiled kernel return
+    the default NaN (sign set), the emulated small-M kernel the input's — so a linear's NaN sign depends on M. The
+    contract (README "NaN policy", contract.h) promises that such an output IS NaN, not which; the log-prob ops write
+    the canonical NaN 0x7fc00000, so the log-probs (what the contract is about) are bitwise the same for every M."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 300, generator=g).to(dtype)
+    x[0, :] = torch.finfo(dtype).max
+    x[1, 5] = float("nan")
+    w = torch.randn(9, 300, generator=g).to(dtype)
+    w[0, :] = torch.finfo(dtype).max
+    ids = torch.arange(20) % 9
+    outs = {}
+    for M in (2, 17):
+        with aligned_ops.emulate(arch):
+            y = ops.linear(x[:M], w)
+            outs[M] = (y[:2], aligned_ops.token_logprobs(y, ids[:M])[:2],
+                       aligned_ops.fused_token_logprobs(x[:M], w, ids[:M])[:2])
+    # the linear outputs: both NaN, with different sign bits (the case the statement is about: not a vacuous test)
+    assert torch.isnan(outs[2][0][1, 0]) and torch.isnan(outs[17][0][1, 0])
+    assert bits(outs[2][0])[1, 0] != bits(outs[17][0])[1, 0]
+    cpu = ops.linear(x[:2], w)
+    canonical = torch.full((2,), float("nan"))  # 0x7fc00000
+    assert bits(canonical)[0] == 0x7FC00000
+    for M in (2, 17):
+        for lp in outs[M][1:]:
+            assert_bitwise_equal(lp, canonical)
+    assert_bitwise_equal(aligned_ops.token_logprobs(cpu, ids[:2]), canonical)
+    assert_bitwise_equal(aligned_ops.fused_token_logprobs(x[:2], w, ids[:2]), canonical)
