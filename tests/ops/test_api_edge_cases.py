@@ -239,10 +239,10 @@ def test_lane_bounds_and_tp_slices_refuse_negative_k():
     assert aligned_ops.linear_tp_slices(16, 2) == [(0, 8), (8, 16)]
     assert aligned_ops.linear_lane_bounds(torch.tensor(16).item()) == aligned_ops.linear_lane_bounds(16)
     for K in (-5, -1):  # returned negative ranges
-        with pytest.raises(ValueError, match=rf"^aligned_ops\.linear_lane_bounds: K \(input features\) must be >= 0, "
+        with pytest.raises(ValueError, match=rf"^aligned_ops\.linear_lane_bounds: K \(input features\) must be an integer >= 0, "
                                              rf"got {K}"):
             aligned_ops.linear_lane_bounds(K)
-    with pytest.raises(ValueError, match=r"^aligned_ops\.linear_tp_slices: K \(input features\) must be >= 0, got -8"):
+    with pytest.raises(ValueError, match=r"^aligned_ops\.linear_tp_slices: K \(input features\) must be an integer >= 0, got -8"):
         aligned_ops.linear_tp_slices(-8, 2)
     for bad in (8.0, "8", None):
         with pytest.raises(TypeError, match=r"^aligned_ops\.linear_lane_bounds: K \(input features\) must be an int"):
@@ -389,15 +389,15 @@ def test_mla_absorbed_weights_errors_name_it_and_the_argument():
     assert absorbed.w_uk_t.shape == (H, R, dn) and absorbed.w_uv.shape == (H, dv, R)
     op = r"^aligned_ops\.mla_absorbed_weights: "
     # (-3) * (-4 + -5) = 27 = the weight's rows: the shape check passed, torch's view failed
-    with pytest.raises(ValueError, match=op + r"num_heads must be >= 1, got -3"):
+    with pytest.raises(ValueError, match=op + r"num_heads must be an integer >= 1, got -3"):
         aligned_ops.mla_absorbed_weights(kv_b, -3, -4, -5)
-    with pytest.raises(ValueError, match=op + r"qk_nope_head_dim must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=op + r"qk_nope_head_dim must be an integer >= 1, got 0"):
         aligned_ops.mla_absorbed_weights(kv_b, H, 0, dn + dv)
-    with pytest.raises(ValueError, match=op + r"v_head_dim must be >= 1, got -1"):
+    with pytest.raises(ValueError, match=op + r"v_head_dim must be an integer >= 1, got -1"):
         aligned_ops.mla_absorbed_weights(kv_b, H, dn, -1)
     with pytest.raises(TypeError, match=op + r"num_heads must be an integer >= 1, got 3.5"):
         aligned_ops.mla_absorbed_weights(kv_b, 3.5, dn, dv)
     with pytest.raises(ValueError, match=op + r"kv_b_proj weight must be \[num_heads \* \(qk_nope_head_dim"):
         aligned_ops.mla_absorbed_weights(kv_b, 2, dn, dv)
-    with pytest.raises(ValueError, match=r"^aligned_ops\.MlaAbsorbedWeights: num_heads must be >= 1"):
+    with pytest.raises(ValueError, match=r"^aligned_ops\.MlaAbsorbedWeights: num_heads must be an integer >= 1"):
         aligned_ops.ops.mla.MlaAbsorbedWeights(kv_b, -3, -4, -5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 ops = torch.ops.aligned
@@ -11,6 +13,22 @@ LIB = "aligned::"
 def reg_fake(name):
     """``torch.library.register_fake`` for ``aligned::<name>``."""
     return torch.library.register_fake(LIB + name)
+
+
+def checked_int(where: str, name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (numpy / torch integer scalars too; a bool is not a size), or an error
+    naming ``aligned_ops.<where>`` and the argument: ``TypeError`` for a non-integer, ``ValueError`` out of range.
+    The one check of the Python-side integer arguments (sizes, capacities, head counts)."""
+    try:
+        iv = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        iv = None
+    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    if iv is None:
+        raise TypeError(f"aligned_ops.{where}: {name} must be {want}, got {value!r}")
+    if iv < lo or (hi is not None and iv > hi):
+        raise ValueError(f"aligned_ops.{where}: {name} must be {want}, got {iv}")
+    return iv
 
 
 def same_device(op, *tensors):

@@ -17,8 +17,6 @@ The CPU refuses ``"mma"`` attention (its mma profile covers linear, the LM head 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 ops = torch.ops.aligned
@@ -192,7 +190,7 @@ def _varlen_planned_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd(_lib + "attention_varlen_planned", _varlen_planned_backward,
                                 setup_context=_varlen_planned_setup)
 
-from ._registry import register_no_backward  # noqa: E402
+from ._registry import checked_int, register_no_backward  # noqa: E402
 
 register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
@@ -307,18 +305,7 @@ class AttentionPlan:
     @staticmethod
     def _checked_sizes(where, **sizes):
         limits = AttentionPlan._limits()
-        out = []
-        for name, v in sizes.items():
-            hi = limits[name]
-            try:
-                iv = None if isinstance(v, bool) else operator.index(v)
-            except TypeError:
-                iv = None
-            if iv is None or not 0 <= iv <= hi:
-                raise (TypeError if iv is None else ValueError)(
-                    f"aligned_ops.{where}: {name} must be an integer in [0, {hi}], got {v!r}")
-            out.append(iv)
-        return out
+        return [checked_int(where, name, v, 0, limits[name]) for name, v in sizes.items()]
 
     def __init__(self, capacity=0, table_capacity=0, workspace_floats=0, device="cpu"):
         capacity, table_capacity, workspace_floats = self._checked_sizes(

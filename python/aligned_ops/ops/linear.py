@@ -17,11 +17,9 @@ compute exactly ``tree_combine``.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from ._registry import ops, register_linear_autograd, register_no_backward
+from ._registry import checked_int, ops, register_linear_autograd, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -31,14 +29,7 @@ _LANES = (1, 2, 4, 8)
 
 def _check_features(op: str, K) -> int:
     """K (input features) as an int >= 0, or an error naming ``op`` and K."""
-    if isinstance(K, bool) or not isinstance(K, int):
-        try:
-            K = operator.index(K)  # numpy / torch integer scalars
-        except TypeError:
-            raise TypeError(f"aligned_ops.{op}: K (input features) must be an integer, got {K!r}") from None
-    if K < 0:
-        raise ValueError(f"aligned_ops.{op}: K (input features) must be >= 0, got {K}")
-    return K
+    return checked_int(op, "K (input features)", K, 0)
 
 
 def linear_lane_bounds(K: int, lanes: int = LINEAR_LANES) -> list[tuple[int, int]]:

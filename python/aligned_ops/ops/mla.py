@@ -15,8 +15,6 @@ computed alone or in a batch, in one prefill or chunked, from a prefix hit, in d
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from .attention import _check_host_or_same, _check_paged_metadata, _check_same_device
@@ -116,7 +114,7 @@ def _mla_planned_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd(_lib + "mla_attention_varlen_planned", _mla_planned_backward,
                                 setup_context=_mla_planned_setup)
 
-from ._registry import register_no_backward  # noqa: E402
+from ._registry import checked_int, register_no_backward  # noqa: E402
 
 register_no_backward("mla_attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("mla_paged_attention", "inference only: train through mla_attention_varlen, its bitwise twin")
@@ -187,17 +185,8 @@ def mla_paged_attention(q, kv_cache, block_table=None, seq_lens=None, query_star
 def _check_absorb_args(op, kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim):
     """``(H, qk_nope, v_head_dim)`` as ints >= 1 and kv_b_weight [H * (qk_nope + v_head_dim), R], or an error naming
     ``aligned_ops.<op>`` and the argument (negative dims could multiply to the weight's rows and fail in torch)."""
-    dims = []
-    for name, v in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
-        try:
-            iv = None if isinstance(v, bool) else operator.index(v)
-        except TypeError:
-            iv = None
-        if iv is None:
-            raise TypeError(f"aligned_ops.{op}: {name} must be an integer >= 1, got {v!r}")
-        if iv < 1:
-            raise ValueError(f"aligned_ops.{op}: {name} must be >= 1, got {iv}")
-        dims.append(iv)
+    dims = [checked_int(op, name, v, 1) for name, v in
+            (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim))]
     H, dn, dv = dims
     if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != H * (dn + dv):
         raise ValueError(f"aligned_ops.{op}: kv_b_proj weight must be [num_heads * (qk_nope_head_dim + v_head_dim), "
