@@ -143,9 +143,9 @@ def test_resume_refuses_other_settings(tmp_path):
 
     out = tmp_path / "run"
     (out / "checkpoint").mkdir(parents=True)
-    import torch
+    from _tiny_checkpoints import runner_checkpoint_bytes
 
-    torch.save({"step": 1}, str(out / "checkpoint" / "state.pt"))  # a readable archive (validate reads its directory)
+    (out / "checkpoint" / "state.pt").write_bytes(runner_checkpoint_bytes(step=1))  # validate reads it whole
     saved = RunConfig(out=str(out), lr=1e-4, tiny="dense").validate(check_out=False)
     (out / "checkpoint" / "config.json").write_text(json.dumps(saved.to_dict()))
     (out / "metrics.jsonl").write_text("")

@@ -40,21 +40,101 @@ def check_writable_folder(path: str) -> None:
                 pass
         raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
 
-def check_checkpoint_file(path: str) -> None:
-    """``--resume``: ``path`` (checkpoint/state.pt) is a whole ``torch.save`` archive (a zip holding a pickle), read
-    torch-free from its directory alone: a truncated or foreign file is refused before the model is built (torch.load
-    would fail only after it)."""
+# What learner_main's checkpoint (loop.py) holds; --resume reads all of it.
+CHECKPOINT_KEYS = ("step", "metrics_offset", "policy", "history", "rng")
+
+
+class _Opaque(dict):
+    """Stands for every object a ``torch.save`` pickle rebuilds (tensors, storages, OrderedDicts): the check below
+    reads the checkpoint's structure without torch and without running any of the pickle's callables."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def append(self, item):
+        pass
+
+    def extend(self, items):
+        pass
+
+
+def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
+                          metrics_path: str | None = None) -> int:
+    """``--resume``: ``path`` (checkpoint/state.pt) is a whole checkpoint of this runner, read torch-free before the
+    model is built (torch.load would fail only after it — or load flipped bytes silently: it checks no checksum).
+    Checked: a ``torch.save`` zip whose every record matches its CRC (the whole file is read once), a pickle that
+    unpickles (its callables are never run) to a dict with ``CHECKPOINT_KEYS``, every tensor's storage record
+    present, a step >= 1 and, given ``steps`` / ``lag`` / ``metrics_path``, a step < ``steps`` (else nothing is left
+    to do), the weight versions steps ``step - lag .. step`` need, and a metrics.jsonl at least as long as the
+    checkpoint's offset. Returns the checkpoint's step; any failure is one ``ConfigError`` naming ``--resume``."""
+    import pickle
     import zipfile
+
+    def refuse(why: str):
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({why}); restore it, or start the run "
+                          "again in another --out")
 
     try:
         with zipfile.ZipFile(path) as z:
-            names = z.namelist()
+            names = set(z.namelist())
+            pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                refuse("a zip, but not one torch.save wrote")
+            bad = z.testzip()
+            if bad is not None:
+                refuse(f"record {bad} fails its CRC check: the file is corrupt")
+            prefix = pkl[0][: -len("data.pkl")]
+            storages: list[str] = []
+
+            class Reader(pickle.Unpickler):
+                def find_class(self, module, name):
+                    return _Opaque
+
+                def persistent_load(self, pid):
+                    if isinstance(pid, tuple) and len(pid) > 2 and pid[0] == "storage":
+                        storages.append(str(pid[2]))
+                    return _Opaque()
+
+            with z.open(pkl[0]) as f:
+                state = Reader(f).load()
+    except ConfigError:
+        raise
     except (OSError, zipfile.BadZipFile, ValueError) as e:
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({e}); restore it, or start the run "
-                          "again in another --out") from None
-    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint (a zip, but not one torch.save wrote); "
-                          "restore it, or start the run again in another --out")
+        refuse(str(e))
+    except Exception as e:  # a pickle that does not unpickle (UnpicklingError, EOFError, an opcode on the wrong type)
+        refuse(f"its pickle does not load: {type(e).__name__}: {e}")
+    missing = sorted({k for k in storages if f"{prefix}data/{k}" not in names})
+    if missing:
+        refuse(f"tensor data record(s) {', '.join(missing[:3])} missing")
+    if not isinstance(state, dict) or type(state) is _Opaque:
+        what = "an object" if isinstance(state, _Opaque) else type(state).__name__
+        refuse(f"a torch.save archive of {what}, not of this runner's checkpoint")
+    absent = [k for k in CHECKPOINT_KEYS if k not in state]
+    if absent:
+        refuse(f"a torch.save archive without {', '.join(absent)}: not this runner's checkpoint")
+    step, offset, history = state["step"], state["metrics_offset"], state["history"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        refuse(f"its step is {step!r}")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        refuse(f"its metrics.jsonl offset is {offset!r}")
+    if steps is not None and step >= steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {step}, the run has --steps {steps}: nothing to do "
+                          f"(pass --steps > {step} to train further)")
+    if lag is not None:
+        need = [v for v in range(max(0, step - lag), step + 1) if not isinstance(history, dict) or v not in history]
+        if need:
+            refuse(f"it lacks weight version(s) {', '.join(map(str, need))}, which the next batches are generated "
+                   "with")
+    if metrics_path is not None:
+        size = os.path.getsize(metrics_path) if os.path.isfile(metrics_path) else None
+        if size is None or size < offset:
+            have = "no metrics.jsonl" if size is None else f"metrics.jsonl has {size} bytes"
+            raise ConfigError(f"--resume: the checkpoint continues metrics.jsonl at byte {offset}, but {have} (it was "
+                              "cut or removed); restore it, or start the run again in another --out")
+    return step
 
 
 # Upper bounds of integer flags that reach a library with a fixed-width argument (a larger one crashed there, after
@@ -224,9 +304,9 @@ class RunConfig:
                               "so there is nothing to resume): remove that folder or choose another --out")
         if check_out and self.resume and not os.path.isfile(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
-        if check_out and self.resume:
-            check_checkpoint_file(ckpt)
+        if check_out and self.resume:  # the settings first: the checkpoint's check reads --steps and the lag
             self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
+            check_checkpoint_file(ckpt, self.steps, self.lag, os.path.join(self.out, "metrics.jsonl"))
         if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
                               "it or choose another folder")
