@@ -611,6 +611,21 @@ def test_resume_with_a_cut_metrics_log_is_refused_up_front(tmp_path, capsys, mon
     _resume_passes(capsys, monkeypatch, out)
 
 
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "group_mean"])
+def test_a_group_of_one_sample_is_refused(advantage, tmp_path, capsys, monkeypatch):
+    # --samples 1 --advantage group_mean passed: A = R - mean of a group of one is 0 for every rollout, so the run
+    # trained nothing (grpo and rloo were refused; all three are 0 there)
+    from aligned_ops import rl
+    import torch
+
+    assert rl.group_mean_advantages(torch.tensor([1.0, 0.0, 3.0]), group_size=1).tolist() == [0.0, 0.0, 0.0]
+    out = str(tmp_path / "run")
+    rc, o, err = run_main(capsys, monkeypatch, "train", "--out", out, "--samples", "1", "--advantage", advantage)
+    assert_one_line(rc, o, err, f"--samples must be >= 2 for --advantage {advantage} (a group needs two samples")
+    with pytest.raises(AssertionError, match="the flags passed validation"):  # control: a group of two passes
+        run_main(capsys, monkeypatch, "train", "--out", out, "--samples", "2", "--advantage", advantage)
+
+
 @pytest.mark.parametrize("resume", [False, True])
 def test_run_killed_before_its_first_checkpoint_says_what_to_do(resume, tmp_path, capsys, monkeypatch):
     # 9b: such a folder could neither be reused ("pass --resume") nor resumed ("no checkpoint")

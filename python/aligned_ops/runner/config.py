@@ -278,8 +278,9 @@ class RunConfig:
         if self.summary_from >= self.steps:
             raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
                               "have no step")
-        if self.samples < 2 and self.advantage in ("grpo", "rloo"):
-            raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples)")
+        if self.samples < 2:  # every advantage is relative to the prompt's group: a group of one gets A = 0
+            raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples: "
+                              "a group of one has advantage 0, the run would never learn)")
         if self.hidden < 8 or self.hidden % 8:
             raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
         if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
