@@ -327,6 +327,9 @@ class RunConfig:
     RESUME_MAY_CHANGE = ("steps", "resume", "progress", "out", "checkpoint_every", "threads", "pin_cores", "backend",
                          "ray_address", "extra")
 
+    # flags whose omission (None) means a default: a resume that omits one continues with the run's value
+    RESUME_OMITTED_TAKES_THE_RUNS = ("max_lag", "d3_from", "train_scope", "freeze_router", "model")
+
     def _check_resume_matches(self, path: str) -> None:
         try:
             with open(path) as f:
@@ -334,12 +337,14 @@ class RunConfig:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--resume: cannot read the run's settings ({path}: {e})") from None
         mine = self.to_dict()
-        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]
-                and not (saved[k] is not None and mine[k] is None and k in ("max_lag", "d3_from", "train_scope",
-                                                                            "freeze_router", "model"))]
+        taken = [k for k in self.RESUME_OMITTED_TAKES_THE_RUNS if mine.get(k) is None and saved.get(k) is not None]
+        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k not in taken and k in saved
+                and saved[k] != mine[k]]
         if diff:
             raise ConfigError("--resume with other settings than the run in --out: " + ", ".join(
                 f"{_flag(k)} {mine[k]} (the run has {saved[k]})" for k in diff))
+        for k in taken:  # not the default's value: a run with --max-lag 3 resumed without it ran at lag 1
+            setattr(self, k, saved[k])
 
     def linear_profile(self):
         """The :mod:`aligned_ops.profiles` object both sides run with aligned kernels."""
