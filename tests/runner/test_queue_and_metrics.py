@@ -180,6 +180,8 @@ def test_resume_without_a_defaulted_flag_continues_with_the_runs_value(tmp_path)
     # controls: a flag given with another value is still refused; a run that took the defaults resumes at them
     with pytest.raises(ConfigError, match=r"--max-lag 2 \(the run has 3\)"):
         RunConfig(out=out, tiny="moe", resume=True, max_lag=2).validate()
+    with pytest.raises(ConfigError, match="--d3-from 5 must be < --steps 5"):  # the run's --d3-from, checked
+        RunConfig(out=out, tiny="moe", resume=True, steps=5).validate()
     cfg = RunConfig(out=run_folder("defaults"), tiny="moe", resume=True).validate()
     assert (cfg.lag, cfg.train_scope, cfg.freeze_router, cfg.d3_from) == (1, "head", True, None)
 

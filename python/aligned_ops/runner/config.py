@@ -275,9 +275,6 @@ class RunConfig:
                 raise ConfigError("--max-lag 0 with --mode async: lag 0 is --mode sync")
         if self.d3_from is not None:
             _at_least("d3_from", self.d3_from, 0)
-        if self.summary_from >= self.steps:
-            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
-                              "have no step")
         if self.samples < 2:  # every advantage is relative to the prompt's group: a group of one gets A = 0
             raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples: "
                               "a group of one has advantage 0, the run would never learn)")
@@ -308,6 +305,9 @@ class RunConfig:
         if check_out and self.resume:  # the settings first: the checkpoint's check reads --steps and the lag
             self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
             check_checkpoint_file(ckpt, self.steps, self.lag, os.path.join(self.out, "metrics.jsonl"))
+        if self.summary_from >= self.steps:  # after --resume took the run's --d3-from
+            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
+                              "have no step")
         if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
                               "it or choose another folder")
