@@ -103,3 +103,23 @@ def checkpoint_getter(tmp_path_factory):
         return path
 
     return get
+
+
+def runner_checkpoint_bytes(step: int = 2, metrics_offset: int = 0, versions=None) -> bytes:
+    """A tiny ``aligned-ops train`` checkpoint (checkpoint/state.pt) as ``learner_main`` writes it: the keys and
+    structure ``--resume`` checks up front (runner.config.check_checkpoint_file), with ``versions`` (default: all
+    of 0..step) in its weight history."""
+    import collections
+    import io
+
+    import torch
+
+    w = lambda v: collections.OrderedDict(weight=torch.full((4, 4), float(v)))  # noqa: E731
+    versions = range(step + 1) if versions is None else versions
+    state = dict(step=step, metrics_offset=metrics_offset,
+                 policy={"model": w(step), "master": [torch.zeros(4, 4)], "opt": {"state": {}, "param_groups": []},
+                         "sched": {"last_epoch": step}},
+                 history={v: w(v) for v in versions}, rng=torch.get_rng_state(), cfg={})
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()

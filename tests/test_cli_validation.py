@@ -547,18 +547,116 @@ def test_resume_with_an_unreadable_checkpoint_is_refused_up_front(tmp_path, caps
         shutil.rmtree(out)
 
 
-def test_resume_accepts_a_torch_checkpoint(tmp_path):
-    # control of the above: what torch.save writes passes the (torch-free) check
-    import io
+def _resume_passes(capsys, monkeypatch, out, *flags):
+    """``train --resume --out OUT FLAGS`` passes validation (run_main's stop after the checks raises)."""
+    with pytest.raises(AssertionError, match="the flags passed validation"):
+        run_main(capsys, monkeypatch, "train", "--resume", "--out", str(out), *flags)
 
-    import torch
+
+def test_resume_accepts_a_torch_checkpoint(tmp_path, capsys, monkeypatch):
+    # control of the above and below: a checkpoint as learner_main writes it passes (at step 2 of the default
+    # --steps 60, lag 1: versions 1 and 2 needed; metrics.jsonl as long as its offset)
+    from _tiny_checkpoints import runner_checkpoint_bytes
 
     from aligned_ops.runner.config import check_checkpoint_file
 
-    buf = io.BytesIO()
-    torch.save({"step": 1, "policy": {"w": torch.zeros(2)}}, buf)
-    out = _run_folder(tmp_path, checkpoint=buf.getvalue())
-    check_checkpoint_file(str(out / "checkpoint" / "state.pt"))
+    out = _run_folder(tmp_path, checkpoint=runner_checkpoint_bytes(step=2, metrics_offset=12, versions=(1, 2)))
+    assert check_checkpoint_file(str(out / "checkpoint" / "state.pt")) == 2
+    _resume_passes(capsys, monkeypatch, out)
+
+
+def _corrupt(raw: bytes, how: str) -> bytes:
+    """A zip-valid torch.save archive, damaged in one way that the zip directory does not show."""
+    import io
+    import struct
+    import zipfile
+
+    z = zipfile.ZipFile(io.BytesIO(raw))
+    tensor = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    if how == "flipped tensor bytes":  # torch.load checks no CRC: it loaded these as silently wrong weights
+        name_len, extra_len = struct.unpack("<HH", raw[tensor.header_offset + 26: tensor.header_offset + 30])
+        at = tensor.header_offset + 30 + name_len + extra_len + 4
+        return raw[:at] + bytes(b ^ 0xFF for b in raw[at: at + 4]) + raw[at + 4:]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as w:  # rewritten: every CRC right
+        for info in z.infolist():
+            data = z.read(info.filename)
+            if how == "garbage pickle" and info.filename.endswith("data.pkl"):
+                data = data[:20] + b"\x00" * 20 + data[40:]
+            if how == "missing tensor record" and info is tensor:
+                continue
+            w.writestr(info, data)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("flipped tensor bytes", "record archive/data/0 fails its CRC check: the file is corrupt"),
+    ("garbage pickle", "its pickle does not load: UnpicklingError"),
+    ("missing tensor record", "tensor data record(s) 0 missing"),
+    ("another torch.save", "a torch.save archive without metrics_offset, policy, history, rng: not this runner's"),
+    ("a version short", "it lacks weight version(s) 1, which the next batches are generated with"),
+])
+def test_resume_with_a_corrupt_checkpoint_is_refused_up_front(how, needle, tmp_path, capsys, monkeypatch):
+    # 9a': a zip-valid state.pt passed the zip-directory check: a foreign or damaged one failed after the model was
+    # built (KeyError 'policy', UnpicklingError, a missing record), and flipped tensor bytes loaded silently
+    import io
+
+    import torch
+    from _tiny_checkpoints import runner_checkpoint_bytes
+
+    good = runner_checkpoint_bytes(step=2, metrics_offset=12, versions=(1, 2))
+    if how == "another torch.save":
+        buf = io.BytesIO()
+        torch.save({"step": 1}, buf)
+        bad = buf.getvalue()
+    elif how == "a version short":
+        bad = runner_checkpoint_bytes(step=2, metrics_offset=12, versions=(2,))
+    else:
+        bad = _corrupt(good, how)
+    out = _run_folder(tmp_path, checkpoint=bad)
+    rc, err_out, err = run_main(capsys, monkeypatch, "train", "--resume", "--out", str(out))
+    assert_one_line(rc, err_out, err, f"--resume: {out}/checkpoint/state.pt is not a readable checkpoint", needle)
+    (out / "checkpoint" / "state.pt").write_bytes(good)  # control: the intact checkpoint passes
+    _resume_passes(capsys, monkeypatch, out)
+
+
+def test_resume_with_nothing_left_to_do_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    # a checkpoint at step 2 resumed with --steps 2: a ValueError traceback after the model build
+    from _tiny_checkpoints import runner_checkpoint_bytes
+
+    out = _run_folder(tmp_path, checkpoint=runner_checkpoint_bytes(step=2, metrics_offset=12))
+    for steps in ("2", "1"):
+        rc, err_out, err = run_main(capsys, monkeypatch, "train", "--resume", "--out", str(out), "--steps", steps)
+        assert_one_line(rc, err_out, err, f"--resume: the checkpoint is at step 2, the run has --steps {steps}: "
+                        "nothing to do (pass --steps > 2")
+    _resume_passes(capsys, monkeypatch, out, "--steps", "3")  # control
+
+
+def test_resume_with_a_cut_metrics_log_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    # metrics.jsonl shorter than the checkpoint's offset: the resume "cut it back" by extending it with NUL bytes
+    from _tiny_checkpoints import runner_checkpoint_bytes
+
+    out = _run_folder(tmp_path, checkpoint=runner_checkpoint_bytes(step=2, metrics_offset=13))  # the file has 12
+    rc, err_out, err = run_main(capsys, monkeypatch, "train", "--resume", "--out", str(out))
+    assert_one_line(rc, err_out, err, "--resume: the checkpoint continues metrics.jsonl at byte 13, but "
+                    "metrics.jsonl has 12 bytes (it was cut or removed)")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')  # control: a longer one is cut back to 13
+    _resume_passes(capsys, monkeypatch, out)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "group_mean"])
+def test_a_group_of_one_sample_is_refused(advantage, tmp_path, capsys, monkeypatch):
+    # --samples 1 --advantage group_mean passed: A = R - mean of a group of one is 0 for every rollout, so the run
+    # trained nothing (grpo and rloo were refused; all three are 0 there)
+    from aligned_ops import rl
+    import torch
+
+    assert rl.group_mean_advantages(torch.tensor([1.0, 0.0, 3.0]), group_size=1).tolist() == [0.0, 0.0, 0.0]
+    out = str(tmp_path / "run")
+    rc, o, err = run_main(capsys, monkeypatch, "train", "--out", out, "--samples", "1", "--advantage", advantage)
+    assert_one_line(rc, o, err, f"--samples must be >= 2 for --advantage {advantage} (a group needs two samples")
+    with pytest.raises(AssertionError, match="the flags passed validation"):  # control: a group of two passes
+        run_main(capsys, monkeypatch, "train", "--out", out, "--samples", "2", "--advantage", advantage)
 
 
 @pytest.mark.parametrize("resume", [False, True])

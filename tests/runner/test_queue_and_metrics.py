@@ -143,9 +143,9 @@ def test_resume_refuses_other_settings(tmp_path):
 
     out = tmp_path / "run"
     (out / "checkpoint").mkdir(parents=True)
-    import torch
+    from _tiny_checkpoints import runner_checkpoint_bytes
 
-    torch.save({"step": 1}, str(out / "checkpoint" / "state.pt"))  # a readable archive (validate reads its directory)
+    (out / "checkpoint" / "state.pt").write_bytes(runner_checkpoint_bytes(step=1))  # validate reads it whole
     saved = RunConfig(out=str(out), lr=1e-4, tiny="dense").validate(check_out=False)
     (out / "checkpoint" / "config.json").write_text(json.dumps(saved.to_dict()))
     (out / "metrics.jsonl").write_text("")
@@ -154,6 +154,36 @@ def test_resume_refuses_other_settings(tmp_path):
         RunConfig(out=str(out), lr=1e-3, tiny="dense", resume=True).validate()
     with pytest.raises(ConfigError, match="already holds a run"):  # and no resume: no overwrite
         RunConfig(out=str(out), lr=1e-4, tiny="dense").validate()
+
+
+def test_resume_without_a_defaulted_flag_continues_with_the_runs_value(tmp_path):
+    # a run with --max-lag 3 (or a MoE run with --train-scope all --no-freeze-router) resumed without that flag
+    # passed the settings check (None: "not given") and then ran at the default: lag 1, head-only, frozen router
+    import json
+
+    from _tiny_checkpoints import runner_checkpoint_bytes
+
+    from aligned_ops.runner import ConfigError
+
+    def run_folder(name, **flags):
+        out = tmp_path / name
+        (out / "checkpoint").mkdir(parents=True)
+        (out / "checkpoint" / "state.pt").write_bytes(runner_checkpoint_bytes(step=3))
+        saved = RunConfig(out=str(out), tiny="moe", **flags).validate(check_out=False)
+        (out / "checkpoint" / "config.json").write_text(json.dumps(saved.to_dict()))
+        (out / "metrics.jsonl").write_text("")
+        return str(out)
+
+    out = run_folder("explicit", max_lag=3, train_scope="all", freeze_router=False, d3_from=5)
+    cfg = RunConfig(out=out, tiny="moe", resume=True).validate()
+    assert (cfg.lag, cfg.train_scope, cfg.freeze_router, cfg.d3_from) == (3, "all", False, 5)
+    # controls: a flag given with another value is still refused; a run that took the defaults resumes at them
+    with pytest.raises(ConfigError, match=r"--max-lag 2 \(the run has 3\)"):
+        RunConfig(out=out, tiny="moe", resume=True, max_lag=2).validate()
+    with pytest.raises(ConfigError, match="--d3-from 5 must be < --steps 5"):  # the run's --d3-from, checked
+        RunConfig(out=out, tiny="moe", resume=True, steps=5).validate()
+    cfg = RunConfig(out=run_folder("defaults"), tiny="moe", resume=True).validate()
+    assert (cfg.lag, cfg.train_scope, cfg.freeze_router, cfg.d3_from) == (1, "head", True, None)
 
 
 def test_both_sides_get_one_linear_profile_by_name():

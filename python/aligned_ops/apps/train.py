@@ -31,7 +31,7 @@ FLAGS = [
     ("--dtype", dict(choices=["bfloat16", "float32", "float16"])),
     ("--steps", dict(type=int, help="learner updates")),
     ("--prompts", dict(type=int, help="prompts per batch")),
-    ("--samples", dict(type=int, help="samples per prompt (the advantage group)")),
+    ("--samples", dict(type=int, help="samples per prompt (the advantage group, >= 2)")),
     ("--lr", dict(type=float, help="learning rate (AdamW on fp32 master weights)")),
     ("--lr-warmup", dict(type=int, help="linear learning-rate warm-up steps")),
     ("--loss", dict(help="policy loss: reinforce_zero (untruncated token IS, default), tis, mis, icepop, seq_tis, "

@@ -40,21 +40,101 @@ def check_writable_folder(path: str) -> None:
                 pass
         raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
 
-def check_checkpoint_file(path: str) -> None:
-    """``--resume``: ``path`` (checkpoint/state.pt) is a whole ``torch.save`` archive (a zip holding a pickle), read
-    torch-free from its directory alone: a truncated or foreign file is refused before the model is built (torch.load
-    would fail only after it)."""
+# What learner_main's checkpoint (loop.py) holds; --resume reads all of it.
+CHECKPOINT_KEYS = ("step", "metrics_offset", "policy", "history", "rng")
+
+
+class _Opaque(dict):
+    """Stands for every object a ``torch.save`` pickle rebuilds (tensors, storages, OrderedDicts): the check below
+    reads the checkpoint's structure without torch and without running any of the pickle's callables."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def append(self, item):
+        pass
+
+    def extend(self, items):
+        pass
+
+
+def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
+                          metrics_path: str | None = None) -> int:
+    """``--resume``: ``path`` (checkpoint/state.pt) is a whole checkpoint of this runner, read torch-free before the
+    model is built (torch.load would fail only after it — or load flipped bytes silently: it checks no checksum).
+    Checked: a ``torch.save`` zip whose every record matches its CRC (the whole file is read once), a pickle that
+    unpickles (its callables are never run) to a dict with ``CHECKPOINT_KEYS``, every tensor's storage record
+    present, a step >= 1 and, given ``steps`` / ``lag`` / ``metrics_path``, a step < ``steps`` (else nothing is left
+    to do), the weight versions steps ``step - lag .. step`` need, and a metrics.jsonl at least as long as the
+    checkpoint's offset. Returns the checkpoint's step; any failure is one ``ConfigError`` naming ``--resume``."""
+    import pickle
     import zipfile
+
+    def refuse(why: str):
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({why}); restore it, or start the run "
+                          "again in another --out")
 
     try:
         with zipfile.ZipFile(path) as z:
-            names = z.namelist()
+            names = set(z.namelist())
+            pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                refuse("a zip, but not one torch.save wrote")
+            bad = z.testzip()
+            if bad is not None:
+                refuse(f"record {bad} fails its CRC check: the file is corrupt")
+            prefix = pkl[0][: -len("data.pkl")]
+            storages: list[str] = []
+
+            class Reader(pickle.Unpickler):
+                def find_class(self, module, name):
+                    return _Opaque
+
+                def persistent_load(self, pid):
+                    if isinstance(pid, tuple) and len(pid) > 2 and pid[0] == "storage":
+                        storages.append(str(pid[2]))
+                    return _Opaque()
+
+            with z.open(pkl[0]) as f:
+                state = Reader(f).load()
+    except ConfigError:
+        raise
     except (OSError, zipfile.BadZipFile, ValueError) as e:
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({e}); restore it, or start the run "
-                          "again in another --out") from None
-    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint (a zip, but not one torch.save wrote); "
-                          "restore it, or start the run again in another --out")
+        refuse(str(e))
+    except Exception as e:  # a pickle that does not unpickle (UnpicklingError, EOFError, an opcode on the wrong type)
+        refuse(f"its pickle does not load: {type(e).__name__}: {e}")
+    missing = sorted({k for k in storages if f"{prefix}data/{k}" not in names})
+    if missing:
+        refuse(f"tensor data record(s) {', '.join(missing[:3])} missing")
+    if not isinstance(state, dict) or type(state) is _Opaque:
+        what = "an object" if isinstance(state, _Opaque) else type(state).__name__
+        refuse(f"a torch.save archive of {what}, not of this runner's checkpoint")
+    absent = [k for k in CHECKPOINT_KEYS if k not in state]
+    if absent:
+        refuse(f"a torch.save archive without {', '.join(absent)}: not this runner's checkpoint")
+    step, offset, history = state["step"], state["metrics_offset"], state["history"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        refuse(f"its step is {step!r}")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        refuse(f"its metrics.jsonl offset is {offset!r}")
+    if steps is not None and step >= steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {step}, the run has --steps {steps}: nothing to do "
+                          f"(pass --steps > {step} to train further)")
+    if lag is not None:
+        need = [v for v in range(max(0, step - lag), step + 1) if not isinstance(history, dict) or v not in history]
+        if need:
+            refuse(f"it lacks weight version(s) {', '.join(map(str, need))}, which the next batches are generated "
+                   "with")
+    if metrics_path is not None:
+        size = os.path.getsize(metrics_path) if os.path.isfile(metrics_path) else None
+        if size is None or size < offset:
+            have = "no metrics.jsonl" if size is None else f"metrics.jsonl has {size} bytes"
+            raise ConfigError(f"--resume: the checkpoint continues metrics.jsonl at byte {offset}, but {have} (it was "
+                              "cut or removed); restore it, or start the run again in another --out")
+    return step
 
 
 # Upper bounds of integer flags that reach a library with a fixed-width argument (a larger one crashed there, after
@@ -195,11 +275,9 @@ class RunConfig:
                 raise ConfigError("--max-lag 0 with --mode async: lag 0 is --mode sync")
         if self.d3_from is not None:
             _at_least("d3_from", self.d3_from, 0)
-        if self.summary_from >= self.steps:
-            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
-                              "have no step")
-        if self.samples < 2 and self.advantage in ("grpo", "rloo"):
-            raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples)")
+        if self.samples < 2:  # every advantage is relative to the prompt's group: a group of one gets A = 0
+            raise ConfigError(f"--samples must be >= 2 for --advantage {self.advantage} (a group needs two samples: "
+                              "a group of one has advantage 0, the run would never learn)")
         if self.hidden < 8 or self.hidden % 8:
             raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
         if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
@@ -224,9 +302,12 @@ class RunConfig:
                               "so there is nothing to resume): remove that folder or choose another --out")
         if check_out and self.resume and not os.path.isfile(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
-        if check_out and self.resume:
-            check_checkpoint_file(ckpt)
+        if check_out and self.resume:  # the settings first: the checkpoint's check reads --steps and the lag
             self._check_resume_matches(os.path.join(self.out, "checkpoint", "config.json"))
+            check_checkpoint_file(ckpt, self.steps, self.lag, os.path.join(self.out, "metrics.jsonl"))
+        if self.summary_from >= self.steps:  # after --resume took the run's --d3-from
+            raise ConfigError(f"--d3-from {self.summary_from} must be < --steps {self.steps}: the D3 summary would "
+                              "have no step")
         if check_out and not self.resume and os.path.isfile(os.path.join(self.out, "metrics.jsonl")):
             raise ConfigError(f"--out {self.out} already holds a run (metrics.jsonl); pass --resume to continue "
                               "it or choose another folder")
@@ -246,6 +327,9 @@ class RunConfig:
     RESUME_MAY_CHANGE = ("steps", "resume", "progress", "out", "checkpoint_every", "threads", "pin_cores", "backend",
                          "ray_address", "extra")
 
+    # flags whose omission (None) means a default: a resume that omits one continues with the run's value
+    RESUME_OMITTED_TAKES_THE_RUNS = ("max_lag", "d3_from", "train_scope", "freeze_router", "model")
+
     def _check_resume_matches(self, path: str) -> None:
         try:
             with open(path) as f:
@@ -253,12 +337,14 @@ class RunConfig:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--resume: cannot read the run's settings ({path}: {e})") from None
         mine = self.to_dict()
-        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]
-                and not (saved[k] is not None and mine[k] is None and k in ("max_lag", "d3_from", "train_scope",
-                                                                            "freeze_router", "model"))]
+        taken = [k for k in self.RESUME_OMITTED_TAKES_THE_RUNS if mine.get(k) is None and saved.get(k) is not None]
+        diff = [k for k in mine if k not in self.RESUME_MAY_CHANGE and k not in taken and k in saved
+                and saved[k] != mine[k]]
         if diff:
             raise ConfigError("--resume with other settings than the run in --out: " + ", ".join(
                 f"{_flag(k)} {mine[k]} (the run has {saved[k]})" for k in diff))
+        for k in taken:  # not the default's value: a run with --max-lag 3 resumed without it ran at lag 1
+            setattr(self, k, saved[k])
 
     def linear_profile(self):
         """The :mod:`aligned_ops.profiles` object both sides run with aligned kernels."""

@@ -145,13 +145,11 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
     history: dict[int, dict] = {0: learner.policy.weights()}
     start, offset = 0, None
     if cfg.resume:
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False)  # checked up front: config.check_checkpoint_file
         learner.policy.load_state(state["policy"])
         history = state["history"]
         start, offset = state["step"], state["metrics_offset"]
         torch.set_rng_state(state["rng"])
-    if start >= cfg.steps:
-        raise ValueError(f"--resume: the checkpoint is at step {start}, the run has --steps {cfg.steps}: nothing to do")
     if not cfg.resume:  # the run's settings, which a --resume must repeat (RunConfig._check_resume_matches)
         os.makedirs(os.path.dirname(ckpt_path), exist_ok=True)
         with open(os.path.join(os.path.dirname(ckpt_path), "config.json"), "w") as f:
