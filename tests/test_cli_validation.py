@@ -355,10 +355,11 @@ def test_config_without_rope_theta_is_checked_with_transformers_default(cfg, tmp
     from aligned_ops.integrations import rope_theta_of
     from aligned_ops.runner.config import _fill_class_defaults
 
-    cli.check_model_dir(_model_dir(tmp_path, cfg))
+    folder = _model_dir(tmp_path, cfg)
+    cli.check_model_dir(folder)
     fields = SimpleNamespace(**cfg)
     _fill_class_defaults(fields, cfg["model_type"])
-    assert fields.rope_theta == rope_theta_of(AutoConfig.for_model(cfg["model_type"]))
+    assert fields.rope_theta == rope_theta_of(AutoConfig.from_pretrained(folder)) == 10000.0  # what the trainer reads
 
 
 @pytest.mark.parametrize("theta,message", [(None, "no rope_theta"), (0, "must be a finite number > 0"),

@@ -23,10 +23,11 @@
 // NaN policy (all ops): NaN inputs propagate to the outputs that depend on them; nothing is clamped,
 // nothing is silently dropped. A row of log_softmax that holds a NaN or +inf yields NaN for the row
 // (logsumexp of a row with +inf and no NaN is +inf); the log-prob section below lists every special row.
-// WHICH NaN (sign, payload) is contracted only where a helper writes one itself (the log-prob rows: 0x7fc00000;
-// moe.h): where an input NaN meets another NaN in an add/fma (inf - inf), IEEE leaves the result to the hardware's
-// operand order (x86: one operand's; NVIDIA: a canonical NaN), so e.g. a linear's NaN sign may differ between
-// kernels and with M. That an output IS NaN is invariant; the log-probs of such a row are bitwise the same.
+// WHICH NaN (sign, payload) is contracted only where a helper writes one itself (the log-probs: logp_value;
+// exact_linear.h; moe.h): 0x7fc00000. Elsewhere, where an input NaN meets another NaN in an add/fma (inf - inf),
+// IEEE leaves the result to the hardware's operand order (x86: one operand's; NVIDIA: a canonical NaN), so e.g. a
+// linear's NaN sign may differ between kernels and with M. That an output IS NaN is invariant; the log-probs of
+// such a row are bitwise the same.
 #pragma once
 
 #include "numerics.h"
@@ -241,6 +242,8 @@ ALIGNED_HD void rotate_pair(V x1, V x2, V c, V s, bool inverse, V* o1, V* o2) {
 //   a NaN s_v anywhere      -> (NaN, NaN): every logp, the lse and every gradient of the row are NaN;
 //   a +inf s_v (no NaN)     -> (+inf, NaN): logsumexp = +inf (as torch.logsumexp), logp and gradients NaN;
 //   every s_v = -inf        -> (-inf, 0): logsumexp = -inf, logp = (-inf - -inf) - 0 = NaN (as torch);
+//   a NaN logp or logsumexp is the canonical NaN 0x7fc00000 on every backend (logp_value, lse_value); a NaN
+//   gradient is a NaN (which one: the hardware's, see the NaN policy above);
 //   some -inf, some finite  -> the -inf entries get logp = -inf and p = 0 (masked logits), others are exact.
 // Note tau < 1 can turn a finite masked logit (-3e38) into s = -inf: such a row is an all -inf row.
 // Accuracy limit of the exp-sum: each of the 32 lanes is a sequential fp32 chain of V/32 terms, so the
@@ -293,8 +296,17 @@ ALIGNED_HD void lse_max_merge(float part_m, int32_t part_flags, float* m, int32_
 }
 ALIGNED_HD LsePair lse_pair_of_sum(float m, float sum) { return LsePair{m, log_f32(sum)}; }
 
-ALIGNED_HD float lse_value(LsePair p) { return p.m == float_of(0x7f800000u) ? p.m : p.m + p.L; }
-ALIGNED_HD float logp_value(float s, LsePair p) { return (s - p.m) - p.L; }
+ALIGNED_HD float lse_value(LsePair p) {
+  const float r = p.m == float_of(0x7f800000u) ? p.m : p.m + p.L;
+  return is_nan_f32(r) ? float_of(0x7fc00000u) : r;  // NaN + NaN: NVIDIA writes 0x7fffffff (see logp_value)
+}
+// A NaN log-prob (a NaN or +inf row, an all -inf row) is the canonical NaN 0x7fc00000 on every backend: (s - m) - L
+// would pass on s's own NaN (a NaN logit's sign and payload, which the linear before it leaves to the hardware's
+// operand order: they varied with M) or the host's default NaN of -inf - -inf (x86 0xffc00000, NVIDIA 0x7fffffff).
+ALIGNED_HD float logp_value(float s, LsePair p) {
+  const float r = (s - p.m) - p.L;
+  return is_nan_f32(r) ? float_of(0x7fc00000u) : r;
+}
 ALIGNED_HD float prob_value(float s, LsePair p) { return exp_f32(logp_value(s, p)); }
 
 // The reference row: max pass, then the reduce.h lane sums of exp(s_v - m). Backends compute the same

@@ -88,28 +88,33 @@ def test_small_m_negative_control_lane_tree(arch):
 
 @pytest.mark.parametrize("arch", WIDTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_which_nan_a_linear_writes_is_not_contracted_but_log_probs_are_canonical(arch, dtype):
+@pytest.mark.parametrize("token", [0, 1], ids=["nan-of-the-sum", "nan-of-the-input"])
+def test_which_nan_a_linear_writes_is_not_contracted_but_log_probs_are_canonical(arch, dtype, token):
     """Where a NaN input meets inf - inf (row 1: x[1, 5] NaN, the other products of column 0 overflow to +-inf), IEEE
     leaves which NaN comes out to the hardware's operand order: the CPU kernel and the emulated tiled kernel return
     the default NaN (sign set), the emulated small-M kernel the input's — so a linear's NaN sign depends on M. The
     contract (README "NaN policy", contract.h) promises that such an output IS NaN, not which; the log-prob ops write
-    the canonical NaN 0x7fc00000, so the log-probs (what the contract is about) are bitwise the same for every M."""
+    the canonical NaN 0x7fc00000, so the log-probs (what the contract is about) are bitwise the same for every M —
+    also of the token whose logit is that NaN (fp32 logits: its log-prob was the logit's own NaN, M-dependent)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20, 300, generator=g).to(dtype)
     x[0, :] = torch.finfo(dtype).max
-    x[1, 5] = float("nan")
+    # a negative NaN with a payload, written as bits (torch's float -> bf16 conversion would write 0x7fc0)
+    nan_in = 0xFFC12300 - (1 << 32) if dtype == torch.float32 else 0xFFC1 - (1 << 16)
+    x.view(torch.int32 if dtype == torch.float32 else torch.int16)[1, 5] = nan_in
     w = torch.randn(9, 300, generator=g).to(dtype)
     w[0, :] = torch.finfo(dtype).max
-    ids = torch.arange(20) % 9
+    ids = torch.full((20,), token)  # row 1's column 0 is the NaN whose sign varies with M; column 1 the input's
     outs = {}
     for M in (2, 17):
         with aligned_ops.emulate(arch):
             y = ops.linear(x[:M], w)
             outs[M] = (y[:2], aligned_ops.token_logprobs(y, ids[:M])[:2],
                        aligned_ops.fused_token_logprobs(x[:M], w, ids[:M])[:2])
-    # the linear outputs: both NaN, with different sign bits (the case the statement is about: not a vacuous test)
+    # the linear outputs: both NaN; the small-M kernel returns the input's NaN, the tiled one the default NaN of the
+    # host's inf - inf (x86 0xffc00000, aarch64 0x7fc00000: neither has the payload): the case the statement is about
     assert torch.isnan(outs[2][0][1, 0]) and torch.isnan(outs[17][0][1, 0])
-    assert bits(outs[2][0])[1, 0] != bits(outs[17][0])[1, 0]
+    assert bits(outs[2][0])[1, 0] == nan_in and bits(outs[17][0])[1, 0] != nan_in
     cpu = ops.linear(x[:2], w)
     canonical = torch.full((2,), float("nan"))  # 0x7fc00000
     assert bits(canonical)[0] == 0x7FC00000

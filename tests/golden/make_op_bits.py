@@ -26,6 +26,8 @@ torch's RNG, so the corpus does not depend on the RNG of a torch release.
 Usage:
   python tests/golden/make_op_bits.py --write        regenerate op_bits.json (every configuration)
   python tests/golden/make_op_bits.py --check        recompute and list the entries that differ
+  python tests/golden/make_op_bits.py --replace P    recompute the entries starting with P (one hash for every
+                                                     configuration) and write them: a change meant to alter them
 Regenerating changes recorded bits: a commit that does so must say in its message which ops changed and why
 (e.g. "moe_routing: sigmoid in the stable form (issue 21 item 6)"). A refactor never regenerates.
 
@@ -689,6 +691,51 @@ def differences(corpus: dict, config: str, records: dict, only: str | None = Non
     return sorted(bad)
 
 
+def _run_prefix(prefix: str, levels) -> dict:
+    """{config: {entry: record}} of the cases starting with ``prefix``, one subprocess per level, side by side."""
+    procs = {}
+    for level in levels:
+        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root()}
+        procs[level] = subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs_of(level)), "--only",
+             prefix], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = {}
+    for level, p in procs.items():
+        stdout, stderr = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"make_op_bits: the {level} process failed:\n{stderr[-4000:]}")
+        result.update(json.loads(stdout)["records"])
+    return result
+
+
+def _replace_entries(prefix: str) -> int:
+    """--replace: recompute the recorded entries starting with PREFIX and write their new hashes, for a change that
+    means to change those bits (the commit says which and why). Only entries every configuration agrees on (one
+    hash, before and after) are replaced, so a machine without some CPU level can do it: the contract makes such an
+    entry the same bits on every level. Entries that differ between configurations need --write on a machine with
+    every level."""
+    corpus = json.loads(CORPUS.read_text())
+    old = {e: h for e, h in corpus["entries"].items() if e.startswith(prefix)}
+    if not old:
+        raise SystemExit(f"make_op_bits --replace: no recorded entry starts with {prefix!r}")
+    split = [e for e, h in old.items() if not isinstance(h, str)]
+    if split:
+        raise SystemExit(f"make_op_bits --replace: {len(split)} of these entries differ between configurations (e.g. "
+                         f"{split[0]}): regenerate with --write on a machine with every level")
+    new = to_corpus(_run_prefix(prefix, available_levels()))["entries"]
+    if set(new) != set(old):
+        raise SystemExit(f"make_op_bits --replace: the cases starting with {prefix!r} are not the recorded ones "
+                         f"(new: {sorted(set(new) - set(old))[:3]}, gone: {sorted(set(old) - set(new))[:3]})")
+    split = [e for e, h in new.items() if not isinstance(h, str)]
+    if split:
+        raise SystemExit(f"make_op_bits --replace: the configurations now disagree on {split}: a contract break")
+    changed = sorted(e for e in new if new[e] != old[e])
+    corpus["entries"].update(new)
+    CORPUS.write_text(dump_corpus(corpus))
+    print(f"replaced {len(changed)} of {len(new)} entries starting with {prefix!r}: {', '.join(changed) or 'none'}")
+    return 0
+
+
 def _add_entries(prefix: str) -> int:
     """--add: new entries only, merged into the recorded corpus (every configuration); existing entries and their
     hashes are left exactly as they are."""
@@ -701,19 +748,7 @@ def _add_entries(prefix: str) -> int:
     if set(levels) != set(corpus["configs"]) - set(EMULATED):
         raise SystemExit(f"make_op_bits --add: this machine runs levels {levels}, the corpus records "
                          f"{corpus['configs']}: add on a machine with the same levels")
-    procs = {}
-    for level in levels:
-        configs = configs_of(level)
-        env = {**os.environ, "ALIGNED_CPU_ISA": level, "PYTHONPATH": _package_root()}
-        procs[level] = subprocess.Popen(
-            [sys.executable, str(pathlib.Path(__file__).resolve()), "--run", ",".join(configs), "--only", prefix],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    result = {}
-    for level, p in procs.items():
-        stdout, stderr = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"make_op_bits --add: the {level} process failed:\n{stderr[-4000:]}")
-        result.update(json.loads(stdout)["records"])
+    result = _run_prefix(prefix, levels)
     new = to_corpus(result)
     if not new["entries"]:
         raise SystemExit(f"make_op_bits --add: no case starts with {prefix!r}")
@@ -731,6 +766,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="recompute and list the entries that differ")
     ap.add_argument("--add", metavar="PREFIX", help="compute only the entries whose names start with PREFIX and add "
                     "them to op_bits.json; refuses if any of them is already recorded (existing entries never change)")
+    ap.add_argument("--replace", metavar="PREFIX", help="recompute the recorded entries whose names start with PREFIX "
+                    "and write their new hashes (entries every configuration agrees on; say why in the commit)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--only", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -746,6 +783,8 @@ def main(argv=None):
         return 0
     if a.add:
         return _add_entries(a.add)
+    if a.replace:
+        return _replace_entries(a.replace)
     if not (a.write or a.check):
         ap.error("pass --write, --check or --add PREFIX")
     result, _ = compute_all()

@@ -153,8 +153,8 @@ def test_model_type_and_architectures_of_different_architectures_are_refused(mod
         with pytest.raises(ValueError, match=f"aligned_ops \\({where}\\): config model_type '{model_type}' is a "
                                              f"{owner} config, but architectures names {arch}"):
             check_hf_config(SimpleNamespace(**raw), where)
-    # controls: the architecture's own model_type; Kimi-K2's (its own model_type, DeepSeek-V3's class); a model_type
-    # of no supported architecture (not this check's to refuse)
+    # controls: the architecture's own model_type; a model_type transformers does not know either (a custom class:
+    # not this check's to refuse). Kimi-K2's: test_kimi_k2_model_type_is_deepseek_v3s
     check_hf_config(SimpleNamespace(**dict(raw, model_type=ARCHITECTURES[arch].model_types[0])), "--model")
     check_hf_config(SimpleNamespace(**dict(raw, model_type="my_own_type")), "--model")
 
@@ -206,3 +206,26 @@ def test_patch_model_refuses_a_checkpoint_naming_another_architecture(tiny_check
         patch_model(model)
     assert not any(k.startswith("_aligned") for k in vars(model))
     patch_model(AutoModelForCausalLM.from_pretrained(src))
+
+
+def test_a_model_type_transformers_maps_to_another_class_is_refused_where_its_mapping_is_loaded():
+    """A model_type of no supported architecture whose transformers class is not the one the model runs as: a Gemma
+    config naming LlamaForCausalLM (transformers builds Gemma from the checkpoint, vLLM Llama), and a Qwen3 model
+    built from a Qwen2 config (reloading its checkpoint builds Qwen2). patch_model (a model object: transformers'
+    auto mapping is loaded) names the model's run architecture, not config.architectures (None here)."""
+    import transformers
+
+    gemma = transformers.GemmaConfig(**SMALL, head_dim=16)
+    gemma.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"aligned_ops \(patch_model\): config model_type 'gemma' is a "
+                                         r"GemmaForCausalLM config, but the model is run as LlamaForCausalLM"):
+        patch_model(transformers.GemmaForCausalLM(gemma))
+    with pytest.raises(ValueError, match=r"config model_type 'gemma' is a GemmaForCausalLM config, but architectures "
+                                         "names LlamaForCausalLM"):
+        check_hf_config(gemma, "vLLM plugin")
+    qwen2 = transformers.Qwen2Config(**SMALL, attention_bias=False)
+    assert qwen2.architectures is None
+    with pytest.raises(ValueError, match=r"config model_type 'qwen2' is a Qwen2ForCausalLM config, but the model is "
+                                         "run as Qwen3ForCausalLM"):
+        patch_model(transformers.Qwen3ForCausalLM(qwen2))
+    patch_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)))  # control: its own config

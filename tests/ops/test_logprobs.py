@@ -94,6 +94,42 @@ def test_nan_policy():
     assert_bitwise_equal(dz[4, :150], torch.nn.functional.one_hot(torch.tensor(3), 150).float())
 
 
+def _f32(bits: int) -> float:
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+CANONICAL_NAN = 0x7FC00000
+
+
+def test_a_nan_log_prob_is_the_canonical_nan():
+    """Which NaN a log-prob or logsumexp holds is contracted (contract.h logp_value / lse_value): 0x7fc00000, whatever
+    NaN the row had. (s - m) - L passed on the chosen logit's own NaN (its sign and payload: a linear leaves them to
+    the hardware's operand order, so they varied with M: tests/emulated/test_emulated_small_m_linear.py) and -inf - -inf
+    gave x86's default NaN 0xffc00000 (NVIDIA: 0x7fffffff)."""
+    z, _ = make(6, 40, torch.float32, 5)
+    z[0, 3] = _f32(0x7FC00123)  # a quiet NaN with a payload
+    z[1, 3] = _f32(0xFFC00000)  # the negative default NaN
+    z[2, 3] = _f32(0x7F800001)  # a signalling NaN
+    z[3, 3] = INF
+    z[4] = -INF
+    ids = torch.full((6,), 3)
+    canonical_rows = [0, 1, 2, 3, 4]
+    for tau in (1.0, 0.7):
+        logp = ops.log_softmax(z, tau, None)
+        tlp = ops.token_logprobs(z, ids, tau, None)
+        lse = ops.logsumexp(z, tau, None)
+        assert (aligned_ops.testing.bits(logp[canonical_rows]) == CANONICAL_NAN).all()
+        assert (aligned_ops.testing.bits(tlp[canonical_rows]) == CANONICAL_NAN).all()
+        assert (aligned_ops.testing.bits(lse[:3]) == CANONICAL_NAN).all()  # NaN rows (+inf: +inf, all -inf: -inf)
+        assert torch.isfinite(logp[5]).all() and torch.isfinite(tlp[5])  # control: an ordinary row is a number
+        # the fused head: a NaN hidden element makes the whole logit row NaN (of mixed signs: 0 * NaN, NaN + x)
+        h = torch.randn(6, 16)
+        h[0, 2] = _f32(0xFFC00123)
+        w = torch.randn(40, 16)
+        fused = aligned_ops.fused_token_logprobs(h, w, ids, tau)
+        assert aligned_ops.testing.bits(fused)[0] == CANONICAL_NAN and torch.isfinite(fused[1:]).all()
+
+
 def test_non_contiguous_and_zero_size():
     z, ids = make(40, 500, torch.bfloat16, 4)
     zt = z.t().contiguous().t()

@@ -94,24 +94,36 @@ def check_config_fields(config, where: str, arch) -> None:
         raise ValueError(f"aligned_ops ({where}): config field hidden_act must be a name, got {act!r}")
 
 
-def check_same_architecture(config, where: str, arch) -> None:
-    """Raise ``ValueError`` where the config would make the two sides build different supported architectures:
-    vLLM builds ``architectures[0]``; transformers (``AutoModelForCausalLM``) builds the class of ``model_type``, and a
-    model object is the class it is (``arch``). A qwen2 config naming LlamaForCausalLM ran Qwen2 in the trainer and
-    Llama in vLLM: 0 % bitwise, no warning. Only names this library knows are compared (a model_type or class
-    of no supported architecture is not refused here)."""
-    from ..models import ARCHITECTURES
+def _transformers_class_of(model_type) -> str | None:
+    """The causal-LM class transformers builds for ``model_type``, read from its auto mapping where that is already
+    imported (a transformers model object, vLLM: importing either imports it); None otherwise, so the raw config.json
+    check (``--model``) stays transformers-free (importing it takes seconds)."""
+    import sys
 
+    auto = sys.modules.get("transformers.models.auto.modeling_auto")
+    names = getattr(auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", None) or {}
+    return names.get(model_type) if isinstance(model_type, str) else None
+
+
+def check_same_architecture(config, where: str, arch, from_class: bool = False) -> None:
+    """Raise ``ValueError`` where the config would make the two sides build different architectures: vLLM builds
+    ``architectures[0]``; transformers (``AutoModelForCausalLM``) builds the class of ``model_type``; a model object
+    is run as the architecture of its class (``from_class``: ``arch`` is that one). A qwen2 config naming LlamaForCausalLM ran Qwen2 in
+    the trainer and Llama in vLLM: 0 % bitwise, no warning. A model_type is compared where this library knows its
+    architecture (``Architecture.model_types``) or transformers' mapping is loaded (:func:`_transformers_class_of`);
+    a model_type neither knows (a custom registered class) is not refused here."""
     archs = list(getattr(config, "architectures", None) or [])
     if archs and archs[0] != arch.name and archs[0] in ARCHITECTURES:
         raise ValueError(f"aligned_ops ({where}): the model is a {arch.name}, but its config's architectures names "
                          f"{archs[0]} (the class vLLM builds from it): the two sides would run different models")
     model_type = getattr(config, "model_type", None)
     owner = next((a.name for a in ARCHITECTURES.values() if model_type in a.model_types), None)
+    owner = owner or _transformers_class_of(model_type)
     if owner is not None and owner != arch.name:
-        raise ValueError(f"aligned_ops ({where}): config model_type {model_type!r} is a {owner} config, but "
-                         f"architectures names {arch.name} (transformers builds the model class of model_type, vLLM "
-                         "that of architectures): the two sides would run different models")
+        named = f"the model is run as {arch.name}" if from_class else f"architectures names {arch.name}"
+        raise ValueError(f"aligned_ops ({where}): config model_type {model_type!r} is a {owner} config, but {named} "
+                         "(transformers builds the model class of model_type, vLLM that of architectures): the two "
+                         "sides would run different models")
 
 
 def check_hf_config(config, where: str, architecture: str | None = None) -> None:
@@ -132,7 +144,7 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
         archs = [architecture]
     name = archs[0] if archs else type(config).__name__
     arch = registry.get(name, where)  # ValueError naming the supported architectures
-    check_same_architecture(config, where, arch)
+    check_same_architecture(config, where, arch, from_class=architecture is not None)
     check_config_fields(config, where, arch)
     try:
         _check_hf_config(config, where, arch)
