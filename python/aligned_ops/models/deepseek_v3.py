@@ -245,6 +245,15 @@ def check_config(config, where: str) -> None:
     """What the aligned ops reproduce of a DeepSeek-V3 config, and what vLLM's DeepseekV2 classes read as HF's
     does; ValueError naming the field otherwise."""
     check_grouped_moe(config, where)
+    # Kimi-K2's checkpoints say model_type "kimi_k2": vLLM reads it as DeepSeek-V3 (DeepseekV3Config); transformers
+    # 5.19 has no such type (it loads only after vLLM registered it in the process, or with remote code) and then
+    # converts no per-expert checkpoint weights into its fused experts (its conversion is keyed by model_type):
+    # the trainer's routed experts stay randomly initialised (found: aligned-ops verify, 0 % bitwise, 3.6 nats).
+    model_type = getattr(config, "model_type", None)
+    if model_type is not None and model_type != "deepseek_v3":
+        raise ValueError(f"aligned_ops ({where}): {NAME} with model_type {model_type!r} is not supported: "
+                         "transformers loads its experts only for model_type 'deepseek_v3' (Kimi-K2's architecture "
+                         "is DeepSeek-V3's: set model_type to 'deepseek_v3' in config.json)")
     # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
     # the main model (HF's and vLLM's) does not run those layers.
     # vLLM's DeepseekV2Attention builds q_a_proj / q_proj / kv_a_proj_with_mqa / o_proj without biases (a
