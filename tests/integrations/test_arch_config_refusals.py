@@ -271,8 +271,14 @@ def test_model_type_and_architectures_of_different_architectures_are_refused(mod
 
 
 def test_kimi_k2_model_type_is_deepseek_v3s():
+    """kimi_k2 is DeepSeek-V3's model_type to vLLM (a kimi_k2 config naming another architecture is refused as a
+    mismatch), but transformers 5.19 leaves the routed experts of such a checkpoint randomly initialised: refused
+    by DeepSeek-V3's check_config, naming model_type (control: deepseek_v3 passes)."""
     raw = json.loads(_deepseek_config().to_json_string())
-    check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2")), "--model")
+    check_hf_config(SimpleNamespace(**raw), "--model")
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM with model_type 'kimi_k2' is not supported: "
+                                         "transformers loads its experts only for model_type 'deepseek_v3'"):
+        check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2")), "--model")
     with pytest.raises(ValueError, match="config model_type 'kimi_k2' is a DeepseekV3ForCausalLM config"):
         check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2", architectures=["Qwen2ForCausalLM"],
                                                **SMALL)), "--model")
@@ -284,7 +290,8 @@ def _deepseek_config():
     config = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128, max_position_embeddings=128,
                               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+                              kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              scoring_func="sigmoid", topk_method="noaux_tc")  # (what vLLM reads: config.json has them)
     config.architectures = ["DeepseekV3ForCausalLM"]
     return config
 

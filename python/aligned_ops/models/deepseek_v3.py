@@ -411,7 +411,9 @@ def spec(arch, config, rules, profile) -> list[Step]:
 
 ARCHITECTURE = Architecture(
     name=NAME,
-    model_types=("deepseek_v3", "kimi_k2"),  # Kimi-K2: its own model_type, DeepSeek-V3's class
+    # Kimi-K2: its own model_type, DeepSeek-V3's class (named here so a kimi_k2 config naming another architecture is
+    # a mismatch; check_config refuses it: transformers 5.19 loads no experts for it)
+    model_types=("deepseek_v3", "kimi_k2"),
     block=block,
     spec=spec,
     vllm_decoder_layer="vllm.model_executor.models.deepseek_v2:DeepseekV2DecoderLayer",
