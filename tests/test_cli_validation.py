@@ -280,7 +280,8 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 32, "kv_lora_rank": 64,
                "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 2,
-               "first_k_dense_replace": 1, "intermediate_size": 256, "moe_intermediate_size": 64}
+               "first_k_dense_replace": 1, "intermediate_size": 256, "moe_intermediate_size": 64,
+               "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 GLM4_MOE = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 128,
             "num_attention_heads": 4, "head_dim": 32, "num_key_value_heads": 2, "num_hidden_layers": 2,
             "vocab_size": 512, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,

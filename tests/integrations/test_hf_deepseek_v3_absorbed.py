@@ -225,6 +225,27 @@ def test_gradients_match_float64_autograd(tmp_path, q_lora_rank, variant):
             assert err < 1e-4, (form, k, err)  # measured <= 1.7e-6
 
 
+def test_expanded_form_refuses_v_head_dim_above_the_qk_head(tmp_path):
+    """v_head_dim > qk_nope_head_dim + qk_rope_head_dim: the expanded form (v padded to the q/k head, as vLLM's
+    non-MLA attention) is refused by name before patching (it failed inside aligned::attention_varlen_planned:
+    'k and v must have the same shape'); the absorbed form runs it (control: it equals stock HF in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    d = build_tiny_deepseek_v3(tmp_path / "m", torch.float32, seed=2, num_hidden_layers=2, qk_nope_head_dim=16,
+                               qk_rope_head_dim=16, v_head_dim=64)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^aligned_ops \(patch_model\): DeepseekV3ForCausalLM v_head_dim 64 > "
+                                         r"qk_nope_head_dim \+ qk_rope_head_dim = 32 is not supported in the expanded "
+                                         r"MLA form"):
+        patch_model(m, mla_form="expanded")
+    assert not getattr(m, "_aligned_patched", False)
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(ids).logits
+        out = patch_model(m, mla_form="absorbed")(ids).logits
+    assert (out - ref).abs().max().item() < 1e-4  # fp32 rounding only: the same function
+
+
 def test_refusals_and_repatch(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -99,6 +99,20 @@ def test_expanded_form_selects_the_non_mla_path(ds_dir, monkeypatch):
     assert cfg.model_config.use_mla and vllm_plugin.engine_mla_form(cfg) == "absorbed"
 
 
+def test_expanded_form_refuses_v_head_dim_above_the_qk_head(tmp_path, monkeypatch):
+    """v_head_dim > qk_nope_head_dim + qk_rope_head_dim: vLLM's non-MLA attention (the expanded form) pads v to the
+    q/k head and failed reshaping its output (a traceback from the first forward); refused at engine config,
+    naming the fields. Control: the absorbed form (vLLM's MLA modules) of the same folder is accepted."""
+    d = build_tiny_deepseek_v3(tmp_path / "m", torch.bfloat16, seed=0, num_hidden_layers=2, qk_nope_head_dim=16,
+                               qk_rope_head_dim=16, v_head_dim=64)
+    monkeypatch.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM v_head_dim 64 > qk_nope_head_dim \+ "
+                                         r"qk_rope_head_dim = 32 is not supported in the expanded MLA form"):
+        _engine_config(d)
+    monkeypatch.setenv("ALIGNED_OPS_MLA_FORM", "absorbed")
+    vllm_plugin.validate_vllm_config(_engine_config(d))
+
+
 def test_refusals(ds_dir, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")  # the user's, conflicting with the default (absorbed) form
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM needs VLLM_MLA_DISABLE=0 \(the absorbed MLA form; "

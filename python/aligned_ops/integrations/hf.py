@@ -642,6 +642,8 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     if mla_form is None and arch.mla_forms:  # the one default of trainer and engine (models/mla_form.py)
         mla_form = resolve_mla_form()
     form = _resolve_mla_form(arch, mla_form, "patch_model")
+    if form is not None:
+        form.check_config(model.config, "patch_model")
     for i, layer in enumerate(model.model.layers if form is not None else ()):
         form.check_hf_layer(layer.self_attn, i, "patch_model")
     rules = rules_for(arch.name)

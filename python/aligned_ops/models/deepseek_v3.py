@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ..rope import deepseek_attention_scale
+from ..rope import _yarn_mscale, deepseek_attention_scale, yarn_attention_factor
 from .base import Architecture, Projection
 from .decoder import DOWN, GATE_UP, O_PROJ, pre_norm_block
 from .moe import MoEWeights
@@ -161,6 +161,18 @@ class MlaForm:
     name: str
     attention: Callable
 
+    def check_config(self, config, where):
+        """What the form needs of the config (trainer patch and vLLM plugin): the expanded form pads v to the q/k
+        head (``d_nope + d_rope``), as vLLM's non-MLA DeepseekV2Attention does, so v_head_dim must not exceed it
+        (larger: vLLM fails reshaping the attention output, the trainer's attention op on k / v shapes)."""
+        if self.name != "expanded":
+            return
+        dqk = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        if int(config.v_head_dim) > dqk:
+            raise ValueError(f"aligned_ops ({where}): {NAME} v_head_dim {config.v_head_dim} > qk_nope_head_dim + "
+                             f"qk_rope_head_dim = {dqk} is not supported in the expanded MLA form (vLLM's non-MLA "
+                             "attention pads v to the q/k head size): use the absorbed form")
+
     def check_hf_layer(self, attn, i, where):
         if self.name == "absorbed" and getattr(attn.kv_b_proj, "bias", None) is not None:
             raise ValueError(f"aligned_ops ({where}): layer {i} kv_b_proj has a bias; the absorbed MLA form folds "
@@ -197,37 +209,113 @@ def sparse_layers(config) -> tuple[int, ...]:
     return tuple(range(int(config.first_k_dense_replace or 0), config.num_hidden_layers))
 
 
-def check_config(config, where: str) -> None:
-    """What the aligned ops reproduce of a DeepSeek-V3 config; ValueError naming the field otherwise."""
+def check_grouped_moe(config, where: str, name: str = NAME) -> None:
+    """What the aligned ops reproduce of a grouped-sigmoid-routing config (DeepSeek-V3 and GLM-4.5, ``name``), and
+    what vLLM's two model classes read as HF's do; ValueError naming the field otherwise."""
     scoring = getattr(config, "scoring_func", "sigmoid")
     if scoring != "sigmoid":
-        raise ValueError(f"aligned_ops ({where}): {NAME} scoring_func must be 'sigmoid', got {scoring!r}")
+        raise ValueError(f"aligned_ops ({where}): {name} scoring_func must be 'sigmoid', got {scoring!r}")
     method = getattr(config, "topk_method", "noaux_tc")
     if method != "noaux_tc":
-        raise ValueError(f"aligned_ops ({where}): {NAME} topk_method must be 'noaux_tc', got {method!r}")
+        raise ValueError(f"aligned_ops ({where}): {name} topk_method must be 'noaux_tc', got {method!r}")
     E = num_routed_experts(config)
     ng, tg, k = int(config.n_group or 1), int(config.topk_group or 1), int(config.num_experts_per_tok)
     if E and (E % ng or not 1 <= tg <= ng or not 1 <= k <= tg * (E // ng)):
-        raise ValueError(f"aligned_ops ({where}): {NAME} routing needs n_group | n_routed_experts, 1 <= topk_group "
+        raise ValueError(f"aligned_ops ({where}): {name} routing needs n_group | n_routed_experts, 1 <= topk_group "
                          f"<= n_group and 1 <= num_experts_per_tok <= topk_group * n_routed_experts / n_group; got "
                          f"E={E}, n_group={ng}, topk_group={tg}, top_k={k}")
     if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
-        raise ValueError(f"aligned_ops ({where}): {NAME} moe_layer_freq != 1 is not supported (HF ignores it)")
-    # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
-    # the main model (HF's and vLLM's) does not run those layers.
-    # vLLM (DeepseekV2Attention) runs a scaled RoPE with attention_factor == 1.0 as "deepseek_llama_scaling": it
-    # skips YaRN's mscale**2 on the softmax scale (and the YaRN table), which HF and the aligned block apply
-    # (rope.deepseek_attention_scale): rollout and trainer would score with different scales.
+        raise ValueError(f"aligned_ops ({where}): {name} moe_layer_freq != 1 is not supported (HF ignores it)")
+    # vLLM's DeepseekV2ForCausalLM / Glm4MoeForCausalLM always build their own lm_head (never the embedding's);
+    # a tied checkpoint has no lm_head.weight, so vLLM's stays unloaded (found: NaN log-probs, no warning) while
+    # HF's is the embedding.
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"aligned_ops ({where}): {name} with tie_word_embeddings=True is not supported: vLLM's "
+                         f"{name} never ties lm_head to the embedding (its lm_head stays unloaded); HF's does")
+
+
+def _rope_params(config) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or {})
     if isinstance(getattr(config, "rope_scaling", None), dict):
         params = {**config.rope_scaling, **params}
+    return params
+
+
+def check_config(config, where: str) -> None:
+    """What the aligned ops reproduce of a DeepSeek-V3 config, and what vLLM's DeepseekV2 classes read as HF's
+    does; ValueError naming the field otherwise."""
+    # HF's DeepseekV3Config declares neither field (its model always routes with sigmoid + the correction bias);
+    # vLLM's DeepSeek reads them with its own defaults, softmax and no bias (found: a config.json without them
+    # fails in vLLM's loader, KeyError 'layers.1.mlp.gate.e_score_correction_bias', a traceback after start-up).
+    for field, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if num_routed_experts(config) and getattr(config, field, None) is None:
+            raise ValueError(f"aligned_ops ({where}): {NAME} config needs {field}={want!r} (vLLM's DeepSeek reads it "
+                             "and defaults to softmax routing without the correction bias; HF's always uses sigmoid "
+                             "and the bias): add it to config.json")
+    check_grouped_moe(config, where)
+    # Kimi-K2's checkpoints say model_type "kimi_k2": vLLM reads it as DeepSeek-V3 (DeepseekV3Config); transformers
+    # 5.19 has no such type (it loads only after vLLM registered it in the process, or with remote code) and then
+    # converts no per-expert checkpoint weights into its fused experts (its conversion is keyed by model_type):
+    # the trainer's routed experts stay randomly initialised (found: aligned-ops verify, 0 % bitwise, 3.6 nats).
+    model_type = getattr(config, "model_type", None)
+    if model_type is not None and model_type != "deepseek_v3":
+        raise ValueError(f"aligned_ops ({where}): {NAME} with model_type {model_type!r} is not supported: "
+                         "transformers loads its experts only for model_type 'deepseek_v3' (Kimi-K2's architecture "
+                         "is DeepSeek-V3's: set model_type to 'deepseek_v3' in config.json)")
+    # num_nextn_predict_layers (MTP) only matters to speculative decoding, which the plugin refuses on its own;
+    # the main model (HF's and vLLM's) does not run those layers.
+    # vLLM's DeepseekV2Attention builds q_a_proj / q_proj / kv_a_proj_with_mqa / o_proj without biases (a
+    # checkpoint's are skipped at load); HF's biases q_a_proj, kv_a_proj_with_mqa and o_proj per attention_bias
+    # (found: 0 % bitwise, max |diff| 1.6 to 3.6 nats, no warning).
+    if getattr(config, "attention_bias", False):
+        raise ValueError(f"aligned_ops ({where}): {NAME} with attention_bias=True is not supported: vLLM's "
+                         "DeepSeek attention has no q_a_proj / kv_a_proj_with_mqa / o_proj biases; HF's adds them")
+    # vLLM (DeepseekV2Attention) runs a scaled RoPE with attention_factor == 1.0 as "deepseek_llama_scaling": it
+    # skips YaRN's mscale**2 on the softmax scale (and the YaRN table), which HF and the aligned block apply
+    # (rope.deepseek_attention_scale): rollout and trainer would score with different scales.
+    params = _rope_params(config)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type != "default" and params.get("attention_factor") == 1.0:
         raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling attention_factor=1.0 is not supported (vLLM "
                          "then skips the YaRN mscale of the softmax scale that HF applies); remove attention_factor")
+    if rope_type not in ("default", "yarn"):  # vLLM's DeepseekV2Attention runs every scaled RoPE as DeepSeek YaRN
+        raise ValueError(f"aligned_ops ({where}): {NAME} rope_type {rope_type!r} is not supported: vLLM's DeepSeek "
+                         "attention runs every scaled RoPE as DeepSeek YaRN (use 'yarn' or 'default')")
+    if rope_type == "yarn":
+        _check_deepseek_yarn(params, where)
     if getattr(config, "rope_interleave", True) is False:
         raise ValueError(f"aligned_ops ({where}): {NAME} with rope_interleave=False (NeoX halves on the rope "
                          "slice) is not described; DeepSeek checkpoints use the interleaved layout")
+
+
+def _check_deepseek_yarn(params: dict, where: str) -> None:
+    """vLLM's DeepSeek YaRN table (DeepseekScalingRotaryEmbedding, whose numbers the plugin takes) multiplies cos /
+    sin by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (absent: 1 and 0), ignores
+    ``attention_factor`` and always truncates the correction range; HF's YaRN table (the trainer's) uses
+    ``attention_factor`` when set, the ratio only when both mscale and mscale_all_dim are set (else
+    ``mscale(factor)``), and honours ``truncate`` (found: mscale_all_dim alone, 0 % bitwise, max |diff| 1.8
+    nats)."""
+    if params.get("truncate", True) is False:
+        raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling truncate=False is not supported: vLLM's "
+                         "DeepSeek YaRN always truncates the correction range; HF's does not then")
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        return  # (the rope check names a missing / non-numeric factor)
+    try:
+        hf = yarn_attention_factor(float(factor), params.get("attention_factor"), params.get("mscale"),
+                                   params.get("mscale_all_dim"))
+        vllm = float(_yarn_mscale(float(factor), float(params.get("mscale", 1)))
+                     / _yarn_mscale(float(factor), float(params.get("mscale_all_dim", 0))))
+    except (TypeError, ValueError):
+        raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling mscale / mscale_all_dim / attention_factor "
+                         f"must be numbers, got {params.get('mscale')!r} / {params.get('mscale_all_dim')!r} / "
+                         f"{params.get('attention_factor')!r}") from None
+    if hf != vllm:
+        raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling with mscale={params.get('mscale')!r}, "
+                         f"mscale_all_dim={params.get('mscale_all_dim')!r}, attention_factor="
+                         f"{params.get('attention_factor')!r} is not supported: HF's YaRN scales cos/sin by {hf!r}, "
+                         f"vLLM's DeepSeek YaRN by {vllm!r} (it reads mscale / mscale_all_dim, default 1 / 0, and "
+                         "ignores attention_factor); set both mscale and mscale_all_dim, without attention_factor")
 
 
 def check_hf_model(model, where: str) -> None:
@@ -323,7 +411,9 @@ def spec(arch, config, rules, profile) -> list[Step]:
 
 ARCHITECTURE = Architecture(
     name=NAME,
-    model_types=("deepseek_v3", "kimi_k2"),  # Kimi-K2: its own model_type, DeepSeek-V3's class
+    # Kimi-K2: its own model_type, DeepSeek-V3's class (named here so a kimi_k2 config naming another architecture is
+    # a mismatch; check_config refuses it: transformers 5.19 loads no experts for it)
+    model_types=("deepseek_v3", "kimi_k2"),
     block=block,
     spec=spec,
     vllm_decoder_layer="vllm.model_executor.models.deepseek_v2:DeepseekV2DecoderLayer",

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from . import decoder
 from .base import Architecture
-from .deepseek_v3 import NAME as _DEEPSEEK_V3
-from .deepseek_v3 import check_config as _check_grouped_routing, hf_moe_weights, refit_weights, sparse_layers
+from .deepseek_v3 import check_grouped_moe, hf_moe_weights, refit_weights, sparse_layers
 
 NAME = "Glm4MoeForCausalLM"
 
@@ -29,10 +28,14 @@ def attention_biases(config) -> tuple[bool, bool]:
 
 def check_config(config, where: str) -> None:
     """DeepSeek-V3's routing checks (GLM's config has no scoring_func / topk_method: sigmoid + noaux_tc implied)."""
-    try:
-        _check_grouped_routing(config, where)
-    except ValueError as e:  # the same fields; said with this architecture's name
-        raise ValueError(str(e).replace(_DEEPSEEK_V3, NAME)) from None
+    check_grouped_moe(config, where, NAME)
+    # vLLM's Glm4MoeForCausalLM takes its MoE parameters from a sparse layer and fails building without one
+    # (RuntimeError 'No Glm4MoE layer found in model.layers.', after start-up); HF's runs an all-dense model.
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if dense >= int(config.num_hidden_layers):
+        raise ValueError(f"aligned_ops ({where}): {NAME} with first_k_dense_replace={dense} >= num_hidden_layers="
+                         f"{config.num_hidden_layers} (no MoE layer) is not supported: vLLM's {NAME} needs at least "
+                         "one MoE layer")
     if not getattr(config, "head_dim", None):
         raise ValueError(f"aligned_ops ({where}): {NAME} needs head_dim in the config (vLLM reads config.head_dim)")
 

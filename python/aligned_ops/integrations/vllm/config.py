@@ -167,6 +167,10 @@ def mla_form_reasons(vllm_config, arch) -> list:
                 f"{DEFAULT_MLA_FORM!r}), but vLLM builds the {running} form (VLLM_MLA_DISABLE="
                 f"{VLLM_ENV_OF_FORM[running]['VLLM_MLA_DISABLE']}; the plugin sets it for a local checkpoint folder, "
                 "set it yourself otherwise)"]
+    try:
+        arch.mla_forms[running].check_config(mc.hf_config, "vLLM plugin")
+    except ValueError as e:
+        return [str(e).split(": ", 1)[-1]]
     if running != "absorbed":
         return []
     reasons = []
