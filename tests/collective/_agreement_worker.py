@@ -88,6 +88,20 @@ def main():
     local = torch.randn(5, 8)
     mask = torch.zeros(5, dtype=torch.bool) if rank == 0 else torch.zeros(4, dtype=torch.bool)
     case("embedding_mask_one_rank", lambda: collective.sharded_rows_all_reduce(local, mask, None))
+    # a rank-local failure of any exception type (not only TypeError/ValueError/RuntimeError) and a partial that is
+    # not dense data: before, the failing rank raised alone and the other waited in the collective (a hang until
+    # the process-group timeout)
+    case("fma_weight_none_one_rank", lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else None, None, None,
+                                                                            in_features=64))
+    case("embedding_mask_none_one_rank",
+         lambda: collective.sharded_rows_all_reduce(local, torch.zeros(5, dtype=torch.bool) if rank == 0 else None))
+    case("exact_bias_list_one_rank", lambda: ex(xr, Wr, None if rank == 0 else [0.0] * 16, None))
+    tw, ids, _ = aligned_ops.moe_routing(torch.randn(5, 4, generator=g), 2, "softmax", True)
+    case("moe_ids_none_one_rank", lambda: collective.row_parallel_moe_experts(
+        torch.randn(5, 16), tw, ids if rank == 0 else None, torch.randn(4, 16, 16), torch.randn(4, 16, 8)))
+    case("tree_sparse_one_rank", lambda: tree(torch.ones(5) if rank == 0 else torch.ones(5).to_sparse()))
+    case("tree_meta_one_rank", lambda: tree(torch.ones(5) if rank == 0 else torch.ones(5, device="meta")))
+    case("tree_ok_after_local_errors", lambda: bool(torch.equal(bits(tree(p)), bits(expect))))
     print(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()

@@ -72,6 +72,16 @@ LOCAL = [  # one rank cannot use its input: it raises its own error, the other a
     ("fma_wrong_slice_one_rank", 1, "ValueError", "rank 1 must hold K[32:64] (32 features), it holds 24"),
     ("exact_bad_shape_one_rank", 1, "ValueError", "must hold the same K slice"),
     ("embedding_mask_one_rank", 1, "RuntimeError", "size"),
+    # any exception type, and a partial without dense data (before: the other rank hung in the collective)
+    ("fma_weight_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'shape'"),
+    ("embedding_mask_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'unsqueeze'"),
+    ("exact_bias_list_one_rank", 1, "AttributeError", "'list' object has no attribute 'dim'"),
+    ("moe_ids_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'dim'"),
+    ("tree_sparse_one_rank", 1, "TypeError",
+     "aligned_ops.tree_all_reduce: partial must be a dense tensor with data (strided layout, not meta), got layout "
+     "torch.sparse_coo on cpu"),
+    ("tree_meta_one_rank", 1, "TypeError", "partial must be a dense tensor with data (strided layout, not meta), got "
+                                           "layout torch.strided on meta"),
 ]
 
 
@@ -85,7 +95,7 @@ def test_one_rank_refusal_is_raised_on_every_rank(records, case, bad_rank, own_t
     assert fragment in other["message"], other["message"]  # the erring rank's own words travel
 
 
-@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "fma_ok", "exact_ok"]
+@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "tree_ok_after_local_errors", "fma_ok", "exact_ok"]
                          + [f"exact_zero_k_rank[{d},{k}]" for d in ("torch.bfloat16", "torch.float32")
                             for k in (None, 64)])
 def test_matching_calls_give_the_unsplit_bits(records, case):

@@ -254,9 +254,12 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
             if partial.dtype != torch.float32:
                 raise TypeError(f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), "
                                 f"got {partial.dtype}")
+            if partial.layout != torch.strided or partial.is_meta:
+                raise TypeError(f"aligned_ops.{what}: partial must be a dense tensor with data (strided layout, not "
+                                f"meta), got layout {partial.layout} on {partial.device}")
             if algorithm not in ALGORITHMS:
                 raise ValueError(f"aligned_ops.{what}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - any rank-local failure is raised on every rank (_LOCAL_ERRORS)
             local_error = e
     if t > 1 and check:
         ok = local_error is None
@@ -294,7 +297,10 @@ def _all_reduce_max(group):
     return merge
 
 
-_LOCAL_ERRORS = (TypeError, ValueError, NotImplementedError, RuntimeError, IndexError)
+# What a rank-local failure before a collective may be: ANY exception (a None weight's AttributeError included).
+# The entry points catch it, carry it through the agreement and raise it on every rank; a narrower tuple let an
+# AttributeError escape on one rank while the others waited in the collective until the process-group timeout.
+_LOCAL_ERRORS = (Exception,)
 
 
 def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
