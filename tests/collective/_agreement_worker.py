@@ -30,6 +30,8 @@ def main():
     def case(name, fn):
         try:
             value = fn()
+            if isinstance(value, torch.Tensor):  # a case that should have raised returned (recorded, not raised)
+                value = f"returned {value.dtype} {list(value.shape)}"
             rec.append(dict(case=name, rank=rank, raised=None, message="", value=value))
         except Exception as e:  # noqa: BLE001 - the test checks type and message
             rec.append(dict(case=name, rank=rank, raised=type(e).__name__, message=str(e), value=None))
@@ -60,6 +62,28 @@ def main():
          lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else Wr[:, :24].contiguous(), None, None,
                                                 in_features=64))
     case("fma_rows_differ", lambda: collective.row_parallel_linear(xr[: 4 - rank], Wr, None, None))
+    # what the partials' shape cannot show: each rank's K slice (an uneven split of K = 64, 40 + 24, without
+    # in_features; fp32 with spread exponents so other lanes show in the bits), x's dtype, the bias
+    xw = (torch.randn(16, 64, generator=torch.Generator().manual_seed(6))
+          * torch.exp2(torch.randint(-10, 10, (16, 64), generator=torch.Generator().manual_seed(7)).float()))
+    Ww = W.float()
+    usl = slice(0, 40) if rank == 0 else slice(40, 64)
+    case("fma_uneven_slices", lambda: bool(torch.equal(
+        bits(collective.row_parallel_linear(xw[:, usl].contiguous(), Ww[:, usl].contiguous(), None, None)),
+        bits(aligned_ops.linear(xw, Ww)))))
+    esl = slice(0, 32) if rank == 0 else slice(32, 64)
+    case("fma_even_slices_fp32", lambda: bool(torch.equal(
+        bits(collective.row_parallel_linear(xw[:, esl].contiguous(), Ww[:, esl].contiguous(), None, None)),
+        bits(aligned_ops.linear(xw, Ww)))))
+    b16 = torch.randn(16, generator=torch.Generator().manual_seed(8)).bfloat16()
+    case("fma_bias_one_rank", lambda: collective.row_parallel_linear(xr, Wr, b16 if rank == 0 else None, None))
+    case("fma_x_dtype_differs", lambda: collective.row_parallel_linear(xr.float() if rank else xr,
+                                                                       Wr.float() if rank else Wr, None, None))
+    case("fma_bias_shape_one_rank", lambda: collective.row_parallel_linear(xr, Wr, b16 if rank == 0 else b16[:15],
+                                                                           None))
+    case("fma_bias_dtype", lambda: collective.row_parallel_linear(xr, Wr, b16.float(), None))
+    case("fma_bias_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, b16, None)),
+                                                 bits(aligned_ops.linear(x, W, b16)))))
     case("fma_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, None, None)),
                                             bits(aligned_ops.linear(x, W)))))
 

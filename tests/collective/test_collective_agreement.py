@@ -50,6 +50,16 @@ DISAGREE = [
     ("tree_algorithm", ("disagree", "algorithm='halving'", "algorithm='allgather'")),
     ("fma_rows_differ", ("aligned_ops.row_parallel_linear: the ranks of the group disagree", "rank 0: (4, 16)",
                          "rank 1: (3, 16)")),
+    ("fma_uneven_slices", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                           "the ranks' K slices must be the whole-lane split of K = 64 over 2 ranks, [32, 32] features",
+                           "rank 0: x float32, bias none, K slice 40", "rank 1: x float32, bias none, K slice 24")),
+    ("fma_bias_one_rank", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                           "every rank must pass x of the same dtype and a bias alike",
+                           "rank 0: x bfloat16, bias bfloat16", "rank 1: x bfloat16, bias none")),
+    ("fma_x_dtype_differs", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                             "rank 0: x bfloat16, bias none", "rank 1: x float32, bias none")),
+    ("fma_bias_dtype", ("aligned_ops.row_parallel_linear: bias must be [16] with x's dtype (torch.bfloat16), got [16] "
+                        "torch.float32",)),
     ("exact_rows_differ", ("aligned_ops.exact_row_parallel_linear: the ranks of the group disagree",
                            "rank 0: x bfloat16 (4,)", "rank 1: x bfloat16 (3,)")),
     ("exact_x_dtype_differs", ("disagree", "rank 0: x bfloat16", "rank 1: x float32")),
@@ -69,6 +79,8 @@ LOCAL = [  # one rank cannot use its input: it raises its own error, the other a
     ("tree_dtype", 1, "TypeError", "partial must be float32"),
     ("tree_not_a_tensor", 1, "TypeError", "partial must be a tensor, got list"),
     ("tree_bad_algorithm_one_rank", 1, "ValueError", "algorithm must be one of"),
+    ("fma_bias_shape_one_rank", 1, "ValueError",
+     "aligned_ops.row_parallel_linear: bias must be [16] with x's dtype (torch.bfloat16), got [15] torch.bfloat16"),
     ("fma_wrong_slice_one_rank", 1, "ValueError", "rank 1 must hold K[32:64] (32 features), it holds 24"),
     ("exact_bad_shape_one_rank", 1, "ValueError", "must hold the same K slice"),
     ("embedding_mask_one_rank", 1, "RuntimeError", "size"),
@@ -95,7 +107,8 @@ def test_one_rank_refusal_is_raised_on_every_rank(records, case, bad_rank, own_t
     assert fragment in other["message"], other["message"]  # the erring rank's own words travel
 
 
-@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "tree_ok_after_local_errors", "fma_ok", "exact_ok"]
+@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "tree_ok_after_local_errors", "fma_ok",
+                                  "fma_even_slices_fp32", "fma_bias_ok", "exact_ok"]
                          + [f"exact_zero_k_rank[{d},{k}]" for d in ("torch.bfloat16", "torch.float32")
                             for k in (None, 64)])
 def test_matching_calls_give_the_unsplit_bits(records, case):

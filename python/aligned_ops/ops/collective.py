@@ -244,7 +244,10 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto
     return _tree_all_reduce(partial, group, algorithm, check, "tree_all_reduce", None)
 
 
-def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
+def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=None):
+    """``extra``: ``(fields, describe)`` of the caller's own inputs, agreed in the same all-gather as the partial's
+    (``fields`` a fixed-length int list, valid only without a local error; ``describe(all_ranks_fields) -> message
+    or None``, asked once the partials agree)."""
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
     if local_error is None:
@@ -263,13 +266,16 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
             local_error = e
     if t > 1 and check:
         ok = local_error is None
+        n_own = 2 + _MAX_DIMS + 1
         fields = [_dtype_code(partial.dtype) if ok else -1, ALGORITHMS.index(algorithm) if ok else -1,
                   *(_shape_fields(partial.shape) if ok else [0] * (_MAX_DIMS + 1))]
+        if extra is not None:
+            fields += list(extra[0])
 
         def describe(all_fields):
-            keys = {tuple(f) for f in all_fields}
+            keys = {tuple(f[:n_own]) for f in all_fields}
             if len(keys) == 1:
-                return None
+                return None if extra is None else extra[1]([f[n_own:] for f in all_fields])
             return "every rank must pass a partial of the same shape and dtype, with the same algorithm; " + \
                 ", ".join(f"rank {j}: {_shape_of(f[2:])} {_dtype_name(f[0])} algorithm={ALGORITHMS[f[1]]!r}"
                           for j, f in enumerate(all_fields))
@@ -416,7 +422,10 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
     epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
-    given, is checked: the rank's slice must be whole lanes and K_r long.
+    given, is checked: the rank's slice must be whole lanes and K_r long. ``bias``: ``[out_features]`` with x's
+    dtype (as ``linear``). ``check`` (default True): the agreement also compares x's dtype, the bias (present,
+    dtype) and the ranks' K slices, which must be ``linear_tp_slices(sum of K_r, t)`` (an uneven split, e.g. 40 +
+    24 of K = 64, is other lanes: other bits), so a mismatch raises on every rank even without ``in_features``.
 
     ``sub_tree``: the op computing the rank's lanes — ``linear_partial`` (``fma``), or ``linear_mma_partial``
     (the ``mma`` profile keeps the 8 lanes and the tree, only each lane's chain is the matrix unit's:
@@ -427,15 +436,45 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     check_tp_degree(t, what)
     # Every rank-local failure below is raised on every rank by the agreement of the tree all-reduce (a rank
     # raising alone would leave the others waiting in the collective).
-    partial, local_error = None, None
+    partial, local_error, extra = None, None, None
     try:
         k_local = weight.shape[-1]
         if in_features is not None:
             _check_lane_slice(what, "K", in_features, k_local, t, r)
         partial = sub_tree(x, weight, LINEAR_LANES // t)
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype
+                                 or tuple(bias.shape) != (weight.shape[0],)):
+            got = f"{list(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"aligned_ops.{what}: bias must be [{weight.shape[0]}] with x's dtype ({x.dtype}), got "
+                             f"{got}")
+        # What the partials' agreement cannot see: x's dtype (the output's), the bias, and this rank's K slice (the
+        # slices must be linear_tp_slices(sum of K_r, t): an uneven split gives other lanes, silently other bits)
+        extra = ([_dtype_code(x.dtype), -1 if bias is None else _dtype_code(bias.dtype), int(k_local)],
+                 lambda all_f: _describe_row_parallel(all_f, t))
     except _LOCAL_ERRORS as e:
         local_error = e
-    return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error), bias, x.dtype)
+    return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error,
+                                          extra if extra is not None else ([0, 0, 0], None)), bias, x.dtype)
+
+
+def _describe_row_parallel(all_fields, t):
+    """row_parallel_linear's agreement beyond the partials: the same x dtype and bias on every rank, and K slices
+    that are the whole-lane split of their sum."""
+    def each():
+        return ", ".join(f"rank {j}: x {_dtype_name(f[0])}, bias {'none' if f[1] == -1 else _dtype_name(f[1])}, "
+                         f"K slice {f[2]}" for j, f in enumerate(all_fields))
+
+    if len({tuple(f[:2]) for f in all_fields}) > 1:
+        return "every rank must pass x of the same dtype and a bias alike (present, dtype); " + each()
+    k = sum(f[2] for f in all_fields)
+    try:
+        want = [b - a for a, b in linear_tp_slices(k, t)]
+    except ValueError as e:
+        return f"K = {k} (the sum of the ranks' slices) does not split into whole lanes over {t} ranks ({e})"
+    if [f[2] for f in all_fields] != want:
+        return (f"the ranks' K slices must be the whole-lane split of K = {k} over {t} ranks, {want} features "
+                f"(aligned_ops.linear_tp_slices); " + each())
+    return None
 
 
 def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=None, *,
