@@ -112,6 +112,16 @@ def main():
     local = torch.randn(5, 8)
     mask = torch.zeros(5, dtype=torch.bool) if rank == 0 else torch.zeros(4, dtype=torch.bool)
     case("embedding_mask_one_rank", lambda: collective.sharded_rows_all_reduce(local, mask, None))
+    # the embedding combine's dtype: float64 does not survive the fp32 sum (1 + 2^-30 came back as 1.0), and the
+    # ranks must agree on it (a bf16 rank returned bf16, the fp32 one fp32)
+    not_owned = torch.tensor([rank == 1, rank == 0])  # rank 0 owns row 0, rank 1 row 1
+    case("embedding_fp64", lambda: collective.sharded_rows_all_reduce(
+        torch.full((2, 3), 1 + 2.0 ** -30, dtype=torch.float64), not_owned))
+    case("embedding_dtype_differs", lambda: collective.sharded_rows_all_reduce(
+        torch.ones(2, 3, dtype=torch.float32 if rank == 0 else torch.bfloat16), not_owned))
+    case("embedding_fp16_ok", lambda: bool(torch.equal(bits(collective.sharded_rows_all_reduce(
+        torch.full((2, 3), -0.0 if rank == 0 else 65504.0, dtype=torch.float16), not_owned)),
+        bits(torch.tensor([[-0.0] * 3, [65504.0] * 3], dtype=torch.float16)))))
     # a rank-local failure of any exception type (not only TypeError/ValueError/RuntimeError) and a partial that is
     # not dense data: before, the failing rank raised alone and the other waited in the collective (a hang until
     # the process-group timeout)

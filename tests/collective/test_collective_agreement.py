@@ -60,6 +60,8 @@ DISAGREE = [
                              "rank 0: x bfloat16, bias none", "rank 1: x float32, bias none")),
     ("fma_bias_dtype", ("aligned_ops.row_parallel_linear: bias must be [16] with x's dtype (torch.bfloat16), got [16] "
                         "torch.float32",)),
+    ("embedding_dtype_differs", ("aligned_ops.sharded_rows_all_reduce: the ranks of the group disagree",
+                                 "every rank must pass local of the same dtype; rank 0: float32, rank 1: bfloat16")),
     ("exact_rows_differ", ("aligned_ops.exact_row_parallel_linear: the ranks of the group disagree",
                            "rank 0: x bfloat16 (4,)", "rank 1: x bfloat16 (3,)")),
     ("exact_x_dtype_differs", ("disagree", "rank 0: x bfloat16", "rank 1: x float32")),
@@ -108,7 +110,7 @@ def test_one_rank_refusal_is_raised_on_every_rank(records, case, bad_rank, own_t
 
 
 @pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "tree_ok_after_local_errors", "fma_ok",
-                                  "fma_even_slices_fp32", "fma_bias_ok", "exact_ok"]
+                                  "fma_even_slices_fp32", "fma_bias_ok", "embedding_fp16_ok", "exact_ok"]
                          + [f"exact_zero_k_rank[{d},{k}]" for d in ("torch.bfloat16", "torch.float32")
                             for k in (None, 64)])
 def test_matching_calls_give_the_unsplit_bits(records, case):
@@ -116,3 +118,10 @@ def test_matching_calls_give_the_unsplit_bits(records, case):
     assert set(got) == {0, 1}
     for r in got.values():
         assert r["raised"] is None and r["value"] is True, r
+
+
+def test_embedding_combine_refuses_dtypes_fp32_cannot_hold(records):
+    # float64 through the fp32 sum is not a copy: the owner's 1 + 2^-30 came back as 1.0 (every element wrong)
+    _both_raise(records, "embedding_fp64", ("TypeError",),
+                "aligned_ops.sharded_rows_all_reduce: local must be float32, bfloat16 or float16 (the sum runs in fp32, "
+                "which holds these exactly), got torch.float64")

@@ -481,16 +481,21 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
                             check: bool = True) -> torch.Tensor:
     """Combine a vocab-sharded embedding lookup exactly: every row is owned by exactly one rank.
 
-    ``local [..., H]``: this rank's lookup (any float dtype; rows it does not own are ignored), ``not_owned
-    [...]`` bool. Rows this rank does not own contribute ``-0.0``: ``x + (-0.0) == x`` for every x (-0.0, NaN
-    and inf included) and ``(-0.0) + (-0.0) == -0.0``, so the sum over ranks — in any order — is a copy of the
-    owner's row, sign of zero kept. (Filling with +0.0, as vLLM does, turns an owner's -0.0 into +0.0.) The
-    sum runs through :func:`tree_all_reduce` in fp32; widening and narrowing back are exact.
+    ``local [..., H]``: this rank's lookup (float32, bfloat16 or float16, the same on every rank; rows it does not
+    own are ignored), ``not_owned [...]`` bool. Rows this rank does not own contribute ``-0.0``: ``x + (-0.0) == x``
+    for every x (-0.0, NaN and inf included) and ``(-0.0) + (-0.0) == -0.0``, so the sum over ranks — in any order
+    — is a copy of the owner's row, sign of zero kept. (Filling with +0.0, as vLLM does, turns an owner's -0.0 into
+    +0.0.) The sum runs through :func:`tree_all_reduce` in fp32; widening these dtypes and narrowing back are
+    exact (float64 or integers would not be: refused).
     """
     what = "sharded_rows_all_reduce"
     t, _ = _group_info(group, what)
     filled, local_error = None, None
     try:
+        if not isinstance(local, torch.Tensor) or local.dtype not in _EXACT_IN_FP32:
+            got = local.dtype if isinstance(local, torch.Tensor) else type(local).__name__
+            raise TypeError(f"aligned_ops.{what}: local must be float32, bfloat16 or float16 (the sum runs in fp32, "
+                            f"which holds these exactly), got {got}")
         filled = local.masked_fill(not_owned.unsqueeze(-1), -0.0)
     except _LOCAL_ERRORS as e:
         local_error = e
@@ -498,9 +503,20 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
         if local_error is not None:
             raise local_error
         return filled
+    dtype_code = [_dtype_code(local.dtype) if local_error is None else -1]
+
+    def same_dtype(all_fields):
+        if len({f[0] for f in all_fields}) == 1:
+            return None
+        return "every rank must pass local of the same dtype; " + ", ".join(
+            f"rank {j}: {_dtype_name(f[0])}" for j, f in enumerate(all_fields))
+
     out = _tree_all_reduce(None if filled is None else filled.to(torch.float32), group, "auto", check, what,
-                           local_error)
+                           local_error, (dtype_code, same_dtype))
     return out.to(local.dtype)
+
+
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # dtypes fp32 holds exactly (widen, add -0.0, narrow)
 
 
 # ---- MoE experts at TP > 1 ------------------------------------------------------------------------------------
