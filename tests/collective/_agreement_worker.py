@@ -127,6 +127,7 @@ def main():
     # the process-group timeout)
     case("fma_weight_none_one_rank", lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else None, None, None,
                                                                             in_features=64))
+    case("fma_x_none_one_rank", lambda: collective.row_parallel_linear(xr if rank == 0 else None, Wr, None, None))
     case("embedding_mask_none_one_rank",
          lambda: collective.sharded_rows_all_reduce(local, torch.zeros(5, dtype=torch.bool) if rank == 0 else None))
     case("exact_bias_list_one_rank", lambda: ex(xr, Wr, None if rank == 0 else [0.0] * 16, None))

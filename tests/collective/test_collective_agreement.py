@@ -87,7 +87,10 @@ LOCAL = [  # one rank cannot use its input: it raises its own error, the other a
     ("exact_bad_shape_one_rank", 1, "ValueError", "must hold the same K slice"),
     ("embedding_mask_one_rank", 1, "RuntimeError", "size"),
     # any exception type, and a partial without dense data (before: the other rank hung in the collective)
-    ("fma_weight_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'shape'"),
+    ("fma_weight_none_one_rank", 1, "TypeError",
+     "aligned_ops.row_parallel_linear: x and weight must be tensors, got Tensor and NoneType"),
+    ("fma_x_none_one_rank", 1, "TypeError",
+     "aligned_ops.row_parallel_linear: x and weight must be tensors, got NoneType and Tensor"),
     ("embedding_mask_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'unsqueeze'"),
     ("exact_bias_list_one_rank", 1, "AttributeError", "'list' object has no attribute 'dim'"),
     ("moe_ids_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'dim'"),

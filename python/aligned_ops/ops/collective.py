@@ -438,6 +438,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     # raising alone would leave the others waiting in the collective).
     partial, local_error, extra = None, None, None
     try:
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise TypeError(f"aligned_ops.{what}: x and weight must be tensors, got {type(x).__name__} and "
+                            f"{type(weight).__name__}")
         k_local = weight.shape[-1]
         if in_features is not None:
             _check_lane_slice(what, "K", in_features, k_local, t, r)
