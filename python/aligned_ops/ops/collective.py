@@ -45,9 +45,11 @@ order-free, so the backend's (gloo's, NCCL's) own order is fine here, unlike the
 Agreement first (``check=True``, the default): a collective whose ranks pass different sizes does not fail
 cleanly — gloo aborts the process (SIGABRT) or waits for the process-group timeout (30 minutes by default), and
 equal element counts with different shapes or dtypes return garbage. So every entry point here first runs ONE
-small all-gather (``_META_LEN`` int64 per rank: a status, dtypes, shapes, the algorithm) and every rank compares
-what the others passed; a mismatch, or an input one rank cannot use, raises on EVERY rank (``ValueError`` /
-``TypeError`` naming the ranks and what each passed) before any exchange of data. Cost: one latency-bound
+small all-gather (``_META_LEN`` int64 per rank: a status, dtypes, shapes, the algorithm; ``row_parallel_linear``
+adds x's dtype, the bias and its K slice, ``sharded_rows_all_reduce`` its lookup's dtype — what the fp32 partials
+cannot show) and every rank compares what the others passed; a mismatch, or an input one rank cannot use (ANY
+exception before the exchange), raises on EVERY rank (``ValueError`` / ``TypeError`` naming the ranks and what
+each passed; the failing rank its own error) before any exchange of data. Cost: one latency-bound
 collective per call; ``check=False`` skips it where the caller already guarantees agreement (then a mismatch
 is undefined behaviour of the backend, as with torch.distributed itself).
 
