@@ -30,6 +30,8 @@ def main():
     def case(name, fn):
         try:
             value = fn()
+            if isinstance(value, torch.Tensor):  # a case that should have raised returned (recorded, not raised)
+                value = f"returned {value.dtype} {list(value.shape)}"
             rec.append(dict(case=name, rank=rank, raised=None, message="", value=value))
         except Exception as e:  # noqa: BLE001 - the test checks type and message
             rec.append(dict(case=name, rank=rank, raised=type(e).__name__, message=str(e), value=None))
@@ -60,6 +62,28 @@ def main():
          lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else Wr[:, :24].contiguous(), None, None,
                                                 in_features=64))
     case("fma_rows_differ", lambda: collective.row_parallel_linear(xr[: 4 - rank], Wr, None, None))
+    # what the partials' shape cannot show: each rank's K slice (an uneven split of K = 64, 40 + 24, without
+    # in_features; fp32 with spread exponents so other lanes show in the bits), x's dtype, the bias
+    xw = (torch.randn(16, 64, generator=torch.Generator().manual_seed(6))
+          * torch.exp2(torch.randint(-10, 10, (16, 64), generator=torch.Generator().manual_seed(7)).float()))
+    Ww = W.float()
+    usl = slice(0, 40) if rank == 0 else slice(40, 64)
+    case("fma_uneven_slices", lambda: bool(torch.equal(
+        bits(collective.row_parallel_linear(xw[:, usl].contiguous(), Ww[:, usl].contiguous(), None, None)),
+        bits(aligned_ops.linear(xw, Ww)))))
+    esl = slice(0, 32) if rank == 0 else slice(32, 64)
+    case("fma_even_slices_fp32", lambda: bool(torch.equal(
+        bits(collective.row_parallel_linear(xw[:, esl].contiguous(), Ww[:, esl].contiguous(), None, None)),
+        bits(aligned_ops.linear(xw, Ww)))))
+    b16 = torch.randn(16, generator=torch.Generator().manual_seed(8)).bfloat16()
+    case("fma_bias_one_rank", lambda: collective.row_parallel_linear(xr, Wr, b16 if rank == 0 else None, None))
+    case("fma_x_dtype_differs", lambda: collective.row_parallel_linear(xr.float() if rank else xr,
+                                                                       Wr.float() if rank else Wr, None, None))
+    case("fma_bias_shape_one_rank", lambda: collective.row_parallel_linear(xr, Wr, b16 if rank == 0 else b16[:15],
+                                                                           None))
+    case("fma_bias_dtype", lambda: collective.row_parallel_linear(xr, Wr, b16.float(), None))
+    case("fma_bias_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, b16, None)),
+                                                 bits(aligned_ops.linear(x, W, b16)))))
     case("fma_ok", lambda: bool(torch.equal(bits(collective.row_parallel_linear(xr, Wr, None, None)),
                                             bits(aligned_ops.linear(x, W)))))
 
@@ -88,6 +112,31 @@ def main():
     local = torch.randn(5, 8)
     mask = torch.zeros(5, dtype=torch.bool) if rank == 0 else torch.zeros(4, dtype=torch.bool)
     case("embedding_mask_one_rank", lambda: collective.sharded_rows_all_reduce(local, mask, None))
+    # the embedding combine's dtype: float64 does not survive the fp32 sum (1 + 2^-30 came back as 1.0), and the
+    # ranks must agree on it (a bf16 rank returned bf16, the fp32 one fp32)
+    not_owned = torch.tensor([rank == 1, rank == 0])  # rank 0 owns row 0, rank 1 row 1
+    case("embedding_fp64", lambda: collective.sharded_rows_all_reduce(
+        torch.full((2, 3), 1 + 2.0 ** -30, dtype=torch.float64), not_owned))
+    case("embedding_dtype_differs", lambda: collective.sharded_rows_all_reduce(
+        torch.ones(2, 3, dtype=torch.float32 if rank == 0 else torch.bfloat16), not_owned))
+    case("embedding_fp16_ok", lambda: bool(torch.equal(bits(collective.sharded_rows_all_reduce(
+        torch.full((2, 3), -0.0 if rank == 0 else 65504.0, dtype=torch.float16), not_owned)),
+        bits(torch.tensor([[-0.0] * 3, [65504.0] * 3], dtype=torch.float16)))))
+    # a rank-local failure of any exception type (not only TypeError/ValueError/RuntimeError) and a partial that is
+    # not dense data: before, the failing rank raised alone and the other waited in the collective (a hang until
+    # the process-group timeout)
+    case("fma_weight_none_one_rank", lambda: collective.row_parallel_linear(xr, Wr if rank == 0 else None, None, None,
+                                                                            in_features=64))
+    case("fma_x_none_one_rank", lambda: collective.row_parallel_linear(xr if rank == 0 else None, Wr, None, None))
+    case("embedding_mask_none_one_rank",
+         lambda: collective.sharded_rows_all_reduce(local, torch.zeros(5, dtype=torch.bool) if rank == 0 else None))
+    case("exact_bias_list_one_rank", lambda: ex(xr, Wr, None if rank == 0 else [0.0] * 16, None))
+    tw, ids, _ = aligned_ops.moe_routing(torch.randn(5, 4, generator=g), 2, "softmax", True)
+    case("moe_ids_none_one_rank", lambda: collective.row_parallel_moe_experts(
+        torch.randn(5, 16), tw, ids if rank == 0 else None, torch.randn(4, 16, 16), torch.randn(4, 16, 8)))
+    case("tree_sparse_one_rank", lambda: tree(torch.ones(5) if rank == 0 else torch.ones(5).to_sparse()))
+    case("tree_meta_one_rank", lambda: tree(torch.ones(5) if rank == 0 else torch.ones(5, device="meta")))
+    case("tree_ok_after_local_errors", lambda: bool(torch.equal(bits(tree(p)), bits(expect))))
     print(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()

@@ -50,6 +50,18 @@ DISAGREE = [
     ("tree_algorithm", ("disagree", "algorithm='halving'", "algorithm='allgather'")),
     ("fma_rows_differ", ("aligned_ops.row_parallel_linear: the ranks of the group disagree", "rank 0: (4, 16)",
                          "rank 1: (3, 16)")),
+    ("fma_uneven_slices", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                           "the ranks' K slices must be the whole-lane split of K = 64 over 2 ranks, [32, 32] features",
+                           "rank 0: x float32, bias none, K slice 40", "rank 1: x float32, bias none, K slice 24")),
+    ("fma_bias_one_rank", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                           "every rank must pass x of the same dtype and a bias alike",
+                           "rank 0: x bfloat16, bias bfloat16", "rank 1: x bfloat16, bias none")),
+    ("fma_x_dtype_differs", ("aligned_ops.row_parallel_linear: the ranks of the group disagree",
+                             "rank 0: x bfloat16, bias none", "rank 1: x float32, bias none")),
+    ("fma_bias_dtype", ("aligned_ops.row_parallel_linear: bias must be [16] with x's dtype (torch.bfloat16), got [16] "
+                        "torch.float32",)),
+    ("embedding_dtype_differs", ("aligned_ops.sharded_rows_all_reduce: the ranks of the group disagree",
+                                 "every rank must pass local of the same dtype; rank 0: float32, rank 1: bfloat16")),
     ("exact_rows_differ", ("aligned_ops.exact_row_parallel_linear: the ranks of the group disagree",
                            "rank 0: x bfloat16 (4,)", "rank 1: x bfloat16 (3,)")),
     ("exact_x_dtype_differs", ("disagree", "rank 0: x bfloat16", "rank 1: x float32")),
@@ -69,9 +81,24 @@ LOCAL = [  # one rank cannot use its input: it raises its own error, the other a
     ("tree_dtype", 1, "TypeError", "partial must be float32"),
     ("tree_not_a_tensor", 1, "TypeError", "partial must be a tensor, got list"),
     ("tree_bad_algorithm_one_rank", 1, "ValueError", "algorithm must be one of"),
+    ("fma_bias_shape_one_rank", 1, "ValueError",
+     "aligned_ops.row_parallel_linear: bias must be [16] with x's dtype (torch.bfloat16), got [15] torch.bfloat16"),
     ("fma_wrong_slice_one_rank", 1, "ValueError", "rank 1 must hold K[32:64] (32 features), it holds 24"),
     ("exact_bad_shape_one_rank", 1, "ValueError", "must hold the same K slice"),
     ("embedding_mask_one_rank", 1, "RuntimeError", "size"),
+    # any exception type, and a partial without dense data (before: the other rank hung in the collective)
+    ("fma_weight_none_one_rank", 1, "TypeError",
+     "aligned_ops.row_parallel_linear: x and weight must be tensors, got Tensor and NoneType"),
+    ("fma_x_none_one_rank", 1, "TypeError",
+     "aligned_ops.row_parallel_linear: x and weight must be tensors, got NoneType and Tensor"),
+    ("embedding_mask_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'unsqueeze'"),
+    ("exact_bias_list_one_rank", 1, "AttributeError", "'list' object has no attribute 'dim'"),
+    ("moe_ids_none_one_rank", 1, "AttributeError", "'NoneType' object has no attribute 'dim'"),
+    ("tree_sparse_one_rank", 1, "TypeError",
+     "aligned_ops.tree_all_reduce: partial must be a dense tensor with data (strided layout, not meta), got layout "
+     "torch.sparse_coo on cpu"),
+    ("tree_meta_one_rank", 1, "TypeError", "partial must be a dense tensor with data (strided layout, not meta), got "
+                                           "layout torch.strided on meta"),
 ]
 
 
@@ -85,7 +112,8 @@ def test_one_rank_refusal_is_raised_on_every_rank(records, case, bad_rank, own_t
     assert fragment in other["message"], other["message"]  # the erring rank's own words travel
 
 
-@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "fma_ok", "exact_ok"]
+@pytest.mark.parametrize("case", ["tree_ok_after_errors", "tree_ok_unchecked", "tree_ok_after_local_errors", "fma_ok",
+                                  "fma_even_slices_fp32", "fma_bias_ok", "embedding_fp16_ok", "exact_ok"]
                          + [f"exact_zero_k_rank[{d},{k}]" for d in ("torch.bfloat16", "torch.float32")
                             for k in (None, 64)])
 def test_matching_calls_give_the_unsplit_bits(records, case):
@@ -93,3 +121,10 @@ def test_matching_calls_give_the_unsplit_bits(records, case):
     assert set(got) == {0, 1}
     for r in got.values():
         assert r["raised"] is None and r["value"] is True, r
+
+
+def test_embedding_combine_refuses_dtypes_fp32_cannot_hold(records):
+    # float64 through the fp32 sum is not a copy: the owner's 1 + 2^-30 came back as 1.0 (every element wrong)
+    _both_raise(records, "embedding_fp64", ("TypeError",),
+                "aligned_ops.sharded_rows_all_reduce: local must be float32, bfloat16 or float16 (the sum runs in fp32, "
+                "which holds these exactly), got torch.float64")

@@ -45,9 +45,11 @@ order-free, so the backend's (gloo's, NCCL's) own order is fine here, unlike the
 Agreement first (``check=True``, the default): a collective whose ranks pass different sizes does not fail
 cleanly — gloo aborts the process (SIGABRT) or waits for the process-group timeout (30 minutes by default), and
 equal element counts with different shapes or dtypes return garbage. So every entry point here first runs ONE
-small all-gather (``_META_LEN`` int64 per rank: a status, dtypes, shapes, the algorithm) and every rank compares
-what the others passed; a mismatch, or an input one rank cannot use, raises on EVERY rank (``ValueError`` /
-``TypeError`` naming the ranks and what each passed) before any exchange of data. Cost: one latency-bound
+small all-gather (``_META_LEN`` int64 per rank: a status, dtypes, shapes, the algorithm; ``row_parallel_linear``
+adds x's dtype, the bias and its K slice, ``sharded_rows_all_reduce`` its lookup's dtype — what the fp32 partials
+cannot show) and every rank compares what the others passed; a mismatch, or an input one rank cannot use (ANY
+exception before the exchange), raises on EVERY rank (``ValueError`` / ``TypeError`` naming the ranks and what
+each passed; the failing rank its own error) before any exchange of data. Cost: one latency-bound
 collective per call; ``check=False`` skips it where the caller already guarantees agreement (then a mismatch
 is undefined behaviour of the backend, as with torch.distributed itself).
 
@@ -244,7 +246,10 @@ def tree_all_reduce(partial: torch.Tensor, group=None, *, algorithm: str = "auto
     return _tree_all_reduce(partial, group, algorithm, check, "tree_all_reduce", None)
 
 
-def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
+def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=None):
+    """``extra``: ``(fields, describe)`` of the caller's own inputs, agreed in the same all-gather as the partial's
+    (``fields`` a fixed-length int list, valid only without a local error; ``describe(all_ranks_fields) -> message
+    or None``, asked once the partials agree)."""
     t, r = _group_info(group, what)
     check_tp_degree(t, what)
     if local_error is None:
@@ -254,19 +259,25 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error):
             if partial.dtype != torch.float32:
                 raise TypeError(f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), "
                                 f"got {partial.dtype}")
+            if partial.layout != torch.strided or partial.is_meta:
+                raise TypeError(f"aligned_ops.{what}: partial must be a dense tensor with data (strided layout, not "
+                                f"meta), got layout {partial.layout} on {partial.device}")
             if algorithm not in ALGORITHMS:
                 raise ValueError(f"aligned_ops.{what}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - any rank-local failure is raised on every rank (_LOCAL_ERRORS)
             local_error = e
     if t > 1 and check:
         ok = local_error is None
+        n_own = 2 + _MAX_DIMS + 1
         fields = [_dtype_code(partial.dtype) if ok else -1, ALGORITHMS.index(algorithm) if ok else -1,
                   *(_shape_fields(partial.shape) if ok else [0] * (_MAX_DIMS + 1))]
+        if extra is not None:
+            fields += list(extra[0])
 
         def describe(all_fields):
-            keys = {tuple(f) for f in all_fields}
+            keys = {tuple(f[:n_own]) for f in all_fields}
             if len(keys) == 1:
-                return None
+                return None if extra is None else extra[1]([f[n_own:] for f in all_fields])
             return "every rank must pass a partial of the same shape and dtype, with the same algorithm; " + \
                 ", ".join(f"rank {j}: {_shape_of(f[2:])} {_dtype_name(f[0])} algorithm={ALGORITHMS[f[1]]!r}"
                           for j, f in enumerate(all_fields))
@@ -294,7 +305,10 @@ def _all_reduce_max(group):
     return merge
 
 
-_LOCAL_ERRORS = (TypeError, ValueError, NotImplementedError, RuntimeError, IndexError)
+# What a rank-local failure before a collective may be: ANY exception (a None weight's AttributeError included).
+# The entry points catch it, carry it through the agreement and raise it on every rank; a narrower tuple let an
+# AttributeError escape on one rank while the others waited in the collective until the process-group timeout.
+_LOCAL_ERRORS = (Exception,)
 
 
 def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -410,7 +424,10 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     ``partial = linear_partial(x, weight, 8 // t)``, ``s = tree_all_reduce(partial)``, then the linear's
     epilogue: the bias once (fp32) and one rounding to ``x.dtype``. ``in_features`` (the unsplit K), when
-    given, is checked: the rank's slice must be whole lanes and K_r long.
+    given, is checked: the rank's slice must be whole lanes and K_r long. ``bias``: ``[out_features]`` with x's
+    dtype (as ``linear``). ``check`` (default True): the agreement also compares x's dtype, the bias (present,
+    dtype) and the ranks' K slices, which must be ``linear_tp_slices(sum of K_r, t)`` (an uneven split, e.g. 40 +
+    24 of K = 64, is other lanes: other bits), so a mismatch raises on every rank even without ``in_features``.
 
     ``sub_tree``: the op computing the rank's lanes — ``linear_partial`` (``fma``), or ``linear_mma_partial``
     (the ``mma`` profile keeps the 8 lanes and the tree, only each lane's chain is the matrix unit's:
@@ -421,31 +438,69 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     check_tp_degree(t, what)
     # Every rank-local failure below is raised on every rank by the agreement of the tree all-reduce (a rank
     # raising alone would leave the others waiting in the collective).
-    partial, local_error = None, None
+    partial, local_error, extra = None, None, None
     try:
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise TypeError(f"aligned_ops.{what}: x and weight must be tensors, got {type(x).__name__} and "
+                            f"{type(weight).__name__}")
         k_local = weight.shape[-1]
         if in_features is not None:
             _check_lane_slice(what, "K", in_features, k_local, t, r)
         partial = sub_tree(x, weight, LINEAR_LANES // t)
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype
+                                 or tuple(bias.shape) != (weight.shape[0],)):
+            got = f"{list(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"aligned_ops.{what}: bias must be [{weight.shape[0]}] with x's dtype ({x.dtype}), got "
+                             f"{got}")
+        # What the partials' agreement cannot see: x's dtype (the output's), the bias, and this rank's K slice (the
+        # slices must be linear_tp_slices(sum of K_r, t): an uneven split gives other lanes, silently other bits)
+        extra = ([_dtype_code(x.dtype), -1 if bias is None else _dtype_code(bias.dtype), int(k_local)],
+                 lambda all_f: _describe_row_parallel(all_f, t))
     except _LOCAL_ERRORS as e:
         local_error = e
-    return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error), bias, x.dtype)
+    return finish_linear(_tree_all_reduce(partial, group, algorithm, check, what, local_error,
+                                          extra if extra is not None else ([0, 0, 0], None)), bias, x.dtype)
+
+
+def _describe_row_parallel(all_fields, t):
+    """row_parallel_linear's agreement beyond the partials: the same x dtype and bias on every rank, and K slices
+    that are the whole-lane split of their sum."""
+    def each():
+        return ", ".join(f"rank {j}: x {_dtype_name(f[0])}, bias {'none' if f[1] == -1 else _dtype_name(f[1])}, "
+                         f"K slice {f[2]}" for j, f in enumerate(all_fields))
+
+    if len({tuple(f[:2]) for f in all_fields}) > 1:
+        return "every rank must pass x of the same dtype and a bias alike (present, dtype); " + each()
+    k = sum(f[2] for f in all_fields)
+    try:
+        want = [b - a for a, b in linear_tp_slices(k, t)]
+    except ValueError as e:
+        return f"K = {k} (the sum of the ranks' slices) does not split into whole lanes over {t} ranks ({e})"
+    if [f[2] for f in all_fields] != want:
+        return (f"the ranks' K slices must be the whole-lane split of K = {k} over {t} ranks, {want} features "
+                f"(aligned_ops.linear_tp_slices); " + each())
+    return None
 
 
 def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=None, *,
                             check: bool = True) -> torch.Tensor:
     """Combine a vocab-sharded embedding lookup exactly: every row is owned by exactly one rank.
 
-    ``local [..., H]``: this rank's lookup (any float dtype; rows it does not own are ignored), ``not_owned
-    [...]`` bool. Rows this rank does not own contribute ``-0.0``: ``x + (-0.0) == x`` for every x (-0.0, NaN
-    and inf included) and ``(-0.0) + (-0.0) == -0.0``, so the sum over ranks — in any order — is a copy of the
-    owner's row, sign of zero kept. (Filling with +0.0, as vLLM does, turns an owner's -0.0 into +0.0.) The
-    sum runs through :func:`tree_all_reduce` in fp32; widening and narrowing back are exact.
+    ``local [..., H]``: this rank's lookup (float32, bfloat16 or float16, the same on every rank; rows it does not
+    own are ignored), ``not_owned [...]`` bool. Rows this rank does not own contribute ``-0.0``: ``x + (-0.0) == x``
+    for every x (-0.0, NaN and inf included) and ``(-0.0) + (-0.0) == -0.0``, so the sum over ranks — in any order
+    — is a copy of the owner's row, sign of zero kept. (Filling with +0.0, as vLLM does, turns an owner's -0.0 into
+    +0.0.) The sum runs through :func:`tree_all_reduce` in fp32; widening these dtypes and narrowing back are
+    exact (float64 or integers would not be: refused).
     """
     what = "sharded_rows_all_reduce"
     t, _ = _group_info(group, what)
     filled, local_error = None, None
     try:
+        if not isinstance(local, torch.Tensor) or local.dtype not in _EXACT_IN_FP32:
+            got = local.dtype if isinstance(local, torch.Tensor) else type(local).__name__
+            raise TypeError(f"aligned_ops.{what}: local must be float32, bfloat16 or float16 (the sum runs in fp32, "
+                            f"which holds these exactly), got {got}")
         filled = local.masked_fill(not_owned.unsqueeze(-1), -0.0)
     except _LOCAL_ERRORS as e:
         local_error = e
@@ -453,9 +508,20 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
         if local_error is not None:
             raise local_error
         return filled
+    dtype_code = [_dtype_code(local.dtype) if local_error is None else -1]
+
+    def same_dtype(all_fields):
+        if len({f[0] for f in all_fields}) == 1:
+            return None
+        return "every rank must pass local of the same dtype; " + ", ".join(
+            f"rank {j}: {_dtype_name(f[0])}" for j, f in enumerate(all_fields))
+
     out = _tree_all_reduce(None if filled is None else filled.to(torch.float32), group, "auto", check, what,
-                           local_error)
+                           local_error, (dtype_code, same_dtype))
     return out.to(local.dtype)
+
+
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # dtypes fp32 holds exactly (widen, add -0.0, narrow)
 
 
 # ---- MoE experts at TP > 1 ------------------------------------------------------------------------------------
