@@ -28,6 +28,7 @@ FSDP: the patched forwards are instance attributes of the *same* modules and are
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -282,6 +283,39 @@ def _refuse_unsupported(unused, where):
             raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
     if unused.get("use_cache"):
         raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
+    # HF would add these to its output; the aligned forward has none to give (the caller would find no field)
+    for key in ("output_hidden_states", "output_attentions"):
+        if unused.get(key):
+            raise ValueError(f"aligned_ops {where}: {key}=True is not supported (the aligned forward returns no "
+                             "per-layer hidden states or attention weights; call model.model(...) for the final "
+                             "hidden states)")
+
+
+def _refuse_dropout(inner, where):
+    """A model in training mode with attention dropout: HF would drop attention weights, the aligned forward (like
+    the vLLM engine) drops nothing, so the trainer's numbers would silently not be the configured model's."""
+    if not inner.training:
+        return
+    for i, layer in enumerate(inner.layers):
+        p = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0)
+        if p:
+            raise ValueError(f"aligned_ops {where}: attention_dropout={p} (layer {i}) in training mode: the aligned "
+                             "forward applies no dropout, as the vLLM engine does not; load the model with "
+                             "attention_dropout=0.0 or call model.eval()")
+
+
+def _without_autocast(forward):
+    """The patched forwards run with autocast off on the input's device: the aligned ops fix their own dtypes (an
+    autocast region would recast what feeds them; CPU autocast to another 16-bit dtype fails inside torch.cat with
+    "Unexpected floating ScalarType in at::autocast::prioritize")."""
+
+    @functools.wraps(forward)
+    def run(self, input_ids=None, *args, **kwargs):
+        device = input_ids.device.type if isinstance(input_ids, torch.Tensor) else "cpu"
+        with torch.autocast(device, enabled=False):
+            return forward(self, input_ids, *args, **kwargs)
+
+    return run
 
 
 def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens):
@@ -317,6 +351,7 @@ def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens)
     return hidden, flat, ids, cu, routing, rules, profile
 
 
+@_without_autocast
 def _backbone_forward(
     self,
     input_ids: torch.Tensor | None = None,
@@ -333,6 +368,7 @@ def _backbone_forward(
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     _refuse_unsupported(unused, "patched backbone (model.model)")
+    _refuse_dropout(self, "patched backbone (model.model)")
     if input_ids is None:
         raise ValueError("aligned_ops patched backbone (model.model): input_ids is required")
     if output_router_logits:
@@ -343,6 +379,7 @@ def _backbone_forward(
     return BaseModelOutputWithPast(last_hidden_state=full.view(*input_ids.shape, hidden.shape[-1]))
 
 
+@_without_autocast
 def _model_forward(
     self,
     input_ids: torch.Tensor,
@@ -361,10 +398,12 @@ def _model_forward(
     labels: torch.Tensor | None = None,
     num_items_in_batch=None,
     return_entropy: bool = False,
+    logits_to_keep: int | torch.Tensor = 0,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
     _refuse_unsupported(unused, "patched model")
+    _refuse_dropout(self.model, "patched model")
     if return_logits is None:
         return_logits = completion_mask is None
     if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
@@ -396,7 +435,7 @@ def _model_forward(
         logits = rules.head_logits(profile, hidden, head.weight, head.bias)
         full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
         full = full.index_copy(0, flat, logits)
-        out.logits = full.view(*input_ids.shape, logits.shape[-1])
+        out.logits = _keep_logits(full.view(*input_ids.shape, logits.shape[-1]), logits_to_keep)
     if completion_mask is not None:
         cm_all = completion_mask.reshape(-1).bool()
         cm = cm_all[flat]
@@ -453,6 +492,18 @@ def _model_forward(
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _keep_logits(logits, logits_to_keep):
+    """HF's ``logits_to_keep`` on the returned logits ``[..., S, V]``: an int ``k > 0`` keeps the last ``k``
+    positions, 0 keeps all, a tensor indexes the positions (as HF indexes its hidden states); each row's logits are
+    its own bits either way."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits[..., logits_to_keep.to(logits.device), :]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"aligned_ops patched model: logits_to_keep must be an int >= 0 or a tensor of positions, "
+                         f"got {logits_to_keep!r}")
+    return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
 
 
 def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bool:
