@@ -423,6 +423,12 @@ def _model_forward(
     if labels is not None:
         out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
     if output_router_logits and routing.records:
+        if hidden.requires_grad and not all(scores.requires_grad for _, scores in routing.records):
+            # reentrant checkpointing runs each layer's forward under no_grad (the backward recomputes it): the
+            # scores recorded there carry no graph, so the aux loss would silently give the routers no gradient
+            raise ValueError("aligned_ops patched model: output_router_logits=True under reentrant gradient "
+                             "checkpointing: the router scores are recorded without autograd, so aux_loss would give "
+                             "the routers no gradient; use gradient_checkpointing_kwargs={'use_reentrant': False}")
         cfg = self.config
         # the score rows' width is the expert count (Qwen's num_experts, DeepSeek's n_routed_experts)
         out.aux_loss = hf_moe.load_balancing_loss(routing.records, routing.records[0][1].shape[1],
