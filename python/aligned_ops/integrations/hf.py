@@ -213,17 +213,19 @@ class _ForwardPlans:
         return self.plans[key]
 
 
-@dataclass
 class _ForwardContext:
     """What the trainer side of a block function needs for one forward: the packed tokens' positions, the host
-    cu_seqlens, the model's RoPE table, the forward's attention plans, the model's profile."""
+    cu_seqlens, the model's RoPE table, the forward's attention plans, the model's profile.
 
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    plans: _ForwardPlans | None
-    profile: profiles.Profile
-    attention_profile: str = "fma"  # profile.attention_profile(device), decided once per forward (profiles.py)
+    A plain class, not a dataclass: each decoder layer receives it as an argument, and wrappers that rewrite a
+    module's tensor arguments recurse into dataclasses (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` casts
+    every float tensor it finds, and the fp32 RoPE table cast to bf16 was refused by ``aligned::rotary_embedding``)."""
+
+    def __init__(self, positions: torch.Tensor, cu_seqlens: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 plans: _ForwardPlans | None, profile: profiles.Profile, attention_profile: str = "fma"):
+        # attention_profile: profile.attention_profile(device), decided once per forward (profiles.py)
+        self.positions, self.cu_seqlens, self.cos_sin_cache = positions, cu_seqlens, cos_sin_cache
+        self.plans, self.profile, self.attention_profile = plans, profile, attention_profile
 
 
 class TrainerSide(Side):
