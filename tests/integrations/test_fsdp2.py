@@ -43,3 +43,20 @@ def test_fsdp2_logprobs_bitwise_and_backward_deterministic(results, dtype):
         assert r["grad_rel_err"] < (1e-5 if dtype == "float32" else 2e-2), r
     # Negative control: the stock (unpatched) HF forward under the same FSDP2 split is not batch-invariant.
     assert sum(r["stock_differ"] for r in res) > 0, res
+
+
+@pytest.mark.slow
+def test_fsdp2_mixed_precision_bf16_params_on_fp32_master_is_the_bf16_models_bits(tmp_path, tiny_checkpoint):
+    # Was: FSDP2's MixedPrecisionPolicy(param_dtype=bf16) (verl's FSDP engine default) cast the fp32 RoPE table inside
+    # the context each decoder layer receives (a dataclass: FSDP2 recurses into it) and every forward raised
+    # "aligned::rotary_embedding: cos_sin_cache must be float32 ..., got BFloat16".
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path / "mixed.json"
+    launch(WORKER, 2, ["mixed", tiny_checkpoint("qwen2", torch.float32, seed=3), out], timeout=600)
+    res = json.loads(out.read_text())
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert "error" not in r, r
+        assert r["bfloat16"], r  # bitwise the one-process bf16 model's (what the bf16 rollout engine runs)
+        assert not r["float32"], r  # control: the compute is bf16, not the fp32 master weights'

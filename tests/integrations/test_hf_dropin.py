@@ -87,6 +87,35 @@ def test_output_is_a_model_output(model):
         out["logits"]
 
 
+def test_logits_to_keep_is_hf_s(model, tiny_checkpoint):
+    # Was: logits_to_keep went into **unused and the full [B, S, V] logits came back where HF returns [B, k, V].
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2", model.dtype, seed=3), dtype=model.dtype)
+    seqs = random_sequences(LENS, 7)
+    ids, am, _, _ = padded_batch(seqs, STARTS, max(LENS), left=True)
+    with torch.no_grad():
+        full = model(ids, attention_mask=am).logits
+        for keep, where in ((5, slice(-5, None)), (0, slice(None)), (torch.tensor(3), 3),
+                            (torch.tensor([0, 7, 32]), [0, 7, 32])):
+            got = model(ids, attention_mask=am, logits_to_keep=keep).logits
+            assert got.shape == stock(ids, attention_mask=am, logits_to_keep=keep).logits.shape  # HF's shape
+            assert_bitwise_equal(got, full[:, where])
+    with pytest.raises(ValueError, match=r"^aligned_ops patched model: logits_to_keep must be an int >= 0 or a "
+                                         r"tensor of positions, got -1$"):
+        model(ids, logits_to_keep=-1)
+
+
+@pytest.mark.parametrize("key", ["output_hidden_states", "output_attentions"])
+def test_per_layer_outputs_are_refused(model, key):
+    # Was: accepted and dropped; HF's out.hidden_states / out.attentions then failed as an unknown attribute.
+    ids = torch.randint(0, 500, (1, 6))
+    for call, where in ((model, "patched model"), (model.model, r"patched backbone \(model.model\)")):
+        with pytest.raises(ValueError, match=rf"^aligned_ops {where}: {key}=True is not supported"):
+            call(ids, **{key: True})
+        call(ids, **{key: False})  # control: off (what HF's callers pass by default) runs
+
+
 # ---- labels= --------------------------------------------------------------------------------------------
 
 
@@ -247,3 +276,62 @@ def test_ambiguous_position_ids_are_refused(model):
     cm[0, 4] = 1
     with pytest.raises(ValueError, match="marks the first token of a sequence"):
         model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), completion_mask=cm)
+
+
+# ---- framework settings: autocast, dropout --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_region_does_not_reach_the_aligned_ops(model, tiny_checkpoint, autocast_dtype):
+    # Was (autocast to the other 16-bit dtype than the model's, e.g. Trainer/accelerate fp16 mixed precision on a bf16
+    # model): RuntimeError "Unexpected floating ScalarType in at::autocast::prioritize" from torch.cat inside the
+    # q/k/v join. The patched forwards turn autocast off themselves (the adapters did, each on its own).
+    seqs = random_sequences(LENS, 5)
+    ids, am, cm, _ = padded_batch(seqs, STARTS, max(LENS) + 1, left=False)
+    with torch.no_grad():
+        want = model(ids, attention_mask=am, completion_mask=cm, temperature=0.7, return_logits=True)
+        want_h = model.model(ids, attention_mask=am).last_hidden_state
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            got = model(ids, attention_mask=am, completion_mask=cm, temperature=0.7, return_logits=True)
+            got_h = model.model(ids, attention_mask=am).last_hidden_state
+    assert got.logits.dtype == model.dtype and got_h.dtype == model.dtype
+    assert_bitwise_equal(got.logprobs, want.logprobs)
+    assert_bitwise_equal(got.logits, want.logits)
+    assert_bitwise_equal(got_h, want_h)
+    # control: the same region does reach a stock HF model's ops (its fp32 linears run in the autocast dtype)
+    if model.dtype == torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        stock = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2", torch.float32, seed=3),
+                                                     dtype=torch.float32)
+        with torch.no_grad():
+            plain = stock(ids, attention_mask=am).logits
+            with torch.autocast("cpu", dtype=autocast_dtype):
+                cast = stock(ids, attention_mask=am).logits
+        assert not bitwise_equal(cast.float(), plain)
+
+
+def test_attention_dropout_in_training_mode_is_refused(tiny_checkpoint):
+    # Was: a model with attention_dropout > 0 in train() mode ran the aligned forward without dropout, silently
+    # not the configured model (HF drops attention weights in training mode).
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_checkpoint("qwen2", torch.bfloat16, seed=3)
+    m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attention_dropout=0.1))
+    plain = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    seqs = random_sequences(LENS, 6)
+    ids, am, cm, _ = padded_batch(seqs, STARTS, max(LENS), left=True)
+    with torch.no_grad():  # eval mode: no dropout on either side, so it runs, with the dropout-free model's bits
+        assert_bitwise_equal(completion_logprobs(m.eval(), ids, cm, attention_mask=am),
+                             completion_logprobs(plain.eval(), ids, cm, attention_mask=am))
+    m.train()
+    with pytest.raises(ValueError, match=r"^aligned_ops patched model: attention_dropout=0\.1 \(layer 0\) in "
+                                         r"training mode.*attention_dropout=0\.0 or call model\.eval\(\)$"):
+        completion_logprobs(m, ids, cm, attention_mask=am)
+    with pytest.raises(ValueError, match=r"^aligned_ops patched backbone \(model\.model\): attention_dropout=0\.1"):
+        m.model(ids, attention_mask=am)
+    # control: training mode without dropout runs, with the eval bits
+    plain.train()
+    with torch.no_grad():
+        assert_bitwise_equal(completion_logprobs(plain, ids, cm, attention_mask=am),
+                             completion_logprobs(plain.eval(), ids, cm, attention_mask=am))

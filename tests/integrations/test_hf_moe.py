@@ -117,3 +117,40 @@ def test_unsupported_moe_refused(tmp_path):
     m.config.architectures = ["MixtralForCausalLM"]
     with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'"):
         check_hf_config(m.config, "vLLM plugin")
+
+
+def test_aux_loss_under_gradient_checkpointing(tiny_checkpoint):
+    # Was: with reentrant checkpointing each layer's forward runs under no_grad, so the routing scores recorded there
+    # had no graph and aux_loss silently gave the routers no gradient (the routers' grads differed from the run
+    # without checkpointing). Refused by name; non-reentrant checkpointing gives the unchecked run's bits.
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_checkpoint("moe", torch.bfloat16)
+    seqs = random_sequences([9, 14, 5], 11)
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, 14 - len(s):], am[b, 14 - len(s):] = s, 1
+    cm = am.clone()
+    cm[:, :10] = 0
+
+    def run(use_reentrant):
+        m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        if use_reentrant is not None:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        patch_model(m).train()
+        with torch.no_grad():  # scoring without autograd records no graph either way: runs
+            m(ids, attention_mask=am, completion_mask=cm, output_router_logits=True)
+        out = m(ids, attention_mask=am, completion_mask=cm, temperature=0.9, output_router_logits=True)
+        (-out.logprobs.sum() + 0.01 * out.aux_loss).backward()
+        return out.aux_loss, [p.grad for p in m.parameters()]
+
+    aux, grads = run(None)
+    with pytest.raises(ValueError, match=r"^aligned_ops patched model: output_router_logits=True under reentrant "
+                                         r"gradient checkpointing.*use_reentrant': False\}$"):
+        run(True)
+    aux_nr, grads_nr = run(False)  # control: non-reentrant checkpointing, every gradient the unchecked run's bits
+    assert_bitwise_equal(aux_nr, aux)
+    assert len(grads_nr) == len(grads) and all(g is not None for g in grads)
+    for got, want in zip(grads_nr, grads):
+        assert_bitwise_equal(got, want)

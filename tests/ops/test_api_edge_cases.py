@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import aligned_ops
-from aligned_ops.testing import assert_bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 
 ops = torch.ops.aligned
 
@@ -76,6 +76,22 @@ def test_0d_temperature_compiles_fullgraph_with_eager_bits(name):
     _assert_all_bitwise(eager_float, compiled_0d)
     # another value through the same compiled function: the temperature is an input, not a constant of the graph
     _assert_all_bitwise(_forward_backward(fn, [z], 1.3, gw), _forward_backward(cf, [z], torch.tensor(1.3), gw))
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "log_softmax", "logsumexp"])
+def test_float_temperature_compiles_dynamic_with_eager_bits(name):
+    # Was: torch.compile(dynamic=True) (floats become SymFloat inputs) died in Dynamo tracing the temperature check:
+    # InternalTorchDynamoError: RecursionError: maximum recursion depth exceeded (also from a patched HF model,
+    # torch.compile(model, dynamic=True) with completion_mask). The check now runs outside the graph.
+    z, ids, gw = _logits()
+    fn = _logits_fn(name, ids)
+    torch._dynamo.reset()
+    cf = torch.compile(fn, dynamic=True)
+    for t in (0.7, 1.3):  # control: a second value is not the first's bits, and is eager's
+        _assert_all_bitwise(_forward_backward(fn, [z], t, gw), _forward_backward(cf, [z], t, gw))
+    assert not bitwise_equal(fn(z, 0.7), fn(z, 1.3))
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0, got -1\.0"):
+        cf(z, -1.0)
 
 
 def test_0d_temperature_fused_token_logprobs_compiles_fullgraph_with_eager_bits():

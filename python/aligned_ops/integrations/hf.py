@@ -28,6 +28,7 @@ FSDP: the patched forwards are instance attributes of the *same* modules and are
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -212,17 +213,19 @@ class _ForwardPlans:
         return self.plans[key]
 
 
-@dataclass
 class _ForwardContext:
     """What the trainer side of a block function needs for one forward: the packed tokens' positions, the host
-    cu_seqlens, the model's RoPE table, the forward's attention plans, the model's profile."""
+    cu_seqlens, the model's RoPE table, the forward's attention plans, the model's profile.
 
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    plans: _ForwardPlans | None
-    profile: profiles.Profile
-    attention_profile: str = "fma"  # profile.attention_profile(device), decided once per forward (profiles.py)
+    A plain class, not a dataclass: each decoder layer receives it as an argument, and wrappers that rewrite a
+    module's tensor arguments recurse into dataclasses (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` casts
+    every float tensor it finds, and the fp32 RoPE table cast to bf16 was refused by ``aligned::rotary_embedding``)."""
+
+    def __init__(self, positions: torch.Tensor, cu_seqlens: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 plans: _ForwardPlans | None, profile: profiles.Profile, attention_profile: str = "fma"):
+        # attention_profile: profile.attention_profile(device), decided once per forward (profiles.py)
+        self.positions, self.cu_seqlens, self.cos_sin_cache = positions, cu_seqlens, cos_sin_cache
+        self.plans, self.profile, self.attention_profile = plans, profile, attention_profile
 
 
 class TrainerSide(Side):
@@ -282,6 +285,39 @@ def _refuse_unsupported(unused, where):
             raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
     if unused.get("use_cache"):
         raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
+    # HF would add these to its output; the aligned forward has none to give (the caller would find no field)
+    for key in ("output_hidden_states", "output_attentions"):
+        if unused.get(key):
+            raise ValueError(f"aligned_ops {where}: {key}=True is not supported (the aligned forward returns no "
+                             "per-layer hidden states or attention weights; call model.model(...) for the final "
+                             "hidden states)")
+
+
+def _refuse_dropout(inner, where):
+    """A model in training mode with attention dropout: HF would drop attention weights, the aligned forward (like
+    the vLLM engine) drops nothing, so the trainer's numbers would silently not be the configured model's."""
+    if not inner.training:
+        return
+    for i, layer in enumerate(inner.layers):
+        p = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0)
+        if p:
+            raise ValueError(f"aligned_ops {where}: attention_dropout={p} (layer {i}) in training mode: the aligned "
+                             "forward applies no dropout, as the vLLM engine does not; load the model with "
+                             "attention_dropout=0.0 or call model.eval()")
+
+
+def _without_autocast(forward):
+    """The patched forwards run with autocast off on the input's device: the aligned ops fix their own dtypes (an
+    autocast region would recast what feeds them; CPU autocast to another 16-bit dtype fails inside torch.cat with
+    "Unexpected floating ScalarType in at::autocast::prioritize")."""
+
+    @functools.wraps(forward)
+    def run(self, input_ids=None, *args, **kwargs):
+        device = input_ids.device.type if isinstance(input_ids, torch.Tensor) else "cpu"
+        with torch.autocast(device, enabled=False):
+            return forward(self, input_ids, *args, **kwargs)
+
+    return run
 
 
 def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens):
@@ -317,6 +353,7 @@ def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens)
     return hidden, flat, ids, cu, routing, rules, profile
 
 
+@_without_autocast
 def _backbone_forward(
     self,
     input_ids: torch.Tensor | None = None,
@@ -333,6 +370,7 @@ def _backbone_forward(
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     _refuse_unsupported(unused, "patched backbone (model.model)")
+    _refuse_dropout(self, "patched backbone (model.model)")
     if input_ids is None:
         raise ValueError("aligned_ops patched backbone (model.model): input_ids is required")
     if output_router_logits:
@@ -343,6 +381,7 @@ def _backbone_forward(
     return BaseModelOutputWithPast(last_hidden_state=full.view(*input_ids.shape, hidden.shape[-1]))
 
 
+@_without_autocast
 def _model_forward(
     self,
     input_ids: torch.Tensor,
@@ -361,10 +400,12 @@ def _model_forward(
     labels: torch.Tensor | None = None,
     num_items_in_batch=None,
     return_entropy: bool = False,
+    logits_to_keep: int | torch.Tensor = 0,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
     _refuse_unsupported(unused, "patched model")
+    _refuse_dropout(self.model, "patched model")
     if return_logits is None:
         return_logits = completion_mask is None
     if completion_mask is not None:  # refused before the forward runs (vLLM's own rules: aligned_ops.sampling)
@@ -384,6 +425,12 @@ def _model_forward(
     if labels is not None:
         out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
     if output_router_logits and routing.records:
+        if hidden.requires_grad and not all(scores.requires_grad for _, scores in routing.records):
+            # reentrant checkpointing runs each layer's forward under no_grad (the backward recomputes it): the
+            # scores recorded there carry no graph, so the aux loss would silently give the routers no gradient
+            raise ValueError("aligned_ops patched model: output_router_logits=True under reentrant gradient "
+                             "checkpointing: the router scores are recorded without autograd, so aux_loss would give "
+                             "the routers no gradient; use gradient_checkpointing_kwargs={'use_reentrant': False}")
         cfg = self.config
         # the score rows' width is the expert count (Qwen's num_experts, DeepSeek's n_routed_experts)
         out.aux_loss = hf_moe.load_balancing_loss(routing.records, routing.records[0][1].shape[1],
@@ -396,7 +443,7 @@ def _model_forward(
         logits = rules.head_logits(profile, hidden, head.weight, head.bias)
         full = logits.new_zeros((input_ids.numel(), logits.shape[-1]))
         full = full.index_copy(0, flat, logits)
-        out.logits = full.view(*input_ids.shape, logits.shape[-1])
+        out.logits = _keep_logits(full.view(*input_ids.shape, logits.shape[-1]), logits_to_keep)
     if completion_mask is not None:
         cm_all = completion_mask.reshape(-1).bool()
         cm = cm_all[flat]
@@ -453,6 +500,18 @@ def _model_forward(
         full = full.index_copy(0, flat.index_select(0, targets), lp)
         out.logprobs = full.view(input_ids.shape)
     return out
+
+
+def _keep_logits(logits, logits_to_keep):
+    """HF's ``logits_to_keep`` on the returned logits ``[..., S, V]``: an int ``k > 0`` keeps the last ``k``
+    positions, 0 keeps all, a tensor indexes the positions (as HF indexes its hidden states); each row's logits are
+    its own bits either way."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits[..., logits_to_keep.to(logits.device), :]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"aligned_ops patched model: logits_to_keep must be an int >= 0 or a tensor of positions, "
+                         f"got {logits_to_keep!r}")
+    return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
 
 
 def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bool:

@@ -79,11 +79,10 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
         mask = attention_mask[start:start + batch_size]
         completion = mask.clone()
         completion[:, :-logits_to_keep] = 0  # only the completion tokens are scored (TRL's labels = -100 elsewhere)
-        # The aligned ops fix their own dtypes; an autocast region must not recast what feeds them.
-        with torch.autocast(ids.device.type, enabled=False):
-            out = model(ids, attention_mask=mask, completion_mask=completion, temperature=self.temperature,
-                        return_logits=False, return_entropy=compute_entropy, output_router_logits=compute_aux_loss,
-                        **truncation)
+        # (the patched forward turns TRL's autocast off itself: the aligned ops fix their own dtypes)
+        out = model(ids, attention_mask=mask, completion_mask=completion, temperature=self.temperature,
+                    return_logits=False, return_entropy=compute_entropy, output_router_logits=compute_aux_loss,
+                    **truncation)
         logps.append(out.logprobs[:, -logits_to_keep:])
         if compute_entropy:
             entropies.append(out.entropy[:, -logits_to_keep:])

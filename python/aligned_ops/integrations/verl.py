@@ -219,11 +219,10 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
         if not torch.equal(want, got):
             raise ValueError("aligned_ops verl actor: shift_labels are not the next token of each sequence (a "
                              "sequence-parallel slice?); the aligned actor scores each sequence's own next tokens")
-    # The aligned ops fix their own dtypes: verl's forward_step autocast must not recast what feeds them.
-    with torch.autocast(input_ids.device.type, enabled=False):
-        out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
-                                       return_logits=False, return_entropy=True, **unused)
+    # (the patched forward turns verl's forward_step autocast off itself: the aligned ops fix their own dtypes)
+    out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
+                                   return_logits=False, return_entropy=True, **unused)
     src = flat[1:][scored]  # where the model put the log-prob of token k+1 ...
     dst = flat[:-1][scored]  # ... and where verl wants it: row k
     lp = out.logprobs.reshape(-1)

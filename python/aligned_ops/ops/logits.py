@@ -135,6 +135,7 @@ def _temperature_args(op: str, temperature, logits: torch.Tensor):
     return _check_temperature(f"aligned_ops.{op}", temperature), None
 
 
+@torch.compiler.disable
 def _check_temperature(op: str, temperature) -> float:
     """``temperature`` as a float: finite, > 0 and a normal float32 value (the ops divide by its fp32 rounding);
     ``op``: the name the errors give (``aligned_ops.<function>`` or ``aligned::<op>``)."""
