@@ -132,10 +132,14 @@ def _temperature_args(op: str, temperature, logits: torch.Tensor):
             _check_temperature(f"aligned_ops.{op}", float(temperature.detach()))
         rows = logits.shape[0] if logits.dim() >= 1 else 0  # a bad logits shape: the op names it
         return 1.0, temperature.reshape(1).to(logits.device).expand(rows).contiguous()
+    if torch.compiler.is_compiling():
+        # Under torch.compile the op checks the temperature when it runs (the same rules, csrc/torch/checks/logits.h),
+        # so a bad value still raises, naming the op; checking it here would trace float() / struct.pack on a
+        # symbolic float with dynamic=True (Dynamo died in it: RecursionError)
+        return temperature, None
     return _check_temperature(f"aligned_ops.{op}", temperature), None
 
 
-@torch.compiler.disable
 def _check_temperature(op: str, temperature) -> float:
     """``temperature`` as a float: finite, > 0 and a normal float32 value (the ops divide by its fp32 rounding);
     ``op``: the name the errors give (``aligned_ops.<function>`` or ``aligned::<op>``)."""
