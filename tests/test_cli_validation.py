@@ -587,6 +587,8 @@ def _corrupt(raw: bytes, how: str) -> bytes:
                 data = data[:20] + b"\x00" * 20 + data[40:]
             if how == "missing tensor record" and info is tensor:
                 continue
+            if how == "compressed pickle" and info.filename.endswith("data.pkl"):
+                info.compress_type = zipfile.ZIP_DEFLATED  # how a zip bomb of opcodes would come
             w.writestr(info, data)
     return out.getvalue()
 
@@ -597,6 +599,8 @@ def _corrupt(raw: bytes, how: str) -> bytes:
     ("missing tensor record", "tensor data record(s) 0 missing"),
     ("another torch.save", "a torch.save archive without metrics_offset, policy, history, rng: not this runner's"),
     ("a version short", "it lacks weight version(s) 1, which the next batches are generated with"),
+    ("compressed pickle", "record archive/data.pkl is compressed, which torch.save never writes"),
+    ("self-doubling step", "its step is a tuple"),
 ])
 def test_resume_with_a_corrupt_checkpoint_is_refused_up_front(how, needle, tmp_path, capsys, monkeypatch):
     # 9a': a zip-valid state.pt passed the zip-directory check: a foreign or damaged one failed after the model was
@@ -613,6 +617,13 @@ def test_resume_with_a_corrupt_checkpoint_is_refused_up_front(how, needle, tmp_p
         bad = buf.getvalue()
     elif how == "a version short":
         bad = runner_checkpoint_bytes(step=2, metrics_offset=12, versions=(2,))
+    elif how == "self-doubling step":  # 1.3 kB whose repr doubles per level (the message was 29 MB at 22 levels)
+        step = ()
+        for _ in range(40):
+            step = (step, step)
+        buf = io.BytesIO()
+        torch.save(dict(step=step, metrics_offset=0, policy={}, history={}, rng=None), buf)
+        bad = buf.getvalue()
     else:
         bad = _corrupt(good, how)
     out = _run_folder(tmp_path, checkpoint=bad)
@@ -620,6 +631,43 @@ def test_resume_with_a_corrupt_checkpoint_is_refused_up_front(how, needle, tmp_p
     assert_one_line(rc, err_out, err, f"--resume: {out}/checkpoint/state.pt is not a readable checkpoint", needle)
     (out / "checkpoint" / "state.pt").write_bytes(good)  # control: the intact checkpoint passes
     _resume_passes(capsys, monkeypatch, out)
+
+
+def test_checkpoint_check_reads_hashable_objects_and_refuses_odd_storage_keys(tmp_path):
+    # the stand-in for every rebuilt object is hashable (a torch.device as a dict key refused a valid file), and a
+    # storage key is a record name (a crafted one whose repr grows was turned into text)
+    import io
+    import pickle
+
+    import torch
+    from _tiny_checkpoints import runner_checkpoint_bytes
+
+    from aligned_ops.runner.config import ConfigError, check_checkpoint_file
+
+    good = runner_checkpoint_bytes(step=2, metrics_offset=0)
+    state = torch.load(io.BytesIO(good), weights_only=False)
+    state["cfg"] = {torch.device("cpu"): 1}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    f = tmp_path / "state.pt"
+    f.write_bytes(buf.getvalue())
+    assert check_checkpoint_file(str(f)) == 2
+
+    class Keyed(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", None, (1, 2), "cpu", 4) if obj == "marker" else None
+
+    raw = io.BytesIO()
+    Keyed(raw, protocol=2).dump(dict(state, rng="marker"))
+    import zipfile
+
+    bad = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z, zipfile.ZipFile(bad, "w") as w:
+        for info in z.infolist():
+            w.writestr(info, raw.getvalue() if info.filename.endswith("data.pkl") else z.read(info.filename))
+    f.write_bytes(bad.getvalue())
+    with pytest.raises(ConfigError, match="a tensor storage key that is not a record name"):
+        check_checkpoint_file(str(f))
 
 
 def test_resume_with_nothing_left_to_do_is_refused_up_front(tmp_path, capsys, monkeypatch):

@@ -143,9 +143,10 @@ def _shape_of(fields) -> tuple:
     return tuple(fields[1 : 1 + min(n, _MAX_DIMS)])
 
 
-def _meta_device(group, like):
-    if isinstance(like, torch.Tensor):
-        return like.device
+def _meta_device(group, like=None):
+    """The agreement record's device, from the group's backend alone — never the input's: a rank that failed before
+    having one must meet the others in the same collective (with torch's default ``cpu:gloo,cuda:nccl`` a CUDA
+    input put the healthy ranks on NCCL and the failing rank on gloo, where they never met)."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -259,6 +260,10 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=
             if partial.dtype != torch.float32:
                 raise TypeError(f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), "
                                 f"got {partial.dtype}")
+            need = _meta_device(group).type if t > 1 else None
+            if need == "cuda" and partial.device.type != "cuda":  # NCCL alone: a CPU partial fails in its collective
+                raise TypeError(f"aligned_ops.{what}: partial must be a CUDA tensor for this group's backend "
+                                f"({dist.get_backend(group)}), got one on {partial.device}")
             if partial.layout != torch.strided or partial.is_meta:
                 raise TypeError(f"aligned_ops.{what}: partial must be a dense tensor with data (strided layout, not "
                                 f"meta), got layout {partial.layout} on {partial.device}")

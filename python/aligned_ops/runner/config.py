@@ -60,6 +60,21 @@ class _Opaque(dict):
     def extend(self, items):
         pass
 
+    __hash__ = object.__hash__  # a dict key in the pickle (a torch.device, an Enum) must stay usable
+
+
+# A checkpoint's data.pkl describes the tensors, it does not hold them: ~1 MB for an 8B model. Beyond this the
+# check refuses (a crafted pickle could otherwise make it build gigabytes of objects).
+_MAX_CHECKPOINT_PICKLE_BYTES = 64 << 20
+
+
+def _short(value) -> str:
+    """A value read from a checkpoint, for a message: ints, strings and None as they are, anything else by its type
+    (a crafted nested tuple's repr can be exponentially long)."""
+    if value is None or (isinstance(value, (int, str)) and len(str(value)) <= 80):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
 
 def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
                           metrics_path: str | None = None) -> int:
@@ -83,6 +98,12 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
             pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
             if len(pkl) != 1:
                 refuse("a zip, but not one torch.save wrote")
+            packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+            if packed:  # torch.save stores every record uncompressed; a compressed one could be a zip bomb
+                refuse(f"record {packed[0]} is compressed, which torch.save never writes")
+            if z.getinfo(pkl[0]).file_size > _MAX_CHECKPOINT_PICKLE_BYTES:
+                refuse(f"its pickle is {z.getinfo(pkl[0]).file_size} bytes, more than a checkpoint's description of "
+                       f"its tensors ({_MAX_CHECKPOINT_PICKLE_BYTES} at most)")
             bad = z.testzip()
             if bad is not None:
                 refuse(f"record {bad} fails its CRC check: the file is corrupt")
@@ -95,7 +116,9 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
 
                 def persistent_load(self, pid):
                     if isinstance(pid, tuple) and len(pid) > 2 and pid[0] == "storage":
-                        storages.append(str(pid[2]))
+                        if not isinstance(pid[2], str) or len(pid[2]) > 64:
+                            raise ValueError("a tensor storage key that is not a record name")
+                        storages.append(pid[2])
                     return _Opaque()
 
             with z.open(pkl[0]) as f:
@@ -105,7 +128,7 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
     except (OSError, zipfile.BadZipFile, ValueError) as e:
         refuse(str(e))
     except Exception as e:  # a pickle that does not unpickle (UnpicklingError, EOFError, an opcode on the wrong type)
-        refuse(f"its pickle does not load: {type(e).__name__}: {e}")
+        refuse(f"its pickle does not load: {type(e).__name__}: {str(e)[:200] or 'no detail'}")
     missing = sorted({k for k in storages if f"{prefix}data/{k}" not in names})
     if missing:
         refuse(f"tensor data record(s) {', '.join(missing[:3])} missing")
@@ -117,9 +140,9 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
         refuse(f"a torch.save archive without {', '.join(absent)}: not this runner's checkpoint")
     step, offset, history = state["step"], state["metrics_offset"], state["history"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        refuse(f"its step is {step!r}")
+        refuse(f"its step is {_short(step)}")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        refuse(f"its metrics.jsonl offset is {offset!r}")
+        refuse(f"its metrics.jsonl offset is {_short(offset)}")
     if steps is not None and step >= steps:
         raise ConfigError(f"--resume: the checkpoint is at step {step}, the run has --steps {steps}: nothing to do "
                           f"(pass --steps > {step} to train further)")

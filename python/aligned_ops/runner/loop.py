@@ -145,7 +145,12 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
     history: dict[int, dict] = {0: learner.policy.weights()}
     start, offset = 0, None
     if cfg.resume:
-        state = torch.load(ckpt_path, weights_only=False)  # checked up front: config.check_checkpoint_file
+        # checked up front (config.check_checkpoint_file); weights_only: a crafted file that passes that check still
+        # runs no code here (the checkpoint holds tensors, dicts, lists, numbers and strings only)
+        state = torch.load(ckpt_path, weights_only=True)
+        if state["step"] >= cfg.steps:  # (the CLI refuses this up front; a caller of learner_main may not)
+            raise ValueError(f"--resume: the checkpoint is at step {state['step']}, the run has --steps {cfg.steps}: "
+                             "nothing to do")
         learner.policy.load_state(state["policy"])
         history = state["history"]
         start, offset = state["step"], state["metrics_offset"]
