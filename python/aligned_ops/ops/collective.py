@@ -143,6 +143,15 @@ def _shape_of(fields) -> tuple:
     return tuple(fields[1 : 1 + min(n, _MAX_DIMS)])
 
 
+def _check_tensor_args(what: str, optional: tuple = (), **args) -> None:
+    """TypeError naming ``aligned_ops.<what>`` and the argument for one that is not a tensor (None allowed for the
+    names in ``optional``): raised inside an entry point's local-error block, so on every rank."""
+    for name, value in args.items():
+        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
+            raise TypeError(f"aligned_ops.{what}: {name} must be a tensor{' or None' if name in optional else ''}, "
+                            f"got {type(value).__name__}")
+
+
 def _meta_device(group, like=None):
     """The agreement record's device, from the group's backend alone — never the input's: a rank that failed before
     having one must meet the others in the same collective (with torch's default ``cpu:gloo,cuda:nccl`` a CUDA
@@ -336,8 +345,7 @@ def exact_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch
     local_error = None
     k_local = n_out = -1
     try:
-        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-            raise TypeError(f"aligned_ops.{what}: x and weight must be tensors")
+        _check_tensor_args(what, ("bias",), x=x, weight=weight, bias=bias)
         if x.device.type != "cpu" or weight.device.type != "cpu":
             raise NotImplementedError(
                 f"aligned_ops.{what}: the exact profile's tensor-parallel route runs on the CPU only (x on "
@@ -445,9 +453,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     # raising alone would leave the others waiting in the collective).
     partial, local_error, extra = None, None, None
     try:
-        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-            raise TypeError(f"aligned_ops.{what}: x and weight must be tensors, got {type(x).__name__} and "
-                            f"{type(weight).__name__}")
+        _check_tensor_args(what, ("bias",), x=x, weight=weight, bias=bias)
         k_local = weight.shape[-1]
         if in_features is not None:
             _check_lane_slice(what, "K", in_features, k_local, t, r)
@@ -506,6 +512,7 @@ def sharded_rows_all_reduce(local: torch.Tensor, not_owned: torch.Tensor, group=
             got = local.dtype if isinstance(local, torch.Tensor) else type(local).__name__
             raise TypeError(f"aligned_ops.{what}: local must be float32, bfloat16 or float16 (the sum runs in fp32, "
                             f"which holds these exactly), got {got}")
+        _check_tensor_args(what, not_owned=not_owned)
         filled = local.masked_fill(not_owned.unsqueeze(-1), -0.0)
     except _LOCAL_ERRORS as e:
         local_error = e
@@ -618,6 +625,9 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
     try:
         if combine not in MOE_COMBINES:
             raise ValueError(f"aligned_ops.{what}: combine must be one of {MOE_COMBINES}, got {combine!r}")
+        _check_tensor_args(what, ("shared_w13", "shared_w2", "shared_gate"), x=x, topk_weights=topk_weights,
+                           topk_ids=topk_ids, w13=w13, w2=w2, shared_w13=shared_w13, shared_w2=shared_w2,
+                           shared_gate=shared_gate)
         if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or x.shape[0] != topk_ids.shape[0]:
             raise ValueError(f"aligned_ops.{what}: x must be [T, H] and topk_weights, topk_ids [T, k], got "
                              f"{list(x.shape)}, {list(topk_weights.shape)}, {list(topk_ids.shape)}")
