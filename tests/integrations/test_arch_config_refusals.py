@@ -167,6 +167,24 @@ def test_patch_model_refuses_before_patching(arch, base, bad, message):
     patch_model(getattr(transformers, arch)(_config(arch, base)))  # control
 
 
+def _engine_config_maker(dtype: str):
+    """(the installed vLLM plugin module, ``engine_config(folder)``: vLLM's own engine-config creation, which runs the
+    plugin's start-up check, before any model is built)."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from aligned_ops.integrations import vllm_plugin
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_plugin.install()
+
+    def engine_config(d):
+        return EngineArgs(model=d, tokenizer=d, dtype=dtype, enforce_eager=True, max_model_len=256,
+                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
+
+    return vllm_plugin, engine_config
+
+
 @pytest.mark.parametrize("changes, control, message", [
     (dict(head_dim=64), {}, "Qwen2 with head_dim 64 .* is not supported"),
     (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True),
@@ -177,19 +195,8 @@ def test_patch_model_refuses_before_patching(arch, base, bad, message):
 def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, control, message):
     """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
     control (the same edit without the refused setting) is accepted."""
-    pytest.importorskip("vllm")
-    from vllm.engine.arg_utils import EngineArgs
-
-    from aligned_ops.integrations import vllm_plugin
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm_plugin.install()
+    vllm_plugin, engine_config = _engine_config_maker("float32")
     src = tiny_checkpoint("qwen2", torch.float32, seed=0)
-
-    def engine_config(d):
-        return EngineArgs(model=d, tokenizer=d, dtype="float32", enforce_eager=True, max_model_len=256,
-                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
-
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))
@@ -207,19 +214,8 @@ def test_vllm_engine_config_refuses_deepseek_v3(tiny_checkpoint, tmp_path, built
     """The DeepSeek-V3 refusals through vLLM's own engine-config creation (vLLM's reading of the checkpoint: the
     plugin's start-up check sees vLLM's config object), before any model is built; control: the default tiny
     checkpoint."""
-    pytest.importorskip("vllm")
-    from vllm.engine.arg_utils import EngineArgs
-
-    from aligned_ops.integrations import vllm_plugin
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm_plugin.install()
+    vllm_plugin, engine_config = _engine_config_maker("bfloat16")
     src = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0)
-
-    def engine_config(d):
-        return EngineArgs(model=d, tokenizer=d, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                          enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20).create_engine_config()
-
     bad = tiny_checkpoint("deepseek_v3", torch.bfloat16, seed=0, **built)
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(bad, tmp_path / "refused", **edited) if edited else bad)
