@@ -600,7 +600,7 @@ def _corrupt(raw: bytes, how: str) -> bytes:
     ("another torch.save", "a torch.save archive without metrics_offset, policy, history, rng: not this runner's"),
     ("a version short", "it lacks weight version(s) 1, which the next batches are generated with"),
     ("compressed pickle", "record archive/data.pkl is compressed, which torch.save never writes"),
-    ("self-doubling step", "its step is a tuple"),
+    ("self-doubling step", "its step is a value of type tuple"),
 ])
 def test_resume_with_a_corrupt_checkpoint_is_refused_up_front(how, needle, tmp_path, capsys, monkeypatch):
     # 9a': a zip-valid state.pt passed the zip-directory check: a foreign or damaged one failed after the model was

@@ -153,11 +153,15 @@ def _check_tensor_args(what: str, optional: tuple = (), **args) -> None:
 
 
 def _meta_device(group, like=None):
-    """The agreement record's device, from the group's backend alone — never the input's: a rank that failed before
-    having one must meet the others in the same collective (with torch's default ``cpu:gloo,cuda:nccl`` a CUDA
-    input put the healthy ranks on NCCL and the failing rank on gloo, where they never met)."""
+    """The agreement record's device: its type from the group's backend alone — never the input's: a rank that failed
+    before having one must meet the others in the same collective (with torch's default ``cpu:gloo,cuda:nccl`` a
+    CUDA input put the healthy ranks on NCCL and the failing rank on gloo, where they never met)."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        # the device type from the backend; the index from the input where there is one (a script that moved its
+        # tensors to cuda:<rank> without torch.cuda.set_device), else the current device
+        if isinstance(like, torch.Tensor) and like.device.type == "cuda":
+            return like.device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -68,7 +68,9 @@ class Policy:
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # float(): a numpy lr (a sweep's np.logspace) would reach the optimizer's and scheduler's state, which the
+        # checkpoint saves and --resume loads with torch.load(weights_only=True) (no numpy scalars there)
+        self.opt = torch.optim.AdamW(self.master, lr=float(lr), betas=(0.9, 0.99), weight_decay=0.0)
         warm = max(0, int(lr_warmup))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: min(1.0, (i + 1) / (warm + 1)))
 

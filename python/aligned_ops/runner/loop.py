@@ -214,7 +214,8 @@ def learner_main(cfg: RunConfig, model_dir: str, launcher, callbacks=(), host: s
             end = log.append(rec)
             if ckpt:
                 _save_checkpoint(ckpt_path, dict(step=s + 1, metrics_offset=end, policy=learner.policy.state(),
-                                                 history=history, rng=torch.get_rng_state(), cfg=cfg.to_dict()))
+                                                 history=history, rng=torch.get_rng_state(),
+                                                 cfg=json.loads(json.dumps(cfg.to_dict(), default=str))))
             t_prev, c_prev = time.time(), time.process_time()
             for cb in callbacks:
                 cb(s, scalars(rec))
