@@ -94,24 +94,27 @@ def _cases():
 
 
 CASES = _cases()
+SERIAL_SHARE = 0.05  # what a serial op leaves the workers, at most
+PARALLEL_SHARE = 2 * SERIAL_SHARE  # what an op run on two threads gives them, at least, even on a loaded machine
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ops_use_two_threads(name):
-    # An even split is 0.5; well above what a serial op leaves (the controls below: ~0). On a loaded machine (CI's
-    # other pytest worker and its nice-19 builds) the pool's worker thread can wait for a core while the caller
-    # spins at the region's barrier, which counts as the caller's time: one such measurement of log_softmax read
-    # 23 %. So up to three are taken; a serial op reads ~0 in every one of them.
+    # An even split is 0.5; a serial op leaves the workers ~0 (the controls below: < 5 %). On a loaded machine (CI's
+    # other pytest worker and its nice-19 builds) the pool's worker thread waits for a core while the caller spins at
+    # the region's barrier, which counts as the caller's time: CI measured log_softmax at 24.8 %, 24.3 %, 24.9 % in a
+    # row (an idle machine: 49.8 %). So the bar sits between the two, at twice the serial control's bound, and up to
+    # three measurements are taken.
     shares = []
-    while len(shares) < 3 and (not shares or shares[-1] <= 0.25):
+    while len(shares) < 3 and (not shares or shares[-1] <= PARALLEL_SHARE):
         shares.append(worker_share(CASES[name], 2))
-    assert shares[-1] > 0.25, \
+    assert shares[-1] > PARALLEL_SHARE, \
         f"aligned::{name} at 2 threads: the workers did {', '.join(f'{s:.1%}' for s in shares)} of the CPU work (serial?)"
 
 
 def test_controls_serial_work_is_seen():
     # the same op at 1 thread, and serial work at 2 threads: the workers stay idle, so the measure can fail
-    assert worker_share(CASES["linear fma M=256"], 1) < 0.05
+    assert worker_share(CASES["linear fma M=256"], 1) < SERIAL_SHARE
 
     def python_loop():
         s = 0
@@ -119,4 +122,4 @@ def test_controls_serial_work_is_seen():
             s += i * i
         return s
 
-    assert worker_share(python_loop, 2) < 0.05
+    assert worker_share(python_loop, 2) < SERIAL_SHARE
