@@ -117,17 +117,36 @@ def yarn_attention_factor(factor: float, attention_factor=None, mscale=None, msc
     return float(_yarn_mscale(factor))
 
 
-def rope_spec_from_hf_config(config) -> RopeSpec:
-    """The RoPE of a Hugging Face Qwen2/Qwen3/Llama config (``rope_parameters`` or legacy ``rope_scaling``)."""
+def hf_rope_params(config) -> dict:
+    """The RoPE parameters of a Hugging Face config as one mapping: transformers 5's ``rope_parameters`` over the
+    legacy ``rope_scaling`` (a key in both takes ``rope_parameters``' value, as transformers' own standardisation
+    does). Every reader of a config's RoPE (this module, the config checks, the DeepSeek model) reads it here."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
         for k, v in scaling.items():
             params.setdefault(k, v)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    return params
+
+
+def rope_type_of(params: dict) -> str:
+    """The scaling type of :func:`hf_rope_params`' mapping (``rope_type``, legacy ``type``; none is ``default``)."""
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def hf_rope_theta(config) -> float:
+    """The RoPE base of a Hugging Face config: :func:`hf_rope_params`' ``rope_theta``, else the config's own."""
+    base = hf_rope_params(config).get("rope_theta", getattr(config, "rope_theta", None))
     if base is None:
         raise ValueError("aligned_ops rope: config has no rope_theta")
+    return float(base)
+
+
+def rope_spec_from_hf_config(config) -> RopeSpec:
+    """The RoPE of a Hugging Face Qwen2/Qwen3/Llama config (``rope_parameters`` or legacy ``rope_scaling``)."""
+    params = hf_rope_params(config)
+    rope_type = rope_type_of(params)
+    base = hf_rope_theta(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     prf = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     prf = 1.0 if prf is None else float(prf)
@@ -196,14 +215,9 @@ def deepseek_attention_scale(qk_head_dim: int, config) -> float:
     scaled RoPE whose parameters give ``mscale_all_dim`` (HF's ``yarn_apply_mscale``, vLLM's DeepseekV2Attention:
     ``(scale * m) * m`` in float64, ``m = 0.1 * mscale_all_dim * ln(factor) + 1`` for factor > 1). The table's own
     factor (cos / sin times ``mscale / mscale_all_dim``) is :func:`rope_spec_from_hf_config`'s."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        for k, v in scaling.items():
-            params.setdefault(k, v)
+    params = hf_rope_params(config)
     scale = float(qk_head_dim) ** (-0.5)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type != "default":
+    if rope_type_of(params) != "default":
         mscale_all_dim = params.get("mscale_all_dim", 0)
         if mscale_all_dim:
             m = _yarn_mscale(float(params["factor"]), float(mscale_all_dim))

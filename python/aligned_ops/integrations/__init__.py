@@ -27,14 +27,10 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def rope_theta_of(config) -> float:
-    """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        raise ValueError("config has no rope_theta")
-    return float(theta)
+    """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``): :func:`..rope.hf_rope_theta`."""
+    from ..rope import hf_rope_theta
+
+    return hf_rope_theta(config)
 
 
 # The shape fields every check (and both sides) read, which HF's config class would fill from its own defaults: a
@@ -108,10 +104,10 @@ def _transformers_class_of(model_type) -> str | None:
 def check_same_architecture(config, where: str, arch, from_class: bool = False) -> None:
     """Raise ``ValueError`` where the config would make the two sides build different architectures: vLLM builds
     ``architectures[0]``; transformers (``AutoModelForCausalLM``) builds the class of ``model_type``; a model object
-    is run as the architecture of its class (``from_class``: ``arch`` is that one). A qwen2 config naming LlamaForCausalLM ran Qwen2 in
-    the trainer and Llama in vLLM: 0 % bitwise, no warning. A model_type is compared where this library knows its
-    architecture (``Architecture.model_types``) or transformers' mapping is loaded (:func:`_transformers_class_of`);
-    a model_type neither knows (a custom registered class) is not refused here."""
+    is run as the architecture of its class (``from_class``: ``arch`` is that one). A qwen2 config naming
+    LlamaForCausalLM ran Qwen2 in the trainer and Llama in vLLM: 0 % bitwise, no warning. A model_type is compared
+    where this library knows its architecture (``Architecture.model_types``) or transformers' mapping is loaded
+    (:func:`_transformers_class_of`); a model_type neither knows (a custom registered class) is not refused here."""
     archs = list(getattr(config, "architectures", None) or [])
     if archs and archs[0] != arch.name and archs[0] in ARCHITECTURES:
         raise ValueError(f"aligned_ops ({where}): the model is a {arch.name}, but its config's architectures names "
@@ -159,13 +155,10 @@ def check_hf_config(config, where: str, architecture: str | None = None) -> None
 
 def _check_hf_config(config, where: str, arch) -> None:
     arch.check_config(config, where)
-    from ..rope import SUPPORTED_ROPE_TYPES, rope_spec_from_hf_config
+    from ..rope import SUPPORTED_ROPE_TYPES, hf_rope_params, rope_spec_from_hf_config, rope_type_of
 
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        params.update({k: v for k, v in scaling.items() if k not in params})
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    params = hf_rope_params(config)
+    rope_type = rope_type_of(params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"aligned_ops ({where}): rope_type {rope_type!r} is not supported (supported: "

@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ..rope import _yarn_mscale, deepseek_attention_scale, yarn_attention_factor
+from ..rope import _yarn_mscale, deepseek_attention_scale, hf_rope_params, rope_type_of, yarn_attention_factor
 from .base import Architecture, Projection
 from .decoder import DOWN, GATE_UP, O_PROJ, pre_norm_block
 from .moe import MoEWeights
@@ -234,13 +234,6 @@ def check_grouped_moe(config, where: str, name: str = NAME) -> None:
                          f"{name} never ties lm_head to the embedding (its lm_head stays unloaded); HF's does")
 
 
-def _rope_params(config) -> dict:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if isinstance(getattr(config, "rope_scaling", None), dict):
-        params = {**config.rope_scaling, **params}
-    return params
-
-
 def check_config(config, where: str) -> None:
     """What the aligned ops reproduce of a DeepSeek-V3 config, and what vLLM's DeepseekV2 classes read as HF's
     does; ValueError naming the field otherwise."""
@@ -273,8 +266,8 @@ def check_config(config, where: str) -> None:
     # vLLM (DeepseekV2Attention) runs a scaled RoPE with attention_factor == 1.0 as "deepseek_llama_scaling": it
     # skips YaRN's mscale**2 on the softmax scale (and the YaRN table), which HF and the aligned block apply
     # (rope.deepseek_attention_scale): rollout and trainer would score with different scales.
-    params = _rope_params(config)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    params = hf_rope_params(config)
+    rope_type = rope_type_of(params)
     if rope_type != "default" and params.get("attention_factor") == 1.0:
         raise ValueError(f"aligned_ops ({where}): {NAME} rope_scaling attention_factor=1.0 is not supported (vLLM "
                          "then skips the YaRN mscale of the softmax scale that HF applies); remove attention_factor")
