@@ -53,8 +53,8 @@ each passed; the failing rank its own error) before any exchange of data. Cost: 
 collective per call; ``check=False`` skips it where the caller already guarantees agreement (then a mismatch
 is undefined behaviour of the backend, as with torch.distributed itself).
 
-For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is theirs, not ours):
-the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
+For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is
+theirs, not ours): the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
 element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo on
 CPU; NCCL/RCCL on GPU, where grouping the send with the receive avoids the p2p deadlock).
 """
@@ -273,8 +273,8 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=
             if partial.dtype != torch.float32:
                 raise TypeError(f"aligned_ops.{what}: partial must be float32 (the fp32 sub-tree of linear_partial), "
                                 f"got {partial.dtype}")
-            need = _meta_device(group).type if t > 1 else None
-            if need == "cuda" and partial.device.type != "cuda":  # NCCL alone: a CPU partial fails in its collective
+            # NCCL alone: a CPU partial fails in its collective. (A CUDA partial, the GPU hot path, skips the lookup.)
+            if t > 1 and partial.device.type != "cuda" and _meta_device(group).type == "cuda":
                 raise TypeError(f"aligned_ops.{what}: partial must be a CUDA tensor for this group's backend "
                                 f"({dist.get_backend(group)}), got one on {partial.device}")
             if partial.layout != torch.strided or partial.is_meta:
@@ -462,11 +462,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if in_features is not None:
             _check_lane_slice(what, "K", in_features, k_local, t, r)
         partial = sub_tree(x, weight, LINEAR_LANES // t)
-        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != x.dtype
-                                 or tuple(bias.shape) != (weight.shape[0],)):
-            got = f"{list(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (weight.shape[0],)):
             raise ValueError(f"aligned_ops.{what}: bias must be [{weight.shape[0]}] with x's dtype ({x.dtype}), got "
-                             f"{got}")
+                             f"{list(bias.shape)} {bias.dtype}")
         # What the partials' agreement cannot see: x's dtype (the output's), the bias, and this rank's K slice (the
         # slices must be linear_tp_slices(sum of K_r, t): an uneven split gives other lanes, silently other bits)
         extra = ([_dtype_code(x.dtype), -1 if bias is None else _dtype_code(bias.dtype), int(k_local)],
@@ -632,7 +630,8 @@ def row_parallel_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
         _check_tensor_args(what, ("shared_w13", "shared_w2", "shared_gate"), x=x, topk_weights=topk_weights,
                            topk_ids=topk_ids, w13=w13, w2=w2, shared_w13=shared_w13, shared_w2=shared_w2,
                            shared_gate=shared_gate)
-        if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or x.shape[0] != topk_ids.shape[0]:
+        if (x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape
+                or x.shape[0] != topk_ids.shape[0]):
             raise ValueError(f"aligned_ops.{what}: x must be [T, H] and topk_weights, topk_ids [T, k], got "
                              f"{list(x.shape)}, {list(topk_weights.shape)}, {list(topk_ids.shape)}")
         if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[1]:
