@@ -91,6 +91,19 @@ def test_same_set_as_vllm_without_ties():
     assert torch.equal(truncation_mask(x, min_p=0.05), theirs_mp)
 
 
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), float("-inf")])
+def test_scale_logits_refuses_a_temperature_no_sampler_uses(bad):
+    # a negative T reversed the row's order and NaN made every score NaN, silently; the name says which argument
+    z = _logits(R=3, V=16, seed=5)
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0 .*got "):
+        scale_logits(z, torch.tensor([1.0, bad, 0.7]))
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        scale_logits(z, bad)
+    # control: the same rows at temperatures the sampler uses (0 = greedy, scored at 1) are scaled
+    x = scale_logits(z, torch.tensor([1.0, 0.0, 0.7]))
+    assert bool(torch.isfinite(x).all())
+
+
 def test_processed_logprob_is_log_softmax_of_truncated_and_differentiable():
     z = _logits(R=4, V=64, seed=4).to(torch.bfloat16).requires_grad_(True)
     t = torch.tensor([1.0, 0.7, 0.0, 1.3])

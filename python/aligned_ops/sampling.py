@@ -117,10 +117,19 @@ def _probs(x):
 
 
 def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
-    """``fp32(logits) / T`` per row, greedy rows (:func:`effective_temperature`) at 1 — vLLM's ``apply_temperature``."""
+    """``fp32(logits) / T`` per row, greedy rows (:func:`effective_temperature`) at 1 — vLLM's ``apply_temperature``.
+    ``temperature``: a number or one per row, each finite and >= 0 (``ValueError`` otherwise: a negative or NaN T
+    would score every token of the row at NaN or with the order of its logits reversed)."""
+    if logits.dim() != 2:
+        raise ValueError(f"aligned_ops sampling: logits must be 2-D [rows, vocab], got {tuple(logits.shape)}")
     x = logits.to(torch.float32)
     R = x.shape[0]
-    t = effective_temperature(_per_row(temperature, R, x.device, torch.float64))
+    requested = _per_row(temperature, R, x.device, torch.float64)
+    bad = ~torch.isfinite(requested) | (requested < 0)
+    if bool(bad.any()):
+        value = float(requested[bad.nonzero()[0, 0]])
+        raise ValueError(f"aligned_ops sampling: temperature must be finite and >= 0 (0 = greedy), got {value}")
+    t = effective_temperature(requested)
     return x / t.unsqueeze(1)
 
 
