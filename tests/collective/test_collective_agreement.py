@@ -44,7 +44,8 @@ def _both_raise(records, case, types, *fragments):
 
 
 DISAGREE = [
-    ("tree_size", ("the ranks of the group disagree", "rank 0: (3, 37) float32", "rank 1: (3, 38) float32")),
+    ("tree_size", ("the ranks of the group disagree", "same shape, dtype and device type",
+                   "rank 0: (3, 37) float32 on cpu", "rank 1: (3, 38) float32 on cpu")),
     ("tree_straddles_auto_switch", ("the ranks of the group disagree", "rank 0: (262144,)", "rank 1: (262145,)")),
     ("tree_same_numel_other_shape", ("disagree", "rank 0: (4, 6)", "rank 1: (6, 4)")),
     ("tree_algorithm", ("disagree", "algorithm='halving'", "algorithm='allgather'")),

@@ -123,6 +123,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int8, torch.uint8, torch.bool)
 
 
+_DEVICE_TYPES = ("cpu", "cuda")  # what the agreement record names (another type: -1, "another device")
+
+
 def _dtype_code(dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
@@ -286,8 +289,11 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=
             local_error = e
     if t > 1 and check:
         ok = local_error is None
-        n_own = 2 + _MAX_DIMS + 1
+        # the device type too: in a mixed group (torch's default cpu:gloo,cuda:nccl) a CPU partial on one rank and a
+        # CUDA one on another would send their data over different backends and wait for each other for ever
+        n_own = 3 + _MAX_DIMS + 1
         fields = [_dtype_code(partial.dtype) if ok else -1, ALGORITHMS.index(algorithm) if ok else -1,
+                  _DEVICE_TYPES.index(partial.device.type) if ok and partial.device.type in _DEVICE_TYPES else -1,
                   *(_shape_fields(partial.shape) if ok else [0] * (_MAX_DIMS + 1))]
         if extra is not None:
             fields += list(extra[0])
@@ -296,9 +302,11 @@ def _tree_all_reduce(partial, group, algorithm, check, what, local_error, extra=
             keys = {tuple(f[:n_own]) for f in all_fields}
             if len(keys) == 1:
                 return None if extra is None else extra[1]([f[n_own:] for f in all_fields])
-            return "every rank must pass a partial of the same shape and dtype, with the same algorithm; " + \
-                ", ".join(f"rank {j}: {_shape_of(f[2:])} {_dtype_name(f[0])} algorithm={ALGORITHMS[f[1]]!r}"
-                          for j, f in enumerate(all_fields))
+            return "every rank must pass a partial of the same shape, dtype and device type, with the same " \
+                "algorithm; " + ", ".join(
+                    f"rank {j}: {_shape_of(f[3:])} {_dtype_name(f[0])} on "
+                    f"{_DEVICE_TYPES[f[2]] if f[2] >= 0 else 'another device'} algorithm={ALGORITHMS[f[1]]!r}"
+                    for j, f in enumerate(all_fields))
 
         _agree(group, what, fields, local_error, partial if ok else None, describe)
     elif local_error is not None:
