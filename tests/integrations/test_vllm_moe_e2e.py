@@ -92,6 +92,10 @@ def test_sampled_logprobs_and_routing_bitwise_equal_trainer(engine):
         seq = r.prompt_token_ids + r.token_ids
         v = vllm_teacher_forced_routing(llm, seq, 2)
         assert torch.equal(v, ex), f"prompt len {len(r.prompt_token_ids)}: routing differs"
+    # a wrong layer count is refused, in one pass and in 3 chunks (it used to return a plausible, wrong tensor)
+    for r in rollouts[:2]:
+        with pytest.raises(ValueError, match="not num_moe_layers=1 layers per step"):
+            vllm_teacher_forced_routing(llm, r.prompt_token_ids + r.token_ids, 1)
 
 
 def test_batch_size_and_order_do_not_change_logprobs(engine):

@@ -64,20 +64,42 @@ def capture_vllm_routing():
 def vllm_teacher_forced_routing(llm, token_ids: list[int], num_moe_layers: int) -> torch.Tensor:
     """Expert ids ``[len(token_ids), layers, k]`` vLLM chooses when it prefills ``token_ids`` alone.
 
-    The engine must be otherwise idle; chunked prefill is fine (chunks arrive in order).
-    """
+    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the hooks are this process's), be
+    otherwise idle, and recompute every position (no prefix-cache hit); chunked prefill is fine (chunks arrive in
+    order). ``num_moe_layers`` is checked against what was recorded (:func:`split_layer_records`)."""
     from vllm import SamplingParams
 
+    if not isinstance(num_moe_layers, int) or isinstance(num_moe_layers, bool) or num_moe_layers < 1:
+        raise ValueError(f"aligned_ops vllm_teacher_forced_routing: num_moe_layers must be an integer >= 1, got "
+                         f"{num_moe_layers!r}")
     with capture_vllm_routing() as rec:
         llm.generate([{"prompt_token_ids": list(token_ids)}], SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False)
-    # Each forward step calls the layers in order; the last step (the sampled token) is not part of the prefill.
-    T = len(token_ids)
-    per_layer: list[list[torch.Tensor]] = [[] for _ in range(num_moe_layers)]
-    for i, ids in enumerate(rec):
-        per_layer[i % num_moe_layers].append(ids)
-    out = [torch.cat(chunks, 0)[:T] for chunks in per_layer]
-    return torch.stack(out, dim=1)
+    return split_layer_records(rec, len(token_ids), num_moe_layers)
+
+
+def split_layer_records(records: list[torch.Tensor], num_tokens: int, num_moe_layers: int) -> torch.Tensor:
+    """``[num_tokens, layers, k]`` from the router calls of one sequence's prefill: each forward step (a chunk of
+    rows) calls the ``num_moe_layers`` layers in order, so the records come in groups of that many, alike in rows,
+    and one layer's chunks add up to ``num_tokens``.
+
+    Those two facts are what a wrong ``num_moe_layers`` breaks: the records' rows total ``L * num_tokens`` for the
+    true L, so groups of L' records alike in rows add up to ``L * num_tokens / L'`` — ``num_tokens`` only when
+    L' = L. (A wrong count used to be sliced into a plausible-looking, wrong tensor.)"""
+    where = "aligned_ops vllm_teacher_forced_routing"
+    L = num_moe_layers
+    if not records:
+        raise ValueError(f"{where}: no MoE router call was recorded (the engine must run in this process: "
+                         f"VLLM_ENABLE_V1_MULTIPROCESSING=0; and the model must have MoE layers)")
+    rows = [int(r.shape[0]) for r in records]
+    groups = [rows[i: i + L] for i in range(0, len(rows), L)]
+    if len(rows) % L or any(len(set(g)) != 1 for g in groups) or sum(g[0] for g in groups) != num_tokens:
+        raise ValueError(f"{where}: the {len(rows)} recorded router calls (rows {rows[:12]}"
+                         f"{' ...' if len(rows) > 12 else ''}) are not num_moe_layers={L} layers per step prefilling "
+                         f"{num_tokens} tokens: a wrong num_moe_layers, another request in the engine, or a "
+                         f"prefix-cache hit (positions not recomputed)")
+    per_layer = [torch.cat(records[layer::L], 0) for layer in range(L)]
+    return torch.stack(per_layer, dim=1)
 
 
 @contextmanager
