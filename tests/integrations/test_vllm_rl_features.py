@@ -245,7 +245,8 @@ def test_raw_logprobs_before_every_logits_change_bitwise(tmp_path):
     the sampler — the engine returned the masked distribution's log-probs: the regex request's 5/5 differed,
     max |diff| 7.8), penalties, logit_bias, bad_words, allowed_token_ids, min_tokens (applied inside the sampler
     after the raw log-probs); prompt log-probs are at T = 1. All bit for bit the trainer's, in one batch with
-    chunked prefill. Controls: the grammar, the bias and the allow-list were applied (the sampled tokens follow them)."""
+    chunked prefill. Controls: the grammar, the bias and the allow-list were applied (the sampled tokens follow
+    them)."""
     import re
 
     from transformers import AutoModelForCausalLM
