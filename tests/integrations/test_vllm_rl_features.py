@@ -238,3 +238,53 @@ def test_yarn_qwen2_bitwise(tmp_path):
     model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
     _assert_all_bitwise(out, _teacher(model, out, temperature=1.0))
 
+
+def test_raw_logprobs_before_every_logits_change_bitwise(tmp_path):
+    """Raw log-probs (the default) are the full tempered distribution's whatever changes the logits vLLM samples
+    from: structured outputs (regex / choice: xgrammar's bitmask, applied by vLLM's model runner in place before
+    the sampler — the engine returned the masked distribution's log-probs: the regex request's 5/5 differed,
+    max |diff| 7.8), penalties, logit_bias, bad_words, allowed_token_ids, min_tokens (applied inside the sampler
+    after the raw log-probs); prompt log-probs are at T = 1. All bit for bit the trainer's, in one batch with
+    chunked prefill. Controls: the grammar, the bias and the allow-list were applied (the sampled tokens follow
+    them)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    choices = ["the cat", "a dog", "on the mat"]
+    allowed = list(range(100, 140))
+    T = 0.8
+    settings = [dict(structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,12}")),
+                dict(structured_outputs=StructuredOutputsParams(choice=choices)),
+                dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
+                dict(logit_bias={7: 6.0, 9: -100.0}, ignore_eos=True), dict(bad_words=["the", " and"], ignore_eos=True),
+                dict(allowed_token_ids=allowed, ignore_eos=True), dict(min_tokens=6),
+                dict(prompt_logprobs=0, ignore_eos=True)]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (20, 11, 30, 21, 19, 17, 23, 90)]
+    llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=T, max_tokens=8, logprobs=0, **s) for s in settings],
+                            use_tqdm=False)
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+    comps = [o.outputs[0] for o in outs]
+    assert re.fullmatch("[a-z ]{3,12}", comps[0].text) and comps[1].text in choices, (comps[0].text, comps[1].text)
+    assert 7 in comps[3].token_ids and 9 not in comps[3].token_ids and set(comps[5].token_ids) <= set(allowed)
+    rollouts = [Rollout(list(o.prompt_token_ids), list(c.token_ids),
+                        [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)]) for o, c in zip(outs, comps)]
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    _assert_all_bitwise(rollouts, _teacher(model, rollouts, temperature=T))
+    # prompt log-probs (T = 1) of the last request: every prompt token after the first
+    P = rollouts[-1].prompt_token_ids
+    engine = torch.tensor([step[t].logprob for t, step in zip(P[1:], outs[-1].prompt_logprobs[1:])])
+    prompt_only = Rollout(P[:1], P[1:], engine.tolist())
+    _assert_all_bitwise([prompt_only], _teacher(model, [prompt_only], temperature=1.0))

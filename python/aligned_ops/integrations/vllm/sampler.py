@@ -7,6 +7,11 @@
   (``TopKTopPSampler``) use ``aligned_ops.sampling``'s recipe, vLLM samples from those truncated logits, and
   the returned log-prob is ``aligned::log_softmax`` of them — the distribution actually sampled from;
   ``hf.completion_logprobs(..., top_k=, top_p=, min_p=)`` gives the same bits.
+- structured outputs (a request's grammar bitmask, which vLLM's model runner applies to the logits in place
+  before the sampler): the raw log-probs are computed from the logits as they were before the mask
+  (``GPUModelRunner.sample_tokens`` keeps a copy), like top-k/top-p in raw mode the grammar restricts sampling
+  but not the returned log-prob; without that copy the engine returned the masked distribution's log-probs, which
+  no trainer reproduces.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from . import patches
 
 _current_temperature: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_temperature", default=None)
 _processed_mode: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_processed_logprobs", default=False)
+# the step's logits before the grammar bitmask (set by the model runner's sample_tokens for a step with structured
+# output requests) and, inside a raw-mode Sampler.forward, the rows its compute_logprobs scores instead of the masked
+_unmasked_logits: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_unmasked_logits", default=None)
+_raw_source: contextvars.ContextVar = contextvars.ContextVar("aligned_ops_raw_logprobs_source", default=None)
 
 
 def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
@@ -30,11 +39,32 @@ def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
     mode = kwargs.get("logprobs_mode_override") or self.logprobs_mode
     token = _current_temperature.set(sampling_metadata.temperature)
     token_p = _processed_mode.set(mode == "processed_logprobs")
+    unmasked = _unmasked_logits.get()
+    raw = unmasked if mode == "raw_logprobs" and unmasked is not None and unmasked.shape == logits.shape else None
+    token_r = _raw_source.set(raw)
     try:
         return patches.original(Sampler, "forward")(self, logits, sampling_metadata, *args, **kwargs)
     finally:
+        _raw_source.reset(token_r)
         _processed_mode.reset(token_p)
         _current_temperature.reset(token)
+
+
+def _sample_tokens(self, grammar_output, *args, **kwargs):
+    """A step with structured output requests: keep the logits as they were before vLLM applies the grammar
+    bitmask in place, so the raw log-probs are those of the full distribution (module docstring)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = patches.original(GPUModelRunner, "sample_tokens")
+    state = getattr(self, "execute_model_state", None)
+    logits = getattr(state, "logits", None)
+    if grammar_output is None or not isinstance(logits, torch.Tensor):
+        return original(self, grammar_output, *args, **kwargs)
+    token = _unmasked_logits.set(logits.clone())
+    try:
+        return original(self, grammar_output, *args, **kwargs)
+    finally:
+        _unmasked_logits.reset(token)
 
 
 def _min_p_apply(self, logits):
@@ -71,6 +101,9 @@ def _make_topk_topp_forward(name):
 def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary fp32 log-softmax at the sampling temperature (per request row)."""
     temp = _current_temperature.get()
+    raw = _raw_source.get()  # raw mode, a step with a grammar bitmask: score the logits before the mask
+    if raw is not None and raw.shape == logits.shape:
+        logits = raw
     logits = logits.contiguous()
     if temp is None or temp.numel() != logits.shape[0]:
         # All-greedy batch (vLLM passes no temperatures) or a call outside sampling (prompt log-probs).
@@ -84,6 +117,7 @@ def install() -> None:
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     why = "a plain nn.Module (the temperature reaches compute_logprobs through its forward)"
     patches.patch(Sampler, "forward", _sampler_forward, why)
@@ -91,3 +125,5 @@ def install() -> None:
     patches.patch(MinPLogitsProcessor, "apply", _min_p_apply, "a logits processor class: no hook")
     for name in ("forward_native", "forward_cpu", "forward_cuda"):
         patches.patch(TopKTopPSampler, name, _make_topk_topp_forward(name), "a plain nn.Module")
+    patches.patch(GPUModelRunner, "sample_tokens", _sample_tokens,
+                  "the model runner (vLLM-CPU's subclasses it): it applies the grammar bitmask in place, no hook")
