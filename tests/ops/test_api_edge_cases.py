@@ -148,6 +148,37 @@ def test_0d_temperature_is_checked_with_no_rows():
         aligned_ops.logsumexp(z, torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("name", ["token_logprobs", "log_softmax", "logsumexp", "fused_token_logprobs"])
+@pytest.mark.parametrize("logits_grad", [True, False])
+def test_a_temperature_tensor_that_requires_grad_is_refused(name, logits_grad):
+    """The ops treat the temperature as a constant (their backward returns no gradient for it): a per-row or 0-d
+    temperature tensor that required grad ran, and its .grad stayed None where torch's log_softmax(z / t) gives one
+    (token_logprobs: -6.77 on the first row of this probe's case) — silently. It is refused at the autograd-recorded
+    call, naming the op (the raw op too). Positive controls: the same tensor detached, and the same call under
+    no_grad, run, to the bits of the detached call."""
+    z, ids, gw = _logits(T=3, V=11, dtype=torch.float32)
+    w = torch.randn(11, 11, generator=torch.Generator().manual_seed(1))
+    if name == "fused_token_logprobs":
+        call = lambda x, t: aligned_ops.fused_token_logprobs(x, w, ids, t)  # noqa: E731
+    else:
+        call = _logits_fn(name, ids)
+    x = z.clone().requires_grad_(logits_grad)
+    for t in (torch.tensor([0.5, 1.0, 2.0]), torch.tensor(0.7)):
+        ok = call(x, t)  # positive control: a constant temperature tensor
+        if logits_grad:
+            (ok * gw.flatten()[: ok.numel()].reshape(ok.shape)).sum().backward()
+        with torch.no_grad():
+            assert_bitwise_equal(call(x, t.clone().requires_grad_(True)), ok.detach())
+        with pytest.raises(ValueError, match=rf"^aligned::{name}: the temperature tensor requires grad, but the op "
+                                             r"treats the temperature as a constant"):
+            call(x, t.clone().requires_grad_(True))
+    raw = {"token_logprobs": lambda t: ops.token_logprobs(x, ids, 1.0, t),
+           "log_softmax": lambda t: ops.log_softmax(x, 1.0, t), "logsumexp": lambda t: ops.logsumexp(x, 1.0, t),
+           "fused_token_logprobs": lambda t: ops.fused_token_logprobs(x, w, None, ids, 1.0, t, 0, 0)}[name]
+    with pytest.raises(ValueError, match=rf"^aligned::{name}: the temperature tensor requires grad"):
+        raw(torch.tensor([0.5, 1.0, 2.0], requires_grad=True))
+
+
 # ---- 9. fused_token_logprobs: errors name it, not its pieces (token_logprobs_pairs, linear) -----------------------
 
 

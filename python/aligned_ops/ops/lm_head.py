@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_no_backward
-from .logits import _FP32_MIN_NORMAL, _check_temperature, _temperature_args
+from .logits import _FP32_MIN_NORMAL, _check_temperature, _temperature_args, refuse_temperature_grad
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -226,6 +226,7 @@ def _(grad, logits, token_ids, lse_pairs, vocab_start, vocab_size, temperature=1
 
 def _setup(ctx, inputs, output):
     hidden, weight, bias, token_ids, temperature, temperatures, token_chunk, vocab_chunk = inputs
+    refuse_temperature_grad(_OP, temperatures)
     _, pairs = output
     ctx.save_for_backward(hidden, weight, bias, token_ids, temperatures, pairs)
     ctx.args = (temperature, token_chunk, vocab_chunk)
