@@ -170,7 +170,7 @@ def test_a_temperature_tensor_that_requires_grad_is_refused(name, logits_grad):
         with torch.no_grad():
             assert_bitwise_equal(call(x, t.clone().requires_grad_(True)), ok.detach())
         with pytest.raises(ValueError, match=rf"^aligned::{name}: the temperature tensor requires grad, but the op "
-                                             r"treats the temperature as a constant"):
+                                             r"treats it as a constant"):
             call(x, t.clone().requires_grad_(True))
     raw = {"token_logprobs": lambda t: ops.token_logprobs(x, ids, 1.0, t),
            "log_softmax": lambda t: ops.log_softmax(x, 1.0, t), "logsumexp": lambda t: ops.logsumexp(x, 1.0, t),

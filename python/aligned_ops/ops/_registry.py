@@ -66,3 +66,13 @@ def register_no_backward(name: str, why: str) -> None:
         raise RuntimeError(f"aligned::{name} has no backward ({why}); differentiate the op it belongs to instead")
 
     torch.library.register_autograd(LIB + name, backward)
+
+
+def refuse_constant_grad(op: str, what: str, tensor) -> None:
+    """For a tensor input an op's backward treats as a constant (returns no gradient for it: the logits ops'
+    temperatures, rotary_embedding's cos_sin_cache): one that requires grad would get none, silently, where torch's
+    own formula (``log_softmax(z / t)``, ``x * cos + rotate(x) * sin``) gives it one. Called from the autograd setup
+    (so the raw op is covered as well as its wrapper): a ValueError naming ``aligned::<op>`` and ``what``."""
+    if tensor is not None and tensor.requires_grad:
+        raise ValueError(f"aligned::{op}: {what} requires grad, but the op treats it as a constant (no gradient "
+                         f"flows to it); pass a detached tensor (.detach())")

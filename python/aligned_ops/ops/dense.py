@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import LIB as _lib
-from ._registry import ops, register_no_backward
+from ._registry import ops, refuse_constant_grad, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -128,6 +128,7 @@ torch.library.register_autograd(_lib + "silu_and_mul", _silu_backward, setup_con
 
 def _rotary_setup(ctx, inputs, output):
     positions, x, cache, rotary_dim, is_neox = inputs
+    refuse_constant_grad("rotary_embedding", "cos_sin_cache", cache)
     ctx.save_for_backward(positions, cache)
     ctx.rotary_dim = rotary_dim
     ctx.is_neox = is_neox

@@ -15,7 +15,7 @@ import struct
 import torch
 
 from ._registry import LIB as _lib
-from ._registry import ops, register_no_backward
+from ._registry import ops, refuse_constant_grad, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -72,13 +72,8 @@ def _(x):
 
 
 def refuse_temperature_grad(op: str, temperatures) -> None:
-    """The logits ops treat the temperature as a constant: their backward returns no gradient for it. A per-row
-    ``temperatures`` tensor that requires grad would get none, silently (torch's ``log_softmax(z / t)`` gives it
-    one), so an autograd-recorded call with one is refused, naming ``aligned::<op>`` (called from the autograd
-    setup, so the raw ops are covered as well as the wrappers)."""
-    if temperatures is not None and temperatures.requires_grad:
-        raise ValueError(f"aligned::{op}: the temperature tensor requires grad, but the op treats the temperature "
-                         f"as a constant (no gradient flows to it); pass a detached tensor (temperature.detach())")
+    """The logits ops' backward treats the temperature as a constant (see :func:`refuse_constant_grad`)."""
+    refuse_constant_grad(op, "the temperature tensor", temperatures)
 
 
 def _tlp_setup(ctx, inputs, output):
