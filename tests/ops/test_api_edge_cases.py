@@ -148,6 +148,37 @@ def test_0d_temperature_is_checked_with_no_rows():
         aligned_ops.logsumexp(z, torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("name", ["token_logprobs", "log_softmax", "logsumexp", "fused_token_logprobs"])
+@pytest.mark.parametrize("logits_grad", [True, False])
+def test_a_temperature_tensor_that_requires_grad_is_refused(name, logits_grad):
+    """The ops treat the temperature as a constant (their backward returns no gradient for it): a per-row or 0-d
+    temperature tensor that required grad ran, and its .grad stayed None where torch's log_softmax(z / t) gives one
+    (token_logprobs: -6.77 on the first row of this probe's case) — silently. It is refused at the autograd-recorded
+    call, naming the op (the raw op too). Positive controls: the same tensor detached, and the same call under
+    no_grad, run, to the bits of the detached call."""
+    z, ids, gw = _logits(T=3, V=11, dtype=torch.float32)
+    w = torch.randn(11, 11, generator=torch.Generator().manual_seed(1))
+    if name == "fused_token_logprobs":
+        call = lambda x, t: aligned_ops.fused_token_logprobs(x, w, ids, t)  # noqa: E731
+    else:
+        call = _logits_fn(name, ids)
+    x = z.clone().requires_grad_(logits_grad)
+    for t in (torch.tensor([0.5, 1.0, 2.0]), torch.tensor(0.7)):
+        ok = call(x, t)  # positive control: a constant temperature tensor
+        if logits_grad:
+            (ok * gw.flatten()[: ok.numel()].reshape(ok.shape)).sum().backward()
+        with torch.no_grad():
+            assert_bitwise_equal(call(x, t.clone().requires_grad_(True)), ok.detach())
+        with pytest.raises(ValueError, match=rf"^aligned::{name}: the temperature tensor requires grad, but the op "
+                                             r"treats it as a constant"):
+            call(x, t.clone().requires_grad_(True))
+    raw = {"token_logprobs": lambda t: ops.token_logprobs(x, ids, 1.0, t),
+           "log_softmax": lambda t: ops.log_softmax(x, 1.0, t), "logsumexp": lambda t: ops.logsumexp(x, 1.0, t),
+           "fused_token_logprobs": lambda t: ops.fused_token_logprobs(x, w, None, ids, 1.0, t, 0, 0)}[name]
+    with pytest.raises(ValueError, match=rf"^aligned::{name}: the temperature tensor requires grad"):
+        raw(torch.tensor([0.5, 1.0, 2.0], requires_grad=True))
+
+
 # ---- 9. fused_token_logprobs: errors name it, not its pieces (token_logprobs_pairs, linear) -----------------------
 
 
@@ -418,3 +449,63 @@ def test_mla_absorbed_weights_errors_name_it_and_the_argument():
         aligned_ops.mla_absorbed_weights(kv_b, 2, dn, dv)
     with pytest.raises(ValueError, match=r"^aligned_ops\.MlaAbsorbedWeights: num_heads must be an integer >= 1"):
         aligned_ops.ops.mla.MlaAbsorbedWeights(kv_b, -3, -4, -5)
+
+
+# ---- 10. integer and bool arguments of the wrappers: no silent int() / bool() -------------------------------------
+# The wrappers passed int(top_k), int(kv_lora_rank), int(token_chunk), ... and the ops' bool arguments as given: a
+# 2.7 top_k routed to 2 experts, a 16.5 rotary_dim built a 16-wide table, token_chunk="2" ran, causal=None ran
+# NON-causal attention (torch's schema takes None as False) and renormalize="no" renormalised. Each is now refused by
+# name (aligned_ops.<function>: <argument>); integer-valued numpy / torch scalars and numpy / 0-d tensor bools still
+# run, to the bits of the plain int / bool (the positive controls).
+
+
+def _int_bool_cases():
+    import numpy as np
+
+    g = torch.Generator().manual_seed(11)
+    z, x8 = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    q, k, v = (torch.randn(4, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    qm, kv = torch.randn(4, 2, 10, generator=g), torch.randn(4, 10, generator=g)
+    h, w, ids = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g), torch.tensor([0, 4, 2])
+    cache = aligned_ops.rotary_cos_sin_cache(8, 16)
+    pos, xr = torch.tensor([0, 3, 15]), torch.randn(3, 2, 8, generator=g)
+    layer = (torch.randn(4, 8, generator=g), torch.randn(4, 6, 8, generator=g), torch.randn(4, 8, 3, generator=g))
+    # (function, argument, call(value), the good value, the bad values)
+    return [
+        ("moe_routing", "top_k", lambda t: aligned_ops.moe_routing(z, t), 2, (2.7, True, "2")),
+        ("moe_routing", "renormalize", lambda r: aligned_ops.moe_routing(z, 2, "softmax", r), False, ("no", None, 0)),
+        ("moe_grouped_routing", "n_group", lambda n: aligned_ops.moe_grouped_routing(z, None, 2, n, 2), 4, (4.5,)),
+        ("moe_grouped_routing", "topk_group", lambda n: aligned_ops.moe_grouped_routing(z, None, 2, 4, n), 2, (2.0,)),
+        ("moe_routing", "top_k", lambda t: aligned_ops.moe_layer(x8, *layer, t), 2, (2.5,)),
+        ("attention_varlen", "causal", lambda c: aligned_ops.attention_varlen(q, k, v, cu, cu, causal=c)[0], True,
+         (None, "no", 1)),
+        ("mla_attention_varlen", "kv_lora_rank", lambda r: aligned_ops.mla_attention_varlen(qm, kv, cu, cu, r, 0.3)[0],
+         8, (8.5,)),
+        ("mla_attention_varlen", "causal", lambda c: aligned_ops.mla_attention_varlen(qm, kv, cu, cu, 8, 0.3, c)[0],
+         True, (None,)),
+        ("fused_token_logprobs", "token_chunk", lambda c: aligned_ops.fused_token_logprobs(h, w, ids, token_chunk=c),
+         2, (2.5, "2")),
+        ("fused_token_logprobs", "vocab_chunk", lambda c: aligned_ops.fused_token_logprobs(h, w, ids, vocab_chunk=c),
+         3, (3.0,)),
+        ("rotary_embedding", "rotary_dim", lambda r: aligned_ops.rotary_embedding(pos, xr, cache, r), 8, (8.5,)),
+        ("rotary_embedding", "is_neox", lambda b: aligned_ops.rotary_embedding(pos, xr, cache, 8, b), False,
+         (None, "no")),
+        ("rotary_cos_sin_cache", "rotary_dim", lambda r: aligned_ops.rotary_cos_sin_cache(r, 16), 8, (8.5,)),
+        ("rotary_cos_sin_cache", "max_position", lambda m: aligned_ops.rotary_cos_sin_cache(8, m), 16, (16.9,)),
+    ], np
+
+
+def test_integer_and_bool_arguments_are_not_truncated_or_coerced():
+    cases, np = _int_bool_cases()
+    for fn, arg, call, good, bads in cases:
+        want = call(good)  # positive control
+        first = want[0] if isinstance(want, tuple) else want
+        alts = [np.bool_(good), torch.tensor(good)] if isinstance(good, bool) else [np.int64(good), torch.tensor(good)]
+        for alt in alts:
+            got = call(alt)
+            assert_bitwise_equal(got[0] if isinstance(got, tuple) else got, first)
+        kind = "a bool" if isinstance(good, bool) else "an integer"
+        for bad in bads:
+            with pytest.raises(TypeError, match=rf"^aligned_ops\.{fn}: {arg} must be {kind}, got {bad!r}"):
+                call(bad)

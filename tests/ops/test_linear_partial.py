@@ -151,6 +151,20 @@ def test_tree_combine_rejects_bad_input():
         tree_combine([torch.zeros(2, dtype=torch.bfloat16)] * 2)
 
 
+def test_tree_combine_refuses_partials_of_other_shapes():
+    """A partial of another shape broadcast into the sum ([1, N] beside [M, N]: rank 1's row added to every row);
+    one of another size died in torch's add, and a None in an AttributeError, neither naming tree_combine. The
+    negative control: equal shapes still combine, to the plain sum's bits."""
+    a, b = rand(4, 8, seed=20), rand(4, 8, seed=21)
+    with pytest.raises(ValueError, match=r"tree_combine: every partial must have partials\[0\]'s shape .*partials\[1\] \(1, 8\)"):
+        tree_combine([a, b[:1]])
+    with pytest.raises(ValueError, match=r"tree_combine: .*partials\[1\] \(3, 8\)"):
+        tree_combine([a, b[:3]])
+    with pytest.raises(TypeError, match=r"tree_combine: partials\[1\] must be a tensor, got NoneType"):
+        tree_combine([a, None])
+    assert_bitwise_equal(tree_combine([a, b]), a + b)
+
+
 # ---- invariance ---------------------------------------------------------------------------------------
 
 

@@ -188,6 +188,27 @@ def test_bad_inputs(caches):
         ops.rotary_embedding(pos, x, c8.to("meta"), 8, True)
 
 
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_a_cos_sin_cache_that_requires_grad_is_refused(caches, x_grad):
+    """The backward treats cos_sin_cache as a constant (no gradient for it): a cache that required grad (a learnable
+    rotary table) ran, and its .grad stayed None where torch's x * cos + rotate(x) * sin gives one — silently. It
+    is refused at the autograd-recorded call, naming the op and the argument. Positive controls: the detached cache
+    runs (and x's gradient flows), and so does the same call under no_grad, to the same bits."""
+    pos, x = make(4, 2, 16, torch.float32, 8)
+    x.requires_grad_(x_grad)
+    cache = caches[8].clone().requires_grad_(True)
+    ok = aligned_ops.rotary_embedding(pos, x, cache.detach(), 8)
+    if x_grad:
+        ok.sum().backward()
+        assert x.grad is not None
+    with torch.no_grad():
+        assert bitwise_equal(aligned_ops.rotary_embedding(pos, x, cache, 8), ok.detach())
+    for call in (lambda: aligned_ops.rotary_embedding(pos, x, cache, 8), lambda: ops.rotary_embedding(pos, x, cache, 8, True)):
+        with pytest.raises(ValueError, match=r"^aligned::rotary_embedding: cos_sin_cache requires grad, but the op "
+                                             r"treats it as a constant"):
+            call()
+
+
 @pytest.mark.parametrize("base", [0.0, -1.0, -10000.0, float("nan"), float("inf")])
 def test_rope_base_must_be_finite_and_positive(base):
     """Issue 21.9: base 0 gave ZeroDivisionError, a negative base a TypeError (mpmath's complex power)."""

@@ -190,7 +190,7 @@ def _varlen_planned_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd(_lib + "attention_varlen_planned", _varlen_planned_backward,
                                 setup_context=_varlen_planned_setup)
 
-from ._registry import checked_int, register_no_backward  # noqa: E402
+from ._registry import checked_bool, checked_int, register_no_backward  # noqa: E402
 
 register_no_backward("attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("paged_attention", "inference only: train through attention_varlen, its bitwise twin")
@@ -222,6 +222,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=Tru
     if scale is None:
         scale = _default_scale("attention_varlen", q)
     profile = _profile_name("attention_varlen", profile)
+    causal = checked_bool("attention_varlen", "causal", causal)
     if plan is not None:
         return ops.attention_varlen_planned(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.info,
                                             plan.workspace_floats, float(scale), causal, profile)
@@ -348,6 +349,7 @@ class AttentionPlan:
 
     def plan_varlen(self, cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, head_dim, causal=True, grow=True):
         """Plan a packed batch (attention_varlen) from host int32 offsets; grows the buffers if ``grow``."""
+        causal = checked_bool("AttentionPlan.plan_varlen", "causal", causal)
         if grow:
             self.ensure(*attention_plan_size(cu_seqlens_q, cu_seqlens_k, None, num_heads, num_kv_heads, head_dim,
                                              causal))

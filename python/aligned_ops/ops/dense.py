@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import LIB as _lib
-from ._registry import ops, register_no_backward
+from ._registry import checked_bool, checked_int, ops, refuse_constant_grad, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -128,6 +128,7 @@ torch.library.register_autograd(_lib + "silu_and_mul", _silu_backward, setup_con
 
 def _rotary_setup(ctx, inputs, output):
     positions, x, cache, rotary_dim, is_neox = inputs
+    refuse_constant_grad("rotary_embedding", "cos_sin_cache", cache)
     ctx.save_for_backward(positions, cache)
     ctx.rotary_dim = rotary_dim
     ctx.is_neox = is_neox
@@ -167,7 +168,9 @@ def rotary_embedding(positions, x, cos_sin_cache, rotary_dim: int | None = None,
     """Rotary embedding of ``x [tokens, heads, head_dim]`` at ``positions`` (neox or gpt-j pairing)."""
     if rotary_dim is None:
         rotary_dim = cos_sin_cache.shape[-1]
-    return ops.rotary_embedding(positions, x, cos_sin_cache, rotary_dim, is_neox)
+    op = "rotary_embedding"
+    return ops.rotary_embedding(positions, x, cos_sin_cache, checked_int(op, "rotary_dim", rotary_dim, None),
+                                checked_bool(op, "is_neox", is_neox))
 
 
 def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
@@ -179,6 +182,8 @@ def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float = 10000
     """
     from ..rope import RopeSpec, cos_sin_cache
 
-    return cos_sin_cache(RopeSpec(rotary_dim=int(rotary_dim), base=float(base), max_position=int(max_position)))
+    op = "rotary_cos_sin_cache"
+    return cos_sin_cache(RopeSpec(rotary_dim=checked_int(op, "rotary_dim", rotary_dim, None), base=float(base),
+                                  max_position=checked_int(op, "max_position", max_position, None)))
 
 

@@ -72,9 +72,16 @@ def tree_combine(partials) -> torch.Tensor:
     parts = list(partials)
     if len(parts) not in _LANES:
         raise ValueError(f"aligned_ops.tree_combine: needs 1, 2, 4 or 8 partials, got {len(parts)}")
-    for p in parts:
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"aligned_ops.tree_combine: partials[{i}] must be a tensor, got {type(p).__name__}")
         if p.dtype != torch.float32:
             raise ValueError(f"aligned_ops.tree_combine: partials must be float32, got {p.dtype}")
+        # every rank's partial covers the same outputs: a [1, N] beside [M, N] would broadcast (a silent wrong sum)
+        if p.shape != parts[0].shape or p.device != parts[0].device:
+            raise ValueError(f"aligned_ops.tree_combine: every partial must have partials[0]'s shape and device "
+                             f"{tuple(parts[0].shape)} on {parts[0].device}, got partials[{i}] {tuple(p.shape)} "
+                             f"on {p.device}")
     while len(parts) > 1:
         parts = [parts[2 * i] + parts[2 * i + 1] for i in range(len(parts) // 2)]
     return parts[0]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import register_no_backward
-from .logits import _FP32_MIN_NORMAL, _check_temperature, _temperature_args
+from ._registry import checked_int, register_no_backward
+from .logits import _FP32_MIN_NORMAL, _check_temperature, _temperature_args, refuse_temperature_grad
 
 ops = torch.ops.aligned
 _lib = "aligned::"
@@ -226,6 +226,7 @@ def _(grad, logits, token_ids, lse_pairs, vocab_start, vocab_size, temperature=1
 
 def _setup(ctx, inputs, output):
     hidden, weight, bias, token_ids, temperature, temperatures, token_chunk, vocab_chunk = inputs
+    refuse_temperature_grad(_OP, temperatures)
     _, pairs = output
     ctx.save_for_backward(hidden, weight, bias, token_ids, temperatures, pairs)
     ctx.args = (temperature, token_chunk, vocab_chunk)
@@ -261,5 +262,7 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     (d weight) per tile; 0 picks tiles of about 48 MiB (``DEFAULT_TILE_BYTES``). Chunk sizes never change a bit
     (module docstring)."""
     t, ts = _temperature_args(_OP, temperature, hidden)
-    lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, int(token_chunk), int(vocab_chunk))
+    token_chunk = checked_int(_OP, "token_chunk", token_chunk, None)  # the op names a negative one
+    vocab_chunk = checked_int(_OP, "vocab_chunk", vocab_chunk, None)
+    lp, _ = ops.fused_token_logprobs(hidden, weight, bias, token_ids, t, ts, token_chunk, vocab_chunk)
     return lp

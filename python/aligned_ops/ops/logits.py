@@ -8,13 +8,14 @@ the contract's scalar math.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
 import torch
 
 from ._registry import LIB as _lib
-from ._registry import ops, register_no_backward
+from ._registry import ops, refuse_constant_grad, register_no_backward
 from ._registry import reg_fake as _reg_fake
 from ._registry import same_device as _same_device
 
@@ -70,8 +71,14 @@ def _(x):
 # ---- autograd ------------------------------------------------------------------------------------------
 
 
+def refuse_temperature_grad(op: str, temperatures) -> None:
+    """The logits ops' backward treats the temperature as a constant (see :func:`refuse_constant_grad`)."""
+    refuse_constant_grad(op, "the temperature tensor", temperatures)
+
+
 def _tlp_setup(ctx, inputs, output):
     logits, token_ids, temperature, temperatures = inputs
+    refuse_temperature_grad("token_logprobs", temperatures)
     ctx.save_for_backward(logits, token_ids, temperatures)
     ctx.temperature = temperature
 
@@ -88,8 +95,9 @@ torch.library.register_autograd(_lib + "token_logprobs", _tlp_backward, setup_co
 # logsumexp and log_softmax: the backward recomputes the row's (m, L) pair from the saved logits (like
 # token_logprobs_backward), so the [T, V] fp32 log_softmax output need not be kept alive for autograd.
 # The temperature is a constant (no gradient flows to it).
-def _logits_setup(ctx, inputs, output):
+def _logits_setup(op, ctx, inputs, output):
     logits, temperature, temperatures = inputs
+    refuse_temperature_grad(op, temperatures)
     ctx.save_for_backward(logits, temperatures)
     ctx.temperature = temperature
 
@@ -104,8 +112,10 @@ def _log_softmax_backward(ctx, grad):
     return ops.log_softmax_backward(grad.contiguous(), logits, ctx.temperature, temperatures), None, None
 
 
-torch.library.register_autograd(_lib + "logsumexp", _lse_backward, setup_context=_logits_setup)
-torch.library.register_autograd(_lib + "log_softmax", _log_softmax_backward, setup_context=_logits_setup)
+torch.library.register_autograd(_lib + "logsumexp", _lse_backward,
+                                setup_context=functools.partial(_logits_setup, "logsumexp"))
+torch.library.register_autograd(_lib + "log_softmax", _log_softmax_backward,
+                                setup_context=functools.partial(_logits_setup, "log_softmax"))
 
 
 for _name in ("token_logprobs_backward", "logsumexp_backward", "log_softmax_backward"):

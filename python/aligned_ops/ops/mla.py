@@ -114,7 +114,7 @@ def _mla_planned_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd(_lib + "mla_attention_varlen_planned", _mla_planned_backward,
                                 setup_context=_mla_planned_setup)
 
-from ._registry import checked_int, register_no_backward  # noqa: E402
+from ._registry import checked_bool, checked_int, register_no_backward  # noqa: E402
 
 register_no_backward("mla_attention_varlen_backward", "it is a backward op; double backward is not implemented")
 register_no_backward("mla_paged_attention", "inference only: train through mla_attention_varlen, its bitwise twin")
@@ -145,6 +145,8 @@ def mla_attention_varlen(q, kv, cu_seqlens_q, cu_seqlens_k, kv_lora_rank, scale,
     plan per step serves every layer): the run form, same bits; the call (and the backward's cu_seqlens) are
     checked against it."""
     scale = _mla_scale("mla_attention_varlen", q, scale)
+    kv_lora_rank = checked_int("mla_attention_varlen", "kv_lora_rank", kv_lora_rank, None)
+    causal = checked_bool("mla_attention_varlen", "causal", causal)
     if plan is not None:
         return ops.mla_attention_varlen_planned(q, kv, cu_seqlens_q, cu_seqlens_k, plan.plan, plan.info,
                                                 plan.workspace_floats, int(kv_lora_rank), scale, causal)
@@ -172,6 +174,7 @@ def mla_paged_attention(q, kv_cache, block_table=None, seq_lens=None, query_star
     if kv_lora_rank is None:
         raise ValueError("aligned_ops.mla_paged_attention: kv_lora_rank is required (the latent part of the row)")
     scale = _mla_scale("mla_paged_attention", q, scale)
+    kv_lora_rank = checked_int("mla_paged_attention", "kv_lora_rank", kv_lora_rank, None)
     if plan is not None:
         return ops.mla_paged_attention_planned(q, kv_cache, plan.plan, plan.table, plan.info, plan.workspace_floats,
                                                int(kv_lora_rank), scale)

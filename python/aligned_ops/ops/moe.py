@@ -324,7 +324,8 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax
     """
     if scoring not in SCORINGS:
         raise ValueError(f"aligned_ops.moe_routing: scoring must be one of {SCORINGS}, got {scoring!r}")
-    return ops.moe_routing(router_logits, int(top_k), scoring, bool(renormalize))
+    return ops.moe_routing(router_logits, checked_int("moe_routing", "top_k", top_k, None), scoring,
+                           checked_bool("moe_routing", "renormalize", renormalize))
 
 
 def moe_grouped_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
@@ -338,8 +339,11 @@ def moe_grouped_routing(router_logits: torch.Tensor, correction_bias: torch.Tens
     ``renormalize``, times ``routed_scaling_factor`` in fp32. The bias gets no gradient. Written down in
     ``csrc/common/moe.h`` ("grouped sigmoid routing").
     """
-    return ops.moe_grouped_routing(router_logits, correction_bias, int(top_k), int(n_group), int(topk_group),
-                                   bool(renormalize), float(routed_scaling_factor))
+    op = "moe_grouped_routing"
+    return ops.moe_grouped_routing(router_logits, correction_bias, checked_int(op, "top_k", top_k, None),
+                                   checked_int(op, "n_group", n_group, None),
+                                   checked_int(op, "topk_group", topk_group, None),
+                                   checked_bool(op, "renormalize", renormalize), float(routed_scaling_factor))
 
 
 def moe_experts(x, topk_weights, topk_ids, w13, w2, shared_w13=None, shared_w2=None, shared_gate=None,
@@ -390,7 +394,7 @@ def moe_layer(x, router_weight, w13, w2, top_k, scoring="softmax", renormalize=T
     return out
 
 
-from ._registry import register_no_backward  # noqa: E402
+from ._registry import checked_bool, checked_int, register_no_backward  # noqa: E402
 
 for _name in ("moe_routing_backward", "moe_experts_backward", "moe_grouped_routing_backward"):
     register_no_backward(_name, "it is a backward op; double backward is not implemented")
