@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from aligned_ops.testing import bitwise_equal
+from aligned_ops.testing import bits, bitwise_equal
 
 ops = torch.ops.aligned
 
@@ -341,3 +341,37 @@ def test_bad_scalars_and_aliased_caches_are_refused():
         ops.reshape_and_cache(k, k, kc, vc_overlap, torch.tensor([0, 1]))
     ops.reshape_and_cache(k, k, kc, vc_disjoint, torch.tensor([0, 1]))  # adjacent views of one buffer are fine
     assert torch.equal(kc.view(-1, hkv, d)[:2], k) and torch.equal(vc_disjoint.view(-1, hkv, d)[:2], k)
+
+
+def test_cache_writes_refuse_inputs_that_overlap_the_caches():
+    """reshape_and_cache / mla_reshape_and_cache with an input that is a view of the cache it writes: each write could
+    change an input row not yet read, in an order that depends on the threads (found: k = a view of k_cache, 200
+    tokens into slots 3..202, gave other bits at 1 and 2 threads). Refused by name before any write; controls: the
+    same rows copied out of the cache (clone), and an input in the cache buffer's other, disjoint half, are written."""
+    hkv, d, bs, nb, T = 2, 16, 16, 16, 200
+    kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    slots = torch.arange(3, 3 + T)
+    k_view = kc.view(-1, hkv, d)[:T]
+    v_ok = torch.randn(T, hkv, d)
+    for k, v, name in ((k_view, v_ok, "k and k_cache"), (v_ok, vc.view(-1, hkv, d)[:T], "v and v_cache"),
+                       (v_ok, kc.view(-1, hkv, d)[5:5 + T], "v and k_cache"),
+                       (vc.view(-1, hkv, d)[7:8].expand(T, hkv, d), v_ok, "k and v_cache")):  # stride 0 too
+        before = kc.clone(), vc.clone()
+        with pytest.raises(RuntimeError, match=f"aligned::reshape_and_cache: {name} must not overlap in memory"):
+            ops.reshape_and_cache(k, v, kc, vc, slots)
+        assert torch.equal(bits(kc), bits(before[0])) and torch.equal(bits(vc), bits(before[1]))  # nothing written
+    ops.reshape_and_cache(k_view.clone(), v_ok, kc, vc, slots)  # control: the same rows, copied out first
+    buf = torch.randn(2 * nb * bs * hkv * d)
+    own = buf[: nb * bs * hkv * d].view(nb, bs, hkv, d)
+    k_beside = buf[nb * bs * hkv * d:].view(-1, hkv, d)[:T]  # the buffer's other half: disjoint
+    ops.reshape_and_cache(k_beside, v_ok, own, vc, slots)
+    assert torch.equal(bits(own.view(-1, hkv, d)[3:3 + T]), bits(k_beside))
+    # MLA: one latent cache [blocks, block_size, R + rope]
+    R, P = 16, 8
+    cache = torch.randn(nb, bs, R + P)
+    rows = cache.view(-1, R + P)[:T]
+    for kv_c, k_pe, name in ((rows[:, :R], torch.randn(T, P), "kv_c and kv_cache"),
+                             (torch.randn(T, R), rows[:, R:], "k_pe and kv_cache")):
+        with pytest.raises(RuntimeError, match=f"aligned::mla_reshape_and_cache: {name} must not overlap in memory"):
+            ops.mla_reshape_and_cache(kv_c, k_pe, cache, slots)
+    ops.mla_reshape_and_cache(rows[:, :R].clone(), rows[:, R:].clone(), cache, slots)  # control

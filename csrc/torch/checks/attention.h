@@ -62,14 +62,33 @@ inline void check_cache(const at::Tensor& c, const at::Tensor& ref, const char* 
   TORCH_CHECK(c.is_contiguous(), "aligned::", op, ": ", name, " must be contiguous");
 }
 
+// The bytes a tensor's elements can touch, [lo, hi) (any strides; empty: an empty span).
+inline std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
+  const auto* base = (const char*)t.data_ptr();
+  if (t.numel() == 0) return {base, base};
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const auto es = (int64_t)t.element_size();
+  return {base + lo * es, base + (hi + 1) * es};
+}
+
+// Two tensors an op reads from and writes to (or writes both) must not share memory: a write through one would
+// change what the other holds while the op runs, in an order that depends on the threads (found: reshape_and_cache
+// with k a view of k_cache gave other bits at 1 and 2 threads). Conservative: the spans, not the elements.
+inline void check_disjoint(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
+                           const char* op) {
+  const auto sa = byte_span(a), sb = byte_span(b);
+  if (sa.first == sa.second || sb.first == sb.second) return;
+  TORCH_CHECK(sa.second <= sb.first || sb.second <= sa.first, "aligned::", op, ": ", a_name, " and ", b_name,
+              " must not overlap in memory (two views of one buffer?)");
+}
+
 // Two views of one buffer as k_cache and v_cache would make every K write clobber V (or the reverse).
 inline void check_caches_disjoint(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* op) {
-  const auto* kb = (const char*)k_cache.data_ptr();
-  const auto* vb = (const char*)v_cache.data_ptr();
-  const auto kn = (size_t)k_cache.numel() * k_cache.element_size();
-  const auto vn = (size_t)v_cache.numel() * v_cache.element_size();
-  TORCH_CHECK(kb + kn <= vb || vb + vn <= kb, "aligned::", op,
-              ": k_cache and v_cache must not overlap in memory (two views of one buffer?)");
+  check_disjoint(k_cache, "k_cache", v_cache, "v_cache", op);
 }
 
 }  // namespace attn_detail
@@ -139,6 +158,10 @@ DTypeEnum check_reshape_and_cache(const at::Tensor& k, const at::Tensor& v, cons
               ": slot_mapping must be [", k.size(0), "], got ", slot_mapping.sizes());
   TORCH_CHECK(!k_cache.is_same(v_cache), "aligned::", op, ": k_cache and v_cache must be different tensors");
   check_caches_disjoint(k_cache, v_cache, op);
+  check_disjoint(k, "k", k_cache, "k_cache", op);
+  check_disjoint(k, "k", v_cache, "v_cache", op);
+  check_disjoint(v, "v", k_cache, "k_cache", op);
+  check_disjoint(v, "v", v_cache, "v_cache", op);
   return dt;
 }
 
@@ -284,6 +307,8 @@ DTypeEnum check_mla_reshape_and_cache(const at::Tensor& kv_c, const at::Tensor& 
               slot_mapping.scalar_type());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv_c.size(0), "aligned::", op,
               ": slot_mapping must be [", kv_c.size(0), "], got ", slot_mapping.sizes());
+  attn_detail::check_disjoint(kv_c, "kv_c", kv_cache, "kv_cache", op);
+  attn_detail::check_disjoint(k_pe, "k_pe", kv_cache, "kv_cache", op);
   return dt;
 }
 
