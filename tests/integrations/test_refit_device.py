@@ -72,3 +72,15 @@ def test_cpu_engine_values_are_the_cast_weights(monkeypatch):
     w = torch.randn(3, 4)
     rollout.refit(llm, {"weight": w})
     assert_bitwise_equal(received[0][1], w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad", [torch.ones(3, 4, dtype=torch.int64), torch.ones(3, 4, dtype=torch.bool), [1.0]])
+def test_non_float_weight_is_refused_before_anything_is_sent(monkeypatch, bad):
+    # (it was cast to the engine dtype: an integer tensor became weights of 1.0 in the engine without a word)
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
+    llm, received, transported = _fake_llm(torch.bfloat16, "cpu", InprocClient())
+    with pytest.raises(ValueError, match=r"refit: state_dict\['weight'\] is a .*floating-point.*nothing was sent"):
+        rollout.refit(llm, {"bias": torch.randn(3), "weight": bad})
+    assert received == [] and transported == []
+    rollout.refit(llm, {"bias": torch.randn(3), "weight": torch.randn(3, 4, dtype=torch.float16)})  # control
+    assert [k for k, _ in received] == ["bias", "weight"]
