@@ -177,7 +177,11 @@ def refit(llm, state_dict) -> None:
     named = arch.refit_weights(state_dict) if arch is not None and arch.refit_weights else state_dict.items()
     keep = tuple(arch.fp32_weights) if arch is not None else ()
     named = list(named)
+    dtensor = _dtensor_type()
     for k, v in named:
+        if dtensor is not None and isinstance(v, dtensor):
+            raise ValueError(f"refit: state_dict[{k!r}] is a DTensor (FSDP2/TP-sharded); refit takes whole tensors: "
+                             "gather them with .full_tensor() on every rank first (nothing was sent to the engine)")
         if not isinstance(v, torch.Tensor) or not (v.is_floating_point()):
             what = f"a {v.dtype} tensor" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
             raise ValueError(f"refit: state_dict[{k!r}] is {what}; weights must be floating-point tensors "
@@ -190,6 +194,14 @@ def refit(llm, state_dict) -> None:
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         if not llm.reset_prefix_cache():
             raise RuntimeError("refit: vLLM could not reset the prefix cache (requests still running?)")
+
+
+def _dtensor_type():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _engine_in_process(llm) -> bool:
