@@ -188,7 +188,12 @@ def refit(llm, state_dict) -> None:
                              "(nothing was sent to the engine)")
     items = [(k, _weight_for_transport(v, torch.float32 if keep and k.endswith(keep) else dtype, in_process))
              for k, v in named]
-    llm.collective_rpc(_reload_on_engine_device, args=(items, keep))
+    # A worker returns its refusal instead of raising: an exception in one tensor-parallel worker leaves the other
+    # workers' replies queued in vLLM's multiprocess executor, and the next collective_rpc (the next refit) would
+    # read them as its own.
+    refused = [r for r in (llm.collective_rpc(_reload_on_engine_device, args=(items, keep)) or ()) if r]
+    if refused:
+        raise ValueError(refused[0])
     if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
@@ -218,10 +223,11 @@ def _weight_for_transport(v: torch.Tensor, dtype: torch.dtype, in_process: bool)
     return v
 
 
-def _reload_on_engine_device(worker, items, keep=()) -> None:
+def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     """Runs in each worker: move the weights to the device (and dtype) of the worker's model, then vLLM's
     in-place ``reload_weights`` (which copies them into the existing parameters). Names ending in one of
-    ``keep`` stay float32."""
+    ``keep`` stay float32. Returns None, or why the weights were refused (:func:`_check_refit_items`: nothing
+    was loaded)."""
     model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
     param = next(iter(model.parameters()))
     device, dtype = param.device, worker.model_runner.model_config.dtype
@@ -229,11 +235,15 @@ def _reload_on_engine_device(worker, items, keep=()) -> None:
     moved = [(k, v.to(device=device, dtype=torch.float32 if keep and k.endswith(keep) else dtype,
                       non_blocking=True)) for k, v in items]
     if hasattr(model, "load_weights"):  # (the stand-in engines of tests have a plain torch module)
-        _check_refit_items(model, moved, getattr(worker.model_runner.model_config, "hf_config", None))
+        try:
+            _check_refit_items(model, moved, getattr(worker.model_runner.model_config, "hf_config", None))
+        except ValueError as e:
+            return str(e)
     worker.reload_weights(weights_iterator=moved)
     # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
     # writes, no exact-profile packing of the old weights may survive a refit.
     aligned_ops.clear_exact_weight_cache()
+    return None
 
 
 def _check_refit_items(model, items, hf_config=None) -> None:
