@@ -78,8 +78,8 @@ def test_unknown_or_misshapen_weight_is_refused_and_the_engine_still_runs(setup,
     sd = _changed(trainer, list(trainer.state_dict()), seed=3)  # a whole update, but for one entry
     name = {"unknown": L0 + "mlp.foo.weight", "transposed": "model.layers.1.mlp.down_proj.weight",
             "short": "model.norm.weight"}[bad]
-    sd[name] = {"unknown": lambda: torch.zeros(3, dtype=torch.bfloat16), "transposed": lambda: sd[name].t().contiguous(),
-                "short": lambda: sd[name][:-1]}[bad]()
+    sd[name] = {"unknown": lambda: torch.zeros(3, dtype=torch.bfloat16),
+                "transposed": lambda: sd[name].t().contiguous(), "short": lambda: sd[name][:-1]}[bad]()
     with pytest.raises(ValueError, match=rf"refit: state_dict '{name.replace('.', '[.]')}' \(shape \[.*could not be "
                                          r"loaded.*no engine weight was changed"):
         refit(llm, sd)

@@ -326,7 +326,8 @@ def _check_refit_items(model, items, hf_config=None) -> None:
         for k in names:
             if k in loaded or k.endswith(direct):
                 continue
-            if tied and k.endswith("lm_head.weight") and k.replace("lm_head.weight", "model.embed_tokens.weight") in names:
+            embedding = k.replace("lm_head.weight", "model.embed_tokens.weight")
+            if tied and k.endswith("lm_head.weight") and embedding in names:
                 continue  # the trainer's tied copy of the embedding, which is sent too
             problem = (f"{k!r} reaches no engine weight (vLLM's loader skips it"
                        + (": the model ties its LM head to model.embed_tokens.weight, send that" if tied and
