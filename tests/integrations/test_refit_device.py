@@ -72,3 +72,40 @@ def test_cpu_engine_values_are_the_cast_weights(monkeypatch):
     w = torch.randn(3, 4)
     rollout.refit(llm, {"weight": w})
     assert_bitwise_equal(received[0][1], w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad", [torch.ones(3, 4, dtype=torch.int64), torch.ones(3, 4, dtype=torch.bool), [1.0]])
+def test_non_float_weight_is_refused_before_anything_is_sent(monkeypatch, bad):
+    # (it was cast to the engine dtype: an integer tensor became weights of 1.0 in the engine without a word)
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
+    llm, received, transported = _fake_llm(torch.bfloat16, "cpu", InprocClient())
+    with pytest.raises(ValueError, match=r"refit: state_dict\['weight'\] is a .*floating-point.*nothing was sent"):
+        rollout.refit(llm, {"bias": torch.randn(3), "weight": bad})
+    assert received == [] and transported == []
+    rollout.refit(llm, {"bias": torch.randn(3), "weight": torch.randn(3, 4, dtype=torch.float16)})  # control
+    assert [k for k, _ in received] == ["bias", "weight"]
+
+
+def test_dtensor_weight_is_refused_with_full_tensor_advice(monkeypatch):
+    # An FSDP2 trainer's state_dict() holds DTensors: vLLM's loaders raised "got mixed torch.Tensor and DTensor"
+    # half-way through a real engine's reload. Refused up front, naming the weight.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    monkeypatch.setattr(rollout.plugin, "is_installed", lambda: True)
+    llm, received, transported = _fake_llm(torch.bfloat16, "cpu", InprocClient())
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        w = torch.randn(3, 4)
+        dw = distribute_tensor(w, init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(ValueError, match=r"refit: state_dict\['weight'\] is a DTensor.*full_tensor\(\)"):
+            rollout.refit(llm, {"weight": dw})
+        assert received == [] and transported == []
+        rollout.refit(llm, {"weight": dw.full_tensor()})  # control: the gathered tensor is refitted as it is
+        assert_bitwise_equal(received[0][1], w.to(torch.bfloat16))
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -126,6 +126,33 @@ def test_refit_then_bitwise_equal(engine):
     _assert_bitwise(again, _teacher_forced(trainer, again, 1.0))
 
 
+def test_refit_of_part_of_the_experts_is_refused_whole_layers_applied(engine):
+    """vLLM rebuilds a layer's fused experts from torch.empty with what it is sent: the down projections alone (HF's
+    stacked name) or one expert (the per-expert names) left the other experts uninitialised. Refused, the engine
+    unchanged; the control: a layer's whole experts (gate_up + down) alone are applied bitwise."""
+    dtype, llm, trainer = engine
+    sd, g = trainer.state_dict(), torch.Generator().manual_seed(7)
+    new = {k: sd[k] + (0.02 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
+           for k in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")}
+    inter = new["model.layers.1.mlp.experts.down_proj"].shape[-1]
+    one = {"model.layers.1.mlp.experts.3.gate_proj.weight": new["model.layers.1.mlp.experts.gate_up_proj"][3, :inter],
+           "model.layers.1.mlp.experts.3.up_proj.weight": new["model.layers.1.mlp.experts.gate_up_proj"][3, inter:],
+           "model.layers.1.mlp.experts.3.down_proj.weight": new["model.layers.1.mlp.experts.down_proj"][3]}
+    for part in ({"model.layers.1.mlp.experts.down_proj": new["model.layers.1.mlp.experts.down_proj"]}, one):
+        with pytest.raises(ValueError, match=r"refit: state_dict engine layer 'model[.]layers[.]1[.]mlp[.]experts.*"
+                                             r"would get only .*no engine weight was changed"):
+            refit(llm, part)
+    rollouts = generate_with_logprobs(llm, _prompts(3)[:3], temperature=1.0, max_tokens=4)
+    _assert_bitwise(rollouts, _teacher_forced(trainer, rollouts, 1.0))  # unchanged, as the trainer
+    refit(llm, new)
+    with torch.no_grad():
+        for k, v in new.items():
+            trainer.get_parameter(k).copy_(v)
+    after = generate_with_logprobs(llm, [r.prompt_token_ids for r in rollouts], temperature=1.0, max_tokens=4)
+    _assert_bitwise(after, _teacher_forced(trainer, after, 1.0))
+    assert any(not bitwise_equal(a.logprobs_tensor()[:1], b.logprobs_tensor()[:1]) for a, b in zip(rollouts, after))
+
+
 @pytest.mark.parametrize("param", ["float32", "bfloat16-mma"])
 def test_qwen2_moe_shared_expert_bitwise(tmp_path, param):
     """Qwen2-MoE: gated shared expert + qkv bias, chunked prefill; fp32, and bf16 under the mma profile."""

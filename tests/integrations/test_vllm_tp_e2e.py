@@ -4,8 +4,8 @@ trainer (patched HF, one process) and a 2-rank FSDP2 trainer (gloo), bitwise (in
 One engine per dtype (bf16, fp32) and one bf16 engine under the mma profile (ALIGNED_OPS_LINEAR=mma on both
 sides and in the FSDP2 ranks: the row-parallel layers' mma sub-trees and the tree all-reduce), chunked prefill on (max_num_batched_tokens=128, prompts up to 300
 tokens). Checked on that engine: sampled rollouts (temperature 0.7) of 8 prompts; greedy rollouts of the
-same prompts as a batch of 8, a batch of 3 and alone (equal across batch sizes); a refit with perturbed
-weights and rollouts after it. Every sampled token's log-prob equals the TP = 1 trainer's and the FSDP2
+same prompts as a batch of 8, a batch of 3 and alone (equal across batch sizes); a refit of q_proj alone, refused by
+every rank; a refit with perturbed weights and rollouts after it. Every sampled token's log-prob equals the TP = 1 trainer's and the FSDP2
 trainer's. Negative controls: the same running engine with the row-parallel combine switched to a
 sequential sum of the same lane sums differs from the trainer (and is equal again once switched back);
 stock vLLM (no plugin) at TP = 2 vs TP = 1 differs (fresh process).
@@ -99,7 +99,12 @@ def _run_tp_engine(path, dtype, tp, tmp, profile=None):
             r["sequential"] = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
             vllm_plugin.set_tp_combine(llm, "tree")
             r["again"] = generate_with_logprobs(llm, prompts, temperature=0.0, max_tokens=6)
-            # 4. refit with perturbed weights, then rollouts
+            # 4. a refit of part of a fused layer is refused by every rank, and the next refit gets its own replies
+            #    (a worker that raised left the other ranks' replies queued: the next refit read them as its own)
+            q = "model.layers.0.self_attn.q_proj.weight"
+            with pytest.raises(ValueError, match=r"refit: state_dict engine layer .*qkv_proj.*q_proj"):
+                refit(llm, {q: trainer.state_dict()[q] * 2})
+            #    refit with perturbed weights, then rollouts
             g = torch.Generator().manual_seed(123)
             with torch.no_grad():
                 for _, p in trainer.named_parameters():

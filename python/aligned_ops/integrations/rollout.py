@@ -176,14 +176,37 @@ def refit(llm, state_dict) -> None:
     arch = ARCHITECTURES.get(architecture_of(hf_config)) if hf_config is not None else None
     named = arch.refit_weights(state_dict) if arch is not None and arch.refit_weights else state_dict.items()
     keep = tuple(arch.fp32_weights) if arch is not None else ()
+    named = list(named)
+    dtensor = _dtensor_type()
+    for k, v in named:
+        if dtensor is not None and isinstance(v, dtensor):
+            raise ValueError(f"refit: state_dict[{k!r}] is a DTensor (FSDP2/TP-sharded); refit takes whole tensors: "
+                             "gather them with .full_tensor() on every rank first (nothing was sent to the engine)")
+        if not isinstance(v, torch.Tensor) or not (v.is_floating_point()):
+            what = f"a {v.dtype} tensor" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+            raise ValueError(f"refit: state_dict[{k!r}] is {what}; weights must be floating-point tensors "
+                             "(nothing was sent to the engine)")
     items = [(k, _weight_for_transport(v, torch.float32 if keep and k.endswith(keep) else dtype, in_process))
              for k, v in named]
-    llm.collective_rpc(_reload_on_engine_device, args=(items, keep))
+    # A worker returns its refusal instead of raising: an exception in one tensor-parallel worker leaves the other
+    # workers' replies queued in vLLM's multiprocess executor, and the next collective_rpc (the next refit) would
+    # read them as its own.
+    refused = [r for r in (llm.collective_rpc(_reload_on_engine_device, args=(items, keep)) or ()) if r]
+    if refused:
+        raise ValueError(refused[0])
     if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         if not llm.reset_prefix_cache():
             raise RuntimeError("refit: vLLM could not reset the prefix cache (requests still running?)")
+
+
+def _dtensor_type():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _engine_in_process(llm) -> bool:
@@ -200,20 +223,118 @@ def _weight_for_transport(v: torch.Tensor, dtype: torch.dtype, in_process: bool)
     return v
 
 
-def _reload_on_engine_device(worker, items, keep=()) -> None:
+def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     """Runs in each worker: move the weights to the device (and dtype) of the worker's model, then vLLM's
     in-place ``reload_weights`` (which copies them into the existing parameters). Names ending in one of
-    ``keep`` stay float32."""
+    ``keep`` stay float32. Returns None, or why the weights were refused (:func:`_check_refit_items`: nothing
+    was loaded)."""
     model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
     param = next(iter(model.parameters()))
     device, dtype = param.device, worker.model_runner.model_config.dtype
     keep = tuple(keep)
     moved = [(k, v.to(device=device, dtype=torch.float32 if keep and k.endswith(keep) else dtype,
                       non_blocking=True)) for k, v in items]
+    if hasattr(model, "load_weights"):  # (the stand-in engines of tests have a plain torch module)
+        try:
+            _check_refit_items(model, moved, getattr(worker.model_runner.model_config, "hf_config", None))
+        except ValueError as e:
+            return str(e)
     worker.reload_weights(weights_iterator=moved)
     # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
     # writes, no exact-profile packing of the old weights may survive a refit.
     aligned_ops.clear_exact_weight_cache()
+    return None
+
+
+def _check_refit_items(model, items, hf_config=None) -> None:
+    """Refuse, before any engine weight changes, a refit vLLM's in-place reload would apply wrongly or halfway.
+
+    vLLM 0.32's ``reload_weights`` moves every layer to the meta device, rebuilds a layer from ``torch.empty`` once
+    any of its weights arrive and copies it back when all its elements are loaded (or at the end): so a layer that
+    gets only some of what it fuses (``q_proj`` without ``k_proj`` / ``v_proj`` in ``qkv_proj``, ``gate_proj``
+    without ``up_proj``, one expert of a fused-experts layer) gets uninitialised memory in the rest (measured: NaN
+    log-probs); an unknown name or a wrong shape raises half-way and leaves the engine's layers on the meta device
+    (every later generate fails: "Cannot copy out of meta tensor"); a name vLLM's loader skips (``lm_head.weight`` of
+    a tied model) is silently not applied. This runs the model's own ``load_weights`` with vLLM's layerwise loaders
+    on the meta tensors only (no data is written: the layer processing is held back), counts what reaches each
+    layer, then puts every layer's own tensors back, and raises one ``ValueError`` naming the weight."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload import layerwise as lw
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, to_meta_tensor
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    # tensors vLLM's reload writes in place without a layerwise loader: a dry run would write them; whole tensors,
+    # so there is nothing to fuse
+    direct = tuple(SKIP_LOAD_TENSORS)
+    lw.initialize_layerwise_reload(model)
+    owner = {id(t): name for name, layer in model.named_modules() for t in get_layer_tensors(layer).values()}
+    current = [None]
+    reached: dict[str, set] = {}  # layer name -> the state-dict keys that reached it
+    counted = lw.get_numel_loaded
+
+    def get_numel_loaded(loader, args):
+        param = args.arguments.get("param")
+        reached.setdefault(owner.get(id(param), "?"), set()).add(current[0])
+        if isinstance(param, torch.Tensor) and not param.is_meta:  # a bias stays live during vLLM's reload
+            args.arguments["param"] = to_meta_tensor(param)
+        return counted(loader, args)
+
+    def weights():
+        for k, v in items:
+            if not k.endswith(direct):
+                current[0] = k
+                yield k, v
+
+    saved = lw.get_numel_loaded, lw._layerwise_process
+    lw.get_numel_loaded, lw._layerwise_process = get_numel_loaded, (lambda layer, info: None)
+    problem = None
+    try:
+        model.load_weights(weights())
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the engine's tensors are back in place
+        shape = next((list(v.shape) for k, v in items if k == current[0]), None)
+        why = str(e).splitlines()[0] if str(e) else "shape mismatch"
+        problem = f"{current[0]!r} (shape {shape}) could not be loaded ({type(e).__name__}: {why})"
+    finally:
+        lw.get_numel_loaded, lw._layerwise_process = saved
+        incomplete = []
+        for name, layer in model.named_modules():
+            info = lw.get_layerwise_info(layer)
+            if not info.can_load():
+                continue
+            total, got = info.load_numel_total, info.load_numel
+            indices = getattr(layer, "shard_indices", None)  # a vocab-padded embedding / LM head: rows past vocab
+            if indices is not None and getattr(layer, "embedding_dim", None):
+                total = (indices.num_org_elements + indices.num_added_elements) * layer.embedding_dim
+            if 0 < got < total and not is_deferred_attention_layer(layer):
+                incomplete.append((name, type(layer).__name__, got, total))
+            lw._place_kernel_tensors(layer, info)
+            info.reset()
+            for t in get_layer_tensors(layer).values():  # live tensors (a bias) keep their own loader
+                if getattr(t, "weight_loader", None) is not None:
+                    t.weight_loader = lw._get_original_loader(t)
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+    if problem is None and incomplete:
+        name, cls, got, total = incomplete[0]
+        problem = (f"engine layer {name!r} ({cls}) would get only {got} of its {total} elements from "
+                   f"{sorted(reached.get(name, ()))} (vLLM rebuilds a layer from the weights it is sent and fuses "
+                   f"q/k/v, gate/up and the experts: send every weight of that layer, or none)")
+    if problem is None:
+        loaded = set().union(*reached.values()) if reached else set()
+        names = {k for k, _ in items}
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        for k in names:
+            if k in loaded or k.endswith(direct):
+                continue
+            embedding = k.replace("lm_head.weight", "model.embed_tokens.weight")
+            if tied and k.endswith("lm_head.weight") and embedding in names:
+                continue  # the trainer's tied copy of the embedding, which is sent too
+            problem = (f"{k!r} reaches no engine weight (vLLM's loader skips it"
+                       + (": the model ties its LM head to model.embed_tokens.weight, send that" if tied and
+                          k.endswith("lm_head.weight") else "") + ")")
+            break
+    if problem is not None:
+        raise ValueError(f"refit: state_dict {problem}; no engine weight was changed")
 
 
 def _repack_stock_cpu_moe(worker) -> int:
