@@ -197,6 +197,37 @@ def _cos_sin_cache(model, device):
 # ---- patched forwards ----------------------------------------------------------------------------------
 
 
+class BoundForward:
+    """``function`` bound to ``module`` as its instance ``forward``: what ``types.MethodType(function, module)`` is,
+    but picklable. A bound method pickles as ``getattr(module, function.__name__)``, an attribute no HF module has,
+    so ``torch.save(patched_model)`` wrote a file ``torch.load`` could not read (AttributeError: 'LlamaDecoderLayer'
+    object has no attribute '_layer_forward'); this pickles ``function`` by its qualified name and ``module`` by
+    reference, so a saved patched model loads patched (``copy.deepcopy`` binds the copy's forward to the copy).
+    ``__func__`` / ``__self__`` are a bound method's (accelerate re-binds ``forward.__func__``), and so is its
+    signature (HF's Trainer reads ``forward``'s parameters to keep dataset columns)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function, module):
+        self.__func__, self.__self__ = function, module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return (type(self), (self.__func__, self.__self__))
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<aligned_ops forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+
+
+
 class _ForwardPlans:
     """The attention plans of one trainer forward: planned once from the HOST cu_seqlens (per head shape: one
     for every layer of an ordinary model) and reused by every layer, so no layer plans or uploads its work list
@@ -728,17 +759,17 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         layer._aligned_profile = resolved
         if form is not None:
             layer._aligned_mla_form = form  # read by the architecture's block (models.deepseek_v3.block)
-        layer.forward = types.MethodType(_layer_forward, layer)
+        layer.forward = BoundForward(_layer_forward, layer)
     # The backbone too (model.model(...), which frameworks call when they apply the LM head themselves): HF's
     # backbone forward would call the patched layers with its own keyword arguments.
     inner = model.model
     inner._aligned_arch = arch.name
     inner._aligned_profile = resolved
-    inner.forward = types.MethodType(_backbone_forward, inner)
+    inner.forward = BoundForward(_backbone_forward, inner)
     model._aligned_arch = arch.name
     model._aligned_profile = resolved
     model._aligned_profile_source = source
-    model.forward = types.MethodType(_model_forward, model)
+    model.forward = BoundForward(_model_forward, model)
     model._aligned_patched = True
     return model
 

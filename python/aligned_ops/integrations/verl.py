@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import types
 from dataclasses import dataclass
 
 import torch
@@ -236,7 +235,7 @@ def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None 
     """Patch a HF causal LM for verl's actor: ``hf.patch_model`` (profile: ``profile`` or ``ALIGNED_OPS_LINEAR``),
     then verl's fused-kernel ``forward`` on top (takes ``cu_seqlens``). An MLA model is patched in the vLLM plugin's
     form (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``: ``patch_model``'s default). Idempotent; returns the module."""
-    from .hf import patch_model, unpatch_model
+    from .hf import BoundForward, patch_model, unpatch_model
 
     if getattr(module, "_aligned_verl", False):
         return module
@@ -244,7 +243,7 @@ def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None 
         unpatch_model(module)
     patch_model(module, profile)
     module._aligned_hf_forward = module.forward
-    module.forward = types.MethodType(_verl_forward, module)
+    module.forward = BoundForward(_verl_forward, module)
     module._aligned_verl = True
     return module
 
