@@ -78,7 +78,9 @@ class AlignedCausalLMOutput(_OutputBase):
     logits: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-    # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``);
+    # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``,
+    # default ``config.output_router_logits`` as HF; with ``labels`` a Qwen-MoE's ``loss`` includes
+    # ``router_aux_loss_coef * aux_loss``, as HF's);
     # ``routed_experts`` — int64 expert ids ``[*input_ids.shape, moe_layers, top_k]``, -1 at padding
     # (``return_routing``), for routing-flip diagnostics against the rollout engine.
     aux_loss: torch.Tensor | None = None
@@ -422,7 +424,7 @@ def _model_forward(
     completion_mask: torch.Tensor | None = None,
     temperature=1.0,
     return_logits: bool | None = None,
-    output_router_logits: bool = False,
+    output_router_logits: bool | None = None,
     return_routing: bool = False,
     top_k=None,
     top_p=None,
@@ -455,6 +457,8 @@ def _model_forward(
     out = AlignedCausalLMOutput()
     if labels is not None:
         out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
+    if output_router_logits is None:  # HF's default: the config's (MoE fine-tuning sets config.output_router_logits)
+        output_router_logits = bool(getattr(self.config, "output_router_logits", False))
     if output_router_logits and routing.records:
         if hidden.requires_grad and not all(scores.requires_grad for _, scores in routing.records):
             # reentrant checkpointing runs each layer's forward under no_grad (the backward recomputes it): the
@@ -466,6 +470,11 @@ def _model_forward(
         # the score rows' width is the expert count (Qwen's num_experts, DeepSeek's n_routed_experts)
         out.aux_loss = hf_moe.load_balancing_loss(routing.records, routing.records[0][1].shape[1],
                                                   cfg.num_experts_per_tok)
+        # HF's Qwen-MoE classes (the ones that hold router_aux_loss_coef) add it to the labels' loss; DeepSeek-V3's and
+        # GLM-4.5's add nothing (they hold none). Without it a fine-tuning loss silently lost its load-balancing term.
+        coef = getattr(self, "router_aux_loss_coef", None)
+        if out.loss is not None and coef is not None:
+            out.loss = out.loss + coef * out.aux_loss
     if return_routing and routing.records:
         rids = torch.stack([r[0] for r in routing.records], dim=1)  # [T, layers, k]
         full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
