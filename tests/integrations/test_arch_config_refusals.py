@@ -62,6 +62,13 @@ CASES = [
      "q/k/v=False, o_proj=True"),
     ("LlamaForCausalLM", dict(attention_bias=False), dict(bias=True),
      "Llama with attention_bias=False and bias=True / qkv_bias=None is not supported"),
+    # HF's Llama ignores sliding_window, vLLM windows every layer by it (its engine died building the attention)
+    ("LlamaForCausalLM", {}, dict(sliding_window=64),
+     r"sliding-window attention is not supported \(sliding_window=64\)"),
+    ("LlamaForCausalLM", {}, dict(layer_types=["sliding_attention"]),
+     r"sliding-window attention is not supported \(layer_types marks layer 0 'sliding_attention'\)"),
+    ("Qwen3ForCausalLM", dict(head_dim=16), dict(use_sliding_window=True, sliding_window=64),
+     r"sliding-window attention is not supported \(use_sliding_window=True\)"),
 ]
 # DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -191,12 +198,21 @@ def _engine_config_maker(dtype: str):
      dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "Qwen3 with attention_bias=True is not supported"),
     (dict(architectures=["LlamaForCausalLM"]), dict(architectures=["LlamaForCausalLM"], model_type="llama"),
      "config model_type 'qwen2' is a Qwen2ForCausalLM config, but architectures names LlamaForCausalLM"),
-], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama"])
+    # the Qwen2 checkpoint's use_sliding_window: false stays in its config.json: LlamaConfig keeps sliding_window anyway
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=64),
+     dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     r"sliding-window attention is not supported \(sliding_window=64\)"),
+    (dict(use_sliding_window=False, sliding_window=64), {}, None),  # Qwen2's class drops the window: accepted
+], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama", "llama-sliding_window",
+        "qwen2-sliding_window-off"])
 def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, control, message):
     """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
     control (the same edit without the refused setting) is accepted."""
     vllm_plugin, engine_config = _engine_config_maker("float32")
     src = tiny_checkpoint("qwen2", torch.float32, seed=0)
+    if message is None:  # a setting both sides read as off
+        vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "accepted", **changes)))
+        return
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))

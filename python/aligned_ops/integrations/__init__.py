@@ -31,6 +31,11 @@ def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in params:
         return float(params["rope_theta"])
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and (not isinstance(layer_types, (list, tuple))
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ValueError(f"aligned_ops ({where}): config field layer_types must be a list of layer kinds, got "
+                         f"{layer_types!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         raise ValueError("config has no rope_theta")
@@ -179,13 +184,34 @@ def _check_hf_config(config, where: str, arch) -> None:
     if spec.rotary_dim != head_dim and not arch.partial_rotary:
         # HF's Llama/Qwen2/Qwen3 forward rotates the whole head (no partial rotary): no reference semantics.
         raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported")
+    window = sliding_window_setting(config, arch)
+    if window:
+        raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported ({window})")
     qc = getattr(config, "quantization_config", None)
     if qc:
         raise ValueError(f"aligned_ops ({where}): quantized checkpoints are not supported ({qc})")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"aligned_ops ({where}): activation {config.hidden_act!r} is not supported (only silu)")
+
+
+def sliding_window_setting(config, arch) -> str | None:
+    """The config setting that makes vLLM run windowed attention (None: none does); the aligned attention has no
+    window. vLLM windows every layer by ``sliding_window`` (0 / null: off), or the layers ``layer_types`` marks
+    ``sliding_attention``. Qwen's config classes keep ``sliding_window`` only with ``use_sliding_window``
+    (``Architecture.sliding_window_switch``); Llama's keeps it as given and HF's Llama forward ignores it, so a Llama
+    config with ``sliding_window: 64`` ran full attention in the trainer while vLLM's engine died building its
+    attention ("aligned_ops attention does not support: sliding window", a traceback, not a start-up refusal)."""
+    switch = arch.sliding_window_switch
+    if switch is not None and getattr(config, switch, False):
+        return f"{switch}=True"
+    window = getattr(config, "sliding_window", None)
+    if window and switch is None:
+        return f"sliding_window={window}"
+    layer_types = getattr(config, "layer_types", None) or ()
+    marked = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    if marked:
+        return f"layer_types marks layer {marked[0]} {layer_types[marked[0]]!r}"
+    return None
 
 
 def check_moe_config(config, where: str) -> None:
