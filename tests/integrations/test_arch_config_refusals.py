@@ -203,8 +203,14 @@ def _engine_config_maker(dtype: str):
      dict(architectures=["LlamaForCausalLM"], model_type="llama"),
      r"sliding-window attention is not supported \(sliding_window=64\)"),
     (dict(use_sliding_window=False, sliding_window=64), {}, None),  # Qwen2's class drops the window: accepted
+    # dynamic NTK: vLLM derives max_model_len 128 * 2 = 256 (what engine_config asks) over a 128-position table; a
+    # longer sequence failed mid-generation in aligned::rotary_embedding. Control: 256 positions
+    (dict(max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+     dict(max_position_embeddings=256, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+     r"max_model_len 256 exceeds the 128 positions of the model's RoPE table \(dynamic, max_position_embeddings "
+     r"128\); pass max_model_len <= 128"),
 ], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama", "llama-sliding_window",
-        "qwen2-sliding_window-off"])
+        "qwen2-sliding_window-off", "qwen2-dynamic-rope-max_model_len"])
 def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, control, message):
     """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
     control (the same edit without the refused setting) is accepted."""
