@@ -67,6 +67,9 @@ CASES = [
      r"sliding-window attention is not supported \(sliding_window=64\)"),
     ("LlamaForCausalLM", {}, dict(layer_types=["sliding_attention"]),
      r"sliding-window attention is not supported \(layer_types marks layer 0 'sliding_attention'\)"),
+    # HF's and vLLM's Qwen-MoE divide by it building the model (ZeroDivisionError: a traceback from the engine)
+    ("Qwen3MoeForCausalLM", dict(MOE, head_dim=16), dict(decoder_sparse_step=0),
+     "config field decoder_sparse_step must be an integer >= 1, got 0"),
     ("Qwen3ForCausalLM", dict(head_dim=16), dict(use_sliding_window=True, sliding_window=64),
      r"sliding-window attention is not supported \(use_sliding_window=True\)"),
 ]

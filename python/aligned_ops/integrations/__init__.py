@@ -47,12 +47,13 @@ def rope_theta_of(config) -> float:
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                           "max_position_embeddings")
 # Integer fields the checks read (name -> smallest value), checked where set (and not null). The minimum is 0 where
-# the checks themselves read 0 as "none" / "the default" (``n_group or 1``).
+# the checks themselves read 0 as "none" / "the default" (``n_group or 1``). decoder_sparse_step 0: HF's and vLLM's
+# Qwen-MoE divide by it building the model (ZeroDivisionError), so it is refused by name.
 INT_CONFIG_FIELDS = {
     "hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 1,
     "max_position_embeddings": 1, "head_dim": 1, "num_key_value_heads": 1, "intermediate_size": 1,
     "num_experts": 0, "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0,
-    "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "decoder_sparse_step": 0,
+    "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "decoder_sparse_step": 1,
     "first_k_dense_replace": 0, "moe_layer_freq": 0, "n_group": 0, "topk_group": 0,
     "kv_lora_rank": 1, "q_lora_rank": 1, "qk_nope_head_dim": 0, "qk_rope_head_dim": 1, "v_head_dim": 1,
 }
