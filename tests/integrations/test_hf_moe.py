@@ -176,6 +176,14 @@ def test_aux_loss_under_gradient_checkpointing(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"^aligned_ops patched model: output_router_logits=True under reentrant "
                                          r"gradient checkpointing.*use_reentrant': False\}$"):
         run(True)
+    # a config asking for router logits (HF's default for output_router_logits) does not make completion_logprobs,
+    # which returns no aux loss, refuse reentrant checkpointing
+    from aligned_ops.integrations.hf import completion_logprobs
+
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    m.config.output_router_logits = True
+    completion_logprobs(patch_model(m).train(), ids, cm, attention_mask=am, temperature=0.9).sum().backward()
     aux_nr, grads_nr = run(False)  # control: non-reentrant checkpointing, every gradient the unchecked run's bits
     assert_bitwise_equal(aux_nr, aux)
     assert len(grads_nr) == len(grads) and all(g is not None for g in grads)

@@ -847,6 +847,7 @@ def completion_logprobs(
         completion_mask=completion_mask,
         temperature=temperature,
         return_logits=False,
+        output_router_logits=False,  # only the log-probs are returned (not config.output_router_logits' aux loss)
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,

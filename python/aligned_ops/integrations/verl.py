@@ -221,7 +221,8 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
     # (the patched forward turns verl's forward_step autocast off itself: the aligned ops fix their own dtypes)
     out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
-                                   return_logits=False, return_entropy=True, **unused)
+                                   return_logits=False, return_entropy=True,
+                                   output_router_logits=unused.pop("output_router_logits", False), **unused)
     src = flat[1:][scored]  # where the model put the log-prob of token k+1 ...
     dst = flat[:-1][scored]  # ... and where verl wants it: row k
     lp = out.logprobs.reshape(-1)
