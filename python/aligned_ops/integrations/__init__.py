@@ -31,11 +31,6 @@ def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in params:
         return float(params["rope_theta"])
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and (not isinstance(layer_types, (list, tuple))
-                                    or not all(isinstance(t, str) for t in layer_types)):
-        raise ValueError(f"aligned_ops ({where}): config field layer_types must be a list of layer kinds, got "
-                         f"{layer_types!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         raise ValueError("config has no rope_theta")
@@ -92,6 +87,11 @@ def check_config_fields(config, where: str, arch) -> None:
                               or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
         raise ValueError(f"aligned_ops ({where}): config field mlp_only_layers must be a list of layer indices, got "
                          f"{dense!r}")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and (not isinstance(layer_types, (list, tuple))
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ValueError(f"aligned_ops ({where}): config field layer_types must be a list of layer kinds, got "
+                         f"{layer_types!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool)):
         raise ValueError(f"aligned_ops ({where}): config field rope_theta must be a number, got {theta!r}")

@@ -229,7 +229,6 @@ class BoundForward:
         return f"<aligned_ops forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
-
 class _ForwardPlans:
     """The attention plans of one trainer forward: planned once from the HOST cu_seqlens (per head shape: one
     for every layer of an ordinary model) and reused by every layer, so no layer plans or uploads its work list
