@@ -303,6 +303,11 @@ BAD_CONFIGS = [
     (dict(QWEN2, architectures=[["Qwen2ForCausalLM"]]), "architectures must be a list of class names"),
     (_without(QWEN2, "max_position_embeddings"), "config has no max_position_embeddings"),
     (dict(QWEN2, rope_parameters="yarn"), "rope_parameters must be a mapping"),
+    # a string would be read a character at a time by the sliding-window check
+    (dict(QWEN2, layer_types="full_attention"), "layer_types must be a list of layer kinds"),
+    # a window only Qwen's use_sliding_window switches on: a Llama's is vLLM's (HF's Llama ignores it)
+    (dict(QWEN2, architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=64),
+     "sliding-window attention is not supported (sliding_window=64)"),
     (_without(DEEPSEEK_V3, "n_group"), "config has no n_group (a DeepseekV3ForCausalLM config must set it)"),
     (_without(GLM4_MOE, "n_group"), "config has no n_group (a Glm4MoeForCausalLM config must set it)"),
     (_without(QWEN2, "model_type"), "config.json needs a model_type"),

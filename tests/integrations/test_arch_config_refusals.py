@@ -62,6 +62,16 @@ CASES = [
      "q/k/v=False, o_proj=True"),
     ("LlamaForCausalLM", dict(attention_bias=False), dict(bias=True),
      "Llama with attention_bias=False and bias=True / qkv_bias=None is not supported"),
+    # HF's Llama ignores sliding_window, vLLM windows every layer by it (its engine died building the attention)
+    ("LlamaForCausalLM", {}, dict(sliding_window=64),
+     r"sliding-window attention is not supported \(sliding_window=64\)"),
+    ("LlamaForCausalLM", {}, dict(layer_types=["sliding_attention"]),
+     r"sliding-window attention is not supported \(layer_types marks layer 0 'sliding_attention'\)"),
+    # HF's and vLLM's Qwen-MoE divide by it building the model (ZeroDivisionError: a traceback from the engine)
+    ("Qwen3MoeForCausalLM", dict(MOE, head_dim=16), dict(decoder_sparse_step=0),
+     "config field decoder_sparse_step must be an integer >= 1, got 0"),
+    ("Qwen3ForCausalLM", dict(head_dim=16), dict(use_sliding_window=True, sliding_window=64),
+     r"sliding-window attention is not supported \(use_sliding_window=True\)"),
 ]
 # DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -191,12 +201,27 @@ def _engine_config_maker(dtype: str):
      dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "Qwen3 with attention_bias=True is not supported"),
     (dict(architectures=["LlamaForCausalLM"]), dict(architectures=["LlamaForCausalLM"], model_type="llama"),
      "config model_type 'qwen2' is a Qwen2ForCausalLM config, but architectures names LlamaForCausalLM"),
-], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama"])
+    # the Qwen2 checkpoint's use_sliding_window: false stays in its config.json: LlamaConfig keeps sliding_window anyway
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=64),
+     dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     r"sliding-window attention is not supported \(sliding_window=64\)"),
+    (dict(use_sliding_window=False, sliding_window=64), {}, None),  # Qwen2's class drops the window: accepted
+    # dynamic NTK: vLLM derives max_model_len 128 * 2 = 256 (what engine_config asks) over a 128-position table; a
+    # longer sequence failed mid-generation in aligned::rotary_embedding. Control: 256 positions
+    (dict(max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+     dict(max_position_embeddings=256, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+     r"max_model_len 256 exceeds the 128 positions of the model's RoPE table \(dynamic, max_position_embeddings "
+     r"128\); pass max_model_len <= 128"),
+], ids=["qwen2-head_dim", "qwen3-attention_bias", "qwen2-model_type-as-llama", "llama-sliding_window",
+        "qwen2-sliding_window-off", "qwen2-dynamic-rope-max_model_len"])
 def test_vllm_engine_config_is_refused(tiny_checkpoint, tmp_path, changes, control, message):
     """Through vLLM's own engine-config creation (the plugin's start-up check), before any model is built; the
     control (the same edit without the refused setting) is accepted."""
     vllm_plugin, engine_config = _engine_config_maker("float32")
     src = tiny_checkpoint("qwen2", torch.float32, seed=0)
+    if message is None:  # a setting both sides read as off
+        vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "accepted", **changes)))
+        return
     with pytest.raises(ValueError, match=message):
         engine_config(edited_copy(src, tmp_path / "refused", **changes))
     vllm_plugin.validate_vllm_config(engine_config(edited_copy(src, tmp_path / "control", **control)))

@@ -230,6 +230,34 @@ def test_repatching_with_another_profile_or_a_lora_layer_is_refused():
     assert not getattr(m, "_aligned_patched", False)
 
 
+
+def test_a_saved_patched_model_loads_patched_with_the_same_bits(model):
+    """torch.save / torch.load of a patched model: its forwards were bound methods, pickled as
+    ``getattr(layer, "_layer_forward")``, so the saved file did not load (AttributeError: 'Qwen2DecoderLayer' object
+    has no attribute '_layer_forward'). Loaded, every forward is bound to the loaded module (not the saved one, not
+    HF's), the log-probs are the same bits, the profile is the registry's object and the signature is HF's view."""
+    import inspect
+    import io
+
+    from aligned_ops import profiles
+
+    s = _seqs([17], 5)[0]
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.forward.__self__ is loaded and loaded.model.forward.__self__ is loaded.model
+    assert all(layer.forward.__self__ is layer for layer in loaded.model.layers)
+    assert loaded.forward.__func__ is model.forward.__func__
+    assert profiles.profile_of(loaded) is profiles.profile_of(model) and patch_model(loaded) is loaded
+    assert_bitwise_equal(_lp_single(loaded, s, 5), _lp_single(model, s, 5))
+    params = inspect.signature(loaded.forward).parameters
+    assert "self" not in params and {"input_ids", "completion_mask"} <= set(params)
+    copied = copy.deepcopy(model)
+    assert copied.forward.__self__ is copied and copied.model.layers[0].forward.__self__ is copied.model.layers[0]
+    unpatch_model(loaded)  # HF's forwards come back
+    assert "forward" not in loaded.__dict__ and "forward" not in loaded.model.layers[0].__dict__
+
 # ---- issue 8: valid batches the helper refused, inputs it ignored silently -------------------------------------
 
 

@@ -84,6 +84,33 @@ def test_backward_deterministic_and_aux_loss_from_routing_scores(model):
     assert k == 3
 
 
+
+def test_labels_loss_adds_the_aux_loss_as_hf_does(model):
+    """HF's Qwen-MoE forward with ``labels`` and ``output_router_logits`` (the argument, else
+    ``config.output_router_logits``) returns ``loss = CE + router_aux_loss_coef * aux_loss``. The patched forward
+    returned the CE alone (and ignored the config's switch): an MoE fine-tuning loss silently lost its load-balancing
+    term (found at router_aux_loss_coef 0.5: 6.330 where stock HF gives 7.397)."""
+    import copy
+
+    from aligned_ops.integrations.hf import unpatch_model
+
+    s = random_sequences([23], 4)[0][None]
+    coef = model.router_aux_loss_coef
+    assert coef > 0
+    with torch.no_grad():
+        ce = model(s, labels=s).loss  # control: no router logits asked, the CE alone (as HF)
+        out = model(s, labels=s, output_router_logits=True)
+        assert out.aux_loss > 0 and not bitwise_equal(out.loss, ce)
+        assert_bitwise_equal(out.loss, ce + coef * out.aux_loss)
+        configured = copy.deepcopy(model)
+        configured.config.output_router_logits = True  # what MoE fine-tuning recipes set
+        assert_bitwise_equal(configured(s, labels=s).loss, out.loss)
+        assert model(s, labels=s, output_router_logits=False).loss == ce  # the argument wins over the config
+        if next(model.parameters()).dtype == torch.float32:  # stock HF: the same objective, to fp32 rounding
+            stock = unpatch_model(copy.deepcopy(model))
+            want = stock(input_ids=s, labels=s, output_router_logits=True).loss
+            assert abs(float(out.loss) - float(want)) < 1e-4 and abs(float(ce) - float(want)) > 10 * 1e-4
+
 def test_routing_flip_metrics_counts_and_split():
     t = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[1, 0], [3, 2]]])  # [T=3, L=2, k=2]
     r = t.clone()
@@ -149,6 +176,14 @@ def test_aux_loss_under_gradient_checkpointing(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"^aligned_ops patched model: output_router_logits=True under reentrant "
                                          r"gradient checkpointing.*use_reentrant': False\}$"):
         run(True)
+    # a config asking for router logits (HF's default for output_router_logits) does not make completion_logprobs,
+    # which returns no aux loss, refuse reentrant checkpointing
+    from aligned_ops.integrations.hf import completion_logprobs
+
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    m.config.output_router_logits = True
+    completion_logprobs(patch_model(m).train(), ids, cm, attention_mask=am, temperature=0.9).sum().backward()
     aux_nr, grads_nr = run(False)  # control: non-reentrant checkpointing, every gradient the unchecked run's bits
     assert_bitwise_equal(aux_nr, aux)
     assert len(grads_nr) == len(grads) and all(g is not None for g in grads)

@@ -38,12 +38,13 @@ def rope_theta_of(config) -> float:
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                           "max_position_embeddings")
 # Integer fields the checks read (name -> smallest value), checked where set (and not null). The minimum is 0 where
-# the checks themselves read 0 as "none" / "the default" (``n_group or 1``).
+# the checks themselves read 0 as "none" / "the default" (``n_group or 1``). decoder_sparse_step 0: HF's and vLLM's
+# Qwen-MoE divide by it building the model (ZeroDivisionError), so it is refused by name.
 INT_CONFIG_FIELDS = {
     "hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 1,
     "max_position_embeddings": 1, "head_dim": 1, "num_key_value_heads": 1, "intermediate_size": 1,
     "num_experts": 0, "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0,
-    "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "decoder_sparse_step": 0,
+    "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "decoder_sparse_step": 1,
     "first_k_dense_replace": 0, "moe_layer_freq": 0, "n_group": 0, "topk_group": 0,
     "kv_lora_rank": 1, "q_lora_rank": 1, "qk_nope_head_dim": 0, "qk_rope_head_dim": 1, "v_head_dim": 1,
 }
@@ -82,6 +83,11 @@ def check_config_fields(config, where: str, arch) -> None:
                               or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
         raise ValueError(f"aligned_ops ({where}): config field mlp_only_layers must be a list of layer indices, got "
                          f"{dense!r}")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and (not isinstance(layer_types, (list, tuple))
+                                    or not all(isinstance(t, str) for t in layer_types)):
+        raise ValueError(f"aligned_ops ({where}): config field layer_types must be a list of layer kinds, got "
+                         f"{layer_types!r}")
     theta = getattr(config, "rope_theta", None)
     if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool)):
         raise ValueError(f"aligned_ops ({where}): config field rope_theta must be a number, got {theta!r}")
@@ -172,13 +178,34 @@ def _check_hf_config(config, where: str, arch) -> None:
     if spec.rotary_dim != head_dim and not arch.partial_rotary:
         # HF's Llama/Qwen2/Qwen3 forward rotates the whole head (no partial rotary): no reference semantics.
         raise ValueError(f"aligned_ops ({where}): partial rotary embeddings are not supported")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported")
+    window = sliding_window_setting(config, arch)
+    if window:
+        raise ValueError(f"aligned_ops ({where}): sliding-window attention is not supported ({window})")
     qc = getattr(config, "quantization_config", None)
     if qc:
         raise ValueError(f"aligned_ops ({where}): quantized checkpoints are not supported ({qc})")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"aligned_ops ({where}): activation {config.hidden_act!r} is not supported (only silu)")
+
+
+def sliding_window_setting(config, arch) -> str | None:
+    """The config setting that makes vLLM run windowed attention (None: none does); the aligned attention has no
+    window. vLLM windows every layer by ``sliding_window`` (0 / null: off), or the layers ``layer_types`` marks
+    ``sliding_attention``. Qwen's config classes keep ``sliding_window`` only with ``use_sliding_window``
+    (``Architecture.sliding_window_switch``); Llama's keeps it as given and HF's Llama forward ignores it, so a Llama
+    config with ``sliding_window: 64`` ran full attention in the trainer while vLLM's engine died building its
+    attention ("aligned_ops attention does not support: sliding window", a traceback, not a start-up refusal)."""
+    switch = arch.sliding_window_switch
+    if switch is not None and getattr(config, switch, False):
+        return f"{switch}=True"
+    window = getattr(config, "sliding_window", None)
+    if window and switch is None:
+        return f"sliding_window={window}"
+    layer_types = getattr(config, "layer_types", None) or ()
+    marked = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    if marked:
+        return f"layer_types marks layer {marked[0]} {layer_types[marked[0]]!r}"
+    return None
 
 
 def check_moe_config(config, where: str) -> None:

@@ -78,7 +78,9 @@ class AlignedCausalLMOutput(_OutputBase):
     logits: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-    # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``);
+    # MoE models only: ``aux_loss`` — load-balancing loss from the routing's fp32 scores (``output_router_logits``,
+    # default ``config.output_router_logits`` as HF; with ``labels`` a Qwen-MoE's ``loss`` includes
+    # ``router_aux_loss_coef * aux_loss``, as HF's);
     # ``routed_experts`` — int64 expert ids ``[*input_ids.shape, moe_layers, top_k]``, -1 at padding
     # (``return_routing``), for routing-flip diagnostics against the rollout engine.
     aux_loss: torch.Tensor | None = None
@@ -195,6 +197,36 @@ def _cos_sin_cache(model, device):
 
 
 # ---- patched forwards ----------------------------------------------------------------------------------
+
+
+class BoundForward:
+    """``function`` bound to ``module`` as its instance ``forward``: what ``types.MethodType(function, module)`` is,
+    but picklable. A bound method pickles as ``getattr(module, function.__name__)``, an attribute no HF module has,
+    so ``torch.save(patched_model)`` wrote a file ``torch.load`` could not read (AttributeError: 'LlamaDecoderLayer'
+    object has no attribute '_layer_forward'); this pickles ``function`` by its qualified name and ``module`` by
+    reference, so a saved patched model loads patched (``copy.deepcopy`` binds the copy's forward to the copy).
+    ``__func__`` / ``__self__`` are a bound method's (accelerate re-binds ``forward.__func__``), and so is its
+    signature (HF's Trainer reads ``forward``'s parameters to keep dataset columns)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function, module):
+        self.__func__, self.__self__ = function, module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return (type(self), (self.__func__, self.__self__))
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<aligned_ops forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
 class _ForwardPlans:
@@ -391,7 +423,7 @@ def _model_forward(
     completion_mask: torch.Tensor | None = None,
     temperature=1.0,
     return_logits: bool | None = None,
-    output_router_logits: bool = False,
+    output_router_logits: bool | None = None,
     return_routing: bool = False,
     top_k=None,
     top_p=None,
@@ -424,6 +456,8 @@ def _model_forward(
     out = AlignedCausalLMOutput()
     if labels is not None:
         out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
+    if output_router_logits is None:  # HF's default: the config's (MoE fine-tuning sets config.output_router_logits)
+        output_router_logits = bool(getattr(self.config, "output_router_logits", False))
     if output_router_logits and routing.records:
         if hidden.requires_grad and not all(scores.requires_grad for _, scores in routing.records):
             # reentrant checkpointing runs each layer's forward under no_grad (the backward recomputes it): the
@@ -435,6 +469,11 @@ def _model_forward(
         # the score rows' width is the expert count (Qwen's num_experts, DeepSeek's n_routed_experts)
         out.aux_loss = hf_moe.load_balancing_loss(routing.records, routing.records[0][1].shape[1],
                                                   cfg.num_experts_per_tok)
+        # HF's Qwen-MoE classes (the ones that hold router_aux_loss_coef) add it to the labels' loss; DeepSeek-V3's and
+        # GLM-4.5's add nothing (they hold none). Without it a fine-tuning loss silently lost its load-balancing term.
+        coef = getattr(self, "router_aux_loss_coef", None)
+        if out.loss is not None and coef is not None:
+            out.loss = out.loss + coef * out.aux_loss
     if return_routing and routing.records:
         rids = torch.stack([r[0] for r in routing.records], dim=1)  # [T, layers, k]
         full = rids.new_full((input_ids.numel(), *rids.shape[1:]), -1)
@@ -728,17 +767,17 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
         layer._aligned_profile = resolved
         if form is not None:
             layer._aligned_mla_form = form  # read by the architecture's block (models.deepseek_v3.block)
-        layer.forward = types.MethodType(_layer_forward, layer)
+        layer.forward = BoundForward(_layer_forward, layer)
     # The backbone too (model.model(...), which frameworks call when they apply the LM head themselves): HF's
     # backbone forward would call the patched layers with its own keyword arguments.
     inner = model.model
     inner._aligned_arch = arch.name
     inner._aligned_profile = resolved
-    inner.forward = types.MethodType(_backbone_forward, inner)
+    inner.forward = BoundForward(_backbone_forward, inner)
     model._aligned_arch = arch.name
     model._aligned_profile = resolved
     model._aligned_profile_source = source
-    model.forward = types.MethodType(_model_forward, model)
+    model.forward = BoundForward(_model_forward, model)
     model._aligned_patched = True
     return model
 
@@ -807,6 +846,7 @@ def completion_logprobs(
         completion_mask=completion_mask,
         temperature=temperature,
         return_logits=False,
+        output_router_logits=False,  # only the log-probs are returned (not config.output_router_logits' aux loss)
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,

@@ -32,13 +32,12 @@ ZeRO 0-2 keep whole parameters). PEFT/LoRA is refused by ``patch_model`` (merge 
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 
 from .. import profiles
 from ..profiles import profile_of
-from .hf import patch_model
+from .hf import BoundForward, patch_model
 
 __all__ = ["aligned_actor", "aligned_actor_forward"]
 
@@ -111,7 +110,7 @@ def aligned_actor(actor, profile: str | profiles.Profile | None = None):
     elif profile is not None and profile_of(model) is not profiles.get(
             profile.name if isinstance(profile, profiles.Profile) else profile):
         raise ValueError(f"aligned_actor: the model is already patched with the {profile_of(model).name!r} profile")
-    actor.forward = types.MethodType(aligned_actor_forward, actor)
+    actor.forward = BoundForward(aligned_actor_forward, actor)
     log.info("aligned_ops: OpenRLHF actor runs aligned (%s, linear profile %r, temperature %s)", type(model).__name__,
              profile_of(model).name, actor.temperature)
     return actor

@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import types
 from dataclasses import dataclass
 
 import torch
@@ -222,7 +221,8 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
     # (the patched forward turns verl's forward_step autocast off itself: the aligned ops fix their own dtypes)
     out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
-                                   return_logits=False, return_entropy=True, **unused)
+                                   return_logits=False, return_entropy=True,
+                                   output_router_logits=unused.pop("output_router_logits", False), **unused)
     src = flat[1:][scored]  # where the model put the log-prob of token k+1 ...
     dst = flat[:-1][scored]  # ... and where verl wants it: row k
     lp = out.logprobs.reshape(-1)
@@ -236,7 +236,7 @@ def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None 
     """Patch a HF causal LM for verl's actor: ``hf.patch_model`` (profile: ``profile`` or ``ALIGNED_OPS_LINEAR``),
     then verl's fused-kernel ``forward`` on top (takes ``cu_seqlens``). An MLA model is patched in the vLLM plugin's
     form (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``: ``patch_model``'s default). Idempotent; returns the module."""
-    from .hf import patch_model, unpatch_model
+    from .hf import BoundForward, patch_model, unpatch_model
 
     if getattr(module, "_aligned_verl", False):
         return module
@@ -244,7 +244,7 @@ def patch_actor(module: torch.nn.Module, profile: str | profiles.Profile | None 
         unpatch_model(module)
     patch_model(module, profile)
     module._aligned_hf_forward = module.forward
-    module.forward = types.MethodType(_verl_forward, module)
+    module.forward = BoundForward(_verl_forward, module)
     module._aligned_verl = True
     return module
 

@@ -135,6 +135,10 @@ class Architecture:
     # expanded attention the trainer runs); said in the log
     vllm_env: dict = field(default_factory=dict)
     refuse_fp16: bool = False               # the vLLM decoder layer rescales hidden states in fp16 (DeepSeek)
+    # the config field without which the HF config class drops ``sliding_window`` (Qwen's: ``use_sliding_window``,
+    # default False); None: the class keeps ``sliding_window`` as given (Llama's, whose HF forward then ignores it while
+    # vLLM windows every layer by it). Read by integrations.sliding_window_setting.
+    sliding_window_switch: str | None = None
     # True: rotary on the first partial_rotary_factor * head_dim dims of each head (GLM-4.5: HF's and vLLM's forward
     # rotate that slice, NeoX halves, the rest passes); False: a config asking for it is refused
     partial_rotary: bool = False

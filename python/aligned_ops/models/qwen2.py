@@ -24,5 +24,6 @@ ARCHITECTURE = Architecture(
     vllm_decoder_layer="vllm.model_executor.models.qwen2:Qwen2DecoderLayer",
     projections=decoder.PROJECTIONS,
     attention_biases=attention_biases,
+    sliding_window_switch="use_sliding_window",
     check_config=check_config,
 )

@@ -22,5 +22,6 @@ ARCHITECTURE = Architecture(
     vllm_decoder_layer="vllm.model_executor.models.qwen3:Qwen3DecoderLayer",
     projections=decoder.PROJECTIONS,
     qk_norm=True,
+    sliding_window_switch="use_sliding_window",
     check_config=check_attention_bias,
 )

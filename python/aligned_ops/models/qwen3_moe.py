@@ -24,6 +24,7 @@ ARCHITECTURE = Architecture(
     moe=True,
     sparse_layers=moe.qwen_sparse_layers,
     hf_moe_weights=moe.qwen_hf_moe_weights,
+    sliding_window_switch="use_sliding_window",
     check_config=check_config,
     check_hf_model=moe.check_hf_sparse_model,
 )

@@ -64,6 +64,22 @@ def _built_with_torch() -> str:
     return TORCH_VERSION
 
 
+def rope_length_reasons(model_config) -> list:
+    """``max_model_len`` beyond the positions of the model's RoPE table (``aligned_ops.rope.table_positions``: the
+    rows the plugin and the trainer build). vLLM derives ``max_model_len = max_position_embeddings * factor`` for a
+    dynamic-NTK RoPE but tables ``max_position_embeddings`` positions: a longer sequence was accepted and then failed
+    mid-generation (aligned::rotary_embedding: positions must lie in [0, 1024), got [1024, 1029]), and the trainer
+    cannot score it either."""
+    from ...rope import rope_spec_from_hf_config, table_positions
+
+    spec = rope_spec_from_hf_config(model_config.hf_config)
+    rows, length = table_positions(spec), int(model_config.max_model_len)
+    if length <= rows:
+        return []
+    return [f"max_model_len {length} exceeds the {rows} positions of the model's RoPE table ({spec.rope_type}, "
+            f"max_position_embeddings {spec.max_position}); pass max_model_len <= {rows}"]
+
+
 def validate_vllm_config(vllm_config) -> None:
     """Raise ``ValueError`` listing every reason the configuration cannot be kept aligned."""
     reasons = []
@@ -72,6 +88,8 @@ def validate_vllm_config(vllm_config) -> None:
         check_hf_config(mc.hf_config, "vLLM plugin")
     except ValueError as e:
         reasons.append(str(e).split(": ", 1)[-1])
+    else:
+        reasons.extend(rope_length_reasons(mc))
     dtype = str(mc.dtype).replace("torch.", "")
     from ...models import ARCHITECTURES
     from ...models.registry import architecture_of
