@@ -91,12 +91,13 @@ def test_same_set_as_vllm_without_ties():
     assert torch.equal(truncation_mask(x, min_p=0.05), theirs_mp)
 
 
-@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), float("-inf"), 1e39])
 def test_scale_logits_refuses_a_temperature_no_sampler_uses(bad):
-    # a negative T reversed the row's order and NaN made every score NaN, silently; the name says which argument
+    # a negative T reversed the row's order and NaN made every score NaN, silently; the name says which argument.
+    # 1e39 is finite in float64 but inf in the fp32 the row is divided by: every score 0 (-inf logits NaN)
     z = _logits(R=3, V=16, seed=5)
     with pytest.raises(ValueError, match=r"temperature must be finite and >= 0 .*got "):
-        scale_logits(z, torch.tensor([1.0, bad, 0.7]))
+        scale_logits(z, torch.tensor([1.0, bad, 0.7], dtype=torch.float64))
     with pytest.raises(ValueError, match="temperature must be finite"):
         scale_logits(z, bad)
     # control: the same rows at temperatures the sampler uses (0 = greedy, scored at 1) are scaled
@@ -215,6 +216,10 @@ def test_temperature_rule_per_release(monkeypatch):
             check_temperature(2.5, vllm_version=v)
     with pytest.raises(ValueError, match="accepts it and samples from NaN"):
         check_temperature(float("nan"), vllm_version="0.23.0")
+    # finite in float64, inf in the engine's float32 (rule 4): the same garbage as inf; FLT_MAX itself is a number
+    with pytest.raises(ValueError, match="must be a finite number, got 1e"):
+        check_temperature(1e39, vllm_version="0.23.0")
+    check_temperature(3.4028234663852886e38, vllm_version="0.23.0")
     with pytest.raises(ValueError, match="temperature rule is not known"):
         temperature_rule("0.10.2")
     with pytest.raises(ValueError, match="cannot read the vLLM version"):

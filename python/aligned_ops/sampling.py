@@ -125,7 +125,8 @@ def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     x = logits.to(torch.float32)
     R = x.shape[0]
     requested = _per_row(temperature, R, x.device, torch.float64)
-    bad = ~torch.isfinite(requested) | (requested < 0)
+    # finite as the fp32 the row is divided by (and vLLM stores): 1e39 is finite in float64, inf in float32
+    bad = ~torch.isfinite(requested.to(torch.float32)) | (requested < 0)
     if bool(bad.any()):
         value = float(requested[bad.nonzero()[0, 0]])
         raise ValueError(f"aligned_ops sampling: temperature must be finite and >= 0 (0 = greedy), got {value}")

@@ -6,8 +6,10 @@ plugin, the trainer patch and the CLI all call them.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "TEMPERATURE_RULES",
@@ -33,6 +35,14 @@ GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP (the floor 0 < T < 0.01 is raised to)
 
 
+def _finite_in_float32(t: float) -> bool:
+    """Whether ``t`` is finite as the float32 the engine stores and divides by (rule 4): 1e39 is inf there."""
+    try:
+        return math.isfinite(struct.unpack("f", struct.pack("f", t))[0])
+    except OverflowError:  # rounds beyond float32's largest finite value
+        return False
+
+
 @dataclass(frozen=True)
 class TemperatureRule:
     """What one range of vLLM releases accepts as ``SamplingParams.temperature`` (the mapping of
@@ -44,7 +54,7 @@ class TemperatureRule:
     max_temperature: float | None  # None: no upper bound
 
     def refusal(self, t: float) -> str | None:
-        if t != t or t in (float("inf"), float("-inf")):
+        if not _finite_in_float32(t):
             extra = "" if self.max_temperature is not None else (
                 f" (vLLM {self.releases} accepts it and samples from NaN logits)")
             return f"must be a finite number, got {t}{extra}"

@@ -45,6 +45,18 @@ def main():
     case("tree_dtype", lambda: tree(torch.ones(5, dtype=f32 if rank == 0 else torch.bfloat16)))
     case("tree_not_a_tensor", lambda: tree(torch.ones(5) if rank == 0 else [1.0] * 5))
     case("tree_algorithm", lambda: tree(torch.ones(64), algorithm="halving" if rank == 0 else "allgather"))
+    def device_type_differs():
+        # a CPU-only stand-in for a CPU partial beside a CUDA one in a cpu:gloo,cuda:nccl group (each would send its
+        # data over its own backend and wait for ever): rank 1's CPU partial is recorded as device type 1
+        saved = getattr(collective, "_DEVICE_TYPES", None)
+        if rank == 1:
+            collective._DEVICE_TYPES = ("cuda", "cpu")
+        try:
+            return tree(torch.ones(5))
+        finally:
+            collective._DEVICE_TYPES = saved
+
+    case("tree_device_type", device_type_differs)
     case("tree_bad_algorithm_one_rank", lambda: tree(torch.ones(8), algorithm="auto" if rank == 0 else "ring"))
     # after all of that the group still works: the same bits as the two-rank tree
     p = torch.randn(3, 37, generator=torch.Generator().manual_seed(9 + rank))

@@ -48,6 +48,9 @@ DISAGREE = [
                    "rank 0: (3, 37) float32 on cpu", "rank 1: (3, 38) float32 on cpu")),
     ("tree_straddles_auto_switch", ("the ranks of the group disagree", "rank 0: (262144,)", "rank 1: (262145,)")),
     ("tree_same_numel_other_shape", ("disagree", "rank 0: (4, 6)", "rank 1: (6, 4)")),
+    # (rank 1 reads the two codes with its swapped names: each message names one rank on cpu, the other on cuda)
+    ("tree_device_type", ("disagree", "same shape, dtype and device type", "(5,) float32 on cpu",
+                          "(5,) float32 on cuda")),
     ("tree_algorithm", ("disagree", "algorithm='halving'", "algorithm='allgather'")),
     ("fma_rows_differ", ("aligned_ops.row_parallel_linear: the ranks of the group disagree", "rank 0: (4, 16)",
                          "rank 1: (3, 16)")),

@@ -177,6 +177,18 @@ def test_quantization_and_spec_decode_and_tp_refused(tiny_dir):
             vllm_plugin.validate_vllm_config(cfg)
 
 
+def test_model_runner_v2_refused(tiny_dir, monkeypatch):
+    """Model Runner V2 (vLLM's default where Triton is: CUDA / ROCm) samples with its own Sampler, so the plugin's
+    log-prob hooks would not run: refused by name. Control: the V1 runner (this CPU machine's) is accepted."""
+    base = _engine_config(tiny_dir)
+    assert not base.use_v2_model_runner
+    vllm_plugin.validate_vllm_config(base)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert base.use_v2_model_runner  # a property read from the environment on every call
+    with pytest.raises(ValueError, match="Model Runner V2 is not covered .*VLLM_USE_V2_MODEL_RUNNER=0"):
+        vllm_plugin.validate_vllm_config(base)
+
+
 def test_unsupported_dtype_refused(tiny_dir):
     base = _engine_config(tiny_dir)
     c = copy.copy(base)

@@ -113,6 +113,12 @@ def validate_vllm_config(vllm_config) -> None:
                        "aligned linear); merge the adapter into the weights")
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append("speculative decoding is not covered")
+    # Model Runner V2 (vLLM's default where Triton is, i.e. CUDA / ROCm; VLLM_USE_V2_MODEL_RUNNER=1 elsewhere)
+    # samples with its own Sampler (vllm/v1/worker/gpu/sample): the plugin's log-prob hooks (sampler.py) never run,
+    # so the engine would return stock log-probs (at T = 1, not aligned::log_softmax) without a word
+    if bool(getattr(vllm_config, "use_v2_model_runner", False)):
+        reasons.append("vLLM's Model Runner V2 is not covered (its sampler bypasses the plugin's log-probs); set "
+                       "VLLM_USE_V2_MODEL_RUNNER=0")
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size not in aligned_ops.ops.collective.TP_DEGREES:
         reasons.append(
