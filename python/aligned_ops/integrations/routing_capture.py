@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..ops._registry import checked_int
 from .vllm import compat
 from .vllm import moe as vllm_moe
 
@@ -69,9 +70,7 @@ def vllm_teacher_forced_routing(llm, token_ids: list[int], num_moe_layers: int) 
     order). ``num_moe_layers`` is checked against what was recorded (:func:`split_layer_records`)."""
     from vllm import SamplingParams
 
-    if not isinstance(num_moe_layers, int) or isinstance(num_moe_layers, bool) or num_moe_layers < 1:
-        raise ValueError(f"aligned_ops vllm_teacher_forced_routing: num_moe_layers must be an integer >= 1, got "
-                         f"{num_moe_layers!r}")
+    num_moe_layers = checked_int("vllm_teacher_forced_routing", "num_moe_layers", num_moe_layers, lo=1)
     with capture_vllm_routing() as rec:
         llm.generate([{"prompt_token_ids": list(token_ids)}], SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False)
@@ -87,7 +86,7 @@ def split_layer_records(records: list[torch.Tensor], num_tokens: int, num_moe_la
     true L, so groups of L' records alike in rows add up to ``L * num_tokens / L'`` — ``num_tokens`` only when
     L' = L. (A wrong count used to be sliced into a plausible-looking, wrong tensor.)"""
     where = "aligned_ops vllm_teacher_forced_routing"
-    L = num_moe_layers
+    L = checked_int("vllm_teacher_forced_routing", "num_moe_layers", num_moe_layers, lo=1)
     if not records:
         raise ValueError(f"{where}: no MoE router call was recorded (the engine must run in this process: "
                          f"VLLM_ENABLE_V1_MULTIPROCESSING=0; and the model must have MoE layers)")
@@ -96,8 +95,9 @@ def split_layer_records(records: list[torch.Tensor], num_tokens: int, num_moe_la
     if len(rows) % L or any(len(set(g)) != 1 for g in groups) or sum(g[0] for g in groups) != num_tokens:
         raise ValueError(f"{where}: the {len(rows)} recorded router calls (rows {rows[:12]}"
                          f"{' ...' if len(rows) > 12 else ''}) are not num_moe_layers={L} layers per step prefilling "
-                         f"{num_tokens} tokens: a wrong num_moe_layers, another request in the engine, or a "
-                         f"prefix-cache hit (positions not recomputed)")
+                         f"{num_tokens} tokens: a wrong num_moe_layers, another request in the engine, a prefix-cache "
+                         f"hit (positions not recomputed: call llm.reset_prefix_cache() first), or padded steps (CUDA "
+                         f"graphs: enforce_eager=True)")
     per_layer = [torch.cat(records[layer::L], 0) for layer in range(L)]
     return torch.stack(per_layer, dim=1)
 
