@@ -119,8 +119,9 @@ def yarn_attention_factor(factor: float, attention_factor=None, mscale=None, msc
 
 def hf_rope_params(config) -> dict:
     """The RoPE parameters of a Hugging Face config as one mapping: transformers 5's ``rope_parameters`` over the
-    legacy ``rope_scaling`` (a key in both takes ``rope_parameters``' value, as transformers' own standardisation
-    does). Every reader of a config's RoPE (this module, the config checks, the DeepSeek model) reads it here."""
+    legacy ``rope_scaling`` (a key in both takes ``rope_parameters``' value; a config object of transformers 5 has
+    one mapping under both names, a raw config.json may have either). Every reader of a config's RoPE parameters
+    (this module, the config checks, the DeepSeek model, the runner's config.json defaults) reads them here."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):

@@ -27,7 +27,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def rope_theta_of(config) -> float:
-    """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``): :func:`..rope.hf_rope_theta`."""
+    """The RoPE base of a HF config (transformers 5 keeps it in ``rope_parameters``), as
+    :func:`aligned_ops.rope.hf_rope_theta` reads it."""
     from ..rope import hf_rope_theta
 
     return hf_rope_theta(config)

@@ -54,9 +54,9 @@ collective per call; ``check=False`` skips it where the caller already guarantee
 is undefined behaviour of the backend, as with torch.distributed itself).
 
 For the ``fma`` tree: no division, no atomics, no backend reduction (NCCL's/gloo's/vLLM-CPU's SUM order is
-theirs, not ours): the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE addition per
-element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo on
-CPU; NCCL/RCCL on GPU, where grouping the send with the receive avoids the p2p deadlock).
+theirs, not ours): the only arithmetic is fp32 ``lower + upper`` in torch, which is one correctly rounded IEEE
+addition per element on every device. Point-to-point goes through ``torch.distributed.batch_isend_irecv`` (gloo
+on CPU; NCCL/RCCL on GPU, where grouping the send with the receive avoids the p2p deadlock).
 """
 
 from __future__ import annotations

@@ -392,10 +392,13 @@ def _fill_class_defaults(fields, model_type: str) -> None:
     leaves it out (Llama-2's has no ``rope_theta``): both sides load the checkpoint through that class, so they run
     its default, and the checks must read the same. Imported only when the field is missing (transformers takes
     seconds to import); an unknown ``model_type`` fills nothing (the checks refuse its architecture)."""
-    params = getattr(fields, "rope_parameters", None)
-    scaling = getattr(fields, "rope_scaling", None)
-    if getattr(fields, "rope_theta", None) is not None or any(
-            isinstance(d, dict) and "rope_theta" in d for d in (params, scaling)):
+    from ..rope import hf_rope_params
+
+    try:
+        params = hf_rope_params(fields)
+    except (TypeError, ValueError):  # not a mapping: the checks refuse it by name
+        params = {}
+    if getattr(fields, "rope_theta", None) is not None or "rope_theta" in params:
         return
     if hasattr(fields, "rope_theta"):  # an explicit null is the config's own value: the checks refuse it
         return
