@@ -270,14 +270,20 @@ def _check_refit_items(model, items, hf_config=None) -> None:
     owner = {id(t): name for name, layer in model.named_modules() for t in get_layer_tensors(layer).values()}
     current = [None]
     reached: dict[str, set] = {}  # layer name -> the state-dict keys that reached it
+    live_got: dict[str, int] = {}  # layer name -> elements loaded into its live tensors (a bias)
     counted = lw.get_numel_loaded
 
     def get_numel_loaded(loader, args):
         param = args.arguments.get("param")
-        reached.setdefault(owner.get(id(param), "?"), set()).add(current[0])
-        if isinstance(param, torch.Tensor) and not param.is_meta:  # a bias stays live during vLLM's reload
+        layer = owner.get(id(param), "?")
+        reached.setdefault(layer, set()).add(current[0])
+        live = isinstance(param, torch.Tensor) and not param.is_meta
+        if live:  # a bias stays live during vLLM's reload
             args.arguments["param"] = to_meta_tensor(param)
-        return counted(loader, args)
+        numel, ret = counted(loader, args)
+        if live:
+            live_got[layer] = live_got.get(layer, 0) + numel
+        return numel, ret
 
     def weights():
         for k, v in items:
@@ -305,8 +311,14 @@ def _check_refit_items(model, items, hf_config=None) -> None:
             indices = getattr(layer, "shard_indices", None)  # a vocab-padded embedding / LM head: rows past vocab
             if indices is not None and getattr(layer, "embedding_dim", None):
                 total = (indices.num_org_elements + indices.num_added_elements) * layer.embedding_dim
-            if 0 < got < total and not is_deferred_attention_layer(layer):
-                incomplete.append((name, type(layer).__name__, got, total))
+            # vLLM rebuilds from torch.empty only the tensors it moved to the meta device; a live one (a bias,
+            # vLLM's SKIP_TENSORS) is written in place and keeps its value when it is not sent: q/k/v weights without
+            # their biases are a whole update, a bias alone is not (the weights would come from torch.empty)
+            live_total = sum(getattr(t, "weight_loader_numel", t.numel())
+                             for n, t in get_layer_tensors(layer).items() if n not in direct and not t.is_meta)
+            rebuilt_total, rebuilt_got = total - live_total, got - live_got.get(name, 0)
+            if got > 0 and rebuilt_got < rebuilt_total and not is_deferred_attention_layer(layer):
+                incomplete.append((name, type(layer).__name__, rebuilt_got, rebuilt_total))
             lw._place_kernel_tensors(layer, info)
             info.reset()
             for t in get_layer_tensors(layer).values():  # live tensors (a bias) keep their own loader
