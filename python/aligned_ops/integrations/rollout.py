@@ -192,8 +192,8 @@ def refit(llm, state_dict) -> None:
     # workers' replies queued in vLLM's multiprocess executor, and the next collective_rpc (the next refit) would
     # read them as its own.
     refused = [r for r in (llm.collective_rpc(_reload_on_engine_device, args=(items, keep)) or ()) if r]
-    if refused:
-        raise ValueError(refused[0])
+    if refused:  # the reason of a rank that found one, before "another rank refused"
+        raise ValueError(sorted(refused, key=lambda r: r.startswith(PEER_REFUSED))[0])
     if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
@@ -235,15 +235,42 @@ def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     moved = [(k, v.to(device=device, dtype=torch.float32 if keep and k.endswith(keep) else dtype,
                       non_blocking=True)) for k, v in items]
     if hasattr(model, "load_weights"):  # (the stand-in engines of tests have a plain torch module)
+        problem = None
         try:
             _check_refit_items(model, moved, getattr(worker.model_runner.model_config, "hf_config", None))
         except ValueError as e:
-            return str(e)
+            problem = str(e)
+        problem = _refusal_of_any_rank(problem)
+        if problem is not None:
+            return problem
     worker.reload_weights(weights_iterator=moved)
     # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
     # writes, no exact-profile packing of the old weights may survive a refit.
     aligned_ops.clear_exact_weight_cache()
     return None
+
+
+PEER_REFUSED = "refit: another tensor-parallel rank of the engine refused the state dict"
+
+
+def _refusal_of_any_rank(problem: str | None) -> str | None:
+    """Every tensor-parallel rank refuses when one does (one flag all-reduced over vLLM's TP group, before any rank
+    reloads). The dry run can pass on one rank and fail on another: a tensor short along a row-parallel input dim
+    fits rank 0's slice, not rank 1's (measured at TP = 2: o_proj [128, 120] for [128, 128]; rank 0 reloaded the
+    rest, its lm_head shard changed, rank 1's did not, and refit said no engine weight was changed)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except (ImportError, AssertionError):  # no vLLM distributed state (a stand-in engine)
+        return problem
+    if group.world_size <= 1:
+        return problem
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
+    torch.distributed.all_reduce(flag, group=group.cpu_group)
+    if problem is None and int(flag.item()) > 0:
+        problem = f"{PEER_REFUSED} (its reason is reported instead); no engine weight was changed"
+    return problem
 
 
 def _check_refit_items(model, items, hf_config=None) -> None:
