@@ -72,16 +72,22 @@ def test_part_of_a_fused_layer_is_refused_and_nothing_changes(setup, names, laye
     _engine_equals_trainer(llm, trainer, seed=2)  # the trainer was not changed: neither was the engine
 
 
-@pytest.mark.parametrize("bad", ["unknown", "transposed", "short"])
+@pytest.mark.parametrize("bad", ["unknown", "transposed", "short", "long_rows", "long_columns"])
 def test_unknown_or_misshapen_weight_is_refused_and_the_engine_still_runs(setup, bad):
     llm, trainer = setup
     sd = _changed(trainer, list(trainer.state_dict()), seed=3)  # a whole update, but for one entry
+    # long_rows / long_columns: 8 more q_proj rows / o_proj columns than the engine's (another model's shape); vLLM's
+    # loaders slice them to the engine's size and check only the slice: applied, cut, without a word (measured)
     name = {"unknown": L0 + "mlp.foo.weight", "transposed": "model.layers.1.mlp.down_proj.weight",
-            "short": "model.norm.weight"}[bad]
+            "short": "model.norm.weight", "long_rows": L0 + "self_attn.q_proj.weight",
+            "long_columns": L0 + "self_attn.o_proj.weight"}[bad]
     sd[name] = {"unknown": lambda: torch.zeros(3, dtype=torch.bfloat16),
-                "transposed": lambda: sd[name].t().contiguous(), "short": lambda: sd[name][:-1]}[bad]()
-    with pytest.raises(ValueError, match=rf"refit: state_dict '{name.replace('.', '[.]')}' \(shape \[.*could not be "
-                                         r"loaded.*no engine weight was changed"):
+                "transposed": lambda: sd[name].t().contiguous(), "short": lambda: sd[name][:-1],
+                "long_rows": lambda: torch.cat([sd[name], sd[name][:8] * 0]),
+                "long_columns": lambda: torch.cat([sd[name], sd[name][:, :8] * 0], dim=1)}[bad]()
+    why = "would reach the engine as" if bad.startswith("long") else "could not be loaded"
+    with pytest.raises(ValueError, match=rf"refit: state_dict '{name.replace('.', '[.]')}' \(shape \[.*{why}"
+                                         r".*no engine weight was changed"):
         refit(llm, sd)
     _engine_equals_trainer(llm, trainer, seed=4)
 

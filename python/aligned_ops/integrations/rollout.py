@@ -250,6 +250,15 @@ def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     return None
 
 
+def _tp_world_size() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):
+        return 1
+
+
 PEER_REFUSED = "refit: another tensor-parallel rank of the engine refused the state dict"
 
 
@@ -298,6 +307,7 @@ def _check_refit_items(model, items, hf_config=None) -> None:
     current = [None]
     reached: dict[str, set] = {}  # layer name -> the state-dict keys that reached it
     live_got: dict[str, int] = {}  # layer name -> elements loaded into its live tensors (a bias)
+    delivered: dict[str, int] = {}  # state-dict key -> elements its loaders copied into engine tensors
     counted = lw.get_numel_loaded
 
     def get_numel_loaded(loader, args):
@@ -310,6 +320,7 @@ def _check_refit_items(model, items, hf_config=None) -> None:
         numel, ret = counted(loader, args)
         if live:
             live_got[layer] = live_got.get(layer, 0) + numel
+        delivered[current[0]] = delivered.get(current[0], 0) + numel
         return numel, ret
 
     def weights():
@@ -372,6 +383,17 @@ def _check_refit_items(model, items, hf_config=None) -> None:
                        + (": the model ties its LM head to model.embed_tokens.weight, send that" if tied and
                           k.endswith("lm_head.weight") else "") + ")")
             break
+    if problem is None and _tp_world_size() == 1:
+        # vLLM's loaders slice a tensor to the engine's size along the dims they shard (q/k/v and gate/up rows,
+        # o_proj / down_proj columns) and check only the slice: a larger tensor (another model's shape) was cut to
+        # the engine's, silently. At TP = 1 every element of a whole tensor must reach the engine.
+        for k, v in items:
+            got = delivered.get(k, 0)
+            if 0 < got != v.numel():
+                problem = (f"{k!r} (shape {list(v.shape)}) would reach the engine as {got} of its {v.numel()} "
+                           "elements (vLLM's loader cuts a larger tensor to the engine weight's shape: is it the "
+                           "engine's model?)")
+                break
     if problem is not None:
         raise ValueError(f"refit: state_dict {problem}; no engine weight was changed")
 
