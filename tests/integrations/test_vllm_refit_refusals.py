@@ -8,7 +8,8 @@ in ``rollout._check_refit_items`` (measured on this tiny bf16 Qwen2):
   - an unknown name or a wrong shape: vLLM's error half-way, every layer left on the meta device (the next
     generate raised "Cannot copy out of meta tensor").
 Negative controls: a refit of a whole fused group (q/k/v with their biases) plus only the LM head, and q/k/v's
-weights without their biases (vLLM keeps a bias live), are applied and bitwise (and changed the engine); after each refusal the engine still equals the unchanged trainer bit for bit.
+weights without their biases (vLLM keeps a bias live), are applied and bitwise (and changed the engine); after
+each refusal the engine still equals the unchanged trainer bit for bit.
 One real engine (bf16, untied LM head, eager, chunked prefill).
 """
 

@@ -43,8 +43,8 @@ def test_a_refusal_of_one_rank_is_every_ranks(tiny_checkpoint):
             o = "model.layers.0.self_attn.o_proj.weight"
             assert tuple(sd[o].shape) == (128, 128)
             head = sd["lm_head.weight"] * 2
-            with pytest.raises(ValueError, match=r"refit: state_dict 'model[.]layers[.]0[.]self_attn[.]o_proj[.]weight' "
-                                                 r"\(shape \[128, 120\]\) could not be loaded.*no engine weight was "
+            with pytest.raises(ValueError, match=r"refit: state_dict 'model[.]layers[.]0[.]self_attn[.]o_proj[.]weight"
+                                                 r"' \(shape \[128, 120\]\) could not be loaded.*no engine weight was "
                                                  r"changed$"):
                 refit(llm, {o: sd[o][:, :-8].contiguous(), "lm_head.weight": head})
             after = llm.collective_rpc(digest)
