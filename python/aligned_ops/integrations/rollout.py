@@ -192,8 +192,8 @@ def refit(llm, state_dict) -> None:
     # workers' replies queued in vLLM's multiprocess executor, and the next collective_rpc (the next refit) would
     # read them as its own.
     refused = [r for r in (llm.collective_rpc(_reload_on_engine_device, args=(items, keep)) or ()) if r]
-    if refused:
-        raise ValueError(refused[0])
+    if refused:  # the reason of a rank that found one, before "another rank refused"
+        raise ValueError(sorted(refused, key=lambda r: r.startswith(PEER_REFUSED))[0])
     if not plugin.is_installed():
         llm.collective_rpc(_repack_stock_cpu_moe)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
@@ -235,15 +235,51 @@ def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     moved = [(k, v.to(device=device, dtype=torch.float32 if keep and k.endswith(keep) else dtype,
                       non_blocking=True)) for k, v in items]
     if hasattr(model, "load_weights"):  # (the stand-in engines of tests have a plain torch module)
+        problem = None
         try:
             _check_refit_items(model, moved, getattr(worker.model_runner.model_config, "hf_config", None))
         except ValueError as e:
-            return str(e)
+            problem = str(e)
+        problem = _refusal_of_any_rank(problem)
+        if problem is not None:
+            return problem
     worker.reload_weights(weights_iterator=moved)
     # vLLM's reload copies processed values back into the parameters through .data: whatever else tracked the
     # writes, no exact-profile packing of the old weights may survive a refit.
     aligned_ops.clear_exact_weight_cache()
     return None
+
+
+def _tp_world_size() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):
+        return 1
+
+
+PEER_REFUSED = "refit: another tensor-parallel rank of the engine refused the state dict"
+
+
+def _refusal_of_any_rank(problem: str | None) -> str | None:
+    """Every tensor-parallel rank refuses when one does (one flag all-reduced over vLLM's TP group, before any rank
+    reloads). The dry run can pass on one rank and fail on another: a tensor short along a row-parallel input dim
+    fits rank 0's slice, not rank 1's (measured at TP = 2: o_proj [128, 120] for [128, 128]; rank 0 reloaded the
+    rest, its lm_head shard changed, rank 1's did not, and refit said no engine weight was changed)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except (ImportError, AssertionError):  # no vLLM distributed state (a stand-in engine)
+        return problem
+    if group.world_size <= 1:
+        return problem
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
+    torch.distributed.all_reduce(flag, group=group.cpu_group)
+    if problem is None and int(flag.item()) > 0:
+        problem = f"{PEER_REFUSED} (its reason is reported instead); no engine weight was changed"
+    return problem
 
 
 def _check_refit_items(model, items, hf_config=None) -> None:
@@ -270,14 +306,22 @@ def _check_refit_items(model, items, hf_config=None) -> None:
     owner = {id(t): name for name, layer in model.named_modules() for t in get_layer_tensors(layer).values()}
     current = [None]
     reached: dict[str, set] = {}  # layer name -> the state-dict keys that reached it
+    live_got: dict[str, int] = {}  # layer name -> elements loaded into its live tensors (a bias)
+    delivered: dict[str, int] = {}  # state-dict key -> elements its loaders copied into engine tensors
     counted = lw.get_numel_loaded
 
     def get_numel_loaded(loader, args):
         param = args.arguments.get("param")
-        reached.setdefault(owner.get(id(param), "?"), set()).add(current[0])
-        if isinstance(param, torch.Tensor) and not param.is_meta:  # a bias stays live during vLLM's reload
+        layer = owner.get(id(param), "?")
+        reached.setdefault(layer, set()).add(current[0])
+        live = isinstance(param, torch.Tensor) and not param.is_meta
+        if live:  # a bias stays live during vLLM's reload
             args.arguments["param"] = to_meta_tensor(param)
-        return counted(loader, args)
+        numel, ret = counted(loader, args)
+        if live:
+            live_got[layer] = live_got.get(layer, 0) + numel
+        delivered[current[0]] = delivered.get(current[0], 0) + numel
+        return numel, ret
 
     def weights():
         for k, v in items:
@@ -305,8 +349,14 @@ def _check_refit_items(model, items, hf_config=None) -> None:
             indices = getattr(layer, "shard_indices", None)  # a vocab-padded embedding / LM head: rows past vocab
             if indices is not None and getattr(layer, "embedding_dim", None):
                 total = (indices.num_org_elements + indices.num_added_elements) * layer.embedding_dim
-            if 0 < got < total and not is_deferred_attention_layer(layer):
-                incomplete.append((name, type(layer).__name__, got, total))
+            # vLLM rebuilds from torch.empty only the tensors it moved to the meta device; a live one (a bias,
+            # vLLM's SKIP_TENSORS) is written in place and keeps its value when it is not sent: q/k/v weights without
+            # their biases are a whole update, a bias alone is not (the weights would come from torch.empty)
+            live_total = sum(getattr(t, "weight_loader_numel", t.numel())
+                             for n, t in get_layer_tensors(layer).items() if n not in direct and not t.is_meta)
+            rebuilt_total, rebuilt_got = total - live_total, got - live_got.get(name, 0)
+            if got > 0 and rebuilt_got < rebuilt_total and not is_deferred_attention_layer(layer):
+                incomplete.append((name, type(layer).__name__, rebuilt_got, rebuilt_total))
             lw._place_kernel_tensors(layer, info)
             info.reset()
             for t in get_layer_tensors(layer).values():  # live tensors (a bias) keep their own loader
@@ -333,6 +383,17 @@ def _check_refit_items(model, items, hf_config=None) -> None:
                        + (": the model ties its LM head to model.embed_tokens.weight, send that" if tied and
                           k.endswith("lm_head.weight") else "") + ")")
             break
+    if problem is None and _tp_world_size() == 1:
+        # vLLM's loaders slice a tensor to the engine's size along the dims they shard (q/k/v and gate/up rows,
+        # o_proj / down_proj columns) and check only the slice: a larger tensor (another model's shape) was cut to
+        # the engine's, silently. At TP = 1 every element of a whole tensor must reach the engine.
+        for k, v in items:
+            got = delivered.get(k, 0)
+            if 0 < got != v.numel():
+                problem = (f"{k!r} (shape {list(v.shape)}) would reach the engine as {got} of its {v.numel()} "
+                           "elements (vLLM's loader cuts a larger tensor to the engine weight's shape: is it the "
+                           "engine's model?)")
+                break
     if problem is not None:
         raise ValueError(f"refit: state_dict {problem}; no engine weight was changed")
 
