@@ -253,6 +253,9 @@ def test_a_saved_patched_model_loads_patched_with_the_same_bits(model):
     assert_bitwise_equal(_lp_single(loaded, s, 5), _lp_single(model, s, 5))
     params = inspect.signature(loaded.forward).parameters
     assert "self" not in params and {"input_ids", "completion_mask"} <= set(params)
+    # a bound method's other attributes are its function's (a reader of forward.__name__ keeps working)
+    assert loaded.forward.__name__ == "_model_forward"
+    assert loaded.model.layers[0].forward.__name__ == "_layer_forward"
     copied = copy.deepcopy(model)
     assert copied.forward.__self__ is copied and copied.model.layers[0].forward.__self__ is copied.model.layers[0]
     unpatch_model(loaded)  # HF's forwards come back

@@ -219,6 +219,13 @@ class BoundForward:
     def __reduce__(self):
         return (type(self), (self.__func__, self.__self__))
 
+    # A bound method's name is its function's: a reader of forward.__name__ must not fail where it read a bound
+    # method's. (Only the name: forwarding every attribute, __dict__ included, broke torch.compile's guards; a class
+    # body cannot define an instance __qualname__.)
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
     @property
     def __signature__(self):
         import inspect
