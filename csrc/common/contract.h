@@ -288,10 +288,12 @@ template <typename V>
 ALIGNED_HD V lse_sum_term(V s, V m) { return exp_f32_not_nan(s - m); }
 template <typename V>
 ALIGNED_HD V lse_sum_step(V acc, V s, V m) { return acc + lse_sum_term(s, m); }
-// A part's (max, flags) merged into the row's: max is exact and order-free (see cpu_kernels.cpp for the sign
-// of a zero maximum, which reaches no output), flags are ORed.
+// A part's (max, flags) merged into the row's: the max in the total order (max_total_f32: exact, and order-free
+// down to the sign of a zero maximum, which token_logprobs_pairs returns: with max_f32 a row holding +0 and -0 as
+// its maximum got the sign of whichever came last in the fold, so the pair's m changed with the thread count and
+// the batch's row count), flags are ORed.
 ALIGNED_HD void lse_max_merge(float part_m, int32_t part_flags, float* m, int32_t* flags) {
-  *m = max_f32(*m, part_m);
+  *m = max_total_f32(part_m, *m);
   *flags |= part_flags;
 }
 ALIGNED_HD LsePair lse_pair_of_sum(float m, float sum) { return LsePair{m, log_f32(sum)}; }

@@ -62,6 +62,13 @@ ALIGNED_HD float div_f32(float a, float b) {
 #endif
 }
 ALIGNED_HD float max_f32(float a, float b) { return a > b ? a : b; }  // NaN policy: callers test NaN first
+// The maximum in IEEE's total order on non-NaN values (-0 < +0): equal operands give the AND of their bits, so a
+// zero maximum is +0 where either is +0 and -0 only where both are. Commutative and associative, so a fold of it
+// gives one value — the sign of a zero included — whatever its order or grouping (lanes, threads, warps, blocks);
+// max_f32 keeps one operand of two equal zeros by position. A NaN `a` leaves `b` (callers flag NaN rows apart).
+ALIGNED_HD float max_total_f32(float a, float b) {
+  return a > b ? a : (a == b ? float_of(bits_of(a) & bits_of(b)) : b);
+}
 ALIGNED_HD bool is_nan_f32(float x) { return x != x; }
 
 // ---- exp ---------------------------------------------------------------------------------------

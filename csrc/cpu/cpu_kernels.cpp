@@ -216,10 +216,9 @@ static void rotary(const RotaryParams& p, int64_t r0, int64_t r1) {
 //   pass 1: s_v = z_v / tau, written to `s` (fp32, the row's scratch or the log_softmax output row), with
 //           32 lane maxima and 32 lane flags (logit_flags: NaN seen, +inf seen);
 //   pass 2: the contract's 32 lane sums of exp(s_v - m), reading s back instead of dividing again.
-// The lane maxima folded in any order give the same m as the contract's sequential max (max is exact); the
-// only possible difference is the sign of a zero maximum, which changes no output: if the row holds both
-// +0 and -0 then sum >= 2 and L > 0, so (s - m) - L and m + L are the same for either sign; if it holds one
-// zero, every order picks that zero. Division by tau == 1 is skipped: it is exact, so the bits are the same.
+// The lane maxima folded in any order give the same m as the contract's sequential max, the sign of a zero
+// maximum included: every step is the total order's max (max_total_f32, as lse_max_merge). Division by tau == 1 is
+// skipped: it is exact, so the bits are the same.
 template <typename T, bool kUnit>
 static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V, float tau, float* mx, int32_t* flags) {
   int64_t v0 = 0;
@@ -227,14 +226,14 @@ static void scale_row(const T* __restrict__ z, float* __restrict__ s, int64_t V,
     for (int j = 0; j < kReduceLanes; ++j) {
       const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
       s[v0 + j] = sv;
-      mx[j] = sv > mx[j] ? sv : mx[j];
+      mx[j] = max_total_f32(sv, mx[j]);
       flags[j] |= logit_flags(sv);
     }
   }
   for (int j = 0; v0 + j < V; ++j) {
     const float sv = kUnit ? to_f32(z[v0 + j]) : div_f32(to_f32(z[v0 + j]), tau);
     s[v0 + j] = sv;
-    mx[j] = sv > mx[j] ? sv : mx[j];
+    mx[j] = max_total_f32(sv, mx[j]);
     flags[j] |= logit_flags(sv);
   }
 }
@@ -271,9 +270,9 @@ static void lane_exp_sums_w(const float* __restrict__ s, int64_t V, float m, int
   for (int j = 0; j < kW; ++j) lanes[j0 + j] = acc[j];
 }
 
-// The one fold of partial maxima and flags (lse_max_merge over n parts, in part order; the max is exact, so
-// the order only matters for the sign of a zero, see above): the 32 lane maxima of a row here, the per-thread
-// maxima of a shared row in the split kernels.
+// The one fold of partial maxima and flags (lse_max_merge over n parts, in part order; the total order's max, so
+// the order does not matter, see above): the 32 lane maxima of a row here, the per-thread maxima of a shared row in
+// the split kernels.
 static void merge_maxima(const float* mx, const int32_t* fl, int64_t n, float* max, int32_t* flags) {
   float m = -float_of(0x7f800000u);
   int32_t any = 0;

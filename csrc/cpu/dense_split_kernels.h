@@ -3,8 +3,8 @@
 //
 // None of them changes a result bit, because none splits a reduction chain:
 //   * silu_and_mul is elementwise: a row is cut into column ranges;
-//   * logsumexp: the max over a row is exact (any split, any order; see cpu_kernels.cpp for the sign of a
-//     zero maximum, which cannot reach an output), and the exp-sum is split by *lanes* of reduce.h: lane j
+//   * logsumexp: the max over a row is exact in any split and order, the sign of a zero maximum included (the
+//     total order's max: contract.h lse_max_merge), and the exp-sum is split by *lanes* of reduce.h: lane j
 //     still accumulates k = j, j+32, ... in order, only different lanes run on different threads; the 32 lane
 //     sums are folded with reduce.h's halving tree (pair_of_lanes).
 // The glue only splits ranges and calls these in order; every fold is here, next to the kernels' own.

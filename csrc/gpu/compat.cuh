@@ -208,13 +208,12 @@ __device__ __forceinline__ float group_sum_tree(float lane_partial) {
   return v;
 }
 
-// Maximum over the group. max is exact and order-free for non-NaN inputs (the only case where its result
-// is used: rows holding NaN/+inf are flagged separately). The one order-dependent case, +0 vs -0 as the
-// maximum, cannot change any output: s - (+0) == s - (-0) for s != 0, and lse = m + log(sum) is the same
-// for m = +0 and m = -0 (see logsumexp_row in contract.h).
+// Maximum over the group in the total order (max_total_f32, as contract.h lse_max_merge): exact and order-free for
+// non-NaN inputs, the sign of a zero maximum included (the butterfly's order is not the CPU's lane fold; the pair's
+// m is an output of token_logprobs_pairs). Rows holding NaN/+inf are flagged separately.
 __device__ __forceinline__ float group_max(float v) {
 #pragma unroll
-  for (int w = kGroupLanes / 2; w >= 1; w /= 2) v = max_f32(v, shfl_xor32(v, w));
+  for (int w = kGroupLanes / 2; w >= 1; w /= 2) v = max_total_f32(shfl_xor32(v, w), v);
   return v;
 }
 __device__ __forceinline__ int group_or(int v) {

@@ -119,3 +119,29 @@ def test_negative_control_torch_sum_depends_on_the_thread_count(restore_threads)
         torch.set_num_threads(t)
         differs.append(not _same(ref, _bits(x.sum())))
     assert any(differs), "torch's parallel sum gave the 1-thread bits at every count: the harness proves nothing"
+
+
+@pytest.mark.parametrize("first", [0.0, -0.0])
+def test_a_zero_maximum_has_one_sign_at_every_thread_count_and_batch(first, restore_threads):
+    """token_logprobs_pairs returns the rows' (m, L): a row whose maximum is a zero held with both signs got the sign
+    of whichever came last in the max fold — the 32 lanes, or a shared row's per-thread parts (V >= 8192 with fewer
+    rows than threads: cpu_dense.cpp lse_pair_split) — so m was +0 at 1 thread and -0 at 2, and alone vs inside a
+    batch (probe, session 46). The max is now the total order's (numerics.h max_total_f32): +0 where any +0 is.
+    Control: a row whose zero maximum is all -0 keeps -0 (the sign is read, not forced), and the log-probs and L
+    were never affected."""
+    v = 8192
+    mixed = torch.cat([torch.full((v // 2,), first), torch.full((v // 2,), -first)])
+    negative = torch.full((v,), -0.0)
+    ids = torch.tensor([0])
+    results = []
+    for threads in (1, 2, 3, 4):
+        torch.set_num_threads(threads)
+        alone = _bits(list(ops.token_logprobs_pairs(mixed.unsqueeze(0), ids, 1.0, None)))
+        batch = torch.stack([torch.randn(v) if i != 5 else mixed for i in range(8)])
+        inside = _bits(list(ops.token_logprobs_pairs(batch, torch.zeros(8, dtype=torch.long), 1.0, None)))
+        assert _same(alone, [inside[0][5:6], inside[1][5:6]]), f"{threads} threads: alone vs inside a batch of 8"
+        results.append(alone)
+        assert int(alone[1][0, 0]) == 0, f"{threads} threads: a zero maximum with a +0 in it is +0"
+        neg = _bits(list(ops.token_logprobs_pairs(negative.unsqueeze(0), ids, 1.0, None)))
+        assert int(neg[1][0, 0]) == -(2**31), "an all -0 maximum stays -0"
+    assert all(_same(r, results[0]) for r in results)

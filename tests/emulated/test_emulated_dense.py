@@ -247,6 +247,26 @@ def test_logprob_nan_inf_rows(arch):
 
 
 @pytest.mark.parametrize("arch", WIDTHS)
+def test_logprob_zero_maximum_sign(arch):
+    """A row whose maximum is a zero of both signs: the pair's m is +0 on the GPU too (its warp butterfly folds in
+    another order than the CPU's lanes; both take the total order's max). Rows: mixed zeros at both ends, short and
+    wide (the wide-row kernel's block fold), and an all -0 maximum (stays -0: the control that the sign is read)."""
+    rows = []
+    for V in (40, 5000):
+        for first in (0.0, -0.0):
+            rows.append(torch.cat([torch.full((V // 2,), first), torch.full((V - V // 2,), -first)]))
+    rows.append(torch.cat([torch.full((20,), -0.0), torch.full((20,), -3.0)]))
+    for z in rows:
+        z = z.unsqueeze(0)
+        ids = torch.tensor([0])
+        (lp, pairs), _ = cpu_vs_emulated(arch, ops.token_logprobs_pairs, z, ids, 1.0, None)
+        want = -(2**31) if bool((z[0] > -1).logical_and(z[0].signbit()).sum() == (z[0] > -1).sum()) else 0
+        assert int(pairs.view(torch.int32)[0, 0]) == want
+        cpu_vs_emulated(arch, ops.logsumexp, z, 1.0, None)
+        cpu_vs_emulated(arch, ops.log_softmax, z, 1.0, None)
+
+
+@pytest.mark.parametrize("arch", WIDTHS)
 def test_exp_log(arch, gen):
     x = torch.cat([randn(1000, scale=30.0, gen=gen),
                    torch.tensor([0.0, -0.0, 88.7, 88.8, 89.0, -103.9, -104.0, -110.0, 1e-40, float("inf"),
