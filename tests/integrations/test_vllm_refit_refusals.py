@@ -93,12 +93,8 @@ def test_unknown_or_misshapen_weight_is_refused_and_the_engine_still_runs(setup,
     _engine_equals_trainer(llm, trainer, seed=4)
 
 
-def test_whole_fused_group_and_lm_head_alone_are_applied_bitwise(setup):
-    """The negative control of the refusals: a partial update that is whole per engine layer is applied."""
-    llm, trainer = setup
-    before = _engine_equals_trainer(llm, trainer, seed=5)
-    names = [L0 + f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")] + ["lm_head.weight"]
-    new = _changed(trainer, names, seed=6)
+def _applied_bitwise(llm, trainer, new, before):
+    """Refit ``new``, apply it to the trainer too: the engine's log-probs are the trainer's, and they changed."""
     refit(llm, new)
     with torch.no_grad():
         for k, v in new.items():
@@ -106,6 +102,15 @@ def test_whole_fused_group_and_lm_head_alone_are_applied_bitwise(setup):
     after = generate_with_logprobs(llm, [r.prompt_token_ids for r in before], temperature=1.0, max_tokens=5)
     assert_rollouts_bitwise(after, teacher_forced(trainer, after, temperature=1.0))
     assert any(not bitwise_equal(a.logprobs_tensor()[:1], b.logprobs_tensor()[:1]) for a, b in zip(before, after))
+
+
+def test_whole_fused_group_and_lm_head_alone_are_applied_bitwise(setup):
+    """The negative control of the refusals: a partial update that is whole per engine layer is applied."""
+    llm, trainer = setup
+    before = _engine_equals_trainer(llm, trainer, seed=5)
+    names = [L0 + f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")] + ["lm_head.weight"]
+    new = _changed(trainer, names, seed=6)
+    _applied_bitwise(llm, trainer, new, before)
 
 
 def test_fused_weights_without_their_biases_are_applied_bitwise(setup):
@@ -116,10 +121,4 @@ def test_fused_weights_without_their_biases_are_applied_bitwise(setup):
     llm, trainer = setup
     before = _engine_equals_trainer(llm, trainer, seed=7)
     new = _changed(trainer, [L0 + f"self_attn.{p}_proj.weight" for p in "qkv"], seed=8)
-    refit(llm, new)
-    with torch.no_grad():
-        for k, v in new.items():
-            trainer.get_parameter(k).copy_(v)
-    after = generate_with_logprobs(llm, [r.prompt_token_ids for r in before], temperature=1.0, max_tokens=5)
-    assert_rollouts_bitwise(after, teacher_forced(trainer, after, temperature=1.0))
-    assert any(not bitwise_equal(a.logprobs_tensor()[:1], b.logprobs_tensor()[:1]) for a, b in zip(before, after))
+    _applied_bitwise(llm, trainer, new, before)
