@@ -19,6 +19,7 @@ import torch
 
 import aligned_ops
 
+from .._dtensor import is_dtensor
 from . import vllm as plugin
 
 __all__ = ["make_llm", "generate_with_logprobs", "refit", "shutdown", "Rollout"]
@@ -177,9 +178,8 @@ def refit(llm, state_dict) -> None:
     named = arch.refit_weights(state_dict) if arch is not None and arch.refit_weights else state_dict.items()
     keep = tuple(arch.fp32_weights) if arch is not None else ()
     named = list(named)
-    dtensor = _dtensor_type()
     for k, v in named:
-        if dtensor is not None and isinstance(v, dtensor):
+        if is_dtensor(v):
             raise ValueError(f"refit: state_dict[{k!r}] is a DTensor (FSDP2/TP-sharded); refit takes whole tensors: "
                              "gather them with .full_tensor() on every rank first (nothing was sent to the engine)")
         if not isinstance(v, torch.Tensor) or not (v.is_floating_point()):
@@ -199,14 +199,6 @@ def refit(llm, state_dict) -> None:
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         if not llm.reset_prefix_cache():
             raise RuntimeError("refit: vLLM could not reset the prefix cache (requests still running?)")
-
-
-def _dtensor_type():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 def _engine_in_process(llm) -> bool:
@@ -250,13 +242,20 @@ def _reload_on_engine_device(worker, items, keep=()) -> str | None:
     return None
 
 
-def _tp_world_size() -> int:
+def _engine_tp_group():
+    """vLLM's tensor-parallel group coordinator of this worker, or None where there is no vLLM distributed state
+    (a stand-in engine of the tests)."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_tp_group
 
-        return get_tensor_model_parallel_world_size()
+        return get_tp_group()
     except (ImportError, AssertionError):
-        return 1
+        return None
+
+
+def _tp_world_size() -> int:
+    group = _engine_tp_group()
+    return 1 if group is None else group.world_size
 
 
 PEER_REFUSED = "refit: another tensor-parallel rank of the engine refused the state dict"
@@ -267,13 +266,8 @@ def _refusal_of_any_rank(problem: str | None) -> str | None:
     reloads). The dry run can pass on one rank and fail on another: a tensor short along a row-parallel input dim
     fits rank 0's slice, not rank 1's (measured at TP = 2: o_proj [128, 120] for [128, 128]; rank 0 reloaded the
     rest, its lm_head shard changed, rank 1's did not, and refit said no engine weight was changed)."""
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        group = get_tp_group()
-    except (ImportError, AssertionError):  # no vLLM distributed state (a stand-in engine)
-        return problem
-    if group.world_size <= 1:
+    group = _engine_tp_group()
+    if group is None or group.world_size <= 1:
         return problem
     flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
     torch.distributed.all_reduce(flag, group=group.cpu_group)

@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from .._dtensor import is_dtensor, local_tensor
 from ._registry import linear_grads, register_linear_autograd, save_linear_inputs
 
 ops = torch.ops.aligned
@@ -240,10 +241,7 @@ def _fsdp2_views():
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t._local_tensor
+    t = local_tensor(t)
     try:
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors: no storage to share
@@ -255,11 +253,10 @@ def _refuse_fsdp(obj, sharded) -> None:
     if not torch.distributed.is_available():
         return
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     modules, tensors, ptrs = sharded
     what = None
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         what = "a DTensor (FSDP2/TP)"
     elif isinstance(obj, torch.nn.Module):
         if any(isinstance(m, FSDPModule) or m in _fsdp2_models for m in obj.modules()):
