@@ -40,6 +40,7 @@ from .sampling_rules import (
     check_temperature,
     effective_temperature_float,
     rollout_vllm_version,
+    scoring_temperature_refusal,
     temperature_rule,
 )
 
@@ -118,18 +119,17 @@ def _probs(x):
 
 def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     """``fp32(logits) / T`` per row, greedy rows (:func:`effective_temperature`) at 1 — vLLM's ``apply_temperature``.
-    ``temperature``: a number or one per row, each finite and >= 0 (``ValueError`` otherwise: a negative or NaN T
-    would score every token of the row at NaN or with the order of its logits reversed)."""
+    ``temperature``: a number or one per row, each finite in float32 and >= 0 (``ValueError`` otherwise:
+    :func:`aligned_ops.sampling_rules.scoring_temperature_refusal`)."""
     if logits.dim() != 2:
         raise ValueError(f"aligned_ops sampling: logits must be 2-D [rows, vocab], got {tuple(logits.shape)}")
     x = logits.to(torch.float32)
     R = x.shape[0]
     requested = _per_row(temperature, R, x.device, torch.float64)
-    # finite as the fp32 the row is divided by (and vLLM stores): 1e39 is finite in float64, inf in float32
-    bad = ~torch.isfinite(requested.to(torch.float32)) | (requested < 0)
-    if bool(bad.any()):
-        value = float(requested[bad.nonzero()[0, 0]])
-        raise ValueError(f"aligned_ops sampling: temperature must be finite and >= 0 (0 = greedy), got {value}")
+    for value in requested.tolist():  # one host read, as any check of the values needs
+        reason = scoring_temperature_refusal(value)
+        if reason:
+            raise ValueError(f"aligned_ops sampling: temperature {reason}")
     t = effective_temperature(requested)
     return x / t.unsqueeze(1)
 

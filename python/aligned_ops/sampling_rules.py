@@ -43,6 +43,18 @@ def _finite_in_float32(t: float) -> bool:
         return False
 
 
+def scoring_temperature_refusal(t: float, note: str = "") -> str | None:
+    """Why no release can score a row at temperature ``t`` (the part of every :class:`TemperatureRule`, and all of
+    what :func:`aligned_ops.sampling.scale_logits` checks), or None: it must be finite as float32 and >= 0 (a NaN or
+    negative T scores every token at NaN or with the order of its logits reversed). ``note`` follows a
+    non-finite refusal."""
+    if not _finite_in_float32(t):
+        return f"must be a finite number, got {t}{note}"
+    if t < 0:
+        return f"must be non-negative (0 = greedy), got {t}"
+    return None
+
+
 @dataclass(frozen=True)
 class TemperatureRule:
     """What one range of vLLM releases accepts as ``SamplingParams.temperature`` (the mapping of
@@ -54,12 +66,11 @@ class TemperatureRule:
     max_temperature: float | None  # None: no upper bound
 
     def refusal(self, t: float) -> str | None:
-        if not _finite_in_float32(t):
-            extra = "" if self.max_temperature is not None else (
-                f" (vLLM {self.releases} accepts it and samples from NaN logits)")
-            return f"must be a finite number, got {t}{extra}"
-        if t < 0:
-            return f"must be non-negative (0 = greedy), got {t}"
+        extra = "" if self.max_temperature is not None else (
+            f" (vLLM {self.releases} accepts it and samples from NaN logits)")
+        reason = scoring_temperature_refusal(t, extra)
+        if reason:
+            return reason
         if self.max_temperature is not None and t > self.max_temperature:
             return f"must be in [0, {self.max_temperature:g}] (vLLM {self.releases}), got {t}"
         return None
