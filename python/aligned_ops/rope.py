@@ -127,6 +127,15 @@ def hf_rope_params(config) -> dict:
     if isinstance(scaling, dict):
         for k, v in scaling.items():
             params.setdefault(k, v)
+    if rope_type_of(params) in ("llama3", "yarn"):
+        # transformers' rule (PreTrainedConfig's RoPE standardisation), which a raw config.json has not been
+        # through: a top-level original_max_position_embeddings (Phi-3's layout) wins, else the parameter's own,
+        # else max_position_embeddings
+        top = getattr(config, "original_max_position_embeddings", None)
+        if top is not None:
+            params["original_max_position_embeddings"] = top
+        elif params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
     return params
 
 

@@ -135,3 +135,33 @@ def test_old_plain_rope_entry_point_is_the_default_spec():
     assert_bitwise_equal(aligned_ops.rotary_cos_sin_cache(64, 300, 1e6),
                          cos_sin_cache(RopeSpec(rotary_dim=64, base=1e6, max_position=300)))
     assert math.isclose(float(aligned_ops.rotary_cos_sin_cache(64, 300, 1e6)[299, 0]), math.cos(299.0), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 5e5},
+])
+@pytest.mark.parametrize("top_level", [None, 256])
+def test_raw_config_without_original_max_position_reads_as_transformers(rope, top_level):
+    """A raw config.json (``--model``: a SimpleNamespace of its fields) without original_max_position_embeddings in
+    its RoPE parameters: transformers fills it (a top-level field, Phi-3's layout, else max_position_embeddings), so
+    the engine and the trainer run with it; the raw reader takes the same value (it refused the config before).
+    Control: the config object with the value written explicitly gives the same table, another value does not."""
+    from types import SimpleNamespace
+
+    fields = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=1024, rope_scaling=dict(rope))
+    if top_level is not None:
+        fields["original_max_position_embeddings"] = top_level
+    raw = rope_spec_from_hf_config(SimpleNamespace(**fields))
+    filled = rope_spec_from_hf_config(_llama_config(rope))  # transformers' own standardisation
+    if top_level is not None:
+        from transformers import LlamaConfig
+
+        filled = rope_spec_from_hf_config(LlamaConfig(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+            rope_parameters=dict(rope), original_max_position_embeddings=top_level))
+    assert raw.original_max_position == filled.original_max_position == (top_level or 1024)
+    assert_bitwise_equal(cos_sin_cache(raw, 1536), cos_sin_cache(filled, 1536))
+    other = rope_spec_from_hf_config(_llama_config({**rope, "original_max_position_embeddings": 128}))
+    assert not bitwise_equal(cos_sin_cache(raw, 1536), cos_sin_cache(other, 1536))
