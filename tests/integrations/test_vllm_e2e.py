@@ -7,7 +7,6 @@ different sizes and orders, and after a weight refit. The negative control runs 
 separate process and asserts that the same comparison finds differences.
 """
 
-import gc
 import json
 
 import pytest
@@ -16,14 +15,14 @@ import torch
 pytest.importorskip("vllm")
 
 from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, refit  # noqa: E402
 from aligned_ops.testing import bits, bitwise_equal  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     E2E_ENGINE_PARAMS,
     assert_rollouts_bitwise,
+    engine_and_trainer,
     engine_param,
     padded_batch,
-    linear_profile_env,
     random_prompts,
     teacher_forced,
 )
@@ -48,21 +47,12 @@ def model_dirs(tiny_checkpoint):
 @pytest.fixture(scope="module", params=E2E_ENGINE_PARAMS)
 def engine(request, model_dirs):
     """(dtype, llm, trainer); the "-mma" param runs ALIGNED_OPS_LINEAR=mma on both sides for the module."""
-    from transformers import AutoModelForCausalLM
-
     dtype, profile = engine_param(request.param)
-    path = model_dirs[dtype]
     # The engine and the trainer resolve the profile once, when made: the variable is set only while they are
     # made, never across the yield.
-    with linear_profile_env(profile):
-        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=128, max_model_len=512)
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    try:
+    with engine_and_trainer(model_dirs[dtype], dtype, profile, max_num_batched_tokens=128, max_model_len=512) as (
+            llm, trainer):
         yield dtype, llm, trainer
-    finally:
-        shutdown(llm)  # now, not at garbage collection (its process group with it: tests/conftest.py)
-        del llm
-        gc.collect()
 
 
 def _teacher_forced(trainer, rollouts, temperature):

@@ -16,7 +16,6 @@ changed the policy, so a stale packing could not pass the bitwise check).
 """
 
 import copy
-import gc
 import os
 
 import pytest
@@ -24,10 +23,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, refit  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    assert_rollouts_bitwise,
+    engine_and_trainer,
+    random_prompts,
+    teacher_forced,
+)
 from aligned_ops.testing.tiny_model import build_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,15 +51,9 @@ def exact_profile():
 
 @pytest.fixture(scope="module")
 def setup(exact_profile, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     path = build_tiny_qwen2(tmp_path_factory.mktemp("exact_sync") / "bf16", torch.bfloat16, seed=5)
-    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=256)
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    yield llm, trainer
-    shutdown(llm)  # the in-process engine's process group must not outlive this module (tests/conftest.py)
-    del llm
-    gc.collect()
+    with engine_and_trainer(path, max_num_batched_tokens=64, max_model_len=256) as pair:
+        yield pair
 
 
 def _engine_model(llm):

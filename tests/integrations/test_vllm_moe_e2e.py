@@ -24,6 +24,7 @@ from aligned_ops.testing.tiny_model import build_tiny_moe  # noqa: E402
 from aligned_ops.testing.rollouts import (  # noqa: E402
     E2E_ENGINE_PARAMS,
     assert_rollouts_bitwise,
+    engine_and_trainer,
     engine_param,
     linear_profile_env,
     random_prompts,
@@ -51,23 +52,16 @@ def model_dirs(tiny_checkpoint):
 def engine(request, model_dirs):
     """(dtype, llm, trainer); the "-mma" param runs ALIGNED_OPS_LINEAR=mma on both sides (the linear layers, the LM
     head and the experts' projections on the unit; the router keeps its fma rule) for the module."""
-    from transformers import AutoModelForCausalLM
-
     dtype, profile = engine_param(request.param)
-    path = model_dirs[dtype]
     # The engine and the trainer resolve the profile once, when made: the variable is set only while they are
     # made, never across the yield (the module's other tests, e.g. the Qwen2-MoE one, see the process's own).
-    with linear_profile_env(profile):
-        llm = make_llm(path, dtype=dtype, aligned=True, max_num_batched_tokens=64, max_model_len=512)
-        trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
-    if profile is not None:
-        from aligned_ops import profiles
+    with engine_and_trainer(model_dirs[dtype], dtype, profile, max_num_batched_tokens=64, max_model_len=512) as (
+            llm, trainer):
+        if profile is not None:
+            from aligned_ops import profiles
 
-        assert profiles.profile_of(trainer) is profiles.get(profile)
-    yield dtype, llm, trainer
-    shutdown(llm)  # vLLM <= 0.29 keeps its process group past `del llm` (tests/conftest.py checks)
-    del llm
-    gc.collect()
+            assert profiles.profile_of(trainer) is profiles.get(profile)
+        yield dtype, llm, trainer
 
 
 def _teacher_forced(trainer, rollouts, temperature, return_routing=False):

@@ -13,17 +13,19 @@ each refusal the engine still equals the unchanged trainer bit for bit.
 One real engine (bf16, untied LM head, eager, chunked prefill).
 """
 
-import gc
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from aligned_ops.integrations.hf import patch_model  # noqa: E402
-from aligned_ops.integrations.rollout import generate_with_logprobs, make_llm, refit, shutdown  # noqa: E402
+from aligned_ops.integrations.rollout import generate_with_logprobs, refit  # noqa: E402
 from aligned_ops.testing import bitwise_equal  # noqa: E402
-from aligned_ops.testing.rollouts import assert_rollouts_bitwise, random_prompts, teacher_forced  # noqa: E402
+from aligned_ops.testing.rollouts import (  # noqa: E402
+    assert_rollouts_bitwise,
+    engine_and_trainer,
+    random_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +34,9 @@ PROMPT_LENS = [9, 70, 3]
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
     path = tiny_checkpoint("qwen2", torch.bfloat16, seed=4, tie_word_embeddings=False)
-    llm = make_llm(path, dtype="bfloat16", aligned=True, max_num_batched_tokens=64, max_model_len=256)
-    trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    yield llm, trainer
-    shutdown(llm)  # the in-process engine's process group must not outlive this module (tests/conftest.py)
-    del llm
-    gc.collect()
+    with engine_and_trainer(path, max_num_batched_tokens=64, max_model_len=256) as pair:
+        yield pair
 
 
 def _changed(trainer, names, seed):

@@ -8,6 +8,9 @@ padding/packing checks).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from .bits import bits
@@ -139,3 +142,29 @@ class linear_profile_env:
             else:
                 os.environ["ALIGNED_OPS_LINEAR"] = self._old
         return False
+
+
+@contextlib.contextmanager
+def engine_and_trainer(path, dtype: str = "bfloat16", profile: str | None = None, **engine):
+    """``with engine_and_trainer(path, max_model_len=256) as (llm, trainer):`` an aligned vLLM engine of the
+    checkpoint at ``path`` (``make_llm(..., aligned=True, **engine)``) and its HF model patched for training, both
+    made under :class:`linear_profile_env` ``(profile)``. The engine is shut down on exit, not at garbage
+    collection: its process group must not outlive the test module (tests/conftest.py checks)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.hf import patch_model
+    from ..integrations.rollout import make_llm, shutdown
+
+    with linear_profile_env(profile):
+        llm = make_llm(path, dtype=dtype, aligned=True, **engine)
+        try:
+            trainer = patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+        except BaseException:
+            shutdown(llm)
+            raise
+    try:
+        yield llm, trainer
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
