@@ -35,7 +35,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP (the floor 0 < T < 0.01 is raised to)
 
 
-def _finite_in_float32(t: float) -> bool:
+def finite_in_float32(t: float) -> bool:
     """Whether ``t`` is finite as the float32 the engine stores and divides by (rule 4): 1e39 is inf there."""
     try:
         return math.isfinite(struct.unpack("f", struct.pack("f", t))[0])
@@ -48,7 +48,7 @@ def scoring_temperature_refusal(t: float, note: str = "") -> str | None:
     what :func:`aligned_ops.sampling.scale_logits` checks), or None: it must be finite as float32 and >= 0 (a NaN or
     negative T scores every token at NaN or with the order of its logits reversed). ``note`` follows a
     non-finite refusal."""
-    if not _finite_in_float32(t):
+    if not finite_in_float32(t):
         return f"must be a finite number, got {t}{note}"
     if t < 0:
         return f"must be non-negative (0 = greedy), got {t}"

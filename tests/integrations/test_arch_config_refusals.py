@@ -72,6 +72,13 @@ CASES = [
      "config field decoder_sparse_step must be an integer >= 1, got 0"),
     ("Qwen3ForCausalLM", dict(head_dim=16), dict(use_sliding_window=True, sliding_window=64),
      r"sliding-window attention is not supported \(use_sliding_window=True\)"),
+    # both failed only at the first forward (the norm op's eps check; HF's repeat_kv / vLLM's attention shapes)
+    ("Qwen2ForCausalLM", {}, dict(rms_norm_eps=1e39),
+     r"config field rms_norm_eps must be a number >= 0 and finite in float32, got 1e\+39"),
+    ("LlamaForCausalLM", {}, dict(rms_norm_eps=-1e-6),
+     r"config field rms_norm_eps must be a number >= 0 and finite in float32, got -1e-06"),
+    ("Qwen3ForCausalLM", dict(head_dim=16), dict(num_key_value_heads=3),
+     r"config field num_key_value_heads \(3\) must divide num_attention_heads \(4\)"),
 ]
 # DeepSeek-V3 / GLM-4.5: the fields the raw-config path needs (a config's JSON keeps only the non-default ones)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -131,7 +138,7 @@ def _config(arch, settings):
     import transformers
 
     cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = cls(**SMALL, **settings)
+    config = cls(**{**SMALL, **settings})
     config.architectures = [arch]
     return config
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..models import ARCHITECTURES
+from ..sampling_rules import finite_in_float32
 
 # Derived from the one list in aligned_ops.models (kept under these names for callers that used them).
 SUPPORTED_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if not arch.moe)
@@ -95,6 +96,18 @@ def check_config_fields(config, where: str, arch) -> None:
     act = getattr(config, "hidden_act", None)
     if act is not None and not isinstance(act, str):
         raise ValueError(f"aligned_ops ({where}): config field hidden_act must be a name, got {act!r}")
+    eps = getattr(config, "rms_norm_eps", None)
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0
+                            or not finite_in_float32(eps)):
+        # the norm ops' own rule (csrc/torch/checks/dense.h check_eps), here before a model is built
+        raise ValueError(f"aligned_ops ({where}): config field rms_norm_eps must be a number >= 0 and finite in "
+                         f"float32, got {eps!r}")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and heads % kv_heads and getattr(config, "kv_lora_rank", None) is None:
+        # both sides' grouped-query attention shares each KV head among heads // kv_heads query heads (MLA, which
+        # has kv_lora_rank, has no KV heads: vLLM does not read the field)
+        raise ValueError(f"aligned_ops ({where}): config field num_key_value_heads ({kv_heads}) must divide "
+                         f"num_attention_heads ({heads})")
 
 
 def _transformers_class_of(model_type) -> str | None:
