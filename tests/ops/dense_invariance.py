@@ -13,6 +13,22 @@ from aligned_ops.testing import bitwise_equal
 BATCH_SIZES = (1, 2, 3, 7, 64, 513)
 
 
+def rows_varying(fn, x_full, rows) -> list[int]:
+    """The rows i of ``fn(x_full)`` that are NOT bitwise equal to ``fn(x_full[i:i+1])`` alone, or to row i placed at
+    another position among other rows (one checker for the kernels and for the negative controls)."""
+    full = fn(x_full)
+    bad = []
+    for i in rows:
+        alone = fn(x_full[i : i + 1])[0]
+        noise = torch.randn(x_full.shape, generator=torch.Generator().manual_seed(i)).to(x_full.dtype)
+        j = (i * 7 + 3) % x_full.shape[0]
+        moved = noise.clone()
+        moved[j] = x_full[i]
+        if not (bitwise_equal(full[i], alone) and bitwise_equal(fn(moved)[j], full[i])):
+            bad.append(i)
+    return bad
+
+
 def _as_tuple(out):
     return out if isinstance(out, (tuple, list)) else (out,)
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import aligned_ops  # noqa: F401
 from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+from dense_invariance import rows_varying
 
 linear = torch.ops.aligned.linear
 linear_backward = torch.ops.aligned.linear_backward
@@ -242,35 +243,19 @@ BATCHES = [1, 2, 3, 7, 64, 513]
 K_INV, NS_INV = 131, (40, 100)
 
 
-def _rows_invariant(fn, x_full, rows):
-    """fn(x)[i] computed inside the batch x_full equals fn on that row alone, on the row at another position,
-    and on the row surrounded by other content. Returns the list of failing rows."""
-    full = fn(x_full)
-    bad = []
-    for i in rows:
-        alone = fn(x_full[i : i + 1])[0]
-        noise = torch.randn(x_full.shape, generator=torch.Generator().manual_seed(i)).to(x_full.dtype)
-        j = (i * 7 + 3) % x_full.shape[0]
-        moved = noise.clone()
-        moved[j] = x_full[i]
-        if not (bitwise_equal(full[i], alone) and bitwise_equal(fn(moved)[j], full[i])):
-            bad.append(i)
-    return bad
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", NS_INV)
 @pytest.mark.parametrize("M", BATCHES)
 def test_row_invariance_forward(M, N, dtype):
     x, w, b = rand(M, K_INV, dtype=dtype, seed=M), rand(N, K_INV, dtype=dtype, seed=20), rand(N, dtype=dtype, seed=21)
     rows = sorted({0, M // 2, M - 1})
-    assert _rows_invariant(lambda t: linear(t, w, b), x, rows) == []
+    assert rows_varying(lambda t: linear(t, w, b), x, rows) == []
 
 
 def test_negative_control_torch_linear_is_batch_variant():
     """The same check on torch's F.linear (MKL: gemv for one row, blocked sgemm for many) finds a mismatch."""
     x, w = rand(64, 1536, seed=22), rand(256, 1536, seed=23)
-    assert _rows_invariant(lambda t: F.linear(t, w), x, [0, 63]) != []
+    assert rows_varying(lambda t: F.linear(t, w), x, [0, 63]) != []
 
 
 def test_negative_control_split_k_is_batch_variant():
@@ -282,7 +267,7 @@ def test_negative_control_split_k_is_batch_variant():
         chunks = torch.tensor_split(torch.arange(K_INV), parts)
         return sum(linear(t[:, c], w[:, c]) for c in chunks)
 
-    assert _rows_invariant(split_k, x, [0]) != []
+    assert rows_varying(split_k, x, [0]) != []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -309,7 +294,7 @@ def test_row_invariance_backward_dx(M, dtype):
     def dx_of(gr):  # dx does not read x's values, only its shape
         return linear_backward(gr, torch.zeros(gr.shape[0], K_INV, dtype=dtype), w, True, False, False)[0]
 
-    assert _rows_invariant(dx_of, g, sorted({0, M // 2, M - 1})) == []
+    assert rows_varying(dx_of, g, sorted({0, M // 2, M - 1})) == []
 
 
 def test_dw_is_chain_over_tokens_in_order():

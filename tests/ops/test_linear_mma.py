@@ -38,6 +38,7 @@ from aligned_ops.ops.linear import finish_linear
 from aligned_ops.testing import assert_bitwise_equal, bits, bitwise_equal
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dense_invariance import rows_varying  # noqa: E402
 from test_linear import fma_f32  # noqa: E402  (exact IEEE fma on float32 arrays)
 
 ops = torch.ops.aligned
@@ -240,28 +241,12 @@ K_INV = 1536
 BATCHES = (1, 5, 13, 17, 29, 64, 200, 300)  # every path: direct, row-lane 1 / 2 zmm, packed, two row blocks
 
 
-def rows_invariant(fn, x_full, rows):
-    """Rows i of fn(x_full) that are NOT bitwise equal to fn(x_full[i:i+1]) alone, or to row i placed at another
-    position among other rows (the same checker for the kernel and for the negative controls)."""
-    full = fn(x_full)
-    bad = []
-    for i in rows:
-        alone = fn(x_full[i : i + 1])[0]
-        noise = torch.randn(x_full.shape, generator=torch.Generator().manual_seed(i)).to(x_full.dtype)
-        j = (i * 7 + 3) % x_full.shape[0]
-        moved = noise.clone()
-        moved[j] = x_full[i]
-        if not (bitwise_equal(full[i], alone) and bitwise_equal(fn(moved)[j], full[i])):
-            bad.append(i)
-    return bad
-
-
 @pytest.mark.parametrize("M", BATCHES)
 def test_row_alone_equals_row_in_batch(M):
     x, w, b = rand(M, K_INV, seed=M), rand(96, K_INV, seed=20, scale=0.03), rand(96, seed=21)
     rows = sorted({0, M // 2, M - 1})
-    assert rows_invariant(lambda t: ops.linear_mma(t, w, b), x, rows) == []
-    assert rows_invariant(lambda t: ops.linear_mma_partial(t, w, 8), x, rows) == []  # fp32: the tree unrounded
+    assert rows_varying(lambda t: ops.linear_mma(t, w, b), x, rows) == []
+    assert rows_varying(lambda t: ops.linear_mma_partial(t, w, 8), x, rows) == []  # fp32: the tree unrounded
 
 
 def test_negative_control_split_k_by_m_is_caught():
@@ -272,7 +257,7 @@ def test_negative_control_split_k_by_m_is_caught():
     def split_k_by_m(t):
         return ops.linear_mma_partial(t, w, 8 if t.shape[0] < 16 else 4)  # fp32: no final rounding to hide it
 
-    assert rows_invariant(split_k_by_m, x, [0, 63]) != []
+    assert rows_varying(split_k_by_m, x, [0, 63]) != []
 
 
 def test_negative_control_k_block_order_changing_with_m_is_caught():
@@ -285,7 +270,7 @@ def test_negative_control_k_block_order_changing_with_m_is_caught():
             return ops.linear_mma_partial(t, w, 8)
         return ops.linear_mma_partial(t.flip(-1).contiguous(), w.flip(-1).contiguous(), 8)
 
-    assert rows_invariant(order_by_m, x, [0, 63]) != []
+    assert rows_varying(order_by_m, x, [0, 63]) != []
 
 
 @pytest.mark.parametrize("M,N", [(1, 300), (5, 40), (64, 40), (300, 100)])
@@ -352,7 +337,7 @@ def test_backward_dx_row_invariance(M):
     def dx_of(gr):  # dx does not read x's values, only its shape
         return ops.linear_mma_backward(gr, torch.zeros(gr.shape[0], K_INV, dtype=BF), w, True, False, False)[0]
 
-    assert rows_invariant(dx_of, g, sorted({0, M // 2, M - 1})) == []
+    assert rows_varying(dx_of, g, sorted({0, M // 2, M - 1})) == []
 
 
 def test_dw_follows_its_token_blocks():
