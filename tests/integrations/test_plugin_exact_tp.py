@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("vllm")
 
@@ -15,21 +14,7 @@ from aligned_ops import profiles  # noqa: E402
 from aligned_ops.integrations.vllm import tp as vllm_tp  # noqa: E402
 from aligned_ops.ops import collective  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal, bits  # noqa: E402
-
-
-def _layer(tp, weight=None, bias=None, profile=None):
-    layer = types.SimpleNamespace(tp_size=tp, tp_rank=0, reduce_results=True, input_is_parallel=True,
-                                  skip_bias_add=False, return_bias=False, weight=weight, bias=bias, input_size=None)
-    if profile is not None:  # what the engine binds when it builds the layer (bind.record_architecture)
-        layer._aligned_profile = profiles.get(profile)
-    return layer
-
-
-@pytest.fixture
-def world1(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+from _row_parallel import row_parallel_layer, world1  # noqa: E402,F401  (world1: a fixture)
 
 
 def test_exact_profile_runs_the_integer_route_never_the_fma_tree(monkeypatch, world1):
@@ -37,7 +22,7 @@ def test_exact_profile_runs_the_integer_route_never_the_fma_tree(monkeypatch, wo
     x = torch.randn(5, 96, generator=g)  # fp32 outputs: the two profiles' roundings show in the bits
     w = torch.randn(24, 96, generator=g) * 0.05
     b = torch.randn(24, generator=g)
-    layer = _layer(2, w, b, profile="exact")
+    layer = row_parallel_layer(2, w, b, profile="exact")
     monkeypatch.setattr(vllm_tp, "_tp_group", lambda: types.SimpleNamespace(device_group=world1, world_size=1))
 
     def fma_tree(*a, **k):
@@ -50,12 +35,12 @@ def test_exact_profile_runs_the_integer_route_never_the_fma_tree(monkeypatch, wo
         out = vllm_tp._row_parallel_forward(layer, x)
     assert_bitwise_equal(out, aligned_ops.linear_exact(x, w, b))
     # a layer carrying the fma profile takes the tree (and its bits are another profile's)
-    fma = vllm_tp._row_parallel_forward(_layer(2, w, b, profile="fma"), x)
+    fma = vllm_tp._row_parallel_forward(row_parallel_layer(2, w, b, profile="fma"), x)
     assert_bitwise_equal(fma, aligned_ops.linear(x, w, b))
     assert int((bits(fma) != bits(out)).sum()) > 0
     # a stand-in built outside an engine binds the environment's profile once, at its first call
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "exact")
-    stray = _layer(2, w, b)
+    stray = row_parallel_layer(2, w, b)
     assert_bitwise_equal(vllm_tp._row_parallel_forward(stray, x), out)
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "fma")
     assert stray._aligned_profile is profiles.EXACT
@@ -64,12 +49,12 @@ def test_exact_profile_runs_the_integer_route_never_the_fma_tree(monkeypatch, wo
 def test_exact_profile_in_a_traced_forward_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(NotImplementedError) as e:
-        vllm_tp._row_parallel_forward(_layer(2, profile="exact"), None)
+        vllm_tp._row_parallel_forward(row_parallel_layer(2, profile="exact"), None)
     msg = str(e.value)
     for part in ("aligned_ops vLLM plugin", "'exact' linear profile", "tensor parallelism 2", "enforce_eager=True",
                  "tensor_parallel_size=1", "ALIGNED_OPS_LINEAR=fma"):
         assert part in msg, msg
-    assert vllm_tp.check_row_parallel_profile(_layer(2, profile="fma"), 2) is profiles.FMA
+    assert vllm_tp.check_row_parallel_profile(row_parallel_layer(2, profile="fma"), 2) is profiles.FMA
 
 
 def test_exact_route_refuses_a_device_tensor_and_too_long_k(world1):

@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("vllm")
 
@@ -22,6 +21,7 @@ from aligned_ops.integrations import vllm_plugin  # noqa: E402
 from aligned_ops.integrations.vllm import tp as vllm_tp  # noqa: E402
 from aligned_ops.ops import collective  # noqa: E402
 from aligned_ops.testing import assert_bitwise_equal, bits  # noqa: E402
+from _row_parallel import row_parallel_layer, world1  # noqa: E402,F401  (world1: a fixture)
 
 needs_unit = pytest.mark.skipif(aligned_ops.mma_unit() is None, reason="this CPU has no avx512_bf16")
 REFUSAL = "mma needs avx512_bf16; use ALIGNED_OPS_LINEAR=fma"
@@ -30,21 +30,6 @@ FLAG_REFUSAL = REFUSAL.replace("ALIGNED_OPS_LINEAR=", "--linear ")
 BF16_REFUSAL = ("the mma profile takes bfloat16 models (its matrix units multiply bf16), got float32; use "
                 "ALIGNED_OPS_LINEAR=fma")
 NO_UNIT_ENV = dict(os.environ, ALIGNED_CPU_ISA="avx2")  # a CPU without AVX-512, hence without the unit
-
-
-def _layer(tp, weight=None, bias=None, profile=None):
-    layer = types.SimpleNamespace(tp_size=tp, tp_rank=0, reduce_results=True, input_is_parallel=True,
-                                  skip_bias_add=False, return_bias=False, weight=weight, bias=bias, input_size=None)
-    if profile is not None:  # what the engine binds when it builds the layer (bind.record_architecture)
-        layer._aligned_profile = profiles.get(profile)
-    return layer
-
-
-@pytest.fixture
-def world1(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @needs_unit
@@ -62,7 +47,7 @@ def test_row_parallel_layer_runs_the_mma_sub_tree(monkeypatch, world1):
     with monkeypatch.context() as m:
         m.setattr(collective, "linear_partial", fma_sub_tree)
         m.setattr(aligned_ops, "linear_partial", fma_sub_tree)
-        out = vllm_tp._row_parallel_forward(_layer(2, w, b, profile="mma"), x)
+        out = vllm_tp._row_parallel_forward(row_parallel_layer(2, w, b, profile="mma"), x)
     assert_bitwise_equal(out, aligned_ops.linear_mma(x, w, b))
     # the route is linear_mma_partial + tree_all_reduce + finish: at t = 1 that is the full 8-lane tree
     assert_bitwise_equal(profiles.MMA.row_parallel_linear(x, w, b, world1, in_features=1536),
@@ -71,8 +56,8 @@ def test_row_parallel_layer_runs_the_mma_sub_tree(monkeypatch, world1):
     # subnormal range (the unit flushes them, the fma chain keeps them; elsewhere bf16's rounding mostly hides the
     # two profiles' ulp differences)
     xs, ws = torch.full((2, 64), 1e-20).bfloat16(), torch.full((4, 64), 1e-20).bfloat16()
-    tiny_mma = vllm_tp._row_parallel_forward(_layer(2, ws, None, profile="mma"), xs)
-    tiny_fma = vllm_tp._row_parallel_forward(_layer(2, ws, None, profile="fma"), xs)
+    tiny_mma = vllm_tp._row_parallel_forward(row_parallel_layer(2, ws, None, profile="mma"), xs)
+    tiny_fma = vllm_tp._row_parallel_forward(row_parallel_layer(2, ws, None, profile="fma"), xs)
     assert_bitwise_equal(tiny_mma, aligned_ops.linear_mma(xs, ws))
     assert int((bits(tiny_fma) != bits(tiny_mma)).sum()) == tiny_mma.numel()
 
