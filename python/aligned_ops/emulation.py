@@ -21,7 +21,8 @@ arch's unit (sm_80: two fused k8 steps, 24 bits; sm_90/100/120: one fused k16 st
 gfx942: two groups of 8, CDNA3's truncate/floor/round-to-nearest; gfx950: CDNA3's, an assumption — MMA-Sim has no
 CDNA4 model); ``"fma_chain"`` is deliberately different (16 sequential fp32 fmas per instruction, k ascending):
 it rounds after every product, so a kernel whose k-block order or K split follows M gives other bits under it.
-Neither is measured on hardware here; ``emu.matrix_model`` describes the arch's.
+Neither is measured on hardware here; ``emu.matrix_model`` describes what the scope runs: the arch's instructions
+under the scope's model (the arch's MMA-Sim characterisation, or the fma chain).
 
 Schedules: a GPU runs the threads of a block, its warps and the blocks of a grid in no promised order. The
 runtime's order is ``ALIGNED_EMU_SCHEDULE`` (read at every launch): ``forward`` (index order, the default),
@@ -61,6 +62,24 @@ _FAULTS = {None: 0, "neighbour_tree": 1, "barrier_noop": 2, "matrix_layout": 3,
            "mma_fold_order_by_m": 11}
 # The arithmetic models of the emulated bf16 matrix instructions (csrc/emu/bf16_mma_models.h MmaModel).
 MMA_MODELS = ("mmasim", "fma_chain")
+# Emulation.matrix_model: the runtime describes each arch's instructions with its bf16 unit under "mmasim" (MMA-Sim's
+# model of that unit, csrc/emu/runtime.cpp kArchs, after _MMASIM_CLAUSE); the other models are the same on every arch
+# (bf16_mma_models.h bf16_mma_step) and replace that clause in a scope that selects them.
+_MMASIM_CLAUSE = "under mma_model 'mmasim': "
+_OTHER_MODELS = {"fma_chain": "16 sequential IEEE fp32 fmas per instruction, k ascending, subnormals kept (order-"
+                              "sensitive on purpose: not a model of any GPU's unit)"}
+assert tuple(_OTHER_MODELS) == MMA_MODELS[1:]
+
+
+def _matrix_model(arch_text: str, mma_model: str) -> str:
+    """The runtime's description of an arch's matrix instructions (its bf16 one under "mmasim") for a scope that runs
+    ``mma_model``."""
+    if mma_model == MMA_MODELS[0]:
+        return arch_text
+    head, sep, _ = arch_text.partition(_MMASIM_CLAUSE)
+    if not sep:  # the runtime's text changed shape: say both rather than keep a description of the other model
+        return f"{arch_text}; this scope's bf16 model: {mma_model!r}: {_OTHER_MODELS[mma_model]}"
+    return f"{head}under mma_model {mma_model!r}: {_OTHER_MODELS[mma_model]}"
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"
 _SCHEDULE_RE = re.compile(r"forward|reverse|random:[0-9]{1,19}")
 
@@ -123,7 +142,8 @@ class Emulation:
         self.vendor: str = info["vendor"]
         self.warp_size: int = info["warp_size"]
         self.max_shared_bytes: int = info["max_shared_bytes"]
-        self.matrix_model: str = info["matrix_model"]
+        # what this scope's matrix instructions compute: the arch's unit under mma_model (not always MMA-Sim's)
+        self.matrix_model: str = _matrix_model(info["matrix_model"], mma_model)
         self.launches: list[Launch] = []
         # Host-to-device copies made by the emulated GPU glue, in bytes, in order (csrc/emu/emulation.h
         # record_host_copy; today the attention glue's uploads): the CUDA-graph-safe run forms make none.

@@ -133,6 +133,21 @@ def test_models_differ():
     assert_bitwise_equal(got["sm_90", "fma_chain"], got["gfx942", "fma_chain"])
 
 
+@pytest.mark.parametrize("arch", aligned_ops.emulation.ARCHS)
+def test_matrix_model_describes_the_scopes_model(arch):
+    """emu.matrix_model says what the scope's bf16 instruction computes: under mma_model="fma_chain" the fma chain,
+    not the arch's MMA-Sim model (it said "under mma_model 'mmasim': MMA-Sim's ... model" in every scope, the one
+    that ran the fma chain included). Control: the mmasim scope keeps the arch's MMA-Sim description, and the
+    integer instruction's description is kept in both."""
+    sim = aligned_ops.emulate(arch, mma_model="mmasim").matrix_model
+    chain = aligned_ops.emulate(arch, mma_model="fma_chain").matrix_model
+    assert "under mma_model 'mmasim': " in sim and ("MMA-Sim" in sim or "CDNA3 model" in sim)
+    assert "under mma_model 'fma_chain': 16 sequential IEEE fp32 fmas per instruction, k ascending" in chain
+    assert "mmasim" not in chain and "MMA-Sim" not in chain
+    integer = sim.split("; bf16 ")[0]
+    assert integer.startswith("integer ") and chain.startswith(integer + "; bf16 ")
+
+
 def test_mmasim_step_hand_cases():
     """Single-instruction cases whose bits follow from MMA-Sim's published rules (K = 16 in one block)."""
     def one(arch, xs, ws):
