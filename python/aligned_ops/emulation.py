@@ -80,6 +80,8 @@ def _matrix_model(arch_text: str, mma_model: str) -> str:
     if not sep:  # the runtime's text changed shape: say both rather than keep a description of the other model
         return f"{arch_text}; this scope's bf16 model: {mma_model!r}: {_OTHER_MODELS[mma_model]}"
     return f"{head}under mma_model {mma_model!r}: {_OTHER_MODELS[mma_model]}"
+
+
 SCHEDULE_ENV = "ALIGNED_EMU_SCHEDULE"
 _SCHEDULE_RE = re.compile(r"forward|reverse|random:[0-9]{1,19}")
 
