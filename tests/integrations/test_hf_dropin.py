@@ -87,6 +87,33 @@ def test_output_is_a_model_output(model):
         out["logits"]
 
 
+def test_return_dict_false_returns_hf_s_tuple(model):
+    # Was: the ModelOutput whatever return_dict said; `loss, logits = model(..., return_dict=False)` unpacked its
+    # keys, the strings "loss" and "logits" (HF's can_return_tuple gives output.to_tuple()).
+    ids = torch.randint(0, 500, (2, 7))
+    with torch.no_grad():
+        ref = model(ids, labels=ids)
+        out = model(ids, labels=ids, return_dict=False, use_cache=False)
+        loss, logits = out
+        (hidden,) = model.model(ids, return_dict=False)
+        assert_bitwise_equal(hidden, model.model(ids).last_hidden_state)
+    assert type(out) is tuple and len(out) == 2
+    assert_bitwise_equal(loss, ref.loss)
+    assert_bitwise_equal(logits, ref.logits)
+    # control: return_dict=True (and the default) keep the ModelOutput
+    assert not isinstance(model(ids, return_dict=True), tuple) and not isinstance(ref, tuple)
+    # a config saying return_dict=False, as HF's decorator reads it; completion_logprobs still reads its field
+    model.config.return_dict = False
+    try:
+        with torch.no_grad():
+            assert type(model(ids)) is tuple
+            cm = torch.ones_like(ids)
+            cm[:, 0] = 0
+            assert completion_logprobs(model, ids, cm).shape == ids.shape
+    finally:
+        model.config.return_dict = True
+
+
 def test_logits_to_keep_is_hf_s(model, tiny_checkpoint):
     # Was: logits_to_keep went into **unused and the full [B, S, V] logits came back where HF returns [B, k, V].
     from transformers import AutoModelForCausalLM
@@ -260,6 +287,46 @@ def test_packed_rows_in_a_batch_and_with_padding(model):
         logits = model(ids, attention_mask=am, position_ids=pos).logits
     for b, at, s in spans:
         assert_bitwise_equal(logits[b, at:at + len(s)], _alone(model, s).logits[0])
+
+
+def test_packed_by_hf_flash_attention_kwargs_splits_into_sequences(model):
+    # HF's DataCollatorWithFlattening(return_flash_attn_kwargs=True) marks a packed row with cu_seq_lens_q /
+    # cu_seq_lens_k (and, with return_position_ids=False, nothing else); HF's varlen attention keeps the sequences
+    # apart. Was: the keywords were swallowed, the row ran as one sequence (bf16: 50 % of the logits bitwise, max
+    # |d| 4.65, no error).
+    from transformers import DataCollatorWithFlattening
+
+    seqs = random_sequences(LENS, 8)
+    feats = [{"input_ids": s.tolist()} for s in seqs]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(feats)
+    assert "position_ids" not in batch and "cu_seq_lens_q" in batch
+    ids = batch.pop("input_ids")
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        out = model(ids, labels=labels, **batch)
+        hidden = model.model(ids, **batch).last_hidden_state
+        # with position_ids as well (the collator's default) the same bits
+        both = model(ids, position_ids=_pack_by_positions(seqs)[1], **batch).logits
+        as_one = model(ids).logits
+        by_pos = model(ids, labels=labels, position_ids=_pack_by_positions(seqs)[1])
+    assert_bitwise_equal(both, out.logits)
+    assert_bitwise_equal(out.loss, by_pos.loss)  # the collator's labels: each sequence's first token is -100
+    at = 0
+    for i, s in enumerate(seqs):
+        alone = _alone(model, s)
+        assert_bitwise_equal(out.logits[0, at:at + len(s)], alone.logits[0])
+        with torch.no_grad():
+            assert_bitwise_equal(hidden[0, at:at + len(s)], model.model(s[None]).last_hidden_state[0])
+        if i > 0:  # control: without the keywords the row is one sequence
+            assert not bitwise_equal(as_one[0, at:at + len(s)], alone.logits[0])
+        at += len(s)
+    cu = batch["cu_seq_lens_q"]
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        model(ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, ids.shape[1]], dtype=cu.dtype))
+    with pytest.raises(ValueError, match="cu_seqlens and cu_seq_lens_q / cu_seq_lens_k differ"):
+        model(ids, cu_seq_lens_q=cu, cu_seqlens=torch.tensor([0, ids.shape[1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="either attention_mask .* or cu_seq_lens_q"):
+        model.model(ids, cu_seq_lens_k=cu, attention_mask=torch.ones_like(ids))
 
 
 def test_ambiguous_position_ids_are_refused(model):

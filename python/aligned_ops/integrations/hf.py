@@ -359,6 +359,47 @@ def _without_autocast(forward):
     return run
 
 
+def _hf_return_dict(forward):
+    """HF's ``return_dict`` convention (``transformers.utils.can_return_tuple``): ``return_dict=False``, or a config
+    with ``return_dict=False``, returns ``output.to_tuple()`` (the fields that are not None, in order). Without it
+    ``loss, logits = model(..., return_dict=False)`` unpacked the ModelOutput's keys (the strings "loss" and
+    "logits") and ``isinstance(out, tuple)`` was False."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(getattr(self, "config", None), "return_dict", True)
+        out = forward(self, *args, **kwargs)
+        return out if return_dict else out.to_tuple()
+
+    return run
+
+
+def _hf_packing_kwargs(unused, cu_seqlens, attention_mask, where):
+    """``cu_seqlens`` from HF's FlashAttention packing kwargs (``cu_seq_lens_q`` / ``cu_seq_lens_k``, which
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives, with or without ``position_ids``): HF's
+    varlen attention keeps those sequences apart, and so must the aligned forward (ignored, a row packed without
+    position_ids was one sequence attending across its neighbours). ``max_length_q`` / ``max_length_k`` follow from
+    them. Returns the ``cu_seqlens`` to pack by (the argument's when neither is given)."""
+    q, k = unused.pop("cu_seq_lens_q", None), unused.pop("cu_seq_lens_k", None)
+    unused.pop("max_length_q", None), unused.pop("max_length_k", None)
+    given = q if q is not None else k
+    if given is None:
+        return cu_seqlens
+    if q is not None and k is not None and not torch.equal(q.reshape(-1).cpu().to(torch.int64),
+                                                           k.reshape(-1).cpu().to(torch.int64)):
+        raise ValueError(f"aligned_ops {where}: cu_seq_lens_q and cu_seq_lens_k differ: the aligned forward is causal "
+                         "self-attention over each packed sequence (one set of boundaries)")
+    if cu_seqlens is not None and not torch.equal(cu_seqlens.reshape(-1).cpu().to(torch.int64),
+                                                  given.reshape(-1).cpu().to(torch.int64)):
+        raise ValueError(f"aligned_ops {where}: cu_seqlens and cu_seq_lens_q / cu_seq_lens_k differ; pass one of them")
+    if attention_mask is not None:
+        raise ValueError(f"aligned_ops {where}: pass either attention_mask (padded batch) or cu_seq_lens_q / "
+                         "cu_seq_lens_k (packed batch), not both")
+    return given.reshape(-1)
+
+
 def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens):
     """Embedding -> decoder layers -> final norm on the packed real tokens, for the causal LM's forward and the
     backbone's (``model.model(...)``). ``owner`` carries the architecture, profile and RoPE table (the causal LM,
@@ -392,6 +433,7 @@ def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens)
     return hidden, flat, ids, cu, routing, rules, profile
 
 
+@_hf_return_dict
 @_without_autocast
 def _backbone_forward(
     self,
@@ -408,6 +450,7 @@ def _backbone_forward(
     packing rules and the same bits as the causal LM's forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
+    cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched backbone (model.model)")
     _refuse_unsupported(unused, "patched backbone (model.model)")
     _refuse_dropout(self, "patched backbone (model.model)")
     if input_ids is None:
@@ -420,6 +463,7 @@ def _backbone_forward(
     return BaseModelOutputWithPast(last_hidden_state=full.view(*input_ids.shape, hidden.shape[-1]))
 
 
+@_hf_return_dict
 @_without_autocast
 def _model_forward(
     self,
@@ -443,6 +487,7 @@ def _model_forward(
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
+    cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched model")
     _refuse_unsupported(unused, "patched model")
     _refuse_dropout(self.model, "patched model")
     if return_logits is None:
@@ -858,4 +903,5 @@ def completion_logprobs(
         top_p=top_p,
         min_p=min_p,
         fused_lm_head=fused_lm_head,
+        return_dict=True,  # the output's fields, whatever the config's return_dict says
     ).logprobs
