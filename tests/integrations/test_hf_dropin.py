@@ -329,6 +329,25 @@ def test_packed_by_hf_flash_attention_kwargs_splits_into_sequences(model):
         model.model(ids, cu_seq_lens_k=cu, attention_mask=torch.ones_like(ids))
 
 
+def test_one_row_of_position_ids_is_broadcast_over_the_batch(model):
+    # HF broadcasts position_ids [1, S] over a batch [B, S] (its default arange(S)[None] is that shape). Was: refused
+    # ("position_ids must have one entry per token").
+    seqs = random_sequences([5, 3], 9)
+    ids = torch.stack([torch.cat(seqs), torch.cat(seqs[::-1])])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        out = model(ids, position_ids=pos).logits
+        each = model(ids, position_ids=pos.expand(2, -1).clone()).logits
+        hidden = model.model(ids, position_ids=pos).last_hidden_state
+        assert_bitwise_equal(hidden, model.model(ids, position_ids=pos.expand(2, -1).clone()).last_hidden_state)
+    assert_bitwise_equal(out, each)
+    assert_bitwise_equal(out[0, 5:], _alone(model, seqs[1]).logits[0])  # row 0's second sequence, split at 5
+    # control: the same row of positions in row 1 splits at 5 too, which is not where its sequences meet
+    assert not bitwise_equal(out[1, 3:], _alone(model, seqs[0]).logits[0])
+    with pytest.raises(ValueError, match="position_ids must have one entry per token of input_ids"):
+        model(torch.cat([ids, ids]), position_ids=torch.cat([pos, pos]))  # [2, S] for 4 rows: not HF's broadcast
+
+
 def test_ambiguous_position_ids_are_refused(model):
     ids = torch.randint(0, 500, (1, 8))
     with pytest.raises(ValueError, match="position_ids jump from 3 to 1 at packed token 4"):

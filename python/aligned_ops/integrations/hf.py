@@ -150,6 +150,8 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
     cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0).to(torch.int32)
     if position_ids is not None:
+        if position_ids.dim() == 2 and position_ids.shape == (1, S):  # one row for the batch: HF broadcasts it
+            position_ids = position_ids.expand(B, S)
         if position_ids.numel() != input_ids.numel():
             raise ValueError(f"position_ids must have one entry per token of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(position_ids.shape)}")
