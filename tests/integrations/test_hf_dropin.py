@@ -178,6 +178,41 @@ def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_shift_labels_and_ignore_index_are_hf_s_loss_keywords(model):
+    # HF's ForCausalLMLoss takes pre-shifted shift_labels (instead of shifting labels; HF's Trainer and padding-free /
+    # context-parallel collators pass them) and ignore_index. Was: both swallowed — the loss of the shifted labels
+    # (fp32 tiny Qwen2: 6.9509 where HF's is 6.7307, no error), and ignore_index=-1 labels reached
+    # aligned::token_logprobs as token -1.
+    seqs = random_sequences(LENS, 5)
+    ids, am, cm, _ = padded_batch(seqs, STARTS, max(LENS) + 3)
+    labels = ids.masked_fill(cm == 0, -100)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].clone()
+    keep = torch.rand(shift.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    shift = shift.masked_fill(~keep, -100)  # score only some of the completion tokens
+    with torch.no_grad():
+        out = model(ids, attention_mask=am, labels=labels, shift_labels=shift)
+        plain = model(ids, attention_mask=am, labels=labels).loss
+        lp = completion_logprobs(model, ids, cm, attention_mask=am)
+    scored = torch.nn.functional.pad(keep & (shift != -100), (1, 0))[:, :-1]  # the scored tokens, unshifted
+    assert int(scored.sum()) > 0 and bool((cm.bool() | ~scored).all())
+    assert_bitwise_equal(out.loss, -(lp[scored]).sum() / int(scored.sum()))
+    assert not bitwise_equal(out.loss, plain)  # control: without shift_labels every completion token counts
+    ref = model.loss_function(logits=out.logits.double(), labels=labels, shift_labels=shift,
+                              vocab_size=model.config.vocab_size)
+    assert abs(float(out.loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    # shift_labels equal to the shifted labels: the labels' loss, bit for bit
+    with torch.no_grad():
+        same = model(ids, attention_mask=am, labels=labels,
+                     shift_labels=torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]).loss
+    assert_bitwise_equal(same, plain)
+    # ignore_index: the labels it marks are ignored, as -100 is
+    with torch.no_grad():
+        minus1 = model(ids, attention_mask=am, labels=ids.masked_fill(cm == 0, -1), ignore_index=-1).loss
+    assert_bitwise_equal(minus1, plain)
+    with pytest.raises(ValueError, match="shift_labels mark padding tokens"):
+        model(ids, attention_mask=am, labels=labels, shift_labels=ids)
+
+
 def test_labels_on_padding_are_refused(model):
     seqs = random_sequences([6, 3], 4)
     ids, am, _, _ = padded_batch(seqs, [1, 1])

@@ -484,6 +484,8 @@ def _model_forward(
     fused_lm_head="auto",
     labels: torch.Tensor | None = None,
     num_items_in_batch=None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
     return_entropy: bool = False,
     logits_to_keep: int | torch.Tensor = 0,
     **unused,
@@ -509,7 +511,8 @@ def _model_forward(
 
     out = AlignedCausalLMOutput()
     if labels is not None:
-        out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
+        out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch,
+                                   shift_labels, ignore_index)
     if output_router_logits is None:  # HF's default: the config's (MoE fine-tuning sets config.output_router_logits)
         output_router_logits = bool(getattr(self.config, "output_router_logits", False))
     if output_router_logits and routing.records:
@@ -619,25 +622,35 @@ def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bo
     return fused_by_default(hidden.shape[0], head.weight.shape[0], hidden.dtype)
 
 
-def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch):
-    """HF's causal-LM loss (``ForCausalLMLoss``: token j's label is predicted by token j-1, ``-100`` is ignored,
-    mean over the counted labels, or their sum / ``num_items_in_batch``) from the aligned logits'
+def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch,
+                    shift_labels=None, ignore_index=-100):
+    """HF's causal-LM loss (``ForCausalLMLoss``: token j's label is predicted by token j-1, ``ignore_index``
+    (-100) is ignored, mean over the counted labels, or their sum / ``num_items_in_batch``) from the aligned logits'
     ``token_logprobs``. A sequence's first token has no prediction: its label is ignored (HF drops
-    ``labels[:, 0]``). A label on padding is refused (HF would score a pad position)."""
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"aligned_ops patched model: labels must have the shape of input_ids "
-                         f"{tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-    lab_all = labels.reshape(-1).to(hidden.device)
+    ``labels[:, 0]``). A label on padding is refused (HF would score a pad position).
+
+    ``shift_labels`` (HF's loss keyword, pre-shifted: position j's entry is what token j's hidden state predicts;
+    HF uses it instead of shifting ``labels``, and only when ``labels`` is given): scored as given, each row by its
+    own hidden state (was ignored: the loss of the unshifted ``labels`` instead, no error)."""
+    given, name = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    if given.shape != input_ids.shape:
+        raise ValueError(f"aligned_ops patched model: {name} must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {tuple(given.shape)}")
+    lab_all = given.reshape(-1).to(hidden.device)
     lab = lab_all.index_select(0, flat)
-    counted = lab != -100
-    if int(counted.sum()) != int((lab_all != -100).sum()):
-        raise ValueError("aligned_ops patched model: labels mark padding tokens (attention_mask 0); set them to "
-                         "-100")
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    first_of_seq = torch.zeros_like(counted)
-    first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
-    targets = (counted & ~first_of_seq).nonzero().squeeze(1)
-    head_in = hidden.index_select(0, targets - 1)
+    counted = lab != ignore_index
+    if int(counted.sum()) != int((lab_all != ignore_index).sum()):
+        raise ValueError(f"aligned_ops patched model: {name} mark padding tokens (attention_mask 0); set them to "
+                         f"{ignore_index} (ignore_index)")
+    if shift_labels is None:
+        lens = (cu[1:] - cu[:-1]).to(torch.int64)
+        first_of_seq = torch.zeros_like(counted)
+        first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
+        targets = (counted & ~first_of_seq).nonzero().squeeze(1)
+        rows = targets - 1  # token j is predicted by the hidden state of token j-1 of its sequence
+    else:
+        targets = rows = counted.nonzero().squeeze(1)
+    head_in = hidden.index_select(0, rows)
     lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias),
                                     lab.index_select(0, targets), 1.0)
     denom = targets.numel() if num_items_in_batch is None else num_items_in_batch
