@@ -146,6 +146,18 @@ def test_per_layer_outputs_are_refused(model, key):
 # ---- labels= --------------------------------------------------------------------------------------------
 
 
+def test_bidirectional_attention_is_refused(model):
+    # HF's is_causal=False (TransformersKwargs) makes its attention bidirectional (tiny Qwen2 fp32: logits move by up
+    # to 3.79). Was: swallowed, the causal logits came back without a word.
+    ids = torch.randint(0, 500, (2, 7))
+    for call in (model, model.model):
+        with pytest.raises(ValueError, match="is_causal=False is not supported"):
+            call(ids, is_causal=False)
+    with torch.no_grad():  # control: is_causal=True (or None) is what the aligned forward runs
+        assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids, is_causal=None).logits)
+        assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids).logits)
+
+
 def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
     # Was: "labels= is not supported".
     seqs = random_sequences(LENS, 2)

@@ -326,6 +326,11 @@ def _refuse_unsupported(unused, where):
             raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
     if unused.get("use_cache"):
         raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
+    # HF's attention reads is_causal=False as bidirectional (embedding / encoder use); vLLM's and the aligned forward's
+    # attention is causal, so that model cannot be run (was: swallowed, causal logits without a word)
+    if "is_causal" in unused and unused["is_causal"] is not None and not unused["is_causal"]:
+        raise ValueError(f"aligned_ops {where}: is_causal=False is not supported (the aligned attention is causal, "
+                         "as the vLLM engine's)")
     # HF would add these to its output; the aligned forward has none to give (the caller would find no field)
     for key in ("output_hidden_states", "output_attentions"):
         if unused.get(key):
