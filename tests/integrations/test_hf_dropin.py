@@ -468,3 +468,29 @@ def test_attention_dropout_in_training_mode_is_refused(tiny_checkpoint):
     with torch.no_grad():
         assert_bitwise_equal(completion_logprobs(plain, ids, cm, attention_mask=am),
                              completion_logprobs(plain.eval(), ids, cm, attention_mask=am))
+
+
+def test_neftune_in_training_mode_is_refused(tiny_checkpoint):
+    # NEFTune (HF Trainer / TRL's neftune_noise_alpha) adds noise to the embeddings in training mode, which the engine
+    # never does. Was: its forward hook met the packed [tokens, hidden] embeddings and raised a bare IndexError
+    # ("Dimension out of range") from inside transformers.
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+    d = tiny_checkpoint("qwen2", torch.bfloat16, seed=3)
+    m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    ids = torch.randint(0, 500, (2, 9))
+    with torch.no_grad():
+        plain = m.eval()(ids).logits
+    handle = activate_neftune(m, 5.0)
+    m.train()
+    with pytest.raises(ValueError, match=r"^aligned_ops patched model: NEFTune \(neftune_noise_alpha=5\.0\) in "
+                                         r"training mode"):
+        m(ids)
+    with pytest.raises(ValueError, match=r"^aligned_ops patched backbone \(model\.model\): NEFTune"):
+        m.model(ids)
+    with torch.no_grad():  # control: in eval mode NEFTune adds nothing (HF's hook checks module.training)
+        assert_bitwise_equal(m.eval()(ids).logits, plain)
+    deactivate_neftune(m, handle)
+    with torch.no_grad():  # and after deactivate_neftune training mode runs, with the eval bits
+        assert_bitwise_equal(m.train()(ids).logits, plain)

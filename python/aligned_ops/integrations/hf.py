@@ -340,10 +340,18 @@ def _refuse_unsupported(unused, where):
 
 
 def _refuse_dropout(inner, where):
-    """A model in training mode with attention dropout: HF would drop attention weights, the aligned forward (like
+    """A model in training mode with embedding noise (NEFTune) or attention dropout: HF would drop attention weights, the aligned forward (like
     the vLLM engine) drops nothing, so the trainer's numbers would silently not be the configured model's."""
     if not inner.training:
         return
+    # NEFTune (HF Trainer / TRL's neftune_noise_alpha: transformers.integrations.neftune) adds uniform noise to the
+    # embeddings in training mode through a forward hook on embed_tokens, which the engine never adds; its hook also
+    # reads a [batch, seq, hidden] output, and failed on the packed [tokens, hidden] one with a bare IndexError
+    alpha = getattr(inner.embed_tokens, "neftune_noise_alpha", None)
+    if alpha is not None:
+        raise ValueError(f"aligned_ops {where}: NEFTune (neftune_noise_alpha={alpha}) in training mode: it adds noise "
+                         "to the embeddings that the vLLM engine does not; turn it off (neftune_noise_alpha=None) "
+                         "or call model.eval()")
     for i, layer in enumerate(inner.layers):
         p = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0)
         if p:
