@@ -397,7 +397,8 @@ def _hf_packing_kwargs(unused, cu_seqlens, attention_mask, where):
     varlen attention keeps those sequences apart, and so must the aligned forward (ignored, a row packed without
     position_ids was one sequence attending across its neighbours). ``max_length_q`` / ``max_length_k`` follow from
     them. Returns the ``cu_seqlens`` to pack by (the argument's when neither is given)."""
-    q, k = unused.pop("cu_seq_lens_q", None), unused.pop("cu_seq_lens_k", None)
+    q, k = (unused.pop(key, None) for key in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    q, k = (None if v is None else torch.as_tensor(v) for v in (q, k))
     unused.pop("max_length_q", None), unused.pop("max_length_k", None)
     given = q if q is not None else k
     if given is None:
