@@ -340,8 +340,9 @@ def _refuse_unsupported(unused, where):
 
 
 def _refuse_dropout(inner, where):
-    """A model in training mode with embedding noise (NEFTune) or attention dropout: HF would drop attention weights, the aligned forward (like
-    the vLLM engine) drops nothing, so the trainer's numbers would silently not be the configured model's."""
+    """A model in training mode with embedding noise (NEFTune) or attention dropout: HF would add the noise / drop
+    attention weights, the aligned forward (like the vLLM engine) does neither, so the trainer's numbers would
+    silently not be the configured model's."""
     if not inner.training:
         return
     # NEFTune (HF Trainer / TRL's neftune_noise_alpha: transformers.integrations.neftune) adds uniform noise to the
