@@ -87,6 +87,33 @@ def test_output_is_a_model_output(model):
         out["logits"]
 
 
+def test_return_dict_false_returns_hf_s_tuple(model):
+    # Was: the ModelOutput whatever return_dict said; `loss, logits = model(..., return_dict=False)` unpacked its
+    # keys, the strings "loss" and "logits" (HF's can_return_tuple gives output.to_tuple()).
+    ids = torch.randint(0, 500, (2, 7))
+    with torch.no_grad():
+        ref = model(ids, labels=ids)
+        out = model(ids, labels=ids, return_dict=False, use_cache=False)
+        loss, logits = out
+        (hidden,) = model.model(ids, return_dict=False)
+        assert_bitwise_equal(hidden, model.model(ids).last_hidden_state)
+    assert type(out) is tuple and len(out) == 2
+    assert_bitwise_equal(loss, ref.loss)
+    assert_bitwise_equal(logits, ref.logits)
+    # control: return_dict=True (and the default) keep the ModelOutput
+    assert not isinstance(model(ids, return_dict=True), tuple) and not isinstance(ref, tuple)
+    # a config saying return_dict=False, as HF's decorator reads it; completion_logprobs still reads its field
+    model.config.return_dict = False
+    try:
+        with torch.no_grad():
+            assert type(model(ids)) is tuple
+            cm = torch.ones_like(ids)
+            cm[:, 0] = 0
+            assert completion_logprobs(model, ids, cm).shape == ids.shape
+    finally:
+        model.config.return_dict = True
+
+
 def test_logits_to_keep_is_hf_s(model, tiny_checkpoint):
     # Was: logits_to_keep went into **unused and the full [B, S, V] logits came back where HF returns [B, k, V].
     from transformers import AutoModelForCausalLM
@@ -119,6 +146,18 @@ def test_per_layer_outputs_are_refused(model, key):
 # ---- labels= --------------------------------------------------------------------------------------------
 
 
+def test_bidirectional_attention_is_refused(model):
+    # HF's is_causal=False (TransformersKwargs) makes its attention bidirectional (tiny Qwen2 fp32: logits move by up
+    # to 3.79). Was: swallowed, the causal logits came back without a word.
+    ids = torch.randint(0, 500, (2, 7))
+    for call in (model, model.model):
+        with pytest.raises(ValueError, match="is_causal=False is not supported"):
+            call(ids, is_causal=False)
+    with torch.no_grad():  # control: is_causal=True (or None) is what the aligned forward runs
+        assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids, is_causal=None).logits)
+        assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids).logits)
+
+
 def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
     # Was: "labels= is not supported".
     seqs = random_sequences(LENS, 2)
@@ -149,6 +188,41 @@ def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
     g = model.model.layers[0].mlp.down_proj.weight.grad
     assert g is not None and bool(g.abs().sum() > 0)
     model.zero_grad(set_to_none=True)
+
+
+def test_shift_labels_and_ignore_index_are_hf_s_loss_keywords(model):
+    # HF's ForCausalLMLoss takes pre-shifted shift_labels (instead of shifting labels; HF's Trainer and padding-free /
+    # context-parallel collators pass them) and ignore_index. Was: both swallowed — the loss of the shifted labels
+    # (fp32 tiny Qwen2: 6.9509 where HF's is 6.7307, no error), and ignore_index=-1 labels reached
+    # aligned::token_logprobs as token -1.
+    seqs = random_sequences(LENS, 5)
+    ids, am, cm, _ = padded_batch(seqs, STARTS, max(LENS) + 3)
+    labels = ids.masked_fill(cm == 0, -100)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].clone()
+    keep = torch.rand(shift.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    shift = shift.masked_fill(~keep, -100)  # score only some of the completion tokens
+    with torch.no_grad():
+        out = model(ids, attention_mask=am, labels=labels, shift_labels=shift)
+        plain = model(ids, attention_mask=am, labels=labels).loss
+        lp = completion_logprobs(model, ids, cm, attention_mask=am)
+    scored = torch.nn.functional.pad(keep & (shift != -100), (1, 0))[:, :-1]  # the scored tokens, unshifted
+    assert int(scored.sum()) > 0 and bool((cm.bool() | ~scored).all())
+    assert_bitwise_equal(out.loss, -(lp[scored]).sum() / int(scored.sum()))
+    assert not bitwise_equal(out.loss, plain)  # control: without shift_labels every completion token counts
+    ref = model.loss_function(logits=out.logits.double(), labels=labels, shift_labels=shift,
+                              vocab_size=model.config.vocab_size)
+    assert abs(float(out.loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    # shift_labels equal to the shifted labels: the labels' loss, bit for bit
+    with torch.no_grad():
+        same = model(ids, attention_mask=am, labels=labels,
+                     shift_labels=torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]).loss
+    assert_bitwise_equal(same, plain)
+    # ignore_index: the labels it marks are ignored, as -100 is
+    with torch.no_grad():
+        minus1 = model(ids, attention_mask=am, labels=ids.masked_fill(cm == 0, -1), ignore_index=-1).loss
+    assert_bitwise_equal(minus1, plain)
+    with pytest.raises(ValueError, match="shift_labels mark padding tokens"):
+        model(ids, attention_mask=am, labels=labels, shift_labels=ids)
 
 
 def test_labels_on_padding_are_refused(model):
@@ -262,6 +336,65 @@ def test_packed_rows_in_a_batch_and_with_padding(model):
         assert_bitwise_equal(logits[b, at:at + len(s)], _alone(model, s).logits[0])
 
 
+def test_packed_by_hf_flash_attention_kwargs_splits_into_sequences(model):
+    # HF's DataCollatorWithFlattening(return_flash_attn_kwargs=True) marks a packed row with cu_seq_lens_q /
+    # cu_seq_lens_k (and, with return_position_ids=False, nothing else); HF's varlen attention keeps the sequences
+    # apart. Was: the keywords were swallowed, the row ran as one sequence (bf16: 50 % of the logits bitwise, max
+    # |d| 4.65, no error).
+    from transformers import DataCollatorWithFlattening
+
+    seqs = random_sequences(LENS, 8)
+    feats = [{"input_ids": s.tolist()} for s in seqs]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(feats)
+    assert "position_ids" not in batch and "cu_seq_lens_q" in batch
+    ids = batch.pop("input_ids")
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        out = model(ids, labels=labels, **batch)
+        hidden = model.model(ids, **batch).last_hidden_state
+        # with position_ids as well (the collator's default) the same bits
+        both = model(ids, position_ids=_pack_by_positions(seqs)[1], **batch).logits
+        as_one = model(ids).logits
+        by_pos = model(ids, labels=labels, position_ids=_pack_by_positions(seqs)[1])
+    assert_bitwise_equal(both, out.logits)
+    assert_bitwise_equal(out.loss, by_pos.loss)  # the collator's labels: each sequence's first token is -100
+    at = 0
+    for i, s in enumerate(seqs):
+        alone = _alone(model, s)
+        assert_bitwise_equal(out.logits[0, at:at + len(s)], alone.logits[0])
+        with torch.no_grad():
+            assert_bitwise_equal(hidden[0, at:at + len(s)], model.model(s[None]).last_hidden_state[0])
+        if i > 0:  # control: without the keywords the row is one sequence
+            assert not bitwise_equal(as_one[0, at:at + len(s)], alone.logits[0])
+        at += len(s)
+    cu = batch["cu_seq_lens_q"]
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        model(ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, ids.shape[1]], dtype=cu.dtype))
+    with pytest.raises(ValueError, match="cu_seqlens and cu_seq_lens_q / cu_seq_lens_k differ"):
+        model(ids, cu_seq_lens_q=cu, cu_seqlens=torch.tensor([0, ids.shape[1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="either attention_mask .* or cu_seq_lens_q"):
+        model.model(ids, cu_seq_lens_k=cu, attention_mask=torch.ones_like(ids))
+
+
+def test_one_row_of_position_ids_is_broadcast_over_the_batch(model):
+    # HF broadcasts position_ids [1, S] over a batch [B, S] (its default arange(S)[None] is that shape). Was: refused
+    # ("position_ids must have one entry per token").
+    seqs = random_sequences([5, 3], 9)
+    ids = torch.stack([torch.cat(seqs), torch.cat(seqs[::-1])])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        out = model(ids, position_ids=pos).logits
+        each = model(ids, position_ids=pos.expand(2, -1).clone()).logits
+        hidden = model.model(ids, position_ids=pos).last_hidden_state
+        assert_bitwise_equal(hidden, model.model(ids, position_ids=pos.expand(2, -1).clone()).last_hidden_state)
+    assert_bitwise_equal(out, each)
+    assert_bitwise_equal(out[0, 5:], _alone(model, seqs[1]).logits[0])  # row 0's second sequence, split at 5
+    # control: the same row of positions in row 1 splits at 5 too, which is not where its sequences meet
+    assert not bitwise_equal(out[1, 3:], _alone(model, seqs[0]).logits[0])
+    with pytest.raises(ValueError, match="position_ids must have one entry per token of input_ids"):
+        model(torch.cat([ids, ids]), position_ids=torch.cat([pos, pos]))  # [2, S] for 4 rows: not HF's broadcast
+
+
 def test_ambiguous_position_ids_are_refused(model):
     ids = torch.randint(0, 500, (1, 8))
     with pytest.raises(ValueError, match="position_ids jump from 3 to 1 at packed token 4"):
@@ -335,3 +468,29 @@ def test_attention_dropout_in_training_mode_is_refused(tiny_checkpoint):
     with torch.no_grad():
         assert_bitwise_equal(completion_logprobs(plain, ids, cm, attention_mask=am),
                              completion_logprobs(plain.eval(), ids, cm, attention_mask=am))
+
+
+def test_neftune_in_training_mode_is_refused(tiny_checkpoint):
+    # NEFTune (HF Trainer / TRL's neftune_noise_alpha) adds noise to the embeddings in training mode, which the engine
+    # never does. Was: its forward hook met the packed [tokens, hidden] embeddings and raised a bare IndexError
+    # ("Dimension out of range") from inside transformers.
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+    d = tiny_checkpoint("qwen2", torch.bfloat16, seed=3)
+    m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    ids = torch.randint(0, 500, (2, 9))
+    with torch.no_grad():
+        plain = m.eval()(ids).logits
+    handle = activate_neftune(m, 5.0)
+    m.train()
+    with pytest.raises(ValueError, match=r"^aligned_ops patched model: NEFTune \(neftune_noise_alpha=5\.0\) in "
+                                         r"training mode"):
+        m(ids)
+    with pytest.raises(ValueError, match=r"^aligned_ops patched backbone \(model\.model\): NEFTune"):
+        m.model(ids)
+    with torch.no_grad():  # control: in eval mode NEFTune adds nothing (HF's hook checks module.training)
+        assert_bitwise_equal(m.eval()(ids).logits, plain)
+    deactivate_neftune(m, handle)
+    with torch.no_grad():  # and after deactivate_neftune training mode runs, with the eval bits
+        assert_bitwise_equal(m.train()(ids).logits, plain)

@@ -150,6 +150,8 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
     cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0).to(torch.int32)
     if position_ids is not None:
+        if position_ids.dim() == 2 and position_ids.shape == (1, S):  # one row for the batch: HF broadcasts it
+            position_ids = position_ids.expand(B, S)
         if position_ids.numel() != input_ids.numel():
             raise ValueError(f"position_ids must have one entry per token of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(position_ids.shape)}")
@@ -324,6 +326,11 @@ def _refuse_unsupported(unused, where):
             raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
     if unused.get("use_cache"):
         raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
+    # HF's attention reads is_causal=False as bidirectional (embedding / encoder use); vLLM's and the aligned forward's
+    # attention is causal, so that model cannot be run (was: swallowed, causal logits without a word)
+    if "is_causal" in unused and unused["is_causal"] is not None and not unused["is_causal"]:
+        raise ValueError(f"aligned_ops {where}: is_causal=False is not supported (the aligned attention is causal, "
+                         "as the vLLM engine's)")
     # HF would add these to its output; the aligned forward has none to give (the caller would find no field)
     for key in ("output_hidden_states", "output_attentions"):
         if unused.get(key):
@@ -333,10 +340,19 @@ def _refuse_unsupported(unused, where):
 
 
 def _refuse_dropout(inner, where):
-    """A model in training mode with attention dropout: HF would drop attention weights, the aligned forward (like
-    the vLLM engine) drops nothing, so the trainer's numbers would silently not be the configured model's."""
+    """A model in training mode with embedding noise (NEFTune) or attention dropout: HF would add the noise / drop
+    attention weights, the aligned forward (like the vLLM engine) does neither, so the trainer's numbers would
+    silently not be the configured model's."""
     if not inner.training:
         return
+    # NEFTune (HF Trainer / TRL's neftune_noise_alpha: transformers.integrations.neftune) adds uniform noise to the
+    # embeddings in training mode through a forward hook on embed_tokens, which the engine never adds; its hook also
+    # reads a [batch, seq, hidden] output, and failed on the packed [tokens, hidden] one with a bare IndexError
+    alpha = getattr(inner.embed_tokens, "neftune_noise_alpha", None)
+    if alpha is not None:
+        raise ValueError(f"aligned_ops {where}: NEFTune (neftune_noise_alpha={alpha}) in training mode: it adds noise "
+                         "to the embeddings that the vLLM engine does not; turn it off (neftune_noise_alpha=None) "
+                         "or call model.eval()")
     for i, layer in enumerate(inner.layers):
         p = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0)
         if p:
@@ -357,6 +373,48 @@ def _without_autocast(forward):
             return forward(self, input_ids, *args, **kwargs)
 
     return run
+
+
+def _hf_return_dict(forward):
+    """HF's ``return_dict`` convention (``transformers.utils.can_return_tuple``): ``return_dict=False``, or a config
+    with ``return_dict=False``, returns ``output.to_tuple()`` (the fields that are not None, in order). Without it
+    ``loss, logits = model(..., return_dict=False)`` unpacked the ModelOutput's keys (the strings "loss" and
+    "logits") and ``isinstance(out, tuple)`` was False."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(getattr(self, "config", None), "return_dict", True)
+        out = forward(self, *args, **kwargs)
+        return out if return_dict else out.to_tuple()
+
+    return run
+
+
+def _hf_packing_kwargs(unused, cu_seqlens, attention_mask, where):
+    """``cu_seqlens`` from HF's FlashAttention packing kwargs (``cu_seq_lens_q`` / ``cu_seq_lens_k``, which
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives, with or without ``position_ids``): HF's
+    varlen attention keeps those sequences apart, and so must the aligned forward (ignored, a row packed without
+    position_ids was one sequence attending across its neighbours). ``max_length_q`` / ``max_length_k`` follow from
+    them. Returns the ``cu_seqlens`` to pack by (the argument's when neither is given)."""
+    q, k = (unused.pop(key, None) for key in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    q, k = (None if v is None else torch.as_tensor(v) for v in (q, k))
+    unused.pop("max_length_q", None), unused.pop("max_length_k", None)
+    given = q if q is not None else k
+    if given is None:
+        return cu_seqlens
+    if q is not None and k is not None and not torch.equal(q.reshape(-1).cpu().to(torch.int64),
+                                                           k.reshape(-1).cpu().to(torch.int64)):
+        raise ValueError(f"aligned_ops {where}: cu_seq_lens_q and cu_seq_lens_k differ: the aligned forward is causal "
+                         "self-attention over each packed sequence (one set of boundaries)")
+    if cu_seqlens is not None and not torch.equal(cu_seqlens.reshape(-1).cpu().to(torch.int64),
+                                                  given.reshape(-1).cpu().to(torch.int64)):
+        raise ValueError(f"aligned_ops {where}: cu_seqlens and cu_seq_lens_q / cu_seq_lens_k differ; pass one of them")
+    if attention_mask is not None:
+        raise ValueError(f"aligned_ops {where}: pass either attention_mask (padded batch) or cu_seq_lens_q / "
+                         "cu_seq_lens_k (packed batch), not both")
+    return given.reshape(-1)
 
 
 def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens):
@@ -392,6 +450,7 @@ def _backbone(owner, inner, input_ids, attention_mask, position_ids, cu_seqlens)
     return hidden, flat, ids, cu, routing, rules, profile
 
 
+@_hf_return_dict
 @_without_autocast
 def _backbone_forward(
     self,
@@ -408,6 +467,7 @@ def _backbone_forward(
     packing rules and the same bits as the causal LM's forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
+    cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched backbone (model.model)")
     _refuse_unsupported(unused, "patched backbone (model.model)")
     _refuse_dropout(self, "patched backbone (model.model)")
     if input_ids is None:
@@ -420,6 +480,7 @@ def _backbone_forward(
     return BaseModelOutputWithPast(last_hidden_state=full.view(*input_ids.shape, hidden.shape[-1]))
 
 
+@_hf_return_dict
 @_without_autocast
 def _model_forward(
     self,
@@ -438,11 +499,14 @@ def _model_forward(
     fused_lm_head="auto",
     labels: torch.Tensor | None = None,
     num_items_in_batch=None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
     return_entropy: bool = False,
     logits_to_keep: int | torch.Tensor = 0,
     **unused,
 ) -> AlignedCausalLMOutput:
     """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
+    cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched model")
     _refuse_unsupported(unused, "patched model")
     _refuse_dropout(self.model, "patched model")
     if return_logits is None:
@@ -462,7 +526,8 @@ def _model_forward(
 
     out = AlignedCausalLMOutput()
     if labels is not None:
-        out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch)
+        out.loss = _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch,
+                                   shift_labels, ignore_index)
     if output_router_logits is None:  # HF's default: the config's (MoE fine-tuning sets config.output_router_logits)
         output_router_logits = bool(getattr(self.config, "output_router_logits", False))
     if output_router_logits and routing.records:
@@ -572,25 +637,35 @@ def _fuse_automatically(head, hidden, top_k, top_p, min_p, rules, profile) -> bo
     return fused_by_default(hidden.shape[0], head.weight.shape[0], hidden.dtype)
 
 
-def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch):
-    """HF's causal-LM loss (``ForCausalLMLoss``: token j's label is predicted by token j-1, ``-100`` is ignored,
-    mean over the counted labels, or their sum / ``num_items_in_batch``) from the aligned logits'
+def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, num_items_in_batch,
+                    shift_labels=None, ignore_index=-100):
+    """HF's causal-LM loss (``ForCausalLMLoss``: token j's label is predicted by token j-1, ``ignore_index``
+    (-100) is ignored, mean over the counted labels, or their sum / ``num_items_in_batch``) from the aligned logits'
     ``token_logprobs``. A sequence's first token has no prediction: its label is ignored (HF drops
-    ``labels[:, 0]``). A label on padding is refused (HF would score a pad position)."""
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"aligned_ops patched model: labels must have the shape of input_ids "
-                         f"{tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-    lab_all = labels.reshape(-1).to(hidden.device)
+    ``labels[:, 0]``). A label on padding is refused (HF would score a pad position).
+
+    ``shift_labels`` (HF's loss keyword, pre-shifted: position j's entry is what token j's hidden state predicts;
+    HF uses it instead of shifting ``labels``, and only when ``labels`` is given): scored as given, each row by its
+    own hidden state (was ignored: the loss of the unshifted ``labels`` instead, no error)."""
+    given, name = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    if given.shape != input_ids.shape:
+        raise ValueError(f"aligned_ops patched model: {name} must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {tuple(given.shape)}")
+    lab_all = given.reshape(-1).to(hidden.device)
     lab = lab_all.index_select(0, flat)
-    counted = lab != -100
-    if int(counted.sum()) != int((lab_all != -100).sum()):
-        raise ValueError("aligned_ops patched model: labels mark padding tokens (attention_mask 0); set them to "
-                         "-100")
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    first_of_seq = torch.zeros_like(counted)
-    first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
-    targets = (counted & ~first_of_seq).nonzero().squeeze(1)
-    head_in = hidden.index_select(0, targets - 1)
+    counted = lab != ignore_index
+    if int(counted.sum()) != int((lab_all != ignore_index).sum()):
+        raise ValueError(f"aligned_ops patched model: {name} mark padding tokens (attention_mask 0); set them to "
+                         f"{ignore_index} (ignore_index)")
+    if shift_labels is None:
+        lens = (cu[1:] - cu[:-1]).to(torch.int64)
+        first_of_seq = torch.zeros_like(counted)
+        first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
+        targets = (counted & ~first_of_seq).nonzero().squeeze(1)
+        rows = targets - 1  # token j is predicted by the hidden state of token j-1 of its sequence
+    else:
+        targets = rows = counted.nonzero().squeeze(1)
+    head_in = hidden.index_select(0, rows)
     lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias),
                                     lab.index_select(0, targets), 1.0)
     denom = targets.numel() if num_items_in_batch is None else num_items_in_batch
@@ -858,4 +933,5 @@ def completion_logprobs(
         top_p=top_p,
         min_p=min_p,
         fused_lm_head=fused_lm_head,
+        return_dict=True,  # the output's fields, whatever the config's return_dict says
     ).logprobs
