@@ -114,6 +114,34 @@ def test_return_dict_false_returns_hf_s_tuple(model):
         model.config.return_dict = True
 
 
+def test_positional_arguments_are_hf_s(model):
+    # HF's order (input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache); was
+    # this library's (cu_seqlens, completion_mask, temperature, ...): model(ids, am, pos, None, None, labels) sent the
+    # labels to temperature and returned no loss.
+    import inspect
+
+    ids = torch.randint(0, 500, (2, 7))
+    am = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=am, labels=ids)
+        out = model(ids, am, None, None, None, ids, False)
+        (hidden,) = model.model(ids, am, None, None, None, False, return_dict=False)
+        assert_bitwise_equal(hidden, model.model(ids, attention_mask=am).last_hidden_state)
+    assert_bitwise_equal(out.loss, ref.loss)
+    assert_bitwise_equal(out.logits, ref.logits)
+    hf = ["input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels", "use_cache"]
+    params = inspect.signature(model.forward).parameters
+    assert [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == hf
+    # the HF-only positions are refused where set (control: None / False above ran)
+    with pytest.raises(ValueError, match="patched model: past_key_values is not supported"):
+        model(ids, am, None, object())
+    with pytest.raises(ValueError, match=r"patched backbone \(model.model\): use_cache=True is not supported"):
+        model.model(ids, am, None, None, None, True)
+    # this library's own arguments are keyword-only: a positional one is an error, not another parameter
+    with pytest.raises(TypeError):
+        model(ids, am, None, None, None, None, False, torch.tensor([0, 7, 14]))
+
+
 def test_logits_to_keep_is_hf_s(model, tiny_checkpoint):
     # Was: logits_to_keep went into **unused and the full [B, S, V] logits came back where HF returns [B, k, V].
     from transformers import AutoModelForCausalLM

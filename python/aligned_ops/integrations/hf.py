@@ -457,6 +457,10 @@ def _backbone_forward(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    *,
     cu_seqlens: torch.Tensor | None = None,
     output_router_logits: bool = False,
     **unused,
@@ -467,6 +471,7 @@ def _backbone_forward(
     packing rules and the same bits as the causal LM's forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
+    unused.update(past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
     cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched backbone (model.model)")
     _refuse_unsupported(unused, "patched backbone (model.model)")
     _refuse_dropout(self, "patched backbone (model.model)")
@@ -487,6 +492,11 @@ def _model_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    *,
     cu_seqlens: torch.Tensor | None = None,
     completion_mask: torch.Tensor | None = None,
     temperature=1.0,
@@ -497,7 +507,6 @@ def _model_forward(
     top_p=None,
     min_p=None,
     fused_lm_head="auto",
-    labels: torch.Tensor | None = None,
     num_items_in_batch=None,
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -505,7 +514,10 @@ def _model_forward(
     logits_to_keep: int | torch.Tensor = 0,
     **unused,
 ) -> AlignedCausalLMOutput:
-    """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`."""
+    """Patched ``forward`` of a ``*ForCausalLM``; see :class:`AlignedCausalLMOutput` and :func:`completion_logprobs`.
+    The positional parameters are HF's (``input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+    labels, use_cache``: a caller's positional ``labels`` reaches ``labels``); this library's are keyword-only."""
+    unused.update(past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
     cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched model")
     _refuse_unsupported(unused, "patched model")
     _refuse_dropout(self.model, "patched model")
