@@ -23,7 +23,8 @@
 // tile (missing digits are zero).
 //
 // Non-finite inputs: a NaN or +-inf anywhere in a row of x makes that output row NaN; in weight row n, output
-// column n NaN (inf does not propagate as inf). K <= 131072 (int32 digit sums cannot overflow).
+// column n NaN (inf does not propagate as inf). K <= 131072. Kernels sum digit pairs in int32 over at most 2^16 k
+// (|C| <= 2^14 per k, so 2^30; one sum over 2^17 k could reach 2^31) and add the parts exactly in int64.
 #pragma once
 
 #include <stdint.h>

@@ -543,7 +543,8 @@ void epilogue(const ExactGemmParams& p, int64_t m0, int64_t panel, int sxt, cons
 
 // Adds the digit pairs of C into the split accumulator: level s = t + u weighs 2^(8 (6 - s)); levels 0..2
 // go to hi (units of 2^32), levels 3..6 to lo. Digits past a row's S are zero, so rows mix freely. Bounds:
-// |C| <= 2^14 K, so |hi| < 3 * 2^30 K and |lo| < 4 * 2^38 K fit int64 for K <= 2^17.
+// |C| <= 2^14 k per part (gemm cuts K into parts of at most kMaxPartKb blocks, so |C| <= 2^30 is exact in
+// int32), so |hi| < 3 * 2^30 K and |lo| < 4 * 2^38 K fit int64 for K <= 2^17.
 void combine(const ExactGemmParams& p, int sxt, const int32_t* C, int64_t* hi, int64_t* lo) {
   const int sw = p.w_digits;
   for (int t = 0; t < sxt; ++t)
@@ -565,7 +566,12 @@ void gemm(const ExactGemmParams& p) {
   if (p.use_amx) return gemm_amx(p);
 #endif
   const int64_t nkb = p.Kp / 64;
-  const int parts = std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb)));
+  // A part's digit sums are int32: |C| <= 2^14 per k (a -128 x -128 pair), so a part holds at most 2^16 k
+  // (|C| <= 2^30). One part of K = 2^17 = kMaxK would reach 2^31 (rows whose digits are all -128 wrapped
+  // to -2^31). Parts add exactly into the int64 accumulator, so the bits do not depend on the cut.
+  constexpr int64_t kMaxPartKb = 1024;  // 65536 k
+  const int parts = std::max<int>((int)((nkb + kMaxPartKb - 1) / kMaxPartKb),
+                                  std::max(1, std::min<int>(p.k_parts, (int)std::max<int64_t>(1, nkb))));
   alignas(64) int32_t C[kD * kD * kTileC];
   alignas(64) int64_t hi[kTileC], lo[kTileC];
   for (int64_t m0 = p.m0; m0 < p.m1; m0 += 16) {

@@ -415,6 +415,18 @@ def test_linear_exact_errors_name_linear_exact_and_the_argument():
     assert_bitwise_equal(aligned_ops.linear_exact(x, w, b), ops.linear_exact(x, w, b))
     with pytest.raises(ValueError, match=op + r"bias must be \[5\]"):
         aligned_ops.linear_exact(x, w, torch.randn(4))
+    # a registered weight's dtype, in_features or rank that is not x's: the packed op's words were "aligned::
+    # linear_exact_packed: weight must be the packed weight itself" / "the packed weight has 8", or the pack op's
+    for cached in (True, False):
+        wt = w.bfloat16() if not cached else w.clone()
+        if cached:
+            aligned_ops.cache_exact_weights(wt)
+        with pytest.raises(ValueError, match=op + r"weight dtype torch.(float32|bfloat16) must equal x dtype"):
+            aligned_ops.linear_exact(x.bfloat16() if cached else x, wt)
+        with pytest.raises(ValueError, match=op + r"x has 7 input features but weight has 8"):
+            aligned_ops.linear_exact(x[:, :7], w if cached else w.clone())
+        with pytest.raises(ValueError, match=op + r"weight must be \[out_features, in_features\], got \[40\]"):
+            aligned_ops.linear_exact(x, w.reshape(-1) if cached else w.clone().reshape(-1))
 
 
 def test_the_linear_exact_op_itself_names_linear_exact():

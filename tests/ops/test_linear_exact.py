@@ -2,6 +2,7 @@
 definition, invariant to batch / row position / threads / ISA level / K split (bitwise, integer views), accurate
 against float64, with negative controls on torch's own GEMM."""
 
+import math
 import os
 import sys
 import textwrap
@@ -364,6 +365,52 @@ def test_profile_switch(monkeypatch):
     monkeypatch.setenv("ALIGNED_OPS_LINEAR", "tensorcore")
     with pytest.raises(ValueError, match="ALIGNED_OPS_LINEAR must be one of"):
         aligned_ops.linear_profile()
+
+
+def _round_f32(n: int, e: int) -> float:
+    """n * 2^e (n > 0 an integer) rounded to fp32 (nearest even; normal range): an independent model."""
+    sh = n.bit_length() - 24
+    if sh > 0:
+        q, r = divmod(n, 1 << sh)
+        half = 1 << (sh - 1)
+        n, e = q + (r > half or (r == half and q & 1)), e + sh
+    return math.ldexp(n, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_k_rows_whose_digits_are_all_minus_128(monkeypatch, dtype):
+    """K = kMaxK = 2^17 with every digit below the top one -128 in x and weight rows: a digit pair's int32 sum
+    reaches 2^14 K = 2^31, one past int32. The digit path summed K in one part and wrapped (fp32 rows:
+    135119.19 for 135183.69, 4128 ulp; an exact zero gave -0.00098) while the fp64 path and the int128
+    definition were right, so a row alone (M = 1: fp64 path under `auto`) and in a batch (digit path) differed.
+    Expected: the exact value on every route. bf16 rows: the constant 1 + 2^-6 (digits 33, -128)."""
+    K = 131072
+    if dtype == torch.float32:
+        V = 33 * 2**24 - 128 * (2**16 + 2**8 + 1)  # canonical integer: balanced digits 33, -128, -128, -128
+    else:
+        V = 2**29 + 2**23  # 1 + 2^-6: digits 33, -128
+    v = V * 2.0**-29  # E = 0, V_k = V exactly
+    x = torch.full((2, K), v).to(dtype)
+    w = torch.full((3, K), v).to(dtype)
+    w[1] = -v
+    w[2, 1::2] = -v  # an exact zero sum: +0
+    wd, we, wb = ops.linear_exact_pack_weight(w)
+    assert wd[0, 0] == 33 and (wd[1:, 0] == -128).all()  # the premise: |C[t][u]| = 2^14 K = 2^31 for t, u >= 1
+    p = _round_f32(V * V * K, -58)
+    want = torch.tensor([[p, -p, 0.0]] * 2, dtype=torch.float32).to(dtype)
+    assert_bitwise_equal(ops._linear_exact_reference(x, w), want)
+    for mode in ("off", "all", "auto"):
+        monkeypatch.setenv("ALIGNED_EXACT_F64", mode)
+        assert_bitwise_equal(ops.linear_exact(x, w), want, f"batch of 2, ALIGNED_EXACT_F64={mode}")
+        assert_bitwise_equal(ops.linear_exact(x[:1], w), want[:1], f"M = 1, ALIGNED_EXACT_F64={mode}")
+    scan = ops.linear_exact_row_scan(x)
+    parts = ops.linear_exact_partial(x, *ops.linear_exact_pack_weight_scanned(w, ops.linear_exact_row_scan(w)), 3,
+                                     scan)  # the TP route at t = 1 (one part of the full K)
+    assert_bitwise_equal(ops.linear_exact_finish(parts, scan, we, wb, None, dtype), want)
+    # the control: K - 1 elements (2^31 - 2^14 fits int32) passed before the fix too
+    p1 = _round_f32(V * V * (K - 1), -58)
+    assert_bitwise_equal(ops.linear_exact(x[:, 1:], w[:2, 1:]),
+                         torch.tensor([[p1, -p1]] * 2, dtype=torch.float32).to(dtype))
 
 
 def test_bad_inputs_name_op_and_argument():

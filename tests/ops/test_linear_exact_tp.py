@@ -133,6 +133,23 @@ def test_row_scan_merge_is_the_full_rows_scan():
         assert torch.equal(merged, ops.linear_exact_row_scan(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rank_with_an_empty_slice(dtype):
+    """K_r = 0 (a rank holding no input feature): its scan is the rows' scan of no element, which the MAX merge
+    leaves unchanged, and its partials are zero. linear_exact_row_scan failed on it (reshape({-1, 0}) raised
+    "cannot reshape tensor of 0 elements", naming no op)."""
+    x, w, b = _inputs(dtype)
+    K = x.shape[1]
+    want = aligned_ops.linear_exact(x, w, b)
+    for cuts in ([0, 50, K], [0, 0, K], [0, K, K], [0, 50, 50, K], [0, 150, 151, 151, K]):  # the first: the control
+        parts, xg, _ = _tp(x, w, b, cuts)
+        total = sum(p for p, _, _ in parts)
+        assert_bitwise_equal(ops.linear_exact_finish(total, xg, parts[0][1], parts[0][2], b, dtype), want, str(cuts))
+    assert torch.equal(ops.linear_exact_row_scan(x[:, :0]), ops.linear_exact_row_scan(torch.zeros_like(x)))
+    assert ops.linear_exact_row_scan(x.new_empty(2, 3, 0)).shape == (6, 3)
+    assert ops.linear_exact_row_scan(x.new_empty(0)).shape == (1, 3)
+
+
 def test_opcheck_compile_and_no_backward():
     x, w, b = _small()
     xs = ops.linear_exact_row_scan(x)

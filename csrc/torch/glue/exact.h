@@ -166,7 +166,10 @@ at::Tensor linear_exact_row_scan(const at::Tensor& v) {
   const DType dt = dtype_of<DType>(v, op, "v");
   TORCH_CHECK(v.dim() >= 1, "aligned::", op, ": v must have at least one dimension");
   const int64_t K = v.size(-1);
-  auto vc = v.reshape({-1, K}).contiguous();
+  // rows from the leading sizes (reshape({-1, 0}) cannot infer them): a rank's empty slice (K_r = 0) scans
+  // as rows with no element, which the MAX merge leaves unchanged
+  const int64_t R = c10::multiply_integers(v.sizes().begin(), v.sizes().end() - 1);
+  auto vc = v.reshape({R, K}).contiguous();
   auto out = at::empty({vc.size(0), exact::kScanInts}, v.options().dtype(at::kInt));
   B::linear_exact_row_scan(call, dt, vc, out);
   return out;

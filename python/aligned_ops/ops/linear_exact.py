@@ -421,7 +421,15 @@ def _check_args(x, weight, bias):
     op = "aligned_ops.linear_exact"
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension ([..., in_features]), got a 0-d tensor")
-    if bias is not None and weight.dim() == 2 and (
+    # a registered weight runs the packed op, which reported these as aligned::linear_exact_packed ("weight
+    # must be the packed weight itself", "the packed weight has K") or aligned::linear_exact_pack_weight
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be [out_features, in_features], got {list(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{op}: weight dtype {weight.dtype} must equal x dtype {x.dtype}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x has {x.shape[-1]} input features but weight has {weight.shape[1]}")
+    if bias is not None and (
             bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.dtype != x.dtype):
         raise ValueError(f"{op}: bias must be [{weight.shape[0]}] (weight's out_features) with x's dtype {x.dtype}, "
                          f"got {list(bias.shape)} {bias.dtype}")
