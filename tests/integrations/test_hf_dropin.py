@@ -3,6 +3,8 @@ that index like dicts, ``labels=`` (HF's causal-LM loss on the aligned logits), 
 rows marked only by ``position_ids`` restarts (split into sequences, never one). Bits through integer views
 against each sequence run alone; each check with a control that shows it can fail."""
 
+import copy
+
 import pytest
 import torch
 
@@ -184,6 +186,45 @@ def test_bidirectional_attention_is_refused(model):
     with torch.no_grad():  # control: is_causal=True (or None) is what the aligned forward runs
         assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids, is_causal=None).logits)
         assert_bitwise_equal(model(ids, is_causal=True).logits, model(ids).logits)
+    # the config's is_causal, which HF reads on every call when the keyword is absent (was: causal logits, silently)
+    with torch.no_grad():
+        causal = model(ids).logits
+    model.config.is_causal = False
+    try:
+        for call in (model, model.model):
+            with pytest.raises(ValueError, match="is_causal=False is not supported"):
+                call(ids)
+        with torch.no_grad():  # the keyword wins over the config, as in HF
+            assert_bitwise_equal(model(ids, is_causal=True).logits, causal)
+    finally:
+        del model.config.is_causal
+    from aligned_ops.integrations import check_hf_config
+
+    cfg = copy.deepcopy(model.config)
+    cfg.is_causal = False
+    with pytest.raises(ValueError, match=r"\(patch_model\): config field is_causal=False"):
+        check_hf_config(cfg, "patch_model")
+    cfg.is_causal = True
+    check_hf_config(cfg, "patch_model")  # control
+
+
+def test_a_sequence_must_start_at_position_0(model):
+    # A context-parallel / Ulysses shard (HF Trainer's shift_labels source) or a continuation chunk: positions from p > 0
+    # and no keys of the positions before. Was: scored from its own tokens only (tiny Qwen2 fp32: shard loss 6.7369,
+    # the same tokens in the whole sequence 6.4838), no error.
+    ids = torch.randint(0, 500, (1, 16))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        model(ids, position_ids=pos)  # control: the whole sequence
+        with pytest.raises(ValueError, match="position_ids: a sequence starts at position 8, not 0"):
+            model(ids[:, 8:], position_ids=pos[:, 8:], labels=ids[:, 8:])
+        with pytest.raises(ValueError, match="a sequence starts at position 3"):
+            model.model(ids[:, 3:], position_ids=pos[:, 3:])
+        # packed rows: every packed sequence restarts at 0 (control), a row starting elsewhere is refused
+        packed = torch.cat([torch.arange(5), torch.arange(11)])[None]
+        model(ids, position_ids=packed)
+        with pytest.raises(ValueError, match="a sequence starts at position 2"):
+            model(ids, position_ids=torch.cat([torch.arange(2, 7), torch.arange(11)])[None])
 
 
 def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
@@ -251,6 +292,15 @@ def test_shift_labels_and_ignore_index_are_hf_s_loss_keywords(model):
     assert_bitwise_equal(minus1, plain)
     with pytest.raises(ValueError, match="shift_labels mark padding tokens"):
         model(ids, attention_mask=am, labels=labels, shift_labels=ids)
+    # named errors: ignore_index not an integer (was AttributeError: 'bool' object has no attribute 'sum'), a label that
+    # is neither a token id nor ignore_index (was aligned::token_logprobs' token_ids error)
+    with pytest.raises(ValueError, match=r"patched model: ignore_index must be an integer .*got None"):
+        model(ids, attention_mask=am, labels=labels, ignore_index=None)
+    with pytest.raises(ValueError, match=r"patched model: labels must be token ids in \[0, \d+\) or ignore_index "
+                                         r"\(-1\), got -100"):
+        model(ids, attention_mask=am, labels=labels.masked_fill(am == 0, -1), ignore_index=-1)
+    with torch.no_grad():  # control: a 0-d integer tensor is an integer
+        assert_bitwise_equal(model(ids, attention_mask=am, labels=labels, ignore_index=torch.tensor(-100)).loss, plain)
 
 
 def test_labels_on_padding_are_refused(model):

@@ -96,6 +96,10 @@ def check_config_fields(config, where: str, arch) -> None:
     act = getattr(config, "hidden_act", None)
     if act is not None and not isinstance(act, str):
         raise ValueError(f"aligned_ops ({where}): config field hidden_act must be a name, got {act!r}")
+    if getattr(config, "is_causal", None) is False:
+        # HF's attention reads it as bidirectional; vLLM's (and the aligned) attention is causal
+        raise ValueError(f"aligned_ops ({where}): config field is_causal=False (bidirectional attention) is not "
+                         "supported: the aligned and the vLLM engine's attention are causal")
     eps = getattr(config, "rms_norm_eps", None)
     if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0
                             or not finite_in_float32(eps)):

@@ -29,6 +29,7 @@ FSDP: the patched forwards are instance attributes of the *same* modules and are
 from __future__ import annotations
 
 import functools
+import operator
 import types
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
             if not torch.equal(_split_at_position_restarts(positions, cu), cu):
                 raise ValueError("position_ids restart at 0 inside a sequence of cu_seqlens: mark every packed "
                                  "sequence in cu_seqlens (or pass position_ids without cu_seqlens to split there)")
+            _refuse_continuations(positions, cu)
         return flat, positions, cu
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq] (or packed with cu_seqlens), got {tuple(input_ids.shape)}")
@@ -158,7 +160,31 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
         positions = position_ids.reshape(-1).to(dev)[flat].to(torch.int64)
         # Packed ("padding-free") rows carry no mask: where positions restart at 0, a new sequence begins.
         cu = _split_at_position_restarts(positions, cu)
+        _refuse_continuations(positions, cu)
     return flat, positions, cu
+
+
+def first_tokens(cu, n: int) -> torch.Tensor:
+    """Boolean ``[n]`` over the packed tokens: True at the first token of each non-empty sequence of ``cu`` (an
+    all-padding row or an empty packed sequence starts where the next one does, and has no first token). Token j
+    is predicted by the hidden state of token j-1 of its sequence, so these tokens have no prediction."""
+    cu64 = cu.to(torch.int64)
+    lens = cu64[1:] - cu64[:-1]
+    first = torch.zeros(n, dtype=torch.bool, device=cu.device)
+    first[cu64[:-1][lens > 0]] = True
+    return first
+
+
+def _refuse_continuations(positions, cu):
+    """Every sequence's first position is 0: the aligned forward, as the vLLM engine, runs whole sequences and has
+    no keys of earlier positions, so a sequence given from position p > 0 (a context-parallel / Ulysses shard, a
+    continuation chunk) would attend to its own tokens only — other numbers than the whole sequence's, silently."""
+    start = positions[first_tokens(cu, positions.numel())]
+    late = start[start != 0]
+    if late.numel():
+        raise ValueError(f"position_ids: a sequence starts at position {int(late[0])}, not 0 — the aligned forward "
+                         "(as the vLLM engine) scores whole sequences and has no keys of earlier positions (a "
+                         "context-/sequence-parallel shard or a continuation chunk is not supported)")
 
 
 def _split_at_position_restarts(positions, cu):
@@ -168,13 +194,11 @@ def _split_at_position_restarts(positions, cu):
     jump is ambiguous and refused. Empty sequences of ``cu`` are kept."""
     if positions.numel() < 2:
         return cu
-    cu64 = cu.to(torch.int64)
-    lens = cu64[1:] - cu64[:-1]
-    starts = torch.zeros_like(positions, dtype=torch.bool)
-    starts[cu64[:-1][lens > 0]] = True
+    starts = first_tokens(cu, positions.numel())
     jump = (positions[1:] != positions[:-1] + 1) & ~starts[1:]
     if not bool(jump.any()):
         return cu
+    cu64 = cu.to(torch.int64)
     at = jump.nonzero().squeeze(1) + 1
     bad = at[positions[at] != 0]
     if bad.numel():
@@ -320,7 +344,7 @@ def _layer_forward(self, hidden, residual, ctx: _ForwardContext):
     return arch.block(arch, TRAINER_SIDE, ctx, self, hidden, residual)
 
 
-def _refuse_unsupported(unused, where):
+def _refuse_unsupported(unused, where, config=None):
     for key in ("past_key_values", "inputs_embeds"):
         if unused.get(key) is not None:
             raise ValueError(f"aligned_ops {where}: {key} is not supported (full teacher-forced forward only)")
@@ -328,7 +352,11 @@ def _refuse_unsupported(unused, where):
         raise ValueError(f"aligned_ops {where}: use_cache=True is not supported")
     # HF's attention reads is_causal=False as bidirectional (embedding / encoder use); vLLM's and the aligned forward's
     # attention is causal, so that model cannot be run (was: swallowed, causal logits without a word)
-    if "is_causal" in unused and unused["is_causal"] is not None and not unused["is_causal"]:
+    # (the keyword, else the config's, which HF re-reads on every call)
+    causal = unused.get("is_causal")
+    if causal is None:
+        causal = getattr(config, "is_causal", None)
+    if causal is not None and not causal:
         raise ValueError(f"aligned_ops {where}: is_causal=False is not supported (the aligned attention is causal, "
                          "as the vLLM engine's)")
     # HF would add these to its output; the aligned forward has none to give (the caller would find no field)
@@ -387,7 +415,12 @@ def _hf_return_dict(forward):
         if return_dict is None:
             return_dict = getattr(getattr(self, "config", None), "return_dict", True)
         out = forward(self, *args, **kwargs)
-        return out if return_dict else out.to_tuple()
+        if return_dict:
+            return out
+        if getattr(self, "router_aux_loss_coef", None) is None and out.get("aux_loss") is not None:
+            # HF's DeepSeek-V3 / GLM-4.5 classes return no aux_loss: their tuple's [1] is the logits, as here
+            out = type(out)(**{k: v for k, v in out.items() if k != "aux_loss"})
+        return out.to_tuple()
 
     return run
 
@@ -473,7 +506,7 @@ def _backbone_forward(
 
     unused.update(past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
     cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched backbone (model.model)")
-    _refuse_unsupported(unused, "patched backbone (model.model)")
+    _refuse_unsupported(unused, "patched backbone (model.model)", self.config)
     _refuse_dropout(self, "patched backbone (model.model)")
     if input_ids is None:
         raise ValueError("aligned_ops patched backbone (model.model): input_ids is required")
@@ -519,7 +552,7 @@ def _model_forward(
     labels, use_cache``: a caller's positional ``labels`` reaches ``labels``); this library's are keyword-only."""
     unused.update(past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
     cu_seqlens = _hf_packing_kwargs(unused, cu_seqlens, attention_mask, "patched model")
-    _refuse_unsupported(unused, "patched model")
+    _refuse_unsupported(unused, "patched model", self.config)
     _refuse_dropout(self.model, "patched model")
     if return_logits is None:
         return_logits = completion_mask is None
@@ -572,12 +605,7 @@ def _model_forward(
         cm = cm_all[flat]
         if int(cm.sum()) != int(cm_all.sum()):
             raise ValueError("completion_mask marks padding tokens (attention_mask 0): they have no log-prob")
-        # Token j is predicted by the hidden state of token j-1 of the same sequence. Only non-empty sequences
-        # have a first token (an all-padding row or an empty packed sequence starts where the next one does).
-        lens = (cu[1:] - cu[:-1]).to(torch.int64)
-        first_of_seq = torch.zeros_like(cm)
-        first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
-        if bool((cm & first_of_seq).any()):
+        if bool((cm & first_tokens(cu, cm.numel())).any()):
             raise ValueError("completion_mask marks the first token of a sequence, which has no prediction")
         targets = cm.nonzero().squeeze(1)
         temps, greedy = _per_token_temperature(temperature, input_ids, cu, flat, targets)
@@ -660,6 +688,11 @@ def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, n
     HF uses it instead of shifting ``labels``, and only when ``labels`` is given): scored as given, each row by its
     own hidden state (was ignored: the loss of the unshifted ``labels`` instead, no error)."""
     given, name = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    try:
+        ignore_index = operator.index(ignore_index)
+    except TypeError:
+        raise ValueError(f"aligned_ops patched model: ignore_index must be an integer (HF's default -100), got "
+                         f"{ignore_index!r}") from None
     if given.shape != input_ids.shape:
         raise ValueError(f"aligned_ops patched model: {name} must have the shape of input_ids "
                          f"{tuple(input_ids.shape)}, got {tuple(given.shape)}")
@@ -670,16 +703,18 @@ def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, n
         raise ValueError(f"aligned_ops patched model: {name} mark padding tokens (attention_mask 0); set them to "
                          f"{ignore_index} (ignore_index)")
     if shift_labels is None:
-        lens = (cu[1:] - cu[:-1]).to(torch.int64)
-        first_of_seq = torch.zeros_like(counted)
-        first_of_seq[cu[:-1].to(torch.int64)[lens > 0]] = True
-        targets = (counted & ~first_of_seq).nonzero().squeeze(1)
+        targets = (counted & ~first_tokens(cu, counted.numel())).nonzero().squeeze(1)
         rows = targets - 1  # token j is predicted by the hidden state of token j-1 of its sequence
     else:
         targets = rows = counted.nonzero().squeeze(1)
     head_in = hidden.index_select(0, rows)
-    lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias),
-                                    lab.index_select(0, targets), 1.0)
+    scored = lab.index_select(0, targets)
+    vocab = head.weight.shape[0]
+    if scored.numel() and not (0 <= int(scored.min()) and int(scored.max()) < vocab):
+        bad = int(scored[(scored < 0) | (scored >= vocab)][0])
+        raise ValueError(f"aligned_ops patched model: {name} must be token ids in [0, {vocab}) or ignore_index "
+                         f"({ignore_index}), got {bad}")
+    lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias), scored, 1.0)
     denom = targets.numel() if num_items_in_batch is None else num_items_in_batch
     if isinstance(denom, torch.Tensor):
         denom = denom.to(lp.device)

@@ -197,10 +197,7 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
         raise ValueError("aligned_ops verl actor: 3-D (mRoPE) position_ids are not supported")
     flat, _, cu = hf._pack(input_ids, attention_mask, position_ids, cu_seqlens)
     cu = cu.to(torch.int64)
-    n = flat.numel()
-    lens = cu[1:] - cu[:-1]
-    first = torch.zeros(n, dtype=torch.bool, device=flat.device)
-    first[cu[:-1][lens > 0]] = True
+    first = hf.first_tokens(cu, flat.numel())
     # row k scores the token k+1 when both are in one sequence
     scored = ~first[1:]
     completion = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
@@ -221,7 +218,7 @@ def _verl_forward(self, input_ids, attention_mask=None, position_ids=None, tempe
     # (the patched forward turns verl's forward_step autocast off itself: the aligned ops fix their own dtypes)
     out = self._aligned_hf_forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    cu_seqlens=cu_seqlens, completion_mask=completion, temperature=temperature,
-                                   return_logits=False, return_entropy=True,
+                                   return_logits=False, return_entropy=True, return_dict=True,
                                    output_router_logits=unused.pop("output_router_logits", False), **unused)
     src = flat[1:][scored]  # where the model put the log-prob of token k+1 ...
     dst = flat[:-1][scored]  # ... and where verl wants it: row k
