@@ -64,7 +64,7 @@ def aligned_actor_forward(self, sequences, action_mask=None, attention_mask=None
         if not return_output:
             raise ValueError("aligned_actor: forward without action_mask / return_logprobs returns the output "
                              "(return_output=True)")
-        out = model(sequences, attention_mask=attention_mask, output_router_logits=router)
+        out = model(sequences, attention_mask=attention_mask, output_router_logits=router, return_dict=True)
         out["logits"] = out["logits"].to(torch.float32)
         return out
     completion = attention_mask.bool().clone()
@@ -74,7 +74,7 @@ def aligned_actor_forward(self, sequences, action_mask=None, attention_mask=None
     completion[rows[lens > 0], first[lens > 0]] = False
     out = model(sequences, attention_mask=attention_mask, completion_mask=completion,
                 temperature=self.temperature, return_logits=False, return_entropy=return_entropy,
-                output_router_logits=router)
+                output_router_logits=router, return_dict=True)
     log_probs = out.logprobs[:, 1:]  # [B, S-1]: row t scores token t+1, as OpenRLHF's log_probs[:, :-1]
     if return_entropy:
         if not return_output:

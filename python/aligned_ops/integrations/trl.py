@@ -82,7 +82,7 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
         # (the patched forward turns TRL's autocast off itself: the aligned ops fix their own dtypes)
         out = model(ids, attention_mask=mask, completion_mask=completion, temperature=self.temperature,
                     return_logits=False, return_entropy=compute_entropy, output_router_logits=compute_aux_loss,
-                    **truncation)
+                    return_dict=True, **truncation)
         logps.append(out.logprobs[:, -logits_to_keep:])
         if compute_entropy:
             entropies.append(out.entropy[:, -logits_to_keep:])

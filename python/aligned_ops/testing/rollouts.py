@@ -68,7 +68,7 @@ def teacher_forced(trainer, rollouts, return_routing: bool = False, **sampling):
     with torch.no_grad():
         if return_routing:
             out = trainer(ids, attention_mask=am, completion_mask=cm, return_logits=False, return_routing=True,
-                          **sampling)
+                          return_dict=True, **sampling)
             lp = out.logprobs
         else:
             from ..integrations.hf import completion_logprobs
