@@ -159,3 +159,17 @@ def test_trainer_runs_the_spec(model):
     assert scales == {scale}
     routers = [c for c in t.calls if c.name == "aligned::linear" and c.shapes[1][0] == cfg.n_routed_experts]
     assert len(routers) == 2 and all(c.dtypes[:2] == (torch.float32, torch.float32) for c in routers)
+
+
+def test_tuple_output_indexes_as_hf_s(model):
+    # HF's DeepSeek-V3 returns no aux_loss: with return_dict=False its tuple is (loss, logits, ...). Was: the patched
+    # tuple put aux_loss at [1] when output_router_logits=True, so out[1] was a scalar where HF has the logits.
+    # Control: a Qwen-MoE's HF class does return it at [1] (test_hf_moe.py), and the dict form keeps the field.
+    s = random_sequences([11], 6)[0][None]
+    with torch.no_grad():
+        full = model(s, labels=s, output_router_logits=True)
+        tup = model(s, labels=s, output_router_logits=True, return_dict=False)
+    assert full.aux_loss is not None
+    assert len(tup) == 2
+    assert_bitwise_equal(tup[0], full.loss)
+    assert_bitwise_equal(tup[1], full.logits)

@@ -189,3 +189,15 @@ def test_aux_loss_under_gradient_checkpointing(tiny_checkpoint):
     assert len(grads_nr) == len(grads) and all(g is not None for g in grads)
     for got, want in zip(grads_nr, grads):
         assert_bitwise_equal(got, want)
+
+
+def test_tuple_output_keeps_hf_s_aux_loss_position(model):
+    # HF's Qwen-MoE classes return (loss, aux_loss, logits, ...) with output_router_logits (MoeCausalLMOutputWithPast);
+    # the control of test_hf_deepseek_v3.py's tuple test (whose HF class has no aux_loss).
+    s = random_sequences([11], 6)[0][None]
+    with torch.no_grad():
+        full = model(s, labels=s, output_router_logits=True)
+        loss, aux, logits = model(s, labels=s, output_router_logits=True, return_dict=False)
+    assert_bitwise_equal(loss, full.loss)
+    assert_bitwise_equal(aux, full.aux_loss)
+    assert_bitwise_equal(logits, full.logits)
