@@ -17,7 +17,8 @@ template <class DTypeEnum>
 DTypeEnum check_linear_exact_weight(const at::Tensor& weight, const char* op) {
   const DTypeEnum dt = dtype_of<DTypeEnum>(weight, op, "weight");
   TORCH_CHECK(weight.dim() == 2, "aligned::", op, ": weight must be [out_features, in_features], got ", weight.sizes());
-  TORCH_CHECK(weight.size(1) <= 131072, "aligned::", op, ": in_features must be <= 131072 (int32 digit sums), got ",
+  TORCH_CHECK(weight.size(1) <= exact::kMaxK, "aligned::", op, ": in_features must be <= ", exact::kMaxK,
+              " (the exact profile's int64 accumulators hold sums of at most that many products), got ",
               weight.size(1));
   return dt;
 }
