@@ -429,6 +429,12 @@ PROBE_CASES = [
     (["verify", "--seed", "99999999999999999999999"], "--seed must be <= 4294967295"),
     (["verify", "--threads", "99999999999999999999"], "--threads must be <= 1024"),
     (["train", "--threads", "1025"], "--threads must be <= 1024, got 1025"),
+    # probe s47: torch.randint's bound is an int64 (a traceback "Overflow when unpacking long long" after the
+    # model build); a worker past --steps generates nothing (100000 workers started 100000 engines)
+    (["train", "--a-range", str(2**63)], f"--a-range must be <= {2**63 - 1}, got {2**63}"),
+    (["demo", "--a-range", "10000000000000000000000"], f"--a-range must be <= {2**63 - 1}"),
+    (["train", "--rollout-workers", "100000"], "--rollout-workers 100000 must be <= --steps 60"),
+    (["train", "--steps", "3", "--rollout-workers", "4"], "--rollout-workers 4 must be <= --steps 3"),
 ]
 
 
@@ -441,7 +447,9 @@ def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("argv", [["train", "--seed", str(2**32 - 1), "--threads", "1024", "--temperature", "2"],
-                                  ["demo", "--seed", "0", "--threads", "1"]])
+                                  ["demo", "--seed", "0", "--threads", "1"],
+                                  ["train", "--a-range", str(2**63 - 1), "--steps", "3", "--rollout-workers", "3"],
+                                  ["demo", "--a-range", str(2**63 - 1)]])
 def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
     # controls: the largest seed and thread count, and T = 2, pass
     monkeypatch.chdir(tmp_path)

@@ -167,6 +167,8 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
 # these runs use. The same bounds for verify, train and demo (their --help states them).
 MAX_SEED = 2**32 - 1
 MAX_THREADS = 1024
+# --a-range: the task draws a < A with torch.randint (the supervised warm-up) and numpy's integers, int64 bounds
+MAX_A_RANGE = 2**63 - 1
 
 MODES = ("sync", "async")
 KERNEL_SETS = ("standard", "aligned")
@@ -288,6 +290,10 @@ class RunConfig:
             _at_least(name, getattr(self, name), 0)
         _at_most("seed", self.seed, MAX_SEED)
         _at_most("threads", self.threads, MAX_THREADS)
+        _at_most("a_range", self.a_range, MAX_A_RANGE)
+        if self.rollout_workers > self.steps:  # worker w generates batches w, w + W, ...: one past --steps makes none
+            raise ConfigError(f"--rollout-workers {self.rollout_workers} must be <= --steps {self.steps}: worker w "
+                              "generates batches w, w + W, ..., so a worker beyond the steps would only start an engine")
         for name in ("lr", "clip_c", "router_scale", "sft_lr", "logit_scale"):
             _positive(name, getattr(self, name))
         check_temperature_flag(self.temperature)
