@@ -435,6 +435,10 @@ PROBE_CASES = [
     (["demo", "--a-range", "10000000000000000000000"], f"--a-range must be <= {2**63 - 1}"),
     (["train", "--rollout-workers", "100000"], "--rollout-workers 100000 must be <= --steps 60"),
     (["train", "--steps", "3", "--rollout-workers", "4"], "--rollout-workers 4 must be <= --steps 3"),
+    # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
+    (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
+    (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
+    (["verify", "--result", "r.json"], "--result is the internal child run's flag: it needs --kernels"),
 ]
 
 
@@ -753,3 +757,14 @@ def test_run_killed_before_its_first_checkpoint_says_what_to_do(resume, tmp_path
     assert_one_line(rc, o, err, f"--out {out} holds a run with no checkpoint (interrupted before its first save",
                     "remove that folder or choose another --out")
     assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"]  # nothing deleted
+
+
+def test_verify_child_flags_pass_as_run_child_gives_them(tmp_path, monkeypatch):
+    # control of the --kernels / --result refusals: the parent's child command line (common.run_child) passes
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN2))
+    from aligned_ops.apps import cli
+
+    cli.validate_args(cli.build_parser().parse_args(
+        ["verify", "--model", str(tmp_path / "m"), "--kernels", "aligned", "--result", str(tmp_path / "r.json")]))

@@ -115,6 +115,12 @@ def validate_args(args) -> None:
     _at_least(args, "--seed", 0)
     _at_most(args, "--seed", MAX_SEED)
     if args.command == "verify":
+        # the hidden pair a child run gets from its parent (common.run_child: --model, --kernels K --result PATH)
+        if args.kernels is not None and (args.result is None or args.model is None):
+            raise UsageError("--kernels is the internal child run's flag: it needs --model and --result (run "
+                             "`aligned-ops verify` without it for both kernel sets)")
+        if args.result is not None and args.kernels is None:
+            raise UsageError("--result is the internal child run's flag: it needs --kernels")
         _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
         _at_least(args, "--max-tokens", 1)
