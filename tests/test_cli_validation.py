@@ -435,6 +435,10 @@ PROBE_CASES = [
     (["demo", "--a-range", "10000000000000000000000"], f"--a-range must be <= {2**63 - 1}"),
     (["train", "--rollout-workers", "100000"], "--rollout-workers 100000 must be <= --steps 60"),
     (["train", "--steps", "3", "--rollout-workers", "4"], "--rollout-workers 4 must be <= --steps 3"),
+    # probe s47: the built-in model's build ran out of memory (an allocator traceback after 16 s) or never ended
+    (["train", "--hidden", "100000000"], "--hidden 100000000 --layers 2: the built-in tiny moe model would have"),
+    (["demo", "--layers", "100000000"], "--hidden 128 --layers 100000000: the built-in tiny moe model"),
+    (["train", "--tiny", "dense", "--hidden", "100000512"], "--hidden 100000512 --layers 2: the built-in tiny dense model would have"),
     # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
     (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
     (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
@@ -453,7 +457,8 @@ def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("argv", [["train", "--seed", str(2**32 - 1), "--threads", "1024", "--temperature", "2"],
                                   ["demo", "--seed", "0", "--threads", "1"],
                                   ["train", "--a-range", str(2**63 - 1), "--steps", "3", "--rollout-workers", "3"],
-                                  ["demo", "--a-range", str(2**63 - 1)]])
+                                  ["demo", "--a-range", str(2**63 - 1)],
+                                  ["train", "--hidden", "1024", "--layers", "4"]])
 def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
     # controls: the largest seed and thread count, and T = 2, pass
     monkeypatch.chdir(tmp_path)
@@ -768,3 +773,19 @@ def test_verify_child_flags_pass_as_run_child_gives_them(tmp_path, monkeypatch):
 
     cli.validate_args(cli.build_parser().parse_args(
         ["verify", "--model", str(tmp_path / "m"), "--kernels", "aligned", "--result", str(tmp_path / "r.json")]))
+
+
+@pytest.mark.parametrize("tiny,hidden,layers", [("moe", 128, 2), ("moe", 64, 1), ("dense", 128, 2), ("dense", 256, 3)])
+def test_tiny_parameter_count_is_the_built_models(tiny, hidden, layers, tmp_path):
+    """The memory check's count (torch-free) against the checkpoint runner.models.build_tiny writes."""
+    import math
+
+    from safetensors import safe_open
+
+    from aligned_ops.runner.config import tiny_parameter_count
+    from aligned_ops.runner.models import build_tiny
+
+    path = build_tiny(tiny, str(tmp_path / "m"), "bfloat16", 0, hidden, layers, 0.08)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert tiny_parameter_count(tiny, hidden, layers) == n

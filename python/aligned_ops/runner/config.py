@@ -18,6 +18,25 @@ from .task import REWARD_KINDS
 TINY_DENSE_HEADS = 4  # aligned_ops.models.tiny.DEFAULT_CONFIG["num_attention_heads"] (torch-free copy; tested equal)
 
 
+def tiny_parameter_count(tiny: str, hidden: int, layers: int) -> int:
+    """Parameters of the built-in tiny model (runner.models.build_tiny) at ``--hidden`` / ``--layers``, torch-free
+    (tests/test_cli_validation.py compares it with the built checkpoints): vocabulary 512, tied embeddings; dense:
+    Qwen2, 4 heads (2 KV), q/k/v biases, MLP 2·hidden; moe: Qwen3-MoE, 4 heads of 32 (2 KV), q/k norms, 8 experts of
+    hidden/2."""
+    if tiny == "moe":
+        per_layer = 12 * hidden * hidden + 394 * hidden + 64
+    else:
+        per_layer = 8 * hidden * hidden + 3 * hidden + 2 * (hidden // 2) * (hidden + 1)
+    return 513 * hidden + layers * per_layer
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def check_writable_folder(path: str) -> None:
     """``--out``: a folder this process can create and write. Created now (a bad path fails before the run), so it is
     the LAST check of a command's validation: a command refused for another flag leaves no folder behind. Where it
@@ -310,6 +329,16 @@ class RunConfig:
                               "a group of one has advantage 0, the run would never learn)")
         if self.hidden < 8 or self.hidden % 8:
             raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
+        memory = physical_memory_bytes()
+        if self.model is None and memory is not None:
+            # a floor (fp32 weights once; the learner also keeps masters and AdamW state): beyond the machine's
+            # memory the model build ended in an allocator traceback (--hidden 100000000) or ran for ever (--layers)
+            n = tiny_parameter_count(self.tiny, self.hidden, self.layers)
+            if 4 * n > memory:
+                raise ConfigError(
+                    f"--hidden {self.hidden} --layers {self.layers}: the built-in tiny {self.tiny} model would have "
+                    f"{n:.3g} parameters, {4 * n / 2**30:.3g} GiB in fp32 alone, more than this machine's "
+                    f"{memory / 2**30:.3g} GiB of memory (--model takes a checkpoint)")
         if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
             head = self.hidden // TINY_DENSE_HEADS
             if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
