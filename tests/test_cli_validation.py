@@ -439,6 +439,8 @@ PROBE_CASES = [
     (["train", "--hidden", "100000000"], "--hidden 100000000 --layers 2: the built-in tiny moe model would have"),
     (["demo", "--layers", "100000000"], "--hidden 128 --layers 100000000: the built-in tiny moe model"),
     (["train", "--tiny", "dense", "--hidden", "100000512"], "--hidden 100000512 --layers 2: the built-in tiny dense model would have"),
+    # probe s47: verify drew prompts until memory ran out (after the model build)
+    (["verify", "--num-prompts", "99999999999"], "--num-prompts 99999999999: the prompts' token ids alone take"),
     # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
     (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
     (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
@@ -458,7 +460,8 @@ def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypat
                                   ["demo", "--seed", "0", "--threads", "1"],
                                   ["train", "--a-range", str(2**63 - 1), "--steps", "3", "--rollout-workers", "3"],
                                   ["demo", "--a-range", str(2**63 - 1)],
-                                  ["train", "--hidden", "1024", "--layers", "4"]])
+                                  ["train", "--hidden", "1024", "--layers", "4"],
+                                  ["verify", "--num-prompts", "100000"]])
 def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
     # controls: the largest seed and thread count, and T = 2, pass
     monkeypatch.chdir(tmp_path)

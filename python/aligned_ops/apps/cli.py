@@ -88,6 +88,21 @@ def _check_linear_profile(args) -> None:
         raise UsageError(str(e)) from None
 
 
+def _check_prompts_fit(num_prompts: int) -> None:
+    """``verify --num-prompts``: the prompts' token ids (int64; apps.verify.PROMPT_LENGTHS in turn) fit in memory, a
+    floor of what the job holds (vLLM and the trainer hold them again): --num-prompts 99999999999 looped drawing
+    prompts until memory ran out, after the model build."""
+    from ..runner.config import physical_memory_bytes
+    from .verify import PROMPT_LENGTHS
+
+    memory = physical_memory_bytes()
+    cycles, rest = divmod(num_prompts, len(PROMPT_LENGTHS))
+    need = 8 * (cycles * sum(PROMPT_LENGTHS) + sum(PROMPT_LENGTHS[:rest]))
+    if memory is not None and need > memory:
+        raise UsageError(f"--num-prompts {num_prompts}: the prompts' token ids alone take {need / 2**30:.3g} GiB, more "
+                         f"than this machine's {memory / 2**30:.3g} GiB of memory")
+
+
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
     if args.command == "train":
@@ -123,6 +138,7 @@ def validate_args(args) -> None:
             raise UsageError("--result is the internal child run's flag: it needs --kernels")
         _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
+        _check_prompts_fit(args.num_prompts)
         _at_least(args, "--max-tokens", 1)
         check_temperature_flag(args.temperature)
     if args.model is not None:
