@@ -792,3 +792,15 @@ def test_tiny_parameter_count_is_the_built_models(tiny, hidden, layers, tmp_path
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert tiny_parameter_count(tiny, hidden, layers) == n
+
+
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+def test_linear_help_lists_every_profile(command, capsys):
+    # train's and demo's --linear help said "(fma, exact; ...)" while they take mma too (probe s47)
+    from aligned_ops.apps import cli
+    from aligned_ops.choices import PROFILE_NAMES
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(" + ", ".join(PROFILE_NAMES) + ";" in text, text[text.find("--linear"):][:300]
