@@ -804,3 +804,19 @@ def test_linear_help_lists_every_profile(command, capsys):
         cli.build_parser().parse_args([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(" + ", ".join(PROFILE_NAMES) + ";" in text, text[text.find("--linear"):][:300]
+
+
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+def test_extension_load_error_is_one_line_and_leaves_no_folder(command, tmp_path):
+    """A kernel level the CPU cannot run (ALIGNED_CPU_ISA) is the extension's one-line ImportError; the command
+    printed it as a 16-line traceback, exit 1, and train/demo left the --out folder validation had made (probe
+    s47). Now: that line, exit 2, no folder. The control is the same command's message naming the variable."""
+    argv = [command] + ([] if command == "verify" else ["--out", str(tmp_path / "a" / "b")])
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=dict(os.environ, ALIGNED_CPU_ISA="not-a-level"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0] == (f"aligned-ops {command}: error: aligned_ops: ALIGNED_CPU_ISA='not-a-level' is not a kernel "
+                        "level; use generic, avx2, avx512 or amx (or unset it)")
+    assert os.listdir(tmp_path) == []

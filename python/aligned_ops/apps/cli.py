@@ -188,16 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # said by the command they were given to, in one line (argparse: the top-level usage, then this)
         print(f"aligned-ops {args.command}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
         return 2
+    from .._extension import ExtensionLoadError  # torch-free until called
+    from ..runner.config import missing_folders, remove_empty_folders
+
+    out = getattr(args, "out", None)  # train / demo: validation creates it (its last check)
+    made = missing_folders(out) if out else []
     try:
         validate_args(args)
+        if args.command in ("demo", "train"):
+            pin_reproducible_env()
+        import aligned_ops
+
+        aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
     except UsageError as e:
         print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command in ("demo", "train"):
-        pin_reproducible_env()
-    import aligned_ops
-
-    aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
+    except ExtensionLoadError as e:  # the extension's own one-line reasons (a bad ALIGNED_CPU_ISA), after the
+        remove_empty_folders(made)   # flags passed: the --out folder validation made goes again
+        print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
     if args.command == "train":
         from . import train

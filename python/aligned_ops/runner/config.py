@@ -41,10 +41,7 @@ def check_writable_folder(path: str) -> None:
     """``--out``: a folder this process can create and write. Created now (a bad path fails before the run), so it is
     the LAST check of a command's validation: a command refused for another flag leaves no folder behind. Where it
     fails, the folders it made are removed again."""
-    made, parent = [], os.path.abspath(path)
-    while parent and not os.path.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent)
+    made = missing_folders(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
@@ -52,12 +49,26 @@ def check_writable_folder(path: str) -> None:
             pass
         os.remove(probe)
     except OSError as e:
-        for d in made:  # deepest first; only the empty folders this call created
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+        remove_empty_folders(made)
         raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders of ``path`` that do not exist yet, deepest first (what creating it would make)."""
+    made, parent = [], os.path.abspath(path)
+    while parent and not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    return made
+
+
+def remove_empty_folders(made: list[str]) -> None:
+    """Undo :func:`check_writable_folder` for the folders :func:`missing_folders` listed: only the empty ones."""
+    for d in made:  # deepest first
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 # What learner_main's checkpoint (loop.py) holds; --resume reads all of it.
 CHECKPOINT_KEYS = ("step", "metrics_offset", "policy", "history", "rng")
