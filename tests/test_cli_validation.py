@@ -441,6 +441,9 @@ PROBE_CASES = [
     (["train", "--tiny", "dense", "--hidden", "100000512"], "--hidden 100000512 --layers 2: the built-in tiny dense model would have"),
     # probe s47: verify drew prompts until memory ran out (after the model build)
     (["verify", "--num-prompts", "99999999999"], "--num-prompts 99999999999: the prompts' token ids alone take"),
+    # probe s47: a batch of 10**23 prompts started the run (the workers' draw failed after the warm-up)
+    (["train", "--prompts", str(10**23)], f"--prompts {10**23} x --samples 4: one batch's prompt token ids alone"),
+    (["demo", "--samples", str(10**23)], f"--prompts 64 x --samples {10**23}: one batch's prompt token ids alone"),
     # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
     (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
     (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
@@ -461,7 +464,8 @@ def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypat
                                   ["train", "--a-range", str(2**63 - 1), "--steps", "3", "--rollout-workers", "3"],
                                   ["demo", "--a-range", str(2**63 - 1)],
                                   ["train", "--hidden", "1024", "--layers", "4"],
-                                  ["verify", "--num-prompts", "100000"]])
+                                  ["verify", "--num-prompts", "100000"],
+                                  ["train", "--prompts", "4096", "--samples", "64"]])
 def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
     # controls: the largest seed and thread count, and T = 2, pass
     monkeypatch.chdir(tmp_path)

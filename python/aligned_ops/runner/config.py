@@ -341,6 +341,13 @@ class RunConfig:
         if self.hidden < 8 or self.hidden % 8:
             raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
         memory = physical_memory_bytes()
+        # a batch's prompt token ids (int64, "a+b=" each: the digits of a, "+", one digit, "="), which the learner,
+        # the queue and the engine all hold: a floor; --prompts 10**23 ran until a worker's draw failed
+        batch_bytes = 8 * self.prompts * self.samples * (len(str(self.a_range - 1)) + 3)
+        if memory is not None and batch_bytes > memory:
+            raise ConfigError(f"--prompts {self.prompts} x --samples {self.samples}: one batch's prompt token ids alone "
+                              f"take {batch_bytes / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB "
+                              "of memory")
         if self.model is None and memory is not None:
             # a floor (fp32 weights once; the learner also keeps masters and AdamW state): beyond the machine's
             # memory the model build ended in an allocator traceback (--hidden 100000000) or ran for ever (--layers)
