@@ -111,6 +111,29 @@ def test_help_and_argparse_errors_do_not_load_torch(argv):
     assert not _imported(proc.stderr, "torch")
 
 
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+@pytest.mark.parametrize("what", ["missing", "file", "no_config", "config"])
+def test_model_folder_check_loads_torch_only_for_a_config_it_reads(command, what, tmp_path):
+    """A --model that is no checkpoint folder (missing, a file, no config.json) is refused from the file system
+    alone, torch-free (probe s47: `verify --model /nonexistent` took 3.4 s, the integrations package imported torch
+    before the folder was looked at; cli.check_model_dir says "well under a second"). Control: a config.json is
+    checked by the integrations' rules, which load torch (here one they refuse: a qwen2 naming Llama's class)."""
+    model = {"missing": tmp_path / "nope", "file": tmp_path / "f", "no_config": tmp_path / "empty",
+             "config": tmp_path / "m"}[what]
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(QWEN2, architectures=["LlamaForCausalLM"])))
+    argv = [command, "--model", str(model)] + ([] if command == "verify" else ["--out", str(tmp_path / "out")])
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "aligned_ops.apps.cli", *argv],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if not x.startswith("import time:")]
+    assert len(line) == 1 and line[0].startswith(f"aligned-ops {command}: error: ") and "--model" in line[0], line
+    assert _imported(proc.stderr, "aligned_ops")
+    assert _imported(proc.stderr, "torch") == (what == "config")
+
+
 def test_library_import_still_registers_the_ops_at_once():
     """The deferral is for the command only: `import aligned_ops` anywhere else registers torch.ops.aligned.* at
     import, and in the command's process the first attribute read (or aligned_ops.ops) loads everything."""
@@ -406,6 +429,25 @@ PROBE_CASES = [
     (["verify", "--seed", "99999999999999999999999"], "--seed must be <= 4294967295"),
     (["verify", "--threads", "99999999999999999999"], "--threads must be <= 1024"),
     (["train", "--threads", "1025"], "--threads must be <= 1024, got 1025"),
+    # probe s47: torch.randint's bound is an int64 (a traceback "Overflow when unpacking long long" after the
+    # model build); a worker past --steps generates nothing (100000 workers started 100000 engines)
+    (["train", "--a-range", str(2**63)], f"--a-range must be <= {2**63 - 1}, got {2**63}"),
+    (["demo", "--a-range", "10000000000000000000000"], f"--a-range must be <= {2**63 - 1}"),
+    (["train", "--rollout-workers", "100000"], "--rollout-workers 100000 must be <= --steps 60"),
+    (["train", "--steps", "3", "--rollout-workers", "4"], "--rollout-workers 4 must be <= --steps 3"),
+    # probe s47: the built-in model's build ran out of memory (an allocator traceback after 16 s) or never ended
+    (["train", "--hidden", "100000000"], "--hidden 100000000 --layers 2: the built-in tiny moe model would have"),
+    (["demo", "--layers", "100000000"], "--hidden 128 --layers 100000000: the built-in tiny moe model"),
+    (["train", "--tiny", "dense", "--hidden", "100000512"], "--hidden 100000512 --layers 2: the built-in tiny dense model would have"),
+    # probe s47: verify drew prompts until memory ran out (after the model build)
+    (["verify", "--num-prompts", "99999999999"], "--num-prompts 99999999999: the prompts' token ids alone take"),
+    # probe s47: a batch of 10**23 prompts started the run (the workers' draw failed after the warm-up)
+    (["train", "--prompts", str(10**23)], f"--prompts {10**23} x --samples 4: one batch's prompt token ids alone"),
+    (["demo", "--samples", str(10**23)], f"--prompts 64 x --samples {10**23}: one batch's prompt token ids alone"),
+    # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
+    (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
+    (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
+    (["verify", "--result", "r.json"], "--result is the internal child run's flag: it needs --kernels"),
 ]
 
 
@@ -418,7 +460,12 @@ def test_probe_flags_refused_up_front(argv, message, tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("argv", [["train", "--seed", str(2**32 - 1), "--threads", "1024", "--temperature", "2"],
-                                  ["demo", "--seed", "0", "--threads", "1"]])
+                                  ["demo", "--seed", "0", "--threads", "1"],
+                                  ["train", "--a-range", str(2**63 - 1), "--steps", "3", "--rollout-workers", "3"],
+                                  ["demo", "--a-range", str(2**63 - 1)],
+                                  ["train", "--hidden", "1024", "--layers", "4"],
+                                  ["verify", "--num-prompts", "100000"],
+                                  ["train", "--prompts", "4096", "--samples", "64"]])
 def test_probe_bounds_accept_their_limits(argv, tmp_path, monkeypatch):
     # controls: the largest seed and thread count, and T = 2, pass
     monkeypatch.chdir(tmp_path)
@@ -722,3 +769,58 @@ def test_run_killed_before_its_first_checkpoint_says_what_to_do(resume, tmp_path
     assert_one_line(rc, o, err, f"--out {out} holds a run with no checkpoint (interrupted before its first save",
                     "remove that folder or choose another --out")
     assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"]  # nothing deleted
+
+
+def test_verify_child_flags_pass_as_run_child_gives_them(tmp_path, monkeypatch):
+    # control of the --kernels / --result refusals: the parent's child command line (common.run_child) passes
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN2))
+    from aligned_ops.apps import cli
+
+    cli.validate_args(cli.build_parser().parse_args(
+        ["verify", "--model", str(tmp_path / "m"), "--kernels", "aligned", "--result", str(tmp_path / "r.json")]))
+
+
+@pytest.mark.parametrize("tiny,hidden,layers", [("moe", 128, 2), ("moe", 64, 1), ("dense", 128, 2), ("dense", 256, 3)])
+def test_tiny_parameter_count_is_the_built_models(tiny, hidden, layers, tmp_path):
+    """The memory check's count (torch-free) against the checkpoint runner.models.build_tiny writes."""
+    import math
+
+    from safetensors import safe_open
+
+    from aligned_ops.runner.config import tiny_parameter_count
+    from aligned_ops.runner.models import build_tiny
+
+    path = build_tiny(tiny, str(tmp_path / "m"), "bfloat16", 0, hidden, layers, 0.08)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert tiny_parameter_count(tiny, hidden, layers) == n
+
+
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+def test_linear_help_lists_every_profile(command, capsys):
+    # train's and demo's --linear help said "(fma, exact; ...)" while they take mma too (probe s47)
+    from aligned_ops.apps import cli
+    from aligned_ops.choices import PROFILE_NAMES
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(" + ", ".join(PROFILE_NAMES) + ";" in text, text[text.find("--linear"):][:300]
+
+
+@pytest.mark.parametrize("command", ["verify", "train", "demo"])
+def test_extension_load_error_is_one_line_and_leaves_no_folder(command, tmp_path):
+    """A kernel level the CPU cannot run (ALIGNED_CPU_ISA) is the extension's one-line ImportError; the command
+    printed it as a 16-line traceback, exit 1, and train/demo left the --out folder validation had made (probe
+    s47). Now: that line, exit 2, no folder. The control is the same command's message naming the variable."""
+    argv = [command] + ([] if command == "verify" else ["--out", str(tmp_path / "a" / "b")])
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=dict(os.environ, ALIGNED_CPU_ISA="not-a-level"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0] == (f"aligned-ops {command}: error: aligned_ops: ALIGNED_CPU_ISA='not-a-level' is not a kernel "
+                        "level; use generic, avx2, avx512 or amx (or unset it)")
+    assert os.listdir(tmp_path) == []

@@ -7,6 +7,11 @@ from __future__ import annotations
 import importlib
 
 
+class ExtensionLoadError(ImportError):
+    """The extension cannot load here (not built, built for another torch, an ALIGNED_CPU_ISA this CPU cannot run):
+    one line saying what to do. The ``aligned-ops`` command prints it as its one-line error."""
+
+
 def load_extension() -> None:
     """Import ``_C`` after checking it was built for the installed torch; idempotent (Python caches modules)."""
     import torch
@@ -14,12 +19,12 @@ def load_extension() -> None:
     try:
         from ._build_info import TORCH_VERSION as BUILT_WITH_TORCH
     except ImportError as e:  # pragma: no cover - source checkout without a build
-        raise ImportError(
+        raise ExtensionLoadError(
             "aligned_ops is not built: run `pip install --no-build-isolation .` (or the cmake dev build, see "
             "DESIGN.md) against the installed torch"
         ) from e
     if BUILT_WITH_TORCH != torch.__version__:
-        raise ImportError(
+        raise ExtensionLoadError(
             f"aligned_ops was built against torch {BUILT_WITH_TORCH} but torch {torch.__version__} is installed; "
             "torch's C++ ABI changes between versions: rebuild with `pip install --no-build-isolation .`"
         )
@@ -33,4 +38,4 @@ def load_extension() -> None:
     try:
         torch.ops.aligned._cpu_isa()
     except RuntimeError as _e:
-        raise ImportError(str(_e).splitlines()[0]) from None
+        raise ExtensionLoadError(str(_e).splitlines()[0]) from None

@@ -88,6 +88,21 @@ def _check_linear_profile(args) -> None:
         raise UsageError(str(e)) from None
 
 
+def _check_prompts_fit(num_prompts: int) -> None:
+    """``verify --num-prompts``: the prompts' token ids (int64; apps.verify.PROMPT_LENGTHS in turn) fit in memory, a
+    floor of what the job holds (vLLM and the trainer hold them again): --num-prompts 99999999999 looped drawing
+    prompts until memory ran out, after the model build."""
+    from ..runner.config import physical_memory_bytes
+    from .verify import PROMPT_LENGTHS
+
+    memory = physical_memory_bytes()
+    cycles, rest = divmod(num_prompts, len(PROMPT_LENGTHS))
+    need = 8 * (cycles * sum(PROMPT_LENGTHS) + sum(PROMPT_LENGTHS[:rest]))
+    if memory is not None and need > memory:
+        raise UsageError(f"--num-prompts {num_prompts}: the prompts' token ids alone take {need / 2**30:.3g} GiB, more "
+                         f"than this machine's {memory / 2**30:.3g} GiB of memory")
+
+
 def validate_args(args) -> None:
     """Every flag checked up front (the runs take minutes; a bad value must not surface at the end)."""
     if args.command == "train":
@@ -115,8 +130,15 @@ def validate_args(args) -> None:
     _at_least(args, "--seed", 0)
     _at_most(args, "--seed", MAX_SEED)
     if args.command == "verify":
+        # the hidden pair a child run gets from its parent (common.run_child: --model, --kernels K --result PATH)
+        if args.kernels is not None and (args.result is None or args.model is None):
+            raise UsageError("--kernels is the internal child run's flag: it needs --model and --result (run "
+                             "`aligned-ops verify` without it for both kernel sets)")
+        if args.result is not None and args.kernels is None:
+            raise UsageError("--result is the internal child run's flag: it needs --kernels")
         _check_linear_profile(args)
         _at_least(args, "--num-prompts", 1)
+        _check_prompts_fit(args.num_prompts)
         _at_least(args, "--max-tokens", 1)
         check_temperature_flag(args.temperature)
     if args.model is not None:
@@ -166,16 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # said by the command they were given to, in one line (argparse: the top-level usage, then this)
         print(f"aligned-ops {args.command}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
         return 2
+    from .._extension import ExtensionLoadError  # torch-free until called
+    from ..runner.config import missing_folders, remove_empty_folders
+
+    out = getattr(args, "out", None)  # train / demo: validation creates it (its last check)
+    made = missing_folders(out) if out else []
     try:
         validate_args(args)
+        if args.command in ("demo", "train"):
+            pin_reproducible_env()
+        import aligned_ops
+
+        aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
     except UsageError as e:
         print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command in ("demo", "train"):
-        pin_reproducible_env()
-    import aligned_ops
-
-    aligned_ops.load()  # deferred in this process until the flags were checked (aligned_ops/__init__.py)
+    except ExtensionLoadError as e:  # the extension's own one-line reasons (a bad ALIGNED_CPU_ISA), after the
+        remove_empty_folders(made)   # flags passed: the --out folder validation made goes again
+        print(f"aligned-ops {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
     if args.command == "train":
         from . import train

@@ -25,7 +25,7 @@ FLAGS = [
     ("--model", dict(metavar="DIR", help="a local Qwen2/Qwen3/Llama (or Qwen2/Qwen3-MoE) checkpoint; default: the "
                                          "built-in tiny model (--tiny), taught the task by --sft-steps first")),
     ("--linear", dict(metavar="PROFILE", help="aligned kernels: the linear numerics profile of both sides, a name "
-                                              "from aligned_ops.profiles (fma, exact; default: ALIGNED_OPS_LINEAR, "
+                                              "from aligned_ops.profiles (fma, exact, mma; default: ALIGNED_OPS_LINEAR, "
                                               "else fma)")),
     ("--tiny", dict(choices=TINY_MODELS, help="built-in tiny model: a Qwen3-MoE (8 experts, top-2) or a dense Qwen2")),
     ("--dtype", dict(choices=["bfloat16", "float32", "float16"])),

@@ -18,14 +18,30 @@ from .task import REWARD_KINDS
 TINY_DENSE_HEADS = 4  # aligned_ops.models.tiny.DEFAULT_CONFIG["num_attention_heads"] (torch-free copy; tested equal)
 
 
+def tiny_parameter_count(tiny: str, hidden: int, layers: int) -> int:
+    """Parameters of the built-in tiny model (runner.models.build_tiny) at ``--hidden`` / ``--layers``, torch-free
+    (tests/test_cli_validation.py compares it with the built checkpoints): vocabulary 512, tied embeddings; dense:
+    Qwen2, 4 heads (2 KV), q/k/v biases, MLP 2·hidden; moe: Qwen3-MoE, 4 heads of 32 (2 KV), q/k norms, 8 experts of
+    hidden/2."""
+    if tiny == "moe":
+        per_layer = 12 * hidden * hidden + 394 * hidden + 64
+    else:
+        per_layer = 8 * hidden * hidden + 3 * hidden + 2 * (hidden // 2) * (hidden + 1)
+    return 513 * hidden + layers * per_layer
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def check_writable_folder(path: str) -> None:
     """``--out``: a folder this process can create and write. Created now (a bad path fails before the run), so it is
     the LAST check of a command's validation: a command refused for another flag leaves no folder behind. Where it
     fails, the folders it made are removed again."""
-    made, parent = [], os.path.abspath(path)
-    while parent and not os.path.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent)
+    made = missing_folders(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".aligned-ops-write-test-{os.getpid()}")
@@ -33,12 +49,26 @@ def check_writable_folder(path: str) -> None:
             pass
         os.remove(probe)
     except OSError as e:
-        for d in made:  # deepest first; only the empty folders this call created
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+        remove_empty_folders(made)
         raise ConfigError(f"--out {path}: cannot create or write this folder ({e.strerror or e})") from None
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders of ``path`` that do not exist yet, deepest first (what creating it would make)."""
+    made, parent = [], os.path.abspath(path)
+    while parent and not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    return made
+
+
+def remove_empty_folders(made: list[str]) -> None:
+    """Undo :func:`check_writable_folder` for the folders :func:`missing_folders` listed: only the empty ones."""
+    for d in made:  # deepest first
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 # What learner_main's checkpoint (loop.py) holds; --resume reads all of it.
 CHECKPOINT_KEYS = ("step", "metrics_offset", "policy", "history", "rng")
@@ -167,6 +197,8 @@ def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None =
 # these runs use. The same bounds for verify, train and demo (their --help states them).
 MAX_SEED = 2**32 - 1
 MAX_THREADS = 1024
+# --a-range: the task draws a < A with torch.randint (the supervised warm-up) and numpy's integers, int64 bounds
+MAX_A_RANGE = 2**63 - 1
 
 MODES = ("sync", "async")
 KERNEL_SETS = ("standard", "aligned")
@@ -288,6 +320,10 @@ class RunConfig:
             _at_least(name, getattr(self, name), 0)
         _at_most("seed", self.seed, MAX_SEED)
         _at_most("threads", self.threads, MAX_THREADS)
+        _at_most("a_range", self.a_range, MAX_A_RANGE)
+        if self.rollout_workers > self.steps:  # worker w generates batches w, w + W, ...: one past --steps makes none
+            raise ConfigError(f"--rollout-workers {self.rollout_workers} must be <= --steps {self.steps}: worker w "
+                              "generates batches w, w + W, ..., so a worker beyond the steps would only start an engine")
         for name in ("lr", "clip_c", "router_scale", "sft_lr", "logit_scale"):
             _positive(name, getattr(self, name))
         check_temperature_flag(self.temperature)
@@ -304,6 +340,23 @@ class RunConfig:
                               "a group of one has advantage 0, the run would never learn)")
         if self.hidden < 8 or self.hidden % 8:
             raise ConfigError(f"--hidden must be a positive multiple of 8 (4 heads of an even head_dim), got {self.hidden}")
+        memory = physical_memory_bytes()
+        # a batch's prompt token ids (int64, "a+b=" each: the digits of a, "+", one digit, "="), which the learner,
+        # the queue and the engine all hold: a floor; --prompts 10**23 ran until a worker's draw failed
+        batch_bytes = 8 * self.prompts * self.samples * (len(str(self.a_range - 1)) + 3)
+        if memory is not None and batch_bytes > memory:
+            raise ConfigError(f"--prompts {self.prompts} x --samples {self.samples}: one batch's prompt token ids alone "
+                              f"take {batch_bytes / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB "
+                              "of memory")
+        if self.model is None and memory is not None:
+            # a floor (fp32 weights once; the learner also keeps masters and AdamW state): beyond the machine's
+            # memory the model build ended in an allocator traceback (--hidden 100000000) or ran for ever (--layers)
+            n = tiny_parameter_count(self.tiny, self.hidden, self.layers)
+            if 4 * n > memory:
+                raise ConfigError(
+                    f"--hidden {self.hidden} --layers {self.layers}: the built-in tiny {self.tiny} model would have "
+                    f"{n:.3g} parameters, {4 * n / 2**30:.3g} GiB in fp32 alone, more than this machine's "
+                    f"{memory / 2**30:.3g} GiB of memory (--model takes a checkpoint)")
         if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
             head = self.hidden // TINY_DENSE_HEADS
             if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
@@ -421,8 +474,8 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     ``stock_engine``, for a head size vLLM-CPU's own attention takes."""
     from types import SimpleNamespace
 
-    from ..integrations import check_hf_config
-
+    # the folder and its JSON first, torch-free: a wrong --model fails in well under a second (the integrations
+    # package loads torch, ~2-3 s)
     if os.path.isfile(path):
         raise ConfigError(f"--model {path}: is a file; --model takes the checkpoint folder (the one holding "
                           "config.json and the weights)")
@@ -448,6 +501,8 @@ def read_model_config(path: str, stock_engine: bool = True) -> dict:
     if not cfg.get("architectures"):  # absent, null or []
         raise ConfigError(f"--model {path}: config.json has no architectures (e.g. [\"Qwen2ForCausalLM\"]: the "
                           "model class both sides build)")
+    from ..integrations import check_hf_config
+
     fields = SimpleNamespace(**cfg)
     _fill_class_defaults(fields, model_type)
     try:
