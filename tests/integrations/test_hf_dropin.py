@@ -354,6 +354,28 @@ def test_entropy_rows_do_not_depend_on_the_row_count_for_any_vocab():
         assert not bitwise_equal(_entropy(z, 1.1), batch)  # control
 
 
+@pytest.mark.parametrize("vocab", [32_768 + 7, 151_936])
+def test_entropy_of_a_lone_row_does_not_depend_on_threads(vocab):
+    # Past torch's grain size (32768 elements) torch.sum splits a lone row's sum across threads: with two threads
+    # the entropy of a row alone differed from the same row in a batch and from one thread (151936: 6 of 8 rows).
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(8, vocab, generator=g).to(torch.bfloat16) * 4
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _entropy(z, 0.8)
+        torch.set_num_threads(2)
+        two = _entropy(z, 0.8)
+        lone = torch.cat([_entropy(z[r:r + 1], 0.8) for r in range(z.shape[0])])
+    finally:
+        torch.set_num_threads(prev)
+    assert_bitwise_equal(two, one)
+    assert_bitwise_equal(lone, one)
+    ref = -(torch.softmax(z.double() / 0.8, -1) * torch.log_softmax(z.double() / 0.8, -1)).sum(-1)
+    torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not bitwise_equal(_entropy(z, 0.9), one)  # control
+
+
 # ---- packed rows marked by position_ids restarts ------------------------------------------------------------
 
 

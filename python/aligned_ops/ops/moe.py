@@ -192,7 +192,8 @@ def _mlp_backward(x, w13, w2, gy, profile=EXPERT_PROFILES[0]):
 def _row_sums(v: torch.Tensor) -> torch.Tensor:
     """``[n, H]`` fp32 -> ``[n]``: each row's sum in the linear contract's order (moe.h, "experts backward": the
     8 lanes of fma chains against ones, tree-combined; contract.h), row-local — not ``torch.sum``, whose order
-    depends on the thread count and on how many rows share the call once H > 32768 (it splits a lone row)."""
+    depends on the thread count and on how many rows share the call once H > 32768 (it splits a lone row). Also
+    the patched HF forward's entropy (``integrations.hf._entropy``)."""
     ones = torch.ones((1, v.shape[1]), dtype=torch.float32, device=v.device)
     return ops.linear(v.contiguous(), ones, None)[:, 0]
 
