@@ -189,7 +189,7 @@ def _mlp_backward(x, w13, w2, gy, profile=EXPERT_PROFILES[0]):
     return y, dx, dw13, dw2
 
 
-def _row_sums(v: torch.Tensor) -> torch.Tensor:
+def row_sums(v: torch.Tensor) -> torch.Tensor:
     """``[n, H]`` fp32 -> ``[n]``: each row's sum in the linear contract's order (moe.h, "experts backward": the
     8 lanes of fma chains against ones, tree-combined; contract.h), row-local — not ``torch.sum``, whose order
     depends on the thread count and on how many rows share the call once H > 32768 (it splits a lone row). Also
@@ -248,7 +248,7 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
         gt = g.index_select(0, tok)
         y, dxe, dw13e, dw2e = _mlp_backward(x.index_select(0, tok).contiguous(), w13[e], w2[e], wv[:, None] * gt,
                                             linear_profile)
-        dtw[tok, rank] = _row_sums(gt * y)
+        dtw[tok, rank] = row_sums(gt * y)
         dx.index_add_(0, tok, dxe)
         dw13[e] = dw13e
         dw2[e] = dw2e
@@ -263,7 +263,7 @@ def _experts_backward_impl(grad, x, tw, ids, w13, w2, sw13=None, sw2=None, sgate
         ys, dxs, dsw13, dsw2 = _mlp_backward(x, sw13, sw2, gate * g, linear_profile)
         dx += dxs
         if sgate is not None:
-            dlogit = _row_sums(g * ys)[:, None] * (gate * (1.0 - gate))
+            dlogit = row_sums(g * ys)[:, None] * (gate * (1.0 - gate))
             dxg, dgate, _ = ops.linear_backward(dlogit.contiguous(), x.float(), sgate.reshape(1, H).float(),
                                                 True, True, False)
             dx += dxg
