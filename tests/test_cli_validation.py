@@ -444,6 +444,11 @@ PROBE_CASES = [
     # probe s47: a batch of 10**23 prompts started the run (the workers' draw failed after the warm-up)
     (["train", "--prompts", str(10**23)], f"--prompts {10**23} x --samples 4: one batch's prompt token ids alone"),
     (["demo", "--samples", str(10**23)], f"--prompts 64 x --samples {10**23}: one batch's prompt token ids alone"),
+    # review 125: 400-digit values overflowed the float formatting of these messages (OverflowError traceback)
+    (["train", "--hidden", str(8 * 10**400)], "the built-in tiny moe model would have ~1e"),
+    (["demo", "--layers", str(10**400)], "GiB in fp32 alone, more than this machine's"),
+    (["train", "--prompts", str(8 * 10**400)], "one batch's prompt token ids alone take ~1e"),
+    (["verify", "--num-prompts", str(8 * 10**400)], "the prompts' token ids alone take ~1e"),
     # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
     (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
     (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),
@@ -824,3 +829,29 @@ def test_extension_load_error_is_one_line_and_leaves_no_folder(command, tmp_path
     assert lines[0] == (f"aligned-ops {command}: error: aligned_ops: ALIGNED_CPU_ISA='not-a-level' is not a kernel "
                         "level; use generic, avx2, avx512 or amx (or unset it)")
     assert os.listdir(tmp_path) == []
+
+
+def test_an_extension_that_cannot_load_is_one_line(tmp_path):
+    """A truncated / mismatched ``_C`` (import_module's own ImportError: "file too short", "undefined symbol") was a
+    traceback, exit 1, and left the --out folder (review 125): now the extension's one line, exit 2, no folder.
+    A copy of the package with a garbage ``_C.abi3.so``; control: the same copy's _build_info check still runs first
+    (the line names the compiled extension, not the build info)."""
+    import shutil
+
+    import aligned_ops
+
+    pkg = tmp_path / "site" / "aligned_ops"
+    shutil.copytree(os.path.dirname(aligned_ops.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (pkg / "_C.abi3.so").write_bytes(b"not an ELF file")
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "aligned_ops.apps.cli", "train", "--out", str(run / "a" / "b")],
+                          capture_output=True, text=True, timeout=120, cwd=run,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("aligned-ops train: error: aligned_ops: the compiled extension cannot load ("), lines[0]
+    assert "rebuild it with `pip install --no-build-isolation .`" in lines[0]
+    assert os.listdir(run) == []

@@ -31,7 +31,12 @@ def load_extension() -> None:
 
     # _C registers the ops. By name: an extension module is no node of the package's Python import graph
     # (tests/test_import_graph.py would read "from . import _C" as an edge back to the package).
-    importlib.import_module(__package__ + "._C")
+    try:
+        importlib.import_module(__package__ + "._C")
+    except ImportError as e:  # a missing, truncated or mismatched .so ("undefined symbol", "file too short")
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ExtensionLoadError(f"aligned_ops: the compiled extension cannot load ({first}); rebuild it with "
+                                 "`pip install --no-build-isolation .` against the installed torch") from e
 
     # The CPU kernel level is chosen once, in C++ (csrc/cpu/cpu_backend.h); an ALIGNED_CPU_ISA that names no level
     # (or one this CPU cannot run) fails here, at import, with the backend's own words, not at the first op.
