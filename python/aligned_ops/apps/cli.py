@@ -92,15 +92,15 @@ def _check_prompts_fit(num_prompts: int) -> None:
     """``verify --num-prompts``: the prompts' token ids (int64; apps.verify.PROMPT_LENGTHS in turn) fit in memory, a
     floor of what the job holds (vLLM and the trainer hold them again): --num-prompts 99999999999 looped drawing
     prompts until memory ran out, after the model build."""
-    from ..runner.config import physical_memory_bytes
+    from ..runner.config import approx, physical_memory_bytes
     from .verify import PROMPT_LENGTHS
 
     memory = physical_memory_bytes()
     cycles, rest = divmod(num_prompts, len(PROMPT_LENGTHS))
     need = 8 * (cycles * sum(PROMPT_LENGTHS) + sum(PROMPT_LENGTHS[:rest]))
     if memory is not None and need > memory:
-        raise UsageError(f"--num-prompts {num_prompts}: the prompts' token ids alone take {need / 2**30:.3g} GiB, more "
-                         f"than this machine's {memory / 2**30:.3g} GiB of memory")
+        raise UsageError(f"--num-prompts {num_prompts}: the prompts' token ids alone take {approx(need, 2**30)} "
+                         f"GiB, more than this machine's {approx(memory, 2**30)} GiB of memory")
 
 
 def validate_args(args) -> None:

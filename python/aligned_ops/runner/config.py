@@ -107,6 +107,17 @@ def _short(value) -> str:
     return f"a value of type {type(value).__name__}"
 
 
+def approx(num: int, den: int = 1) -> str:
+    """``num / den`` (integers of any size) to 3 significant digits for a message: a flag of 400 digits made
+    ``f"{n:.3g}"`` and ``n / 2**30`` overflow a float, a traceback instead of the flag's one line."""
+    from fractions import Fraction
+
+    x = Fraction(num, den)
+    if abs(x) < 10**300:
+        return f"{float(x):.3g}"
+    return f"~1e{len(str(abs(int(x)))) - 1}"
+
+
 def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
                           metrics_path: str | None = None) -> int:
     """``--resume``: ``path`` (checkpoint/state.pt) is a whole checkpoint of this runner, read torch-free before the
@@ -346,7 +357,7 @@ class RunConfig:
         batch_bytes = 8 * self.prompts * self.samples * (len(str(self.a_range - 1)) + 3)
         if memory is not None and batch_bytes > memory:
             raise ConfigError(f"--prompts {self.prompts} x --samples {self.samples}: one batch's prompt token ids alone "
-                              f"take {batch_bytes / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB "
+                              f"take {approx(batch_bytes, 2**30)} GiB, more than this machine's {approx(memory, 2**30)} GiB "
                               "of memory")
         if self.model is None and memory is not None:
             # a floor (fp32 weights once; the learner also keeps masters and AdamW state): beyond the machine's
@@ -355,8 +366,8 @@ class RunConfig:
             if 4 * n > memory:
                 raise ConfigError(
                     f"--hidden {self.hidden} --layers {self.layers}: the built-in tiny {self.tiny} model would have "
-                    f"{n:.3g} parameters, {4 * n / 2**30:.3g} GiB in fp32 alone, more than this machine's "
-                    f"{memory / 2**30:.3g} GiB of memory (--model takes a checkpoint)")
+                    f"{approx(n)} parameters, {approx(4 * n, 2**30)} GiB in fp32 alone, more than this machine's "
+                    f"{approx(memory, 2**30)} GiB of memory (--model takes a checkpoint)")
         if self.model is None and self.tiny == "dense":  # the tiny MoE has head_dim 32 at any --hidden
             head = self.hidden // TINY_DENSE_HEADS
             if head not in VLLM_CPU_ATTENTION_HEAD_SIZES:
