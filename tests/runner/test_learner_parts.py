@@ -35,3 +35,26 @@ def test_head_scope_is_after_the_last_router():
     assert not downstream_of_last_router("model.layers.1.self_attn.q_proj.weight", 2)  # feeds the last router
     assert not downstream_of_last_router("model.layers.0.mlp.experts.down_proj", 2)
     assert is_router("model.layers.0.mlp.gate.weight") and not is_router("model.layers.0.mlp.gate_proj.weight")
+
+
+def test_policy_scores_a_checkpoint_whose_config_says_return_dict_false(tmp_path):
+    # review 125: a --model checkpoint with "return_dict": false in config.json (accepted by the config checks) made
+    # the learner's call return HF's tuple: AttributeError 'tuple' object has no attribute 'logprobs' after the
+    # model build. Control: the same checkpoint without it gives the same bits. (The stock path cannot be checked:
+    # transformers 5.19's own Qwen2ForCausalLM fails on such a config even with return_dict=True — its backbone
+    # call reads the config and returns a tuple.)
+    import json
+
+    from aligned_ops.runner.learner import Policy
+    from aligned_ops.testing import assert_bitwise_equal
+    from aligned_ops.testing.tiny_model import build_tiny_qwen2
+
+    path = build_tiny_qwen2(tmp_path / "m", torch.float32, seed=2)
+    seqs, starts = [list(range(3, 12)), list(range(5, 10))], [4, 2]
+    want = Policy(path, "float32", True).logprobs(seqs, starts, 0)[0].detach()
+    cfg = json.load(open(f"{path}/config.json"))
+    cfg["return_dict"] = False
+    json.dump(cfg, open(f"{path}/config.json", "w"))
+    policy = Policy(path, "float32", True)
+    assert policy.model.config.return_dict is False
+    assert_bitwise_equal(policy.logprobs(seqs, starts, 0)[0].detach(), want)

@@ -81,7 +81,7 @@ class Policy:
         experts = None
         if self.aligned:
             out = self.model(ids, attention_mask=attn, completion_mask=comp, temperature=self.temperature,
-                             return_logits=False, return_routing=routing and self.moe)
+                             return_logits=False, return_routing=routing and self.moe, return_dict=True)
             lp = out.logprobs
             if routing and self.moe:
                 experts = _shift_routes(out.routed_experts, sequences)

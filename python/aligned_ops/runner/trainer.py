@@ -16,7 +16,7 @@ def stock_completion_logprobs(model, input_ids, attention_mask, completion_mask,
 
     temperature = effective_temperature(temperature)
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).logits.float()
     lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
     out = torch.zeros(input_ids.shape, dtype=torch.float32)
     out[:, 1:] = lp
