@@ -409,7 +409,7 @@ def test_position_ids_are_used_with_cu_seqlens(model):
     with torch.no_grad():
         base = completion_logprobs(model, packed, cm, cu_seqlens=cu)
         same = model(packed, cu_seqlens=cu, position_ids=default, completion_mask=cm).logprobs
-        with pytest.raises(ValueError, match="position_ids: a sequence starts at position 5, not 0"):
+        with pytest.raises(ValueError, match="position_ids: sequence 0 starts at position 5, not 0"):
             model(packed, cu_seqlens=cu, position_ids=default + 5, completion_mask=cm)
         with pytest.raises(ValueError, match="position_ids restart at 0 inside a sequence of cu_seqlens"):
             model(packed, cu_seqlens=cu, position_ids=torch.cat([torch.arange(4), torch.arange(10)]),

@@ -216,15 +216,24 @@ def test_a_sequence_must_start_at_position_0(model):
     pos = torch.arange(16)[None]
     with torch.no_grad():
         model(ids, position_ids=pos)  # control: the whole sequence
-        with pytest.raises(ValueError, match="position_ids: a sequence starts at position 8, not 0"):
+        with pytest.raises(ValueError, match="position_ids: sequence 0 starts at position 8, not 0"):
             model(ids[:, 8:], position_ids=pos[:, 8:], labels=ids[:, 8:])
-        with pytest.raises(ValueError, match="a sequence starts at position 3"):
+        with pytest.raises(ValueError, match="sequence 0 starts at position 3"):
             model.model(ids[:, 3:], position_ids=pos[:, 3:])
         # packed rows: every packed sequence restarts at 0 (control), a row starting elsewhere is refused
         packed = torch.cat([torch.arange(5), torch.arange(11)])[None]
         model(ids, position_ids=packed)
-        with pytest.raises(ValueError, match="a sequence starts at position 2"):
+        with pytest.raises(ValueError, match="sequence 0 starts at position 2"):
             model(ids, position_ids=torch.cat([torch.arange(2, 7), torch.arange(11)])[None])
+        # left padding with positions counted from the row's first column (not the first attended token): the
+        # message says which row and what HF generate passes; control: HF generate's positions run
+        am = torch.ones(2, 16, dtype=torch.long)
+        am[1, :3] = 0
+        two = ids.expand(2, 16)
+        with pytest.raises(ValueError, match=r"sequence 1 starts at position 3, not 0 .*With left padding, position_ids "
+                                             r"must be 0 at each row's first attended token"):
+            model(two, attention_mask=am, position_ids=torch.arange(16).expand(2, 16))
+        model(two, attention_mask=am, position_ids=(am.cumsum(-1) - 1).masked_fill(am == 0, 1))
 
 
 def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
@@ -296,6 +305,8 @@ def test_shift_labels_and_ignore_index_are_hf_s_loss_keywords(model):
     # is neither a token id nor ignore_index (was aligned::token_logprobs' token_ids error)
     with pytest.raises(ValueError, match=r"patched model: ignore_index must be an integer .*got None"):
         model(ids, attention_mask=am, labels=labels, ignore_index=None)
+    with pytest.raises(ValueError, match=r"patched model: ignore_index must be an integer .*got True"):
+        model(ids, attention_mask=am, labels=labels, ignore_index=True)
     with pytest.raises(ValueError, match=r"patched model: labels must be token ids in \[0, \d+\) or ignore_index "
                                          r"\(-1\), got -100"):
         model(ids, attention_mask=am, labels=labels.masked_fill(am == 0, -1), ignore_index=-1)
