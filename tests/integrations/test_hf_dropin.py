@@ -8,10 +8,11 @@ import copy
 import pytest
 import torch
 
+import aligned_ops
 from aligned_ops.integrations.hf import _entropy, completion_logprobs, patch_model
 from aligned_ops.models import rules_of
 from aligned_ops.profiles import profile_of
-from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bits, bitwise_equal
 from aligned_ops.testing.rollouts import padded_batch, random_sequences
 
 
@@ -385,6 +386,33 @@ def test_entropy_of_a_lone_row_does_not_depend_on_threads(vocab):
     ref = -(torch.softmax(z.double() / 0.8, -1) * torch.log_softmax(z.double() / 0.8, -1)).sum(-1)
     torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-5)
     assert not bitwise_equal(_entropy(z, 0.9), one)  # control
+
+
+def test_entropy_of_masked_logits_and_its_gradient():
+    # review 127: a logit at -inf (a masked token) made the row's entropy NaN (exp(-inf) * -inf = 0 * -inf); its
+    # p is 0, so it adds 0. The gradient is the elementwise graph's with the sum's g broadcast: the same bits as
+    # torch.sum's backward (which the row-local sum replaced for the forward only), without keeping the terms.
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(3, 130, generator=g) * 3
+    z[0, 1:] = float("-inf")  # one finite logit: entropy 0
+    z[1, ::2] = float("-inf")
+    z[2, 5] = float("nan")  # a NaN row stays NaN (the README's policy)
+    x = z.clone().requires_grad_(True)
+    ent = _entropy(x, 0.7)
+    assert bits(ent[0]) in (bits(torch.tensor(0.0)), bits(torch.tensor(-0.0)))
+    keep = torch.isfinite(z[1] / 0.7)
+    ref = -(torch.softmax(z[1][keep].double() / 0.7, -1) * torch.log_softmax(z[1][keep].double() / 0.7, -1)).sum()
+    torch.testing.assert_close(ent[1].double(), ref, rtol=1e-6, atol=1e-6)
+    assert bool(torch.isnan(ent[2]))
+    ent[:2].sum().backward()
+    assert bool(torch.isfinite(x.grad[:2]).all())
+    # the gradient equals that of the same graph summed by torch (control: that sum's forward is the one replaced)
+    y = z[:2].clone().requires_grad_(True)
+    lsm = aligned_ops.log_softmax(y, 0.7)
+    lsm = torch.nn.functional.pad(lsm, (0, 62))
+    lsm = lsm.masked_fill(lsm == float("-inf"), 0.0)
+    (-(lsm.exp() * lsm).sum(-1)).sum().backward()
+    assert_bitwise_equal(x.grad[:2], y.grad)
 
 
 # ---- packed rows marked by position_ids restarts ------------------------------------------------------------

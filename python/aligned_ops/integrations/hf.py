@@ -42,7 +42,7 @@ from ..models import ARCHITECTURES, Side, rules_for, rules_of
 from ..models import get as get_architecture
 from ..profiles import profile_of
 from ..models.mla_form import resolve_mla_form
-from ..ops.moe import row_sums
+from ..ops.moe import row_local_sum
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import check_sampling_options, check_temperature, effective_temperature
 from . import check_hf_config, hf_moe
@@ -732,17 +732,17 @@ def _entropy(logits, temps):
     """fp32 entropy ``-sum(p * log p)`` of each row of ``softmax(logits / T)``, from ``aligned_ops.log_softmax``.
     Rows are widened to a multiple of 64 columns (log p = 0 there) so every row meets torch's elementwise kernels at
     the same vector-lane alignment, whatever the number of rows; the row sum is in the linear contract's row-local
-    order (``ops.moe.row_sums`` per 64-term tile, then over the tiles), not ``torch.sum``, which splits a lone row
-    of more than 32768 terms across threads: a row's entropy depends neither on the batch nor on the threads.
-    Differentiable (torch's elementwise backward, the linear's)."""
+    order (``ops.moe.row_local_sum``: 64-term tiles, then over the tiles), not ``torch.sum``, which splits a lone
+    row of more than 32768 terms across threads: a row's entropy depends neither on the batch nor on the threads.
+    A token at log p = -inf (a masked logit) adds 0, as its p is 0 (0 * -inf was NaN). Differentiable (torch's
+    elementwise backward; the sum's is g broadcast)."""
     lsm = aligned_ops.log_softmax(logits, temps)
     v = lsm.shape[-1]
     width = -(-v // 64) * 64
     if width != v:
         lsm = torch.nn.functional.pad(lsm, (0, width - v))
-    terms = lsm.exp() * lsm
-    # two levels (64-term tiles, then the tile sums): short chains, accurate at any vocabulary size
-    return -row_sums(row_sums(terms.reshape(-1, 64)).reshape(-1, width // 64))
+    lsm = lsm.masked_fill(lsm == float("-inf"), 0.0)
+    return -row_local_sum(lsm.exp() * lsm)
 
 
 def _fused_head_logprobs(model, head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules, profile):
