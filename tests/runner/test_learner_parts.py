@@ -40,9 +40,9 @@ def test_head_scope_is_after_the_last_router():
 def test_policy_scores_a_checkpoint_whose_config_says_return_dict_false(tmp_path):
     # review 125: a --model checkpoint with "return_dict": false in config.json (accepted by the config checks) made
     # the learner's call return HF's tuple: AttributeError 'tuple' object has no attribute 'logprobs' after the
-    # model build. Control: the same checkpoint without it gives the same bits. (The stock path cannot be checked:
-    # transformers 5.19's own Qwen2ForCausalLM fails on such a config even with return_dict=True — its backbone
-    # call reads the config and returns a tuple.)
+    # model build; the stock path failed inside transformers 5.19's own Qwen2ForCausalLM even with return_dict=True
+    # (its backbone call reads the config and returns a tuple), so the runner loads models with return_dict True.
+    # Control: the same checkpoint without it gives the same bits.
     import json
 
     from aligned_ops.runner.learner import Policy
@@ -51,10 +51,10 @@ def test_policy_scores_a_checkpoint_whose_config_says_return_dict_false(tmp_path
 
     path = build_tiny_qwen2(tmp_path / "m", torch.float32, seed=2)
     seqs, starts = [list(range(3, 12)), list(range(5, 10))], [4, 2]
-    want = Policy(path, "float32", True).logprobs(seqs, starts, 0)[0].detach()
+    want = {a: Policy(path, "float32", a).logprobs(seqs, starts, 0)[0].detach() for a in (True, False)}
     cfg = json.load(open(f"{path}/config.json"))
     cfg["return_dict"] = False
     json.dump(cfg, open(f"{path}/config.json", "w"))
-    policy = Policy(path, "float32", True)
-    assert policy.model.config.return_dict is False
-    assert_bitwise_equal(policy.logprobs(seqs, starts, 0)[0].detach(), want)
+    assert json.load(open(f"{path}/config.json"))["return_dict"] is False
+    for aligned in (True, False):
+        assert_bitwise_equal(Policy(path, "float32", aligned).logprobs(seqs, starts, 0)[0].detach(), want[aligned])

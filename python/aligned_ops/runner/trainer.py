@@ -45,6 +45,9 @@ def trainer_model(model_dir: str, dtype: str, aligned: bool, profile=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    # a checkpoint's "return_dict": false made HF's own backbone call return a tuple, which its causal LM then read
+    # as an output (AttributeError, transformers 5.19, even with return_dict=True): the runner reads fields
+    model.config.return_dict = True
     model.eval()
     if aligned:
         from ..integrations import hf
