@@ -445,10 +445,11 @@ PROBE_CASES = [
     (["train", "--prompts", str(10**23)], f"--prompts {10**23} x --samples 4: one batch's prompt token ids alone"),
     (["demo", "--samples", str(10**23)], f"--prompts 64 x --samples {10**23}: one batch's prompt token ids alone"),
     # review 125: 400-digit values overflowed the float formatting of these messages (OverflowError traceback)
-    (["train", "--hidden", str(8 * 10**400)], "the built-in tiny moe model would have ~1e"),
+    (["train", "--hidden", str(8 * 10**400)], "e+803 parameters, 5.72e+794 GiB in fp32 alone"),
+    (["train", "--hidden", str(8 * 10**4000)], "e+8003 parameters, 5.72e+7994 GiB"),  # review 128: str() of the count failed
     (["demo", "--layers", str(10**400)], "GiB in fp32 alone, more than this machine's"),
-    (["train", "--prompts", str(8 * 10**400)], "one batch's prompt token ids alone take ~1e"),
-    (["verify", "--num-prompts", str(8 * 10**400)], "the prompts' token ids alone take ~1e"),
+    (["train", "--prompts", str(8 * 10**400)], "one batch's prompt token ids alone take 1.43e+394 GiB"),
+    (["verify", "--num-prompts", str(8 * 10**400)], "the prompts' token ids alone take "),
     # the child run's hidden pair alone: a TypeError traceback from open(None) (probe s47)
     (["verify", "--kernels", "aligned"], "--kernels is the internal child run's flag: it needs --model and --result"),
     (["verify", "--kernels", "standard", "--result", "r.json"], "--kernels is the internal child run's flag"),

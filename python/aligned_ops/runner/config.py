@@ -110,12 +110,16 @@ def _short(value) -> str:
 def approx(num: int, den: int = 1) -> str:
     """``num / den`` (integers of any size) to 3 significant digits for a message: a flag of 400 digits made
     ``f"{n:.3g}"`` and ``n / 2**30`` overflow a float, a traceback instead of the flag's one line."""
+    import math
     from fractions import Fraction
 
     x = Fraction(num, den)
     if abs(x) < 10**300:
         return f"{float(x):.3g}"
-    return f"~1e{len(str(abs(int(x)))) - 1}"
+    q = abs(x)
+    e = int(math.log10(q.numerator // q.denominator))  # math.log10 takes an int of any size (str() stops at 4300 digits)
+    e += (q >= 10 ** (e + 1)) - (q < 10**e)
+    return f"{'-' if x < 0 else ''}{float(q / 10**e):.3g}e+{e}"
 
 
 def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
