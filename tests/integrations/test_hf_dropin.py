@@ -217,24 +217,31 @@ def test_a_sequence_must_start_at_position_0(model):
     pos = torch.arange(16)[None]
     with torch.no_grad():
         model(ids, position_ids=pos)  # control: the whole sequence
-        with pytest.raises(ValueError, match="position_ids: sequence 0 starts at position 8, not 0"):
+        with pytest.raises(ValueError, match="position_ids: row 0: a sequence starts at position 8, not 0"):
             model(ids[:, 8:], position_ids=pos[:, 8:], labels=ids[:, 8:])
-        with pytest.raises(ValueError, match="sequence 0 starts at position 3"):
+        with pytest.raises(ValueError, match="row 0: a sequence starts at position 3"):
             model.model(ids[:, 3:], position_ids=pos[:, 3:])
         # packed rows: every packed sequence restarts at 0 (control), a row starting elsewhere is refused
         packed = torch.cat([torch.arange(5), torch.arange(11)])[None]
         model(ids, position_ids=packed)
-        with pytest.raises(ValueError, match="sequence 0 starts at position 2"):
+        with pytest.raises(ValueError, match="row 0: a sequence starts at position 2"):
             model(ids, position_ids=torch.cat([torch.arange(2, 7), torch.arange(11)])[None])
         # left padding with positions counted from the row's first column (not the first attended token): the
         # message says which row and what HF generate passes; control: HF generate's positions run
         am = torch.ones(2, 16, dtype=torch.long)
         am[1, :3] = 0
         two = ids.expand(2, 16)
-        with pytest.raises(ValueError, match=r"sequence 1 starts at position 3, not 0 .*With left padding, position_ids "
+        with pytest.raises(ValueError, match=r"row 1: a sequence starts at position 3, not 0 .*With left padding, position_ids "
                                              r"must be 0 at each row's first attended token"):
             model(two, attention_mask=am, position_ids=torch.arange(16).expand(2, 16))
         model(two, attention_mask=am, position_ids=(am.cumsum(-1) - 1).masked_fill(am == 0, 1))
+        # the batch row is named, also after a packed row split into sequences before it (review 128: "sequence 3")
+        three = torch.randint(0, 500, (3, 8))
+        am3 = torch.ones(3, 8, dtype=torch.long)
+        am3[2, :2] = 0
+        pos3 = torch.stack([torch.arange(4).repeat(2), torch.arange(8), torch.arange(8)])
+        with pytest.raises(ValueError, match=r"row 2: a sequence starts at position 2, not 0"):
+            model(three, attention_mask=am3, position_ids=pos3)
 
 
 def test_labels_give_hf_causal_lm_loss_on_the_aligned_logits(model):
@@ -308,6 +315,8 @@ def test_shift_labels_and_ignore_index_are_hf_s_loss_keywords(model):
         model(ids, attention_mask=am, labels=labels, ignore_index=None)
     with pytest.raises(ValueError, match=r"patched model: ignore_index must be an integer .*got True"):
         model(ids, attention_mask=am, labels=labels, ignore_index=True)
+    with pytest.raises(ValueError, match=r"patched model: ignore_index must be an integer .*got tensor\(True\)"):
+        model(ids, attention_mask=am, labels=labels, ignore_index=torch.tensor(True))
     with pytest.raises(ValueError, match=r"patched model: labels must be token ids in \[0, \d+\) or ignore_index "
                                          r"\(-1\), got -100"):
         model(ids, attention_mask=am, labels=labels.masked_fill(am == 0, -1), ignore_index=-1)
@@ -404,15 +413,25 @@ def test_entropy_of_masked_logits_and_its_gradient():
     ref = -(torch.softmax(z[1][keep].double() / 0.7, -1) * torch.log_softmax(z[1][keep].double() / 0.7, -1)).sum()
     torch.testing.assert_close(ent[1].double(), ref, rtol=1e-6, atol=1e-6)
     assert bool(torch.isnan(ent[2]))
-    ent[:2].sum().backward()
+    weights = torch.tensor([0.5, -2.0])  # per-row weights: a backward that mixed up the rows' g would show
+    (ent[:2] * weights).sum().backward()
     assert bool(torch.isfinite(x.grad[:2]).all())
     # the gradient equals that of the same graph summed by torch (control: that sum's forward is the one replaced)
     y = z[:2].clone().requires_grad_(True)
     lsm = aligned_ops.log_softmax(y, 0.7)
     lsm = torch.nn.functional.pad(lsm, (0, 62))
     lsm = lsm.masked_fill(lsm == float("-inf"), 0.0)
-    (-(lsm.exp() * lsm).sum(-1)).sum().backward()
+    (-(lsm.exp() * lsm).sum(-1) * weights).sum().backward()
     assert_bitwise_equal(x.grad[:2], y.grad)
+    # the row sum keeps nothing for backward (through ops.linear's autograd it kept the [n, w] terms)
+    from aligned_ops.ops.moe import row_local_sum
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        row_local_sum(torch.randn(2, 128, requires_grad=True))
+    assert saved == []
+    with pytest.raises(ValueError, match=r"row_local_sum: x must be float32 \[n, w\] with w a multiple of 64"):
+        row_local_sum(torch.randn(2, 128, dtype=torch.float64))
 
 
 # ---- packed rows marked by position_ids restarts ------------------------------------------------------------

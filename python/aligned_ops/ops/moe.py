@@ -219,8 +219,9 @@ def row_local_sum(x: torch.Tensor) -> torch.Tensor:
     """``[n, w]`` fp32, ``w`` a multiple of 64 -> ``[n]``: each row's sum in two row-local levels (:func:`row_sums`
     per 64-term tile, then over the tiles: short chains, accurate at any width), independent of the number of rows
     and of the threads; differentiable."""
-    if x.dim() != 2 or x.shape[1] % 64:
-        raise ValueError(f"row_local_sum: x must be [n, w] with w a multiple of 64, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] % 64 or x.dtype != torch.float32:
+        raise ValueError(f"row_local_sum: x must be float32 [n, w] with w a multiple of 64, got {tuple(x.shape)} "
+                         f"{x.dtype}")
     return _RowLocalSum.apply(x)
 
 
