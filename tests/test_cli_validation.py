@@ -856,3 +856,15 @@ def test_an_extension_that_cannot_load_is_one_line(tmp_path):
     assert lines[0].startswith("aligned-ops train: error: aligned_ops: the compiled extension cannot load ("), lines[0]
     assert "rebuild it with `pip install --no-build-isolation .`" in lines[0]
     assert os.listdir(run) == []
+
+
+def test_approx_formats_sizes_of_any_magnitude():
+    # the CLI's size messages (runner.config.approx): floats where they fit, exact integer arithmetic past 1e300
+    # (review 128: 10**400 - 1 printed "10e+399"; str() of a count past 4300 digits raised)
+    from aligned_ops.runner.config import approx
+
+    assert approx(123456) == "1.23e+05" and approx(5 * 2**30, 2**30) == "5" and approx(0) == "0"
+    assert approx(8 * 10**400) == "8e+400" and approx(-(8 * 10**400)) == "-8e+400"
+    assert approx(10**400 - 1) == "1e+400" and approx(99951 * 10**396) == "1e+401"
+    assert approx(8 * 10**400, 2**30) == "7.45e+391"
+    assert approx(7 * 10**5000) == "7e+5000"

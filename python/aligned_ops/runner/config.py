@@ -119,7 +119,10 @@ def approx(num: int, den: int = 1) -> str:
     q = abs(x)
     e = int(math.log10(q.numerator // q.denominator))  # math.log10 takes an int of any size (str() stops at 4300 digits)
     e += (q >= 10 ** (e + 1)) - (q < 10**e)
-    return f"{'-' if x < 0 else ''}{float(q / 10**e):.3g}e+{e}"
+    m = round(q / 10 ** (e - 2))  # 3 digits, rounded exactly: 10**400 - 1 is 1e+400, not "10e+399"
+    if m == 1000:
+        m, e = 100, e + 1
+    return f"{'-' if x < 0 else ''}{float(Fraction(m, 100)):.3g}e+{e}"
 
 
 def check_checkpoint_file(path: str, steps: int | None = None, lag: int | None = None,
