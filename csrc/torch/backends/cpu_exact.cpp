@@ -484,7 +484,9 @@ void Cpu::linear_exact_partial(const Call& call, const ExactPackedRun& r, const 
   IeeeFpEnv fenv;
   const int64_t M = r.a.M, N = r.a.N;
   check_scan_covers(x_scan, scans_of(r.x, r.a.dt), M, call.op, "x_scan");
-  if (M == 0 || N == 0) return;
+  // a rank's empty slice (K_r = 0): its exact sums are 0, which r.out (zeros) holds; the digit path would pack
+  // tensors of no memory (memset / loops on their null pointers: undefined, UBSan halts)
+  if (M == 0 || N == 0 || r.x.size(1) == 0) return;
   at::Tensor none, out = r.out;
   digit_linear(r.x, r.a.dt, r.wd, r.w_exp, r.w_bad, N, none, 1, out, nullptr, x_scan.data_ptr<int32_t>(),
                out.data_ptr<int64_t>());
