@@ -53,10 +53,17 @@ tests=${*:-tests/ops tests/common tests/emulated}
 #   same binaries the README run runs (the f16 one over all 2^32 f32 inputs: ~17 s);
 # - the lm-head peak-memory test measures glibc's heap (its mmap threshold) in a fresh process: under ASan the
 #   allocator is ASan's (quarantine, redzones), so the number says nothing about the user's process. The fused
-#   lm-head kernels themselves run under ASan in test_lm_head.py's other tests (several tiles and token chunks).
+#   lm-head kernels themselves run under ASan in test_lm_head.py's other tests (several tiles and token chunks);
+# - the fork-while-another-thread-launches test: this libasan (GCC 12's, compiler-rt before its fork handlers) does
+#   not hold its allocator's locks across fork(), so a fork that lands while another thread is inside malloc gives a
+#   child that waits on that lock forever. Seen in CI (stop 46: 1 child of 20 ended by its SIGALRM) and reproduced
+#   without aligned_ops at all — Python forking while a ctypes thread mallocs hung 1 child in 30, 100 and 150 under
+#   LD_PRELOAD=libasan.so, 0 of 400 without. Our fork handlers still run under ASan in the chain-of-forks test
+#   (test_a_forked_child_frees_the_dead_threads_fiber_stacks); the concurrent one runs in the README run.
 asan_skip=(--deselect tests/common/test_simd_conformance.py --deselect tests/common/test_f16_conversion.py
            --deselect tests/emulated/test_mma_model_conformance.py
-           --deselect tests/ops/test_lm_head.py::test_fused_forward_peak_resident_memory_is_tiles_not_logits)
+           --deselect tests/ops/test_lm_head.py::test_fused_forward_peak_resident_memory_is_tiles_not_logits
+           --deselect tests/emulated/test_emulation_runtime.py::test_a_fork_while_another_thread_launches_gives_a_child_that_launches)
 run_pytest() {
   LD_PRELOAD="$libasan $libubsan" PYTHONPATH="$PWD/$root/pkg" ALIGNED_ASAN=1 "$PY" -m pytest -q -p no:cacheprovider \
     -k "not compile" "${asan_skip[@]}" "$@"
