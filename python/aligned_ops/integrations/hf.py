@@ -161,7 +161,7 @@ def _pack(input_ids, attention_mask, position_ids, cu_seqlens):
         positions = position_ids.reshape(-1).to(dev)[flat].to(torch.int64)
         # Packed ("padding-free") rows carry no mask: where positions restart at 0, a new sequence begins.
         cu = _split_at_position_restarts(positions, cu)
-        _refuse_continuations(positions, cu, rows=flat // S, left_padded=bool((~mask[:, 0] & mask.any(1)).any()))
+        _refuse_continuations(positions, cu, padded=(flat, mask))
     return flat, positions, cu
 
 
@@ -176,21 +176,27 @@ def first_tokens(cu, n: int) -> torch.Tensor:
     return first
 
 
-def _refuse_continuations(positions, cu, rows=None, left_padded: bool = False):
+def _refuse_continuations(positions, cu, padded=None):
     """Every sequence's first position is 0: the aligned forward, as the vLLM engine, runs whole sequences and has
     no keys of earlier positions, so a sequence given from position p > 0 (a context-parallel / Ulysses shard, a
     continuation chunk) would attend to its own tokens only — other numbers than the whole sequence's, silently.
-    ``rows``: each packed token's row of a padded batch (the error names the row), else sequences of ``cu``."""
+    ``padded``: ``(flat_index, attention_mask)`` of a padded batch (the error names the row, and hints at left
+    padding; read only when raising), else the error names the sequence of ``cu``."""
     start = positions[first_tokens(cu, positions.numel())]
     late = (start != 0).nonzero()
     if late.numel():
         i = int(late[0, 0])  # the i-th non-empty sequence
         seq = int((cu[1:] != cu[:-1]).nonzero()[i, 0])
         p = int(start[i])
-        what = (f"sequence {seq} starts at position {p}" if rows is None else
-                f"row {int(rows[int(cu[seq])])}: a sequence starts at position {p}")
-        hint = (" With left padding, position_ids must be 0 at each row's first attended token "
-                "(attention_mask.cumsum(-1) - 1, as HF generate makes them), or leave them out." if left_padded else "")
+        hint = ""
+        if padded is None:
+            what = f"sequence {seq} starts at position {p}"
+        else:
+            flat, mask = padded
+            what = f"row {int(flat[int(cu[seq])]) // mask.shape[1]}: a sequence starts at position {p}"
+            if bool((~mask[:, 0] & mask.any(1)).any()):
+                hint = (" With left padding, position_ids must be 0 at each row's first attended token "
+                        "(attention_mask.cumsum(-1) - 1, as HF generate makes them), or leave them out.")
         raise ValueError(f"position_ids: {what}, not 0 — the aligned "
                          "forward (as the vLLM engine) scores whole sequences and has no keys of earlier positions "
                          f"(a context-/sequence-parallel shard or a continuation chunk is not supported).{hint}")
