@@ -717,7 +717,7 @@ def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, n
     lab_all = given.reshape(-1).to(hidden.device)
     lab = lab_all.index_select(0, flat)
     counted = lab != ignore_index
-    if int(counted.sum()) != int((lab_all != ignore_index).sum()):
+    if bool(counted.sum() != (lab_all != ignore_index).sum()):  # (one host sync)
         raise ValueError(f"aligned_ops patched model: {name} mark padding tokens (attention_mask 0); set them to "
                          f"{ignore_index} (ignore_index)")
     if shift_labels is None:
@@ -728,8 +728,10 @@ def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, n
     head_in = hidden.index_select(0, rows)
     scored = lab.index_select(0, targets)
     vocab = head.weight.shape[0]
-    if scored.numel() and not (0 <= int(scored.min()) and int(scored.max()) < vocab):
-        bad = int(scored[(scored < 0) | (scored >= vocab)][0])
+    # token_logprobs checks the range too, but names its own argument (token_ids); one host sync to name the caller's
+    out_of_range = (scored < 0) | (scored >= vocab)
+    if bool(out_of_range.any()):
+        bad = int(scored[out_of_range][0])
         raise ValueError(f"aligned_ops patched model: {name} must be token ids in [0, {vocab}) or ignore_index "
                          f"({ignore_index}), got {bad}")
     lp = aligned_ops.token_logprobs(rules.head_logits(profile, head_in, head.weight, head.bias), scored, 1.0)
