@@ -42,6 +42,7 @@ from ..models import ARCHITECTURES, Side, rules_for, rules_of
 from ..models import get as get_architecture
 from ..profiles import profile_of
 from ..models.mla_form import resolve_mla_form
+from ..ops.logits import _temperature_args
 from ..ops.moe import row_local_sum
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import check_sampling_options, check_temperature, effective_temperature
@@ -741,21 +742,51 @@ def _causal_lm_loss(hidden, head, input_ids, labels, flat, cu, rules, profile, n
     return -lp.sum() / denom
 
 
-def _entropy(logits, temps):
-    """fp32 entropy ``-sum(p * log p)`` of each row of ``softmax(logits / T)``, from ``aligned_ops.log_softmax``.
-    Rows are widened to a multiple of 64 columns (log p = 0 there) so every row meets torch's elementwise kernels at
-    the same vector-lane alignment, whatever the number of rows; the row sum is in the linear contract's row-local
-    order (``ops.moe.row_local_sum``: 64-term tiles, then over the tiles), not ``torch.sum``, which splits a lone
-    row of more than 32768 terms across threads: a row's entropy depends neither on the batch nor on the threads.
-    A token at log p = -inf (a masked logit) adds 0, as its p is 0 (0 * -inf was NaN). Differentiable (torch's
-    elementwise backward; the sum's is g broadcast)."""
-    lsm = aligned_ops.log_softmax(logits, temps)
+def _widened(lsm):
+    """fp32 log-probs ``[n, v]`` widened to a multiple of 64 columns (log p = 0 there: p log p = 0), so every row
+    meets torch's elementwise kernels at the same vector-lane alignment, whatever the number of rows."""
     v = lsm.shape[-1]
     width = -(-v // 64) * 64
-    if width != v:
-        lsm = torch.nn.functional.pad(lsm, (0, width - v))
-    lsm = lsm.masked_fill(lsm == float("-inf"), 0.0)
-    return -row_local_sum(lsm.exp() * lsm)
+    return torch.nn.functional.pad(lsm, (0, width - v)) if width != v else lsm
+
+
+class _Entropy(torch.autograd.Function):
+    """fp32 entropy ``-sum(p * log p)`` of each row of ``softmax(logits / T)``. Forward: ``aligned_ops.log_softmax``,
+    widened (:func:`_widened`), ``p * log p`` with a token at log p = -inf (a masked logit) giving 0 (its p is 0;
+    0 * -inf was NaN), the row sum in the linear contract's row-local order (``ops.moe.row_local_sum``: 64-term
+    tiles, then over the tiles), not ``torch.sum``, which splits a lone row of more than 32768 terms across threads.
+    Backward: ``d H / d log p = -p (log p + 1)`` (0 at log p = -inf), on the widened rows, then the log_softmax op's
+    own backward. It saves only the logits (which the log-probs' backward keeps anyway; log p is recomputed, as
+    log_softmax's own backward does): torch's elementwise graph kept exp(log p), the masked log p and a bool mask,
+    9 bytes per logit, until the loss's backward, also for an entropy that is only logged (measured at
+    [1024, 151936]: 1,336 MiB, now 0.3; bench/bench_entropy_memory.py). In-place steps keep the transients to two
+    fp32 copies and a mask (peak over forward + backward there: 2,522 -> 1,632 MiB)."""
+
+    @staticmethod
+    def forward(ctx, logits, temps):
+        ctx.save_for_backward(logits, temps if isinstance(temps, torch.Tensor) else None)
+        ctx.temperature = None if isinstance(temps, torch.Tensor) else temps
+        lsm = _widened(aligned_ops.log_softmax(logits, temps))
+        lsm.masked_fill_(lsm == float("-inf"), 0.0)
+        return -row_local_sum(lsm.exp().mul_(lsm))
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, temps = ctx.saved_tensors
+        temps = ctx.temperature if temps is None else temps
+        v = logits.shape[-1]
+        lsm = _widened(aligned_ops.log_softmax(logits, temps))
+        masked = lsm == float("-inf")
+        d = lsm + 1.0
+        d.mul_(lsm.exp_()).masked_fill_(masked, 0.0).mul_((-g)[:, None])  # -g p (log p + 1)
+        t, ts = _temperature_args("log_softmax", temps, logits)
+        return torch.ops.aligned.log_softmax_backward(d[:, :v].contiguous(), logits, t, ts), None
+
+
+def _entropy(logits, temps):
+    """Per-row fp32 entropy of ``softmax(logits / temps)`` (:class:`_Entropy`): a row's value and gradient depend
+    neither on the batch nor on the threads. Differentiable in ``logits``."""
+    return _Entropy.apply(logits, temps)
 
 
 def _fused_head_logprobs(model, head, hidden, target_ids, temps, option, top_k, top_p, min_p, rules, profile):
