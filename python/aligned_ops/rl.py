@@ -63,6 +63,26 @@ def _masked_fp32(x: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, x.float(), 0.0)
 
 
+def _row_sums(x: Tensor) -> Tensor:
+    """``[B, T]`` fp32 -> ``[B]``: each row's sum in the linear contract's row-local order (``ops.moe.row_local_sum``:
+    64-term tiles, then over the tiles; the row widened with zeros to a multiple of 64), not ``torch.sum``, which
+    splits a lone row of more than 32768 terms across threads: a sequence's sum (GSPO's sequence log-ratio, a
+    sequence's loss) is then another number alone than in a batch, and at 1 thread than at 2. Differentiable (the
+    gradient of a sum: g broadcast)."""
+    from .ops.moe import row_local_sum  # (lazy: the CLI imports this module's choices before the extension loads)
+
+    T = x.shape[-1]
+    width = max(64, -(-T // 64) * 64)
+    return row_local_sum(torch.nn.functional.pad(x, (0, width - T)) if width != T else x.contiguous())
+
+
+def _total(x: Tensor) -> Tensor:
+    """The sum of a ``[B, T]`` fp32 tensor as the sum of its rows' sums (:func:`_row_sums`), each in row-local
+    order: independent of the thread count and of the padding width T (torch.sum of 4 x 40000 values: other bits
+    at 1 and 2 threads)."""
+    return _row_sums(_row_sums(x)[None])[0]
+
+
 def _aggregate(
     per_token: Tensor,
     valid: Tensor,
@@ -83,13 +103,13 @@ def _aggregate(
     if agg == "token-mean":
         denom = tokens_per_seq.sum() if global_num_tokens is None else global_num_tokens
         denom = torch.as_tensor(denom, dtype=torch.float32, device=per_token.device)
-        return per_token.sum() / (denom.clamp(min=1) if global_num_tokens is None else denom)
-    seq_loss = per_token.sum(dim=-1)
+        return _total(per_token) / (denom.clamp(min=1) if global_num_tokens is None else denom)
+    seq_loss = _row_sums(per_token)
     if agg == "seq-mean-token-mean":
         seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
     denom = (tokens_per_seq > 0).sum() if global_num_seqs is None else global_num_seqs
     denom = torch.as_tensor(denom, dtype=torch.float32, device=per_token.device)
-    return seq_loss.sum() / (denom.clamp(min=1) if global_num_seqs is None else denom)
+    return _total(seq_loss[None]) / (denom.clamp(min=1) if global_num_seqs is None else denom)
 
 
 def policy_loss(
@@ -202,7 +222,7 @@ def policy_loss(
         per_token = torch.where(nonzero, -weight * torch.minimum(unclipped, clipped_obj), 0.0)
     else:
         if mode in ("seq_tis", "seq_mis"):
-            seq_log_ratio = log_ratio.sum(dim=-1)  # already zero outside the mask
+            seq_log_ratio = _row_sums(log_ratio)  # already zero outside the mask
             if seq_ratio == "geometric":
                 seq_log_ratio = seq_log_ratio / valid.sum(dim=-1).clamp(min=1)
             log_base = seq_log_ratio[:, None].expand(shape)
@@ -299,8 +319,22 @@ def _group_index(rewards: Tensor, group_ids: Optional[Tensor], group_size: Optio
 
 
 def _group_sum(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
-    """Per-sequence sum of ``values`` over the sequence's group."""
-    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)[index]
+    """Per-sequence sum of fp32 ``values [B]`` over the sequence's group, added from 0 in batch order (the order
+    ``index_add_`` has on a CPU), on every device: the members are laid out as the rows of a ``[G, largest group]``
+    grid (zeros after them) and folded column by column. Not ``index_add_`` itself, which adds with atomics on a
+    GPU (the order, so a partial-credit reward's advantage, changed from run to run)."""
+    if values.numel() == 0:
+        return values
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index, minlength=num_groups)
+    grouped = index[order]
+    slot = torch.arange(index.numel(), device=index.device) - (counts.cumsum(0) - counts)[grouped]
+    grid = values.new_zeros(num_groups, int(counts.max()))
+    grid[grouped, slot] = values[order]
+    total = values.new_zeros(num_groups)
+    for column in grid.unbind(1):  # (a group's length is the number of its samples: a short loop)
+        total = total + column
+    return total[index]
 
 
 def group_mean_advantages(
@@ -381,8 +415,8 @@ def reinforce_pp_advantages(
     valid = _valid_mask(mask)
     values = _masked_fp32(rewards[:, None].expand(mask.shape) if per_sequence else rewards, valid)
     n = valid.sum()
-    mean = values.sum() / n.clamp(min=1)
-    var = torch.where(valid, (values - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+    mean = _total(values) / n.clamp(min=1)
+    var = _total(torch.where(valid, (values - mean) ** 2, 0.0)) / (n - 1).clamp(min=1)
     scale = torch.rsqrt(var + eps)
     if per_sequence:
         return torch.where(valid.any(dim=-1), (rewards.float() - mean) * scale, 0.0)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from aligned_ops.testing import bitwise_equal
+from aligned_ops.testing import assert_bitwise_equal, bitwise_equal
 from aligned_ops.rl import (
     broadcast_to_tokens,
     group_mean_advantages,
@@ -91,3 +91,27 @@ def test_group_argument_validation(fn):
         fn(REWARDS, GROUP_IDS[:2])
     with pytest.raises(ValueError, match=r"\[B\]"):
         fn(REWARDS[None], group_size=1)
+
+
+def test_group_sums_add_in_batch_order_from_zero():
+    # The order is written down (rl._group_sum): each group's members added from 0 in batch order, on every device
+    # (index_add_, which it replaced, adds with atomics on a GPU). Checked against that left fold, bit for bit, with
+    # groups interleaved by ids; control: the reverse order gives other bits for these rewards.
+    from aligned_ops.rl import _group_sum
+
+    g = torch.Generator().manual_seed(7)
+    r = torch.rand(40, generator=g) * 3 - 1
+    ids = torch.randint(0, 6, (40,), generator=g)
+    index = torch.unique(ids, return_inverse=True)[1]
+    want, backwards = torch.zeros(40), torch.zeros(40)
+    for i in range(40):
+        acc, rev = torch.zeros(()), torch.zeros(())
+        members = [j for j in range(40) if index[j] == index[i]]
+        for j in members:
+            acc = acc + r[j]
+        for j in reversed(members):
+            rev = rev + r[j]
+        want[i], backwards[i] = acc, rev
+    got = _group_sum(r, index, int(index.max()) + 1)
+    assert_bitwise_equal(got, want)
+    assert not bitwise_equal(backwards, want)

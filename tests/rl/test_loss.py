@@ -336,3 +336,48 @@ def test_nan_in_a_float_mask_is_not_a_valid_token(mode):
     b, mb = policy_loss(lp, mu, adv, zero_mask, mode=mode, proximal_logprobs=mu)
     assert ma["num_tokens"] == mb["num_tokens"] == 2.0
     assert_bitwise_equal(a, b)
+
+
+# ---- sums in row-local order: a sequence alone, in a batch, at 1 or 2 threads ---------------------------------
+
+LONG = 40_000  # past torch's grain size (32768): torch.sum splits a lone row across threads
+
+
+def _threads(n, fn):
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_a_long_sequences_seq_ratio_and_loss_do_not_depend_on_the_batch_or_threads(agg):
+    # Was (torch.sum): GSPO's sequence log-ratio of a 40,000-token sequence alone at 2 threads was another number than
+    # in the batch (2 of 4 rows), so its importance weight and gradient were; the batch loss differed at 1 vs 2 threads.
+    g = torch.Generator().manual_seed(5)
+    lp = -torch.rand(4, LONG, generator=g) * 3
+    mu = lp + torch.randn(4, LONG, generator=g) * 0.05
+    adv = torch.randn(4, generator=g)
+    mask = torch.ones(4, LONG, dtype=torch.bool)
+    mask[1, 30_000:] = False
+
+    def run(rows, threads):
+        x = lp[rows].clone().requires_grad_(True)
+        loss, _ = _threads(threads, lambda: policy_loss(
+            x, mu[rows], adv[rows], mask[rows], mode="seq_tis", clip_c=1e9, agg=agg,
+            global_num_tokens=int(mask.sum()), global_num_seqs=4))
+        _threads(threads, loss.backward)
+        return loss.detach(), x.grad
+
+    loss1, batch1 = run(slice(0, 4), 1)
+    loss2, batch2 = run(slice(0, 4), 2)
+    assert_bitwise_equal(loss2, loss1)
+    assert_bitwise_equal(batch2, batch1)
+    for r in range(4):
+        assert_bitwise_equal(run(slice(r, r + 1), 2)[1], batch1[r:r + 1])
+    # control: the gradient sees the sequence ratio (another rollout log-prob in row 0 moves row 0's gradient only)
+    mu[0, 7] += 0.5
+    moved = run(slice(0, 4), 2)[1]
+    assert not bitwise_equal(moved[0], batch1[0]) and bitwise_equal(moved[1:], batch1[1:])
