@@ -191,6 +191,33 @@ def test_sampling_options_the_trainer_does_not_reproduce_are_refused_by_name(pla
         assert aligned_grpo(plain, reinforce_zero=False) is plain
 
 
+def test_kl_to_the_reference_with_a_truncated_distribution_is_refused(plain, monkeypatch):
+    """beta != 0 with top-k / top-p / min-p: the trainer scores the truncated distribution (vLLM's
+    processed_logprobs), so a sampled token outside the reference's truncated set has ref log-prob -inf and TRL's
+    KL term exp(ref - logp) - (ref - logp) - 1 is inf, NaN once the policy's own set moves (GRPOConfig beta=0.04,
+    top_k=5, temperature=0.7, 3 steps with vLLM: kl logged 0.0, inf, NaN; all 26 weights NaN after step 2 while
+    TRL's sampling_logp_difference/max still logged 0.0, its nan_to_num)."""
+    for truncation, match in (({"top_k": 5}, "beta=0.04 with top_k=5: "), ({"top_p": 0.9}, "with top_p=0.9"),
+                              ({"min_p": 0.05, "top_k": 3}, "with top_k=3, min_p=0.05")):
+        with monkeypatch.context() as m:
+            m.setattr(plain, "beta", 0.04)
+            for name, value in truncation.items():
+                m.setattr(plain, name, value)
+            with pytest.raises(ValueError, match=match + ".*TRL's KL term is then inf or NaN.*use beta=0.0") as err:
+                aligned_grpo(plain, reinforce_zero=False)
+            assert "\n" not in str(err.value)
+    # the arithmetic it prevents: a -inf log-prob in TRL's KL estimator
+    ref, logp = torch.tensor([float("-inf"), -1.0]), torch.tensor([-1.0, float("-inf")])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    assert kl[0] == float("inf") and torch.isnan(kl[1])
+    # controls: the KL without truncation, truncation without the KL, and greedy (scored untruncated) pass
+    for settings in ({"beta": 0.04}, {"top_k": 5, "top_p": 0.9}, {"beta": 0.04, "top_k": 5, "temperature": 0.0}):
+        with monkeypatch.context() as m:
+            for name, value in settings.items():
+                m.setattr(plain, name, value)
+            assert aligned_grpo(plain, reinforce_zero=False) is plain
+
+
 def test_engine_without_the_plugin_or_with_another_profile_is_refused(plain, monkeypatch):
     from aligned_ops.integrations.vllm import plugin
 

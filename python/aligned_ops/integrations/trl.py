@@ -28,8 +28,9 @@ different numbers): ``cast_lm_head_to_fp32``,
 ``repetition_penalty != 1``, sampling options in ``generation_kwargs`` the trainer does not apply (a presence /
 frequency / repetition penalty, ``logit_bias``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``, structured
 outputs) or that differ from the trainer's (``temperature`` / ``top_k`` / ``top_p`` / ``min_p``: set them in
-``GRPOConfig``), ``vllm_structured_outputs_regex``, multimodal inputs, a colocated engine without the plugin or
-with another profile.
+``GRPOConfig``), ``vllm_structured_outputs_regex``, ``beta != 0`` with top-k / top-p / min-p (the truncated
+distributions give a sampled token log-prob -inf outside the reference's set: the KL term is inf / NaN),
+multimodal inputs, a colocated engine without the plugin or with another profile.
 With ``vllm_mode="server"`` the server is another process: start it with ``ALIGNED_OPS_VLLM=1`` and the same
 ``ALIGNED_OPS_LINEAR`` (a warning says so; TRL's ``sampling/sampling_logp_difference/max`` shows it).
 """
@@ -112,6 +113,14 @@ def _check_sampling(trainer) -> None:
             raise ValueError(f"aligned_grpo: {named(name)} makes vLLM sample with {name}={engine[name]!r} but the "
                              f"trainer scores with {name}={scored[name]!r}; set it in GRPOConfig (one value for "
                              "both)")
+    truncation = {name: value for name, value in _sampling_truncation(trainer).items() if value is not None}
+    beta = getattr(trainer, "beta", 0.0)
+    if beta and truncation and float(trainer.temperature) != 0.0:  # (greedy rows are scored untruncated)
+        given = ", ".join(f"{name}={value!r}" for name, value in truncation.items())
+        raise ValueError(f"aligned_grpo: beta={beta!r} with {given}: the trainer scores the truncated distribution "
+                         "vLLM samples from, where a token outside the reference model's (or, after an update, the "
+                         "policy's) truncated set has log-prob -inf, and TRL's KL term is then inf or NaN (NaN "
+                         "weights after the step); use beta=0.0 or no truncation")
 
 
 def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
