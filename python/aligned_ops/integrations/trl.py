@@ -84,8 +84,8 @@ def _check_sampling(trainer) -> None:
     trainer's own without vLLM) must give the distribution the trainer scores: refused by name otherwise."""
     vg = getattr(trainer, "vllm_generation", None)
     source = vg if vg is not None else trainer
-    params = {name: getattr(source, name, None) for name in ("temperature", "top_k", "top_p", "min_p",
-                                                              "repetition_penalty")}
+    params = {name: getattr(source, name, getattr(trainer, name, None))
+              for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
     kwargs = dict(getattr(vg, "generation_kwargs", None) or getattr(trainer.args, "generation_kwargs", None) or {})
     params.update(kwargs)
     regex = getattr(vg, "structured_outputs_regex", None) if vg is not None else None
