@@ -121,11 +121,18 @@ def test_refusals_name_their_reason(plain, monkeypatch):
                                       (plain, "repetition_penalty", 1.1, "repetition_penalty=1.1"),
                                       (plain, "loss_type", "cispo", "loss_type 'cispo'"),
                                       (plain.args, "importance_sampling_level", "sequence",
-                                       "importance_sampling_level='sequence'")):
+                                       "importance_sampling_level='sequence'"),
+                                      # the entropy mask zeroed 16 of 32 completion tokens' loss weight (not 1)
+                                      (plain, "top_entropy_quantile", 0.5,
+                                       r"top_entropy_quantile=0.5 zeroes the loss .* leave it at 1.0 "
+                                       r"\(or reinforce_zero=False\)")):
         with monkeypatch.context() as m:
             m.setattr(where, name, value)
             with pytest.raises(ValueError, match=match):
                 aligned_grpo(plain)
+    with monkeypatch.context() as m:  # control: TRL's own loss options keep the entropy mask
+        m.setattr(plain, "top_entropy_quantile", 0.5)
+        assert aligned_grpo(plain, reinforce_zero=False) is plain
     trainer = aligned_grpo(plain)
     ids, am, keep = _trl_batch()
     with pytest.raises(ValueError, match="multimodal inputs are not supported .got pixel_values"):

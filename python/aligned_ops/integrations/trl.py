@@ -19,7 +19,9 @@
   plugin also clears them in every model's ``load_weights``, which covers ``vllm_mode="server"``);
 - (``reinforce_zero=True``, the default) maps REINFORCE Zero (:mod:`aligned_ops.rl`) onto TRL's options:
   token-level vLLM importance sampling without truncation (``token_truncate`` with no bounds) and no PPO
-  clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly;
+  clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly (an
+  option that would zero or cap it is refused: ``delta``, ``off_policy_mask_threshold``, ``top_entropy_quantile``,
+  sequence-level IS, a loss type of its own rule);
 - checks that the colocated engine runs the aligned_ops vLLM plugin with the trainer's profile.
 
 Needs ``use_vllm=True``: the patched model has no KV cache, so HF's ``generate`` (TRL without vLLM) is refused by
@@ -240,6 +242,11 @@ def _map_reinforce_zero(trainer) -> None:
         if getattr(args, name, off) != off:
             raise ValueError(f"aligned_grpo(reinforce_zero=True): {name}={getattr(args, name)!r} truncates or "
                              f"reweights the IS ratio; leave it at {off!r} (or reinforce_zero=False)")
+    quantile = getattr(trainer, "top_entropy_quantile", 1.0)  # (what TRL's loss reads)
+    if quantile != 1.0:
+        raise ValueError(f"aligned_grpo(reinforce_zero=True): top_entropy_quantile={quantile!r} zeroes the loss of the "
+                         "tokens below that entropy quantile, so a token's loss weight is no longer "
+                         "exp(logp_theta - logp_vllm); leave it at 1.0 (or reinforce_zero=False)")
     trainer.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = "token_truncate"
     trainer.vllm_importance_sampling_clip_min = None
