@@ -121,15 +121,108 @@ def test_refusals_name_their_reason(plain, monkeypatch):
                                       (plain, "repetition_penalty", 1.1, "repetition_penalty=1.1"),
                                       (plain, "loss_type", "cispo", "loss_type 'cispo'"),
                                       (plain.args, "importance_sampling_level", "sequence",
-                                       "importance_sampling_level='sequence'")):
+                                       "importance_sampling_level='sequence'"),
+                                      # the entropy mask zeroed 16 of 32 completion tokens' loss weight (not 1)
+                                      (plain, "top_entropy_quantile", 0.5,
+                                       r"top_entropy_quantile=0.5 zeroes the loss .* leave it at 1.0 "
+                                       r"\(or reinforce_zero=False\)")):
         with monkeypatch.context() as m:
             m.setattr(where, name, value)
             with pytest.raises(ValueError, match=match):
                 aligned_grpo(plain)
+    with monkeypatch.context() as m:  # control: TRL's own loss options keep the entropy mask
+        m.setattr(plain, "top_entropy_quantile", 0.5)
+        assert aligned_grpo(plain, reinforce_zero=False) is plain
     trainer = aligned_grpo(plain)
     ids, am, keep = _trl_batch()
     with pytest.raises(ValueError, match="multimodal inputs are not supported .got pixel_values"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, keep, pixel_values=torch.zeros(1))
+
+
+def _engine_side(trainer, generation_kwargs=None, structured_outputs_regex=None, **copied):
+    """TRL's VLLMGeneration as aligned_grpo reads it: the generation options it copied at build time, its
+    generation_kwargs (laid over them in every SamplingParams) and the structured-outputs regex."""
+    base = dict(temperature=trainer.temperature, top_k=trainer.top_k, top_p=trainer.top_p, min_p=trainer.min_p,
+                repetition_penalty=trainer.repetition_penalty)
+    base.update(copied)
+    return types.SimpleNamespace(mode="colocate", llm=None, sync_weights=lambda: None,
+                                 generation_kwargs=generation_kwargs or {},
+                                 structured_outputs_regex=structured_outputs_regex, **base)
+
+
+def test_sampling_options_the_trainer_does_not_reproduce_are_refused_by_name(plain, monkeypatch):
+    """vLLM samples (and, under TRL's processed_logprobs, scores) with the options TRL copied, then
+    generation_kwargs over them: a penalty, logit bias, min_tokens, token mask or grammar there, or a temperature /
+    truncation other than the trainer's, made TRL's sampling_logp_difference/max 0.036 (repetition_penalty=1.5 in
+    generation_kwargs) with no error, while repetition_penalty in GRPOConfig was refused."""
+    refused = (
+        ({"repetition_penalty": 1.5}, {}, r"generation_kwargs\['repetition_penalty'\]=1.5 changes the distribution"),
+        ({"presence_penalty": 0.5}, {}, r"generation_kwargs\['presence_penalty'\]=0.5 .*use 0.0"),
+        ({"frequency_penalty": -0.2}, {}, r"generation_kwargs\['frequency_penalty'\]=-0.2"),
+        ({"min_tokens": 4}, {}, r"generation_kwargs\['min_tokens'\]=4 .*use 0"),
+        ({"logit_bias": {7: 2.0}}, {}, r"generation_kwargs\['logit_bias'\]=\{7: 2.0\} .*unset it"),
+        ({"allowed_token_ids": [1, 2]}, {}, r"generation_kwargs\['allowed_token_ids'\]"),
+        ({"bad_words": ["x"]}, {}, r"generation_kwargs\['bad_words'\]"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, {}, r"generation_kwargs\['structured_outputs'\]"),
+        ({"top_k": 3}, {}, r"generation_kwargs\['top_k'\]=3 makes vLLM sample with top_k=3 but the trainer "
+                           r"scores with top_k=None; set it in GRPOConfig"),
+        ({"top_p": 0.9}, {}, r"generation_kwargs\['top_p'\]=0.9 makes vLLM sample with top_p=0.9"),
+        ({"min_p": 0.1}, {}, r"generation_kwargs\['min_p'\]=0.1"),
+        ({"temperature": 1.0}, {}, r"generation_kwargs\['temperature'\]=1.0 makes vLLM sample with "
+                                   r"temperature=1.0 but the trainer scores with temperature=0.8"),
+        ({}, {"structured_outputs_regex": "[a-z]+"}, r"vllm_structured_outputs_regex='\[a-z\]\+' masks"),
+        ({}, {"repetition_penalty": 1.2}, r"aligned_grpo: repetition_penalty=1.2 changes"),
+        ({}, {"temperature": 0.7}, r"aligned_grpo: temperature=0.7 makes vLLM sample with temperature=0.7"),
+    )
+    for kwargs, engine, match in refused:
+        with monkeypatch.context() as m:
+            m.setattr(plain, "vllm_generation", _engine_side(plain, kwargs, **engine), raising=False)
+            with pytest.raises(ValueError, match=match) as err:
+                aligned_grpo(plain, reinforce_zero=False)
+            assert "\n" not in str(err.value)
+    # the same checks without vLLM read GRPOConfig.generation_kwargs
+    with monkeypatch.context() as m:
+        m.setattr(plain.args, "generation_kwargs", {"presence_penalty": 0.5})
+        with pytest.raises(ValueError, match=r"generation_kwargs\['presence_penalty'\]=0.5"):
+            aligned_grpo(plain, reinforce_zero=False)
+    # control: options that leave the distribution alone, and the trainer's own values repeated, pass
+    fine = {"seed": 3, "stop": ["\n"], "max_tokens": 8, "ignore_eos": True, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0, "min_tokens": 0, "logit_bias": {}, "bad_words": [],
+            "top_k": -1, "top_p": 1.0, "min_p": 0.0, "temperature": 0.8}
+    with monkeypatch.context() as m:
+        m.setattr(plain, "vllm_generation", _engine_side(plain, fine), raising=False)
+        assert aligned_grpo(plain, reinforce_zero=False) is plain
+    with monkeypatch.context() as m:
+        m.setattr(plain, "top_k", 3)  # set in GRPOConfig: TRL gives it to both sides
+        m.setattr(plain, "vllm_generation", _engine_side(plain, {"top_k": 3}), raising=False)
+        assert aligned_grpo(plain, reinforce_zero=False) is plain
+
+
+def test_kl_to_the_reference_with_a_truncated_distribution_is_refused(plain, monkeypatch):
+    """beta != 0 with top-k / top-p / min-p: the trainer scores the truncated distribution (vLLM's
+    processed_logprobs), so a sampled token outside the reference's truncated set has ref log-prob -inf and TRL's
+    KL term exp(ref - logp) - (ref - logp) - 1 is inf, NaN once the policy's own set moves (GRPOConfig beta=0.04,
+    top_k=5, temperature=0.7, 3 steps with vLLM: kl logged 0.0, inf, NaN; all 26 weights NaN after step 2 while
+    TRL's sampling_logp_difference/max still logged 0.0, its nan_to_num)."""
+    for truncation, match in (({"top_k": 5}, "beta=0.04 with top_k=5: "), ({"top_p": 0.9}, "with top_p=0.9"),
+                              ({"min_p": 0.05, "top_k": 3}, "with top_k=3, min_p=0.05")):
+        with monkeypatch.context() as m:
+            m.setattr(plain, "beta", 0.04)
+            for name, value in truncation.items():
+                m.setattr(plain, name, value)
+            with pytest.raises(ValueError, match=match + ".*TRL's KL term is then inf or NaN.*use beta=0.0") as err:
+                aligned_grpo(plain, reinforce_zero=False)
+            assert "\n" not in str(err.value)
+    # the arithmetic it prevents: a -inf log-prob in TRL's KL estimator
+    ref, logp = torch.tensor([float("-inf"), -1.0]), torch.tensor([-1.0, float("-inf")])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    assert kl[0] == float("inf") and torch.isnan(kl[1])
+    # controls: the KL without truncation, truncation without the KL, and greedy (scored untruncated) pass
+    for settings in ({"beta": 0.04}, {"top_k": 5, "top_p": 0.9}, {"beta": 0.04, "top_k": 5, "temperature": 0.0}):
+        with monkeypatch.context() as m:
+            for name, value in settings.items():
+                m.setattr(plain, name, value)
+            assert aligned_grpo(plain, reinforce_zero=False) is plain
 
 
 def test_engine_without_the_plugin_or_with_another_profile_is_refused(plain, monkeypatch):

@@ -19,13 +19,20 @@
   plugin also clears them in every model's ``load_weights``, which covers ``vllm_mode="server"``);
 - (``reinforce_zero=True``, the default) maps REINFORCE Zero (:mod:`aligned_ops.rl`) onto TRL's options:
   token-level vLLM importance sampling without truncation (``token_truncate`` with no bounds) and no PPO
-  clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly;
+  clipping (``epsilon = inf``), so the loss weight of a token is ``exp(logp_theta - logp_vllm)`` exactly (an
+  option that would zero or cap it is refused: ``delta``, ``off_policy_mask_threshold``, ``top_entropy_quantile``,
+  sequence-level IS, a loss type of its own rule);
 - checks that the colocated engine runs the aligned_ops vLLM plugin with the trainer's profile.
 
 Needs ``use_vllm=True``: the patched model has no KV cache, so HF's ``generate`` (TRL without vLLM) is refused by
 the model (``use_cache=True is not supported``). Refused by name (each would make the two sides compute
 different numbers): ``cast_lm_head_to_fp32``,
-``repetition_penalty != 1``, multimodal inputs, a colocated engine without the plugin or with another profile.
+``repetition_penalty != 1``, sampling options in ``generation_kwargs`` the trainer does not apply (a presence /
+frequency / repetition penalty, ``logit_bias``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``, structured
+outputs) or that differ from the trainer's (``temperature`` / ``top_k`` / ``top_p`` / ``min_p``: set them in
+``GRPOConfig``), ``vllm_structured_outputs_regex``, ``beta != 0`` with top-k / top-p / min-p (the truncated
+distributions give a sampled token log-prob -inf outside the reference's set: the KL term is inf / NaN),
+multimodal inputs, a colocated engine without the plugin or with another profile.
 With ``vllm_mode="server"`` the server is another process: start it with ``ALIGNED_OPS_VLLM=1`` and the same
 ``ALIGNED_OPS_LINEAR`` (a warning says so; TRL's ``sampling/sampling_logp_difference/max`` shows it).
 """
@@ -52,14 +59,70 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-def _sampling_truncation(trainer) -> dict:
-    """TRL's sampling truncation as completion_logprobs' arguments (None where it is off)."""
-    top_k = getattr(trainer, "top_k", None)
-    top_p = getattr(trainer, "top_p", None)
-    min_p = getattr(trainer, "min_p", None)
+def _truncation(top_k, top_p, min_p) -> dict:
+    """Sampling truncation as completion_logprobs' arguments (None where it is off, in vLLM's sense)."""
     return dict(top_k=None if top_k in (None, 0, -1) else int(top_k),
                 top_p=None if top_p in (None, 1.0) else float(top_p),
                 min_p=None if min_p in (None, 0.0) else float(min_p))
+
+
+def _sampling_truncation(trainer) -> dict:
+    """TRL's sampling truncation as completion_logprobs' arguments (None where it is off)."""
+    return _truncation(*(getattr(trainer, name, None) for name in ("top_k", "top_p", "min_p")))
+
+
+# vLLM SamplingParams that change the distribution vLLM samples from and, under TRL's
+# logprobs_mode="processed_logprobs", the log-probs it returns (vllm/v1/sample/sampler.py: allowed-token mask, bad
+# words, min-tokens and logit-bias processors, penalties; the model runner's grammar bitmask), none of which the
+# trainer's forward applies: (name, its neutral value). Temperature / top-k / top-p / min-p the trainer reproduces.
+_NOT_REPRODUCED = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                   ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+                   ("structured_outputs", None))
+
+
+def _check_sampling(trainer) -> None:
+    """The sampling parameters TRL's engine runs with (colocate and server mode: the generation options TRL
+    copied at build time, then ``generation_kwargs`` over them, then ``vllm_structured_outputs_regex``; the
+    trainer's own without vLLM) must give the distribution the trainer scores: refused by name otherwise."""
+    vg = getattr(trainer, "vllm_generation", None)
+    source = vg if vg is not None else trainer
+    params = {name: getattr(source, name, getattr(trainer, name, None))
+              for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+    kwargs = dict(getattr(vg, "generation_kwargs", None) or getattr(trainer.args, "generation_kwargs", None) or {})
+    params.update(kwargs)
+    regex = getattr(vg, "structured_outputs_regex", None) if vg is not None else None
+    regex = regex if regex is not None else getattr(trainer.args, "vllm_structured_outputs_regex", None)
+
+    def named(name):
+        return f"generation_kwargs[{name!r}]={kwargs[name]!r}" if name in kwargs else f"{name}={params[name]!r}"
+
+    if regex is not None:
+        raise ValueError(f"aligned_grpo: vllm_structured_outputs_regex={regex!r} masks vLLM's logits by a grammar "
+                         "and vLLM returns the masked distribution's log-probs (processed_logprobs), which the "
+                         "trainer does not score; unset it")
+    for name, neutral in _NOT_REPRODUCED:
+        value = params.get(name)
+        if value is None or value == neutral or (isinstance(value, (dict, list, tuple)) and not value):
+            continue
+        raise ValueError(f"aligned_grpo: {named(name)} changes the distribution vLLM samples from and scores "
+                         "(processed_logprobs) by rules the trainer does not apply; "
+                         + (f"use {neutral!r}" if neutral is not None else "unset it"))
+    engine = _truncation(params.get("top_k"), params.get("top_p"), params.get("min_p"))
+    engine["temperature"] = 1.0 if params.get("temperature") is None else float(params["temperature"])
+    scored = dict(_sampling_truncation(trainer), temperature=float(trainer.temperature))
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        if engine[name] != scored[name]:
+            raise ValueError(f"aligned_grpo: {named(name)} makes vLLM sample with {name}={engine[name]!r} but the "
+                             f"trainer scores with {name}={scored[name]!r}; set it in GRPOConfig (one value for "
+                             "both)")
+    truncation = {name: value for name, value in _sampling_truncation(trainer).items() if value is not None}
+    beta = getattr(trainer, "beta", 0.0)
+    if beta and truncation and float(trainer.temperature) != 0.0:  # (greedy rows are scored untruncated)
+        given = ", ".join(f"{name}={value!r}" for name, value in truncation.items())
+        raise ValueError(f"aligned_grpo: beta={beta!r} with {given}: the trainer scores the truncated distribution "
+                         "vLLM samples from, where a token outside the reference model's (or, after an update, the "
+                         "policy's) truncated set has log-prob -inf, and TRL's KL term is then inf or NaN (NaN "
+                         "weights after the step); use beta=0.0 or no truncation")
 
 
 def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -179,6 +242,11 @@ def _map_reinforce_zero(trainer) -> None:
         if getattr(args, name, off) != off:
             raise ValueError(f"aligned_grpo(reinforce_zero=True): {name}={getattr(args, name)!r} truncates or "
                              f"reweights the IS ratio; leave it at {off!r} (or reinforce_zero=False)")
+    quantile = getattr(trainer, "top_entropy_quantile", 1.0)  # (what TRL's loss reads)
+    if quantile != 1.0:
+        raise ValueError(f"aligned_grpo(reinforce_zero=True): top_entropy_quantile={quantile!r} zeroes the loss of the "
+                         "tokens below that entropy quantile, so a token's loss weight is no longer "
+                         "exp(logp_theta - logp_vllm); leave it at 1.0 (or reinforce_zero=False)")
     trainer.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = "token_truncate"
     trainer.vllm_importance_sampling_clip_min = None
@@ -199,9 +267,7 @@ def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinfor
     if getattr(args, "cast_lm_head_to_fp32", False):
         raise ValueError("aligned_grpo: cast_lm_head_to_fp32=True replaces the LM head with an fp32 one vLLM does "
                          "not run; the aligned LM head already returns fp32 log-probs (set it to False)")
-    if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
-        raise ValueError(f"aligned_grpo: repetition_penalty={trainer.repetition_penalty} changes vLLM's sampled "
-                         "distribution by the generated history, which the trainer does not score; use 1.0")
+    _check_sampling(trainer)
     policy = trainer.accelerator.unwrap_model(trainer.model)
     engine_form = _engine_form(trainer)
     _repatch(policy, profile, engine_form)
