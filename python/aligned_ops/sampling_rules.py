@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "TEMPERATURE_RULES",
            "VLLM_VERSION_ENV", "rollout_vllm_version", "temperature_rule", "check_temperature",
-           "effective_temperature_float"]
+           "effective_temperature_float", "PROCESSED_LOGPROBS_UNREPRODUCED", "processed_logprobs_refusal"]
 
 # ---- temperature: vLLM's rule, per release, written once ---------------------------------------------------
 # Read in vllm/sampling_params.py of vLLM 0.22.0 ... 0.32.0 (SamplingParams.__post_init__, _verify_args) and
@@ -155,3 +155,42 @@ def effective_temperature_float(t: float) -> float:
     if 0.0 < t < MIN_SAMPLING_TEMPERATURE:
         t = MIN_SAMPLING_TEMPERATURE
     return 1.0 if t < GREEDY_TEMPERATURE_EPS else t
+
+
+# ---- what logprobs_mode="processed_logprobs" returns that no trainer reproduces ----------------------------------
+# vLLM's Sampler.forward (read in 0.32) changes the logits before sampling with these request options — in this
+# order: allowed_token_ids, bad_words, min_tokens (the stop tokens masked before min length), logit_bias, then the
+# repetition / frequency / presence penalties (functions of the prompt and output token counts); structured outputs
+# mask them in the model runner before the sampler. In processed mode the returned log-prob is that of the logits
+# after all of it (greedy requests too), which completion_logprobs (temperature, top-k/p, min-p only) does not
+# compute: measured on a tiny Qwen2, 0-25 % of tokens bitwise equal, max |diff| up to 6. Raw mode scores the logits
+# before every one of them (bitwise equal). (option, its "off" test) — one list, read by the plugin's request check.
+PROCESSED_LOGPROBS_UNREPRODUCED = (
+    ("presence_penalty", lambda v: not v),
+    ("frequency_penalty", lambda v: not v),
+    ("repetition_penalty", lambda v: v is None or v == 1.0),
+    ("logit_bias", lambda v: not v),
+    ("bad_words", lambda v: not v),
+    ("allowed_token_ids", lambda v: not v),
+    ("min_tokens", lambda v: not v),
+    ("structured_outputs", lambda v: v is None),
+)
+
+
+def processed_logprobs_refusal(params) -> str | None:
+    """Why a request (a vLLM ``SamplingParams``, read by attribute) cannot get log-probs in
+    ``logprobs_mode="processed_logprobs"`` that the trainer reproduces, or None. Only a request that asks for sampled
+    log-probs (``logprobs`` or ``logprob_token_ids`` set) is concerned: prompt log-probs are computed before
+    sampling."""
+    if getattr(params, "logprobs", None) is None and getattr(params, "logprob_token_ids", None) is None:
+        return None
+    set_ = []
+    for name, off in PROCESSED_LOGPROBS_UNREPRODUCED:
+        value = getattr(params, name, None)
+        if not off(value):  # numbers by value; a dict / list / grammar by name (one line whatever its size)
+            set_.append(f"{name}={value!r}" if isinstance(value, (int, float)) else name)
+    if not set_:
+        return None
+    return (f"aligned_ops vLLM plugin: logprobs_mode='processed_logprobs' would return log-probs of logits changed by "
+            f"{', '.join(set_)}, which the trainer's completion_logprobs cannot reproduce; drop "
+            f"{'it' if len(set_) == 1 else 'them'}, or use logprobs_mode='raw_logprobs' (the log-probs before them)")

