@@ -177,11 +177,13 @@ PROCESSED_LOGPROBS_UNREPRODUCED = (
 )
 
 
-def processed_logprobs_refusal(params) -> str | None:
+def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | None:
     """Why a request (a vLLM ``SamplingParams``, read by attribute) cannot get log-probs in
     ``logprobs_mode="processed_logprobs"`` that the trainer reproduces, or None. Only a request that asks for sampled
     log-probs (``logprobs`` or ``logprob_token_ids`` set) is concerned: prompt log-probs are computed before
-    sampling."""
+    sampling. ``custom_logits_processors``: the names of the engine's custom logits processors (vLLM's
+    ``logits_processors`` argument and its ``vllm.logits_processors`` entry points), which may change any request's
+    logits before sampling (the engine cannot tell which)."""
     if getattr(params, "logprobs", None) is None and getattr(params, "logprob_token_ids", None) is None:
         return None
     set_ = []
@@ -189,6 +191,8 @@ def processed_logprobs_refusal(params) -> str | None:
         value = getattr(params, name, None)
         if not off(value):  # numbers by value; a dict / list / grammar by name (one line whatever its size)
             set_.append(f"{name}={value!r}" if isinstance(value, (int, float)) else name)
+    if custom_logits_processors:
+        set_.append(f"the engine's custom logits processors ({', '.join(custom_logits_processors)})")
     if not set_:
         return None
     return (f"aligned_ops vLLM plugin: logprobs_mode='processed_logprobs' would return log-probs of logits changed by "

@@ -393,3 +393,65 @@ def test_seeded_request_with_a_chunked_prompt(tmp_path):
     rollouts = [Rollout(p, list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
                 for p, c in zip([long_prompt, other, long_prompt], split)]
     _assert_all_bitwise(rollouts, _teacher(model, rollouts, temperature=T))
+
+
+class _PushToken7:
+    """A custom vLLM v1 logits processor (the ``logits_processors`` engine argument): +8 on token 7, every row."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        return None
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        logits[:, 7] += 8.0
+        return logits
+
+
+def test_custom_logits_processor_refused_in_processed_mode_bitwise_in_raw(tmp_path):
+    """An engine with a custom logits processor: in processed_logprobs mode the returned log-probs would be those of
+    its logits (which the trainer never sees), so a request asking for log-probs is refused naming the processor;
+    one without is accepted (and the processor acts: token 7 is sampled). In raw mode the log-probs are computed
+    before it: bitwise the trainer's."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    proc = type("PushToken7", (_PushToken7, LogitsProcessor), {})
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    T = 0.8
+    prompt = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = {}
+    for mode in ("processed_logprobs", "raw_logprobs"):
+        llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=32,
+                       logprobs_mode=mode, logits_processors=[proc])
+        try:
+            if mode == "processed_logprobs":
+                with pytest.raises(ValueError, match="PushToken7") as e:
+                    llm.generate([{"prompt_token_ids": prompt}],
+                                 SamplingParams(temperature=T, max_tokens=4, logprobs=0), use_tqdm=False)
+                assert "\n" not in str(e.value) and "processed_logprobs" in str(e.value)
+            outs[mode] = llm.generate([{"prompt_token_ids": prompt}],
+                                      SamplingParams(temperature=T, max_tokens=6,
+                                                     logprobs=None if mode == "processed_logprobs" else 0),
+                                      use_tqdm=False)[0]
+        finally:
+            shutdown(llm)
+            del llm
+            gc.collect()
+    assert 7 in outs["processed_logprobs"].outputs[0].token_ids and 7 in outs["raw_logprobs"].outputs[0].token_ids
+    from transformers import AutoModelForCausalLM
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    c = outs["raw_logprobs"].outputs[0]
+    r = Rollout(prompt, list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
+    _assert_all_bitwise([r], _teacher(model, [r], temperature=T))

@@ -15,7 +15,8 @@
 - request admission (``InputProcessor._validate_params``): with ``logprobs_mode="processed_logprobs"`` a request
   that asks for log-probs with an option that changes the logits before sampling (penalties, ``logit_bias``,
   ``bad_words``, ``allowed_token_ids``, ``min_tokens``, structured outputs:
-  ``aligned_ops.sampling_rules.PROCESSED_LOGPROBS_UNREPRODUCED``) is refused with one ``ValueError`` naming them —
+  ``aligned_ops.sampling_rules.PROCESSED_LOGPROBS_UNREPRODUCED``; in an engine with custom logits processors, any)
+  is refused with one ``ValueError`` naming them —
   the engine would return the log-probs of those changed logits, which ``completion_logprobs`` cannot reproduce
   (silently: 0-25 % of tokens bitwise equal). Raw mode scores the logits before all of them and accepts them.
 """
@@ -106,6 +107,21 @@ def _sample_tokens_unmasked(self, grammar_output, *args, **kwargs):
         _unmasked_logits.reset(token)
 
 
+def _custom_logits_processors(processor) -> tuple:
+    """Names of the engine's custom logits processors: ``LLM(logits_processors=[...])`` (classes or qualified
+    names) and the installed ``vllm.logits_processors`` entry points vLLM loads into every engine (cached per front
+    end)."""
+    names = getattr(processor, "_aligned_custom_logitsprocs", None)
+    if names is None:
+        from importlib.metadata import entry_points
+
+        given = getattr(getattr(processor, "model_config", None), "logits_processors", None) or ()
+        names = tuple(getattr(p, "__qualname__", None) or str(p) for p in given)
+        names += tuple(ep.name for ep in entry_points(group="vllm.logits_processors"))
+        processor._aligned_custom_logitsprocs = names
+    return names
+
+
 def _validate_params(self, params, *args, **kwargs):
     """Refuse, at admission, a request whose processed log-probs the trainer cannot reproduce (module docstring)."""
     from vllm import SamplingParams
@@ -117,7 +133,7 @@ def _validate_params(self, params, *args, **kwargs):
     original = patches.original(InputProcessor, "_validate_params")
     mode = str(getattr(getattr(self, "model_config", None), "logprobs_mode", "raw_logprobs"))
     if mode == "processed_logprobs" and isinstance(params, SamplingParams):
-        reason = processed_logprobs_refusal(params)
+        reason = processed_logprobs_refusal(params, _custom_logits_processors(self))
         if reason:
             raise ValueError(reason)
     return original(self, params, *args, **kwargs)
