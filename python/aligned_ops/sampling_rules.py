@@ -160,11 +160,12 @@ def effective_temperature_float(t: float) -> float:
 # ---- what logprobs_mode="processed_logprobs" returns that no trainer reproduces ----------------------------------
 # vLLM's Sampler.forward (read in 0.32) changes the logits before sampling with these request options — in this
 # order: allowed_token_ids, bad_words, min_tokens (the stop tokens masked before min length), logit_bias, then the
-# repetition / frequency / presence penalties (functions of the prompt and output token counts); structured outputs
-# mask them in the model runner before the sampler. In processed mode the returned log-prob is that of the logits
-# after all of it (greedy requests too), which completion_logprobs (temperature, top-k/p, min-p only) does not
-# compute: measured on a tiny Qwen2, 0-25 % of tokens bitwise equal, max |diff| up to 6. Raw mode scores the logits
-# before every one of them (bitwise equal). (option, its "off" test) — one list, read by the plugin's request check.
+# repetition / frequency / presence penalties (functions of the prompt and output token counts), then a thinking
+# budget's forced tokens; structured outputs mask them in the model runner before the sampler. In processed mode
+# the returned log-prob is that of the logits after all of it (greedy requests too), which completion_logprobs
+# (temperature, top-k/p, min-p only) does not compute: measured on a tiny Qwen2, 0-25 % of tokens bitwise equal,
+# max |diff| up to 6. Raw mode scores the logits before every one of them (bitwise equal). (option, its "off"
+# test) — one list, read by the plugin's request check.
 PROCESSED_LOGPROBS_UNREPRODUCED = (
     ("presence_penalty", lambda v: not v),
     ("frequency_penalty", lambda v: not v),
@@ -174,6 +175,7 @@ PROCESSED_LOGPROBS_UNREPRODUCED = (
     ("allowed_token_ids", lambda v: not v),
     ("min_tokens", lambda v: not v),
     ("structured_outputs", lambda v: v is None),
+    ("thinking_token_budget", lambda v: v is None),  # 0.32: forces the end-of-thinking token after the penalties
 )
 
 
