@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "TEMPERATURE_RULES",
            "VLLM_VERSION_ENV", "rollout_vllm_version", "temperature_rule", "check_temperature",
-           "effective_temperature_float", "PROCESSED_LOGPROBS_UNREPRODUCED", "processed_logprobs_refusal"]
+           "effective_temperature_float", "PROCESSED_LOGPROBS_UNREPRODUCED", "sampling_option_set",
+           "processed_logprobs_refusal"]
 
 # ---- temperature: vLLM's rule, per release, written once ---------------------------------------------------
 # Read in vllm/sampling_params.py of vLLM 0.22.0 ... 0.32.0 (SamplingParams.__post_init__, _verify_args) and
@@ -164,19 +165,19 @@ def effective_temperature_float(t: float) -> float:
 # budget's forced tokens; structured outputs mask them in the model runner before the sampler. In processed mode
 # the returned log-prob is that of the logits after all of it (greedy requests too), which completion_logprobs
 # (temperature, top-k/p, min-p only) does not compute: measured on a tiny Qwen2, 0-25 % of tokens bitwise equal,
-# max |diff| up to 6. Raw mode scores the logits before every one of them (bitwise equal). (option, its "off"
-# test) — one list, read by the plugin's request check.
+# max |diff| up to 6. Raw mode scores the logits before every one of them (bitwise equal). (option, its neutral
+# value) — one list, read by the plugin's request check and the TRL adapter's.
 PROCESSED_LOGPROBS_UNREPRODUCED = (
-    ("presence_penalty", lambda v: not v),
-    ("frequency_penalty", lambda v: not v),
-    ("repetition_penalty", lambda v: v is None or v == 1.0),
-    ("logit_bias", lambda v: not v),
-    ("bad_words", lambda v: not v),
-    ("allowed_token_ids", lambda v: not v),
-    ("min_tokens", lambda v: not v),
-    ("structured_outputs", lambda v: v is None),
-    ("thinking_token_budget", lambda v: v is None),  # 0.32: forces the end-of-thinking token after the penalties
+    ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0),
+    ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
+    ("thinking_token_budget", None),  # 0.32: forces the end-of-thinking token after the penalties (0 included)
 )
+
+
+def sampling_option_set(value, neutral) -> bool:
+    """Whether an option of :data:`PROCESSED_LOGPROBS_UNREPRODUCED` is on: not None, not its neutral value, not an
+    empty dict / list."""
+    return not (value is None or value == neutral or (isinstance(value, (dict, list, tuple)) and not value))
 
 
 def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | None:
@@ -189,9 +190,9 @@ def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | Non
     if getattr(params, "logprobs", None) is None and getattr(params, "logprob_token_ids", None) is None:
         return None
     set_ = []
-    for name, off in PROCESSED_LOGPROBS_UNREPRODUCED:
+    for name, neutral in PROCESSED_LOGPROBS_UNREPRODUCED:
         value = getattr(params, name, None)
-        if not off(value):  # numbers by value; a dict / list / grammar by name (one line whatever its size)
+        if sampling_option_set(value, neutral):  # numbers by value; a dict / list / grammar by name (one line)
             set_.append(f"{name}={value!r}" if isinstance(value, (int, float)) else name)
     if custom_logits_processors:
         set_.append(f"the engine's custom logits processors ({', '.join(custom_logits_processors)})")
