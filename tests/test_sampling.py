@@ -286,7 +286,7 @@ def test_processed_logprobs_refusal_names_each_option_that_changes_the_logits():
     one = dict(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=0.9, logit_bias={7: 1.0},
                bad_words=["the"], allowed_token_ids=[1, 2], min_tokens=2,
                structured_outputs=StructuredOutputsParams(regex="[a-z]+"), thinking_token_budget=0)
-    assert set(one) == {name for name, _ in PROCESSED_LOGPROBS_UNREPRODUCED}  # one of each
+    assert set(one) == {name for name, _ in PROCESSED_LOGPROBS_UNREPRODUCED}
     for name, value in one.items():
         assert processed_logprobs_refusal(SP(**{name: value})) is None  # no sampled log-probs: nothing to reproduce
         msg = processed_logprobs_refusal(SP(logprobs=2, **{name: value}))
