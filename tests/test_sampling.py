@@ -270,3 +270,28 @@ def test_truncation_options_vllm_accepts_and_off_values():
     # min_p = 1 keeps exactly the most probable tokens (their tie group), never an empty row
     kept = truncation_mask(x, min_p=1.0)
     assert bool((kept.sum(1) >= 1).all())
+
+
+def test_processed_logprobs_refusal_names_each_option_that_changes_the_logits():
+    """sampling_rules.processed_logprobs_refusal (the vLLM plugin's admission check in processed_logprobs mode):
+    one line naming every option set; None for a request without sampled log-probs or with none of them set."""
+    vllm = pytest.importorskip("vllm")
+    from aligned_ops.sampling_rules import PROCESSED_LOGPROBS_UNREPRODUCED, processed_logprobs_refusal
+    from vllm.sampling_params import StructuredOutputsParams
+
+    SP = vllm.SamplingParams
+    assert processed_logprobs_refusal(SP(logprobs=0, top_p=0.9, top_k=5, min_p=0.1, seed=1, n=2,
+                                         stop_token_ids=[3], ignore_eos=True, prompt_logprobs=2)) is None
+    assert processed_logprobs_refusal(SP(logprobs=0, repetition_penalty=1.0, presence_penalty=0.0)) is None
+    one = dict(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=0.9, logit_bias={7: 1.0},
+               bad_words=["the"], allowed_token_ids=[1, 2], min_tokens=2,
+               structured_outputs=StructuredOutputsParams(regex="[a-z]+"), thinking_token_budget=0)
+    assert set(one) == {name for name, _ in PROCESSED_LOGPROBS_UNREPRODUCED}
+    for name, value in one.items():
+        assert processed_logprobs_refusal(SP(**{name: value})) is None  # no sampled log-probs: nothing to reproduce
+        msg = processed_logprobs_refusal(SP(logprobs=2, **{name: value}))
+        assert msg and "\n" not in msg and name in msg and "processed_logprobs" in msg, msg
+        assert sum(other in msg for other in one) == 1, msg
+    msg = processed_logprobs_refusal(SP(logprobs=0, **one))
+    assert "\n" not in msg and all(name in msg for name in one), msg
+    assert "presence_penalty=0.5" in msg and "logit_bias," in msg  # numbers by value, containers by name

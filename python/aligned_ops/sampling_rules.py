@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "MIN_SAMPLING_TEMPERATURE", "TemperatureRule", "TEMPERATURE_RULES",
            "VLLM_VERSION_ENV", "rollout_vllm_version", "temperature_rule", "check_temperature",
-           "effective_temperature_float"]
+           "effective_temperature_float", "PROCESSED_LOGPROBS_UNREPRODUCED", "sampling_option_set",
+           "processed_logprobs_refusal"]
 
 # ---- temperature: vLLM's rule, per release, written once ---------------------------------------------------
 # Read in vllm/sampling_params.py of vLLM 0.22.0 ... 0.32.0 (SamplingParams.__post_init__, _verify_args) and
@@ -155,3 +156,48 @@ def effective_temperature_float(t: float) -> float:
     if 0.0 < t < MIN_SAMPLING_TEMPERATURE:
         t = MIN_SAMPLING_TEMPERATURE
     return 1.0 if t < GREEDY_TEMPERATURE_EPS else t
+
+
+# ---- what logprobs_mode="processed_logprobs" returns that no trainer reproduces ----------------------------------
+# vLLM's Sampler.forward (read in 0.32) changes the logits before sampling with these request options — in this
+# order: allowed_token_ids, bad_words, min_tokens (the stop tokens masked before min length), logit_bias, then the
+# repetition / frequency / presence penalties (functions of the prompt and output token counts), then a thinking
+# budget's forced tokens; structured outputs mask them in the model runner before the sampler. In processed mode
+# the returned log-prob is that of the logits after all of it (greedy requests too), which completion_logprobs
+# (temperature, top-k/p, min-p only) does not compute: measured on a tiny Qwen2, 0-25 % of tokens bitwise equal,
+# max |diff| up to 6. Raw mode scores the logits before every one of them (bitwise equal). (option, its neutral
+# value) — one list, read by the plugin's request check and the TRL adapter's.
+PROCESSED_LOGPROBS_UNREPRODUCED = (
+    ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0),
+    ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
+    ("thinking_token_budget", None),  # 0.32: forces the end-of-thinking token after the penalties (0 included)
+)
+
+
+def sampling_option_set(value, neutral) -> bool:
+    """Whether an option of :data:`PROCESSED_LOGPROBS_UNREPRODUCED` is on: not None, not its neutral value, not an
+    empty dict / list."""
+    return not (value is None or value == neutral or (isinstance(value, (dict, list, tuple)) and not value))
+
+
+def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | None:
+    """Why a request (a vLLM ``SamplingParams``, read by attribute) cannot get log-probs in
+    ``logprobs_mode="processed_logprobs"`` that the trainer reproduces, or None. Only a request that asks for sampled
+    log-probs (``logprobs`` or ``logprob_token_ids`` set) is concerned: prompt log-probs are computed before
+    sampling. ``custom_logits_processors``: the names of the engine's custom logits processors (vLLM's
+    ``logits_processors`` argument and its ``vllm.logits_processors`` entry points), which may change any request's
+    logits before sampling (the engine cannot tell which)."""
+    if getattr(params, "logprobs", None) is None and getattr(params, "logprob_token_ids", None) is None:
+        return None
+    set_ = []
+    for name, neutral in PROCESSED_LOGPROBS_UNREPRODUCED:
+        value = getattr(params, name, None)
+        if sampling_option_set(value, neutral):  # numbers by value; a dict / list / grammar by name (one line)
+            set_.append(f"{name}={value!r}" if isinstance(value, (int, float)) else name)
+    if custom_logits_processors:
+        set_.append(f"the engine's custom logits processors ({', '.join(custom_logits_processors)})")
+    if not set_:
+        return None
+    return (f"aligned_ops vLLM plugin: logprobs_mode='processed_logprobs' would return log-probs of logits changed by "
+            f"{', '.join(set_)}, which the trainer's completion_logprobs cannot reproduce; drop "
+            f"{'it' if len(set_) == 1 else 'them'}, or use logprobs_mode='raw_logprobs' (the log-probs before them)")

