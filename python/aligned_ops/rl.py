@@ -64,22 +64,19 @@ def _masked_fp32(x: Tensor, valid: Tensor) -> Tensor:
 
 
 def _row_sums(x: Tensor) -> Tensor:
-    """``[B, T]`` fp32 -> ``[B]``: each row's sum in the linear contract's row-local order (``ops.moe.row_local_sum``:
-    64-term tiles, then over the tiles; the row widened with zeros to a multiple of 64), not ``torch.sum``, which
-    splits a lone row of more than 32768 terms across threads: a sequence's sum (GSPO's sequence log-ratio, a
-    sequence's loss) is then another number alone than in a batch, and at 1 thread than at 2. Differentiable (the
-    gradient of a sum: g broadcast)."""
-    from .ops.moe import row_local_sum  # (lazy: the CLI imports this module's choices before the extension loads)
+    """``[B, T]`` fp32 -> ``[B]``: each row's sum as the contract's 64-ary tree (``ops.moe.row_tree_sum``), not
+    ``torch.sum``, which splits a lone row of more than 32768 terms across threads and whose order moves with the
+    width T: a sequence's sum (GSPO's sequence log-ratio, a sequence's loss) was another number alone than in a batch,
+    at 1 thread than at 2, padded to another width. Differentiable (the gradient of a sum: g broadcast). Padding
+    after a sequence's tokens changes no bit; tokens that start at another column (left padding) are another sum."""
+    from .ops.moe import row_tree_sum  # (lazy: the CLI imports this module's choices before the extension loads)
 
-    T = x.shape[-1]
-    width = max(64, -(-T // 64) * 64)
-    return row_local_sum(torch.nn.functional.pad(x, (0, width - T)) if width != T else x.contiguous())
+    return row_tree_sum(x)
 
 
 def _total(x: Tensor) -> Tensor:
-    """The sum of a ``[B, T]`` fp32 tensor as the sum of its rows' sums (:func:`_row_sums`), each in row-local
-    order: independent of the thread count and of the padding width T (torch.sum of 4 x 40000 values: other bits
-    at 1 and 2 threads)."""
+    """The sum of a ``[B, T]`` fp32 tensor as the sum of its rows' sums (:func:`_row_sums`): independent of the
+    thread count and of trailing padding (torch.sum of 4 x 40000 values: other bits at 1 and 2 threads)."""
     return _row_sums(_row_sums(x)[None])[0]
 
 
@@ -318,21 +315,25 @@ def _group_index(rewards: Tensor, group_ids: Optional[Tensor], group_size: Optio
     return index.to(rewards.device), int(index.max()) + 1 if batch else 0
 
 
-def _group_sum(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
+def _group_sum(values: Tensor, index: Tensor, num_groups: int, group_size: Optional[int] = None) -> Tensor:
     """Per-sequence sum of fp32 ``values [B]`` over the sequence's group, added from 0 in batch order (the order
-    ``index_add_`` has on a CPU), on every device: the members are laid out as the rows of a ``[G, largest group]``
-    grid (zeros after them) and folded column by column. Not ``index_add_`` itself, which adds with atomics on a
-    GPU (the order, so a partial-credit reward's advantage, changed from run to run)."""
+    ``index_add_`` has on a CPU), on every device: the members as the rows of a ``[G, largest group]`` grid (zeros
+    after them), folded column by column. Not ``index_add_`` itself, which adds with atomics on a GPU (the order, so
+    a partial-credit reward's advantage, changed from run to run). ``group_size`` (consecutive blocks): the grid is
+    ``values`` itself (no host sync; compiles); group ids: laid out by a stable sort (one sync: the largest group)."""
     if values.numel() == 0:
         return values
-    order = torch.argsort(index, stable=True)
-    counts = torch.bincount(index, minlength=num_groups)
-    grouped = index[order]
-    slot = torch.arange(index.numel(), device=index.device) - (counts.cumsum(0) - counts)[grouped]
-    grid = values.new_zeros(num_groups, int(counts.max()))
-    grid[grouped, slot] = values[order]
+    if group_size is not None:
+        grid = values.reshape(num_groups, group_size)
+    else:
+        order = torch.argsort(index, stable=True)
+        counts = torch.bincount(index, minlength=num_groups)
+        grouped = index[order]
+        slot = torch.arange(index.numel(), device=index.device) - (counts.cumsum(0) - counts)[grouped]
+        grid = values.new_zeros(num_groups, int(counts.max()))
+        grid[grouped, slot] = values[order]
     total = values.new_zeros(num_groups)
-    for column in grid.unbind(1):  # (a group's length is the number of its samples: a short loop)
+    for column in grid.unbind(1):  # (as many steps as the largest group has members)
         total = total + column
     return total[index]
 
@@ -343,8 +344,8 @@ def group_mean_advantages(
     """A_i = R_i − mean_{j ∈ g(i)} R_j. A group of one gets A = 0."""
     index, num_groups = _group_index(rewards, group_ids, group_size)
     r = rewards.float()
-    count = _group_sum(torch.ones_like(r), index, num_groups)
-    return r - _group_sum(r, index, num_groups) / count
+    count = _group_sum(torch.ones_like(r), index, num_groups, group_size)
+    return r - _group_sum(r, index, num_groups, group_size) / count
 
 
 def rloo_advantages(rewards: Tensor, group_ids: Optional[Tensor] = None, *, group_size: Optional[int] = None) -> Tensor:
@@ -356,8 +357,8 @@ def rloo_advantages(rewards: Tensor, group_ids: Optional[Tensor] = None, *, grou
     """
     index, num_groups = _group_index(rewards, group_ids, group_size)
     r = rewards.float()
-    count = _group_sum(torch.ones_like(r), index, num_groups)
-    baseline = (_group_sum(r, index, num_groups) - r) / (count - 1).clamp(min=1)
+    count = _group_sum(torch.ones_like(r), index, num_groups, group_size)
+    baseline = (_group_sum(r, index, num_groups, group_size) - r) / (count - 1).clamp(min=1)
     return torch.where(count > 1, r - baseline, 0.0)
 
 
@@ -378,8 +379,8 @@ def grpo_advantages(
     if not scale_by_std:
         return centred
     index, num_groups = _group_index(rewards, group_ids, group_size)
-    count = _group_sum(torch.ones_like(centred), index, num_groups)
-    var = _group_sum(centred * centred, index, num_groups) / (count - 1).clamp(min=1)
+    count = _group_sum(torch.ones_like(centred), index, num_groups, group_size)
+    var = _group_sum(centred * centred, index, num_groups, group_size) / (count - 1).clamp(min=1)
     return centred / (var.sqrt() + eps)
 
 

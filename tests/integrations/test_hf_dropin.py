@@ -399,8 +399,7 @@ def test_entropy_of_a_lone_row_does_not_depend_on_threads(vocab):
 
 def test_entropy_of_masked_logits_and_its_gradient():
     # review 127: a logit at -inf (a masked token) made the row's entropy NaN (exp(-inf) * -inf = 0 * -inf); its
-    # p is 0, so it adds 0. The gradient is the elementwise graph's with the sum's g broadcast: the same bits as
-    # torch.sum's backward (which the row-local sum replaced for the forward only), without keeping the terms.
+    # p is 0, so it adds 0, and its gradient is 0 (the entropy's own backward, checked against float64 autograd).
     g = torch.Generator().manual_seed(2)
     z = torch.randn(3, 130, generator=g) * 3
     z[0, 1:] = float("-inf")  # one finite logit: entropy 0
@@ -441,6 +440,13 @@ def test_entropy_gradient_is_row_invariant_and_keeps_only_the_logits():
     batch = grad_of(slice(0, 5))
     for r in (0, 2, 4):  # a row's gradient alone is its gradient in the batch, bit for bit
         assert_bitwise_equal(grad_of(slice(r, r + 1)), batch[r:r + 1])
+    # control: the per-row weights reach the rows (a backward that mixed up the rows' g would show), so the
+    # comparison can fail
+    assert not bitwise_equal(grad_of(slice(1, 2)), batch[0:1])
+    # a temperature tensor that requires grad is refused by log_softmax's rule (inside the Function its autograd
+    # setup does not run: the temperature silently got no gradient)
+    with pytest.raises(ValueError, match=r"aligned::log_softmax: the temperature tensor requires grad"):
+        _entropy(z.clone().requires_grad_(True), torch.full((5,), 0.9, requires_grad=True))
     ref = z.double().requires_grad_(True)
     (-(torch.softmax(ref / 0.9, -1) * torch.log_softmax(ref / 0.9, -1)).sum(-1) * weights).sum().backward()
     torch.testing.assert_close(batch.double(), ref.grad, rtol=2e-2, atol=1e-4)  # (bf16 gradient)

@@ -115,3 +115,14 @@ def test_group_sums_add_in_batch_order_from_zero():
     got = _group_sum(r, index, int(index.max()) + 1)
     assert_bitwise_equal(got, want)
     assert not bitwise_equal(backwards, want)
+
+
+def test_group_advantages_compile_fullgraph_with_group_size():
+    # review 133: the group-id grid (a host sync for the largest group) broke torch.compile(fullgraph=True) of
+    # grpo_advantages(group_size=...); consecutive groups are the values' own [G, size] grid
+    from aligned_ops.rl import grpo_advantages
+
+    r = torch.rand(16, generator=torch.Generator().manual_seed(8))
+    want = grpo_advantages(r, group_size=4)
+    got = torch.compile(lambda x: grpo_advantages(x, group_size=4), fullgraph=True)(r)
+    assert_bitwise_equal(got, want)

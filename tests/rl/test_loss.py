@@ -381,3 +381,36 @@ def test_a_long_sequences_seq_ratio_and_loss_do_not_depend_on_the_batch_or_threa
     mu[0, 7] += 0.5
     moved = run(slice(0, 4), 2)[1]
     assert not bitwise_equal(moved[0], batch1[0]) and bitwise_equal(moved[1:], batch1[1:])
+
+
+def test_a_sequences_seq_ratio_does_not_depend_on_the_padding_width():
+    # review 133: the first row-local sum's second level was cut into lanes by the number of tiles, so padding the
+    # batch to another width (the longest completion of the batch) moved a sequence's GSPO ratio and gradient. The
+    # 64-ary tree's tiles start at absolute positions: trailing padding adds exact zeros.
+    g = torch.Generator().manual_seed(6)
+    n = 1000
+    lp = -torch.rand(1, n, generator=g) * 3
+    mu = lp + torch.randn(1, n, generator=g) * 0.05
+    adv = torch.tensor([0.7])
+
+    def grad_at(width):
+        pad = width - n
+        x = torch.nn.functional.pad(lp, (0, pad), value=float("nan")).requires_grad_(True)
+        m = torch.nn.functional.pad(torch.ones(1, n, dtype=torch.bool), (0, pad))
+        loss, _ = policy_loss(x, torch.nn.functional.pad(mu, (0, pad)), adv, m, mode="seq_tis", clip_c=1e9,
+                              agg="seq-mean-token-sum")
+        loss.backward()
+        return loss.detach(), x.grad[:, :n]
+
+    loss0, grad0 = grad_at(n)
+    for width in (n + 1, 1024, 1200, 5000, 70_000):
+        loss, grad = grad_at(width)
+        assert_bitwise_equal(loss, loss0)
+        assert_bitwise_equal(grad, grad0)
+    # control: the comparison can fail — the two-level row-local sum (lanes cut by the number of tiles) gives the
+    # sequence's log-ratio sum other bits at another padding width
+    from aligned_ops.ops.moe import row_local_sum
+
+    d = lp - mu
+    sums = [row_local_sum(torch.nn.functional.pad(d, (0, w - n))) for w in (1024, 1280, 1536, 5056)]
+    assert not all(bitwise_equal(t, sums[0]) for t in sums[1:])

@@ -42,7 +42,7 @@ from ..models import ARCHITECTURES, Side, rules_for, rules_of
 from ..models import get as get_architecture
 from ..profiles import profile_of
 from ..models.mla_form import resolve_mla_form
-from ..ops.logits import _temperature_args
+from ..ops.logits import _temperature_args, refuse_temperature_grad
 from ..ops.moe import row_local_sum
 from ..rope import cos_sin_cache, rope_spec_from_hf_config
 from ..sampling import check_sampling_options, check_temperature, effective_temperature
@@ -764,6 +764,9 @@ class _Entropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, temps):
+        # (log_softmax's own autograd setup, which refuses a temperature tensor that requires grad, does not run
+        # inside a Function's forward: refused here, by the same rule)
+        refuse_temperature_grad("log_softmax", temps if isinstance(temps, torch.Tensor) else None)
         ctx.save_for_backward(logits, temps if isinstance(temps, torch.Tensor) else None)
         ctx.temperature = None if isinstance(temps, torch.Tensor) else temps
         lsm = _widened(aligned_ops.log_softmax(logits, temps))
@@ -771,6 +774,7 @@ class _Entropy(torch.autograd.Function):
         return -row_local_sum(lsm.exp().mul_(lsm))
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         logits, temps = ctx.saved_tensors
         temps = ctx.temperature if temps is None else temps
@@ -779,6 +783,7 @@ class _Entropy(torch.autograd.Function):
         masked = lsm == float("-inf")
         d = lsm + 1.0
         d.mul_(lsm.exp_()).masked_fill_(masked, 0.0).mul_((-g)[:, None])  # -g p (log p + 1)
+        del lsm, masked  # (before the narrowing copy of a vocabulary that is not a multiple of 64)
         t, ts = _temperature_args("log_softmax", temps, logits)
         return torch.ops.aligned.log_softmax_backward(d[:, :v].contiguous(), logits, t, ts), None
 

@@ -225,6 +225,38 @@ def row_local_sum(x: torch.Tensor) -> torch.Tensor:
     return _RowLocalSum.apply(x)
 
 
+class _RowTreeSum(torch.autograd.Function):
+    """:func:`row_tree_sum`, with the gradient of a sum (g broadcast) and nothing saved."""
+
+    @staticmethod
+    def forward(ctx, x):
+        n, t = x.shape
+        ctx.width = t
+        while True:
+            width = max(64, -(-x.shape[1] // 64) * 64)
+            if width != x.shape[1]:
+                x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+            x = row_sums(x.reshape(-1, 64)).reshape(n, width // 64)
+            if width == 64:
+                return x[:, 0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, None].expand(g.shape[0], ctx.width)
+
+
+def row_tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """``[n, t]`` fp32, any ``t`` -> ``[n]``: each row's sum as a 64-ary tree — 64-term tiles (:func:`row_sums`),
+    then 64 tile sums at a time, until one is left, each level widened with zeros to a multiple of 64. The tiles
+    start at absolute positions, so zeros appended to a row (a batch padded to another width) change no bit of its
+    sum (each adds an exact +0; at most the sign of a zero sum), nor do the number of rows or the threads. (The
+    two-level :func:`row_local_sum` cuts its second level into 8 lanes by the number of tiles, which the width
+    moves.) Differentiable."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"row_tree_sum: x must be float32 [n, t], got {tuple(x.shape)} {x.dtype}")
+    return _RowTreeSum.apply(x.contiguous())
+
+
 def _checked_expert_counts(op: str, ids: torch.Tensor, E: int) -> list:
     """Rows per expert ``[E]`` of int64 ``ids [T, k]``, read on the host in the one sync the backward makes, with the
     ids checked in the same read: every id in [0, E) (an id >= E would otherwise get no gradient, a negative one
