@@ -130,6 +130,10 @@ def test_refusals_name_their_reason(plain, monkeypatch):
             m.setattr(where, name, value)
             with pytest.raises(ValueError, match=match):
                 aligned_grpo(plain)
+            # refused before anything changed (review 133: the reinforce_zero refusals came after the patching):
+            # a caller that catches the error keeps TRL's trainer as it was
+            assert "_get_per_token_logps_and_entropies" not in vars(plain), name
+            assert not getattr(plain.accelerator.unwrap_model(plain.model), "_aligned_patched", False), name
     with monkeypatch.context() as m:  # control: TRL's own loss options keep the entropy mask
         m.setattr(plain, "top_entropy_quantile", 0.5)
         assert aligned_grpo(plain, reinforce_zero=False) is plain

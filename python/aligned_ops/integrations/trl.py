@@ -231,8 +231,9 @@ def _check_engine(trainer, profile) -> None:
                          "GRPOTrainer (or pass profile=" + repr(engine_profile.name) + ")")
 
 
-def _map_reinforce_zero(trainer) -> None:
-    """REINFORCE Zero on TRL's options: untruncated token-level IS against vLLM's log-probs, no PPO clip."""
+def _check_reinforce_zero(trainer) -> None:
+    """The options REINFORCE Zero cannot be mapped onto: refused before aligned_grpo changes anything (a caller
+    that catches the error keeps an unchanged trainer)."""
     args = trainer.args
     if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         raise ValueError(f"aligned_grpo(reinforce_zero=True): loss_type {trainer.loss_type!r} reweights tokens by "
@@ -246,6 +247,10 @@ def _map_reinforce_zero(trainer) -> None:
         raise ValueError(f"aligned_grpo(reinforce_zero=True): top_entropy_quantile={quantile!r} zeroes the loss of the "
                          "tokens below that entropy quantile, so a token's loss weight is no longer "
                          "exp(logp_theta - logp_vllm); leave it at 1.0 (or reinforce_zero=False)")
+
+
+def _map_reinforce_zero(trainer) -> None:
+    """REINFORCE Zero on TRL's options: untruncated token-level IS against vLLM's log-probs, no PPO clip."""
     trainer.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = "token_truncate"
     trainer.vllm_importance_sampling_clip_min = None
@@ -267,6 +272,8 @@ def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinfor
         raise ValueError("aligned_grpo: cast_lm_head_to_fp32=True replaces the LM head with an fp32 one vLLM does "
                          "not run; the aligned LM head already returns fp32 log-probs (set it to False)")
     _check_sampling(trainer)
+    if reinforce_zero:
+        _check_reinforce_zero(trainer)
     policy = trainer.accelerator.unwrap_model(trainer.model)
     engine_form = _engine_form(trainer)
     _repatch(policy, profile, engine_form)
