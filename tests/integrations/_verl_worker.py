@@ -293,6 +293,7 @@ def main(rollouts_path, out_path):
         except ValueError as err:
             return str(err)
 
+    plugin.install()  # (uninstalled above for the stock negative controls)
     init_model = ActorRolloutRefWorker.init_model
     out["rollout_refusals"] = {
         "hooked": hasattr(init_model, "_aligned_original"),
@@ -301,6 +302,7 @@ def main(rollouts_path, out_path):
         "top_p": rollout_refusal(["actor_rollout_ref.rollout.top_p=0.9"]),
         "top_k": rollout_refusal(["actor_rollout_ref.rollout.top_k=50"]),
         "raw_logprobs": rollout_refusal(["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"])}
+    plugin.uninstall()
     out["config"]["actor_policy_loss"] = {
         "loss_mode": cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
         "rollout_correction": OmegaConf.to_container(cfg.actor_rollout_ref.actor.policy_loss.rollout_correction,
