@@ -301,7 +301,7 @@ def main(rollouts_path, out_path):
         "shipped": rollout_refusal([]),
         "top_p": rollout_refusal(["actor_rollout_ref.rollout.top_p=0.9"]),
         "top_k": rollout_refusal(["actor_rollout_ref.rollout.top_k=50"]),
-        "raw_logprobs": rollout_refusal(["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"])}
+        "raw_logits": rollout_refusal(["actor_rollout_ref.rollout.logprobs_mode=raw_logits"])}
     plugin.uninstall()
     out["config"]["actor_policy_loss"] = {
         "loss_mode": cfg.actor_rollout_ref.actor.policy_loss.loss_mode,

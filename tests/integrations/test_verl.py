@@ -191,17 +191,20 @@ def _rollout(**kw):
 @pytest.mark.parametrize("setting, message", [
     (dict(top_p=0.9), "rollout top_p=0.9 samples from the nucleus"),
     (dict(top_k=50), "rollout top_k=50 samples from the top-k tokens"),
-    (dict(logprobs_mode="raw_logprobs"), "rollout logprobs_mode='raw_logprobs'"),
-    (dict(logprobs_mode="processed_logits"), "rollout logprobs_mode='processed_logits'"),
+    (dict(top_p=0.9, logprobs_mode="raw_logprobs"), "rollout top_p=0.9 samples from the nucleus"),
+    (dict(logprobs_mode="raw_logits"), "rollout logprobs_mode='raw_logits' returns logits"),
+    (dict(logprobs_mode="processed_logits"), "rollout logprobs_mode='processed_logits' returns logits"),
 ])
 def test_refuses_rollout_sampling_the_actor_does_not_score(setting, message):
     with pytest.raises(ValueError, match=r"^aligned_ops verl plugin: refused: " + message.replace("(", r"\(")):
         aligned_verl.check_rollout(_rollout(**setting))
 
 
-@pytest.mark.parametrize("setting", [{}, dict(top_k=0), dict(top_k=None, top_p=None), dict(temperature=1.3)])
+@pytest.mark.parametrize("setting", [{}, dict(top_k=0), dict(top_k=None, top_p=None), dict(temperature=1.3),
+                                     dict(logprobs_mode="raw_logprobs")])
 def test_accepts_full_vocabulary_rollout(setting):
-    aligned_verl.check_rollout(_rollout(**setting))  # the shipped config's settings and verl's "off" spellings
+    # the shipped config's settings, verl's "off" spellings; raw_logprobs: with the plugin the same bits untruncated
+    aligned_verl.check_rollout(_rollout(**setting))
     aligned_verl.check_rollout(None)
 
 
@@ -461,7 +464,7 @@ def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path
     rr = out["rollout_refusals"]  # verl's ActorRolloutRefWorker.init_model, hooked, on the composed shipped config
     assert rr["hooked"] and rr["dispatch_kept"] and rr["shipped"] is None, rr
     assert "rollout top_p=0.9" in (rr["top_p"] or "") and "rollout top_k=50" in (rr["top_k"] or ""), rr
-    assert "logprobs_mode='raw_logprobs'" in (rr["raw_logprobs"] or ""), rr
+    assert "logprobs_mode='raw_logits'" in (rr["raw_logits"] or ""), rr
     # VERL_USE_EXTERNAL_MODULES: verl imports the plugin without a try -> a failed install stops `import verl`
     ext = out["external_modules"]
     assert ext["value"] == "aligned_ops.integrations.verl", ext

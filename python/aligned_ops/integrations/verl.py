@@ -150,34 +150,37 @@ def check_engine(engine) -> None:
         raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
 
 
-# what verl's rollout config may say and the actor's fused forward (full vocabulary, log-softmax at T) still equals
-ROLLOUT_LOGPROBS_MODE = "processed_logprobs"
+# verl's rollout.logprobs_mode values whose numbers the actor's fused forward (full vocabulary, log-softmax at T)
+# reproduces: with the vLLM plugin both are aligned::log_softmax of the tempered logits; they differ only under
+# truncation (processed: the truncated distribution's), which check_rollout refuses. raw_logits / processed_logits
+# return logits, not log-probs.
+ROLLOUT_LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
 def check_rollout(rollout) -> None:
     """Raise one ``ValueError`` naming every setting of verl's rollout config (``actor_rollout_ref.rollout``) whose
     sampled log-probs the actor cannot reproduce. verl's vLLM server samples with ``top_k`` / ``top_p`` (its
-    ``agent_loop`` sampling params) and, with ``logprobs_mode=processed_logprobs``, returns the log-probs of the
-    truncated, renormalised distribution; the actor's fused forward scores the full vocabulary at the temperature
-    (verl hands it nothing else): every token differs by the kept mass (top_p=0.9: 0/21 tokens bitwise, up to
-    0.105), so the IS weight is not 1 on-policy. ``logprobs_mode`` other than ``processed_logprobs``: raw (T = 1) or
-    logits, not the actor's numbers. ``val_kwargs`` (validation only, never trained on) is not checked."""
+    ``agent_loop`` sampling params); verl hands the actor only the temperature, and its fused forward scores the
+    full vocabulary. With ``logprobs_mode=processed_logprobs`` (the shipped config) the rollout's log-probs are the
+    truncated, renormalised distribution's: top_p=0.9 at T = 0.7 gave 0/40 tokens bitwise, up to 0.105 apart (the IS
+    weight is the kept mass, not 1); with ``raw_logprobs`` they equal the actor's but are not the distribution
+    sampled from. ``logprobs_mode`` raw_logits / processed_logits: logits, not log-probs. ``val_kwargs``
+    (validation only, never trained on) is not checked."""
     if rollout is None:
         return
     reasons = []
     top_k = _get(rollout, "top_k", -1)
     if top_k is not None and int(top_k) not in (-1, 0):
-        reasons.append(f"rollout top_k={top_k} samples from the top-k tokens and returns their renormalised "
-                       "log-probs, while verl's actor scores the full vocabulary; set "
-                       "actor_rollout_ref.rollout.top_k=-1")
+        reasons.append(f"rollout top_k={top_k} samples from the top-k tokens, while verl's actor scores the full "
+                       "vocabulary; set actor_rollout_ref.rollout.top_k=-1")
     top_p = _get(rollout, "top_p", 1.0)
     if top_p is not None and float(top_p) < 1.0:
-        reasons.append(f"rollout top_p={top_p} samples from the nucleus and returns its renormalised log-probs, while "
-                       "verl's actor scores the full vocabulary; set actor_rollout_ref.rollout.top_p=1.0")
-    mode = _get(rollout, "logprobs_mode", ROLLOUT_LOGPROBS_MODE)
-    if mode is not None and str(mode) != ROLLOUT_LOGPROBS_MODE:
-        reasons.append(f"rollout logprobs_mode={mode!r} returns other numbers than the actor's log-probs at the "
-                       f"sampling temperature; set actor_rollout_ref.rollout.logprobs_mode={ROLLOUT_LOGPROBS_MODE}")
+        reasons.append(f"rollout top_p={top_p} samples from the nucleus, while verl's actor scores the full "
+                       "vocabulary; set actor_rollout_ref.rollout.top_p=1.0")
+    mode = _get(rollout, "logprobs_mode", ROLLOUT_LOGPROBS_MODES[0])
+    if mode is not None and str(mode) not in ROLLOUT_LOGPROBS_MODES:
+        reasons.append(f"rollout logprobs_mode={mode!r} returns logits, not the log-probs the actor computes; set "
+                       f"actor_rollout_ref.rollout.logprobs_mode={ROLLOUT_LOGPROBS_MODES[0]}")
     if reasons:
         raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
 
