@@ -273,6 +273,36 @@ def main(rollouts_path, out_path):
         "shipped": engine_refusal([]),
         "fp32": engine_refusal(["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"]),
         "qat": engine_refusal(["actor_rollout_ref.actor.fsdp_config.qat.enable=true"])}
+    # 6c. the rollout's sampling (actor_rollout_ref.rollout): the hook on verl's ActorRolloutRefWorker.init_model
+    # (keeping verl's @register dispatch attribute) refuses top_k / top_p / logprobs_mode the actor does not score,
+    # before anything is built; the shipped config passes
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    def rollout_refusal(overrides):
+        with initialize_config_dir(config_dir=os.path.dirname(plugin.config_path()), version_base=None):
+            c = compose(config_name=plugin.CONFIG_NAME, overrides=list(overrides))
+        w = ActorRolloutRefWorker.__new__(ActorRolloutRefWorker)
+        w.config, w.role = c.actor_rollout_ref, "actor_rollout"
+        try:
+            if overrides:
+                ActorRolloutRefWorker.init_model(w)  # refused before it reads anything else
+            else:
+                plugin.check_rollout(w.config.rollout)  # (the real init_model would go on to build the models)
+            return None
+        except ValueError as err:
+            return str(err)
+
+    plugin.install()  # (uninstalled above for the stock negative controls)
+    init_model = ActorRolloutRefWorker.init_model
+    out["rollout_refusals"] = {
+        "hooked": hasattr(init_model, "_aligned_original"),
+        "dispatch_kept": getattr(init_model, MAGIC_ATTR, None) is getattr(init_model._aligned_original, MAGIC_ATTR, 0),
+        "shipped": rollout_refusal([]),
+        "top_p": rollout_refusal(["actor_rollout_ref.rollout.top_p=0.9"]),
+        "top_k": rollout_refusal(["actor_rollout_ref.rollout.top_k=50"]),
+        "raw_logits": rollout_refusal(["actor_rollout_ref.rollout.logprobs_mode=raw_logits"])}
+    plugin.uninstall()
     out["config"]["actor_policy_loss"] = {
         "loss_mode": cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
         "rollout_correction": OmegaConf.to_container(cfg.actor_rollout_ref.actor.policy_loss.rollout_correction,

@@ -97,6 +97,25 @@ def test_action_log_probs_are_completion_logprobs_bits(model_dir):
     assert logits_out["logits"].dtype == torch.float32 and logits_out["logits"].shape[:2] == seq.shape
 
 
+def test_logits_branch_returns_the_entropy(model_dir):
+    """OpenRLHF's Actor sets output.entropy [B, S-1] on its logits branch too (return_entropy without action_mask /
+    return_logprobs): the same bits as the log-prob branch's entropy (was None); the logits unchanged by asking."""
+    actor = aligned_actor(ActorStandIn(_model(model_dir), temperature=0.6))
+    g = torch.Generator().manual_seed(4)
+    seq, am, action_mask = _openrlhf_batch([torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 8)],
+                                           [torch.randint(0, 500, (n,), generator=g).tolist() for n in (5, 2)])
+    with torch.no_grad():
+        _, with_actions = actor(seq, action_mask, attention_mask=am, return_output=True, return_entropy=True)
+        logits_out = actor(seq, attention_mask=am, return_output=True, return_entropy=True)
+        plain = actor(seq, attention_mask=am, return_output=True)
+    assert logits_out.entropy is not None and logits_out.entropy.shape == (seq.shape[0], seq.shape[1] - 1)
+    assert torch.equal(bits(logits_out.entropy), bits(with_actions.entropy))
+    assert bool((logits_out.entropy[(am[:, 1:] * am[:, :-1]).bool()] > 0).all())  # row t: the token t+1
+    assert torch.equal(bits(logits_out["logits"]), bits(plain["logits"]))
+    with pytest.raises(ValueError, match="return_entropy=True needs return_output=True"):
+        actor(seq, attention_mask=am, return_entropy=True)
+
+
 def test_refusals_by_name(model_dir):
     actor = aligned_actor(ActorStandIn(_model(model_dir), temperature=1.0))
     seq = torch.randint(0, 500, (1, 6))

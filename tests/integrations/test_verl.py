@@ -182,6 +182,54 @@ def test_refuses_qat(monkeypatch):
     aligned_verl.check_engine(_engine(qat=False))
 
 
+def _rollout(**kw):
+    cfg = dict(temperature=0.7, top_k=-1, top_p=1.0, logprobs_mode="processed_logprobs", calculate_log_probs=True)
+    cfg.update(kw)
+    return types.SimpleNamespace(**cfg)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(top_p=0.9), "rollout top_p=0.9 samples from the nucleus"),
+    (dict(top_k=50), "rollout top_k=50 samples from the top-k tokens"),
+    (dict(top_p=0.9, logprobs_mode="raw_logprobs"), "rollout top_p=0.9 samples from the nucleus"),
+    (dict(logprobs_mode="raw_logits"), "rollout logprobs_mode='raw_logits' returns logits"),
+    (dict(logprobs_mode="processed_logits"), "rollout logprobs_mode='processed_logits' returns logits"),
+])
+def test_refuses_rollout_sampling_the_actor_does_not_score(setting, message):
+    with pytest.raises(ValueError, match=r"^aligned_ops verl plugin: refused: " + message.replace("(", r"\(")):
+        aligned_verl.check_rollout(_rollout(**setting))
+
+
+@pytest.mark.parametrize("setting", [{}, dict(top_k=0), dict(top_k=None, top_p=None), dict(temperature=1.3),
+                                     dict(logprobs_mode="raw_logprobs")])
+def test_accepts_full_vocabulary_rollout(setting):
+    # the shipped config's settings, verl's "off" spellings; raw_logprobs: with the plugin the same bits untruncated
+    aligned_verl.check_rollout(_rollout(**setting))
+    aligned_verl.check_rollout(None)
+
+
+def test_init_model_hook_checks_the_rollout_config_of_actor_roles():
+    """The hook on verl's ActorRolloutRefWorker.init_model: an actor / rollout role with top_p < 1 is refused
+    before anything is built; the ref-only worker is not checked; verl's @register attribute is kept."""
+    built = []
+
+    def original(self):
+        built.append(self.role)
+
+    original.__dict__["attrs_dispatch_mode"] = "ONE_TO_ALL"  # what verl's @register leaves on the function
+    hook = aligned_verl._init_model_hook(original)
+    assert hook.__dict__["attrs_dispatch_mode"] == "ONE_TO_ALL"
+    worker = lambda role, **kw: types.SimpleNamespace(role=role, config=types.SimpleNamespace(  # noqa: E731
+        rollout=_rollout(**kw)))
+    for role in ("actor_rollout", "actor_rollout_ref", "actor", "rollout"):
+        with pytest.raises(ValueError, match="top_p=0.9"):
+            hook(worker(role, top_p=0.9))
+    assert built == []
+    hook(worker("actor_rollout_ref"))  # negative control: the shipped settings build
+    hook(worker("ref", top_p=0.9))  # the reference model samples nothing
+    assert built == ["actor_rollout_ref", "ref"]
+
+
 def test_build_hook_refuses_before_the_model_load(monkeypatch):
     """check_engine runs on the configs before verl's _build_module loads the model; the critic is left alone."""
     monkeypatch.setenv("ALIGNED_OPS_VLLM", "1")
@@ -413,6 +461,10 @@ def test_verl_actor_logprobs_bitwise_equal_vllm_plugin(tiny_checkpoint, tmp_path
     assert refusals["shipped"] is None, refusals
     assert "mixed_precision.param_dtype='fp32'" in (refusals["fp32"] or ""), refusals
     assert "QAT (qat.enable=True)" in (refusals["qat"] or ""), refusals
+    rr = out["rollout_refusals"]  # verl's ActorRolloutRefWorker.init_model, hooked, on the composed shipped config
+    assert rr["hooked"] and rr["dispatch_kept"] and rr["shipped"] is None, rr
+    assert "rollout top_p=0.9" in (rr["top_p"] or "") and "rollout top_k=50" in (rr["top_k"] or ""), rr
+    assert "logprobs_mode='raw_logits'" in (rr["raw_logits"] or ""), rr
     # VERL_USE_EXTERNAL_MODULES: verl imports the plugin without a try -> a failed install stops `import verl`
     ext = out["external_modules"]
     assert ext["value"] == "aligned_ops.integrations.verl", ext

@@ -59,26 +59,30 @@ def aligned_actor_forward(self, sequences, action_mask=None, attention_mask=None
         attention_mask = torch.ones_like(sequences)
     model = self.model
     router = bool(getattr(model.config, "output_router_logits", False))
-    # (the patched forward turns OpenRLHF's autocast off itself: the aligned ops fix their own dtypes)
-    if action_mask is None and not return_logprobs:  # OpenRLHF's logits branch (fp32, aligned LM head)
-        if not return_output:
-            raise ValueError("aligned_actor: forward without action_mask / return_logprobs returns the output "
-                             "(return_output=True)")
-        out = model(sequences, attention_mask=attention_mask, output_router_logits=router, return_dict=True)
-        out["logits"] = out["logits"].to(torch.float32)
-        return out
+    if return_entropy and not return_output:
+        raise ValueError("aligned_actor: return_entropy=True needs return_output=True (as OpenRLHF's Actor)")
     completion = attention_mask.bool().clone()
     lens = completion.sum(1)
     first = completion.to(torch.int8).argmax(1)  # each row's first real token has no prediction
     rows = torch.arange(sequences.shape[0], device=sequences.device)
     completion[rows[lens > 0], first[lens > 0]] = False
+    # (the patched forward turns OpenRLHF's autocast off itself: the aligned ops fix their own dtypes)
+    if action_mask is None and not return_logprobs:  # OpenRLHF's logits branch (fp32, aligned LM head)
+        if not return_output:
+            raise ValueError("aligned_actor: forward without action_mask / return_logprobs returns the output "
+                             "(return_output=True)")
+        scored = dict(completion_mask=completion, temperature=self.temperature, return_logits=True,
+                      return_entropy=True) if return_entropy else {}
+        out = model(sequences, attention_mask=attention_mask, output_router_logits=router, return_dict=True, **scored)
+        out["logits"] = out["logits"].to(torch.float32)
+        if return_entropy:  # as OpenRLHF's: output.entropy [B, S-1] beside the logits
+            out.entropy = out.entropy[:, 1:]
+        return out
     out = model(sequences, attention_mask=attention_mask, completion_mask=completion,
                 temperature=self.temperature, return_logits=False, return_entropy=return_entropy,
                 output_router_logits=router, return_dict=True)
     log_probs = out.logprobs[:, 1:]  # [B, S-1]: row t scores token t+1, as OpenRLHF's log_probs[:, :-1]
     if return_entropy:
-        if not return_output:
-            raise ValueError("aligned_actor: return_entropy=True needs return_output=True (as OpenRLHF's Actor)")
         out.entropy = out.entropy[:, 1:]
     if action_mask is None:
         return (log_probs, out) if return_output else log_probs

@@ -35,7 +35,10 @@ Turn it on for the whole Ray job (every worker: the actor/ref FSDP workers and v
   switch missing in the worker (the rollout would run stock vLLM), an FSDP compute dtype
   (``mixed_precision.param_dtype``) other than the rollout's bf16 (fp32 compute: log-probs off by up to 0.016), QAT
   (``qat.enable``), a training engine other than FSDP (Megatron, VeOmni, TorchTitan, ...: ``EngineRegistry.new``
-  refuses it, they are not patched). :func:`check_engine` runs on the configs before verl loads the model.
+  refuses it, they are not patched). :func:`check_engine` runs on the configs before verl loads the model. The
+  rollout's ``top_k`` / ``top_p`` / ``logprobs_mode`` the actor does not score (:func:`check_rollout`, where verl's
+  ``ActorRolloutRefWorker.init_model`` starts: the vLLM server returns the truncated distribution's log-probs, the
+  actor scores the full vocabulary).
 - **Versions**: installs on verl ``TESTED_VERL_VERSIONS`` (0.9.1) only; ``ALIGNED_OPS_VERL_ANY_VERSION=1`` lets
   another release through with a warning (unproven).
 - **Config**: ``verl_aligned.yaml`` (:func:`config_path`), a Hydra config on top of verl's ``ppo_trainer``:
@@ -62,8 +65,9 @@ from .. import profiles
 from .runtime_env import VERL_EXTERNAL_MODULES_VAR as EXTERNAL_MODULES_VAR  # noqa: F401  (re-exported)
 from .runtime_env import ray_runtime_env  # noqa: F401  (re-exported; framework-neutral home)
 
-__all__ = ["ENV_VAR", "TESTED_VERL_VERSIONS", "AlignedPPOOutput", "check_engine", "config_path", "enabled_by_env",
-           "install", "is_installed", "patch_actor", "ray_runtime_env", "uninstall", "version_refusal"]
+__all__ = ["ENV_VAR", "TESTED_VERL_VERSIONS", "AlignedPPOOutput", "check_engine", "check_rollout", "config_path",
+           "enabled_by_env", "install", "is_installed", "patch_actor", "ray_runtime_env", "uninstall",
+           "version_refusal"]
 
 ENV_VAR = "ALIGNED_OPS_VERL"
 # The verl releases the proof (scripts/verl_check.sh) ran on: the hooks read FSDPEngine._build_module,
@@ -142,6 +146,41 @@ def check_engine(engine) -> None:
         reasons.append(f"{ENV_VAR}=1 but {VLLM_ENV_VAR} / {ENV_ALIASES[0]} is not set in this worker: verl's vLLM "
                        "rollout would run stock vLLM; pass aligned_ops.integrations.verl.ray_runtime_env() as the "
                        "job's runtime_env")
+    if reasons:
+        raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
+
+
+# verl's rollout.logprobs_mode values whose numbers the actor's fused forward (full vocabulary, log-softmax at T)
+# reproduces: with the vLLM plugin both are aligned::log_softmax of the tempered logits; they differ only under
+# truncation (processed: the truncated distribution's), which check_rollout refuses. raw_logits / processed_logits
+# return logits, not log-probs.
+ROLLOUT_LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+def check_rollout(rollout) -> None:
+    """Raise one ``ValueError`` naming every setting of verl's rollout config (``actor_rollout_ref.rollout``) whose
+    sampled log-probs the actor cannot reproduce. verl's vLLM server samples with ``top_k`` / ``top_p`` (its
+    ``agent_loop`` sampling params); verl hands the actor only the temperature, and its fused forward scores the
+    full vocabulary. With ``logprobs_mode=processed_logprobs`` (the shipped config) the rollout's log-probs are the
+    truncated, renormalised distribution's: top_p=0.9 at T = 0.7 gave 0/40 tokens bitwise, up to 0.105 apart (the IS
+    weight is the kept mass, not 1); with ``raw_logprobs`` they equal the actor's but are not the distribution
+    sampled from. ``logprobs_mode`` raw_logits / processed_logits: logits, not log-probs. ``val_kwargs``
+    (validation only, never trained on) is not checked."""
+    if rollout is None:
+        return
+    reasons = []
+    top_k = _get(rollout, "top_k", -1)
+    if top_k is not None and int(top_k) not in (-1, 0):
+        reasons.append(f"rollout top_k={top_k} samples from the top-k tokens, while verl's actor scores the full "
+                       "vocabulary; set actor_rollout_ref.rollout.top_k=-1")
+    top_p = _get(rollout, "top_p", 1.0)
+    if top_p is not None and float(top_p) < 1.0:
+        reasons.append(f"rollout top_p={top_p} samples from the nucleus, while verl's actor scores the full "
+                       "vocabulary; set actor_rollout_ref.rollout.top_p=1.0")
+    mode = _get(rollout, "logprobs_mode", ROLLOUT_LOGPROBS_MODES[0])
+    if mode is not None and str(mode) not in ROLLOUT_LOGPROBS_MODES:
+        reasons.append(f"rollout logprobs_mode={mode!r} returns logits, not the log-probs the actor computes; set "
+                       f"actor_rollout_ref.rollout.logprobs_mode={ROLLOUT_LOGPROBS_MODES[0]}")
     if reasons:
         raise ValueError("aligned_ops verl plugin: refused: " + "; ".join(reasons))
 
@@ -267,6 +306,19 @@ def _build_module_hook(original):
     return _build_module
 
 
+def _init_model_hook(original):
+    # functools.wraps keeps verl's @register dispatch attribute (MAGIC_ATTR, in the function's __dict__)
+    @functools.wraps(original)
+    def init_model(self, *args, **kwargs):
+        role = str(getattr(self, "role", ""))
+        if "actor" in role or "rollout" in role:  # the ref-only worker samples nothing
+            check_rollout(_get(getattr(self, "config", None), "rollout", None))
+        return original(self, *args, **kwargs)
+
+    init_model._aligned_original = original
+    return init_model
+
+
 _PATCHED_BACKENDS = ("fsdp", "fsdp2")
 
 
@@ -324,6 +376,11 @@ def install() -> None:
     original = FSDPEngine.__dict__["_build_module"]
     FSDPEngine._build_module = _build_module_hook(original)
     _installed["FSDPEngine._build_module"] = (FSDPEngine, original)
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    original_init = ActorRolloutRefWorker.__dict__["init_model"]
+    ActorRolloutRefWorker.init_model = _init_model_hook(original_init)
+    _installed["ActorRolloutRefWorker.init_model"] = (ActorRolloutRefWorker, original_init)
     original_new = EngineRegistry.__dict__["new"]
     EngineRegistry.new = _engine_new_hook(original_new)
     _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
