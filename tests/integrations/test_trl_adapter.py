@@ -114,6 +114,17 @@ def test_reinforce_zero_maps_onto_trls_options(plain):
                                      max=trainer.vllm_importance_sampling_clip_max), r)
 
 
+def _adapter_state(trainer):
+    """What aligned_grpo changes: the log-prob method, the sync wrapper, the policy's patch (its forward object and
+    profile) and TRL's IS options."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    vg = getattr(trainer, "vllm_generation", None)
+    return (vars(trainer).get("_get_per_token_logps_and_entropies"), getattr(vg, "sync_weights", None),
+            getattr(policy, "_aligned_patched", False), getattr(policy, "_aligned_profile", None),
+            vars(policy).get("forward"), getattr(trainer, "vllm_importance_sampling_mode", None),
+            getattr(trainer, "epsilon_low", None))
+
+
 def test_refusals_name_their_reason(plain, monkeypatch):
     with pytest.raises(TypeError, match="aligned_grpo: expected a trl.GRPOTrainer, got SimpleNamespace"):
         aligned_grpo(types.SimpleNamespace())
@@ -128,12 +139,12 @@ def test_refusals_name_their_reason(plain, monkeypatch):
                                        r"\(or reinforce_zero=False\)")):
         with monkeypatch.context() as m:
             m.setattr(where, name, value)
+            before = _adapter_state(plain)
             with pytest.raises(ValueError, match=match):
                 aligned_grpo(plain)
             # refused before anything changed (review 133: the reinforce_zero refusals came after the patching):
             # a caller that catches the error keeps TRL's trainer as it was
-            assert "_get_per_token_logps_and_entropies" not in vars(plain), name
-            assert not getattr(plain.accelerator.unwrap_model(plain.model), "_aligned_patched", False), name
+            assert _adapter_state(plain) == before, name
     with monkeypatch.context() as m:  # control: TRL's own loss options keep the entropy mask
         m.setattr(plain, "top_entropy_quantile", 0.5)
         assert aligned_grpo(plain, reinforce_zero=False) is plain
@@ -240,13 +251,16 @@ def test_engine_without_the_plugin_or_with_another_profile_is_refused(plain, mon
     monkeypatch.setattr(trainer, "vllm_generation", types.SimpleNamespace(mode="colocate", llm=llm,
                                                                          sync_weights=lambda: None), raising=False)
     monkeypatch.setattr(plugin, "is_installed", lambda: False)
+    before = _adapter_state(trainer)  # review 134: the engine refusals came after the policy was (re)patched
     with pytest.raises(ValueError, match="does not run the aligned_ops vLLM plugin; set ALIGNED_OPS_VLLM=1"):
         aligned_grpo(trainer, profile="fma")
+    assert _adapter_state(trainer) == before
     monkeypatch.setattr(plugin, "is_installed", lambda: True)
     other = next(p for p in profiles.REGISTRY.values() if p is not profiles.REGISTRY["fma"])
     engine_model[0]._aligned_profile = other
     with pytest.raises(ValueError, match=f"engine runs the '{other.name}' linear profile and the trainer 'fma'"):
         aligned_grpo(trainer, profile="fma")
+    assert _adapter_state(trainer) == before
     engine_model[0]._aligned_profile = profiles.REGISTRY["fma"]
     aligned_grpo(trainer, profile="fma")
     # the sync now clears the exact profile's packed weights

@@ -154,20 +154,19 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
             torch.stack(aux).mean() if compute_aux_loss else None)
 
 
-def _repatch(model, profile, engine_form=None):
-    """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
-    patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword).
-    An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the vLLM plugin runs (``ALIGNED_OPS_MLA_FORM``,
-    default ``absorbed``; ``engine_form``: the colocated engine's own, ``engine_mla_form(llm)``, which wins); a policy
-    already patched in the other form is refused (its bits would never match)."""
-    from ..models import ARCHITECTURES
-    from ..models.registry import architecture_of
+def _repatch_plan(model, profile, engine_form=None):
+    """What :func:`_repatch` will do, checked without changing anything: ``(profile to patch with, MLA form,
+    the linear profile the model will run)``. An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the
+    vLLM plugin runs (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``; ``engine_form``: the colocated engine's own,
+    ``engine_mla_form(llm)``, which wins); a policy already patched in the other form is refused (its bits would
+    never match)."""
+    from ..models import ARCHITECTURES, rules_for
     from ..models.mla_form import MLA_FORM_ENV, resolve_mla_form
+    from ..models.registry import architecture_of
 
     arch = ARCHITECTURES.get(architecture_of(model.config)) if getattr(model, "config", None) is not None else None
     want = (engine_form or resolve_mla_form()) if arch is not None and arch.mla_forms else None
     where = "the colocated vLLM engine runs" if engine_form else "the vLLM plugin runs"
-    form = want
     if getattr(model, "_aligned_patched", False):
         if profile is None:
             profile = model._aligned_profile
@@ -177,6 +176,16 @@ def _repatch(model, profile, engine_form=None):
             raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={have.name!r}, but "
                              f"{where} the {want!r} MLA form ({MLA_FORM_ENV}); patch with "
                              f"mla_form={want!r}")
+    resolved = rules_for(arch.name).resolve_profile(profile) if arch is not None else profiles.resolve(profile)
+    return profile, want, resolved
+
+
+def _repatch(model, profile=None, engine_form=None, *, plan=None):
+    """patch_model, with our forward on top: TRL wraps the forward it finds with its fused LM head, so a model
+    patched before ``GRPOTrainer(...)`` carries TRL's wrapper around ours (and its ``fused_lm_head`` keyword).
+    ``plan``: :func:`_repatch_plan`'s, made earlier (else made now from ``profile`` and ``engine_form``)."""
+    profile, form, _ = plan if plan is not None else _repatch_plan(model, profile, engine_form)
+    if getattr(model, "_aligned_patched", False):
         unpatch_model(model)
     return patch_model(model, profile, mla_form=form)
 
@@ -274,14 +283,18 @@ def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinfor
     _check_sampling(trainer)
     if reinforce_zero:
         _check_reinforce_zero(trainer)
+    # every check before the first change (a caller that catches a refusal keeps TRL's trainer as it was)
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    ref = trainer.accelerator.unwrap_model(trainer.ref_model) if trainer.ref_model is not None else None
     engine_form = _engine_form(trainer)
-    _repatch(policy, profile, engine_form)
-    resolved = profile_of(policy)
-    if trainer.ref_model is not None:
-        _repatch(trainer.accelerator.unwrap_model(trainer.ref_model), resolved, engine_form)
+    plan = _repatch_plan(policy, profile, engine_form)
+    resolved = plan[2]
+    ref_plan = _repatch_plan(ref, resolved, engine_form) if ref is not None else None
     if getattr(trainer, "use_vllm", False):
         _check_engine(trainer, resolved)
+    _repatch(policy, plan=plan)
+    if ref is not None:
+        _repatch(ref, plan=ref_plan)
     trainer._get_per_token_logps_and_entropies = types.MethodType(aligned_logps_and_entropies, trainer)
 
     vg = getattr(trainer, "vllm_generation", None)
