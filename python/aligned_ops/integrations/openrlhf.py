@@ -17,7 +17,7 @@ log p(sequences[:, t + 1] | ...)``, ``action_log_probs = log_probs[:, -A:] * act
 same positions' entropy — of the distribution at ``actor.temperature`` (the one sampled from; what verl's fused
 interface returns). Stock OpenRLHF computes its entropy from the logits *before* dividing by the temperature (T = 1,
 openrlhf/models/actor.py): the two agree only at ``temperature=1``; at another temperature the entropy metric and an
-``--algo.entropy_loss_coef`` bonus see the sampling distribution's entropy, not the T = 1 one (the log-probs, the IS
+``--actor.entropy_coef`` bonus see the sampling distribution's entropy, not the T = 1 one (the log-probs, the IS
 ratio and the policy loss are unaffected). Both OpenRLHF call sites go through it: the old log-probs
 (``PolicyModelActor.forward``, trainer/ray/ppo_actor.py) and the loss's (``training_step``). OpenRLHF's
 ``--ds.packing_samples`` makes no difference here: the padded rows (``attention_mask``) are packed by the aligned

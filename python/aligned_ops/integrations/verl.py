@@ -71,8 +71,8 @@ __all__ = ["ENV_VAR", "TESTED_VERL_VERSIONS", "AlignedPPOOutput", "check_engine"
 
 ENV_VAR = "ALIGNED_OPS_VERL"
 # The verl releases the proof (scripts/verl_check.sh) ran on: the hooks read FSDPEngine._build_module,
-# EngineRegistry.new and the fused-kernel interface of these releases only. Another release is refused at install;
-# ALIGNED_OPS_VERL_ANY_VERSION=1 lets it through with a warning (nothing is then proven).
+# ActorRolloutRefWorker.init_model, EngineRegistry.new and the fused-kernel interface of these releases only. Another
+# release is refused at install; ALIGNED_OPS_VERL_ANY_VERSION=1 lets it through with a warning (nothing is proven).
 TESTED_VERL_VERSIONS = ("0.9.1",)
 ANY_VERSION_ENV = "ALIGNED_OPS_VERL_ANY_VERSION"
 # the rollout computes in bf16 (vLLM dtype bfloat16): the trainer's FSDP compute dtype must be the same
@@ -355,7 +355,9 @@ def version_refusal(version: str) -> str | None:
 
 
 def install() -> None:
-    """Wrap verl's ``FSDPEngine._build_module`` (idempotent). Imports verl's FSDP engine module. Refuses a verl
+    """Wrap verl's ``FSDPEngine._build_module`` (the actor/ref models patched at build time),
+    ``ActorRolloutRefWorker.init_model`` (:func:`check_rollout`) and ``EngineRegistry.new`` (:func:`check_engine`);
+    idempotent. Imports the three verl modules first, so a failed import leaves nothing installed. Refuses a verl
     release other than ``TESTED_VERL_VERSIONS`` unless ``ALIGNED_OPS_VERL_ANY_VERSION=1``."""
     if _installed:
         return
@@ -372,19 +374,19 @@ def install() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine_workers import ActorRolloutRefWorker
 
     original = FSDPEngine.__dict__["_build_module"]
     FSDPEngine._build_module = _build_module_hook(original)
     _installed["FSDPEngine._build_module"] = (FSDPEngine, original)
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
     original_init = ActorRolloutRefWorker.__dict__["init_model"]
     ActorRolloutRefWorker.init_model = _init_model_hook(original_init)
     _installed["ActorRolloutRefWorker.init_model"] = (ActorRolloutRefWorker, original_init)
     original_new = EngineRegistry.__dict__["new"]
     EngineRegistry.new = _engine_new_hook(original_new)
     _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
-    log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time",
+    log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time, the "
+             "rollout's sampling checked at the actor/rollout worker's init_model",
              getattr(verl, "__version__", "?"))
 
 
