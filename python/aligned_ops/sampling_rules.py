@@ -200,4 +200,6 @@ def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | Non
         return None
     return (f"aligned_ops vLLM plugin: logprobs_mode='processed_logprobs' would return log-probs of logits changed by "
             f"{', '.join(set_)}, which the trainer's completion_logprobs cannot reproduce; drop "
-            f"{'it' if len(set_) == 1 else 'them'}, or use logprobs_mode='raw_logprobs' (the log-probs before them)")
+            f"{'it' if len(set_) == 1 else 'them'} (the OpenAI server also fills them from the model's "
+            "generation_config.json: --generation-config vllm), or use logprobs_mode='raw_logprobs' (the log-probs "
+            "before them)")

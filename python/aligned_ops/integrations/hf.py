@@ -764,9 +764,6 @@ class _Entropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, temps):
-        # (log_softmax's own autograd setup, which refuses a temperature tensor that requires grad, does not run
-        # inside a Function's forward: refused here, by the same rule)
-        refuse_temperature_grad("log_softmax", temps if isinstance(temps, torch.Tensor) else None)
         ctx.save_for_backward(logits, temps if isinstance(temps, torch.Tensor) else None)
         ctx.temperature = None if isinstance(temps, torch.Tensor) else temps
         lsm = _widened(aligned_ops.log_softmax(logits, temps))
@@ -791,6 +788,10 @@ class _Entropy(torch.autograd.Function):
 def _entropy(logits, temps):
     """Per-row fp32 entropy of ``softmax(logits / temps)`` (:class:`_Entropy`): a row's value and gradient depend
     neither on the batch nor on the threads. Differentiable in ``logits``."""
+    if torch.is_grad_enabled():
+        # log_softmax's own autograd setup, which refuses a temperature tensor that requires grad, does not run
+        # inside a Function's forward: refused here, by the same rule (and, as there, not under no_grad)
+        refuse_temperature_grad("log_softmax", temps if isinstance(temps, torch.Tensor) else None)
     return _Entropy.apply(logits, temps)
 
 

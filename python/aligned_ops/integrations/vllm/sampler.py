@@ -14,7 +14,7 @@
   no trainer reproduces.
 - request admission (``InputProcessor._validate_params``): with ``logprobs_mode="processed_logprobs"`` a request
   that asks for log-probs with an option that changes the logits before sampling (penalties, ``logit_bias``,
-  ``bad_words``, ``allowed_token_ids``, ``min_tokens``, structured outputs:
+  ``bad_words``, ``allowed_token_ids``, ``min_tokens``, structured outputs, ``thinking_token_budget``:
   ``aligned_ops.sampling_rules.PROCESSED_LOGPROBS_UNREPRODUCED``; in an engine with custom logits processors, any)
   is refused with one ``ValueError`` naming them —
   the engine would return the log-probs of those changed logits, which ``completion_logprobs`` cannot reproduce
@@ -131,12 +131,13 @@ def _validate_params(self, params, *args, **kwargs):
     from vllm.v1.engine.input_processor import InputProcessor
 
     original = patches.original(InputProcessor, "_validate_params")
+    result = original(self, params, *args, **kwargs)  # vLLM's own checks first (an invalid request gets vLLM's words)
     mode = str(getattr(getattr(self, "model_config", None), "logprobs_mode", "raw_logprobs"))
     if mode == "processed_logprobs" and isinstance(params, SamplingParams):
         reason = processed_logprobs_refusal(params, _custom_logits_processors(self))
         if reason:
             raise ValueError(reason)
-    return original(self, params, *args, **kwargs)
+    return result
 
 
 def _min_p_apply(self, logits):
