@@ -26,11 +26,7 @@ import sys
 import time
 
 
-def _status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from common import proc_status_bytes as _status  # noqa: E402  (bench/ is the script's directory)
 
 
 def child(args):

@@ -11,6 +11,15 @@ import torch
 import torch.utils.benchmark as tbench
 
 
+def proc_status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (``VmRSS``, ``VmHWM``: the process's resident memory as the kernel counts
+    it, what the memory benchmarks report), in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
 def cpu_time_us(fn, min_run_time: float = 0.3, blocks: int = 5) -> float:
     """Median CPU time of the calling thread per fn() call, in microseconds (blocks of calls, each block at least
     min_run_time / blocks of CPU time). With torch.set_num_threads(1) this is the op's whole cost, and unlike
