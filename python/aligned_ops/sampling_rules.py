@@ -198,8 +198,10 @@ def processed_logprobs_refusal(params, custom_logits_processors=()) -> str | Non
         set_.append(f"the engine's custom logits processors ({', '.join(custom_logits_processors)})")
     if not set_:
         return None
+    penalty_hint = (". A penalty can also come from the model's generation_config.json, which the OpenAI server "
+                    "applies unless started with --generation-config vllm"
+                    if any(s.split("=")[0].endswith("_penalty") for s in set_) else "")
     return (f"aligned_ops vLLM plugin: logprobs_mode='processed_logprobs' would return log-probs of logits changed by "
             f"{', '.join(set_)}, which the trainer's completion_logprobs cannot reproduce; drop "
-            f"{'it' if len(set_) == 1 else 'them'} (the OpenAI server also fills them from the model's "
-            "generation_config.json: --generation-config vllm), or use logprobs_mode='raw_logprobs' (the log-probs "
-            "before them)")
+            f"{'it' if len(set_) == 1 else 'them'}, or use logprobs_mode='raw_logprobs' (the log-probs before them)"
+            + penalty_hint)

@@ -115,8 +115,10 @@ def test_reinforce_zero_maps_onto_trls_options(plain):
 
 
 def _adapter_state(trainer):
-    """What aligned_grpo changes: the log-prob method, the sync wrapper, the policy's patch (its forward object and
-    profile) and TRL's IS options."""
+    """Part of what aligned_grpo changes, enough to see any change before a refusal: the policy's patch (its
+    forward, a new object at every patch — the first thing aligned_grpo changes — and profile), the log-prob
+    method, the sync wrapper and TRL's IS options (the last three already set once the module's trainer was
+    adapted by an earlier test)."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
     vg = getattr(trainer, "vllm_generation", None)
     return (vars(trainer).get("_get_per_token_logps_and_entropies"), getattr(vg, "sync_weights", None),
@@ -263,6 +265,19 @@ def test_engine_without_the_plugin_or_with_another_profile_is_refused(plain, mon
     assert _adapter_state(trainer) == before
     engine_model[0]._aligned_profile = profiles.REGISTRY["fma"]
     aligned_grpo(trainer, profile="fma")
+    assert _adapter_state(trainer) != before  # control: an accepted call re-patches (the state check can fail)
+    # a refusal of patch_model's own (here: what the profile needs of the model and machine) comes before the first
+    # change too (review 136: it came after the policy was unpatched, which was left unpatched)
+    before = _adapter_state(trainer)
+    with monkeypatch.context() as m:
+        m.setattr(type(profiles.REGISTRY["exact"]), "model_refusals",
+                  lambda self, dtype, device: ["exact needs what this test says it lacks"])
+        engine_model[0]._aligned_profile = profiles.REGISTRY["exact"]
+        with pytest.raises(ValueError, match=r"aligned_ops \(patch_model\): exact needs what this test says it "
+                                             r"lacks"):
+            aligned_grpo(trainer, profile="exact")
+    assert _adapter_state(trainer) == before
+    engine_model[0]._aligned_profile = profiles.REGISTRY["fma"]
     # the sync now clears the exact profile's packed weights
     from aligned_ops.ops import linear_exact
 

@@ -874,44 +874,11 @@ def _resolve_mla_form(arch, mla_form, where):
     return form
 
 
-def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None,
-                mla_form=None) -> torch.nn.Module:
-    """Route ``model`` (a HF ``*ForCausalLM`` of a supported architecture, :mod:`aligned_ops.models`) through
-    ``torch.ops.aligned``; returns it.
-
-    ``profile``: the linear numerics profile (a name or an :mod:`aligned_ops.profiles` object); None:
-    ``ALIGNED_OPS_LINEAR`` (read now, once). An architecture whose rules pin a profile runs that one. The model
-    and its layers carry the resolved profile (``aligned_ops.profiles.profile_of(model)``).
-
-    In place and idempotent (patching a patched model again changes nothing; :func:`unpatch_model` first to
-    change its profile). Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding window,
-    quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
-
-    ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"absorbed"`` (one latent row per token, q
-    and o through the absorbed kv_b_proj: ``models.deepseek_v3.absorbed_attention``) or ``"expanded"`` (per-head
-    k and v from kv_b_proj), or the form object. None (the default): the form the vLLM plugin runs, resolved by the
-    same function (``models.mla_form.resolve_mla_form``: ``ALIGNED_OPS_MLA_FORM``, default ``absorbed``); pair
-    with a configured engine explicitly by ``mla_form=aligned_ops.integrations.vllm.engine_mla_form(llm)``;
-    ignored (None) for an architecture without MLA. Or the form object
-    (``Architecture.mla_forms``). The two forms are the same function in exact arithmetic, not the same bits;
-    rollout and trainer must run the same one.
-    """
-    if getattr(model, "_aligned_patched", False):
-        if mla_form is not None:
-            arch = get_architecture(model._aligned_arch, "patch_model")
-            form = _resolve_mla_form(arch, mla_form, "patch_model")
-            layers = model.model.layers
-            have = layers[0].__dict__.get("_aligned_mla_form", arch.mla_forms["expanded"]) if len(layers) else form
-            if form is not have:
-                raise ValueError(f"aligned_ops (patch_model): mla_form={form.name!r}, but the model is already "
-                                 "patched with another form; call unpatch_model(model) first to change it")
-        if profile is not None:
-            wanted = rules_for(model._aligned_arch).resolve_profile(profile)
-            if wanted is not model._aligned_profile:
-                raise ValueError(
-                    f"aligned_ops (patch_model): profile={wanted.name!r}, but the model is already patched with "
-                    f"profile {model._aligned_profile.name!r}; call unpatch_model(model) first to change it")
-        return model
+def patch_checks(model: torch.nn.Module, profile=None, mla_form=None):
+    """Every check :func:`patch_model` makes before it changes the model, changing nothing (a patched model is
+    checked as its unpatched self: the checks read its config, parameters and layers' attention modules). Returns
+    ``(arch, MLA form or None, the resolved linear profile, where the profile came from)``; raises what patch_model
+    raises. Callers that patch several models (the TRL adapter: policy and reference) check all of them first."""
     # The model's own class (or a base class) names the architecture; config.architectures is None for a
     # model built in memory, and only consulted when the class is not one we know.
     known = [c.__name__ for c in type(model).__mro__ if c.__name__ in ARCHITECTURES]
@@ -952,6 +919,48 @@ def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None =
     bad = resolved.model_refusals(param.dtype, param.device.type) if param is not None else []
     if bad:
         raise ValueError("aligned_ops (patch_model): " + "; ".join(bad))
+    return arch, form, resolved, source
+
+
+def patch_model(model: torch.nn.Module, profile: str | profiles.Profile | None = None,
+                mla_form=None) -> torch.nn.Module:
+    """Route ``model`` (a HF ``*ForCausalLM`` of a supported architecture, :mod:`aligned_ops.models`) through
+    ``torch.ops.aligned``; returns it.
+
+    ``profile``: the linear numerics profile (a name or an :mod:`aligned_ops.profiles` object); None:
+    ``ALIGNED_OPS_LINEAR`` (read now, once). An architecture whose rules pin a profile runs that one. The model
+    and its layers carry the resolved profile (``aligned_ops.profiles.profile_of(model)``).
+
+    In place and idempotent (patching a patched model again changes nothing; :func:`unpatch_model` first to
+    change its profile). Raises ``ValueError`` for an unsupported architecture, RoPE variant, sliding window,
+    quantization, dtype or profile. ``unpatch_model`` restores the original forwards.
+
+    ``mla_form``: for an MLA architecture (DeepSeek-V3 / Kimi-K2), ``"absorbed"`` (one latent row per token, q
+    and o through the absorbed kv_b_proj: ``models.deepseek_v3.absorbed_attention``) or ``"expanded"`` (per-head
+    k and v from kv_b_proj), or the form object. None (the default): the form the vLLM plugin runs, resolved by the
+    same function (``models.mla_form.resolve_mla_form``: ``ALIGNED_OPS_MLA_FORM``, default ``absorbed``); pair
+    with a configured engine explicitly by ``mla_form=aligned_ops.integrations.vllm.engine_mla_form(llm)``;
+    ignored (None) for an architecture without MLA. Or the form object
+    (``Architecture.mla_forms``). The two forms are the same function in exact arithmetic, not the same bits;
+    rollout and trainer must run the same one.
+    """
+    if getattr(model, "_aligned_patched", False):
+        if mla_form is not None:
+            arch = get_architecture(model._aligned_arch, "patch_model")
+            form = _resolve_mla_form(arch, mla_form, "patch_model")
+            layers = model.model.layers
+            have = layers[0].__dict__.get("_aligned_mla_form", arch.mla_forms["expanded"]) if len(layers) else form
+            if form is not have:
+                raise ValueError(f"aligned_ops (patch_model): mla_form={form.name!r}, but the model is already "
+                                 "patched with another form; call unpatch_model(model) first to change it")
+        if profile is not None:
+            wanted = rules_for(model._aligned_arch).resolve_profile(profile)
+            if wanted is not model._aligned_profile:
+                raise ValueError(
+                    f"aligned_ops (patch_model): profile={wanted.name!r}, but the model is already patched with "
+                    f"profile {model._aligned_profile.name!r}; call unpatch_model(model) first to change it")
+        return model
+    arch, form, resolved, source = patch_checks(model, profile, mla_form)
     for layer in model.model.layers:
         layer._aligned_arch = arch.name  # the layer's rules are looked up per call (model_spec.rules_for)
         layer._aligned_profile = resolved

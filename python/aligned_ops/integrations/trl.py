@@ -50,7 +50,7 @@ import aligned_ops
 from .. import profiles
 from ..profiles import profile_of
 from ..sampling_rules import PROCESSED_LOGPROBS_UNREPRODUCED, sampling_option_set
-from .hf import patch_model, unpatch_model
+from .hf import patch_checks, patch_model, unpatch_model
 
 __all__ = ["aligned_grpo", "aligned_logps_and_entropies"]
 
@@ -154,30 +154,27 @@ def aligned_logps_and_entropies(self, model, input_ids, attention_mask, logits_t
             torch.stack(aux).mean() if compute_aux_loss else None)
 
 
-def _repatch_plan(model, profile, engine_form=None):
-    """What :func:`_repatch` will do, checked without changing anything: ``(profile to patch with, MLA form,
-    the linear profile the model will run)``. An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the
-    vLLM plugin runs (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``; ``engine_form``: the colocated engine's own,
-    ``engine_mla_form(llm)``, which wins); a policy already patched in the other form is refused (its bits would
-    never match)."""
-    from ..models import ARCHITECTURES, rules_for
-    from ..models.mla_form import MLA_FORM_ENV, resolve_mla_form
-    from ..models.registry import architecture_of
+def _repatch_plan(model, profile, engine_form=None, who="policy"):
+    """What :func:`_repatch` will do, checked without changing anything — every check ``patch_model`` makes
+    (``hf.patch_checks``) and the MLA form: ``(profile to patch with, MLA form, the linear profile the model will
+    run)``. An MLA model (DeepSeek-V3 / Kimi-K2) is patched in the MLA form the vLLM plugin runs
+    (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``; ``engine_form``: the colocated engine's own,
+    ``engine_mla_form(llm)``, which wins); a model already patched in the other form is refused (its bits would never
+    match)."""
+    from ..models.mla_form import MLA_FORM_ENV
 
-    arch = ARCHITECTURES.get(architecture_of(model.config)) if getattr(model, "config", None) is not None else None
-    want = (engine_form or resolve_mla_form()) if arch is not None and arch.mla_forms else None
     where = "the colocated vLLM engine runs" if engine_form else "the vLLM plugin runs"
-    if getattr(model, "_aligned_patched", False):
-        if profile is None:
-            profile = model._aligned_profile
+    if getattr(model, "_aligned_patched", False) and profile is None:
+        profile = model._aligned_profile
+    _, form, resolved, _ = patch_checks(model, profile, engine_form)
+    if getattr(model, "_aligned_patched", False) and form is not None:
         layers = getattr(getattr(model, "model", None), "layers", None) or ()
         have = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
-        if have is not None and want is not None and have.name != want:
-            raise ValueError(f"aligned_ops.integrations.trl: the policy is patched with mla_form={have.name!r}, but "
-                             f"{where} the {want!r} MLA form ({MLA_FORM_ENV}); patch with "
-                             f"mla_form={want!r}")
-    resolved = rules_for(arch.name).resolve_profile(profile) if arch is not None else profiles.resolve(profile)
-    return profile, want, resolved
+        if have is not None and have is not form:
+            raise ValueError(f"aligned_ops.integrations.trl: the {who} is patched with mla_form={have.name!r}, but "
+                             f"{where} the {form.name!r} MLA form ({MLA_FORM_ENV}); patch with "
+                             f"mla_form={form.name!r}")
+    return profile, form, resolved
 
 
 def _repatch(model, profile=None, engine_form=None, *, plan=None):
@@ -289,7 +286,7 @@ def aligned_grpo(trainer, profile: str | profiles.Profile | None = None, reinfor
     engine_form = _engine_form(trainer)
     plan = _repatch_plan(policy, profile, engine_form)
     resolved = plan[2]
-    ref_plan = _repatch_plan(ref, resolved, engine_form) if ref is not None else None
+    ref_plan = _repatch_plan(ref, resolved, engine_form, who="reference model") if ref is not None else None
     if getattr(trainer, "use_vllm", False):
         _check_engine(trainer, resolved)
     _repatch(policy, plan=plan)

@@ -376,15 +376,13 @@ def install() -> None:
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    original = FSDPEngine.__dict__["_build_module"]
-    FSDPEngine._build_module = _build_module_hook(original)
-    _installed["FSDPEngine._build_module"] = (FSDPEngine, original)
-    original_init = ActorRolloutRefWorker.__dict__["init_model"]
-    ActorRolloutRefWorker.init_model = _init_model_hook(original_init)
-    _installed["ActorRolloutRefWorker.init_model"] = (ActorRolloutRefWorker, original_init)
-    original_new = EngineRegistry.__dict__["new"]
-    EngineRegistry.new = _engine_new_hook(original_new)
-    _installed["EngineRegistry.new"] = (EngineRegistry, original_new)
+    # every original read before the first hook goes in: a release without one installs nothing
+    originals = [(cls, name, cls.__dict__[name], hook) for cls, name, hook in (
+        (FSDPEngine, "_build_module", _build_module_hook), (ActorRolloutRefWorker, "init_model", _init_model_hook),
+        (EngineRegistry, "new", _engine_new_hook))]
+    for cls, name, original, hook in originals:
+        setattr(cls, name, hook(original))
+        _installed[f"{cls.__name__}.{name}"] = (cls, original)
     log.info("aligned_ops verl plugin installed (verl %s): FSDP actor/ref models are patched at build time, the "
              "rollout's sampling checked at the actor/rollout worker's init_model",
              getattr(verl, "__version__", "?"))
