@@ -292,6 +292,7 @@ def test_processed_logprobs_refusal_names_each_option_that_changes_the_logits():
         msg = processed_logprobs_refusal(SP(logprobs=2, **{name: value}))
         assert msg and "\n" not in msg and name in msg and "processed_logprobs" in msg, msg
         assert sum(other in msg for other in one) == 1, msg
+        assert ("--generation-config vllm" in msg) == name.endswith("_penalty"), msg  # the hint where it applies
     msg = processed_logprobs_refusal(SP(logprobs=0, **one))
     assert "\n" not in msg and all(name in msg for name in one), msg
     assert "presence_penalty=0.5" in msg and "logit_bias," in msg  # numbers by value, containers by name

@@ -13,6 +13,7 @@ compiled bits). Cases include v_head_dim != qk_nope_head_dim (the tiny builder's
 
 import contextlib
 import copy
+import pickle
 
 import pytest
 import torch
@@ -298,6 +299,13 @@ def test_trl_repatch_keeps_the_form_and_refuses_the_other(tmp_path, monkeypatch)
     m = patch_model(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), mla_form="absorbed")
     _repatch(m, None)  # the plugin's default form: carried through
     assert m.model.layers[0].__dict__["_aligned_mla_form"] is ABSORBED
+    # a deep copy of the patched model carries the same form (review 137: forms are singletons, as profiles are;
+    # the copy was "patched with mla_form='absorbed', but the plugin runs the 'absorbed' form")
+    twin = copy.deepcopy(m)
+    assert twin.model.layers[0].__dict__["_aligned_mla_form"] is ABSORBED
+    _repatch(twin, None)
+    patch_model(twin, mla_form="absorbed")  # patch_model's own identity check too
+    assert pickle.loads(pickle.dumps(EXPANDED)) is EXPANDED
     monkeypatch.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
     with pytest.raises(ValueError, match="patched with mla_form='absorbed', but the vLLM plugin runs the 'expanded'"):
         _repatch(m, None)

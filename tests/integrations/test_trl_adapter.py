@@ -301,3 +301,14 @@ def test_reference_model_is_patched_with_the_policys_profile(model_dir, tmp_path
         ref_lp, _, _ = trainer._get_per_token_logps_and_entropies(ref, ids, am, keep)
         pol_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, keep)
     assert_bitwise_equal(ref_lp, pol_lp)  # same weights before any step: the KL term starts at exactly 0
+
+
+def test_an_engines_mla_form_does_not_reach_a_model_without_mla(plain):
+    # review 137: the plan passed a colocated engine's MLA form (additional_config can set one on any engine) to a
+    # model without MLA attention: "mla_form='absorbed', but Qwen2ForCausalLM has no MLA attention", an option the
+    # user never gave the trainer. Control: the plan of the same model without an engine form.
+    from aligned_ops.integrations.trl import _repatch_plan
+
+    policy = plain.accelerator.unwrap_model(plain.model)
+    assert _repatch_plan(policy, "fma", "absorbed")[1] is None
+    assert _repatch_plan(policy, "fma", None)[1] is None

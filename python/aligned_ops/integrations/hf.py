@@ -874,16 +874,21 @@ def _resolve_mla_form(arch, mla_form, where):
     return form
 
 
+def architecture_name(model: torch.nn.Module) -> str:
+    """The architecture name patch_model looks up: the model's own class (or a base class) names it;
+    config.architectures is None for a model built in memory, and only consulted when the class is not one we
+    know."""
+    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in ARCHITECTURES]
+    named = list(getattr(model.config, "architectures", None) or [])
+    return known[0] if known else (named[0] if named else type(model).__name__)
+
+
 def patch_checks(model: torch.nn.Module, profile=None, mla_form=None):
     """Every check :func:`patch_model` makes before it changes the model, changing nothing (a patched model is
     checked as its unpatched self: the checks read its config, parameters and layers' attention modules). Returns
     ``(arch, MLA form or None, the resolved linear profile, where the profile came from)``; raises what patch_model
     raises. Callers that patch several models (the TRL adapter: policy and reference) check all of them first."""
-    # The model's own class (or a base class) names the architecture; config.architectures is None for a
-    # model built in memory, and only consulted when the class is not one we know.
-    known = [c.__name__ for c in type(model).__mro__ if c.__name__ in ARCHITECTURES]
-    named = list(getattr(model.config, "architectures", None) or [])
-    name = known[0] if known else (named[0] if named else type(model).__name__)
+    name = architecture_name(model)
     check_hf_config(model.config, "patch_model", architecture=name)
     arch = get_architecture(name, "patch_model")
     dtypes = {p.dtype for p in model.parameters()}

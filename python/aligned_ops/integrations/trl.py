@@ -50,7 +50,7 @@ import aligned_ops
 from .. import profiles
 from ..profiles import profile_of
 from ..sampling_rules import PROCESSED_LOGPROBS_UNREPRODUCED, sampling_option_set
-from .hf import patch_checks, patch_model, unpatch_model
+from .hf import architecture_name, patch_checks, patch_model, unpatch_model
 
 __all__ = ["aligned_grpo", "aligned_logps_and_entropies"]
 
@@ -161,16 +161,18 @@ def _repatch_plan(model, profile, engine_form=None, who="policy"):
     (``ALIGNED_OPS_MLA_FORM``, default ``absorbed``; ``engine_form``: the colocated engine's own,
     ``engine_mla_form(llm)``, which wins); a model already patched in the other form is refused (its bits would never
     match)."""
+    from ..models import ARCHITECTURES
     from ..models.mla_form import MLA_FORM_ENV
 
     where = "the colocated vLLM engine runs" if engine_form else "the vLLM plugin runs"
     if getattr(model, "_aligned_patched", False) and profile is None:
         profile = model._aligned_profile
-    _, form, resolved, _ = patch_checks(model, profile, engine_form)
+    arch = ARCHITECTURES.get(architecture_name(model))  # the engine's MLA form reaches MLA models only
+    _, form, resolved, _ = patch_checks(model, profile, engine_form if arch is not None and arch.mla_forms else None)
     if getattr(model, "_aligned_patched", False) and form is not None:
         layers = getattr(getattr(model, "model", None), "layers", None) or ()
         have = layers[0].__dict__.get("_aligned_mla_form") if len(layers) else None
-        if have is not None and have is not form:
+        if have is not None and have.name != form.name:
             raise ValueError(f"aligned_ops.integrations.trl: the {who} is patched with mla_form={have.name!r}, but "
                              f"{where} the {form.name!r} MLA form ({MLA_FORM_ENV}); patch with "
                              f"mla_form={form.name!r}")

@@ -181,6 +181,22 @@ class MlaForm:
     def __repr__(self) -> str:
         return f"<aligned_ops MLA form {self.name}>"
 
+    # A form is a registered singleton, as a linear profile is: copies (deepcopy of a patched model) and pickles
+    # (torch.save of one) are the registered object itself, so the ``is`` comparisons of patch_model and the TRL
+    # adapter hold for them (review 137: a deep-copied patched DeepSeek-V3 was "patched with another form").
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_registered_form, (self.name,))
+
+
+def _registered_form(name: str) -> MlaForm:
+    return MLA_FORMS[name]
+
 
 EXPANDED = MlaForm("expanded", attention)
 ABSORBED = MlaForm("absorbed", absorbed_attention)
