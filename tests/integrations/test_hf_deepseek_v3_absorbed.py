@@ -303,8 +303,8 @@ def test_trl_repatch_keeps_the_form_and_refuses_the_other(tmp_path, monkeypatch)
     # the copy was "patched with mla_form='absorbed', but the plugin runs the 'absorbed' form")
     twin = copy.deepcopy(m)
     assert twin.model.layers[0].__dict__["_aligned_mla_form"] is ABSORBED
+    patch_model(twin, mla_form="absorbed")  # patch_model's own identity check on the copy (before any re-patch)
     _repatch(twin, None)
-    patch_model(twin, mla_form="absorbed")  # patch_model's own identity check too
     assert pickle.loads(pickle.dumps(EXPANDED)) is EXPANDED
     monkeypatch.setenv("ALIGNED_OPS_MLA_FORM", "expanded")
     with pytest.raises(ValueError, match="patched with mla_form='absorbed', but the vLLM plugin runs the 'expanded'"):
